@@ -1,0 +1,11 @@
+"""One exception type for every user-facing error: a message that says what is wrong and how to fix it."""
+from __future__ import annotations
+
+
+class MeshplanError(ValueError):
+    """Bad input or an impossible request. ``str(err)`` is a complete, one-line explanation."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(f"{message} ({hint})" if hint else message)

@@ -1,0 +1,147 @@
+"""Shared machinery for the frozen spec records: strict dict/JSON/TOML round-trip.
+
+Every spec is a frozen, keyword-only dataclass. ``from_dict`` rejects unknown keys
+(naming the known ones), coerces plain JSON/TOML values to the annotated field type,
+and lets ``__post_init__`` validate. Errors are :class:`MeshplanError` with one line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, TypeVar
+
+from meshplan.errors import MeshplanError
+
+SCHEMA_VERSION = 1
+T = TypeVar("T")
+
+
+def _closest(name: str, options: typing.Iterable[str]) -> str:
+    best = difflib.get_close_matches(name, list(options), n=1)
+    return f"; did you mean {best[0]!r}?" if best else ""
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a JSON/TOML value to the annotated type ``tp`` or raise MeshplanError."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except MeshplanError as e:
+                errors.append(str(e))
+        raise MeshplanError(errors[0] if errors else f"{where}: unexpected value {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise MeshplanError(f"{where}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise MeshplanError(f"{where}: expected a table/object, got {value!r}")
+        vt = args[1] if len(args) == 2 else Any
+        return {str(k): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise MeshplanError(f"{where}: expected a table/object, got {value!r}")
+        return from_dict(tp, value, where=where)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise MeshplanError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise MeshplanError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise MeshplanError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise MeshplanError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise MeshplanError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise MeshplanError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], *, where: str | None = None) -> T:
+    """Build the dataclass ``cls`` from a plain dict, strictly."""
+    where = where or cls.__name__
+    if not isinstance(data, dict):
+        raise MeshplanError(f"{where}: expected a table/object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in ("schema_version", "kind"):
+            continue
+        if key not in fields:
+            raise MeshplanError(
+                f"{where}: unknown field {key!r}{_closest(key, fields)}",
+                hint="known fields: " + ", ".join(sorted(fields)),
+            )
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+    missing = [n for n, f in fields.items() if n not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise MeshplanError(f"{where}: missing required field(s): {', '.join(missing)}")
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - defensive
+        raise MeshplanError(f"{where}: {e}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass -> plain JSON-able dict (tuples as lists, nested specs as dicts)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def choice(where: str, value: str, options: typing.Iterable[str]) -> None:
+    """Raise a helpful error if ``value`` is not one of ``options``."""
+    opts = list(options)
+    if value not in opts:
+        raise MeshplanError(f"{where} must be one of {', '.join(opts)}; got {value!r}{_closest(value, opts)}")
+
+
+def positive(where: str, value: float, *, allow_zero: bool = False) -> None:
+    """Raise unless value > 0 (or >= 0)."""
+    if value < 0 or (value == 0 and not allow_zero):
+        raise MeshplanError(f"{where} must be {'>= 0' if allow_zero else '> 0'}; got {value!r}")

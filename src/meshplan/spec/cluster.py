@@ -1,0 +1,164 @@
+"""ClusterSpec: what it runs on. GPUs (data files, one per type) and link tiers.
+
+Bandwidths are per GPU, one direction, in GB/s (1e9 bytes/s); latencies in microseconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from meshplan.errors import MeshplanError
+from meshplan.spec.base import positive
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    """One accelerator type. Peaks are vendor dense (no sparsity) numbers."""
+
+    name: str
+    """Preset name, e.g. 'a100-sxm-80gb'."""
+    vendor_name: str = ""
+    """Marketing name, e.g. 'NVIDIA A100-SXM4-80GB'."""
+    peak_tflops: dict[str, float]
+    """Dense peak TFLOP/s per dtype: fp32, tf32, bf16, fp16, fp8 (absent = unsupported)."""
+    memory_gib: float
+    """HBM capacity in GiB as the driver reports it."""
+    hbm_bandwidth_gbps: float
+    """HBM bandwidth, GB/s."""
+    intra_node_bandwidth_gbps: float
+    """NVLink/NVSwitch/Infinity Fabric/PCIe bandwidth per GPU, one direction, GB/s."""
+    intra_node_link: str = "nvlink"
+    """nvlink, nvswitch, xgmi or pcie."""
+    price_per_hour_usd: float = 2.0
+    """Default on-demand price per GPU-hour (US$), order-of-magnitude cloud list price."""
+    tdp_w: float = 0.0
+    """Board power, W (informational)."""
+    family: str = ""
+    """Architecture family used to pick calibrated efficiencies: ampere, hopper, blackwell, cdna3, ada, volta."""
+    gemm_efficiency: float = 0.75
+    """Achieved fraction of the dense peak on large, well-shaped GEMMs (cuBLAS at its best
+    shapes, sustained clocks). Calibrated per GPU type: a micro-benchmark or published runs."""
+    default_nic_gbps: float = 25.0
+    """Per-GPU inter-node bandwidth of the typical system, GB/s (25 = 200 Gb/s HDR, 50 = 400 Gb/s NDR)."""
+    source: str = ""
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        w = f"gpu {self.name!r}"
+        if "bf16" not in self.peak_tflops and "fp16" not in self.peak_tflops:
+            raise MeshplanError(f"{w}: peak_tflops needs at least bf16 or fp16")
+        for k, v in self.peak_tflops.items():
+            if k not in DTYPES:
+                raise MeshplanError(f"{w}: unknown dtype {k!r} in peak_tflops (use {', '.join(DTYPES)})")
+            positive(f"{w}: peak_tflops.{k}", v)
+        positive(f"{w}: memory_gib", self.memory_gib)
+        positive(f"{w}: hbm_bandwidth_gbps", self.hbm_bandwidth_gbps)
+        positive(f"{w}: intra_node_bandwidth_gbps", self.intra_node_bandwidth_gbps)
+        positive(f"{w}: price_per_hour_usd", self.price_per_hour_usd, allow_zero=True)
+        if not 0 < self.gemm_efficiency <= 1:
+            raise MeshplanError(f"{w}: gemm_efficiency must be in (0, 1]; got {self.gemm_efficiency}")
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (falls back from fp8/bf16 to fp16/bf16 when absent)."""
+        for d in (dtype, "bf16", "fp16"):
+            if d in self.peak_tflops:
+                return self.peak_tflops[d] * 1e12
+        raise MeshplanError(f"gpu {self.name!r} has no peak for {dtype}")  # pragma: no cover
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkTier:
+    """One level of the network: intra-node, inter-node or inter-datacenter."""
+
+    name: str
+    """intra_node, inter_node or inter_dc."""
+    bandwidth_gbps: float
+    """Per-GPU bandwidth, one direction, GB/s (for inter-node: the NIC bandwidth per GPU)."""
+    latency_us: float = 5.0
+    """Per-message latency of one hop, microseconds."""
+    efficiency: float = 0.8
+    """Fraction of bandwidth that bulk collectives achieve (bus bandwidth / line rate)."""
+    kind: str = ""
+    """nvlink, nvswitch, pcie, infiniband, roce, ethernet, wan (informational)."""
+
+    def __post_init__(self) -> None:
+        positive(f"link {self.name}: bandwidth_gbps", self.bandwidth_gbps)
+        positive(f"link {self.name}: latency_us", self.latency_us, allow_zero=True)
+        if not 0 < self.efficiency <= 1:
+            raise MeshplanError(f"link {self.name}: efficiency must be in (0, 1]; got {self.efficiency}")
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Achievable bytes per second."""
+        return self.bandwidth_gbps * 1e9 * self.efficiency
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """nodes x GPUs per node, with link tiers. Datacenters optional."""
+
+    name: str = "cluster"
+    gpu: GPUSpec
+    """The GPU type (all GPUs are the same type)."""
+    num_nodes: int
+    """Number of nodes."""
+    gpus_per_node: int = 8
+    """GPUs in one node (sharing the intra-node link)."""
+    intra_node: LinkTier
+    """Link between GPUs of one node."""
+    inter_node: LinkTier
+    """Link between nodes of one datacenter (per-GPU NIC bandwidth)."""
+    inter_dc: LinkTier | None = None
+    """Link between datacenters, if the cluster spans several."""
+    nodes_per_dc: int | None = None
+    """Nodes per datacenter (None: one datacenter)."""
+    price_per_gpu_hour_usd: float | None = None
+    """Override of the GPU's default price."""
+
+    def __post_init__(self) -> None:
+        positive(f"cluster {self.name}: num_nodes", self.num_nodes)
+        positive(f"cluster {self.name}: gpus_per_node", self.gpus_per_node)
+        if self.inter_dc is not None and not self.nodes_per_dc:
+            raise MeshplanError(f"cluster {self.name}: inter_dc given but nodes_per_dc is missing")
+        if self.nodes_per_dc is not None and self.num_nodes % self.nodes_per_dc:
+            raise MeshplanError(f"cluster {self.name}: num_nodes={self.num_nodes} is not a multiple "
+                                f"of nodes_per_dc={self.nodes_per_dc}")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def price_per_hour(self) -> float:
+        """US$ per GPU-hour."""
+        p = self.price_per_gpu_hour_usd
+        return self.gpu.price_per_hour_usd if p is None else p
+
+    def tier_for_span(self, span: int) -> LinkTier:
+        """Slowest link crossed by a group of ``span`` consecutive ranks (innermost axes first)."""
+        if span <= self.gpus_per_node:
+            return self.intra_node
+        if self.inter_dc is not None and self.nodes_per_dc and span > self.nodes_per_dc * self.gpus_per_node:
+            return self.inter_dc
+        return self.inter_node
+
+    def replace(self, **changes: object) -> "ClusterSpec":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def default_links(gpu: GPUSpec, *, nic_gbps: float | None = None) -> tuple[LinkTier, LinkTier]:
+    """Typical DGX/HGX links for ``gpu``: its intra-node fabric and one NIC per GPU.
+
+    nic_gbps: per-GPU inter-node bandwidth, GB/s; 25 GB/s = 200 Gb/s HDR InfiniBand (DGX A100),
+    50 GB/s = 400 Gb/s NDR (DGX H100). Latencies: NVLink ~3 us, InfiniBand ~8 us per hop
+    (NCCL tests, typical ring latency per step).
+    """
+    nic_gbps = gpu.default_nic_gbps if nic_gbps is None else nic_gbps
+    intra = LinkTier(name="intra_node", bandwidth_gbps=gpu.intra_node_bandwidth_gbps,
+                     latency_us=3.0, efficiency=0.8, kind=gpu.intra_node_link)
+    inter = LinkTier(name="inter_node", bandwidth_gbps=nic_gbps, latency_us=8.0,
+                     efficiency=0.8, kind="infiniband")
+    return intra, inter
+

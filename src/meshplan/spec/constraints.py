@@ -1,0 +1,175 @@
+"""Named feasibility predicates. Each returns None (ok) or a one-line reason with a fix.
+
+The same predicates serve `estimate` (to refuse a plan that cannot work) and the search
+(to count rejections by name). Memory fit is not here: that is the cost model's job.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+
+
+@dataclass(frozen=True)
+class Context:
+    model: ModelSpec
+    cluster: ClusterSpec
+    plan: Plan
+    work: Workload
+
+
+Check = Callable[[Context], "str | None"]
+
+
+def gpus_match(c: Context) -> str | None:
+    p = c.plan
+    if p.num_gpus != c.cluster.num_gpus:
+        return (f"tp*pp*dp*cp = {p.tp}*{p.pp}*{p.dp}*{p.cp} = {p.num_gpus} but the cluster has "
+                f"{c.cluster.num_gpus} GPUs; change dp to {c.cluster.num_gpus // max(1, p.tp * p.pp * p.cp)}"
+                if c.cluster.num_gpus % (p.tp * p.pp * p.cp) == 0 else
+                f"tp*pp*dp*cp = {p.num_gpus} does not equal the cluster's {c.cluster.num_gpus} GPUs")
+    return None
+
+
+def tp_divides_heads(c: Context) -> str | None:
+    m, tp = c.model, c.plan.tp
+    if m.num_attention_heads % tp or m.kv_heads % tp and tp % m.kv_heads:
+        return (f"tp={tp} does not divide the {m.num_attention_heads} attention heads "
+                f"({m.kv_heads} kv heads); use a tp that divides both")
+    return None
+
+
+def tp_divides_ffn(c: Context) -> str | None:
+    f, tp = (c.model.expert_ffn if c.model.is_moe else c.model.ffn_hidden_size), c.plan.tp
+    return None if f % tp == 0 else f"tp={tp} does not divide ffn_hidden_size={f}"
+
+
+def tp_within_node(c: Context) -> str | None:
+    g = c.cluster.gpus_per_node
+    if c.plan.tp > g:
+        return f"tp={c.plan.tp} is larger than a node ({g} GPUs); keep tp <= {g}"
+    if g % c.plan.tp:
+        return f"tp={c.plan.tp} does not divide the {g} GPUs of a node"
+    return None
+
+
+def layers_split(c: Context) -> str | None:
+    p, L = c.plan, c.model.num_layers
+    if p.stage_layers is not None:
+        if sum(p.stage_layers) != L:
+            return f"stage_layers sum to {sum(p.stage_layers)} but the model has {L} layers"
+        if p.virtual_stages > 1 and any(n % p.virtual_stages for n in p.stage_layers):
+            return "each stage's layer count must be divisible by virtual_stages"
+        return None
+    chunks = p.pp * p.virtual_stages
+    if chunks > L:
+        return f"pp*virtual_stages = {chunks} exceeds the {L} layers"
+    if L % chunks:
+        return (f"{L} layers are not divisible by pp*virtual_stages = {p.pp}*{p.virtual_stages}; "
+                f"give stage_layers or pick pp*virtual_stages dividing {L}")
+    return None
+
+
+def batch_divides(c: Context) -> str | None:
+    p, B = c.plan, c.work.global_batch
+    per = p.dp * p.micro_batch
+    if B % per:
+        return (f"global batch {B} is not divisible by dp*micro_batch = {p.dp}*{p.micro_batch}; "
+                f"use a micro_batch dividing {B // p.dp if B % p.dp == 0 else B} and a dp dividing {B}")
+    return None
+
+
+def schedule_fits(c: Context) -> str | None:
+    p = c.plan
+    if p.virtual_stages > 1 and p.schedule not in ("interleaved-1f1b", "zbv"):
+        return f"virtual_stages={p.virtual_stages} needs schedule=interleaved-1f1b (got {p.schedule})"
+    if p.schedule == "interleaved-1f1b" and p.pp > 1:
+        m = c.work.global_batch // max(1, p.dp * p.micro_batch)
+        if p.virtual_stages > 1 and m % p.pp:
+            return (f"interleaved 1F1B needs micro-batches per step ({m}) divisible by pp={p.pp} "
+                    "(Megatron's requirement)")
+    if p.schedule == "zbv" and p.virtual_stages != 2:
+        return "schedule=zbv uses exactly virtual_stages=2"
+    return None
+
+
+def cp_divides_seq(c: Context) -> str | None:
+    cp, s = c.plan.cp, c.work.seq_len
+    if cp > 1 and s % (2 * cp):
+        return f"seq_len {s} is not divisible by 2*cp = {2 * cp} (load-balanced ring attention)"
+    return None
+
+
+def sp_needs_tp(c: Context) -> str | None:
+    return "sequence_parallel needs tp > 1" if c.plan.sequence_parallel and c.plan.tp == 1 else None
+
+
+def ep_valid(c: Context) -> str | None:
+    p, m = c.plan, c.model
+    if p.ep == 1:
+        return None
+    if not m.is_moe:
+        return f"ep={p.ep} but the model has no experts; use ep=1"
+    if m.num_experts % p.ep:
+        return f"ep={p.ep} does not divide num_experts={m.num_experts}"
+    if (p.dp * p.cp) % p.ep:
+        return f"ep={p.ep} must divide dp*cp = {p.dp * p.cp}"
+    return None
+
+
+def hybrid_valid(c: Context) -> str | None:
+    p = c.plan
+    if p.shard_group and p.zero == 0:
+        return "shard_group (hybrid sharding) needs zero >= 1"
+    if p.shard_group and (p.dp * p.cp) % p.shard_group:
+        return f"shard_group={p.shard_group} must divide dp*cp = {p.dp * p.cp}"
+    return None
+
+
+def offload_valid(c: Context) -> str | None:
+    p = c.plan
+    if p.offload_params and p.zero != 3:
+        return "offload_params needs zero=3 (FSDP)"
+    if p.offload_optimizer and p.zero == 0 and p.dp > 1:
+        return "offload_optimizer needs zero >= 1 when dp > 1"
+    return None
+
+
+def precision_supported(c: Context) -> str | None:
+    if c.plan.precision == "fp8" and "fp8" not in c.cluster.gpu.peak_tflops:
+        return f"precision=fp8 but {c.cluster.gpu.name} has no fp8 tensor cores; use bf16"
+    return None
+
+
+CHECKS: dict[str, Check] = {
+    "gpu count mismatch": gpus_match,
+    "tp does not divide heads": tp_divides_heads,
+    "tp does not divide ffn": tp_divides_ffn,
+    "tp larger than a node": tp_within_node,
+    "layers do not split into stages": layers_split,
+    "batch not divisible": batch_divides,
+    "schedule incompatible": schedule_fits,
+    "cp does not divide sequence": cp_divides_seq,
+    "sequence parallel without tp": sp_needs_tp,
+    "invalid expert parallel": ep_valid,
+    "invalid hybrid sharding": hybrid_valid,
+    "invalid offload": offload_valid,
+    "precision unsupported": precision_supported,
+}
+
+
+def violations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+               *, skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """All (name, reason) pairs this plan violates, in a fixed order."""
+    ctx = Context(model, cluster, plan, work)
+    out = []
+    for name, fn in CHECKS.items():
+        if name in skip:
+            continue
+        reason = fn(ctx)
+        if reason:
+            out.append((name, reason))
+    return out

@@ -1,0 +1,203 @@
+"""Loading specs from presets, files and command-line shorthand; saving them back.
+
+Presets are data files under ``meshplan/presets/{models,gpus,clusters}/NAME.toml``:
+a new GPU or model needs no code. Files carry ``schema_version`` and ``kind``; an optional
+``[meta]`` table (source, published parameter count) is kept apart from the spec fields.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from meshplan.errors import MeshplanError
+from meshplan.spec.base import SCHEMA_VERSION, from_dict, to_dict
+from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, default_links
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, parse_plan
+
+KINDS = ("models", "gpus", "clusters")
+
+
+def _preset_dir(kind: str) -> Any:
+    return resources.files("meshplan") / "presets" / kind
+
+
+def preset_names(kind: str) -> list[str]:
+    """Sorted preset names of one kind (models, gpus, clusters)."""
+    d = _preset_dir(kind)
+    return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".toml"))
+
+
+def _read_toml_text(text: str, where: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise MeshplanError(f"{where}: not valid TOML: {e}") from None
+
+
+def read_data_file(path: str | Path) -> dict[str, Any]:
+    """Read a .toml or .json file into a dict, with clear errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise MeshplanError(f"file not found: {p}")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MeshplanError(f"cannot read {p}: {e}") from None
+    if p.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise MeshplanError(f"{p}: not valid JSON: {e}") from None
+    else:
+        data = _read_toml_text(text, str(p))
+    if not isinstance(data, dict):
+        raise MeshplanError(f"{p}: expected an object/table at the top level")
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise MeshplanError(f"{p}: schema_version {version!r} is not supported (this meshplan reads {SCHEMA_VERSION})")
+    return data
+
+
+def load_preset_data(kind: str, name: str) -> dict[str, Any]:
+    """Raw dict of one preset, or a MeshplanError listing the known ones."""
+    names = preset_names(kind)
+    key = name.strip().lower()
+    if key not in names:
+        close = difflib.get_close_matches(key, names, n=3)
+        sugg = f" Did you mean {', '.join(close)}?" if close else ""
+        raise MeshplanError(f"unknown {kind[:-1]} {name!r}.{sugg}",
+                            hint=f"known {kind}: {', '.join(names)}")
+    text = (_preset_dir(kind) / f"{key}.toml").read_text()
+    return _read_toml_text(text, f"preset {kind}/{key}")
+
+
+def _strip_meta(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    d = dict(data)
+    meta = d.pop("meta", {}) or {}
+    return d, meta
+
+
+def preset_meta(kind: str, name: str) -> dict[str, Any]:
+    return _strip_meta(load_preset_data(kind, name))[1]
+
+
+def model_from_dict(data: dict[str, Any], where: str = "model") -> ModelSpec:
+    d, _ = _strip_meta(data)
+    if "model" in d and isinstance(d["model"], dict):
+        d = d["model"]
+    return from_dict(ModelSpec, d, where=where)
+
+
+def gpu_from_dict(data: dict[str, Any], where: str = "gpu") -> GPUSpec:
+    d, _ = _strip_meta(data)
+    return from_dict(GPUSpec, d, where=where)
+
+
+def load_gpu(name_or_path: str) -> GPUSpec:
+    """A GPU preset name or a .toml/.json file."""
+    if name_or_path.endswith((".toml", ".json")):
+        return gpu_from_dict(read_data_file(name_or_path), where=name_or_path)
+    return gpu_from_dict(load_preset_data("gpus", name_or_path), where=f"gpu {name_or_path}")
+
+
+def load_model(arg: str, *, seq_len: int | None = None) -> ModelSpec:
+    """--model: a preset name or a .toml/.json ModelSpec file. ``hf:``/``module:`` come later."""
+    if not isinstance(arg, str) or not arg.strip():
+        raise MeshplanError("empty --model", hint="give a preset name (see `meshplan presets`) or a .toml file")
+    if arg.startswith(("hf:", "module:")):
+        raise MeshplanError(f"--model {arg}: Hugging Face and nn.Module ingestion is not available yet",
+                            hint="use a preset or a ModelSpec .toml/.json file")
+    if arg.endswith((".toml", ".json")):
+        m = model_from_dict(read_data_file(arg), where=arg)
+    else:
+        m = model_from_dict(load_preset_data("models", arg), where=f"model {arg}")
+    return m.replace(seq_len=seq_len) if seq_len else m
+
+
+def parse_cluster_shorthand(arg: str) -> ClusterSpec:
+    """'h100-sxm-80gb:64' (8 per node), 'a100-sxm-80gb:4x8' (nodes x per node), or 'gpu' (one node)."""
+    name, _, count = arg.partition(":")
+    gpu = load_gpu(name)
+    per_node = 8
+    try:
+        if not count:
+            nodes, per_node = 1, 8
+        elif "x" in count.lower():
+            a, b = count.lower().split("x", 1)
+            nodes, per_node = int(a), int(b)
+        else:
+            n = int(count)
+            if n <= 0:
+                raise ValueError
+            if n < per_node:
+                nodes, per_node = 1, n
+            elif n % per_node:
+                raise MeshplanError(f"--cluster {arg}: {n} GPUs is not a whole number of 8-GPU nodes",
+                                    hint=f"use {name}:{(n // per_node + 1) * per_node}, or NODESxPER_NODE "
+                                         f"like {name}:1x{n} (or write a cluster .toml)")
+            else:
+                nodes = n // per_node
+    except ValueError:
+        raise MeshplanError(f"--cluster {arg}: cannot read GPU count {count!r}",
+                            hint="use GPU:COUNT like h100-sxm-80gb:64, or GPU:NODESxPER_NODE like a100-sxm-80gb:4x8") from None
+    if nodes <= 0 or per_node <= 0:
+        raise MeshplanError(f"--cluster {arg}: node and GPU counts must be positive")
+    intra, inter = default_links(gpu)
+    return ClusterSpec(name=arg, gpu=gpu, num_nodes=nodes, gpus_per_node=per_node,
+                       intra_node=intra, inter_node=inter)
+
+
+def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> ClusterSpec:
+    d, _ = _strip_meta(data)
+    d = dict(d)
+    gpu = d.get("gpu")
+    if isinstance(gpu, str):
+        d["gpu"] = load_gpu(gpu)
+    elif gpu is None:
+        raise MeshplanError(f"{where}: missing 'gpu' (a preset name like 'h100-sxm-80gb' or a [gpu] table)")
+    g = d["gpu"] if isinstance(d["gpu"], GPUSpec) else gpu_from_dict(d["gpu"], where=f"{where}.gpu")
+    d["gpu"] = g
+    intra, inter = default_links(g)
+    d.setdefault("intra_node", intra)
+    d.setdefault("inter_node", inter)
+    for tier in ("intra_node", "inter_node", "inter_dc"):
+        if isinstance(d.get(tier), dict):
+            base = to_dict(intra if tier == "intra_node" else inter)
+            base.update({"name": tier, **d[tier]})
+            d[tier] = from_dict(LinkTier, base, where=f"{where}.{tier}")
+    return from_dict(ClusterSpec, d, where=where)
+
+
+def load_cluster(arg: str) -> ClusterSpec:
+    """--cluster: shorthand GPU:COUNT, a cluster preset, or a .toml/.json file."""
+    if not isinstance(arg, str) or not arg.strip():
+        raise MeshplanError("empty --cluster", hint="e.g. --cluster h100-sxm-80gb:64")
+    if arg.endswith((".toml", ".json")):
+        return cluster_from_dict(read_data_file(arg), where=arg)
+    if ":" not in arg and arg.lower() in preset_names("clusters"):
+        return cluster_from_dict(load_preset_data("clusters", arg), where=f"cluster {arg}")
+    return parse_cluster_shorthand(arg)
+
+
+def load_plan(arg: str) -> Plan:
+    """--plan: 'tp=..,pp=..' or a plan file (.json/.toml, as written by `meshplan plan --out`)."""
+    if isinstance(arg, str) and arg.endswith((".toml", ".json")):
+        data = read_data_file(arg)
+        if "plan" in data and isinstance(data["plan"], dict):
+            data = data["plan"]
+        return from_dict(Plan, data, where=arg)
+    return parse_plan(arg)
+
+
+def plan_document(plan: Plan, **extra: Any) -> dict[str, Any]:
+    """A schema-versioned plan file body: the plan plus whatever context (model, predicted cost)."""
+    return {"schema_version": SCHEMA_VERSION, "kind": "plan", "plan": to_dict(plan), **extra}
+
+
+def dump_json(obj: Any) -> str:
+    return json.dumps(to_dict(obj), indent=2, sort_keys=False)

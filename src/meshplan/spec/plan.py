@@ -1,0 +1,174 @@
+"""Plan (how it is trained) and Workload (how much per step).
+
+Mesh axis order, outermost to innermost: pp, dp, cp, tp (ep folds into dp x cp, as in
+Megatron/torchtitan). The innermost axis gets the fastest links.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+from meshplan.errors import MeshplanError
+from meshplan.spec.base import _closest, _coerce, choice, positive
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+SCHEDULE_ALIASES = {
+    "none": "1f1b", "interleaved": "interleaved-1f1b", "interleaved_1f1b": "interleaved-1f1b",
+    "zb": "zero-bubble", "zb-h1": "zero-bubble", "zero_bubble": "zero-bubble", "zbh1": "zero-bubble",
+    "interleaved1f1b": "interleaved-1f1b",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A parallel execution plan. Degrees multiply to the number of GPUs: tp*pp*dp*cp."""
+
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row split of attention and MLP)."""
+    pp: int = 1
+    """Pipeline-parallel stages."""
+    dp: int = 1
+    """Data-parallel degree (replicas or ZeRO/FSDP shards)."""
+    cp: int = 1
+    """Context-parallel degree (sequence split, ring attention)."""
+    ep: int = 1
+    """Expert-parallel degree (MoE); must divide dp*cp and the number of experts."""
+    zero: int = 0
+    """0 = DDP, 1 = optimizer states sharded, 2 = + gradients, 3 = + parameters (FSDP)."""
+    shard_group: int = 0
+    """Hybrid sharding: ZeRO/FSDP shards within groups of this many dp ranks and replicates
+    across groups (HSDP). 0 = shard over all of dp."""
+    micro_batch: int = 1
+    """Sequences per micro-batch per data-parallel rank."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedules)."""
+    schedule: str = "1f1b"
+    """gpipe, 1f1b, interleaved-1f1b, zero-bubble (ZB-H1) or zbv."""
+    recompute: str = "none"
+    """Activation recomputation: none, selective (attention core), full (whole block)."""
+    recompute_layers: int | None = None
+    """With recompute=full: how many blocks per pipeline stage are recomputed (None = all)."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout activations along the sequence over the TP group."""
+    offload_optimizer: bool = False
+    """Keep optimizer states (and the step) in host memory."""
+    offload_params: bool = False
+    """Keep parameters in host memory between uses (ZeRO-Infinity / FSDP CPU offload)."""
+    precision: str = "bf16"
+    """Compute precision of matmuls: bf16, fp16, fp8 (fp8 linears, bf16 elsewhere) or fp32."""
+    compile: bool = False
+    """torch.compile (or equivalent fused kernels): memory-bound elementwise ops are fused."""
+    async_tp: bool = False
+    """Overlap TP communication with the matmuls (torchtitan AsyncTP / Megatron tp-comm-overlap)."""
+    stage_layers: tuple[int, ...] | None = None
+    """Optional explicit transformer blocks per pipeline stage (length pp, sums to num_layers)."""
+
+    def __post_init__(self) -> None:
+        for f in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages"):
+            positive(f"plan: {f}", getattr(self, f))
+        if self.zero not in (0, 1, 2, 3):
+            raise MeshplanError(f"plan: zero must be 0, 1, 2 or 3; got {self.zero}")
+        positive("plan: shard_group", self.shard_group, allow_zero=True)
+        choice("plan: schedule", self.schedule, SCHEDULES)
+        choice("plan: recompute", self.recompute, RECOMPUTE)
+        choice("plan: precision", self.precision, PRECISIONS)
+        if self.recompute_layers is not None:
+            positive("plan: recompute_layers", self.recompute_layers, allow_zero=True)
+            if self.recompute != "full":
+                raise MeshplanError("plan: recompute_layers needs recompute=full")
+        if self.stage_layers is not None:
+            if len(self.stage_layers) != self.pp:
+                raise MeshplanError(f"plan: stage_layers has {len(self.stage_layers)} entries but pp={self.pp}")
+            if any(n < 0 for n in self.stage_layers):
+                raise MeshplanError("plan: stage_layers entries must be >= 0")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def effective_shard(self) -> int:
+        """Ranks that ZeRO/FSDP state is sharded over (dp*cp, or the hybrid group)."""
+        if self.zero == 0:
+            return 1
+        full = self.dp * self.cp
+        return self.shard_group if 0 < self.shard_group < full else full
+
+    def replace(self, **changes: object) -> "Plan":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def short(self) -> str:
+        """Compact one-line form, accepted back by parse_plan."""
+        d = dataclasses.asdict(self)
+        default = dataclasses.asdict(Plan())
+        keys = ["tp", "pp", "dp", "cp", "ep", "zero", "micro_batch"]
+        parts = [f"{k}={d[k]}" for k in keys if k in ("tp", "pp", "dp", "micro_batch") or d[k] != default[k]]
+        for k, v in d.items():
+            if k in keys or v == default[k]:
+                continue
+            if isinstance(v, bool):
+                v = int(v)
+            if isinstance(v, (list, tuple)):
+                v = ":".join(str(x) for x in v)
+            parts.append(f"{k}={v}")
+        return ",".join(parts)
+
+
+PLAN_KEY_ALIASES = {
+    "mbs": "micro_batch", "micro_batch_size": "micro_batch", "vpp": "virtual_stages",
+    "sp": "sequence_parallel", "ac": "recompute", "activation_checkpointing": "recompute",
+    "hsdp": "shard_group", "fsdp": "zero",
+}
+
+
+def parse_plan(text: str) -> Plan:
+    """Parse 'tp=8,pp=8,dp=16,micro_batch=1,schedule=interleaved-1f1b,...' into a Plan."""
+    if not isinstance(text, str) or not text.strip():
+        raise MeshplanError("empty plan string", hint="e.g. --plan tp=8,pp=4,dp=16,micro_batch=1")
+    fields = {f.name: f for f in dataclasses.fields(Plan)}
+    hints = typing.get_type_hints(Plan)
+    kwargs: dict[str, object] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" not in part:
+            raise MeshplanError(f"plan: {part!r} is not key=value",
+                                hint="e.g. --plan tp=8,pp=4,dp=16,micro_batch=1")
+        key, value = (s.strip() for s in part.split("=", 1))
+        key = PLAN_KEY_ALIASES.get(key.lower(), key.lower())
+        if key not in fields:
+            raise MeshplanError(f"plan: unknown key {key!r}{_closest(key, fields)}",
+                                hint="known keys: " + ", ".join(fields))
+        if key in kwargs:
+            raise MeshplanError(f"plan: {key!r} given twice")
+        if key == "schedule":
+            value = SCHEDULE_ALIASES.get(value.lower(), value.lower())
+        if key == "fsdp" or (key == "zero" and value.lower() in ("fsdp", "true", "yes")):
+            value = "3"
+        if key == "stage_layers":
+            kwargs[key] = tuple(_coerce(v, int, "plan.stage_layers") for v in value.replace(";", ":").split(":"))
+            continue
+        kwargs[key] = _coerce(value, hints[key], f"plan: {key}")
+    return Plan(**kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """How much is trained per optimizer step."""
+
+    global_batch: int
+    """Sequences per optimizer step (all data-parallel replicas together)."""
+    seq_len: int
+    """Tokens per sequence."""
+
+    def __post_init__(self) -> None:
+        positive("workload: global_batch", self.global_batch)
+        positive("workload: seq_len", self.seq_len)
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len

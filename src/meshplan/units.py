@@ -1,0 +1,28 @@
+"""Units and sizes. Internally: bytes, FLOP, seconds, bytes/second."""
+from __future__ import annotations
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+GB = 1e9  # decimal gigabyte; link and HBM bandwidths are quoted in GB/s
+TFLOP = 1e12
+US = 1e-6  # one microsecond in seconds
+
+#: Bytes per element of each numeric format.
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0,
+}
+
+
+def gib(n_bytes: float) -> float:
+    """Bytes -> GiB."""
+    return n_bytes / GiB
+
+
+def parse_count(text: str) -> float:
+    """Parse '2T', '175B', '1.5M', '300k', '1e12' into a number. Raises ValueError."""
+    t = text.strip().replace("_", "")
+    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
+    if t and t[-1].lower() in mult:
+        return float(t[:-1]) * mult[t[-1].lower()]
+    return float(t)
