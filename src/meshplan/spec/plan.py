@@ -13,7 +13,7 @@ from meshplan.errors import MeshplanError
 from meshplan.spec.base import _closest, _coerce, choice, positive
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "op", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 SCHEDULE_ALIASES = {
     "none": "1f1b", "interleaved": "interleaved-1f1b", "interleaved_1f1b": "interleaved-1f1b",
@@ -48,7 +48,8 @@ class Plan:
     schedule: str = "1f1b"
     """gpipe, 1f1b, interleaved-1f1b, zero-bubble (ZB-H1) or zbv."""
     recompute: str = "none"
-    """Activation recomputation: none, selective (attention core), full (whole block)."""
+    """Activation recomputation: none; selective (Megatron: the attention core only); op
+    (torchtitan op-level SAC: every other matmul and all elementwise ops); full (whole block)."""
     recompute_layers: int | None = None
     """With recompute=full: how many blocks per pipeline stage are recomputed (None = all)."""
     sequence_parallel: bool = False
@@ -61,6 +62,9 @@ class Plan:
     """Compute precision of matmuls: bf16, fp16, fp8 (fp8 linears, bf16 elsewhere) or fp32."""
     compile: bool = False
     """torch.compile (or equivalent fused kernels): memory-bound elementwise ops are fused."""
+    flash_attention: bool = True
+    """FlashAttention-style fused attention (no s x s matrix stored; causal blocks skipped).
+    False models the unfused softmax path of Megatron before 2022."""
     async_tp: bool = False
     """Overlap TP communication with the matmuls (torchtitan AsyncTP / Megatron tp-comm-overlap)."""
     stage_layers: tuple[int, ...] | None = None

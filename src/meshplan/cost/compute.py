@@ -1,0 +1,177 @@
+"""Compute time of one transformer block, and of the embedding/output layers, for one
+micro-batch on one GPU: forward, input-gradient and weight-gradient passes kept apart.
+
+FLOPs (multiply-add = 2 FLOP), per micro-batch of b sequences of s tokens, T = b s / cp
+tokens per GPU, tensor-parallel degree t (Narayanan et al. 2021, Korthikanti et al. 2022):
+  QKV   2 T h (q + 2 kv) / t        attention out   2 T q h / t
+  MLP   2 T h f m / t  (m = 2 matrices, 3 for SwiGLU)
+  attention core  4 b s^2 q / (t cp) x c   (c = 1/2 causal with FlashAttention block skipping)
+Backward = input gradients (same FLOPs as forward) + weight gradients (same again).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.cost.params import CostParams
+from meshplan.spec.cluster import GPUSpec
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan
+
+ACT_BYTES = 2.0  # bf16/fp16 activations
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds and FLOPs of one block (or layer) for one micro-batch on one GPU."""
+
+    fwd_s: float
+    bwd_input_s: float
+    bwd_weight_s: float
+    recompute_s: float
+    fwd_flops: float
+    """Model FLOPs of the forward pass (no recompute)."""
+    recompute_flops: float
+
+    @property
+    def bwd_s(self) -> float:
+        return self.bwd_input_s + self.bwd_weight_s
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s + self.recompute_s
+
+
+def gemm_efficiency(m: float, n: float, k: float, gpu: GPUSpec, p: CostParams) -> float:
+    """Achieved fraction of peak for an (m x k) @ (k x n) GEMM."""
+    half = p.gemm_half_dim
+    shape = (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+    return gpu.gemm_efficiency * shape
+
+
+def gemm_time(m: float, n: float, k: float, peak: float, gpu: GPUSpec, p: CostParams) -> float:
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    return 2.0 * m * n * k / (peak * gemm_efficiency(m, n, k, gpu, p))
+
+
+def _mem_time(nbytes: float, gpu: GPUSpec, p: CostParams) -> float:
+    return nbytes / (gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
+
+
+def _linear_shapes(model: ModelSpec, plan: Plan, tokens: float) -> list[tuple[float, float, float]]:
+    """(m, n, k) of every linear layer of one block on one GPU (experts: per GPU in total)."""
+    t, h = plan.tp, model.hidden_size
+    shapes = [(tokens, (model.q_dim + 2 * model.kv_dim) / t, h), (tokens, h, model.q_dim / t)]
+    mats_in = model.mlp_matrices - 1
+    if model.is_moe:
+        f = model.expert_ffn
+        routed = tokens * model.experts_per_token  # token-expert pairs per GPU after dispatch
+        local_experts = max(1, model.num_experts // plan.ep)
+        m_e = routed / local_experts
+        for _ in range(local_experts):
+            shapes += [(m_e, mats_in * f / t, h), (m_e, h, f / t)]
+        shapes.append((tokens, model.num_experts, h))  # router
+    else:
+        f = model.ffn_hidden_size
+        shapes += [(tokens, mats_in * f / t, h), (tokens, h, f / t)]
+    return shapes
+
+
+def elementwise_bytes(model: ModelSpec, plan: Plan, tokens: float, p: CostParams) -> float:
+    """HBM bytes of the forward elementwise ops of one block (norms, residuals, activation,
+    rotary, dropout) for ``tokens`` tokens on one GPU, before the eager/compiled factor."""
+    h, t = model.hidden_size, plan.tp
+    sp = t if plan.sequence_parallel else 1
+    f = (model.expert_ffn * model.experts_per_token) if model.is_moe else model.ffn_hidden_size
+    per_token_sharded = 0.0  # work split by TP along hidden (activation, rotary)
+    per_token_rep = 2 * (2 * h) + 2 * (3 * h)  # 2 norms (r+w), 2 residual adds (2r+w)
+    if model.mlp_type == "swiglu":
+        per_token_sharded += 3 * f  # read gate, up; write product
+    else:
+        per_token_sharded += 2 * f
+    if model.position == "rotary":
+        per_token_sharded += 2 * (model.q_dim + model.kv_dim)
+    if model.bias:  # GPT-style models: bias + dropout fused into the residual add, masks
+        per_token_rep += 2 * h * 0.5
+    return ACT_BYTES * tokens * (per_token_rep / sp + per_token_sharded / t)
+
+
+def attention_core(model: ModelSpec, plan: Plan, b: int, s: int, gpu: GPUSpec, p: CostParams,
+                   peak: float) -> tuple[float, float, float]:
+    """(fwd seconds, bwd seconds, fwd FLOPs) of the attention core (QK^T, softmax, AV)."""
+    heads_q = model.q_dim / plan.tp
+    causal = 0.5 if (model.causal and plan.flash_attention) else 1.0
+    flops = 4.0 * b * s * s * heads_q * causal / plan.cp
+    # Model FLOPs follow the PaLM/Megatron convention (12 l h s per token: no causal halving).
+    model_flops = 4.0 * b * s * s * heads_q / plan.cp
+    base = gemm_efficiency(b * s / plan.cp, s, model.dhead, gpu, p)
+    if plan.flash_attention:
+        fwd = flops / (peak * base * p.flash_fwd_efficiency)
+        bwd = p.flash_bwd_flop_ratio * flops / (peak * base * p.flash_bwd_efficiency)
+        return fwd, bwd, model_flops
+    # Unfused: batched GEMMs at full s x s, plus softmax/dropout over b*heads*s^2 elements.
+    eff = gemm_efficiency(s, s, model.dhead, gpu, p)
+    elems = b * (model.num_attention_heads / plan.tp) * s * s / plan.cp
+    fwd = flops / (peak * eff) + _mem_time(elems * (2 + 2 + 2 + 2 + 1), gpu, p)
+    bwd = 2 * flops / (peak * eff) + _mem_time(elems * (2 + 2 + 2 + 2 + 1 + 2), gpu, p)
+    return fwd, bwd, model_flops
+
+
+def block_times(model: ModelSpec, plan: Plan, seq_len: int, gpu: GPUSpec, p: CostParams,
+                *, recompute_fraction: float = 1.0) -> PassTimes:
+    """One transformer block, one micro-batch, one GPU."""
+    b, s = plan.micro_batch, seq_len
+    tokens = b * s / plan.cp
+    lin_peak = gpu.peak("fp8" if plan.precision == "fp8" else plan.precision)
+    peak = gpu.peak("bf16" if plan.precision == "fp8" else plan.precision)
+    shapes = _linear_shapes(model, plan, tokens)
+    lin_fwd = sum(gemm_time(m, n, k, lin_peak, gpu, p) for m, n, k in shapes)
+    lin_flops = sum(2.0 * m * n * k for m, n, k in shapes)
+    att_fwd, att_bwd, att_flops = attention_core(model, plan, b, s, gpu, p, peak)
+    traffic = p.compiled_traffic_factor if plan.compile else p.eager_traffic_factor
+    ew = elementwise_bytes(model, plan, tokens, p) * traffic
+    if plan.precision == "fp8":  # casts of inputs+weights (fwd) and output grads (bwd)
+        ew += p.fp8_cast_bytes_per_elem * sum(m * k + k * n for m, n, k in shapes[:4])
+    ew_fwd = _mem_time(ew, gpu, p)
+    fwd = lin_fwd + att_fwd + ew_fwd
+    bwd_in = lin_fwd + att_bwd + 2 * ew_fwd
+    bwd_w = lin_fwd
+    rc = recompute_time(plan.recompute, lin_fwd, att_fwd, ew_fwd, fwd) * recompute_fraction
+    rc_flops = {"full": lin_flops + att_flops, "op": lin_flops / 2,
+                "selective": att_flops}.get(plan.recompute, 0.0) * recompute_fraction
+    return PassTimes(fwd_s=fwd, bwd_input_s=bwd_in, bwd_weight_s=bwd_w, recompute_s=rc,
+                     fwd_flops=lin_flops + att_flops, recompute_flops=rc_flops)
+
+
+def recompute_time(mode: str, lin_fwd: float, att_fwd: float, ew_fwd: float, fwd: float) -> float:
+    """Extra forward work in the backward pass for each recompute mode."""
+    if mode == "full":
+        return fwd
+    if mode == "op":  # torchtitan op-level SAC: every other matmul + all elementwise ops
+        return 0.5 * lin_fwd + ew_fwd
+    if mode == "selective":  # Megatron: attention core only
+        return att_fwd
+    return 0.0
+
+
+def output_layer_times(model: ModelSpec, plan: Plan, seq_len: int, gpu: GPUSpec,
+                       p: CostParams) -> PassTimes:
+    """Final norm + logits GEMM (vocab split over TP) + cross-entropy, one micro-batch."""
+    tokens = plan.micro_batch * seq_len / plan.cp
+    peak = gpu.peak("bf16" if plan.precision == "fp8" else plan.precision)
+    v = model.vocab_size / plan.tp
+    g = gemm_time(tokens, v, model.hidden_size, peak, gpu, p)
+    # logits bf16 write, fp32 upcast, softmax/logsumexp read+write; backward the same again.
+    ce = _mem_time(tokens * v * (2 + 4 + 4 + 4), gpu, p)
+    flops = 2.0 * tokens * v * model.hidden_size
+    return PassTimes(fwd_s=g + ce, bwd_input_s=g + ce, bwd_weight_s=g, recompute_s=0.0,
+                     fwd_flops=flops, recompute_flops=0.0)
+
+
+def embedding_times(model: ModelSpec, plan: Plan, seq_len: int, gpu: GPUSpec,
+                    p: CostParams) -> PassTimes:
+    """Token (and position) embedding lookup and its gradient scatter, one micro-batch."""
+    tokens = plan.micro_batch * seq_len / plan.cp
+    t = _mem_time(tokens * model.hidden_size * ACT_BYTES * 2, gpu, p)
+    return PassTimes(fwd_s=t, bwd_input_s=0.0, bwd_weight_s=2 * t, recompute_s=0.0,
+                     fwd_flops=0.0, recompute_flops=0.0)

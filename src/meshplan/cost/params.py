@@ -1,0 +1,80 @@
+"""Named modelling constants of the cost model, with units and sources.
+
+Per-GPU numbers (peaks, bandwidths, gemm_efficiency) live in the GPU data files. What is here
+is hardware-independent behaviour of kernels, collectives and frameworks. Entries marked
+FITTED were fitted to shared/data/published_runs_dev.csv by ``benchmarks/fit_cost_model.py``
+(a handful of parameters, not per row); the others are measured constants or first-principles
+values with their source.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostParams:
+    """Kernel, collective and framework constants. Override with dataclasses.replace()."""
+
+    gemm_half_dim: float = 96.0
+    """FITTED. GEMM dimension (elements) at which a dimension alone halves throughput;
+    efficiency multiplier per dim d is d/(d+gemm_half_dim). Models tile/wave under-use of
+    thin matrices (cf. NVIDIA 'Matrix Multiplication Background' guide)."""
+    flash_fwd_efficiency: float = 0.80
+    """FITTED. FlashAttention forward throughput relative to the GPU's large-GEMM efficiency
+    (FA2 paper: ~70% of peak fwd on A100 vs ~80% for cuBLAS GEMMs)."""
+    flash_bwd_efficiency: float = 0.62
+    """FITTED. FlashAttention backward throughput relative to large-GEMM efficiency
+    (FA2 paper: bwd reaches 50-60% of peak on A100)."""
+    flash_bwd_flop_ratio: float = 2.5
+    """Backward/forward matmul FLOPs of FlashAttention (5 matmuls vs 2; Dao 2023)."""
+    hbm_efficiency: float = 0.80
+    """Achieved fraction of HBM bandwidth by elementwise kernels (STREAM-like copies reach
+    ~85-90% on A100/H100; norm and activation kernels less)."""
+    eager_traffic_factor: float = 2.0
+    """FITTED. HBM traffic of unfused (eager) elementwise code relative to one read + one write
+    per op: eager RMSNorm/SiLU/rotary upcast to fp32 and run several kernels each."""
+    compiled_traffic_factor: float = 0.6
+    """FITTED. The same with torch.compile / fused kernels: producers and consumers fused."""
+    fp8_cast_bytes_per_elem: float = 3.0
+    """Bytes moved to cast one GEMM input element to fp8 with delayed/dynamic scaling
+    (read bf16 2 B + write fp8 1 B), forward inputs and weights, backward grads."""
+    optimizer_bytes_per_param: float = 32.0
+    """HBM bytes an Adam step moves per parameter: read fp32 param, grad, m, v (16 B), write
+    param, m, v (12 B), write the bf16 copy (2 B) plus grad-norm pass (~2 B)."""
+    tp_exposed_async: float = 0.35
+    """FITTED-free guess: fraction of TP communication left exposed with async TP/comm overlap
+    (torchtitan AsyncTP blog: ~50-70% of the collective hidden)."""
+    dp_bucket_mib: float = 25.0
+    """DDP gradient bucket size, MiB (PyTorch default bucket_cap_mb=25): the last bucket's
+    all-reduce is exposed after the backward pass."""
+    fsdp_reduce_bytes: float = 4.0
+    """Bytes per gradient element in FSDP's reduce-scatter (fp32 reduce_dtype: torchtitan's
+    and FSDP's mixed-precision default)."""
+    host_adam_params_per_s: float = 1.0e9
+    """Parameters per second one GPU's share of host CPU cores updates with a vectorised CPU
+    Adam (DeepSpeed CPUAdam reports ~1e9/s on a 2-socket server shared by 8 GPUs)."""
+    pcie_gbps: float = 25.0
+    """Host-device bandwidth per GPU for offload, GB/s (PCIe 4.0 x16 ~25 GB/s achieved)."""
+    fsdp_prefetch_layers: int = 1
+    """Layers whose parameters FSDP gathers ahead (FSDP2 default implicit prefetch = 1)."""
+    pp_p2p_exposed: float = 1.0
+    """Fraction of pipeline point-to-point transfer time on the critical path (blocking sends
+    in Megatron/DeepSpeed; torch.distributed.pipelining also waits on recv before compute)."""
+    allocator_fragmentation: float = 0.06
+    """FITTED. Extra reserved memory of the caching allocator over live tensors (fraction of
+    the peak of activations and transient buffers)."""
+    framework_overhead_gib: float = 1.0
+    """Memory held by NCCL buffers, cuBLAS workspaces and framework state, GiB (measured: ~0.5-1.5
+    GiB in torch.cuda.memory_reserved() on an idle trained step)."""
+    memory_margin: float = 0.05
+    """A plan 'fits' when predicted peak <= (1 - memory_margin) x HBM: the margin covers the
+    memory model's stated error (10% where validated) towards predicting OOM."""
+    step_overhead_s: float = 0.0
+    """Fixed per-step host overhead (data loading, logging, launch), seconds."""
+
+    def replace(self, **changes: object) -> "CostParams":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+DEFAULT_PARAMS = CostParams()

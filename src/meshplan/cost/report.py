@@ -1,0 +1,42 @@
+"""CostReport: what `estimate` returns."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostReport:
+    """Predicted cost of one optimizer step of a plan. Times in seconds, memory in GiB."""
+
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    """Model TFLOP/s per GPU (6N + 12 l h s per token convention; recompute not counted)."""
+    mfu: float
+    """Model FLOPs utilisation against the dense bf16/fp16 peak."""
+    hfu: float
+    """Hardware FLOPs utilisation (recompute counted)."""
+    peak_memory_gib: float
+    """Maximum over pipeline stages of the predicted peak memory per GPU."""
+    fits: bool
+    """peak_memory_gib <= usable memory (HBM less the stated safety margin)."""
+    usable_memory_gib: float
+    params: int
+    num_gpus: int
+    microbatches: int
+    """Micro-batches per data-parallel rank per step."""
+    memory: dict[str, float]
+    """Breakdown of the worst stage: weights, grads, optimizer, activations, transient, overhead, total."""
+    memory_per_stage: list[float]
+    """Peak GiB of each pipeline stage."""
+    time: dict[str, float]
+    """Exposed seconds per step: compute, recompute, tp_comm, cp_comm, ep_comm, dp_comm,
+    pp_comm, bubble, optimizer, overhead (they sum to step_time_s), plus *_overlapped
+    entries for communication hidden under compute."""
+    dominant: str
+    """The largest exposed term."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
