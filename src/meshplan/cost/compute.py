@@ -91,7 +91,7 @@ def elementwise_bytes(model: ModelSpec, plan: Plan, tokens: float, p: CostParams
         per_token_sharded += 2 * f
     if model.position == "rotary":
         per_token_sharded += 2 * (model.q_dim + model.kv_dim)
-    if model.bias:  # GPT-style models: bias + dropout fused into the residual add, masks
+    if model.dropout:  # bias + dropout fused into the residual add, 1-byte masks
         per_token_rep += 2 * h * 0.5
     return ACT_BYTES * tokens * (per_token_rep / sp + per_token_sharded / t)
 

@@ -50,7 +50,7 @@ def activation_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> tu
     parallel; the rest is split by TP."""
     h, t = model.hidden_size, plan.tp
     sp = t if plan.sequence_parallel else 1
-    dropout = 1 if model.bias else 0  # GPT-style models train with dropout masks (1 B/elem)
+    dropout = 1 if model.dropout else 0  # 1-byte dropout masks
     rep = 2 * h + 2 * h + dropout * h + 2 * h + 2 * h + dropout * h
     f = (model.expert_ffn * model.experts_per_token) if model.is_moe else model.ffn_hidden_size
     split = 2 * (model.q_dim + 2 * model.kv_dim) + 2 * model.q_dim

@@ -61,8 +61,11 @@ class GPUSpec:
             raise MeshplanError(f"{w}: gemm_efficiency must be in (0, 1]; got {self.gemm_efficiency}")
 
     def peak(self, dtype: str) -> float:
-        """Peak FLOP/s for ``dtype`` (falls back from fp8/bf16 to fp16/bf16 when absent)."""
-        for d in (dtype, "bf16", "fp16"):
+        """Peak FLOP/s for ``dtype``. fp8 falls back to the 16-bit peak (fp8 runs as 16-bit on
+        GPUs without fp8 tensor cores); bf16 and fp16 fall back to each other; tf32 to fp32."""
+        chain = {"fp8": ("fp8", "bf16", "fp16"), "bf16": ("bf16", "fp16"), "fp16": ("fp16", "bf16"),
+                 "tf32": ("tf32", "fp32"), "fp32": ("fp32",)}.get(dtype, (dtype,))
+        for d in chain:
             if d in self.peak_tflops:
                 return self.peak_tflops[d] * 1e12
         raise MeshplanError(f"gpu {self.name!r} has no peak for {dtype}")  # pragma: no cover

@@ -60,6 +60,8 @@ class ModelSpec:
     """Width of one expert's MLP; None means ffn_hidden_size."""
     causal: bool = True
     """Causal (decoder) attention; False for encoders."""
+    dropout: bool = False
+    """Trained with dropout (stores 1-byte masks after attention and MLP; GPT-3/Megatron/BLOOM)."""
 
     def __post_init__(self) -> None:
         w = f"model {self.name!r}"
@@ -129,7 +131,8 @@ class ModelSpec:
         return n
 
     def norm_params(self) -> int:
-        return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
+        """LayerNorm: weight (+ bias when the model has biases); RMSNorm: weight."""
+        return 2 * self.hidden_size if (self.norm == "layernorm" and self.bias) else self.hidden_size
 
     def layer_params(self) -> int:
         """Parameters of one transformer block (all experts counted)."""
