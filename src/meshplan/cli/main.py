@@ -1,0 +1,137 @@
+"""`meshplan` command line. Planning commands never import torch.
+
+Every user error is a MeshplanError printed as one line `meshplan: error: ...` with exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from meshplan.errors import MeshplanError
+
+EPILOG = """examples:
+  meshplan presets
+  meshplan estimate --model llama3-8b --cluster h100-sxm-80gb:8 --plan dp=8,zero=3,micro_batch=2,recompute=op --global-batch 16 --seq-len 8192
+  meshplan validate --report validation.md
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise MeshplanError(message, hint=f"see `{self.prog} --help`")
+
+
+def _positive_int(name: str):  # noqa: ANN202 - argparse type factory
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+        return v
+    return conv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="meshplan", description="Find, estimate and run parallel training plans.",
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+
+    pr = sub.add_parser("presets", help="list built-in models, GPUs and clusters")
+    pr.add_argument("kind", nargs="?", choices=["models", "gpus", "clusters"], help="only this kind")
+    pr.add_argument("--json", action="store_true")
+
+    es = sub.add_parser("estimate", help="predict step time, throughput and memory of one plan")
+    es.add_argument("--model", required=True, help="preset name (see `meshplan presets`) or ModelSpec .toml/.json")
+    es.add_argument("--cluster", required=True, help="GPU:COUNT (e.g. h100-sxm-80gb:64), GPU:NODESxPER_NODE, or a cluster .toml")
+    es.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,micro_batch=..,... or a plan .json")
+    es.add_argument("--global-batch", type=_positive_int("--global-batch"), required=True, help="sequences per step")
+    es.add_argument("--seq-len", type=_positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
+    es.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+    va = sub.add_parser("validate", help="compare the cost model with published measured runs")
+    va.add_argument("--runs", help="CSV in the format of published_runs_dev.csv (default: the shipped dev set)")
+    va.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    va.add_argument("--report", help="also write a markdown report to this file")
+    return p
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from meshplan.spec.io import KINDS, preset_names
+    kinds = [args.kind] if args.kind else list(KINDS)
+    data = {k: preset_names(k) for k in kinds}
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    for k, names in data.items():
+        print(f"{k} ({len(names)}):")
+        print("  " + "\n  ".join(names) if names else "  (none)")
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from meshplan.cli.views import estimate_text
+    from meshplan.cost import estimate
+    from meshplan.spec.io import load_cluster, load_model, load_plan
+    from meshplan.spec.plan import Workload
+    model = load_model(args.model)
+    cluster = load_cluster(args.cluster)
+    plan = load_plan(args.plan)
+    work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+    report = estimate(model, cluster, plan, work)
+    if args.json:
+        out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
+                                  "global_batch": work.global_batch, "seq_len": work.seq_len}
+        print(json.dumps(out, indent=2))
+    else:
+        print(estimate_text(model, cluster, plan, work, report))
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from meshplan.cost import estimate
+    from meshplan.validate.report import default_runs_path, to_markdown, to_text, validate
+    from meshplan.validate.runs import load_runs
+    path = args.runs or default_runs_path()
+    result = validate(load_runs(path), estimate)
+    if args.report:
+        try:
+            with open(args.report, "w") as f:
+                f.write(to_markdown(result))
+        except OSError as e:
+            raise MeshplanError(f"cannot write --report {args.report}: {e.strerror}") from None
+    print(json.dumps(result, indent=2) if args.json else to_text(result))
+    return 0
+
+
+COMMANDS = {"presets": cmd_presets, "estimate": cmd_estimate, "validate": cmd_validate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.version:
+            from meshplan import __version__
+            print(__version__)
+            return 0
+        if not args.command:
+            parser.print_help()
+            return 0
+        return COMMANDS[args.command](args)
+    except MeshplanError as e:
+        print(f"meshplan: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("meshplan: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Human-readable renderings of reports."""
+from __future__ import annotations
+
+from meshplan.cli.format import human, seconds, table
+from meshplan.cost.report import CostReport
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+
+TIME_LABELS = {
+    "compute": "compute (fwd+bwd)", "recompute": "recompute", "tp_comm": "TP/SP communication",
+    "cp_comm": "CP communication", "ep_comm": "EP all-to-all", "dp_comm": "DP/FSDP communication",
+    "pp_comm": "pipeline send/recv", "bubble": "pipeline bubble", "optimizer": "optimizer step",
+    "overhead": "fixed overhead",
+}
+
+
+def estimate_text(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                  r: CostReport) -> str:
+    head = [
+        f"model    {model.name}: {human(r.params)} parameters, {model.num_layers} layers, h={model.hidden_size}",
+        f"cluster  {cluster.num_gpus} x {cluster.gpu.name} ({cluster.num_nodes} node(s) x {cluster.gpus_per_node})",
+        f"plan     {plan.short()}",
+        f"workload global batch {work.global_batch} x {work.seq_len} tokens = {human(work.tokens)} tokens/step, "
+        f"{r.microbatches} micro-batch(es) per replica",
+        "",
+        f"step time      {seconds(r.step_time_s)}",
+        f"throughput     {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s / r.num_gpus:,.0f} per GPU)",
+        f"model TFLOP/s  {r.tflops_per_gpu:.1f} per GPU   MFU {r.mfu * 100:.1f}%   HFU {r.hfu * 100:.1f}%",
+        f"peak memory    {r.peak_memory_gib:.1f} GiB per GPU of {cluster.gpu.memory_gib:.0f} "
+        f"(usable {r.usable_memory_gib:.1f}): {'fits' if r.fits else 'DOES NOT FIT'}",
+        "",
+    ]
+    trows = []
+    for k, label in TIME_LABELS.items():
+        v = r.time.get(k, 0.0)
+        ov = r.time.get(f"{k}_overlapped", 0.0)
+        if v or ov:
+            trows.append((label, seconds(v), f"{100 * v / r.step_time_s:.1f}%", seconds(ov) if ov else ""))
+    mrows = [(k, f"{v:.2f}") for k, v in r.memory.items()]
+    out = head + ["time per step (exposed; overlapped shown apart)",
+                  table(["term", "exposed", "share", "overlapped"], trows, "lrrr"), "",
+                  "memory of the fullest GPU (GiB)", table(["part", "GiB"], mrows, "lr")]
+    if len(r.memory_per_stage) > 1:
+        out.append("per pipeline stage: " + ", ".join(f"{m:.1f}" for m in r.memory_per_stage) + " GiB")
+    if not r.fits:
+        out.append("\nto fit: try recompute=full, a higher zero level (zero=3), a smaller micro_batch, "
+                   "more tp/pp, or GPUs with more memory")
+    return "\n".join(out)
