@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, TypeVar
@@ -19,8 +20,19 @@ T = TypeVar("T")
 
 
 def _closest(name: str, options: typing.Iterable[str]) -> str:
+    if not isinstance(name, str):
+        return ""
     best = difflib.get_close_matches(name, list(options), n=1)
     return f"; did you mean {best[0]!r}?" if best else ""
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """repr() for error messages: short, and safe for ints too long to print."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # int beyond sys.get_int_max_str_digits(), deep nesting
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -38,22 +50,22 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, a, where)
             except MeshplanError as e:
                 errors.append(str(e))
-        raise MeshplanError(errors[0] if errors else f"{where}: unexpected value {value!r}")
+        raise MeshplanError(errors[0] if errors else f"{where}: unexpected value {_show(value)}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise MeshplanError(f"{where}: expected a list, got {value!r}")
+            raise MeshplanError(f"{where}: expected a list, got {_show(value)}")
         inner = args[0] if args else Any
         return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            raise MeshplanError(f"{where}: expected a table/object, got {value!r}")
+            raise MeshplanError(f"{where}: expected a table/object, got {_show(value)}")
         vt = args[1] if len(args) == 2 else Any
         return {str(k): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise MeshplanError(f"{where}: expected a table/object, got {value!r}")
+            raise MeshplanError(f"{where}: expected a table/object, got {_show(value)}")
         return from_dict(tp, value, where=where)
     if tp is Any:
         return value
@@ -64,10 +76,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return bool(value)
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
-        raise MeshplanError(f"{where}: expected true/false, got {value!r}")
+        raise MeshplanError(f"{where}: expected true/false, got {_show(value)}")
     if tp is int:
         if isinstance(value, bool):
-            raise MeshplanError(f"{where}: expected an integer, got {value!r}")
+            raise MeshplanError(f"{where}: expected an integer, got {_show(value)}")
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -77,22 +89,28 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return int(value.strip())
             except ValueError:
                 pass
-        raise MeshplanError(f"{where}: expected an integer, got {value!r}")
+        raise MeshplanError(f"{where}: expected an integer, got {_show(value)}")
     if tp is float:
         if isinstance(value, bool):
-            raise MeshplanError(f"{where}: expected a number, got {value!r}")
+            raise MeshplanError(f"{where}: expected a number, got {_show(value)}")
+        number: float | None = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
             try:
-                return float(value.strip())
+                number = float(value)
+            except OverflowError:  # an int beyond the float range
+                pass
+        elif isinstance(value, str):
+            try:
+                number = float(value.strip())
             except ValueError:
                 pass
-        raise MeshplanError(f"{where}: expected a number, got {value!r}")
+        if number is not None and not math.isnan(number):
+            return number
+        raise MeshplanError(f"{where}: expected a number, got {_show(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise MeshplanError(f"{where}: expected a string, got {value!r}")
+        raise MeshplanError(f"{where}: expected a string, got {_show(value)}")
     return value
 
 
@@ -105,11 +123,11 @@ def from_dict(cls: type[T], data: dict[str, Any], *, where: str | None = None) -
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        if key in ("schema_version", "kind"):
+        if key in ("schema_version", "kind") and key not in fields:  # file header (LinkTier has a kind)
             continue
         if key not in fields:
             raise MeshplanError(
-                f"{where}: unknown field {key!r}{_closest(key, fields)}",
+                f"{where}: unknown field {_show(key)}{_closest(key, fields)}",
                 hint="known fields: " + ", ".join(sorted(fields)),
             )
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
@@ -142,6 +160,6 @@ def choice(where: str, value: str, options: typing.Iterable[str]) -> None:
 
 
 def positive(where: str, value: float, *, allow_zero: bool = False) -> None:
-    """Raise unless value > 0 (or >= 0)."""
-    if value < 0 or (value == 0 and not allow_zero):
+    """Raise unless value > 0 (or >= 0). NaN fails both."""
+    if not (value > 0 or (allow_zero and value == 0)):
         raise MeshplanError(f"{where} must be {'>= 0' if allow_zero else '> 0'}; got {value!r}")

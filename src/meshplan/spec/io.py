@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from meshplan.errors import MeshplanError
-from meshplan.spec.base import SCHEMA_VERSION, from_dict, to_dict
+from meshplan.spec.base import SCHEMA_VERSION, _coerce, from_dict, positive, to_dict
 from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, default_links
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, parse_plan
@@ -29,20 +29,30 @@ def _preset_dir(kind: str) -> Any:
 def preset_names(kind: str) -> list[str]:
     """Sorted preset names of one kind (models, gpus, clusters)."""
     d = _preset_dir(kind)
+    if not d.is_dir():  # git keeps no empty directories: presets/clusters/ may be absent
+        return []
     return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".toml"))
+
+
+def _reason(e: BaseException) -> str:
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
 
 
 def _read_toml_text(text: str, where: str) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise MeshplanError(f"{where}: not valid TOML: {e}") from None
+    except (ValueError, RecursionError) as e:  # TOMLDecodeError; huge ints; deep nesting
+        raise MeshplanError(f"{where}: not valid TOML: {_reason(e)}") from None
 
 
 def read_data_file(path: str | Path) -> dict[str, Any]:
     """Read a .toml or .json file into a dict, with clear errors."""
     p = Path(path)
-    if not p.is_file():
+    try:
+        is_file = p.is_file()
+    except OSError as e:  # name too long, permission denied, ...
+        raise MeshplanError(f"cannot read {p}: {e.strerror or e}") from None
+    if not is_file:
         raise MeshplanError(f"file not found: {p}")
     try:
         text = p.read_text()
@@ -51,8 +61,8 @@ def read_data_file(path: str | Path) -> dict[str, Any]:
     if p.suffix.lower() == ".json":
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise MeshplanError(f"{p}: not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError; huge ints; deep nesting
+            raise MeshplanError(f"{p}: not valid JSON: {_reason(e)}") from None
     else:
         data = _read_toml_text(text, str(p))
     if not isinstance(data, dict):
@@ -76,7 +86,9 @@ def load_preset_data(kind: str, name: str) -> dict[str, Any]:
     return _read_toml_text(text, f"preset {kind}/{key}")
 
 
-def _strip_meta(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _strip_meta(data: dict[str, Any], where: str = "spec") -> tuple[dict[str, Any], dict[str, Any]]:
+    if not isinstance(data, dict):
+        raise MeshplanError(f"{where}: expected a table/object, got {type(data).__name__}")
     d = dict(data)
     meta = d.pop("meta", {}) or {}
     return d, meta
@@ -87,14 +99,14 @@ def preset_meta(kind: str, name: str) -> dict[str, Any]:
 
 
 def model_from_dict(data: dict[str, Any], where: str = "model") -> ModelSpec:
-    d, _ = _strip_meta(data)
+    d, _ = _strip_meta(data, where)
     if "model" in d and isinstance(d["model"], dict):
         d = d["model"]
     return from_dict(ModelSpec, d, where=where)
 
 
 def gpu_from_dict(data: dict[str, Any], where: str = "gpu") -> GPUSpec:
-    d, _ = _strip_meta(data)
+    d, _ = _strip_meta(data, where)
     return from_dict(GPUSpec, d, where=where)
 
 
@@ -142,6 +154,8 @@ def parse_cluster_shorthand(arg: str) -> ClusterSpec:
                                          f"like {name}:1x{n} (or write a cluster .toml)")
             else:
                 nodes = n // per_node
+    except MeshplanError:  # a ValueError too: let its specific message through
+        raise
     except ValueError:
         raise MeshplanError(f"--cluster {arg}: cannot read GPU count {count!r}",
                             hint="use GPU:COUNT like h100-sxm-80gb:64, or GPU:NODESxPER_NODE like a100-sxm-80gb:4x8") from None
@@ -153,13 +167,19 @@ def parse_cluster_shorthand(arg: str) -> ClusterSpec:
 
 
 def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> ClusterSpec:
-    d, _ = _strip_meta(data)
+    d, _ = _strip_meta(data, where)
     d = dict(d)
     gpu = d.get("gpu")
     if isinstance(gpu, str):
         d["gpu"] = load_gpu(gpu)
     elif gpu is None:
         raise MeshplanError(f"{where}: missing 'gpu' (a preset name like 'h100-sxm-80gb' or a [gpu] table)")
+    elif not isinstance(gpu, (dict, GPUSpec)):
+        raise MeshplanError(f"{where}: gpu must be a preset name like 'h100-sxm-80gb' or a [gpu] table; "
+                            f"got {type(gpu).__name__}")
+    if d.get("nodes_per_dc") is not None:  # ClusterSpec would divide by it before checking it
+        d["nodes_per_dc"] = _coerce(d["nodes_per_dc"], int, f"{where}.nodes_per_dc")
+        positive(f"{where}: nodes_per_dc", d["nodes_per_dc"])
     g = d["gpu"] if isinstance(d["gpu"], GPUSpec) else gpu_from_dict(d["gpu"], where=f"{where}.gpu")
     d["gpu"] = g
     intra, inter = default_links(g)
