@@ -1,0 +1,241 @@
+"""Compare cost-model predictions with published runs, and render the comparison.
+
+``validate(cases, estimate_fn)`` calls ``estimate_fn(model, cluster, plan, work)`` (the real
+one is ``meshplan.cost.estimate``) on every supported case. The result must have attributes
+``step_time_s``, ``peak_memory_gib`` and ``fits``. A :class:`MeshplanError` from the estimate
+turns that row unsupported with the error's message; any other exception is a bug and is
+raised.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from meshplan.errors import MeshplanError
+from meshplan.validate.runs import RunCase
+
+DEV_CSV = "published_runs_dev.csv"
+
+
+def default_runs_path() -> Path:
+    """The development set of published runs shipped in the package (meshplan/data/)."""
+    try:
+        p = Path(str(resources.files("meshplan") / "data" / DEV_CSV))
+        if p.is_file():
+            return p
+    except (ModuleNotFoundError, TypeError):  # pragma: no cover - unusual loaders
+        pass
+    # A source checkout without the packaged copy: look for shared/data next to the repo.
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        cand = parent / "shared" / "data" / DEV_CSV
+        if cand.is_file():
+            return cand
+    raise MeshplanError(f"{DEV_CSV} is not installed with meshplan",
+                        hint="reinstall meshplan, or pass the runs CSV path explicitly")
+
+
+def _get(obj: Any, name: str) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def _finite(x: Any) -> float | None:
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _err_pct(pred: float | None, meas: float | None) -> float | None:
+    if pred is None or meas is None or meas == 0:
+        return None
+    return (pred - meas) / meas * 100.0
+
+
+def _mean_abs(xs: list[float]) -> float | None:
+    return sum(abs(x) for x in xs) / len(xs) if xs else None
+
+
+def _max_abs(xs: list[float]) -> float | None:
+    return max(abs(x) for x in xs) if xs else None
+
+
+def _default_estimate() -> Callable[..., Any]:
+    from meshplan.cost import estimate  # written separately; imported only when needed
+
+    return estimate
+
+
+def validate(cases: Iterable[RunCase],
+             estimate_fn: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """Predict every supported case and compare with its measurements.
+
+    Returns {"rows": [...], "summary": {...}}; errors are signed, (pred - meas)/meas*100.
+    """
+    if estimate_fn is None:
+        estimate_fn = _default_estimate()
+    rows: list[dict[str, Any]] = []
+    for c in cases:
+        status, reason = c.status, c.reason
+        pred_t = pred_m = None
+        fits = None
+        if status == "ok":
+            try:
+                est = estimate_fn(c.model, c.cluster, c.plan, c.work)
+            except MeshplanError as e:
+                status, reason = "unsupported", str(e)
+            else:
+                pred_t = _finite(_get(est, "step_time_s"))
+                pred_m = _finite(_get(est, "peak_memory_gib"))
+                f = _get(est, "fits")
+                fits = None if f is None else bool(f)
+        meas_t = _finite(c.measured_step_time_s)
+        meas_m = _finite(c.measured_peak_mem_gib)
+        rows.append({
+            "row_id": c.row_id,
+            "source_id": c.source_id,
+            "model": c.model_name,
+            "status": status,
+            "reason": reason,
+            "assumptions": list(c.assumptions),
+            "measured_step_time_s": meas_t,
+            "predicted_step_time_s": pred_t,
+            "step_time_error_pct": _err_pct(pred_t, meas_t) if status == "ok" else None,
+            "measured_peak_memory_gib": meas_m,
+            "predicted_peak_memory_gib": pred_m,
+            "memory_error_pct": _err_pct(pred_m, meas_m) if status == "ok" else None,
+            "predicted_fits": fits,
+            "measured_from": c.measured_from,
+        })
+    return {"rows": rows, "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary block of :func:`validate` from its rows."""
+    t_err = [r["step_time_error_pct"] for r in rows if r["step_time_error_pct"] is not None]
+    m_err = [r["memory_error_pct"] for r in rows if r["memory_error_pct"] is not None]
+    by_source: dict[str, dict[str, Any]] = {}
+    for src in dict.fromkeys(r["source_id"] for r in rows):
+        sr = [r for r in rows if r["source_id"] == src]
+        te = [r["step_time_error_pct"] for r in sr if r["step_time_error_pct"] is not None]
+        me = [r["memory_error_pct"] for r in sr if r["memory_error_pct"] is not None]
+        by_source[src] = {"rows": len(sr), "mape_pct": _mean_abs(te), "max_abs_pct": _max_abs(te),
+                          "memory_mape_pct": _mean_abs(me)}
+    ok = sum(1 for r in rows if r["status"] == "ok")
+    return {
+        "rows": len(rows),
+        "ok": ok,
+        "unsupported": len(rows) - ok,
+        "step_time_mape_pct": _mean_abs(t_err),
+        "step_time_max_abs_pct": _max_abs(t_err),
+        "memory_mape_pct": _mean_abs(m_err),
+        "memory_rows": len(m_err),
+        "by_source": by_source,
+    }
+
+
+# ======================================================================================
+# Rendering
+# ======================================================================================
+def _f(x: float | None, fmt: str = ".2f", signed: bool = False) -> str:
+    if x is None:
+        return "-"
+    return format(x, ("+" if signed else "") + fmt)
+
+
+def _fits(x: bool | None) -> str:
+    return "-" if x is None else ("yes" if x else "no")
+
+
+def _src_table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    head = ["source", "rows", "step-time MAPE %", "max abs err %", "memory MAPE %"]
+    body = [[src, str(s["rows"]), _f(s["mape_pct"], ".1f"), _f(s["max_abs_pct"], ".1f"),
+             _f(s["memory_mape_pct"], ".1f")]
+            for src, s in result["summary"]["by_source"].items()]
+    return head, body
+
+
+def _row_table(result: dict[str, Any], width: int | None) -> tuple[list[str], list[list[str]]]:
+    head = ["row", "source", "model", "status", "meas s", "pred s", "err %", "meas GiB",
+            "pred GiB", "mem err %", "fits", "note"]
+    body = []
+    for r in result["rows"]:
+        note = r["reason"] if r["status"] != "ok" else r["measured_from"]
+        if width and len(note) > width:
+            note = note[: width - 3] + "..."
+        body.append([str(r["row_id"]), r["source_id"], r["model"], r["status"],
+                     _f(r["measured_step_time_s"], ".3g"), _f(r["predicted_step_time_s"], ".3g"),
+                     _f(r["step_time_error_pct"], ".1f", True),
+                     _f(r["measured_peak_memory_gib"], ".1f"),
+                     _f(r["predicted_peak_memory_gib"], ".1f"),
+                     _f(r["memory_error_pct"], ".1f", True), _fits(r["predicted_fits"]), note])
+    return head, body
+
+
+def _summary_lines(result: dict[str, Any]) -> list[str]:
+    s = result["summary"]
+    return [
+        f"rows: {s['rows']} ({s['ok']} ok, {s['unsupported']} unsupported)",
+        f"step time: MAPE {_f(s['step_time_mape_pct'], '.1f')}%, "
+        f"max abs error {_f(s['step_time_max_abs_pct'], '.1f')}%",
+        f"peak memory: MAPE {_f(s['memory_mape_pct'], '.1f')}% over {s['memory_rows']} rows",
+    ]
+
+
+def _md_cell(x: str) -> str:
+    return x.replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(head: list[str], body: list[list[str]], numeric_from: int = 1) -> list[str]:
+    align = ["---" if i < numeric_from else "---:" for i in range(len(head))]
+    out = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in body]
+    return out
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    """A per-source summary table and a per-row table, in Markdown."""
+    lines = ["# Validation against published runs", ""]
+    lines += [f"- {x}" for x in _summary_lines(result)]
+    lines += ["", "## By source", ""]
+    lines += _md_table(*_src_table(result))
+    lines += ["", "## Rows", "",
+              "Errors are signed: (predicted - measured) / measured. The note is how the measured "
+              "step time was obtained, or why the row is unsupported.", ""]
+    head, body = _row_table(result, None)
+    align = ["---"] * 4 + ["---:"] * 6 + ["---", "---"]
+    lines += ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def _aligned(head: list[str], body: list[list[str]], left: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+
+    def fmt(row: list[str]) -> str:
+        cells = [c.ljust(w) if i in left else c.rjust(w)
+                 for i, (c, w) in enumerate(zip(row, widths))]
+        return "  ".join(cells).rstrip()
+
+    return [fmt(head), "  ".join("-" * w for w in widths), *(fmt(r) for r in body)]
+
+
+def to_text(result: dict[str, Any], *, note_width: int = 60) -> str:
+    """Aligned plain-text tables for the terminal."""
+    lines = _summary_lines(result) + [""]
+    lines += _aligned(*_src_table(result), left={0})
+    lines.append("")
+    head, body = _row_table(result, note_width)
+    for row in body:
+        if len(row[2]) > 24:
+            row[2] = row[2][:21] + "..."
+    lines += _aligned(head, body, left={0, 1, 2, 3, 10, 11})
+    return "\n".join(lines) + "\n"
