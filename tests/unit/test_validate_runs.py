@@ -132,7 +132,7 @@ def test_plan_mapping(by_id: dict[str, RunCase]) -> None:
     p = by_id["66"].plan  # torchtitan 'selective (layer)': half the blocks, full recompute
     assert (p.zero, p.recompute, p.recompute_layers) == (3, "full", 16)
     assert any("selective_ac_option=2" in a for a in by_id["66"].assumptions)
-    assert by_id["67"].plan.recompute == "selective"  # 'selective (op)'
+    assert by_id["67"].plan.recompute == "op"  # torchtitan 'selective (op)': op-level SAC
     p = by_id["79"].plan
     assert (p.precision, p.compile, p.async_tp) == ("fp8", True, False)
     p = by_id["88"].plan
@@ -482,3 +482,14 @@ def test_garbled_rows_never_raise(dev_rows: list[dict[str, str]]) -> None:
         assert "could not read the row" not in c.reason, c.reason
         if c.status == "ok":
             assert violations(c.model, c.cluster, c.plan, c.work) == []
+
+
+def test_implementation_details_mapped(by_id):
+    # Megatron 2021 used the unfused softmax; llm-foundry a fused cross-entropy; GPT-style
+    # Megatron models train with dropout; BLOOM ran on Jean Zay's Omni-Path links.
+    assert by_id["1"].plan.flash_attention is False and by_id["1"].model.dropout is True
+    assert by_id["186"].plan.fused_loss is True and by_id["186"].plan.flash_attention is True
+    assert by_id["66"].plan.fused_loss is False and by_id["66"].model.dropout is False
+    c = by_id["1312"].cluster
+    assert c.inter_node.bandwidth_gbps == 6.25 and c.num_gpus == 384
+    assert any("jean-zay-a100" in a for a in by_id["1312"].assumptions)

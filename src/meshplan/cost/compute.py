@@ -104,10 +104,12 @@ def attention_core(model: ModelSpec, plan: Plan, b: int, s: int, gpu: GPUSpec, p
     flops = 4.0 * b * s * s * heads_q * causal / plan.cp
     # Model FLOPs follow the PaLM/Megatron convention (12 l h s per token: no causal halving).
     model_flops = 4.0 * b * s * s * heads_q / plan.cp
-    base = gemm_efficiency(b * s / plan.cp, s, model.dhead, gpu, p)
     if plan.flash_attention:
-        fwd = flops / (peak * base * p.flash_fwd_efficiency)
-        bwd = p.flash_bwd_flop_ratio * flops / (peak * base * p.flash_bwd_efficiency)
+        d, d0 = model.dhead, p.attn_headdim_half
+        shape = (d / (d + d0)) / (128 / (128 + d0))  # relative to head_dim 128
+        eff = shape * (gpu.attention_efficiency or gpu.gemm_efficiency * p.flash_fwd_efficiency)
+        fwd = flops / (peak * eff)
+        bwd = p.flash_bwd_flop_ratio * flops / (peak * eff * p.flash_bwd_efficiency)
         return fwd, bwd, model_flops
     # Unfused: batched GEMMs at full s x s, plus softmax/dropout over b*heads*s^2 elements.
     eff = gemm_efficiency(s, s, model.dhead, gpu, p)

@@ -20,6 +20,8 @@ from meshplan.units import GiB
 LOGITS_BYTES_PER_ELEM = 10.0
 """Bytes per logit element alive at the loss: bf16 logits 2 + fp32 upcast 4 + fp32 log-softmax
 kept for backward 4 (PyTorch cross_entropy on upcast logits; Megatron vocab-parallel CE alike)."""
+FUSED_LOGITS_BYTES_PER_ELEM = 4.0
+"""The same with a fused cross-entropy: bf16 logits 2 + their gradient written in place 2."""
 
 
 @dataclass(frozen=True)

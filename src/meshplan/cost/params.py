@@ -21,11 +21,15 @@ class CostParams:
     efficiency multiplier per dim d is d/(d+gemm_half_dim). Models tile/wave under-use of
     thin matrices (cf. NVIDIA 'Matrix Multiplication Background' guide)."""
     flash_fwd_efficiency: float = 0.80
-    """FITTED. FlashAttention forward throughput relative to the GPU's large-GEMM efficiency
-    (FA2 paper: ~70% of peak fwd on A100 vs ~80% for cuBLAS GEMMs)."""
-    flash_bwd_efficiency: float = 0.62
-    """FITTED. FlashAttention backward throughput relative to large-GEMM efficiency
-    (FA2 paper: bwd reaches 50-60% of peak on A100)."""
+    """FlashAttention forward throughput relative to the GPU's large-GEMM efficiency, used when
+    the GPU file gives no attention_efficiency (FA2 paper: ~70% of peak fwd on A100 vs ~80%
+    for cuBLAS GEMMs)."""
+    flash_bwd_efficiency: float = 0.78
+    """FITTED. FlashAttention backward throughput relative to its forward (FA2 paper: bwd
+    reaches 50-60% of peak on A100 where fwd reaches ~70%)."""
+    attn_headdim_half: float = 16.0
+    """Head dimension at which FlashAttention's per-head throughput would halve; gives ~10%
+    less throughput at head_dim 64 than 128 (FA2 paper benchmarks)."""
     flash_bwd_flop_ratio: float = 2.5
     """Backward/forward matmul FLOPs of FlashAttention (5 matmuls vs 2; Dao 2023)."""
     hbm_efficiency: float = 0.80
@@ -67,6 +71,12 @@ class CostParams:
     framework_overhead_gib: float = 1.0
     """Memory held by NCCL buffers, cuBLAS workspaces and framework state, GiB (measured: ~0.5-1.5
     GiB in torch.cuda.memory_reserved() on an idle trained step)."""
+    pressure_threshold: float = 0.85
+    """FITTED. Fraction of HBM above which the caching allocator starts to free and re-allocate
+    (cudaFree synchronises; FSDP's 'num_alloc_retries' warnings) and steps slow down."""
+    pressure_slowdown: float = 0.5
+    """FITTED. Relative step-time increase when the predicted peak reaches 100% of HBM, growing
+    linearly from pressure_threshold."""
     memory_margin: float = 0.05
     """A plan 'fits' when predicted peak <= (1 - memory_margin) x HBM: the margin covers the
     memory model's stated error (10% where validated) towards predicting OOM."""

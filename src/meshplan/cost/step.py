@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from meshplan.cost.comm import Group
 from meshplan.cost.compute import (ACT_BYTES, PassTimes, block_times, embedding_times,
                                    output_layer_times)
-from meshplan.cost.memory import (LOGITS_BYTES_PER_ELEM, StageMemory, block_activation_bytes,
+from meshplan.cost.memory import (FUSED_LOGITS_BYTES_PER_ELEM, LOGITS_BYTES_PER_ELEM, StageMemory, block_activation_bytes,
                                   model_state_bytes)
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport
@@ -144,10 +144,21 @@ def _dp_end_of_step(c: _Ctx, params_local: float, last_bwd: float) -> tuple[floa
     grads = 2.0 * params_local
     sync = g.all_reduce(grads) if plan.zero == 0 else g.reduce_scatter(grads)
     bucket = g.all_reduce(min(grads, c.p.dp_bucket_mib * 2**20))
-    exposed = max(bucket, sync - last_bwd)
+    # With a pipeline the gradient sync starts after the last micro-batch's backward of the
+    # stage (Megatron, DeepSpeed pipeline engine): nothing left to overlap with.
+    exposed = sync if plan.pp > 1 else max(bucket, sync - last_bwd)
     if plan.zero >= 1:  # distributed optimizer: gather updated bf16 params
         exposed += g.all_gather(2.0 * params_local)
     return exposed, sync - min(sync, exposed)
+
+
+def _tied_embedding_sync(c: _Ctx) -> float:
+    """All-reduce of the tied embedding gradient between the first and last stage."""
+    m, plan = c.model, c.plan
+    if plan.pp == 1 or not m.tied_embeddings:
+        return 0.0
+    g = Group.of(c.cluster, 2, plan.tp * plan.cp * plan.dp)
+    return g.all_reduce(2.0 * m.vocab_size * m.hidden_size / plan.tp)
 
 
 def _optimizer_time(c: _Ctx, params_local: float) -> float:
@@ -169,11 +180,21 @@ def _stage_memory(c: _Ctx, i: int, layers: int, params_local: float) -> StageMem
     if first:
         acts += c.tokens * m.hidden_size * ACT_BYTES * in_flight(plan, i, c.microbatches)
     if last:
-        transient = max(transient, c.tokens * m.vocab_size / plan.tp * LOGITS_BYTES_PER_ELEM)
+        per = FUSED_LOGITS_BYTES_PER_ELEM if plan.fused_loss else LOGITS_BYTES_PER_ELEM
+        transient = max(transient, c.tokens * m.vocab_size / plan.tp * per)
     transient += buffers
     frag = c.p.allocator_fragmentation * (acts + transient)
     return StageMemory(weights=w, grads=g, optimizer=o, activations=acts, transient=transient + frag,
                        overhead=c.p.framework_overhead_gib * GiB)
+
+
+def _pressure_slowdown(utilisation: float, p: CostParams) -> float:
+    """Relative slowdown of a step whose peak memory is ``utilisation`` of HBM (0 below the
+    threshold; for plans predicted not to fit it is capped at the 100% value)."""
+    u = min(1.0, utilisation)
+    if u <= p.pressure_threshold:
+        return 0.0
+    return p.pressure_slowdown * (u - p.pressure_threshold) / (1.0 - p.pressure_threshold)
 
 
 def check(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload) -> None:
@@ -200,7 +221,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
     busy, bubble = pipeline_time(totals, micro, plan, w_frac)
     crit = max(range(len(totals)), key=totals.__getitem__)
     plocal = [_stage_params(c, n, i == 0, i == plan.pp - 1) for i, n in enumerate(split)]
-    dp_exp, dp_ovl = _dp_end_of_step(c, plocal[0], stages[0]["compute"] / 2)
+    dp_exp, dp_ovl = _dp_end_of_step(c, max(plocal), stages[0]["compute"] / 2)
+    dp_exp += _tied_embedding_sync(c)
     opt = max(_optimizer_time(c, pl) for pl in plocal)
     time = {k: micro * stages[crit][k] for k in stages[crit]}
     time["dp_comm"] += dp_exp
@@ -209,6 +231,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
     step = busy + bubble + dp_exp + opt + params.step_overhead_s
     mems = [_stage_memory(c, i, n, plocal[i]) for i, n in enumerate(split)]
     worst = max(mems, key=lambda sm: sm.total)
+    slow = _pressure_slowdown(worst.total / GiB / cluster.gpu.memory_gib, params)
+    if slow > 0:
+        time["memory_pressure"] = slow * step
+        step *= 1 + slow
     return _report(c, step, time, mems, worst, blk, out)
 
 

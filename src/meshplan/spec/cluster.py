@@ -40,6 +40,10 @@ class GPUSpec:
     gemm_efficiency: float = 0.75
     """Achieved fraction of the dense peak on large, well-shaped GEMMs (cuBLAS at its best
     shapes, sustained clocks). Calibrated per GPU type: a micro-benchmark or published runs."""
+    attention_efficiency: float | None = None
+    """Achieved fraction of the dense peak of FlashAttention's forward pass at long sequences;
+    None = gemm_efficiency x the cost model's flash_fwd_efficiency (FA2 paper: ~0.7 on A100,
+    ~0.35-0.45 on H100 before FA3)."""
     default_nic_gbps: float = 25.0
     """Per-GPU inter-node bandwidth of the typical system, GB/s (25 = 200 Gb/s HDR, 50 = 400 Gb/s NDR)."""
     source: str = ""

@@ -65,6 +65,9 @@ class Plan:
     flash_attention: bool = True
     """FlashAttention-style fused attention (no s x s matrix stored; causal blocks skipped).
     False models the unfused softmax path of Megatron before 2022."""
+    fused_loss: bool = False
+    """Cross-entropy fused with the logits (in-place softmax/grad, no fp32 copy of the logits:
+    ~4 B per logit alive instead of ~10 B), as llm-foundry's fused_crossentropy or Liger."""
     async_tp: bool = False
     """Overlap TP communication with the matmuls (torchtitan AsyncTP / Megatron tp-comm-overlap)."""
     stage_layers: tuple[int, ...] | None = None

@@ -27,7 +27,7 @@ from typing import Any
 from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import violations
-from meshplan.spec.io import load_gpu, parse_cluster_shorthand, preset_names
+from meshplan.spec.io import load_cluster, load_gpu, parse_cluster_shorthand, preset_names
 from meshplan.spec.model import MLP_TYPES, ModelSpec
 from meshplan.spec.plan import Plan, Workload
 from meshplan.units import GiB, parse_count
@@ -313,7 +313,7 @@ def detect_framework(row: _Row) -> str:
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # GPT-2/3 as in Megatron-LM: learned absolute positions, LayerNorm, biases, tied output.
     "gpt": dict(position="learned", norm="layernorm", bias=True, tied_embeddings=True,
-                embedding_norm=False, mlp_type="gelu_4h"),
+                embedding_norm=False, mlp_type="gelu_4h", dropout=True),
     # Llama 1/2/3: RoPE, RMSNorm, no biases, separate output matrix, SwiGLU.
     "llama": dict(position="rotary", norm="rmsnorm", bias=False, tied_embeddings=False,
                   embedding_norm=False, mlp_type="swiglu"),
@@ -322,7 +322,7 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                 embedding_norm=False, mlp_type="gelu_4h"),
     # BLOOM: ALiBi, LayerNorm after the embedding, biases, tied output.
     "bloom": dict(position="alibi", norm="layernorm", bias=True, tied_embeddings=True,
-                  embedding_norm=True, mlp_type="gelu_4h"),
+                  embedding_norm=True, mlp_type="gelu_4h", dropout=True),
     # BERT-style encoders.
     "bert": dict(position="learned", norm="layernorm", bias=True, tied_embeddings=True,
                  embedding_norm=True, mlp_type="gelu_4h", causal=False),
@@ -427,8 +427,9 @@ def build_model(row: _Row, fw: str, assume: Callable[[str], None]) -> ModelSpec:
         else:
             arch[key] = defaults[key]
             inferred.append(f"{key}={arch[key]}")
-    if "causal" in defaults:
-        arch["causal"] = defaults["causal"]
+    for key in ("causal", "dropout"):  # GPT-3/Megatron/BLOOM train with dropout 0.1
+        if key in defaults:
+            arch[key] = defaults[key]
     if inferred:
         if fam is None:
             assume("architecture family not recognised: assumed GPT-style " + ", ".join(inferred))
@@ -573,6 +574,34 @@ def gpu_preset_for(gpu_type: str, memory_gb: float | None,
     raise _Unsupported(f"no GPU preset for gpu_type {gpu_type!r}")
 
 
+KNOWN_SYSTEMS = {
+    # pattern in the row's source/notes/settings -> (cluster preset, GPU preset it holds)
+    r"jean[\s_-]*zay|bloom[\s_-]*176|bigscience": ("jean-zay-a100", "a100-sxm-80gb"),
+}
+
+
+def known_system(row: _Row, gpu: str | None) -> str | None:
+    """A cluster preset for a documented training system the row names (its real links)."""
+    text = " ".join(row.lower(c) for c in ("source_id", "source", "model", "notes",
+                                            "other_settings", "cluster"))
+    for pattern, (preset, gpu_preset) in KNOWN_SYSTEMS.items():
+        if re.search(pattern, text) and gpu == gpu_preset:
+            return preset
+    return None
+
+
+def system_cluster(preset: str, n: int, assume: Callable[[str], None]) -> ClusterSpec:
+    """The named system's cluster preset, sized to ``n`` GPUs."""
+    base = load_cluster(preset)
+    if n % base.gpus_per_node:
+        raise _Unsupported(f"num_gpus={n} is not whole nodes of {preset} "
+                           f"({base.gpus_per_node} GPUs per node)")
+    assume(f"cluster: {preset} (the documented system of this source, its own links: "
+           f"{base.intra_node.bandwidth_gbps:g} GB/s intra-node, "
+           f"{base.inter_node.bandwidth_gbps:g} GB/s per GPU inter-node)")
+    return base.replace(num_nodes=n // base.gpus_per_node, name=f"{preset}:{n}")
+
+
 def build_cluster(gpu: str, n: int, per_node: int | None, tp: int,
                   assume: Callable[[str], None]) -> ClusterSpec:
     """parse_cluster_shorthand(f'{gpu}:{n}') semantics: 8 per node, one node below 8 GPUs."""
@@ -693,6 +722,8 @@ def parse_recompute(text: str | None, fw: str, layers_per_stage: int,
                    "selective_ac_option=2 (every 2nd block checkpointed) -> full recompute of "
                    f"{layers_per_stage // 2} of {layers_per_stage} blocks per stage")
         return "full", layers_per_stage // period
+    if "selective" in t and re.search(r"\bop\b", t):
+        return "op", None  # torchtitan op-level SAC: every other matmul recomputed
     if "selective" in t or "attention core" in t:
         return "selective", None
     if t.startswith("full") or "checkpoint" in t or "every" in t or t in ("yes", "true", "on"):
@@ -895,6 +926,16 @@ def measure_peak_mem(row: _Row, assume: Callable[[str], None]) -> float | None:
 # ======================================================================================
 # One row
 # ======================================================================================
+def attention_is_flash(text: str, assume: Callable[[str], None]) -> bool:
+    """FlashAttention-style kernel or the unfused softmax path (Megatron before 2022)."""
+    if re.search(r"fused softmax|pre-flash|unfused|eager|\bmath\b", text):
+        return False
+    if not re.search(r"flash|sdpa|triton|cudnn|memory[\s_-]*efficient|xformers|te\b", text):
+        assume("attention kernel not stated: assumed FlashAttention-style (fused, causal "
+               "blocks skipped)")
+    return True
+
+
 def _plan_from_row(row: _Row, fw: str, model: ModelSpec, assume: Callable[[str], None],
                    ) -> tuple[Plan, Workload, int, str]:
     """(plan, workload, number of GPUs, recompute mode); the caller builds the cluster."""
@@ -1043,6 +1084,11 @@ def _plan_from_row(row: _Row, fw: str, model: ModelSpec, assume: Callable[[str],
             raise _Unsupported("parameter offload needs FSDP/ZeRO-3 sharding")
         offload_opt = True
 
+    flash = attention_is_flash(row.lower("attention_impl"), assume)
+    fused_loss = fw == "llm-foundry" or bool(re.search(r"fused[\s_-]*(cross|ce\b|loss)|liger", other))
+    if fw == "llm-foundry":
+        assume("loss: llm-foundry's default fused_crossentropy (in-place logits gradient)")
+
     stage_layers = None
     if L % (pp * vs) and pp > 1:
         stage_layers = split_layers(L, pp, vs, fw, row.lower("notes"))
@@ -1057,7 +1103,7 @@ def _plan_from_row(row: _Row, fw: str, model: ModelSpec, assume: Callable[[str],
                     recompute_layers=rec_layers, sequence_parallel=sp,
                     offload_optimizer=offload_opt, offload_params=offload_par,
                     precision=precision, compile=compile_, async_tp=async_tp,
-                    stage_layers=stage_layers)
+                    flash_attention=flash, fused_loss=fused_loss, stage_layers=stage_layers)
         work = Workload(global_batch=B, seq_len=model.seq_len)
     except MeshplanError as e:
         raise _Unsupported(str(e)) from None
@@ -1114,7 +1160,10 @@ def case_from_row(raw: dict[str, Any], index: int = 0) -> RunCase:
             plan, work, n, recompute = got
             precision = plan.precision
     gpu = attempt(gpu_preset)
-    if gpu is not None and plan is not None:
+    system = known_system(row, gpu)
+    if system is not None and plan is not None and n:
+        cluster = attempt(lambda: system_cluster(system, n, assume))
+    elif gpu is not None and plan is not None:
         cluster = attempt(lambda: build_cluster(gpu, n, row.integer("gpus_per_node"), plan.tp,
                                                 assume))
     if cluster is not None:
