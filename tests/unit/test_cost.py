@@ -218,10 +218,6 @@ def test_model_flops_do_not_depend_on_the_plan(plan):
     assert r.hfu >= r.mfu
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cost model bug: the MoE router GEMM (tokens x num_experts x h) is replicated on every TP "
-    "rank, so its per-GPU FLOPs are not divided by tp, yet step._report multiplies "
-    "blk.fwd_flops by tp: router FLOPs are counted tp times (mixtral-8x7b: +0.05% at tp=8)"))
 def test_moe_model_flops_do_not_depend_on_tp():
     m, c = model("mixtral-8x7b"), cluster("h100-sxm-80gb:64")
     w = Workload(global_batch=256, seq_len=4096)
@@ -359,11 +355,6 @@ def test_full_recompute_keeps_block_input(name):
     assert kept_none == pytest.approx(tokens * L * full_none, rel=1e-12) and tr_none == 0.0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cost model bug: memory.activation_bytes_per_token divides the unfused s x s score term "
-    "by cp (5*a*s/cp per local token), but each local query row still spans all s keys "
-    "(compute.attention_core counts b*(a/t)*s*s/cp elements = tokens*(a/t)*s); should be "
-    "5*a*s/t per local token"))
 def test_activation_scores_with_context_parallel_span_full_sequence():
     m, s, cp = model("gpt3-1.3b"), 2048, 2
     h, a = m.hidden_size, m.num_attention_heads

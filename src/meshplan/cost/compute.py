@@ -77,23 +77,33 @@ def _linear_shapes(model: ModelSpec, plan: Plan, tokens: float) -> list[tuple[fl
     return shapes
 
 
-def elementwise_bytes(model: ModelSpec, plan: Plan, tokens: float, p: CostParams) -> float:
-    """HBM bytes of the forward elementwise ops of one block (norms, residuals, activation,
-    rotary, dropout) for ``tokens`` tokens on one GPU, before the eager/compiled factor."""
+#: Forward HBM bytes per element of each elementwise op, (fused, eager). Fused: compiled or
+#: hand-fused kernels (torch.compile, apex/Megatron fused LayerNorm and bias-GeLU, native
+#: LayerNorm/GeLU). Eager: the op written as separate PyTorch calls (torchtitan's RMSNorm:
+#: fp32 upcast, pow, mean, rsqrt-mul, downcast, weight-mul ~ 36 B; rotary via complex fp32
+#: multiply ~ 24 B; SiLU then multiply 10 B per element of f). bf16 activations.
+ELEMENTWISE_BYTES: dict[str, tuple[float, float]] = {
+    "layernorm": (4.0, 4.0), "rmsnorm": (4.0, 36.0), "residual": (2.0, 6.0),
+    "gelu_4h": (4.0, 4.0), "relu_4h": (4.0, 4.0), "squared_relu": (4.0, 8.0),
+    "swiglu": (6.0, 10.0), "rotary": (4.0, 24.0), "dropout": (1.0, 1.0),
+}
+ELEMENTWISE_BWD_RATIO = 2.0  # backward reads input and output-grad, writes input-grad
+
+
+def elementwise_bytes(model: ModelSpec, plan: Plan, tokens: float) -> float:
+    """Forward HBM bytes of the elementwise ops of one block (2 norms, 2 residual adds, the MLP
+    activation, rotary, dropout masks) for ``tokens`` tokens on one GPU."""
     h, t = model.hidden_size, plan.tp
     sp = t if plan.sequence_parallel else 1
+    k = 0 if plan.compile else 1
     f = (model.expert_ffn * model.experts_per_token) if model.is_moe else model.ffn_hidden_size
-    per_token_sharded = 0.0  # work split by TP along hidden (activation, rotary)
-    per_token_rep = 2 * (2 * h) + 2 * (3 * h)  # 2 norms (r+w), 2 residual adds (2r+w)
-    if model.mlp_type == "swiglu":
-        per_token_sharded += 3 * f  # read gate, up; write product
-    else:
-        per_token_sharded += 2 * f
+    rep = 2 * h * ELEMENTWISE_BYTES[model.norm][k] + 2 * h * ELEMENTWISE_BYTES["residual"][k]
+    if model.dropout:
+        rep += 2 * h * ELEMENTWISE_BYTES["dropout"][k]
+    split = f * ELEMENTWISE_BYTES[model.mlp_type][k]
     if model.position == "rotary":
-        per_token_sharded += 2 * (model.q_dim + model.kv_dim)
-    if model.dropout:  # bias + dropout fused into the residual add, 1-byte masks
-        per_token_rep += 2 * h * 0.5
-    return ACT_BYTES * tokens * (per_token_rep / sp + per_token_sharded / t)
+        split += (model.q_dim + model.kv_dim) * ELEMENTWISE_BYTES["rotary"][k]
+    return tokens * (rep / sp + split / t)
 
 
 def attention_core(model: ModelSpec, plan: Plan, b: int, s: int, gpu: GPUSpec, p: CostParams,
@@ -129,14 +139,16 @@ def block_times(model: ModelSpec, plan: Plan, seq_len: int, gpu: GPUSpec, p: Cos
     shapes = _linear_shapes(model, plan, tokens)
     lin_fwd = sum(gemm_time(m, n, k, lin_peak, gpu, p) for m, n, k in shapes)
     lin_flops = sum(2.0 * m * n * k for m, n, k in shapes)
+    if model.is_moe:  # the router (last shape) runs replicated on every TP rank: count it once
+        m_, n_, k_ = shapes[-1]
+        lin_flops -= 2.0 * m_ * n_ * k_ * (1 - 1 / plan.tp)
     att_fwd, att_bwd, att_flops = attention_core(model, plan, b, s, gpu, p, peak)
-    traffic = p.compiled_traffic_factor if plan.compile else p.eager_traffic_factor
-    ew = elementwise_bytes(model, plan, tokens, p) * traffic
+    ew = elementwise_bytes(model, plan, tokens)
     if plan.precision == "fp8":  # casts of inputs+weights (fwd) and output grads (bwd)
         ew += p.fp8_cast_bytes_per_elem * sum(m * k + k * n for m, n, k in shapes[:4])
     ew_fwd = _mem_time(ew, gpu, p)
     fwd = lin_fwd + att_fwd + ew_fwd
-    bwd_in = lin_fwd + att_bwd + 2 * ew_fwd
+    bwd_in = lin_fwd + att_bwd + ELEMENTWISE_BWD_RATIO * ew_fwd
     bwd_w = lin_fwd
     rc = recompute_time(plan.recompute, lin_fwd, att_fwd, ew_fwd, fwd) * recompute_fraction
     rc_flops = {"full": lin_flops + att_flops, "op": lin_flops / 2,
@@ -163,10 +175,12 @@ def output_layer_times(model: ModelSpec, plan: Plan, seq_len: int, gpu: GPUSpec,
     peak = gpu.peak("bf16" if plan.precision == "fp8" else plan.precision)
     v = model.vocab_size / plan.tp
     g = gemm_time(tokens, v, model.hidden_size, peak, gpu, p)
-    # logits bf16 write, fp32 upcast, softmax/logsumexp read+write; backward the same again.
-    ce = _mem_time(tokens * v * (2 + 4 + 4 + 4), gpu, p)
+    # Unfused: logits bf16 write, fp32 upcast, log-softmax read+write (14 B/elem), backward
+    # the same again. Fused (one kernel computes loss and gradient in place): read 2 + write 2.
+    per_elem = (4.0, 0.0) if plan.fused_loss else (14.0, 14.0)
+    ce_f, ce_b = (_mem_time(tokens * v * b, gpu, p) for b in per_elem)
     flops = 2.0 * tokens * v * model.hidden_size
-    return PassTimes(fwd_s=g + ce, bwd_input_s=g + ce, bwd_weight_s=g, recompute_s=0.0,
+    return PassTimes(fwd_s=g + ce_f, bwd_input_s=g + ce_b, bwd_weight_s=g, recompute_s=0.0,
                      fwd_flops=flops, recompute_flops=0.0)
 
 

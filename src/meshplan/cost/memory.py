@@ -63,7 +63,7 @@ def activation_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> tu
     else:
         split += 4 * f
     if not plan.flash_attention and plan.recompute not in ("selective", "full"):
-        split += 5 * model.num_attention_heads * seq_len / plan.cp  # softmax, mask, dropout
+        split += 5 * model.num_attention_heads * seq_len  # scores over all s keys: softmax, mask, dropout
     layer_input = 2 * h / sp
     return rep / sp + split / t, layer_input
 

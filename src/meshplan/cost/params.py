@@ -33,13 +33,8 @@ class CostParams:
     flash_bwd_flop_ratio: float = 2.5
     """Backward/forward matmul FLOPs of FlashAttention (5 matmuls vs 2; Dao 2023)."""
     hbm_efficiency: float = 0.80
-    """Achieved fraction of HBM bandwidth by elementwise kernels (STREAM-like copies reach
-    ~85-90% on A100/H100; norm and activation kernels less)."""
-    eager_traffic_factor: float = 2.0
-    """FITTED. HBM traffic of unfused (eager) elementwise code relative to one read + one write
-    per op: eager RMSNorm/SiLU/rotary upcast to fp32 and run several kernels each."""
-    compiled_traffic_factor: float = 0.6
-    """FITTED. The same with torch.compile / fused kernels: producers and consumers fused."""
+    """FITTED. Achieved fraction of HBM bandwidth by elementwise kernels (STREAM-like copies
+    reach ~85-90% on A100/H100; norm and activation kernels less)."""
     fp8_cast_bytes_per_elem: float = 3.0
     """Bytes moved to cast one GEMM input element to fp8 with delayed/dynamic scaling
     (read bf16 2 B + write fp8 1 B), forward inputs and weights, backward grads."""

@@ -86,16 +86,30 @@ def _shard_group(c: _Ctx) -> Group:
     return Group.of(c.cluster, c.plan.effective_shard, c.plan.tp)
 
 
+def _fsdp_per_step(plan: Plan) -> bool:
+    """FSDP under a pipeline gathers once per step: torch.distributed.pipelining disables
+    resharding and gradient sync for all but the last micro-batch (torchtitan's PP+FSDP)."""
+    return plan.zero == 3 and plan.pp > 1
+
+
 def _fsdp_block(c: _Ctx, blk: PassTimes) -> tuple[float, float]:
     """(exposed, overlapped) seconds of FSDP traffic for one block, one micro-batch."""
     if c.plan.zero != 3 or c.plan.effective_shard == 1:
         return 0.0, 0.0
-    g = _shard_group(c)
-    lp = _layer_params_local(c.model, c.plan)
-    ag = g.all_gather(2.0 * lp)
-    rs = g.reduce_scatter(c.p.fsdp_reduce_bytes * lp)
+    if _fsdp_per_step(c.plan):
+        ag, rs = _fsdp_block_collectives(c)
+        ovl = (2 * ag + rs) / max(1, c.microbatches)  # once per step, spread over micro-batches
+        return 0.0, ovl
+    ag, rs = _fsdp_block_collectives(c)
     exposed = max(0.0, ag - blk.fwd_s) + max(0.0, ag + rs - (blk.bwd_s + blk.recompute_s))
     return exposed, 2 * ag + rs - exposed
+
+
+def _fsdp_block_collectives(c: _Ctx) -> tuple[float, float]:
+    """(all-gather of bf16 params, reduce-scatter of grads) seconds for one block."""
+    g = _shard_group(c)
+    lp = _layer_params_local(c.model, c.plan)
+    return g.all_gather(2.0 * lp), g.reduce_scatter(c.p.fsdp_reduce_bytes * lp)
 
 
 def _stage_time(c: _Ctx, i: int, layers: int, blk: PassTimes, emb: PassTimes,
@@ -119,7 +133,9 @@ def _stage_time(c: _Ctx, i: int, layers: int, blk: PassTimes, emb: PassTimes,
     pp_g = Group.of(c.cluster, 2, c.plan.tp * c.plan.cp * c.plan.dp) if c.plan.pp > 1 else None
     p2p = 0.0
     if pp_g is not None:
-        act = c.tokens * c.model.hidden_size * ACT_BYTES / c.plan.tp  # scatter-gather / SP
+        act = c.tokens * c.model.hidden_size * ACT_BYTES
+        if c.plan.p2p_sharded:
+            act /= c.plan.tp  # Megatron scatter-gather, or sequence-parallel activations
         p2p = 2 * c.plan.virtual_stages * pp_g.send_recv(act) * c.p.pp_p2p_exposed
     return {"compute": compute, "recompute": rc_layers * blk.recompute_s,
             "tp_comm": tp_exposed, "tp_comm_overlapped": tp - tp_exposed, "cp_comm": cp,
@@ -135,13 +151,15 @@ def _dp_end_of_step(c: _Ctx, params_local: float, last_bwd: float) -> tuple[floa
         return 0.0, 0.0
     if plan.zero == 3:
         g = _shard_group(c)
-        t = g.all_gather(2.0 * params_local / max(1, c.model.num_layers))  # first layer, once
+        t = g.all_gather(2.0 * _layer_params_local(c.model, plan))  # first layer, once
         if plan.effective_shard < n_dp:  # HSDP: all-reduce shards across replicas
             rep = Group.of(c.cluster, n_dp // plan.effective_shard, plan.tp * plan.effective_shard)
             t += rep.all_reduce(c.p.fsdp_reduce_bytes * params_local / plan.effective_shard)
         return t, 0.0
     g = Group.of(c.cluster, n_dp, plan.tp)
-    grads = 2.0 * params_local
+    # fp32 main grads with a distributed optimizer (Megatron, DeepSpeed bf16 optimizer);
+    # 16-bit gradient all-reduce for plain DDP.
+    grads = (4.0 if plan.zero >= 1 else 2.0) * params_local
     sync = g.all_reduce(grads) if plan.zero == 0 else g.reduce_scatter(grads)
     bucket = g.all_reduce(min(grads, c.p.dp_bucket_mib * 2**20))
     # With a pipeline the gradient sync starts after the last micro-batch's backward of the
@@ -175,6 +193,9 @@ def _stage_memory(c: _Ctx, i: int, layers: int, params_local: float) -> StageMem
     first, last = i == 0, i == plan.pp - 1
     lp = _layer_params_local(m, plan)
     w, g, o, buffers = model_state_bytes(params_local, lp, plan, c.p)
+    if _fsdp_per_step(plan):  # unsharded bf16 params + fp32 grads of the stage, whole step
+        w += 2.0 * params_local
+        g += 4.0 * params_local
     kept, transient = block_activation_bytes(m, plan, c.work.seq_len, layers)
     acts = kept * in_flight(plan, i, c.microbatches)
     if first:

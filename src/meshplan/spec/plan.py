@@ -68,6 +68,9 @@ class Plan:
     fused_loss: bool = False
     """Cross-entropy fused with the logits (in-place softmax/grad, no fp32 copy of the logits:
     ~4 B per logit alive instead of ~10 B), as llm-foundry's fused_crossentropy or Liger."""
+    p2p_sharded: bool = True
+    """Pipeline sends carry 1/tp of the activation (Megatron's scatter-gather, or sequence
+    parallel); False: every TP rank sends the whole tensor (DeepSpeed's pipeline engine)."""
     async_tp: bool = False
     """Overlap TP communication with the matmuls (torchtitan AsyncTP / Megatron tp-comm-overlap)."""
     stage_layers: tuple[int, ...] | None = None
