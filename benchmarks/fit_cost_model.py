@@ -5,8 +5,8 @@
 Free parameters (all physically meaningful, bounded to plausible ranges):
   per GPU type: gemm_efficiency, attention_efficiency (GPU data files)
   global (CostParams): gemm_half_dim, hbm_efficiency,
-  flash_bwd_efficiency, tp_exposed_async, pressure_threshold, pressure_slowdown.
-Objective: per source, mean squared log error plus a penalty on rows beyond 15%; sources
+  flash_bwd_efficiency, tp_exposed_async.
+Objective: per source, mean absolute log error plus a penalty on rows beyond 15%; sources
 weigh equally so the 139 MosaicML rows do not drown the others. Needs scipy (dev only).
 Writes benchmarks/results/fit_cost_model.json. Paste the values into the GPU files and
 src/meshplan/cost/params.py by hand: the fit informs, the code states.
@@ -30,10 +30,9 @@ from meshplan.validate.report import default_runs_path  # noqa: E402
 from meshplan.validate.runs import load_runs  # noqa: E402
 
 GLOBAL = {  # name: (low, high)
-    "gemm_half_dim": (16.0, 256.0), "hbm_efficiency": (0.5, 0.95),
+    "gemm_half_dim": (16.0, 512.0), "hbm_efficiency": (0.5, 0.95),
     "flash_bwd_efficiency": (0.6, 1.0),
-    "tp_exposed_async": (0.2, 1.0), "pressure_threshold": (0.6, 0.97),
-    "pressure_slowdown": (0.0, 1.0),
+    "tp_exposed_async": (0.2, 1.0),
 }
 PER_GPU = {"gemm_efficiency": (0.4, 0.9), "attention_efficiency": (0.15, 0.75)}
 
@@ -42,11 +41,14 @@ def _cases(path: str) -> list:
     return [c for c in load_runs(path) if c.status == "ok" and c.measured_step_time_s]
 
 
-START = {"a100-sxm-80gb.gemm_efficiency": 0.8, "a100-sxm-40gb.gemm_efficiency": 0.8,
-         "pressure_threshold": 0.75, "pressure_slowdown": 0.3}
+START = {  # a starting point away from the shallow minima near the current values"a100-sxm-80gb.gemm_efficiency": 0.82, "a100-sxm-40gb.gemm_efficiency": 0.82,
+         "a100-sxm-80gb.attention_efficiency": 0.35, "a100-sxm-40gb.attention_efficiency": 0.35,
+         "h100-sxm-96gb-500w.gemm_efficiency": 0.55, "h100-sxm-96gb-500w.attention_efficiency": 0.25,
+         "gemm_half_dim": 250.0}
 
 
-def _space(cases: list) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+def _space(cases: list, start: dict[str, float] | None = None,
+           ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     gpus = sorted({c.cluster.gpu.name for c in cases})
     names, lo, hi, x0 = [], [], [], []
     for g in gpus:
@@ -56,7 +58,7 @@ def _space(cases: list) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
             names.append(f"{g}.{k}"); lo.append(a); hi.append(b); x0.append(min(b, max(a, v)))
     for k, (a, b) in GLOBAL.items():
         names.append(k); lo.append(a); hi.append(b); x0.append(min(b, max(a, getattr(DEFAULT_PARAMS, k))))
-    x0 = [START.get(n, v) for n, v in zip(names, x0)]
+    x0 = [(start or {}).get(n, v) for n, v in zip(names, x0)]
     return names, np.array(lo), np.array(hi), np.array(x0)
 
 
@@ -78,7 +80,7 @@ def loss(cases: list, names: list[str], x: np.ndarray) -> float:
     total = 0.0
     for v in by.values():
         a = np.array(v)
-        total += float(np.mean(a**2) + 5 * np.mean(np.maximum(0, np.abs(a) - 0.15) ** 2))
+        total += float(np.mean(np.abs(a)) + 2 * np.mean(np.maximum(0, np.abs(a) - 0.15)))
     return total
 
 
@@ -103,7 +105,7 @@ def main() -> None:
     ap.add_argument("--show-only", action="store_true", help="report the current values, no fit")
     args = ap.parse_args()
     cases = _cases(args.runs)
-    names, lo, hi, x0 = _space(cases)
+    names, lo, hi, x0 = _space(cases, None if args.show_only else START)
     x = x0
     if not args.show_only:
         from scipy.optimize import minimize

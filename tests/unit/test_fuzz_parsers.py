@@ -413,17 +413,12 @@ def test_from_dict_odd_keys_and_values():
 # known bugs outside the files this suite may fix (model.py / cluster.py): see the report.
 
 
-@pytest.mark.xfail(strict=True, raises=ZeroDivisionError,
-                   reason="cluster.py: ClusterSpec.__post_init__ does num_nodes % nodes_per_dc without "
-                          "checking nodes_per_dc > 0 (io.cluster_from_dict guards the file path)")
 def test_clusterspec_nodes_per_dc_zero_direct():
     c = load_cluster("h100-sxm-80gb:64")
     with pytest.raises(MeshplanError):
         c.replace(nodes_per_dc=0)
 
 
-@pytest.mark.xfail(strict=True, reason="model.py: head_dim, max_position_embeddings and "
-                                       "expert_ffn_hidden_size are not checked to be > 0")
 @pytest.mark.parametrize("field", ["head_dim", "max_position_embeddings", "expert_ffn_hidden_size"])
 def test_model_optional_sizes_must_be_positive(field):
     with pytest.raises(MeshplanError):

@@ -11,7 +11,7 @@ TIME_LABELS = {
     "compute": "compute (fwd+bwd)", "recompute": "recompute", "tp_comm": "TP/SP communication",
     "cp_comm": "CP communication", "ep_comm": "EP all-to-all", "dp_comm": "DP/FSDP communication",
     "pp_comm": "pipeline send/recv", "bubble": "pipeline bubble", "optimizer": "optimizer step",
-    "overhead": "fixed overhead", "memory_pressure": "allocator pressure (near full HBM)",
+    "overhead": "fixed overhead",
 }
 
 

@@ -209,15 +209,6 @@ def _stage_memory(c: _Ctx, i: int, layers: int, params_local: float) -> StageMem
                        overhead=c.p.framework_overhead_gib * GiB)
 
 
-def _pressure_slowdown(utilisation: float, p: CostParams) -> float:
-    """Relative slowdown of a step whose peak memory is ``utilisation`` of HBM (0 below the
-    threshold; for plans predicted not to fit it is capped at the 100% value)."""
-    u = min(1.0, utilisation)
-    if u <= p.pressure_threshold:
-        return 0.0
-    return p.pressure_slowdown * (u - p.pressure_threshold) / (1.0 - p.pressure_threshold)
-
-
 def check(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload) -> None:
     """Raise MeshplanError naming every reason the plan cannot run (memory aside)."""
     bad = violations(model, cluster, plan, work)
@@ -252,10 +243,6 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
     step = busy + bubble + dp_exp + opt + params.step_overhead_s
     mems = [_stage_memory(c, i, n, plocal[i]) for i, n in enumerate(split)]
     worst = max(mems, key=lambda sm: sm.total)
-    slow = _pressure_slowdown(worst.total / GiB / cluster.gpu.memory_gib, params)
-    if slow > 0:
-        time["memory_pressure"] = slow * step
-        step *= 1 + slow
     return _report(c, step, time, mems, worst, blk, out)
 
 

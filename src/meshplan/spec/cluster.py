@@ -61,8 +61,12 @@ class GPUSpec:
         positive(f"{w}: hbm_bandwidth_gbps", self.hbm_bandwidth_gbps)
         positive(f"{w}: intra_node_bandwidth_gbps", self.intra_node_bandwidth_gbps)
         positive(f"{w}: price_per_hour_usd", self.price_per_hour_usd, allow_zero=True)
-        if not 0 < self.gemm_efficiency <= 1:
-            raise MeshplanError(f"{w}: gemm_efficiency must be in (0, 1]; got {self.gemm_efficiency}")
+        positive(f"{w}: default_nic_gbps", self.default_nic_gbps)
+        positive(f"{w}: tdp_w", self.tdp_w, allow_zero=True)
+        for f in ("gemm_efficiency", "attention_efficiency"):
+            v = getattr(self, f)
+            if v is not None and not 0 < v <= 1:
+                raise MeshplanError(f"{w}: {f} must be in (0, 1]; got {v}")
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``. fp8 falls back to the 16-bit peak (fp8 runs as 16-bit on
@@ -127,6 +131,8 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         positive(f"cluster {self.name}: num_nodes", self.num_nodes)
         positive(f"cluster {self.name}: gpus_per_node", self.gpus_per_node)
+        if self.nodes_per_dc is not None:
+            positive(f"cluster {self.name}: nodes_per_dc", self.nodes_per_dc)
         if self.inter_dc is not None and not self.nodes_per_dc:
             raise MeshplanError(f"cluster {self.name}: inter_dc given but nodes_per_dc is missing")
         if self.nodes_per_dc is not None and self.num_nodes % self.nodes_per_dc:

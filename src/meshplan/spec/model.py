@@ -68,6 +68,9 @@ class ModelSpec:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                   "vocab_size", "seq_len", "num_experts", "experts_per_token"):
             positive(f"{w}: {f}", getattr(self, f))
+        for f in ("num_kv_heads", "head_dim", "max_position_embeddings", "expert_ffn_hidden_size"):
+            if getattr(self, f) is not None:
+                positive(f"{w}: {f}", getattr(self, f))
         choice(f"{w}: mlp_type", self.mlp_type, MLP_TYPES)
         choice(f"{w}: position", self.position, POSITIONS)
         choice(f"{w}: norm", self.norm, NORMS)

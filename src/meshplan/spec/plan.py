@@ -149,7 +149,10 @@ def parse_plan(text: str) -> Plan:
             raise MeshplanError(f"plan: {part!r} is not key=value",
                                 hint="e.g. --plan tp=8,pp=4,dp=16,micro_batch=1")
         key, value = (s.strip() for s in part.split("=", 1))
-        key = PLAN_KEY_ALIASES.get(key.lower(), key.lower())
+        raw_key = key.lower()
+        key = PLAN_KEY_ALIASES.get(raw_key, raw_key)
+        if raw_key == "fsdp":  # fsdp=1/true means ZeRO-3; fsdp=0/false means no sharding
+            value = "3" if value.strip().lower() in ("1", "true", "yes", "on", "fsdp") else "0"
         if key not in fields:
             raise MeshplanError(f"plan: unknown key {key!r}{_closest(key, fields)}",
                                 hint="known keys: " + ", ".join(fields))
@@ -157,7 +160,7 @@ def parse_plan(text: str) -> Plan:
             raise MeshplanError(f"plan: {key!r} given twice")
         if key == "schedule":
             value = SCHEDULE_ALIASES.get(value.lower(), value.lower())
-        if key == "fsdp" or (key == "zero" and value.lower() in ("fsdp", "true", "yes")):
+        if key == "zero" and value.lower() in ("fsdp", "true", "yes"):
             value = "3"
         if key == "stage_layers":
             kwargs[key] = tuple(_coerce(v, int, "plan.stage_layers") for v in value.replace(";", ":").split(":"))
