@@ -17,9 +17,11 @@ from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
 from meshplan.units import GiB
 
-LOGITS_BYTES_PER_ELEM = 10.0
-"""Bytes per logit element alive at the loss: bf16 logits 2 + fp32 upcast 4 + fp32 log-softmax
-kept for backward 4 (PyTorch cross_entropy on upcast logits; Megatron vocab-parallel CE alike)."""
+LOGITS_BYTES_PER_ELEM = 14.0
+"""Bytes per logit element alive at the start of the loss backward: bf16 logits 2 + fp32
+upcast 4 + fp32 log-softmax kept for backward 4 + its fp32 gradient 4 (PyTorch cross_entropy
+on upcast logits, as torchtitan; Megatron's vocab-parallel CE alike). Checked against
+torchtitan's measured peaks (shared/data rows 77-86)."""
 FUSED_LOGITS_BYTES_PER_ELEM = 4.0
 """The same with a fused cross-entropy: bf16 logits 2 + their gradient written in place 2."""
 
