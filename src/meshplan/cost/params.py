@@ -61,8 +61,8 @@ class CostParams:
     """Fraction of pipeline point-to-point transfer time on the critical path (blocking sends
     in Megatron/DeepSpeed; torch.distributed.pipelining also waits on recv before compute)."""
     allocator_fragmentation: float = 0.06
-    """FITTED. Extra reserved memory of the caching allocator over live tensors (fraction of
-    the peak of activations and transient buffers)."""
+    """FITTED (memory rows; benchmarks/fit_cost_model.py --memory). Extra reserved memory of the
+    caching allocator over live tensors (fraction of activations and transient buffers)."""
     framework_overhead_gib: float = 1.0
     """Memory held by NCCL buffers, cuBLAS workspaces and framework state, GiB (measured: ~0.5-1.5
     GiB in torch.cuda.memory_reserved() on an idle trained step)."""
@@ -77,3 +77,17 @@ class CostParams:
 
 
 DEFAULT_PARAMS = CostParams()
+
+#: How each number was obtained: "fitted" to the published runs, "measured" (a constant
+#: measured or published elsewhere), or "derived" (first principles / framework defaults).
+PARAM_KINDS: dict[str, str] = {
+    "gemm_half_dim": "fitted", "flash_fwd_efficiency": "derived", "flash_bwd_efficiency": "fitted",
+    "attn_headdim_half": "measured", "flash_bwd_flop_ratio": "derived", "hbm_efficiency": "fitted",
+    "fp8_cast_bytes_per_elem": "derived", "optimizer_bytes_per_param": "derived",
+    "tp_exposed_async": "fitted", "dp_bucket_mib": "derived", "fsdp_reduce_bytes": "derived",
+    "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
+    "pp_p2p_exposed": "derived", "allocator_fragmentation": "fitted",
+    "framework_overhead_gib": "measured", "memory_margin": "derived", "step_overhead_s": "derived",
+}
+#: Per-GPU numbers in the GPU data files that are fitted (the rest are datasheet values).
+GPU_FITTED_FIELDS = ("gemm_efficiency", "attention_efficiency")

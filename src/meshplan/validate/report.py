@@ -214,7 +214,32 @@ def to_markdown(result: dict[str, Any]) -> str:
     align = ["---"] * 4 + ["---:"] * 6 + ["---", "---"]
     lines += ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
     lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in body]
+    lines += ["", *_constants_section()]
     return "\n".join(lines) + "\n"
+
+
+def _constants_section() -> list[str]:
+    """Which numbers of the cost model are fitted, measured elsewhere, or derived."""
+    import dataclasses
+
+    from meshplan.cost.params import DEFAULT_PARAMS, GPU_FITTED_FIELDS, PARAM_KINDS
+    from meshplan.spec.io import load_gpu, preset_names
+    lines = ["## Cost-model constants", "",
+             "`fitted`: fitted to the published runs by benchmarks/fit_cost_model.py; "
+             "`measured`: a constant measured or published elsewhere; `derived`: first "
+             "principles or framework defaults. Descriptions and sources: "
+             "src/meshplan/cost/params.py and docs/cost-model.md.", ""]
+    body = [[f.name, f"{getattr(DEFAULT_PARAMS, f.name):g}", PARAM_KINDS.get(f.name, "?")]
+            for f in dataclasses.fields(DEFAULT_PARAMS)]
+    lines += _md_table(["constant", "value", "kind"], body, numeric_from=1)
+    lines += ["", "Per-GPU fitted values (other GPU fields are datasheet numbers):", ""]
+    rows = []
+    for name in preset_names("gpus"):
+        g = load_gpu(name)
+        vals = [getattr(g, f) for f in GPU_FITTED_FIELDS]
+        rows.append([name] + ["-" if v is None else f"{v:g}" for v in vals])
+    lines += _md_table(["gpu", *GPU_FITTED_FIELDS], rows)
+    return lines
 
 
 def _aligned(head: list[str], body: list[list[str]], left: set[int]) -> list[str]:
@@ -230,12 +255,11 @@ def _aligned(head: list[str], body: list[list[str]], left: set[int]) -> list[str
 
 def to_text(result: dict[str, Any], *, note_width: int = 60) -> str:
     """Aligned plain-text tables for the terminal."""
-    lines = _summary_lines(result) + [""]
-    lines += _aligned(*_src_table(result), left={0})
-    lines.append("")
     head, body = _row_table(result, note_width)
     for row in body:
         if len(row[2]) > 24:
             row[2] = row[2][:21] + "..."
-    lines += _aligned(head, body, left={0, 1, 2, 3, 10, 11})
+    lines = _aligned(head, body, left={0, 1, 2, 3, 10, 11}) + [""]
+    lines += _aligned(*_src_table(result), left={0})
+    lines += [""] + _summary_lines(result)
     return "\n".join(lines) + "\n"
