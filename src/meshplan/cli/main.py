@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--seq-len", type=_positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
     es.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
+    from meshplan.cli import plan_cmd
+    plan_cmd.add_parser(sub, _positive_int)
+
     va = sub.add_parser("validate", help="compare the cost model with published measured runs")
     va.add_argument("--runs", help="CSV in the format of published_runs_dev.csv (default: the shipped dev set)")
     va.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -108,7 +111,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"presets": cmd_presets, "estimate": cmd_estimate, "validate": cmd_validate}
+def cmd_plan(args: argparse.Namespace) -> int:
+    from meshplan.cli.plan_cmd import run
+    return run(args)
+
+
+COMMANDS = {"presets": cmd_presets, "estimate": cmd_estimate, "validate": cmd_validate,
+            "plan": cmd_plan}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,88 @@
+"""Cheap exact lower bounds that reject plans before the full cost estimate.
+
+A bound may only reject a plan that `meshplan.cost.estimate` would also find not to fit
+(tests check this on random plans and on whole small spaces). Two are used:
+
+1. Model states (``states_lower_bound_gib``). The estimate's peak memory of a stage is
+   weights + grads + optimizer + activations + transient + overhead, every part >= 0, and the
+   first three are ``meshplan.cost.memory.model_state_bytes(stage params, ...)`` (FSDP under a
+   pipeline adds more, ignored here). So states(first stage) and states(last stage), plus the
+   fixed framework overhead, bound the peak from below. Stage parameters are counted as the
+   cost model counts them (blocks split by TP and EP; embedding on the first stage; final norm
+   and output projection, a copy when tied, on the last). The bytes per parameter come from
+   the cost model's own function, called once per distinct (degrees, zero, offload, split).
+
+2. Micro-batch monotonicity (used by the search driver, not here): with every other field
+   fixed, the estimate's peak memory does not decrease with micro_batch (kept activations
+   scale with micro_batch x micro-batches in flight, which never shrinks: GPipe keeps
+   B/dp sequences, 1F1B min(B/dp, (pp - i) x micro_batch); transients scale with it). So once
+   a micro-batch size does not fit, the larger ones of the same plan are not estimated.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from meshplan.cost.memory import model_state_bytes
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.search.columns import NONE_CODE, PlanColumns
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan
+from meshplan.units import GiB
+
+_STATE_KEYS = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "offload_optimizer",
+               "offload_params", "stage_layers")
+
+
+def usable_gib(cluster: ClusterSpec, params: CostParams = DEFAULT_PARAMS) -> float:
+    """Memory a plan may use to 'fit' (the cost model's definition)."""
+    return cluster.gpu.memory_gib * (1 - params.memory_margin)
+
+
+def layer_params_local(model: ModelSpec, tp: int, ep: int) -> float:
+    """Parameters of one block on one GPU before ZeRO sharding (TP and EP splits)."""
+    if model.is_moe:
+        experts = model.num_experts * model.mlp_params(model.expert_ffn)
+        return (model.layer_params() - experts + experts / ep) / tp
+    return model.layer_params() / tp
+
+
+def _first_last_layers(model: ModelSpec, pp: int, split: tuple[int, ...] | None) -> tuple[int, int]:
+    if split is not None:
+        return split[0], split[-1]
+    base, extra = divmod(model.num_layers, pp)  # meshplan.cost.schedule.stage_layers
+    return base + (1 if extra > 0 else 0), base + (1 if pp - 1 < extra else 0)
+
+
+def _stage_states(model: ModelSpec, plan: Plan, p: CostParams) -> float:
+    """max over the first and last stage of weights + grads + optimizer bytes."""
+    m, t = model, plan.tp
+    lp = layer_params_local(m, t, plan.ep)
+    n_first, n_last = _first_last_layers(m, plan.pp, plan.stage_layers)
+    first = n_first * lp + m.embedding_params() / t
+    last = n_last * lp + (m.norm_params() + m.vocab_size * m.hidden_size) / t
+    if plan.pp == 1:
+        first = last = first + last - n_last * lp - (m.vocab_size * m.hidden_size / t if m.tied_embeddings else 0.0)
+    best = 0.0
+    for params in (first, last):
+        w, g, o, _ = model_state_bytes(params, lp, plan, p)
+        best = max(best, w + g + o)
+    return best
+
+
+def states_lower_bound_gib(model: ModelSpec, cols: PlanColumns,
+                           params: CostParams = DEFAULT_PARAMS) -> np.ndarray:
+    """Per row: a lower bound on the estimate's peak memory per GPU, GiB."""
+    n = cols.num_rows
+    if n == 0:
+        return np.zeros(0)
+    keys = np.stack([cols[k].astype(np.int64) for k in _STATE_KEYS], axis=1)
+    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    out = np.empty(len(uniq))
+    for i, row in enumerate(uniq.tolist()):
+        d = dict(zip(_STATE_KEYS, row))
+        code = d.pop("stage_layers")
+        plan = Plan(**{k: (bool(v) if k.startswith("offload") else v) for k, v in d.items()},
+                    stage_layers=None if code == NONE_CODE else cols.stage_table[code])
+        out[i] = _stage_states(model, plan, params)
+    return out[inverse.reshape(-1)] / GiB + params.framework_overhead_gib

@@ -1,0 +1,192 @@
+"""Vectorised feasibility predicates: one boolean mask per name, True where a plan violates it.
+
+The names and meanings are those of ``meshplan.spec.constraints.CHECKS`` (a test checks, on
+random plans, that every mask equals the scalar predicate). A predicate added there without
+a vectorised twin here is still applied, row by row (slow, logged once), so the search never
+accepts a plan that `estimate` would refuse.
+
+Search-only rule (not a property of the plan but of the runtime it will run on):
+  ZERO_BUBBLE_DP: zero-bubble schedules (zero-bubble, zbv) with data parallelism (dp*cp > 1:
+  the gradients are synchronised by DDP or FSDP) give wrong gradients with no error on
+  torch 2.13 (issue 4's pitfalls: 0.66-0.85 of the reference gradient norm); without data
+  parallelism they are correct.
+
+Each rejected plan is counted once, under the first name it violates in the order of
+`reason_names()` (the constraints, then ZERO_BUBBLE_DP, COST_MODEL_REFUSED, OUT_OF_MEMORY).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.constraints import CHECKS, Context
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Workload
+
+log = logging.getLogger(__name__)
+
+ZERO_BUBBLE_DP = "zero-bubble schedule with data parallel gives wrong gradients in torch 2.13"
+OUT_OF_MEMORY = "out of memory"
+COST_MODEL_REFUSED = "refused by the cost model"
+"""A plan every constraint accepts but `estimate` raised on (should not happen; counted, with
+the estimate's message as its example, rather than stopping the search)."""
+
+Masker = Callable[[ModelSpec, ClusterSpec, Workload, PlanColumns], np.ndarray]
+
+
+def _i64(cols: PlanColumns, f: str) -> np.ndarray:
+    return cols[f].astype(np.int64)
+
+
+def _code(field: str, value: str) -> int:
+    return CATEGORIES[field].index(value)
+
+
+def gpus_match(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return _i64(cols, "tp") * _i64(cols, "pp") * _i64(cols, "dp") * _i64(cols, "cp") != c.num_gpus
+
+
+def tp_divides_heads(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    tp = _i64(cols, "tp")
+    return (m.num_attention_heads % tp != 0) | ((m.kv_heads % tp != 0) & (tp % m.kv_heads != 0))
+
+
+def tp_divides_ffn(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    f = m.expert_ffn if m.is_moe else m.ffn_hidden_size
+    return f % _i64(cols, "tp") != 0
+
+
+def tp_within_node(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    tp = _i64(cols, "tp")
+    return (tp > c.gpus_per_node) | (c.gpus_per_node % tp != 0)
+
+
+def _stage_stats(cols: PlanColumns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: (has explicit stage_layers, their sum, gcd of their entries)."""
+    code = _i64(cols, "stage_layers")
+    table = cols.stage_table
+    sums = np.asarray([sum(s) for s in table] + [0], dtype=np.int64)
+    gcds = np.asarray([int(np.gcd.reduce(np.asarray(s, dtype=np.int64))) if s else 0 for s in table] + [0],
+                      dtype=np.int64)
+    return code != NONE_CODE, sums[code], gcds[code]  # code -1 reads the sentinel entry
+
+
+def layers_split(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    L = m.num_layers
+    v = _i64(cols, "virtual_stages")
+    explicit, total, g = _stage_stats(cols)
+    bad_explicit = (total != L) | ((v > 1) & (g % v != 0))
+    chunks = _i64(cols, "pp") * v
+    bad_even = (chunks > L) | (L % chunks != 0)
+    return np.where(explicit, bad_explicit, bad_even)
+
+
+def batch_divides(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return w.global_batch % (_i64(cols, "dp") * _i64(cols, "micro_batch")) != 0
+
+
+def schedule_fits(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    s, v, pp = cols["schedule"], _i64(cols, "virtual_stages"), _i64(cols, "pp")
+    inter, zbv = s == _code("schedule", "interleaved-1f1b"), s == _code("schedule", "zbv")
+    micro = w.global_batch // np.maximum(1, _i64(cols, "dp") * _i64(cols, "micro_batch"))
+    return (((v > 1) & ~inter & ~zbv)
+            | (inter & (pp > 1) & (v > 1) & (micro % pp != 0))
+            | (zbv & (v != 2)))
+
+
+def cp_divides_seq(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    cp = _i64(cols, "cp")
+    return (cp > 1) & (w.seq_len % (2 * cp) != 0)
+
+
+def sp_needs_tp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return cols["sequence_parallel"] & (cols["tp"] == 1)
+
+
+def ep_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    ep = _i64(cols, "ep")
+    dpc = _i64(cols, "dp") * _i64(cols, "cp")
+    bad = (m.num_experts % ep != 0) | (dpc % ep != 0) if m.is_moe else np.ones(len(ep), dtype=bool)
+    return (ep != 1) & bad
+
+
+def hybrid_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    sg = _i64(cols, "shard_group")
+    dpc = _i64(cols, "dp") * _i64(cols, "cp")
+    on = sg != 0
+    return on & ((cols["zero"] == 0) | (dpc % np.where(on, sg, 1) != 0))
+
+
+def offload_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    z = cols["zero"]
+    return ((cols["offload_params"] & (z != 3))
+            | (cols["offload_optimizer"] & (z == 0) & (cols["dp"] > 1)))
+
+
+def precision_supported(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    fp8 = cols["precision"] == _code("precision", "fp8")
+    return fp8 & ("fp8" not in c.gpu.peak_tflops)
+
+
+def zero_bubble_dp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    s = cols["schedule"]
+    zb = (s == _code("schedule", "zero-bubble")) | (s == _code("schedule", "zbv"))
+    return zb & (_i64(cols, "dp") * _i64(cols, "cp") > 1)
+
+
+VECTOR_CHECKS: dict[str, Masker] = {
+    "gpu count mismatch": gpus_match,
+    "tp does not divide heads": tp_divides_heads,
+    "tp does not divide ffn": tp_divides_ffn,
+    "tp larger than a node": tp_within_node,
+    "layers do not split into stages": layers_split,
+    "batch not divisible": batch_divides,
+    "schedule incompatible": schedule_fits,
+    "cp does not divide sequence": cp_divides_seq,
+    "sequence parallel without tp": sp_needs_tp,
+    "invalid expert parallel": ep_valid,
+    "invalid hybrid sharding": hybrid_valid,
+    "invalid offload": offload_valid,
+    "precision unsupported": precision_supported,
+}
+SEARCH_CHECKS: dict[str, Masker] = {ZERO_BUBBLE_DP: zero_bubble_dp}
+
+
+def reason_names() -> list[str]:
+    """Every rejection reason, in counting order."""
+    return list(CHECKS) + list(SEARCH_CHECKS) + [COST_MODEL_REFUSED, OUT_OF_MEMORY]
+
+
+def _scalar_mask(name: str, model: ModelSpec, cluster: ClusterSpec, work: Workload,
+                 cols: PlanColumns) -> np.ndarray:
+    log.warning("constraint %r has no vectorised form in meshplan.search.constraints; "
+                "checking it plan by plan", name)
+    fn = CHECKS[name]
+    return np.asarray([fn(Context(model, cluster, p, work)) is not None for p in cols.plans()],
+                      dtype=bool)
+
+
+def violation_masks(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanColumns,
+                    *, search_rules: bool = True) -> dict[str, np.ndarray]:
+    """{name: mask of rows violating it} for every constraint of CHECKS (and, with
+    ``search_rules``, the search-only rules)."""
+    out = {}
+    for name in CHECKS:
+        fn = VECTOR_CHECKS.get(name)
+        out[name] = (fn(model, cluster, work, cols) if fn is not None
+                     else _scalar_mask(name, model, cluster, work, cols))
+    if search_rules:
+        out |= {name: fn(model, cluster, work, cols) for name, fn in SEARCH_CHECKS.items()}
+    return out
+
+
+def first_violation(masks: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """Per row, the index (into the order of ``masks``) of the first violated rule; -1 if none."""
+    first = np.full(n, -1, dtype=np.int32)
+    for i, mask in enumerate(masks.values()):
+        first[(first < 0) & mask] = i
+    return first

@@ -1,0 +1,289 @@
+"""The search: enumerate, reject with reasons, bound, evaluate, rank, Pareto front.
+
+    search(model, clusters, work, space) -> SearchResult
+
+Per cluster size:
+  1. enumerate the declared space as columns (`space.enumerate_space`);
+  2. vectorised constraints; each rejected row counted once under its first reason;
+  3. model-state memory lower bound: rows that cannot fit even before activations are
+     "out of memory" without a full estimate (`bounds`);
+  4. `evaluate` the rest, smallest micro-batch first: once a plan does not fit, the same plan
+     with larger micro-batches is "out of memory" too (memory never decreases with
+     micro_batch; see `bounds`). ``prune=False`` evaluates every row instead;
+  5. rank the feasible rows (`result` documents the order) and take the Pareto front.
+The top plans are re-estimated for their full CostReport (time breakdown for the explanation).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.cost import estimate
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.errors import MeshplanError
+from meshplan.search.bounds import states_lower_bound_gib, usable_gib
+from meshplan.search.columns import PlanColumns
+from meshplan.search.constraints import (COST_MODEL_REFUSED, OUT_OF_MEMORY, SEARCH_CHECKS, ZERO_BUBBLE_DP,
+                                         first_violation, reason_names, violation_masks)
+from meshplan.search.evaluate import evaluate
+from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
+from meshplan.search.result import ClusterCount, ParetoPoint, RankedPlan, SearchResult
+from meshplan.search.space import SearchSpace, enumerate_space
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.constraints import violations
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+
+Progress = Callable[[int, int], None]
+OBJECTIVES = ("time", "cost")
+
+
+@dataclass
+class _Scan:
+    """One cluster size: candidates, why each was rejected, and the prices of the evaluated."""
+
+    cluster: ClusterSpec
+    cols: PlanColumns
+    reason: np.ndarray
+    """Index into reason_names() of each row's rejection; -1 = feasible; -2 = not decided yet."""
+    todo: np.ndarray
+    """Rows left for the cost model after constraints and the lower bound."""
+    lower_bound: np.ndarray
+    """Model-state lower bound on peak memory (GiB) where computed, else nan."""
+    res: dict[str, np.ndarray]
+    evaluated: int = 0
+
+
+def _prepare(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
+             params: CostParams) -> _Scan:
+    cols = enumerate_space(model, cluster, work, space, params)
+    n = cols.num_rows
+    masks = violation_masks(model, cluster, work, cols)
+    reason = first_violation(masks, n)
+    reason[reason < 0] = -2
+    ok = np.nonzero(reason == -2)[0]
+    lb = np.full(n, np.nan)
+    lb[ok] = states_lower_bound_gib(model, cols.take(ok), params)
+    oom_idx = reason_names().index(OUT_OF_MEMORY)
+    reason[ok[lb[ok] > usable_gib(cluster, params)]] = oom_idx
+    res = {"step_time_s": np.full(n, np.nan), "tokens_per_s": np.full(n, np.nan),
+           "mfu": np.full(n, np.nan), "peak_memory_gib": np.full(n, np.nan),
+           "dominant": np.full(n, "", dtype=object)}
+    return _Scan(cluster, cols, reason, reason == -2, lb, res)
+
+
+def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostParams, prune: bool,
+                   chunk: int, tick: Callable[[int], None]) -> None:
+    """Price the rows left in ``scan`` (smallest micro-batch first when pruning)."""
+    names = reason_names()
+    oom_idx, refused_idx = names.index(OUT_OF_MEMORY), names.index(COST_MODEL_REFUSED)
+    group, rank = scan.cols.meta.get("group"), scan.cols.meta.get("mb_rank")
+    if not prune or group is None or rank is None:
+        group, rank = np.arange(scan.cols.num_rows), np.zeros(scan.cols.num_rows, dtype=np.int64)
+    dead = np.zeros(int(group.max()) + 1 if len(group) else 0, dtype=bool)
+    for r in np.unique(rank[scan.todo]):
+        rows = np.nonzero(scan.todo & (rank == r))[0]
+        skipped = rows[dead[group[rows]]]
+        scan.reason[skipped] = oom_idx
+        tick(len(skipped))
+        rows = rows[~dead[group[rows]]]
+        for start in range(0, len(rows), chunk):
+            part = rows[start:start + chunk]
+            out = evaluate(model, scan.cluster, work, scan.cols.take(part), params)
+            for k in scan.res:
+                scan.res[k][part] = out[k]
+            priced = np.isfinite(out["step_time_s"])
+            fits = out["fits"] & priced
+            scan.reason[part] = np.where(fits, -1, np.where(priced, oom_idx, refused_idx))
+            dead[group[part[priced & ~fits]]] = True
+            scan.evaluated += len(part)
+            tick(len(part))
+
+
+def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work: Workload,
+           space: SearchSpace | None = None, *, params: CostParams = DEFAULT_PARAMS,
+           objective: str = "time", top: int = 10, prune: bool = True,
+           progress: Progress | None = None, chunk: int = 2048) -> SearchResult:
+    """Find the best plans for ``model`` on each of ``clusters`` (one or several sizes)."""
+    if objective not in OBJECTIVES:
+        raise MeshplanError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
+    if top < 1:
+        raise MeshplanError(f"top must be >= 1; got {top}")
+    t0 = time.perf_counter()
+    clusters = [clusters] if isinstance(clusters, ClusterSpec) else list(clusters)
+    if not clusters:
+        raise MeshplanError("no cluster to search")
+    space = space or SearchSpace()
+    scans = [_prepare(model, c, work, space, params) for c in clusters]
+    total, done = sum(int(s.todo.sum()) for s in scans), 0
+
+    def tick(k: int) -> None:
+        nonlocal done
+        done += k
+        if progress is not None and k:
+            progress(done, total)
+
+    for s in scans:
+        _evaluate_scan(model, work, s, params, prune, chunk, tick)
+    result = _collect(model, work, scans, params, objective, top)
+    if result.feasible == 0:
+        from meshplan.search.nearest import nearest_options
+        result.nearest = nearest_options(model, max(clusters, key=lambda c: c.num_gpus), work,
+                                         space, params)
+    result.search_time_s = time.perf_counter() - t0
+    return result
+
+
+# ---- collecting ----------------------------------------------------------------------------
+
+def _usd(scan: _Scan, rows: np.ndarray, work: Workload) -> np.ndarray:
+    return usd_per_million_tokens(scan.cluster.num_gpus, scan.cluster.price_per_hour,
+                                  scan.res["step_time_s"][rows], work.tokens)
+
+
+def _collect(model: ModelSpec, work: Workload, scans: list[_Scan], params: CostParams,
+             objective: str, top: int) -> SearchResult:
+    names = reason_names()
+    counts = np.zeros(len(names), dtype=np.int64)
+    for s in scans:
+        counts += np.bincount(s.reason[s.reason >= 0], minlength=len(names))
+    feas = [np.nonzero(s.reason == -1)[0] for s in scans]
+    which = np.concatenate([np.full(len(f), i) for i, f in enumerate(feas)]) if feas else np.zeros(0)
+    rows = np.concatenate(feas) if feas else np.zeros(0, dtype=np.int64)
+    pts = {
+        "step_time_s": _gather(scans, feas, lambda s, r: s.res["step_time_s"][r]),
+        "peak_memory_gib": _gather(scans, feas, lambda s, r: s.res["peak_memory_gib"][r]),
+        "usd_per_mtok": _gather(scans, feas, lambda s, r: _usd(s, r, work)),
+        "num_gpus": _gather(scans, feas, lambda s, r: np.full(len(r), s.cluster.num_gpus)),
+    }
+    result = SearchResult(
+        model=model, clusters=[s.cluster for s in scans], work=work, objective=objective,
+        plans=[], considered=sum(s.cols.num_rows for s in scans),
+        evaluated=sum(s.evaluated for s in scans), feasible=len(rows),
+        rejected={n: int(c) for n, c in zip(names, counts) if c}, search_time_s=0.0,
+        pareto=[], points=pts)
+    order = _rank(scans, which, rows, pts, objective, top)
+    result.plans = [_ranked(i + 1, scans[which[j]], int(rows[j]), model, work, params)
+                    for i, j in enumerate(order)]
+    result.pareto = _pareto(scans, which, rows, pts)
+    result.reject_examples = _examples(model, work, scans, names, params)
+    result.per_cluster = [_count(s, work) for s in scans]
+    return result
+
+
+def _gather(scans: list[_Scan], feas: list[np.ndarray], fn: Callable) -> np.ndarray:
+    parts = [np.asarray(fn(s, r), dtype=float) for s, r in zip(scans, feas)]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def _rank(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str, np.ndarray],
+          objective: str, top: int) -> list[int]:
+    """Indices into the feasible arrays of the top plans, in rank order."""
+    if len(rows) == 0:
+        return []
+    obj = pts["step_time_s"] if objective == "time" else pts["usd_per_mtok"]
+    keys = (pts["peak_memory_gib"], pts["num_gpus"], obj)
+    order = np.lexsort(keys)
+    kth = order[min(top, len(order)) - 1]
+    last = min(top, len(order))
+    while last < len(order) and all(k[order[last]] == k[kth] for k in keys):
+        last += 1  # include every row tied with the k-th so the short() tie-break is complete
+    head = order[:last].tolist()
+
+    def short(j: int) -> str:
+        return scans[which[j]].cols.plan(int(rows[j])).short()
+    head.sort(key=lambda j: (obj[j], pts["num_gpus"][j], pts["peak_memory_gib"][j], short(j)))
+    return head[:top]
+
+
+def _ranked(rank: int, scan: _Scan, row: int, model: ModelSpec, work: Workload,
+            params: CostParams) -> RankedPlan:
+    plan = scan.cols.plan(row)
+    report = estimate(model, scan.cluster, plan, work, params)
+    usd = float(usd_per_million_tokens(plan.num_gpus, scan.cluster.price_per_hour,
+                                       report.step_time_s, work.tokens))
+    return RankedPlan(rank=rank, plan=plan, cluster=scan.cluster, report=report, usd_per_mtok=usd)
+
+
+def _pareto(scans: list[_Scan], which: np.ndarray, rows: np.ndarray,
+            pts: dict[str, np.ndarray]) -> list[ParetoPoint]:
+    """Front over (time, memory, $). Within one cluster size dollars grow with time, so a 2-D
+    front per size is exact there; the 3-D filter then runs on the union of those fronts."""
+    if len(rows) == 0:
+        return []
+    t, m, d = pts["step_time_s"], pts["peak_memory_gib"], pts["usd_per_mtok"]
+    cand = []
+    for i in range(len(scans)):
+        idx = np.nonzero(which == i)[0]
+        cand.append(idx[pareto_mask(np.stack([t[idx], m[idx]], axis=1))])
+    cand_idx = np.concatenate(cand)
+    keep = cand_idx[pareto_mask(np.stack([t[cand_idx], m[cand_idx], d[cand_idx]], axis=1))]
+    keep = keep[np.lexsort((m[keep], t[keep]))]
+    return [ParetoPoint(scans[which[j]].cols.plan(int(rows[j])), float(t[j]), float(m[j]), float(d[j]))
+            for j in keep]
+
+
+def _examples(model: ModelSpec, work: Workload, scans: list[_Scan], names: list[str],
+              params: CostParams) -> dict[str, str]:
+    """One message per rejection reason, from the first rejected row (for constraints: the
+    predicate's own reason, which says how to fix it)."""
+    out: dict[str, str] = {}
+    for i, name in enumerate(names):
+        for s in scans:
+            hit = np.nonzero(s.reason == i)[0]
+            if len(hit) == 0:
+                continue
+            if name == OUT_OF_MEMORY:
+                out[name] = _oom_example(s, hit, params)
+            elif name == COST_MODEL_REFUSED:
+                out[name] = _refused_example(model, s, int(hit[0]), work, params)
+            else:
+                plan = s.cols.plan(int(hit[0]))
+                out[name] = _message(name, model, s.cluster, plan, work)
+            break
+    return out
+
+
+def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload) -> str:
+    if name == ZERO_BUBBLE_DP:
+        return (f"{plan.short()}: schedule={plan.schedule} with dp*cp={plan.dp * plan.cp}; "
+                "use 1f1b/interleaved-1f1b, or no data parallelism")
+    if name in SEARCH_CHECKS:  # pragma: no cover - future search-only rules
+        return plan.short()
+    reasons = dict(violations(model, cluster, plan, work))
+    return f"{plan.short()}: {reasons.get(name, name)}"
+
+
+def _oom_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
+    usable = usable_gib(s.cluster, params)
+    peak = s.res["peak_memory_gib"][hit]
+    if np.isfinite(peak).any():
+        j = hit[np.nanargmin(np.where(np.isfinite(peak), peak, np.inf))]
+        return (f"closest to fitting on {s.cluster.num_gpus} GPUs: {s.cols.plan(int(j)).short()} "
+                f"needs {s.res['peak_memory_gib'][j]:.1f} GiB per GPU of {usable:.1f} usable")
+    lb = s.lower_bound[hit]
+    j = hit[np.nanargmin(lb)]
+    return (f"{s.cols.plan(int(j)).short()}: model states alone need {s.lower_bound[j]:.1f} GiB "
+            f"per GPU of {usable:.1f} usable")
+
+
+def _refused_example(model: ModelSpec, s: _Scan, row: int, work: Workload,
+                     params: CostParams) -> str:
+    plan = s.cols.plan(row)
+    try:
+        estimate(model, s.cluster, plan, work, params)
+    except MeshplanError as e:
+        return f"{plan.short()}: {e}"
+    return plan.short()  # pragma: no cover - refused by evaluate, accepted by estimate
+
+
+def _count(s: _Scan, work: Workload) -> ClusterCount:
+    ok = np.nonzero(s.reason == -1)[0]
+    if len(ok) == 0:
+        return ClusterCount(s.cluster.num_gpus, s.cols.num_rows, 0, None, None)
+    t = float(s.res["step_time_s"][ok].min())
+    usd = float(usd_per_million_tokens(s.cluster.num_gpus, s.cluster.price_per_hour, t, work.tokens))
+    return ClusterCount(s.cluster.num_gpus, s.cols.num_rows, len(ok), t, usd)

@@ -1,0 +1,161 @@
+"""When nothing is feasible: the nearest feasible options, never just "no plan".
+
+The memory-saving corner of the space is the part that uses least memory per GPU: ZeRO-3
+sharded over all data-parallel ranks, optimizer and parameter offload where the space has
+them, full recompute of every block, the smallest micro-batch, every mesh shape and schedule.
+It is small (hundreds of plans), so it is priced for:
+  * the cluster as given (how far the most memory-saving plan is from fitting);
+  * the request without the user's restrictions (--fix), on the same cluster;
+  * larger clusters of the same GPU (doubling, then bisection over whole nodes: the smallest
+    size found, reported as "needs at least");
+  * the same number of GPUs with more memory (GPU presets).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.search.bounds import usable_gib
+from meshplan.search.columns import PlanColumns
+from meshplan.search.constraints import first_violation, violation_masks
+from meshplan.search.evaluate import evaluate
+from meshplan.search.sizes import node_size, resized
+from meshplan.search.space import SearchSpace, enumerate_space
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+
+MAX_GROWTH = 64
+"""Clusters up to this many times the given size (and at least 65,536 GPUs) are tried."""
+
+
+@dataclass(frozen=True)
+class Corner:
+    """The most memory-saving plan of a space on one cluster."""
+
+    cluster: ClusterSpec
+    plan: Plan | None
+    """None when no plan passes the constraints."""
+    peak_memory_gib: float
+    fits: bool
+    step_time_s: float
+
+
+def corner_space(space: SearchSpace) -> SearchSpace:
+    """The memory-saving corner of ``space`` (rows are then narrowed by `corner_rows`)."""
+    rc = ("full",) if "full" in space.recompute else space.recompute
+    return space.replace(zero=(max(space.zero),), hybrid_nodes=(), recompute=rc,
+                         recompute_fractions=())
+
+
+def corner_rows(cols: PlanColumns, space: SearchSpace) -> np.ndarray:
+    """Indices of the memory-saving corner among ``cols`` (enumerated from corner_space)."""
+    z = max(space.zero)
+    sel = (cols["zero"] == z) & (cols["shard_group"] == 0)
+    if space.offload and z >= 1:
+        sel &= cols["offload_optimizer"] & (cols["offload_params"] == (z == 3))
+    rank = cols.meta.get("mb_rank")
+    if rank is not None:
+        sel &= rank == 0
+    return np.nonzero(sel)[0]
+
+
+def memory_corner(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
+                  params: CostParams = DEFAULT_PARAMS) -> Corner:
+    """The fastest fitting plan of the corner, or (none fits) its least-memory plan."""
+    cspace = corner_space(space)
+    cols = enumerate_space(model, cluster, work, cspace, params)
+    sub = cols.take(corner_rows(cols, cspace))
+    ok = first_violation(violation_masks(model, cluster, work, sub), sub.num_rows) < 0
+    sub = sub.take(np.nonzero(ok)[0])
+    if sub.num_rows == 0:
+        return Corner(cluster, None, float("inf"), False, float("inf"))
+    res = evaluate(model, cluster, work, sub, params)
+    fits = np.nonzero(res["fits"])[0]
+    if len(fits):
+        j = int(fits[np.argmin(res["step_time_s"][fits])])
+    else:
+        j = int(np.argmin(res["peak_memory_gib"]))
+    return Corner(cluster, sub.plan(j), float(res["peak_memory_gib"][j]), bool(res["fits"][j]),
+                  float(res["step_time_s"][j]))
+
+
+def _next_size(n: int, node: int) -> int:
+    return n * 2 if n >= node else min(n * 2, node)
+
+
+def smallest_fitting_size(model: ModelSpec, cluster: ClusterSpec, work: Workload,
+                          space: SearchSpace, params: CostParams = DEFAULT_PARAMS) -> Corner | None:
+    """Smallest larger cluster of the same GPU where the corner fits: doubling, then bisection
+    over whole nodes between the last size that failed and the first that fitted. None up to
+    the growth limit. (Fitting need not be monotone in the size, because of divisibility, so
+    this is the smallest size found, not a proof that nothing smaller fits.)"""
+    node = node_size(cluster)
+    limit = max(cluster.num_gpus * MAX_GROWTH, 65536)
+    lo, size, found = cluster.num_gpus, cluster.num_gpus, None
+    while found is None:
+        size = _next_size(size, node)
+        if size > limit:
+            return None
+        c = memory_corner(model, resized(cluster, size), work, space, params)
+        if c.fits:
+            found = c
+        else:
+            lo = size
+    lo_nodes, hi_nodes = lo // node, size // node
+    while hi_nodes - lo_nodes > 1 and hi_nodes > 1:
+        mid = (lo_nodes + hi_nodes) // 2
+        c = memory_corner(model, resized(cluster, mid * node), work, space, params)
+        if c.fits:
+            hi_nodes, found = mid, c
+        else:
+            lo_nodes = mid
+    return found
+
+
+def bigger_gpus(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
+                params: CostParams = DEFAULT_PARAMS) -> Corner | None:
+    """The same number of GPUs of the smallest-memory preset type on which the corner fits."""
+    from meshplan.spec.io import load_gpu, preset_names  # io is heavy-ish; only on this path
+    gpus = [load_gpu(n) for n in preset_names("gpus")]
+    cands = sorted((g for g in gpus if g.memory_gib > cluster.gpu.memory_gib),
+                   key=lambda g: (g.memory_gib, g.name))
+    for g in cands:
+        c = memory_corner(model, cluster.replace(gpu=g, name=f"{g.name}:{cluster.num_gpus}"),
+                          work, space, params)
+        if c.fits:
+            return c
+    return None
+
+
+def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
+                    params: CostParams = DEFAULT_PARAMS) -> list[str]:
+    """Sentences naming what would make the request feasible."""
+    out = []
+    usable = usable_gib(cluster, params)
+    here = memory_corner(model, cluster, work, space, params)
+    gpu = cluster.gpu.name
+    if here.plan is not None and not here.fits:
+        out.append(f"on {cluster.num_gpus} x {gpu} the most memory-saving plan ({here.plan.short()}) "
+                   f"needs {here.peak_memory_gib:.1f} GiB per GPU of {usable:.1f} usable")
+    open_space = SearchSpace(base=space.base, uneven_stages=space.uneven_stages)
+    if space != open_space:
+        free = memory_corner(model, cluster, work, open_space, params)
+        if free.fits and free.plan is not None:
+            out.append(f"without the --fix restrictions it fits on {cluster.num_gpus} GPUs: "
+                       f"{free.plan.short()} ({free.peak_memory_gib:.1f} GiB per GPU)")
+    more = smallest_fitting_size(model, cluster, work, open_space, params)
+    if more is not None and more.plan is not None:
+        out.append(f"needs at least {more.cluster.num_gpus} x {gpu}: e.g. {more.plan.short()} "
+                   f"({more.peak_memory_gib:.1f} GiB per GPU)")
+    big = bigger_gpus(model, cluster, work, open_space, params)
+    if big is not None and big.plan is not None:
+        out.append(f"or {cluster.num_gpus} x {big.cluster.gpu.name}: {big.plan.short()} "
+                   f"({big.peak_memory_gib:.1f} GiB per GPU)")
+    if len(out) <= 1 and more is None:
+        out.append(f"no cluster of up to {max(cluster.num_gpus * MAX_GROWTH, 65536)} x {gpu} fits "
+                   f"global batch {work.global_batch} x {work.seq_len} tokens; try a smaller "
+                   "sequence length or GPUs with more memory")
+    return out

@@ -1,0 +1,323 @@
+"""The declared search space, enumerated as columns.
+
+Every candidate is a full Plan for one cluster. The dimensions, and the values each takes
+(`SearchSpace` fields override them):
+
+  tp              divisors of gpus_per_node (that divide the GPU count)
+  cp              powers of two up to ``max_cp`` whose sequence chunk s/cp has at least
+                  ``min_cp_tokens`` tokens (ring attention on shorter chunks cannot hide its
+                  communication; cp=1 always)
+  pp              divisors of N/(tp cp) up to num_layers;  dp = N/(tp cp pp)
+  ep              MoE only: divisors of num_experts; else 1
+  zero            0..3; hybrid shard_group (zero >= 1): groups of dp ranks spanning 1, 2, 4 nodes
+                  that are smaller than dp*cp and divide it
+  offload         with full sharding only: optimizer (zero >= 1, or dp = 1), and optimizer +
+                  parameters (zero = 3)
+  micro_batch     divisors of B/dp (just 1 when dp does not divide B: rejected, with its reason)
+  schedule, v     pp = 1: none needed (1f1b, v = 1); pp > 1: gpipe, 1f1b, zero-bubble (v = 1),
+                  zbv (v = 2), interleaved-1f1b with v = 2..max_virtual_stages
+  stage_layers    even split; with ``uneven_stages`` also the dynamic-programming split of
+                  `meshplan.search.stages` (different from the even one, or where pp*v does
+                  not divide the layers)
+  recompute       none, selective, op, full, and full on a fraction (1/4, 1/2, 3/4) of each
+                  stage's blocks (recompute_layers)
+  sequence_parallel  on exactly when tp > 1 (it only saves memory and elementwise time)
+  precision, compile, flash_attention, fused_loss, p2p_sharded, async_tp
+                  fixed by the request (``SearchSpace.base``)
+
+Combinations that are the same plan are enumerated once (e.g. schedules when pp = 1).
+Everything else is enumerated, including candidates the constraints reject, so that every
+rejection is counted under its reason. ``considered`` is the number of rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshplan.cost.compute import block_times, embedding_times, output_layer_times
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.errors import MeshplanError
+from meshplan.search.columns import CATEGORIES, FIELDS, NONE_CODE, PlanColumns
+from meshplan.search.stages import balanced_stage_layers
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import RECOMPUTE, SCHEDULES, Plan, Workload
+
+SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "micro_batch", "virtual_stages",
+            "schedule", "recompute", "recompute_layers", "sequence_parallel", "offload_optimizer",
+            "offload_params", "stage_layers")
+"""Plan fields the search chooses; every other field comes from ``SearchSpace.base``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What to enumerate. None means the default rule of the module docstring."""
+
+    base: Plan = field(default_factory=Plan)
+    """Fields not searched (precision, compile, flash_attention, fused_loss, ...) come from here."""
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    micro_batch: tuple[int, ...] | None = None
+    schedules: tuple[str, ...] = SCHEDULES
+    recompute: tuple[str, ...] = RECOMPUTE
+    recompute_fractions: tuple[float, ...] = (0.25, 0.5, 0.75)
+    """recompute=full on round(f x blocks per stage) blocks, for each f (0 < f < 1)."""
+    max_virtual_stages: int = 8
+    max_cp: int = 32
+    min_cp_tokens: int = 1024
+    hybrid_nodes: tuple[int, ...] = (1, 2, 4)
+    """Hybrid sharding groups spanning this many nodes (empty: no hybrid sharding)."""
+    offload: bool = True
+    uneven_stages: bool = False
+
+    def __post_init__(self) -> None:
+        for s in self.schedules:
+            if s not in SCHEDULES:
+                raise MeshplanError(f"search space: unknown schedule {s!r}")
+        for r in self.recompute:
+            if r not in RECOMPUTE:
+                raise MeshplanError(f"search space: unknown recompute {r!r}")
+        if any(z not in (0, 1, 2, 3) for z in self.zero):
+            raise MeshplanError("search space: zero levels must be among 0, 1, 2, 3")
+
+    def replace(self, **changes: object) -> "SearchSpace":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+# ---- per-dimension values ------------------------------------------------------------------
+
+def tp_values(cluster: ClusterSpec, space: SearchSpace) -> list[int]:
+    n, g = cluster.num_gpus, cluster.gpus_per_node
+    vals = space.tp if space.tp is not None else divisors(g)
+    return [t for t in vals if t >= 1 and n % t == 0]
+
+
+def cp_values(n_left: int, work: Workload, space: SearchSpace) -> list[int]:
+    if space.cp is not None:
+        return [c for c in space.cp if c >= 1 and n_left % c == 0]
+    out, c = [], 1
+    while c <= min(space.max_cp, n_left):
+        if n_left % c == 0 and (c == 1 or work.seq_len // c >= space.min_cp_tokens):
+            out.append(c)
+        c *= 2
+    return out
+
+
+def pp_values(n_left: int, model: ModelSpec, space: SearchSpace) -> list[int]:
+    vals = space.pp if space.pp is not None else divisors(n_left)
+    return [p for p in vals if p >= 1 and n_left % p == 0 and p <= model.num_layers]
+
+
+def ep_values(model: ModelSpec, space: SearchSpace) -> list[int]:
+    if space.ep is not None:
+        return list(space.ep)
+    return divisors(model.num_experts) if model.is_moe else [1]
+
+
+def micro_batch_values(work: Workload, dp: int, space: SearchSpace) -> list[int]:
+    if work.global_batch % dp:
+        return [1]
+    vals = divisors(work.global_batch // dp)
+    if space.micro_batch is not None:
+        vals = [v for v in space.micro_batch if v in vals] or [min(space.micro_batch)]
+    return vals
+
+
+def zero_options(cluster: ClusterSpec, tp: int, dp: int, cp: int,
+                 space: SearchSpace) -> list[tuple[int, int, bool, bool]]:
+    """(zero, shard_group, offload_optimizer, offload_params) combinations."""
+    dpc = dp * cp
+    groups = []
+    for k in space.hybrid_nodes:
+        g = k * cluster.gpus_per_node // tp
+        if 1 < g < dpc and dpc % g == 0 and g * tp == k * cluster.gpus_per_node:
+            groups.append(g)
+    out = []
+    for z in space.zero:
+        out.append((z, 0, False, False))
+        if z >= 1:
+            out += [(z, g, False, False) for g in sorted(set(groups))]
+        if space.offload and (z >= 1 or dp == 1):
+            out.append((z, 0, True, False))
+        if space.offload and z == 3:
+            out.append((z, 0, True, True))
+    return out
+
+
+def schedule_options(pp: int, model: ModelSpec, space: SearchSpace) -> list[tuple[str, int]]:
+    """(schedule, virtual_stages) pairs for a pipeline of ``pp`` stages."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [(s, 1) for s in ("gpipe", "1f1b", "zero-bubble") if s in space.schedules]
+    if "zbv" in space.schedules:
+        out.append(("zbv", 2))
+    if "interleaved-1f1b" in space.schedules:
+        out += [("interleaved-1f1b", v) for v in range(2, space.max_virtual_stages + 1)
+                if pp * v <= model.num_layers]
+    return out
+
+
+def recompute_options(stage_max_layers: int, space: SearchSpace) -> list[tuple[str, int]]:
+    """(recompute, recompute_layers or NONE_CODE) pairs."""
+    out = [(r, NONE_CODE) for r in space.recompute]
+    if "full" in space.recompute:
+        ks = sorted({int(round(f * stage_max_layers)) for f in space.recompute_fractions})
+        out += [("full", k) for k in ks if 0 < k < stage_max_layers]
+    return out
+
+
+# ---- uneven stages -------------------------------------------------------------------------
+
+@dataclass
+class _StageSplitter:
+    """Caches dynamic-programming splits; prices a block and the first/last extras with the
+    cost model's compute functions for the request's settings (micro-batch 1, no recompute)."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    work: Workload
+    base: Plan
+    params: CostParams
+    table: list[tuple[int, ...]] = field(default_factory=list)
+    codes: dict[tuple[int, ...], int] = field(default_factory=dict)
+    _extras: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _splits: dict[tuple[int, int, int], tuple[int, ...] | None] = field(default_factory=dict)
+
+    def extras(self, tp: int) -> tuple[float, float]:
+        """(embedding, output layer + loss) cost in units of one block, for this tp."""
+        if tp not in self._extras:
+            plan = self.base.replace(tp=tp, sequence_parallel=tp > 1, micro_batch=1, cp=1,
+                                     pp=1, dp=1, recompute="none", recompute_layers=None,
+                                     stage_layers=None, virtual_stages=1, schedule="1f1b")
+            gpu, s = self.cluster.gpu, self.work.seq_len
+            blk = block_times(self.model, plan, s, gpu, self.params)
+            emb = embedding_times(self.model, plan, s, gpu, self.params)
+            out = output_layer_times(self.model, plan, s, gpu, self.params)
+            unit = max(blk.fwd_s + blk.bwd_s, 1e-30)
+            self._extras[tp] = ((emb.fwd_s + emb.bwd_s) / unit, (out.fwd_s + out.bwd_s) / unit)
+        return self._extras[tp]
+
+    def code(self, tp: int, pp: int, v: int) -> int | None:
+        """Stage-table code of the balanced split, None when it equals the even split or
+        does not exist."""
+        key = (tp, pp, v)
+        if key not in self._splits:
+            first, last = self.extras(tp)
+            self._splits[key] = balanced_stage_layers(self.model.num_layers, pp, v,
+                                                      first_extra=first, last_extra=last)
+        split = self._splits[key]
+        L = self.model.num_layers
+        if split is None or (L % (pp * v) == 0 and len(set(split)) == 1):
+            return None
+        if split not in self.codes:
+            self.codes[split] = len(self.table)
+            self.table.append(split)
+        return self.codes[split]
+
+
+# ---- enumeration ---------------------------------------------------------------------------
+
+def _mesh_shapes(model: ModelSpec, cluster: ClusterSpec, work: Workload,
+                 space: SearchSpace) -> list[tuple[int, int, int, int, int]]:
+    """(tp, cp, pp, dp, ep) with tp*cp*pp*dp = N, in a fixed order."""
+    n = cluster.num_gpus
+    out = []
+    for tp in tp_values(cluster, space):
+        for cp in cp_values(n // tp, work, space):
+            for pp in pp_values(n // (tp * cp), model, space):
+                dp = n // (tp * cp * pp)
+                for ep in ep_values(model, space):
+                    out.append((tp, cp, pp, dp, ep))
+    return out
+
+
+def _stage_options(model: ModelSpec, tp: int, pp: int, space: SearchSpace,
+                   splitter: _StageSplitter | None) -> list[tuple[str, int, int, str, int]]:
+    """(schedule, v, stage code, recompute, recompute_layers) rows for one mesh."""
+    L = model.num_layers
+    out = []
+    for sched, v in schedule_options(pp, model, space):
+        variants = [(NONE_CODE, -(-L // pp))]
+        if splitter is not None and pp > 1:
+            c = splitter.code(tp, pp, v)
+            if c is not None:
+                variants.append((c, max(splitter.table[c])))
+        for code, stage_max in variants:
+            for rc, rcl in recompute_options(stage_max, space):
+                out.append((sched, v, code, rc, rcl))
+    return out
+
+
+def enumerate_space(model: ModelSpec, cluster: ClusterSpec, work: Workload,
+                    space: SearchSpace | None = None, params: CostParams = DEFAULT_PARAMS,
+                    ) -> PlanColumns:
+    """All candidate plans of ``space`` for this model, cluster and workload, as columns.
+
+    meta['group'] numbers the rows that differ only in micro_batch; meta['mb_rank'] is the
+    rank of the row's micro_batch (ascending) within its group.
+    """
+    space = space or SearchSpace()
+    splitter = (_StageSplitter(model, cluster, work, space.base, params)
+                if space.uneven_stages else None)
+    base = {f: getattr(space.base, f) for f in FIELDS if f not in SEARCHED}
+    parts: list[dict[str, np.ndarray]] = []
+    next_group = 0
+    for tp, cp, pp, dp, ep in _mesh_shapes(model, cluster, work, space):
+        zopts = zero_options(cluster, tp, dp, cp, space)
+        mbs = micro_batch_values(work, dp, space)
+        sopts = _stage_options(model, tp, pp, space, splitter)
+        na, nb, nc = len(zopts), len(mbs), len(sopts)
+        ia = np.repeat(np.arange(na), nb * nc)
+        ib = np.tile(np.repeat(np.arange(nb), nc), na)
+        ic = np.tile(np.arange(nc), na * nb)
+        z = np.asarray(zopts, dtype=np.int64)
+        sc = {k: np.asarray(v) for k, v in zip(("schedule", "v", "stage", "recompute", "rcl"),
+                                                zip(*sopts))}
+        n = len(ia)
+        part = {"tp": np.full(n, tp), "cp": np.full(n, cp), "pp": np.full(n, pp),
+                "dp": np.full(n, dp), "ep": np.full(n, ep),
+                "zero": z[ia, 0], "shard_group": z[ia, 1],
+                "offload_optimizer": z[ia, 2].astype(bool), "offload_params": z[ia, 3].astype(bool),
+                "micro_batch": np.asarray(mbs)[ib],
+                "schedule": _codes("schedule", sc["schedule"])[ic], "virtual_stages": sc["v"][ic],
+                "stage_layers": sc["stage"][ic],
+                "recompute": _codes("recompute", sc["recompute"])[ic], "recompute_layers": sc["rcl"][ic],
+                "sequence_parallel": np.full(n, tp > 1),
+                "_group": next_group + ia * nc + ic, "_mb_rank": ib}
+        next_group += na * nc
+        parts.append(part)
+    return _assemble(parts, base, splitter.table if splitter else [])
+
+
+def _codes(field_name: str, values: np.ndarray) -> np.ndarray:
+    table = CATEGORIES[field_name]
+    return np.asarray([table.index(v) for v in values], dtype=np.int8)
+
+
+def _assemble(parts: list[dict[str, np.ndarray]], base: dict[str, object],
+              table: list[tuple[int, ...]]) -> PlanColumns:
+    n = sum(len(p["tp"]) for p in parts)
+    cols: dict[str, np.ndarray] = {}
+    for f in FIELDS:
+        if f in base:
+            v = base[f]
+            if f in CATEGORIES:
+                v = CATEGORIES[f].index(v)
+            elif v is None:
+                v = NONE_CODE
+            cols[f] = np.full(n, v)
+        else:
+            cols[f] = np.concatenate([p[f] for p in parts]) if parts else np.zeros(0, dtype=np.int32)
+    meta = {k: (np.concatenate([p["_" + k] for p in parts]) if parts else np.zeros(0, dtype=np.int64))
+            for k in ("group", "mb_rank")}
+    return PlanColumns(cols, table, meta)
