@@ -16,7 +16,7 @@ from dataclasses import dataclass
 class CostParams:
     """Kernel, collective and framework constants. Override with dataclasses.replace()."""
 
-    gemm_half_dim: float = 124.8
+    gemm_half_dim: float = 249.044
     """FITTED. GEMM dimension (elements) at which a dimension alone halves throughput;
     efficiency multiplier per dim d is d/(d+gemm_half_dim). Models tile/wave under-use of
     thin matrices (cf. NVIDIA 'Matrix Multiplication Background' guide)."""
@@ -24,7 +24,7 @@ class CostParams:
     """FlashAttention forward throughput relative to the GPU's large-GEMM efficiency, used when
     the GPU file gives no attention_efficiency. 0.5 = the ratio of the fitted attention and
     GEMM efficiencies on A100 (0.53) and the 500 W H100 (0.40), rounded."""
-    flash_bwd_efficiency: float = 0.867
+    flash_bwd_efficiency: float = 0.871
     """FITTED. FlashAttention backward throughput relative to its forward (FA2 paper: bwd
     reaches 50-60% of peak on A100 where fwd reaches ~70%)."""
     attn_headdim_half: float = 16.0
@@ -32,7 +32,7 @@ class CostParams:
     less throughput at head_dim 64 than 128 (FA2 paper benchmarks)."""
     flash_bwd_flop_ratio: float = 2.5
     """Backward/forward matmul FLOPs of FlashAttention (5 matmuls vs 2; Dao 2023)."""
-    hbm_efficiency: float = 0.95
+    hbm_efficiency: float = 0.947
     """FITTED. Achieved fraction of HBM bandwidth by elementwise kernels (STREAM-like copies
     reach ~85-90% on A100/H100; norm and activation kernels less)."""
     fp8_cast_bytes_per_elem: float = 3.0
@@ -41,9 +41,9 @@ class CostParams:
     optimizer_bytes_per_param: float = 32.0
     """HBM bytes an Adam step moves per parameter: read fp32 param, grad, m, v (16 B), write
     param, m, v (12 B), write the bf16 copy (2 B) plus grad-norm pass (~2 B)."""
-    tp_exposed_async: float = 1.0
-    """FITTED. Fraction of TP communication left exposed with async TP. The fit found no gain
-    (1.0): torchtitan's 405B/70B rows with AsyncTP gain ~5%, within the noise floor."""
+    tp_exposed_async: float = 0.941
+    """FITTED. Fraction of TP communication left exposed with async TP. The fit finds little
+    gain: torchtitan's 70B rows with and without AsyncTP differ by ~5%."""
     dp_bucket_mib: float = 25.0
     """DDP gradient bucket size, MiB (PyTorch default bucket_cap_mb=25): the last bucket's
     all-reduce is exposed after the backward pass."""

@@ -160,7 +160,8 @@ def _dp_end_of_step(c: _Ctx, params_local: float, last_bwd: float) -> tuple[floa
     # fp32 main grads with a distributed optimizer (Megatron, DeepSpeed bf16 optimizer);
     # 16-bit gradient all-reduce for plain DDP.
     grads = (4.0 if plan.zero >= 1 else 2.0) * params_local
-    sync = g.all_reduce(grads) if plan.zero == 0 else g.reduce_scatter(grads)
+    allreduce = plan.grad_sync == "all-reduce" or (plan.grad_sync == "auto" and plan.zero == 0)
+    sync = g.all_reduce(grads) if allreduce else g.reduce_scatter(grads)
     bucket = g.all_reduce(min(grads, c.p.dp_bucket_mib * 2**20))
     # With a pipeline the gradient sync starts after the last micro-batch's backward of the
     # stage (Megatron, DeepSpeed pipeline engine): nothing left to overlap with.

@@ -161,6 +161,13 @@ class ClusterSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
+NVLINK_EFFICIENCY = 0.86
+"""FITTED (benchmarks/fit_cost_model.py, NVSwitch rows): achieved fraction of NVLink/NVSwitch
+bandwidth by NCCL ring collectives (NCCL tests: ~230-260 of 300 GB/s on DGX A100)."""
+NIC_EFFICIENCY = 0.91
+"""FITTED (InfiniBand/RoCE rows): achieved fraction of the NIC line rate by NCCL."""
+
+
 def default_links(gpu: GPUSpec, *, nic_gbps: float | None = None) -> tuple[LinkTier, LinkTier]:
     """Typical DGX/HGX links for ``gpu``: its intra-node fabric and one NIC per GPU.
 
@@ -170,8 +177,8 @@ def default_links(gpu: GPUSpec, *, nic_gbps: float | None = None) -> tuple[LinkT
     """
     nic_gbps = gpu.default_nic_gbps if nic_gbps is None else nic_gbps
     intra = LinkTier(name="intra_node", bandwidth_gbps=gpu.intra_node_bandwidth_gbps,
-                     latency_us=3.0, efficiency=0.8, kind=gpu.intra_node_link)
+                     latency_us=3.0, efficiency=NVLINK_EFFICIENCY, kind=gpu.intra_node_link)
     inter = LinkTier(name="inter_node", bandwidth_gbps=nic_gbps, latency_us=8.0,
-                     efficiency=0.8, kind="infiniband")
+                     efficiency=NIC_EFFICIENCY, kind="infiniband")
     return intra, inter
 

@@ -15,6 +15,7 @@ from meshplan.spec.base import _closest, _coerce, choice, positive
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 RECOMPUTE = ("none", "selective", "op", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+GRAD_SYNC = ("auto", "all-reduce", "reduce-scatter")
 SCHEDULE_ALIASES = {
     "none": "1f1b", "interleaved": "interleaved-1f1b", "interleaved_1f1b": "interleaved-1f1b",
     "zb": "zero-bubble", "zb-h1": "zero-bubble", "zero_bubble": "zero-bubble", "zbh1": "zero-bubble",
@@ -68,6 +69,10 @@ class Plan:
     fused_loss: bool = False
     """Cross-entropy fused with the logits (in-place softmax/grad, no fp32 copy of the logits:
     ~4 B per logit alive instead of ~10 B), as llm-foundry's fused_crossentropy or Liger."""
+    grad_sync: str = "auto"
+    """Data-parallel gradient collective: auto (all-reduce for zero=0, reduce-scatter for
+    zero>=1), all-reduce (DeepSpeed's bf16 optimizer all-reduces fp32 gradients even with
+    sharded optimizer states), or reduce-scatter."""
     p2p_sharded: bool = True
     """Pipeline sends carry 1/tp of the activation (Megatron's scatter-gather, or sequence
     parallel); False: every TP rank sends the whole tensor (DeepSpeed's pipeline engine)."""
@@ -85,6 +90,7 @@ class Plan:
         choice("plan: schedule", self.schedule, SCHEDULES)
         choice("plan: recompute", self.recompute, RECOMPUTE)
         choice("plan: precision", self.precision, PRECISIONS)
+        choice("plan: grad_sync", self.grad_sync, GRAD_SYNC)
         if self.recompute_layers is not None:
             positive("plan: recompute_layers", self.recompute_layers, allow_zero=True)
             if self.recompute != "full":

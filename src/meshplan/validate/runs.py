@@ -1104,7 +1104,8 @@ def _plan_from_row(row: _Row, fw: str, model: ModelSpec, assume: Callable[[str],
                     offload_optimizer=offload_opt, offload_params=offload_par,
                     precision=precision, compile=compile_, async_tp=async_tp,
                     flash_attention=flash, fused_loss=fused_loss, stage_layers=stage_layers,
-                    p2p_sharded=fw != "deepspeed")
+                    p2p_sharded=fw != "deepspeed",
+                    grad_sync="all-reduce" if fw == "deepspeed" else "auto")
         work = Workload(global_batch=B, seq_len=model.seq_len)
     except MeshplanError as e:
         raise _Unsupported(str(e)) from None
