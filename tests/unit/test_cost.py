@@ -101,11 +101,12 @@ def test_group_partial_members_per_node():
 
 
 def test_preset_cluster_tiers():
-    """h100-sxm-80gb: NVSwitch 450 GB/s x 0.8; NDR 50 GB/s x 0.8 per GPU."""
+    """h100-sxm-80gb: NVSwitch 450 GB/s x NVLINK_EFFICIENCY; NDR 50 GB/s x NIC_EFFICIENCY."""
+    from meshplan.spec.cluster import NIC_EFFICIENCY as nic, NVLINK_EFFICIENCY as nvl
     c = cluster("h100-sxm-80gb:64")
-    assert Group.of(c, 8, 1).bytes_per_s == pytest.approx(450e9 * 0.8, rel=REL)
-    assert Group.of(c, 8, 8).bytes_per_s == pytest.approx(50e9 * 0.8, rel=REL)
-    assert Group.of(c, 16, 1).bytes_per_s == pytest.approx(min(450e9, 8 * 50e9) * 0.8, rel=REL)
+    assert Group.of(c, 8, 1).bytes_per_s == pytest.approx(450e9 * nvl, rel=REL)
+    assert Group.of(c, 8, 8).bytes_per_s == pytest.approx(50e9 * nic, rel=REL)
+    assert Group.of(c, 16, 1).bytes_per_s == pytest.approx(min(450e9 * nvl, 8 * 50e9 * nic), rel=REL)
 
 
 # ======================================================================================
