@@ -100,6 +100,11 @@ def test_columns_round_trip_plans():
     assert cols.plans() == plans
     both = PlanColumns.concat([cols.take(np.arange(100)), cols.take(np.arange(100, 200))])
     assert both.plans() == plans
+    plain = cols.plain()  # decoded values, the layout a vectorised cost model reads
+    for i, p in enumerate(plans[:50]):
+        for f, arr in plain.items():
+            want = getattr(p, f)
+            assert arr[i] == (-1 if want is None and f == "recompute_layers" else want), f
 
 
 def _valid_random_plans(m, c, w, n, seed):

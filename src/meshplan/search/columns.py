@@ -101,6 +101,26 @@ class PlanColumns(Mapping[str, np.ndarray]):
         """A categorical column as strings."""
         return np.asarray(CATEGORIES[field])[self._cols[field]]
 
+    def plain(self) -> dict[str, np.ndarray]:
+        """Decoded arrays, one per Plan field: categoricals as str arrays, recompute_layers as
+        int64 with -1 = None, stage_layers as an object array of tuples or None (the layout of
+        ``[getattr(p, f) for p in plans]`` per field, for code that wants values, not codes)."""
+        out: dict[str, np.ndarray] = {}
+        for f, c in self._cols.items():
+            kind = FIELD_KINDS[f]
+            if kind == "cat":
+                out[f] = self.decoded(f)
+            elif kind == "stages":
+                table = np.empty(len(self.stage_table) + 1, dtype=object)  # all None
+                for i, split in enumerate(self.stage_table):  # one by one: no 2-D broadcast
+                    table[i] = split  # code -1 reads the trailing None
+                out[f] = table[c]
+            elif kind == "optint":
+                out[f] = c.astype(np.int64)
+            else:
+                out[f] = c
+        return out
+
     def plan(self, i: int) -> Plan:
         return self.plans(np.asarray([i]))[0]
 

@@ -58,15 +58,21 @@ class _Scan:
 
 
 def _prepare(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
-             params: CostParams) -> _Scan:
+             params: CostParams, timings: dict[str, float]) -> _Scan:
+    t0 = time.perf_counter()
     cols = enumerate_space(model, cluster, work, space, params)
     n = cols.num_rows
+    t1 = time.perf_counter()
     masks = violation_masks(model, cluster, work, cols)
     reason = first_violation(masks, n)
     reason[reason < 0] = -2
     ok = np.nonzero(reason == -2)[0]
+    t2 = time.perf_counter()
     lb = np.full(n, np.nan)
     lb[ok] = states_lower_bound_gib(model, cols.take(ok), params)
+    timings["enumerate_s"] += t1 - t0
+    timings["constraints_s"] += t2 - t1
+    timings["bounds_s"] += time.perf_counter() - t2
     oom_idx = reason_names().index(OUT_OF_MEMORY)
     reason[ok[lb[ok] > usable_gib(cluster, params)]] = oom_idx
     res = {"step_time_s": np.full(n, np.nan), "tokens_per_s": np.full(n, np.nan),
@@ -117,7 +123,8 @@ def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work
     if not clusters:
         raise MeshplanError("no cluster to search")
     space = space or SearchSpace()
-    scans = [_prepare(model, c, work, space, params) for c in clusters]
+    timings = {"enumerate_s": 0.0, "constraints_s": 0.0, "bounds_s": 0.0}
+    scans = [_prepare(model, c, work, space, params, timings) for c in clusters]
     total, done = sum(int(s.todo.sum()) for s in scans), 0
 
     def tick(k: int) -> None:
@@ -126,14 +133,18 @@ def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work
         if progress is not None and k:
             progress(done, total)
 
+    t1 = time.perf_counter()
     for s in scans:
         _evaluate_scan(model, work, s, params, prune, chunk, tick)
+    t2 = time.perf_counter()
     result = _collect(model, work, scans, params, objective, top)
+    timings |= {"evaluate_s": t2 - t1, "rank_s": time.perf_counter() - t2}
     if result.feasible == 0:
         from meshplan.search.nearest import nearest_options
         result.nearest = nearest_options(model, max(clusters, key=lambda c: c.num_gpus), work,
                                          space, params)
     result.search_time_s = time.perf_counter() - t0
+    result.timings = timings | {"nearest_s": result.search_time_s - sum(timings.values())}
     return result
 
 

@@ -88,6 +88,8 @@ class SearchResult:
     points: dict[str, np.ndarray] = field(default_factory=dict)
     """Every feasible candidate: step_time_s, peak_memory_gib, usd_per_mtok, num_gpus (plots)."""
     notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    """Wall seconds by phase: enumerate_s, constraints_s, bounds_s, evaluate_s, rank_s, nearest_s."""
 
     @property
     def best(self) -> RankedPlan | None:
@@ -109,6 +111,8 @@ class SearchResult:
             "per_cluster": [vars(c) for c in self.per_cluster],
             "nearest": list(self.nearest), "notes": list(self.notes),
         }
-        if not timing:
+        if timing:
+            doc["timings"] = dict(self.timings)
+        else:
             doc.pop("search_time_s")
         return doc
