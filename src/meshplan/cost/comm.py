@@ -10,53 +10,65 @@ NCCL docs, "bus bandwidth"):
   send/recv       S / B + alpha
 A group spanning nodes with k members per node runs k rings in parallel, one per NIC, so its
 per-rank bandwidth is min(intra-node, k x NIC) (NCCL multi-ring; busbw of DGX all-reduce).
+
+Every function here accepts numpy arrays as well as scalars (one row per candidate plan):
+the scalar estimate and the vectorised search share this code.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.units import US
+
+Num = Any  # float or numpy array
 
 
 @dataclass(frozen=True)
 class Group:
     """A communication group: ``n`` ranks, achievable bytes/s per rank, per-hop latency (s)."""
 
-    n: int
-    bytes_per_s: float
-    latency_s: float
+    n: Num
+    bytes_per_s: Num
+    latency_s: Num
 
     @staticmethod
-    def of(cluster: ClusterSpec, n: int, stride: int) -> "Group":
+    def of(cluster: ClusterSpec, n: Num, stride: Num) -> "Group":
         """Group of ``n`` ranks whose members are ``stride`` ranks apart (mesh axis placement)."""
-        intra = cluster.intra_node
-        if n <= 1:
-            return Group(1, intra.bytes_per_s, 0.0)
-        if n * stride <= cluster.gpus_per_node:
-            return Group(n, intra.bytes_per_s, intra.latency_us * US)
-        tier = cluster.tier_for_span(n * stride)
-        per_node = max(1, min(n, cluster.gpus_per_node // stride)) if stride < cluster.gpus_per_node else 1
-        bw = min(intra.bytes_per_s, per_node * tier.bytes_per_s)
-        return Group(n, bw, tier.latency_us * US)
+        n, stride = np.asarray(n, dtype=float), np.asarray(stride, dtype=float)
+        gpn = cluster.gpus_per_node
+        intra, inter = cluster.intra_node, cluster.inter_node
+        span = n * stride
+        inside = span <= gpn
+        tier_bw, tier_lat = inter.bytes_per_s, inter.latency_us * US
+        if cluster.inter_dc is not None and cluster.nodes_per_dc:
+            dc = span > cluster.nodes_per_dc * gpn
+            tier_bw = np.where(dc, cluster.inter_dc.bytes_per_s, tier_bw)
+            tier_lat = np.where(dc, cluster.inter_dc.latency_us * US, tier_lat)
+        per_node = np.where(stride < gpn, np.clip(gpn // np.maximum(stride, 1), 1, np.maximum(n, 1)), 1)
+        bw = np.where(inside, intra.bytes_per_s, np.minimum(intra.bytes_per_s, per_node * tier_bw))
+        lat = np.where(n <= 1, 0.0, np.where(inside, intra.latency_us * US, tier_lat))
+        return Group(n, bw, lat)
 
-    def _ring(self, size: float, passes: float) -> float:
-        if self.n <= 1 or size <= 0:
-            return 0.0
-        n = self.n
-        return passes * ((n - 1) / n * size / self.bytes_per_s + (n - 1) * self.latency_s)
+    def _ring(self, size: Num, passes: float) -> Num:
+        n = np.maximum(self.n, 1)
+        t = passes * ((n - 1) / n * size / self.bytes_per_s + (n - 1) * self.latency_s)
+        return np.where((self.n <= 1) | (np.asarray(size) <= 0), 0.0, t)
 
-    def all_reduce(self, size: float) -> float:
+    def all_reduce(self, size: Num) -> Num:
         return self._ring(size, 2.0)
 
-    def all_gather(self, size: float) -> float:
+    def all_gather(self, size: Num) -> Num:
         return self._ring(size, 1.0)
 
-    def reduce_scatter(self, size: float) -> float:
+    def reduce_scatter(self, size: Num) -> Num:
         return self._ring(size, 1.0)
 
-    def all_to_all(self, size: float) -> float:
+    def all_to_all(self, size: Num) -> Num:
         return self._ring(size, 1.0)
 
-    def send_recv(self, size: float) -> float:
-        return 0.0 if size <= 0 else size / self.bytes_per_s + self.latency_s
+    def send_recv(self, size: Num) -> Num:
+        return np.where(np.asarray(size) <= 0, 0.0, size / self.bytes_per_s + self.latency_s)

@@ -1,0 +1,325 @@
+"""The cost model over many plans at once: numpy arrays, one row per plan.
+
+``estimate_batch`` is the single implementation of the step assembly: ``estimate`` (one
+plan, a CostReport) calls it with one row, and the search calls it with 10^5 rows. Per-block
+quantities (compute times, FLOPs, activation bytes) depend on a few plan fields only; they
+are computed once per distinct combination with the scalar functions of compute.py and
+memory.py, then broadcast. Pipeline stages are a second axis: arrays of shape (rows, stages).
+
+Mesh axes, outermost to innermost: pp, dp, cp, tp. A TP group is `tp` consecutive ranks
+(stride 1), CP has stride tp, DP/FSDP (merged with CP for sharding) stride tp, PP stride
+tp*cp*dp.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshplan.cost.comm import Group
+from meshplan.cost.compute import ACT_BYTES, block_times, embedding_times, output_layer_times
+from meshplan.cost.memory import (FUSED_LOGITS_BYTES_PER_ELEM, LOGITS_BYTES_PER_ELEM,
+                                  activation_bytes_per_token, op_sac_bytes_per_token)
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+from meshplan.units import GiB
+
+#: Plan fields that determine the per-block quantities.
+BLOCK_KEY = ("tp", "cp", "micro_batch", "precision", "recompute", "sequence_parallel",
+             "compile", "flash_attention", "ep", "fused_loss")
+#: Exposed time terms (they sum to the step time) and overlapped ones, in report order.
+TIME_KEYS = ("compute", "recompute", "tp_comm", "tp_comm_overlapped", "cp_comm", "ep_comm",
+             "dp_comm", "dp_comm_overlapped", "pp_comm", "bubble", "optimizer", "overhead")
+MEMORY_KEYS = ("weights", "grads", "optimizer", "activations", "transient", "overhead")
+
+
+def plans_to_columns(plans: Sequence[Plan]) -> dict[str, np.ndarray]:
+    """Plans -> one array per Plan field (str fields as str arrays, None as -1 / object)."""
+    cols: dict[str, Any] = {}
+    for f in dataclasses.fields(Plan):
+        vals = [getattr(p, f.name) for p in plans]
+        if f.name == "stage_layers":
+            arr = np.empty(len(vals), dtype=object)
+            arr[:] = vals
+            cols[f.name] = arr
+        elif f.name == "recompute_layers":
+            cols[f.name] = np.array([-1 if v is None else v for v in vals], dtype=np.int64)
+        else:
+            cols[f.name] = np.array(vals)
+    return cols
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Per-row arrays of the per-block quantities (one micro-batch, one GPU)."""
+
+    f: np.ndarray       # forward seconds
+    b: np.ndarray       # backward seconds (input + weight gradients)
+    bw: np.ndarray      # weight-gradient seconds
+    rc: np.ndarray      # recompute seconds
+    flops: np.ndarray   # forward model FLOPs
+    rc_flops: np.ndarray
+    emb: np.ndarray     # embedding fwd+bwd seconds
+    out: np.ndarray     # output layer + loss fwd+bwd seconds
+    out_flops: np.ndarray
+    full_bytes: np.ndarray  # activation bytes per token of one block, no recompute
+    inp_bytes: np.ndarray   # bytes per token of the block input (what full recompute keeps)
+    op_bytes: np.ndarray    # bytes per token kept by op-level SAC
+
+
+def _group_rows(cols: Mapping[str, np.ndarray], keys: Sequence[str]) -> tuple[list[dict], np.ndarray]:
+    """Distinct combinations of ``keys`` (as dicts of Python values) and each row's index."""
+    arrays = [np.asarray(cols[k]) for k in keys]
+    if len(arrays[0]) <= 64:  # small batches: a dict is faster than sorting record arrays
+        index: dict[tuple, int] = {}
+        inv = np.array([index.setdefault(t, len(index)) for t in zip(*(a.tolist() for a in arrays))])
+        return [dict(zip(keys, t)) for t in index], inv
+    rec = np.rec.fromarrays(arrays, names=list(keys))
+    uniq, inv = np.unique(rec, return_inverse=True)
+    return [{k: u[k].item() for k in keys} for u in uniq], inv.ravel()
+
+
+def _blocks(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: Mapping[str, np.ndarray],
+            p: CostParams) -> _Block:
+    combos, inv = _group_rows(cols, BLOCK_KEY)
+    vals = []
+    gpu, s = cluster.gpu, work.seq_len
+    for combo in combos:
+        plan = Plan(**combo)
+        blk = block_times(model, plan, s, gpu, p)
+        emb, out = embedding_times(model, plan, s, gpu, p), output_layer_times(model, plan, s, gpu, p)
+        full, inp = activation_bytes_per_token(model, plan, s)
+        vals.append((blk.fwd_s, blk.bwd_s, blk.bwd_weight_s, blk.recompute_s, blk.fwd_flops,
+                     blk.recompute_flops, emb.fwd_s + emb.bwd_s, out.fwd_s + out.bwd_s,
+                     out.fwd_flops, full, inp, op_sac_bytes_per_token(model, plan)))
+    table = np.array(vals, dtype=float).reshape(len(combos), -1)[inv]
+    return _Block(*(table[:, i] for i in range(table.shape[1])))
+
+
+def _stage_layers(model: ModelSpec, cols: Mapping[str, np.ndarray]) -> np.ndarray:
+    """(rows, max pp) blocks per stage; 0 beyond each row's pp."""
+    pp = np.asarray(cols["pp"])
+    n, width = len(pp), int(pp.max())
+    j = np.arange(width)[None, :]
+    base, extra = np.divmod(model.num_layers, pp)
+    layers = np.where(j < pp[:, None], base[:, None] + (j < extra[:, None]), 0).astype(float)
+    explicit = cols["stage_layers"]
+    for i in range(n):
+        if explicit[i] is not None:
+            layers[i, :] = 0
+            layers[i, :len(explicit[i])] = explicit[i]
+    return layers
+
+
+def _layer_params_local(model: ModelSpec, tp: np.ndarray, ep: np.ndarray) -> np.ndarray:
+    """Parameters of one block held by one GPU before ZeRO sharding (TP and EP splits)."""
+    if model.is_moe:
+        experts = model.num_experts * model.mlp_params(model.expert_ffn)
+        return (model.layer_params() - experts + experts / ep) / tp
+    return model.layer_params() / tp + 0.0 * ep
+
+
+def _in_flight(cols: Mapping[str, np.ndarray], m: np.ndarray, width: int) -> np.ndarray:
+    """(rows, stages) micro-batches whose activations each stage holds at its peak."""
+    pp, v = cols["pp"][:, None], cols["virtual_stages"][:, None]
+    sched, mm = cols["schedule"][:, None], m[:, None].astype(float)
+    j = np.arange(width)[None, :]
+    one_f = np.minimum(mm, pp - j)
+    inter = np.minimum(mm * v, (pp - j - 1) * 2 + (v - 1) * pp + 1) / v
+    out = np.where(sched == "gpipe", mm, np.where((sched == "interleaved-1f1b") & (v > 1), inter,
+                   np.where(sched == "zbv", np.minimum(mm, pp), one_f)))
+    return np.where(pp == 1, 1.0, out)
+
+
+def estimate_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload,
+                   plans: Sequence[Plan] | Mapping[str, np.ndarray],
+                   params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
+    """Step time, throughput and memory of many plans. Plans must already satisfy
+    meshplan.spec.constraints (estimate() checks; the search masks).
+
+    Returns arrays: step_time_s, tokens_per_s, tflops_per_gpu, mfu, hfu, peak_memory_gib, fits,
+    microbatches, time.<term> for every TIME_KEYS term, memory.<part> of the fullest stage,
+    stage_memory_gib (rows, stages; NaN beyond pp), dominant (index into the exposed terms).
+    """
+    cols = plans if isinstance(plans, Mapping) else plans_to_columns(plans)
+    cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in cols.items()}
+    p, m_, gpu = params, model, cluster.gpu
+    tp, pp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "pp", "dp", "cp", "ep"))
+    zero, mb, v = cols["zero"], cols["micro_batch"].astype(float), cols["virtual_stages"].astype(float)
+    shard = np.where(zero == 0, 1.0, np.where((cols["shard_group"] > 0) & (cols["shard_group"] < dp * cp),
+                                               cols["shard_group"], dp * cp))
+    micro = work.global_batch // (cols["dp"] * cols["micro_batch"])
+    tokens = mb * work.seq_len / cp
+    blk = _blocks(model, cluster, work, cols, p)
+    layers = _stage_layers(model, cols)
+    width = layers.shape[1]
+    j = np.arange(width)[None, :]
+    valid, first, last = j < pp[:, None], j == 0, j == (pp[:, None] - 1)
+
+    def col(x: Any) -> np.ndarray:  # per-row array -> (rows, 1) for stage broadcasting
+        return np.asarray(x, dtype=float)[:, None]
+
+    full_rc = cols["recompute"] == "full"
+    rl = cols["recompute_layers"]
+    rc_layers = np.where(full_rc[:, None] & (rl[:, None] >= 0), np.minimum(layers, rl[:, None]), layers)
+    compute = layers * col(blk.f + blk.b) + first * col(blk.emb) + last * col(blk.out)
+    recompute = rc_layers * col(blk.rc)
+
+    tp_one = Group.of(cluster, tp, 1).all_reduce(tokens * m_.hidden_size * ACT_BYTES)
+    tp_t = (layers - rc_layers) * col(4 * tp_one) + rc_layers * col(np.where(full_rc, 6, 4) * tp_one)
+    tp_exp = tp_t * col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
+
+    kv = tokens * 2 * m_.kv_dim / tp * ACT_BYTES
+    cp_t = 3 * Group.of(cluster, cp, tp).all_gather(kv * cp)
+    cp_exp = layers * col(np.maximum(0.0, cp_t - 0.5 * (blk.f + blk.b)))
+    ep_t = 4 * Group.of(cluster, ep, tp).all_to_all(tokens * m_.experts_per_token * m_.hidden_size * ACT_BYTES)
+    ep_exp = layers * col(ep_t if m_.is_moe else 0.0 * ep_t)
+
+    lp = _layer_params_local(m_, tp, ep)
+    shard_g = Group.of(cluster, shard, tp)
+    ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(p.fsdp_reduce_bytes * lp)
+    fsdp = (zero == 3) & (shard > 1)
+    per_step = (zero == 3) & (pp > 1)  # torch pipelining: gather/reduce once per step
+    blk_exp = np.where(fsdp & ~per_step, np.maximum(0, ag - blk.f) + np.maximum(0, ag + rs - (blk.b + blk.rc)), 0)
+    blk_ovl = np.where(fsdp & per_step, (2 * ag + rs) / np.maximum(1, micro),
+                       np.where(fsdp, 2 * ag + rs - blk_exp, 0))
+    act = tokens * m_.hidden_size * ACT_BYTES / np.where(cols["p2p_sharded"], tp, 1)
+    p2p = np.where(pp > 1, 2 * v * Group.of(cluster, 2, tp * cp * dp).send_recv(act) * p.pp_p2p_exposed, 0)
+
+    terms = {"compute": compute, "recompute": recompute, "tp_comm": tp_exp,
+             "tp_comm_overlapped": tp_t - tp_exp, "cp_comm": cp_exp, "ep_comm": ep_exp,
+             "dp_comm": layers * col(blk_exp), "dp_comm_overlapped": layers * col(blk_ovl),
+             "pp_comm": np.broadcast_to(col(p2p), layers.shape)}
+    exposed = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm")
+    totals = np.where(valid, sum(terms[k] for k in exposed), -np.inf)
+    crit = np.argmax(totals, axis=1)
+    rows = np.arange(len(crit))
+    tmax, tsum = totals[rows, crit], np.where(valid, totals, 0).sum(axis=1)
+    busy = micro * tmax
+    w_frac = blk.bw / np.maximum(1e-30, blk.f + blk.b + blk.rc)
+    sched = cols["schedule"]
+    bubble = np.where(pp == 1, 0.0, tsum - tmax)
+    bubble = np.where(sched == "interleaved-1f1b", bubble / v, bubble)
+    zb = (sched == "zero-bubble") | (sched == "zbv")
+    bubble = np.where(zb, bubble * np.maximum(0, 1 - 2 * w_frac) / np.where(sched == "zbv", 2, 1), bubble)
+
+    plocal = np.where(valid, layers * col(lp) + first * col(m_.embedding_params() / tp)
+                      + last * col((m_.norm_params() + m_.vocab_size * m_.hidden_size) / tp)
+                      - (first & last) * col(m_.tied_embeddings * m_.vocab_size * m_.hidden_size / tp), 0)
+    pmax = plocal.max(axis=1)
+    dp_exp, dp_ovl = _dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, pmax, compute[:, 0] / 2)
+    tied = Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)
+    dp_exp = dp_exp + np.where((pp > 1) & m_.tied_embeddings, tied, 0)
+    n_opt = plocal / col(np.where(zero >= 1, shard, 1))
+    opt_t = np.where(np.asarray(cols["offload_optimizer"], dtype=bool)[:, None], n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9),
+                     n_opt * p.optimizer_bytes_per_param / (gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency))
+    opt = np.where(valid, opt_t, 0).max(axis=1)
+    step = busy + bubble + dp_exp + opt + p.step_overhead_s
+
+    out: dict[str, np.ndarray] = {f"time.{k}": micro * t[rows, crit] for k, t in terms.items()}
+    out["time.dp_comm"] = out["time.dp_comm"] + dp_exp
+    out["time.dp_comm_overlapped"] = out["time.dp_comm_overlapped"] + dp_ovl
+    out |= {"time.bubble": bubble, "time.optimizer": opt,
+            "time.overhead": np.full(len(rows), p.step_overhead_s)}
+    mem = _memory(model, work, cols, p, layers, valid, first, last, plocal, lp, shard, tokens, blk, micro)
+    out |= _summary(model, cluster, work, cols, p, step, blk, mem, micro)
+    return out
+
+
+def _dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: CostParams,
+                    tp: np.ndarray, dp: np.ndarray, cp: np.ndarray, shard: np.ndarray,
+                    lp: np.ndarray, params_local: np.ndarray,
+                    last_bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(exposed, overlapped) seconds of gradient sync / parameter gather ending a step."""
+    zero, pp = cols["zero"], cols["pp"]
+    n_dp = dp * cp
+    # ZeRO-3/FSDP: the first block's gather once, plus HSDP's all-reduce across replicas.
+    z3 = Group.of(cluster, shard, tp).all_gather(2.0 * lp)
+    rep = Group.of(cluster, np.maximum(1, n_dp // shard), tp * shard)
+    z3 = z3 + np.where(shard < n_dp, rep.all_reduce(p.fsdp_reduce_bytes * params_local / shard), 0)
+    # DDP / ZeRO-1/2: fp32 main grads with a distributed optimizer, 16-bit for plain DDP.
+    g = Group.of(cluster, n_dp, tp)
+    grads = np.where(zero >= 1, 4.0, 2.0) * params_local
+    gs = cols["grad_sync"]
+    allreduce = (gs == "all-reduce") | ((gs == "auto") & (zero == 0))
+    sync = np.where(allreduce, g.all_reduce(grads), g.reduce_scatter(grads))
+    bucket = g.all_reduce(np.minimum(grads, p.dp_bucket_mib * 2**20))
+    # With a pipeline the sync starts after the stage's last backward: nothing to overlap.
+    exposed = np.where(pp > 1, sync, np.maximum(bucket, sync - last_bwd))
+    exposed = exposed + np.where(zero >= 1, g.all_gather(2.0 * params_local), 0)
+    overlapped = sync - np.minimum(sync, exposed)
+    none = n_dp == 1
+    return (np.where(none, 0, np.where(zero == 3, z3, exposed)),
+            np.where(none | (zero == 3), 0, overlapped))
+
+
+def _memory(model: ModelSpec, work: Workload, cols: Mapping[str, np.ndarray], p: CostParams,
+            layers: np.ndarray, valid: np.ndarray, first: np.ndarray, last: np.ndarray,
+            plocal: np.ndarray, lp: np.ndarray, shard: np.ndarray, tokens: np.ndarray,
+            blk: _Block, micro: np.ndarray) -> dict[str, np.ndarray]:
+    """(rows, stages) bytes per part; see memory.py for the per-parameter byte counts."""
+    def col(x: Any) -> np.ndarray:
+        return np.asarray(x, dtype=float)[:, None]
+
+    def flag(x: Any) -> np.ndarray:
+        return np.asarray(x, dtype=bool)[:, None]
+
+    zero, pp = col(cols["zero"]), col(cols["pp"])
+    sh = col(shard)
+    z3 = zero == 3
+    w = np.where(z3, np.where(flag(cols["offload_params"]), 0, 4 * plocal / sh), 2 * plocal)
+    g = np.where(z3, 4 * plocal / sh, np.where(zero >= 1, 4, 2) * plocal / np.where(zero >= 2, sh, 1))
+    o = np.where(flag(cols["offload_optimizer"]), 0,
+                 np.where(z3, 8 * plocal / sh, 12 * plocal / np.where(zero >= 1, sh, 1)))
+    gathered = (1 + p.fsdp_prefetch_layers) * col(lp) * 2.0 + col(lp) * 4.0
+    buckets = np.where(col(cols["dp"] * cols["cp"]) > 1, 2 * p.dp_bucket_mib * 2**20, 0.0)
+    buffers = np.where(z3, gathered, buckets)
+    per_step = z3 & (pp > 1)  # pipelined FSDP keeps unsharded bf16 params + fp32 grads
+    w, g = w + per_step * 2 * plocal, g + per_step * 4 * plocal
+
+    rec, rl = flag(cols["recompute"] == "full"), col(cols["recompute_layers"])
+    op = flag(cols["recompute"] == "op")
+    r = np.where(rl >= 0, np.minimum(layers, rl), layers)
+    t = col(tokens)
+    kept = t * np.where(rec, r * col(blk.inp_bytes) + (layers - r) * col(blk.full_bytes),
+                        layers * np.where(op, col(blk.op_bytes), col(blk.full_bytes)))
+    transient = np.where(rec | op, t * col(blk.full_bytes), 0.0)
+    inflight = _in_flight(cols, micro, layers.shape[1])
+    acts = (kept + first * t * model.hidden_size * ACT_BYTES) * inflight
+    per = np.where(flag(cols["fused_loss"]), FUSED_LOGITS_BYTES_PER_ELEM, LOGITS_BYTES_PER_ELEM)
+    logits = t * model.vocab_size / col(cols["tp"]) * per
+    transient = np.where(last, np.maximum(transient, logits), transient) + buffers
+    transient = transient + p.allocator_fragmentation * (acts + transient)
+    parts = {"weights": w, "grads": g, "optimizer": o, "activations": acts, "transient": transient,
+             "overhead": np.broadcast_to(p.framework_overhead_gib * GiB, layers.shape)}
+    return {k: np.where(valid, v, np.nan) for k, v in parts.items()}
+
+
+def _summary(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: Mapping[str, np.ndarray],
+             p: CostParams, step: np.ndarray, blk: _Block, mem: dict[str, np.ndarray],
+             micro: np.ndarray) -> dict[str, np.ndarray]:
+    gpu = cluster.gpu
+    tp, cp, mb = (cols[k].astype(float) for k in ("tp", "cp", "micro_batch"))
+    n = cols["tp"] * cols["pp"] * cols["dp"] * cols["cp"]
+    scale = tp * cp / mb * work.global_batch
+    model_flops = 3.0 * (model.num_layers * blk.flops + blk.out_flops) * scale
+    rc_flops = model.num_layers * blk.rc_flops * scale
+    prec = cols["precision"]
+    peak = np.where(prec == "fp16", gpu.peak("fp16"),
+                    np.where(prec == "fp32", gpu.peak("fp32"), gpu.peak("bf16")))
+    total = sum(mem[k] for k in MEMORY_KEYS)
+    worst = np.nanargmax(total, axis=1)
+    rows = np.arange(len(worst))
+    peak_gib = total[rows, worst] / GiB
+    out = {"step_time_s": step, "tokens_per_s": work.tokens / step,
+           "tflops_per_gpu": model_flops / step / n / 1e12, "mfu": model_flops / step / n / peak,
+           "hfu": (model_flops + rc_flops) / step / n / peak, "peak_memory_gib": peak_gib,
+           "fits": peak_gib <= gpu.memory_gib * (1 - p.memory_margin), "microbatches": micro,
+           "num_gpus": n, "stage_memory_gib": total / GiB}
+    out |= {f"memory.{k}": mem[k][rows, worst] / GiB for k in MEMORY_KEYS}
+    return out
