@@ -14,7 +14,7 @@ from meshplan.spec import ClusterSpec, GPUSpec, LinkTier, ModelSpec, Plan, Workl
 from meshplan.spec import constraints
 from meshplan.spec.base import from_dict, to_dict
 from meshplan.spec.cluster import default_links
-from meshplan.spec.io import (
+from meshplan.spec.io import (dump_toml, 
     dump_json, load_cluster, load_gpu, load_model, load_plan, parse_cluster_shorthand,
     plan_document, preset_names, read_data_file,
 )
@@ -30,35 +30,9 @@ def json_round_trip(obj):
     return from_dict(type(obj), json.loads(text))
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()
-                               if x is not None) + "}"
-    raise TypeError(v)
-
-
 def write_toml(path: Path, data: dict) -> Path:
-    """A tiny TOML writer for spec dicts: scalars at top level, nested dicts as [tables]."""
-    lines, tables = [], []
-    for k, v in data.items():
-        if v is None:
-            continue
-        if isinstance(v, dict):
-            tables.append((k, v))
-        else:
-            lines.append(f"{json.dumps(k)} = {_toml_value(v)}")
-    for name, table in tables:
-        lines.append(f"\n[{json.dumps(name)}]")
-        lines += [f"{json.dumps(k)} = {_toml_value(x)}" for k, x in table.items() if x is not None]
-    path.write_text("\n".join(lines) + "\n")
+    """Writes with the library's own TOML writer (meshplan.spec.io.dump_toml)."""
+    path.write_text(dump_toml(data))
     return path
 
 

@@ -221,3 +221,34 @@ def plan_document(plan: Plan, **extra: Any) -> dict[str, Any]:
 
 def dump_json(obj: Any) -> str:
     return json.dumps(to_dict(obj), indent=2, sort_keys=False)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()
+                               if x is not None) + "}"
+    raise MeshplanError(f"cannot write {type(v).__name__} to TOML")
+
+
+def dump_toml(obj: Any) -> str:
+    """A spec (or spec dict) as TOML: scalars first, nested specs as [tables]; None omitted.
+    read back by load_model / load_cluster / load_plan."""
+    data = to_dict(obj)
+    lines, tables = [], []
+    for k, v in data.items():
+        if v is None:
+            continue
+        (tables if isinstance(v, dict) else lines).append((k, v))
+    out = [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in lines]
+    for name, table in tables:
+        out.append(f"\n[{json.dumps(name)}]")
+        out += [f"{json.dumps(k)} = {_toml_value(x)}" for k, x in table.items() if x is not None]
+    return "\n".join(out) + "\n"
