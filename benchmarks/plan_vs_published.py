@@ -24,13 +24,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from meshplan.cost import estimate  # noqa: E402
-from meshplan.errors import MeshplanError  # noqa: E402
-from meshplan.search import SearchSpace, search  # noqa: E402
-from meshplan.search.explain import compare_line  # noqa: E402
-from meshplan.spec.plan import Plan  # noqa: E402
-from meshplan.validate.report import default_runs_path  # noqa: E402
-from meshplan.validate.runs import load_runs  # noqa: E402
+from meshplan.cost import estimate
+from meshplan.errors import MeshplanError
+from meshplan.search import SearchSpace, search
+from meshplan.search.explain import compare_line
+from meshplan.spec.plan import Plan
+from meshplan.validate.report import default_runs_path
+from meshplan.validate.runs import load_runs
 
 SOURCES = ("MEG_SC21_T1", "KOR22_T5", "BLOOM176B")
 SOURCE_PREFIXES = ("TT_",)

@@ -20,9 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from meshplan.search import SearchSpace, search  # noqa: E402
-from meshplan.spec.io import load_cluster, load_model  # noqa: E402
-from meshplan.spec.plan import Workload  # noqa: E402
+from meshplan.search import SearchSpace, search
+from meshplan.spec.io import load_cluster, load_model
+from meshplan.spec.plan import Workload
 
 CASES = [  # name, model, cluster, global batch, seq len
     ("gpt3-175b/1024xA100", "gpt3-175b", "a100-sxm-80gb:1024", 1536, 2048),

@@ -75,7 +75,7 @@ def test_bad_input_is_one_line(capsys, argv, words):
             args[args.index(argv[i]) + 1] = argv[i + 1]
         else:
             args += argv[i:i + 2]
-    code, out, err = run(capsys, *args)
+    code, _, err = run(capsys, *args)
     assert code == 2
     assert err.startswith("meshplan: error: ") and words in err and err.count("\n") == 1
     assert "Traceback" not in err

@@ -11,27 +11,33 @@ import pytest
 from meshplan.cost import estimate
 from meshplan.search.bounds import states_lower_bound_gib, usable_gib
 from meshplan.search.columns import PlanColumns
-from meshplan.search.constraints import (SEARCH_CHECKS, VECTOR_CHECKS, ZERO_BUBBLE_DP,
-                                         first_violation, reason_names, violation_masks)
+from meshplan.search.constraints import (
+    SEARCH_CHECKS,
+    VECTOR_CHECKS,
+    ZERO_BUBBLE_DP,
+    first_violation,
+    reason_names,
+    violation_masks,
+)
 from meshplan.search.evaluate import COLUMNS, evaluate
 from meshplan.spec.constraints import CHECKS, violations
 from meshplan.spec.io import load_cluster, load_model
 from meshplan.spec.plan import PRECISIONS, RECOMPUTE, SCHEDULES, Plan, Workload
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model(name):
     return load_model(name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cluster(name):
     return load_cluster(name)
 
 
 def random_plan(rng: np.random.Generator, num_layers: int) -> Plan:
     """A Plan that constructs, with every field drawn so that each predicate fires sometimes."""
-    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]
     pp, v = pick([1, 2, 3, 4, 8]), pick([1, 1, 2, 3])
     recompute = pick(RECOMPUTE)
     stage_layers = None

@@ -17,12 +17,12 @@ from meshplan.spec.io import load_cluster, load_model
 from meshplan.spec.plan import Plan, Workload
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model(name):
     return load_model(name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cluster(name):
     return load_cluster(name)
 
@@ -39,15 +39,16 @@ def test_single_gpu_tiny_model_solved_by_hand():
 def _exhaustive_best(m, c, w, space):
     """The definition: estimate() every candidate that passes the scalar constraints and the
     search-only rule, keep those that fit, order by (time, GPUs, memory, short())."""
-    best = None
+    best, fitting = None, 0
     for p in enumerate_space(m, c, w, space).plans():
         if violations(m, c, p, w) or (p.schedule in ("zero-bubble", "zbv") and p.dp * p.cp > 1):
             continue
         r = estimate(m, c, p, w)
         if r.fits:
+            fitting += 1
             key = (r.step_time_s, p.num_gpus, r.peak_memory_gib, p.short())
             best = min(best, (key, p)) if best else (key, p)
-    return best
+    return best, fitting
 
 
 @pytest.mark.parametrize("case", [
@@ -59,12 +60,14 @@ def _exhaustive_best(m, c, w, space):
 def test_winner_equals_exhaustive_estimate_loop(case):
     m, c, w, space = model(case[0]), cluster(case[1]), Workload(global_batch=case[2], seq_len=case[3]), case[4]
     r = search(m, c, w, space)
-    key, plan = _exhaustive_best(m, c, w, space)
+    (key, plan), fitting = _exhaustive_best(m, c, w, space)
     assert r.best.plan == plan
+    # The memory bound and the micro-batch pruning rejected no plan that fits.
+    assert r.feasible == fitting and r.evaluated < r.considered
     assert r.best.report.step_time_s == key[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _llama8_results():
     m, c, w = model("llama3-8b"), cluster("h100-sxm-80gb:8"), Workload(global_batch=32, seq_len=8192)
     space = SearchSpace(cp=(1, 2), max_virtual_stages=3)

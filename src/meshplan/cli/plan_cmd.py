@@ -75,9 +75,9 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> None
     import dataclasses
     import typing
 
+    from meshplan.search.space import SEARCHED
     from meshplan.spec.base import _coerce
     from meshplan.spec.plan import Plan
-    from meshplan.search.space import SEARCHED
     hints = typing.get_type_hints(Plan)
     fields = {f.name for f in dataclasses.fields(Plan)}
     for part in (p.strip() for p in text.split(",") if p.strip()):
@@ -192,10 +192,10 @@ def _text(result: Any, tokens: float | None) -> str:
     c = result.clusters
     where = (f"{c[0].num_gpus} x {c[0].gpu.name}" if len(c) == 1 else
              f"{', '.join(str(x.num_gpus) for x in c)} x {c[0].gpu.name} (objective: {result.objective})")
-    lines = [f"model {result.model.name} on {where}, global batch {result.work.global_batch} x "
-             f"{result.work.seq_len} tokens",
-             f"searched {result.considered:,} plans in {result.search_time_s:.2f} s: "
-             f"{result.feasible:,} feasible, {result.evaluated:,} priced by the cost model", ""]
+    lines = [(f"model {result.model.name} on {where}, global batch {result.work.global_batch} x "
+              f"{result.work.seq_len} tokens"),
+             (f"searched {result.considered:,} plans in {result.search_time_s:.2f} s: "
+              f"{result.feasible:,} feasible, {result.evaluated:,} priced by the cost model"), ""]
     if result.plans:
         lines += [_table(result, tokens), ""]
     if len(c) > 1:
@@ -216,6 +216,13 @@ def _text(result: Any, tokens: float | None) -> str:
     return "\n".join(lines)
 
 
+def _json_default(obj: Any) -> Any:
+    """numpy scalars and arrays (a vectorised cost model may return them) as plain JSON."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
 def _write_out(path: str, result: Any) -> None:
     from meshplan.spec.io import plan_document
     best = result.best
@@ -224,7 +231,7 @@ def _write_out(path: str, result: Any) -> None:
                         predicted=best.report.to_dict())
     try:
         with open(path, "w") as f:
-            json.dump(doc, f, indent=2)
+            json.dump(doc, f, indent=2, default=_json_default)
             f.write("\n")
     except OSError as e:
         raise MeshplanError(f"cannot write --out {path}: {e.strerror or e}") from None
@@ -300,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         doc["explanation"] = explain(result)
         if tokens is not None:
             doc["train"] = [_train(result, tokens, p) for p in result.plans]
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(doc, indent=2, default=_json_default))
     elif result.plans:
         print(_text(result, tokens))
     if not result.plans:

@@ -81,8 +81,10 @@ def states_lower_bound_gib(model: ModelSpec, cols: PlanColumns,
     out = np.empty(len(uniq))
     for i, row in enumerate(uniq.tolist()):
         d = dict(zip(_STATE_KEYS, row))
-        code = d.pop("stage_layers")
-        plan = Plan(**{k: (bool(v) if k.startswith("offload") else v) for k, v in d.items()},
+        code = d["stage_layers"]
+        plan = Plan(tp=d["tp"], pp=d["pp"], dp=d["dp"], cp=d["cp"], ep=d["ep"], zero=d["zero"],
+                    shard_group=d["shard_group"], offload_optimizer=bool(d["offload_optimizer"]),
+                    offload_params=bool(d["offload_params"]),
                     stage_layers=None if code == NONE_CODE else cols.stage_table[code])
         out[i] = _stage_states(model, plan, params)
     return out[inverse.reshape(-1)] / GiB + params.framework_overhead_gib

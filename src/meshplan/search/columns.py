@@ -71,7 +71,8 @@ class PlanColumns(Mapping[str, np.ndarray]):
         missing = [f for f in FIELDS if f not in cols]
         if missing:
             raise KeyError(f"plan columns missing: {', '.join(missing)}")
-        self._cols = {f: np.asarray(cols[f], dtype=_DTYPES[FIELD_KINDS[f]]) for f in FIELDS}
+        self._cols: dict[str, np.ndarray] = {
+            f: np.asarray(cols[f], dtype=_DTYPES[FIELD_KINDS[f]]) for f in FIELDS}
         lengths = {len(c) for c in self._cols.values()}
         if len(lengths) > 1:
             raise ValueError(f"plan columns have different lengths: {sorted(lengths)}")
@@ -92,7 +93,7 @@ class PlanColumns(Mapping[str, np.ndarray]):
     def num_rows(self) -> int:
         return len(self._cols["tp"])
 
-    def take(self, idx: np.ndarray) -> "PlanColumns":
+    def take(self, idx: np.ndarray) -> PlanColumns:
         """Rows ``idx`` (an index or boolean array), same stage table."""
         return PlanColumns({f: c[idx] for f, c in self._cols.items()}, self.stage_table,
                            {k: v[idx] for k, v in self.meta.items()})
@@ -144,7 +145,7 @@ class PlanColumns(Mapping[str, np.ndarray]):
         return raw
 
     @staticmethod
-    def from_plans(plans: Sequence[Plan]) -> "PlanColumns":
+    def from_plans(plans: Sequence[Plan]) -> PlanColumns:
         """Encode Plan objects (used by tests and by callers holding a few plans)."""
         table: list[tuple[int, ...]] = []
         codes: dict[tuple[int, ...], int] = {}
@@ -167,7 +168,7 @@ class PlanColumns(Mapping[str, np.ndarray]):
         return PlanColumns({f: np.asarray(c) for f, c in cols.items()}, table)
 
     @staticmethod
-    def concat(parts: Sequence["PlanColumns"]) -> "PlanColumns":
+    def concat(parts: Sequence[PlanColumns]) -> PlanColumns:
         """Rows of several column sets (stage tables merged and codes remapped)."""
         index: dict[tuple[int, ...], int] = {}
         cols: dict[str, list[np.ndarray]] = {f: [] for f in FIELDS}

@@ -26,8 +26,15 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.search.bounds import states_lower_bound_gib, usable_gib
 from meshplan.search.columns import PlanColumns
-from meshplan.search.constraints import (COST_MODEL_REFUSED, OUT_OF_MEMORY, SEARCH_CHECKS, ZERO_BUBBLE_DP,
-                                         first_violation, reason_names, violation_masks)
+from meshplan.search.constraints import (
+    COST_MODEL_REFUSED,
+    OUT_OF_MEMORY,
+    SEARCH_CHECKS,
+    ZERO_BUBBLE_DP,
+    first_violation,
+    reason_names,
+    violation_masks,
+)
 from meshplan.search.evaluate import evaluate
 from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
 from meshplan.search.result import ClusterCount, ParetoPoint, RankedPlan, SearchResult

@@ -85,7 +85,7 @@ class SearchSpace:
         if any(z not in (0, 1, 2, 3) for z in self.zero):
             raise MeshplanError("search space: zero levels must be among 0, 1, 2, 3")
 
-    def replace(self, **changes: object) -> "SearchSpace":
+    def replace(self, **changes: object) -> SearchSpace:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -158,7 +158,8 @@ def schedule_options(pp: int, model: ModelSpec, space: SearchSpace) -> list[tupl
     """(schedule, virtual_stages) pairs for a pipeline of ``pp`` stages."""
     if pp == 1:
         return [("1f1b", 1)]
-    out = [(s, 1) for s in ("gpipe", "1f1b", "zero-bubble") if s in space.schedules]
+    out: list[tuple[str, int]] = [(s, 1) for s in ("gpipe", "1f1b", "zero-bubble")
+                                  if s in space.schedules]
     if "zbv" in space.schedules:
         out.append(("zbv", 2))
     if "interleaved-1f1b" in space.schedules:
@@ -171,7 +172,7 @@ def recompute_options(stage_max_layers: int, space: SearchSpace) -> list[tuple[s
     """(recompute, recompute_layers or NONE_CODE) pairs."""
     out = [(r, NONE_CODE) for r in space.recompute]
     if "full" in space.recompute:
-        ks = sorted({int(round(f * stage_max_layers)) for f in space.recompute_fractions})
+        ks = sorted({round(f * stage_max_layers) for f in space.recompute_fractions})
         out += [("full", k) for k in ks if 0 < k < stage_max_layers]
     return out
 

@@ -59,8 +59,10 @@ def split_layers(costs: np.ndarray, pp: int, first_extra: float = 0.0, last_extr
     seg = _seg_matrix(costs)
     idx = np.arange(n + 1)
     valid_len = (idx[None, :] - idx[:, None]) >= min_layers
-    stage = [None] + [np.where(valid_len, _stage_costs(seg, k, pp, first_extra, last_extra), np.inf)
-                      for k in range(1, pp + 1)]
+    # stage[k][j, e]: cost of a stage spanning [j, e) with k stages left (index 0 unused).
+    stage = [np.empty((0, 0))] + [
+        np.where(valid_len, _stage_costs(seg, k, pp, first_extra, last_extra), np.inf)
+        for k in range(1, pp + 1)]
     # best[k][j]: least max cost of splitting layers j..n into k stages (inf if impossible).
     best = [np.full(n + 1, np.inf) for _ in range(pp + 1)]
     best[0][n] = 0.0
@@ -79,7 +81,8 @@ def split_layers(costs: np.ndarray, pp: int, first_extra: float = 0.0, last_extr
     return _reconstruct(stage, sq, cap, pp, n)
 
 
-def _reconstruct(stage: list, sq: list, cap: float, pp: int, n: int) -> tuple[int, ...]:
+def _reconstruct(stage: list[np.ndarray], sq: list[np.ndarray], cap: float, pp: int,
+                 n: int) -> tuple[int, ...]:
     """Walk forward choosing, at each stage, the fewest layers that keep both optima."""
     out, j = [], 0
     for k in range(pp, 0, -1):
