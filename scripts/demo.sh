@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 mp=.venv/bin/meshplan
 echo "== meshplan estimate: Llama 3 8B, FSDP on 8 x H100, op-level activation checkpointing"
 $mp estimate --model llama3-8b --cluster h100-sxm-80gb:8 \
-  --plan dp=8,zero=3,micro_batch=2,recompute=op,compile=1 --global-batch 16 --seq-len 8192
+  --plan dp=8,zero=3,micro_batch=1,recompute=op,compile=1 --global-batch 16 --seq-len 8192
 echo
 echo "== meshplan validate: cost model vs published measured runs (summary)"
 $mp validate --report validation.md | tail -n 12

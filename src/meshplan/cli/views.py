@@ -44,6 +44,27 @@ def estimate_text(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Work
     if len(r.memory_per_stage) > 1:
         out.append("per pipeline stage: " + ", ".join(f"{m:.1f}" for m in r.memory_per_stage) + " GiB")
     if not r.fits:
-        out.append("\nto fit: try recompute=full, a higher zero level (zero=3), a smaller micro_batch, "
-                   "more tp/pp, or GPUs with more memory")
+        out.append("\n" + fit_hint(plan, r))
     return "\n".join(out)
+
+
+def fit_hint(plan: Plan, r: CostReport) -> str:
+    """What could make a plan that does not fit fit, biggest memory part first."""
+    over = r.peak_memory_gib - r.usable_memory_gib
+    tips = []
+    acts = r.memory.get("activations", 0) + r.memory.get("transient", 0)
+    states = r.memory.get("weights", 0) + r.memory.get("grads", 0) + r.memory.get("optimizer", 0)
+    if acts >= states:
+        if plan.recompute != "full":
+            tips.append("recompute=full")
+        if plan.micro_batch > 1:
+            tips.append(f"micro_batch={plan.micro_batch // 2}")
+        if not plan.fused_loss:
+            tips.append("fused_loss=1")
+    if plan.zero < 3:
+        tips.append("zero=3")
+    if not plan.offload_optimizer and plan.zero >= 1:
+        tips.append("offload_optimizer=1")
+    tips.append("more tp or pp, or more GPUs, or GPUs with more memory")
+    return (f"does not fit: {over:.1f} GiB over the usable {r.usable_memory_gib:.1f} GiB; "
+            f"try {', '.join(tips)} (or `meshplan plan` to search)")
