@@ -1,0 +1,106 @@
+"""The `meshplan` command line for step 1: presets, estimate, validate; bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshplan.cli.main import main
+
+GOOD = ["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8",
+        "--plan", "dp=8,zero=3,micro_batch=1,recompute=op", "--global-batch", "16", "--seq-len", "8192"]
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_estimate_json_has_the_documented_fields(capsys):
+    rc, out, err = run(capsys, *GOOD, "--json")
+    assert rc == 0 and not err
+    d = json.loads(out)
+    for k in ("params", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu",
+              "peak_memory_gib", "fits", "memory", "time"):
+        assert k in d, k
+    assert d["params"] == 8_030_261_248
+    assert d["tokens_per_s"] == pytest.approx(16 * 8192 / d["step_time_s"])
+    exposed = sum(v for k, v in d["time"].items() if not k.endswith("_overlapped"))
+    assert exposed == pytest.approx(d["step_time_s"])
+
+
+def test_estimate_table(capsys):
+    rc, out, _ = run(capsys, *GOOD)
+    assert rc == 0 and "step time" in out and "MFU" in out and "fits" in out
+
+
+def test_plan_file_round_trip(capsys, tmp_path):
+    from meshplan.spec.io import plan_document
+    from meshplan.spec.plan import parse_plan
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps(plan_document(parse_plan("dp=8,zero=3,micro_batch=1,recompute=op"))))
+    argv = GOOD.copy()
+    argv[argv.index("--plan") + 1] = str(f)
+    rc1, out1, _ = run(capsys, *argv, "--json")
+    rc2, out2, _ = run(capsys, *GOOD, "--json")
+    assert rc1 == rc2 == 0 and json.loads(out1)["step_time_s"] == json.loads(out2)["step_time_s"]
+
+
+@pytest.mark.parametrize("change,needle", [
+    (("--model", "llama3-8bb"), "did you mean llama3-8b"),
+    (("--cluster", "h100:8"), "known gpus"),
+    (("--cluster", "h100-sxm-80gb:12"), "whole number of 8-gpu nodes"),
+    (("--plan", "tp=8,pp"), "is not key=value"),
+    (("--plan", "tp=8,pp=1,dp=1,micro_batch=1,bogus=2"), "unknown key"),
+    (("--plan", "tp=3,dp=8"), "tp=3"),
+    (("--plan", "tp=16,dp=1"), "larger than a node"),
+    (("--plan", "tp=1,dp=4"), "change dp to 8"),
+    (("--global-batch", "0"), "positive integer"),
+    (("--model", "missing.toml"), "file not found"),
+])
+def test_bad_input_is_one_clear_line(capsys, change, needle):
+    argv = GOOD.copy()
+    argv[argv.index(change[0]) + 1] = change[1]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and not out
+    assert err.count("\n") == 1 and err.startswith("meshplan: error:"), err
+    assert needle in err.lower(), err
+    assert "Traceback" not in err
+
+
+def test_validate_json_on_a_small_csv(capsys, tmp_path):
+    from meshplan.validate.report import default_runs_path
+    lines = default_runs_path().read_text().splitlines()
+    f = tmp_path / "runs.csv"
+    f.write_text("\n".join(lines[:4]) + "\n")
+    rc, out, _ = run(capsys, "validate", "--runs", str(f), "--json", "--report", str(tmp_path / "r.md"))
+    d = json.loads(out)
+    assert rc == 0 and d["summary"]["rows"] == 3 and len(d["rows"]) == 3
+    row = d["rows"][0]
+    for k in ("row_id", "status", "reason", "predicted_step_time_s", "predicted_peak_memory_gib",
+              "predicted_fits"):
+        assert k in row
+    assert "Cost-model constants" in (tmp_path / "r.md").read_text()
+
+
+def test_validate_missing_csv(capsys):
+    rc, _, err = run(capsys, "validate", "--runs", "nope.csv")
+    assert rc == 2 and "not found" in err
+
+
+def test_presets_lists_models_and_gpus(capsys):
+    rc, out, _ = run(capsys, "presets", "--json")
+    d = json.loads(out)
+    assert rc == 0 and "gpt3-175b" in d["models"] and "h100-sxm-80gb" in d["gpus"]
+
+
+def test_planning_never_imports_torch():
+    code = ("import sys; from meshplan.cli.main import main; "
+            "main(['estimate','--model','gpt3-175b','--cluster','a100-sxm-80gb:64','--plan',"
+            "'tp=8,pp=8,dp=1,micro_batch=1','--global-batch','64']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
