@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -126,6 +127,18 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _commit() -> str:
+    """The code measured: HEAD, marked '+dirty' when the working tree has changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="only rows whose source id starts with this")
@@ -150,7 +163,7 @@ def main() -> int:
               f"{sp:>7}  fits={row['meshplan_fits']}  {row['search_s']:6.1f} s  {row['meshplan_plan']}",
               flush=True)
     doc = {"note": "predicted step times, both from meshplan's cost model; speedup = published / meshplan",
-           "python": platform.python_version(), "machine": platform.platform(), "cpus": os.cpu_count(),
+           "commit": _commit(), "python": platform.python_version(), "machine": platform.platform(), "cpus": os.cpu_count(),
            "total_s": round(time.perf_counter() - t0, 1), "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,18 @@ def run_case(name: str, model: str, cluster: str, batch: int, seq: int, uneven: 
     }
 
 
+def _commit() -> str:
+    """The code measured: HEAD, marked '+dirty' when the working tree has changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="run only cases whose name contains this")
@@ -74,7 +87,7 @@ def main() -> int:
     doc = {
         "note": ("evaluate() still loops meshplan.cost.estimate once per plan; enumeration, "
                  "constraints and bounds are vectorised. wall_s includes everything."),
-        "python": platform.python_version(), "machine": platform.platform(),
+        "commit": _commit(), "python": platform.python_version(), "machine": platform.platform(),
         "cpus": os.cpu_count(), "results": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
