@@ -65,9 +65,9 @@ def space_for(case) -> tuple[SearchSpace, str]:
 def run_row(case) -> dict:
     space, cap = space_for(case)
     pub = estimate(case.model, case.cluster, case.plan, case.work)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     r = search(case.model, case.cluster, case.work, space, top=3)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     row = {
         "row_id": case.row_id, "source": case.source_id, "model": case.model_name,
         "gpus": case.cluster.num_gpus, "gpu": case.cluster.gpu.name,
@@ -76,7 +76,7 @@ def run_row(case) -> dict:
         "published_fits": pub.fits, "published_peak_gib": pub.peak_memory_gib,
         "measured_s": case.measured_step_time_s,
         "considered": r.considered, "evaluated": r.evaluated, "feasible": r.feasible,
-        "search_s": round(wall, 2), "space": cap or "full (uneven stages)",
+        "search_s": round(wall, 2), "search_cpu_s": round(cpu, 2), "space": cap or "full (uneven stages)",
     }
     if r.best is None:
         row |= {"meshplan_plan": None, "meshplan_pred_s": None, "meshplan_fits": False,

@@ -9,6 +9,8 @@ It is small (hundreds of plans), so it is priced for:
   * larger clusters of the same GPU (doubling, then bisection over whole nodes: the smallest
     size found, reported as "needs at least");
   * the same number of GPUs with more memory (GPU presets).
+A corner plan that fits is then refined (`refine`): on its mesh, the fastest fitting plan over
+all ZeRO levels, offload, recompute and micro-batch sizes is the example shown.
 """
 from __future__ import annotations
 
@@ -130,6 +132,27 @@ def bigger_gpus(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: S
     return None
 
 
+def refine(model: ModelSpec, corner: Corner, work: Workload, space: SearchSpace,
+           params: CostParams = DEFAULT_PARAMS) -> Corner:
+    """The fastest fitting plan with the corner plan's mesh (tp, cp, pp, ep, schedule), over
+    every ZeRO level, offload, recompute and micro-batch of ``space``: a better example than
+    the corner itself, which offloads and recomputes everything."""
+    p = corner.plan
+    if p is None or not corner.fits:
+        return corner
+    sub = space.replace(tp=(p.tp,), cp=(p.cp,), pp=(p.pp,), ep=(p.ep,), schedules=(p.schedule,))
+    cols = enumerate_space(model, corner.cluster, work, sub, params)
+    ok = first_violation(violation_masks(model, corner.cluster, work, cols), cols.num_rows) < 0
+    cols = cols.take(np.nonzero(ok)[0])
+    res = evaluate(model, corner.cluster, work, cols, params)
+    fits = np.nonzero(res["fits"])[0]
+    if len(fits) == 0:  # pragma: no cover - the corner itself is in this sub-space
+        return corner
+    j = int(fits[np.lexsort((res["peak_memory_gib"][fits], res["step_time_s"][fits]))[0]])
+    return Corner(corner.cluster, cols.plan(j), float(res["peak_memory_gib"][j]), True,
+                  float(res["step_time_s"][j]))
+
+
 def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
                     params: CostParams = DEFAULT_PARAMS) -> list[str]:
     """Sentences naming what would make the request feasible."""
@@ -144,18 +167,26 @@ def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, spac
     if space != open_space:
         free = memory_corner(model, cluster, work, open_space, params)
         if free.fits and free.plan is not None:
+            free = refine(model, free, work, open_space, params)
             out.append(f"without the --fix restrictions it fits on {cluster.num_gpus} GPUs: "
                        f"{free.plan.short()} ({free.peak_memory_gib:.1f} GiB per GPU)")
-    more = smallest_fitting_size(model, cluster, work, open_space, params)
+    more = smallest_fitting_size(model, cluster, work, space, params)
     if more is not None and more.plan is not None:
+        more = refine(model, more, work, space, params)
         out.append(f"needs at least {more.cluster.num_gpus} x {gpu}: e.g. {more.plan.short()} "
                    f"({more.peak_memory_gib:.1f} GiB per GPU)")
-    big = bigger_gpus(model, cluster, work, open_space, params)
+    big = bigger_gpus(model, cluster, work, space, params)
     if big is not None and big.plan is not None:
+        big = refine(model, big, work, space, params)
         out.append(f"or {cluster.num_gpus} x {big.cluster.gpu.name}: {big.plan.short()} "
                    f"({big.peak_memory_gib:.1f} GiB per GPU)")
-    if len(out) <= 1 and more is None:
-        out.append(f"no cluster of up to {max(cluster.num_gpus * MAX_GROWTH, 65536)} x {gpu} fits "
-                   f"global batch {work.global_batch} x {work.seq_len} tokens; try a smaller "
-                   "sequence length or GPUs with more memory")
+    if more is None:
+        limit = max(cluster.num_gpus * MAX_GROWTH, 65536)
+        if here.plan is None:  # the constraints, not memory, rule everything out
+            out.append(f"no candidate passes the constraints on {cluster.num_gpus} GPUs, nor a "
+                       f"memory-saving one on larger clusters up to {limit} (see the rejection "
+                       "reasons: batch size, heads, layers and sequence length must divide)")
+        else:
+            out.append(f"no cluster of up to {limit} x {gpu} fits global batch {work.global_batch} "
+                       f"x {work.seq_len} tokens; try a smaller sequence length or GPUs with more memory")
     return out

@@ -273,7 +273,14 @@ def enumerate_space(model: ModelSpec, cluster: ClusterSpec, work: Workload,
     base = {f: getattr(space.base, f) for f in FIELDS if f not in SEARCHED}
     parts: list[dict[str, np.ndarray]] = []
     next_group = 0
-    for tp, cp, pp, dp, ep in _mesh_shapes(model, cluster, work, space):
+    meshes = _mesh_shapes(model, cluster, work, space)
+    if not meshes:
+        raise MeshplanError(
+            f"no mesh tp x cp x pp x dp makes {cluster.num_gpus} GPUs with tp in "
+            f"{tp_values(cluster, space) or space.tp}, cp in {space.cp or 'powers of two'}, "
+            f"pp in {space.pp or 'divisors'} (pp <= {model.num_layers} layers)",
+            hint="relax --fix, or use a GPU count these degrees divide")
+    for tp, cp, pp, dp, ep in meshes:
         zopts = zero_options(cluster, tp, dp, cp, space)
         mbs = micro_batch_values(work, dp, space)
         sopts = _stage_options(model, tp, pp, space, splitter)
