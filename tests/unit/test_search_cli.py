@@ -66,6 +66,7 @@ def test_cluster_range_and_objective(capsys):
     (["--precision", "fp8", "--cluster", "a100-sxm-80gb:4"], "no fp8"),
     (["--fix", "dp=2"], "cannot be fixed"),
     (["--fix", "bogus=1"], "unknown key"),
+    (["--fix", "tp=3"], "no mesh"),
     (["--train-tokens", "lots"], "--train-tokens"),
 ])
 def test_bad_input_is_one_line(capsys, argv, words):
@@ -79,6 +80,13 @@ def test_bad_input_is_one_line(capsys, argv, words):
     assert code == 2
     assert err.startswith("meshplan: error: ") and words in err and err.count("\n") == 1
     assert "Traceback" not in err
+
+
+def test_over_restricted_space_says_what_to_relax(capsys):
+    args = [a if a != "h100-sxm-80gb:4" else "h100-sxm-80gb:8" for a in SMALL]
+    code, out, err = run(capsys, *args, "--fix", "tp=2,recompute=none,zero=0,micro_batch=8,offload=0")
+    assert code == 2 and "without the --fix restrictions it fits" in err
+    assert "batch not divisible" in out
 
 
 def test_model_too_big_for_one_gpu_names_what_would_fit(capsys):

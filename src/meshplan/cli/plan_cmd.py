@@ -20,7 +20,11 @@ SEARCHABLE_FIX = ("tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "re
 
 def add_parser(sub: Any, positive_int: Any) -> None:
     """The `plan` subcommand's arguments (called from meshplan.cli.main.build_parser)."""
-    pl = sub.add_parser("plan", help="search for the fastest plan that fits, rank and explain it")
+    pl = sub.add_parser(
+        "plan", help="search for the fastest plan that fits, rank and explain it",
+        description="Search every parallel plan for the model on the cluster, rank the feasible "
+                    "ones (fastest first, or cheapest with --objective cost; ties: fewer GPUs, "
+                    "less memory, then the plan string), explain the winner and every rejection.")
     pl.add_argument("--model", required=True, help="preset name or ModelSpec .toml/.json")
     pl.add_argument("--cluster", required=True,
                     help="GPU:COUNT, GPU:NODESxPER_NODE or a cluster .toml; with --gpus, the GPU type "
