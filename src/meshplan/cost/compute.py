@@ -43,8 +43,8 @@ class PassTimes:
 
 def gemm_efficiency(m: float, n: float, k: float, gpu: GPUSpec, p: CostParams) -> float:
     """Achieved fraction of peak for an (m x k) @ (k x n) GEMM."""
-    half = p.gemm_half_dim
-    shape = (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+    half, half_m = p.gemm_half_dim, p.gemm_half_tokens
+    shape = (m / (m + half_m)) * (n / (n + half)) * (k / (k + half))
     return gpu.gemm_efficiency * shape
 
 
