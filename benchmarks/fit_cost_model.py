@@ -42,7 +42,8 @@ def _cases(path: str) -> list:
     return [c for c in load_runs(path) if c.status == "ok" and c.measured_step_time_s]
 
 
-START = {  # a starting point away from the shallow minima near the current values"a100-sxm-80gb.gemm_efficiency": 0.82, "a100-sxm-40gb.gemm_efficiency": 0.82,
+# A starting point away from the shallow minima near the current values.
+START = {"a100-sxm-80gb.gemm_efficiency": 0.82, "a100-sxm-40gb.gemm_efficiency": 0.82,
          "a100-sxm-80gb.attention_efficiency": 0.35, "a100-sxm-40gb.attention_efficiency": 0.35,
          "h100-sxm-96gb-500w.gemm_efficiency": 0.55, "h100-sxm-96gb-500w.attention_efficiency": 0.25,
          "gemm_half_dim": 250.0, "gemm_half_tokens": 64.0}
@@ -50,24 +51,24 @@ START = {  # a starting point away from the shallow minima near the current valu
 
 def _space(cases: list, start: dict[str, float] | None = None,
            ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-    gpus = sorted({c.cluster.gpu.name for c in cases})
-    names, lo, hi, x0 = [], [], [], []
-    for g in gpus:
+    """Names, lower and upper bounds, and starting values of the free parameters."""
+    spec: list[tuple[str, float, float, float]] = []  # (name, low, high, current value)
+    for g in sorted({c.cluster.gpu.name for c in cases}):
         gpu = next(c.cluster.gpu for c in cases if c.cluster.gpu.name == g)
         for k, (a, b) in PER_GPU.items():
             v = getattr(gpu, k) or gpu.gemm_efficiency * DEFAULT_PARAMS.flash_fwd_efficiency
-            names.append(f"{g}.{k}"); lo.append(a); hi.append(b); x0.append(min(b, max(a, v)))
-    for k, (a, b) in GLOBAL.items():
-        names.append(k); lo.append(a); hi.append(b); x0.append(min(b, max(a, getattr(DEFAULT_PARAMS, k))))
-    links = {}
+            spec.append((f"{g}.{k}", a, b, v))
+    spec += [(k, a, b, getattr(DEFAULT_PARAMS, k)) for k, (a, b) in GLOBAL.items()]
+    links: dict[str, float] = {}
     for c in cases:
         for t in ("intra_node", "inter_node"):
             tier = getattr(c.cluster, t)
             links.setdefault(f"link.{t}.{tier.kind}", tier.efficiency)
-    for k, v in sorted(links.items()):
-        names.append(k); lo.append(LINK_BOUNDS[0]); hi.append(LINK_BOUNDS[1]); x0.append(v)
-    x0 = [(start or {}).get(n, v) for n, v in zip(names, x0)]
-    return names, np.array(lo), np.array(hi), np.array(x0)
+    spec += [(k, *LINK_BOUNDS, v) for k, v in sorted(links.items())]
+    names = [n for n, *_ in spec]
+    lo, hi = np.array([a for _, a, _, _ in spec]), np.array([b for _, _, b, _ in spec])
+    x0 = np.array([(start or {}).get(n, min(b, max(a, v))) for n, a, b, v in spec])
+    return names, lo, hi, x0
 
 
 def predict(cases: list, names: list[str], x: np.ndarray) -> list[float]:
@@ -136,7 +137,8 @@ def main() -> None:
     print(json.dumps(out["params"], indent=1))
     print(f"all rows: MAPE {out['mape_pct']:.2f}%  max {out['max_abs_pct']:.1f}%")
     for s, v in out["by_source"].items():
-        print(f"  {s:20s} rows {v['rows']:3d}  MAPE {v['mape_pct']:6.2f}%  bias {v['bias_pct']:+6.2f}%  max {v['max_abs_pct']:5.1f}%")
+        print(f"  {s:20s} rows {v['rows']:3d}  MAPE {v['mape_pct']:6.2f}%  "
+              f"bias {v['bias_pct']:+6.2f}%  max {v['max_abs_pct']:5.1f}%")
 
 
 if __name__ == "__main__":

@@ -8,18 +8,20 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from meshplan.errors import MeshplanError
 
 EPILOG = """examples:
   meshplan presets
-  meshplan estimate --model llama3-8b --cluster h100-sxm-80gb:8 --plan dp=8,zero=3,micro_batch=2,recompute=op --global-batch 16 --seq-len 8192
+  meshplan estimate --model llama3-8b --cluster h100-sxm-80gb:8 \\
+      --plan dp=8,zero=3,micro_batch=1,recompute=op --global-batch 16 --seq-len 8192
   meshplan validate --report validation.md
 """
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
         raise MeshplanError(message, hint=f"see `{self.prog} --help`")
 
 
@@ -47,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     es = sub.add_parser("estimate", help="predict step time, throughput and memory of one plan")
     es.add_argument("--model", required=True, help="preset name (see `meshplan presets`) or ModelSpec .toml/.json")
-    es.add_argument("--cluster", required=True, help="GPU:COUNT (e.g. h100-sxm-80gb:64), GPU:NODESxPER_NODE, or a cluster .toml")
+    es.add_argument("--cluster", required=True,
+                    help="GPU:COUNT (e.g. h100-sxm-80gb:64), GPU:NODESxPER_NODE, or a cluster .toml")
     es.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,micro_batch=..,... or a plan .json")
     es.add_argument("--global-batch", type=_positive_int("--global-batch"), required=True, help="sequences per step")
     es.add_argument("--seq-len", type=_positive_int("--seq-len"), help="tokens per sequence (default: the model's)")

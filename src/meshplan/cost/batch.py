@@ -21,8 +21,12 @@ import numpy as np
 
 from meshplan.cost.comm import Group
 from meshplan.cost.compute import ACT_BYTES, block_times, embedding_times, output_layer_times
-from meshplan.cost.memory import (FUSED_LOGITS_BYTES_PER_ELEM, LOGITS_BYTES_PER_ELEM,
-                                  activation_bytes_per_token, op_sac_bytes_per_token)
+from meshplan.cost.memory import (
+    FUSED_LOGITS_BYTES_PER_ELEM,
+    LOGITS_BYTES_PER_ELEM,
+    activation_bytes_per_token,
+    op_sac_bytes_per_token,
+)
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
@@ -79,7 +83,7 @@ def _group_rows(cols: Mapping[str, np.ndarray], keys: Sequence[str]) -> tuple[li
         index: dict[tuple, int] = {}
         inv = np.array([index.setdefault(t, len(index)) for t in zip(*(a.tolist() for a in arrays))])
         return [dict(zip(keys, t)) for t in index], inv
-    rec = np.rec.fromarrays(arrays, names=list(keys))
+    rec = np.rec.fromarrays(arrays, names=list(keys))  # type: ignore[call-overload]
     uniq, inv = np.unique(rec, return_inverse=True)
     return [{k: u[k].item() for k in keys} for u in uniq], inv.ravel()
 
@@ -216,8 +220,9 @@ def estimate_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload,
     tied = Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)
     dp_exp = dp_exp + np.where((pp > 1) & m_.tied_embeddings, tied, 0)
     n_opt = plocal / col(np.where(zero >= 1, shard, 1))
-    opt_t = np.where(np.asarray(cols["offload_optimizer"], dtype=bool)[:, None], n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9),
-                     n_opt * p.optimizer_bytes_per_param / (gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency))
+    host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
+    hbm = n_opt * p.optimizer_bytes_per_param / (gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
+    opt_t = np.where(np.asarray(cols["offload_optimizer"], dtype=bool)[:, None], host, hbm)
     opt = np.where(valid, opt_t, 0).max(axis=1)
     step = busy + bubble + dp_exp + opt + p.step_overhead_s
 
@@ -312,7 +317,7 @@ def _summary(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: Mappi
     prec = cols["precision"]
     peak = np.where(prec == "fp16", gpu.peak("fp16"),
                     np.where(prec == "fp32", gpu.peak("fp32"), gpu.peak("bf16")))
-    total = sum(mem[k] for k in MEMORY_KEYS)
+    total = np.sum([mem[k] for k in MEMORY_KEYS], axis=0)
     worst = np.nanargmax(total, axis=1)
     rows = np.arange(len(worst))
     peak_gib = total[rows, worst] / GiB

@@ -36,7 +36,7 @@ class Group:
     latency_s: Num
 
     @staticmethod
-    def of(cluster: ClusterSpec, n: Num, stride: Num) -> "Group":
+    def of(cluster: ClusterSpec, n: Num, stride: Num) -> Group:
         """Group of ``n`` ranks whose members are ``stride`` ranks apart (mesh axis placement)."""
         n, stride = np.asarray(n, dtype=float), np.asarray(stride, dtype=float)
         gpn = cluster.gpus_per_node

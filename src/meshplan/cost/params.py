@@ -75,7 +75,7 @@ class CostParams:
     step_overhead_s: float = 0.0
     """Fixed per-step host overhead (data loading, logging, launch), seconds."""
 
-    def replace(self, **changes: object) -> "CostParams":
+    def replace(self, **changes: object) -> CostParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -84,7 +84,8 @@ DEFAULT_PARAMS = CostParams()
 #: How each number was obtained: "fitted" to the published runs, "measured" (a constant
 #: measured or published elsewhere), or "derived" (first principles / framework defaults).
 PARAM_KINDS: dict[str, str] = {
-    "gemm_half_dim": "fitted", "gemm_half_tokens": "fitted", "flash_fwd_efficiency": "derived", "flash_bwd_efficiency": "fitted",
+    "gemm_half_dim": "fitted", "gemm_half_tokens": "fitted", "flash_fwd_efficiency": "derived",
+    "flash_bwd_efficiency": "fitted",
     "attn_headdim_half": "measured", "flash_bwd_flop_ratio": "derived", "hbm_efficiency": "fitted",
     "fp8_cast_bytes_per_elem": "derived", "optimizer_bytes_per_param": "derived",
     "tp_exposed_async": "fitted", "dp_bucket_mib": "derived", "fsdp_reduce_bytes": "derived",

@@ -157,7 +157,7 @@ class ClusterSpec:
             return self.inter_dc
         return self.inter_node
 
-    def replace(self, **changes: object) -> "ClusterSpec":
+    def replace(self, **changes: object) -> ClusterSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 

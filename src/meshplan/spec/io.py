@@ -158,7 +158,8 @@ def parse_cluster_shorthand(arg: str) -> ClusterSpec:
         raise
     except ValueError:
         raise MeshplanError(f"--cluster {arg}: cannot read GPU count {count!r}",
-                            hint="use GPU:COUNT like h100-sxm-80gb:64, or GPU:NODESxPER_NODE like a100-sxm-80gb:4x8") from None
+                            hint="use GPU:COUNT like h100-sxm-80gb:64, "
+                                 "or GPU:NODESxPER_NODE like a100-sxm-80gb:4x8") from None
     if nodes <= 0 or per_node <= 0:
         raise MeshplanError(f"--cluster {arg}: node and GPU counts must be positive")
     intra, inter = default_links(gpu)

@@ -177,5 +177,5 @@ class ModelSpec:
         return (self.num_layers * self.active_layer_params() + self.embedding_params()
                 + self.output_params())
 
-    def replace(self, **changes: object) -> "ModelSpec":
+    def replace(self, **changes: object) -> ModelSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -113,7 +113,7 @@ class Plan:
         full = self.dp * self.cp
         return self.shard_group if 0 < self.shard_group < full else full
 
-    def replace(self, **changes: object) -> "Plan":
+    def replace(self, **changes: object) -> Plan:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def short(self) -> str:

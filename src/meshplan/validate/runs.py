@@ -562,7 +562,7 @@ def gpu_preset_for(gpu_type: str, memory_gb: float | None,
         mem = mem_or(80, (40, 80), "(A100)")
         form = "pcie" if pcie else "sxm"
         if not pcie and "sxm" not in t:
-            assume(f"A100 form factor not stated: assumed SXM4 (HGX/DGX)")
+            assume("A100 form factor not stated: assumed SXM4 (HGX/DGX)")
         return f"a100-{form}-{int(mem)}gb"
     if "v100" in t:
         mem = mem_or(32, (16, 32), "(V100)")
@@ -680,9 +680,7 @@ def parse_schedule(text: str | None, pp: int, vs: int | None, fw: str,
         sched = "interleaved-1f1b"
     elif "gpipe" in t or "fill-drain" in t or "fill drain" in t:
         sched = "gpipe"
-    elif "1f1b" in t or "pipedream-flush" in t:
-        sched = "1f1b"
-    elif pp == 1:
+    elif "1f1b" in t or "pipedream-flush" in t or pp == 1:
         sched = "1f1b"
     else:
         raise _Unsupported(f"pipeline schedule {text!r} not understood")
