@@ -24,14 +24,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from meshplan.cost import estimate
-from meshplan.errors import MeshplanError
-from meshplan.search import SearchSpace, search
-from meshplan.search.explain import compare_line
-from meshplan.spec.plan import Plan
-from meshplan.validate.report import default_runs_path
-from meshplan.validate.runs import load_runs
+from _evaluators import EVALUATORS  # noqa: E402
+
+from meshplan.cost import estimate  # noqa: E402
+from meshplan.errors import MeshplanError  # noqa: E402
+from meshplan.search import SearchSpace, search  # noqa: E402
+from meshplan.search.explain import compare_line  # noqa: E402
+from meshplan.spec.plan import Plan  # noqa: E402
+from meshplan.validate.report import default_runs_path  # noqa: E402
+from meshplan.validate.runs import load_runs  # noqa: E402
 
 SOURCES = ("MEG_SC21_T1", "KOR22_T5", "BLOOM176B")
 SOURCE_PREFIXES = ("TT_",)
@@ -62,11 +65,12 @@ def space_for(case) -> tuple[SearchSpace, str]:
     return capped, f"capped space: {n:,} -> {m:,} candidates (virtual stages <= 4, hybrid within a node)"
 
 
-def run_row(case) -> dict:
+def run_row(case, evaluator: str = "loop") -> dict:
     space, cap = space_for(case)
     pub = estimate(case.model, case.cluster, case.plan, case.work)
     t0, c0 = time.perf_counter(), time.process_time()
-    r = search(case.model, case.cluster, case.work, space, top=3)
+    fn, chunk = EVALUATORS[evaluator]
+    r = search(case.model, case.cluster, case.work, space, top=3, evaluator=fn, chunk=chunk)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     row = {
         "row_id": case.row_id, "source": case.source_id, "model": case.model_name,
@@ -143,6 +147,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="only rows whose source id starts with this")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "plan_vs_published.json"))
+    ap.add_argument("--evaluator", choices=["loop", "batch"], default="loop",
+                    help="loop: the library's evaluate; batch: the vectorised preview (same "
+                         "plans and predictions, faster)")
     args = ap.parse_args()
     cases = [c for c in load_runs(default_runs_path()) if hand_tuned(c)]
     if args.only:
@@ -151,19 +158,21 @@ def main() -> int:
     t0 = time.perf_counter()
     for case in cases:
         try:
-            row = run_row(case)
+            row = run_row(case, args.evaluator)
         except MeshplanError as e:
             row = {"row_id": case.row_id, "source": case.source_id, "error": str(e)}
             print(f"row {case.row_id}: error: {e}", flush=True)
             continue
         rows.append(row)
         sp = f"{row['speedup']:.2f}x" if row.get("speedup") else "n/a"
+        mine = row.get("meshplan_pred_s") or float("nan")
         print(f"row {row['row_id']:>5} {row['source']:<12} {row['model']:<14} {row['gpus']:>5} GPUs  "
-              f"published {row['published_pred_s']:8.3f} s  meshplan {row.get('meshplan_pred_s') or float('nan'):8.3f} s  "
+              f"published {row['published_pred_s']:8.3f} s  meshplan {mine:8.3f} s  "
               f"{sp:>7}  fits={row['meshplan_fits']}  {row['search_s']:6.1f} s  {row['meshplan_plan']}",
               flush=True)
     doc = {"note": "predicted step times, both from meshplan's cost model; speedup = published / meshplan",
-           "commit": _commit(), "python": platform.python_version(), "machine": platform.platform(), "cpus": os.cpu_count(),
+           "evaluator": args.evaluator, "commit": _commit(), "python": platform.python_version(),
+           "machine": platform.platform(), "cpus": os.cpu_count(),
            "total_s": round(time.perf_counter() - t0, 1), "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

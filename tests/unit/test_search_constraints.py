@@ -37,7 +37,9 @@ def cluster(name):
 
 def random_plan(rng: np.random.Generator, num_layers: int) -> Plan:
     """A Plan that constructs, with every field drawn so that each predicate fires sometimes."""
-    pick = lambda xs: xs[int(rng.integers(len(xs)))]
+    def pick(xs):
+        return xs[int(rng.integers(len(xs)))]
+
     pp, v = pick([1, 2, 3, 4, 8]), pick([1, 1, 2, 3])
     recompute = pick(RECOMPUTE)
     stage_layers = None

@@ -153,3 +153,18 @@ def test_gpu_ranges():
         with pytest.raises(MeshplanError):
             parse_gpus(bad, 8)
     assert resized(cluster("h100-sxm-80gb:1"), 16).num_nodes == 2
+
+
+def test_evaluator_is_a_replaceable_seam():
+    from meshplan.search.evaluate import evaluate
+    calls = []
+
+    def counting(model, cluster, work, cols, params):
+        calls.append(cols.num_rows)
+        return evaluate(model, cluster, work, cols, params)
+
+    m, c, w = model("tiny-llama"), cluster("h100-sxm-80gb:4"), Workload(global_batch=8, seq_len=64)
+    a = search(m, c, w, evaluator=counting, chunk=100)
+    b = search(m, c, w)
+    assert sum(calls) == a.evaluated and max(calls) <= 100
+    assert a.to_json(timing=False) == b.to_json(timing=False)

@@ -45,6 +45,8 @@ from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
 Progress = Callable[[int, int], None]
+Evaluator = Callable[[ModelSpec, ClusterSpec, Workload, PlanColumns, CostParams],
+                     dict[str, np.ndarray]]
 OBJECTIVES = ("time", "cost")
 
 
@@ -89,7 +91,7 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: Sear
 
 
 def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostParams, prune: bool,
-                   chunk: int, tick: Callable[[int], None]) -> None:
+                   chunk: int, tick: Callable[[int], None], evaluator: Evaluator) -> None:
     """Price the rows left in ``scan`` (smallest micro-batch first when pruning)."""
     names = reason_names()
     oom_idx, refused_idx = names.index(OUT_OF_MEMORY), names.index(COST_MODEL_REFUSED)
@@ -105,7 +107,7 @@ def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostPa
         rows = rows[~dead[group[rows]]]
         for start in range(0, len(rows), chunk):
             part = rows[start:start + chunk]
-            out = evaluate(model, scan.cluster, work, scan.cols.take(part), params)
+            out = evaluator(model, scan.cluster, work, scan.cols.take(part), params)
             for k in scan.res:
                 scan.res[k][part] = out[k]
             priced = np.isfinite(out["step_time_s"])
@@ -119,8 +121,12 @@ def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostPa
 def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work: Workload,
            space: SearchSpace | None = None, *, params: CostParams = DEFAULT_PARAMS,
            objective: str = "time", top: int = 10, prune: bool = True,
-           progress: Progress | None = None, chunk: int = 2048) -> SearchResult:
-    """Find the best plans for ``model`` on each of ``clusters`` (one or several sizes)."""
+           progress: Progress | None = None, chunk: int = 2048,
+           evaluator: Evaluator = evaluate) -> SearchResult:
+    """Find the best plans for ``model`` on each of ``clusters`` (one or several sizes).
+
+    ``evaluator`` has the signature and contract of `meshplan.search.evaluate.evaluate` (the
+    default); ``chunk`` is how many rows it receives per call."""
     if objective not in OBJECTIVES:
         raise MeshplanError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
     if top < 1:
@@ -142,7 +148,7 @@ def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work
 
     t1 = time.perf_counter()
     for s in scans:
-        _evaluate_scan(model, work, s, params, prune, chunk, tick)
+        _evaluate_scan(model, work, s, params, prune, chunk, tick, evaluator)
     t2 = time.perf_counter()
     result = _collect(model, work, scans, params, objective, top)
     timings |= {"evaluate_s": t2 - t1, "rank_s": time.perf_counter() - t2}

@@ -76,10 +76,8 @@ def memory_corner(model: ModelSpec, cluster: ClusterSpec, work: Workload, space:
         return Corner(cluster, None, float("inf"), False, float("inf"))
     res = evaluate(model, cluster, work, sub, params)
     fits = np.nonzero(res["fits"])[0]
-    if len(fits):
-        j = int(fits[np.argmin(res["step_time_s"][fits])])
-    else:
-        j = int(np.argmin(res["peak_memory_gib"]))
+    j = (int(fits[np.argmin(res["step_time_s"][fits])]) if len(fits)  # fastest that fits
+         else int(np.argmin(res["peak_memory_gib"])))  # else the least memory
     return Corner(cluster, sub.plan(j), float(res["peak_memory_gib"][j]), bool(res["fits"][j]),
                   float(res["step_time_s"][j]))
 
@@ -153,6 +151,10 @@ def refine(model: ModelSpec, corner: Corner, work: Workload, space: SearchSpace,
                   float(res["step_time_s"][j]))
 
 
+def _short(c: Corner) -> str:
+    return c.plan.short() if c.plan is not None else "(no plan)"
+
+
 def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
                     params: CostParams = DEFAULT_PARAMS) -> list[str]:
     """Sentences naming what would make the request feasible."""
@@ -169,16 +171,16 @@ def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, spac
         if free.fits and free.plan is not None:
             free = refine(model, free, work, open_space, params)
             out.append(f"without the --fix restrictions it fits on {cluster.num_gpus} GPUs: "
-                       f"{free.plan.short()} ({free.peak_memory_gib:.1f} GiB per GPU)")
+                       f"{_short(free)} ({free.peak_memory_gib:.1f} GiB per GPU)")
     more = smallest_fitting_size(model, cluster, work, space, params)
     if more is not None and more.plan is not None:
         more = refine(model, more, work, space, params)
-        out.append(f"needs at least {more.cluster.num_gpus} x {gpu}: e.g. {more.plan.short()} "
+        out.append(f"needs at least {more.cluster.num_gpus} x {gpu}: e.g. {_short(more)} "
                    f"({more.peak_memory_gib:.1f} GiB per GPU)")
     big = bigger_gpus(model, cluster, work, space, params)
     if big is not None and big.plan is not None:
         big = refine(model, big, work, space, params)
-        out.append(f"or {cluster.num_gpus} x {big.cluster.gpu.name}: {big.plan.short()} "
+        out.append(f"or {cluster.num_gpus} x {big.cluster.gpu.name}: {_short(big)} "
                    f"({big.peak_memory_gib:.1f} GiB per GPU)")
     if more is None:
         limit = max(cluster.num_gpus * MAX_GROWTH, 65536)
