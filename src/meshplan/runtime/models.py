@@ -1,0 +1,224 @@
+"""Decoder-only transformers built from a ModelSpec with random weights.
+
+One module tree covers the families of the presets: Llama-style (RMSNorm, rotary, SwiGLU,
+grouped-query attention), GPT-2-style (LayerNorm with biases, learned positions, GELU, tied
+embeddings) and mixture-of-experts (top-k routed SwiGLU experts). The model knows nothing of
+parallelism; the pieces are named so that ``parallelize`` can act on them from outside:
+
+    embed.tok, embed.pos, embed.norm      token / learned-position embeddings (+ BLOOM's norm)
+    layers["i"].attention.{wq,wk,wv,wo}   projections; attention.core is the softmax(QK^T)V part
+    layers["i"].feed_forward.{w1,w2,w3}   MLP (w3 only for gated MLPs) or .gate + .experts[e]
+    norm, output                          final norm and output projection
+
+Any of ``embed``, ``norm`` and ``output`` may be None (a pipeline stage keeps only its part);
+``layers`` is a ModuleDict so that deleting blocks keeps the names of the others (torchtitan).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshplan.spec.model import ModelSpec
+
+INIT_STD = 0.02
+"""Standard deviation of the normal init of weight matrices (GPT-2 / Llama reference code)."""
+ROPE_THETA = 10000.0
+"""Rotary base frequency (Llama 2; Llama 3 uses 500000 but the choice does not matter here)."""
+NORM_EPS = 1e-5
+
+
+def _norm(spec: ModelSpec) -> nn.Module:
+    if spec.norm == "rmsnorm":
+        return nn.RMSNorm(spec.hidden_size, eps=NORM_EPS)
+    return nn.LayerNorm(spec.hidden_size, eps=NORM_EPS, bias=spec.bias)
+
+
+def rope_tables(head_dim: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [seq_len, head_dim] for rotate-half rotary embeddings."""
+    inv = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, seq, heads, head_dim]; cos/sin: [seq, head_dim]."""
+    cos, sin = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V over [batch, seq, heads, head_dim] inputs (Megatron's
+    'core attention': what selective recomputation recomputes)."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, s = q.shape[0], q.shape[1]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        rep = q.shape[1] // k.shape[1]  # grouped-query attention; local heads under TP
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, bias = spec.hidden_size, spec.bias
+        self.head_dim = spec.dhead
+        self.rotary = spec.position == "rotary"
+        self.wq = nn.Linear(h, spec.q_dim, bias=bias)
+        self.wk = nn.Linear(h, spec.kv_dim, bias=bias)
+        self.wv = nn.Linear(h, spec.kv_dim, bias=bias)
+        self.wo = nn.Linear(spec.q_dim, h, bias=bias)
+        self.core = CoreAttention(spec.causal)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape[0], x.shape[1], self.head_dim
+        q = self.wq(x).view(b, s, -1, d)  # -1: the heads local to this rank under TP
+        k = self.wk(x).view(b, s, -1, d)
+        v = self.wv(x).view(b, s, -1, d)
+        if self.rotary:
+            q, k = apply_rope(q, cos[:s], sin[:s]), apply_rope(k, cos[:s], sin[:s])
+        return self.wo(self.core(q, k, v))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, spec: ModelSpec, ffn: int) -> None:
+        super().__init__()
+        h, bias = spec.hidden_size, spec.bias
+        self.kind = spec.mlp_type
+        self.w1 = nn.Linear(h, ffn, bias=bias)
+        self.w2 = nn.Linear(ffn, h, bias=bias)
+        self.w3 = nn.Linear(h, ffn, bias=bias) if spec.mlp_type == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.w1(x)
+        if self.w3 is not None:
+            a = F.silu(a) * self.w3(x)
+        elif self.kind == "gelu_4h":
+            a = F.gelu(a, approximate="tanh")  # GPT-2's tanh approximation
+        elif self.kind == "squared_relu":
+            a = F.relu(a).square()
+        else:
+            a = F.relu(a)
+        return self.w2(a)
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (softmax router, weights renormalised over the chosen k: Mixtral).
+    Experts are computed one after another on the tokens routed to them; no token dropping."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.top_k = spec.experts_per_token
+        self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(spec, spec.expert_ffn) for _ in range(spec.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel():
+                y = expert(flat[token]) * weights[token, slot, None]
+                out = out.index_add(0, token, y)
+        return out.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attention_norm = _norm(spec)
+        self.attention = Attention(spec)
+        self.ffn_norm = _norm(spec)
+        self.feed_forward = MoE(spec) if spec.is_moe else FeedForward(spec, spec.ffn_hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Embeddings(nn.Module):
+    def __init__(self, spec: ModelSpec, seq_len: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        rows = max(spec.max_position_embeddings or spec.seq_len, seq_len)
+        self.pos = nn.Embedding(rows, spec.hidden_size) if spec.position == "learned" else None
+        self.norm = _norm(spec) if spec.embedding_norm else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.norm(h) if self.norm is not None else h
+
+
+class Transformer(nn.Module):
+    """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states for a pipeline stage)."""
+
+    def __init__(self, spec: ModelSpec, seq_len: int | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        seq_len = seq_len or spec.seq_len
+        self.embed: Embeddings | None = Embeddings(spec, seq_len)
+        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_layers)})
+        self.norm: nn.Module | None = _norm(spec)
+        self.output: nn.Linear | None = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tied_embeddings:
+            self.output.weight = self.embed.tok.weight
+        cos, sin = rope_tables(spec.dhead, seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Deterministic random init: N(0, 0.02) matrices and embeddings, output projections of
+    residual branches scaled by 1/sqrt(2 * layers) (GPT-2), norms 1, biases 0."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = getattr(getattr(model, "spec", None), "num_layers", 1)
+    for name, p in model.named_parameters():
+        with torch.no_grad():
+            if p.dim() >= 2:
+                std = INIT_STD / math.sqrt(2 * layers) if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+
+
+def build_model(spec: ModelSpec, seq_len: int | None = None, *, seed: int = 0) -> Transformer:
+    """A Transformer for ``spec`` with deterministic random weights (same on every rank)."""
+    model = Transformer(spec, seq_len)
+    init_weights(model, seed)
+    return model
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over all tokens (fp32)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

@@ -1,0 +1,88 @@
+"""Runs inside torchrun: several plans, one after another, each compared with the single-process
+reference on the same global batch (losses per step and final weights). Writes one JSON result
+per rank and case to OUT_DIR; the pytest side checks every rank's marker.
+
+usage: torchrun --nproc-per-node N tests/dist/worker.py OUT_DIR CASES_JSON
+CASES_JSON: [{"name", "model", "overrides": {...}, "plan", "global_batch", "steps"}, ...]
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from meshplan.runtime.mesh import build_mesh, check_supported
+from meshplan.runtime.train import RunConfig, Trainer, init_distributed, reference_run
+from meshplan.spec.io import load_model, parse_plan
+
+_REF_CACHE: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
+
+
+NOISE_ONLY = (".attention.wk.bias",)
+"""Parameters whose gradient is analytically zero (a key bias shifts every score of a query by
+the same amount; softmax ignores it): Adam turns their rounding noise into full-size updates,
+so they are compared with an absolute tolerance instead."""
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def run_case(case: dict, device: torch.device) -> dict:
+    model = load_model(case["model"]).replace(**case.get("overrides", {}))
+    plan = parse_plan(case["plan"])
+    check_supported(model, plan, dist.get_world_size())
+    cfg = RunConfig(model=model, plan=plan, global_batch=case["global_batch"],
+                    seq_len=case.get("seq_len", 32), steps=case["steps"])
+    key = json.dumps([case["model"], case.get("overrides", {}), case["global_batch"], cfg.seq_len,
+                      case["steps"], plan.precision, plan.recompute != "none"])
+    if key not in _REF_CACHE:
+        _REF_CACHE[key] = reference_run(cfg, cfg.steps)
+    ref_losses, ref_w = _REF_CACHE[key]
+    mesh = build_mesh(plan, device.type)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, mesh, device)
+    losses = [trainer.train_step() for _ in range(cfg.steps)]
+    weights = trainer.full_weights()
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    w_err = max(rel(weights[k], ref_w[k]) for k in weights if not k.endswith(NOISE_ONLY))
+    noise_err = max([float((weights[k] - ref_w[k]).abs().max()) for k in weights if k.endswith(NOISE_ONLY)],
+                    default=0.0)
+    missing = [k for k in weights if k not in ref_w]
+    per_param = {k: rel(weights[k], ref_w[k]) for k in weights if k in ref_w and not k.endswith(NOISE_ONLY)}
+    worst = sorted(per_param, key=per_param.get)[-3:]
+    return {"name": case["name"], "ok": True, "losses": losses, "ref_losses": ref_losses,
+            "loss_rel_err": loss_err, "weight_rel_err": w_err, "noise_param_abs_err": noise_err, "params": sorted(weights),
+            "ref_params": sorted(ref_w), "unknown_params": missing,
+            "worst": {k: per_param[k] for k in worst}, "seconds": time.perf_counter() - t0}
+
+
+def main() -> int:
+    out_dir, cases = sys.argv[1], json.loads(open(sys.argv[2]).read())
+    device = init_distributed(float(os.environ.get("MESHPLAN_PG_TIMEOUT", "60")))
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    for case in cases:
+        try:
+            res = run_case(case, device)
+        except Exception as e:  # recorded per rank; the test shows it
+            res = {"name": case["name"], "ok": False, "error": f"{type(e).__name__}: {e}",
+                   "trace": traceback.format_exc()}
+        res["rank"] = rank
+        with open(os.path.join(out_dir, f"{case['name']}.rank{rank}.json"), "w") as f:
+            json.dump(res, f)
+        if not res["ok"]:
+            print(f"rank {rank} case {case['name']} failed: {res['error']}", file=sys.stderr, flush=True)
+            break  # collectives of the next case could hang; the pytest side reports the rest missing
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
