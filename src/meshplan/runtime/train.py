@@ -80,7 +80,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, mesh: RuntimeMesh | None, device: torch.device) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.n_micro = microbatches(cfg) if mesh is not None else 1
+        self.n_micro = microbatches(cfg)
         model = build_model(cfg.model, cfg.seq_len, seed=cfg.seed)
         self.par: Parallelized = parallelize(model, cfg.plan, mesh, device, microbatches=self.n_micro)
         self.optimizers = [torch.optim.AdamW(p.parameters(), lr=cfg.lr, **ADAMW) for p in self.par.parts]
