@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """AdamW settings of Llama/GPT-3 pre-training; lr comes from the run config."""
 FAIL_ENV = "MESHPLAN_FAIL_AT"
-"""Fault injection for tests: 'RANK:STEP' makes that rank exit hard before STEP on the first attempt."""
+"""Fault injection for tests: 'RANK:STEP' makes that rank exit hard once STEP steps are done (first attempt only)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,13 +239,13 @@ def timed_step(trainer: Trainer) -> StepRecord:
 
 
 def maybe_fail(step: int) -> None:
-    """Test hook: MESHPLAN_FAIL_AT=RANK:STEP kills RANK before STEP on the first attempt only."""
+    """Test hook: MESHPLAN_FAIL_AT=RANK:STEP kills RANK once STEP steps are done, on the first attempt only."""
     spec = os.environ.get(FAIL_ENV)
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     rank, at = (int(v) for v in spec.split(":"))
     if dist.is_initialized() and dist.get_rank() == rank and step == at:
-        print(f"meshplan: fault injection: rank {rank} exits before step {step}", file=sys.stderr, flush=True)
+        print(f"meshplan: fault injection: rank {rank} exits after {step} steps", file=sys.stderr, flush=True)
         os._exit(17)
 
 
@@ -259,8 +259,21 @@ def init_distributed(timeout_s: float) -> torch.device:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        return device
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0":
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return device
+    # After a torchrun restart the rendezvous store still holds the dead attempt's gloo addresses
+    # (ranks would connect to closed ports): give this attempt its own key prefix.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=not agent and rank == 0, timeout=timeout)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"meshplan-attempt-{attempt}", base),
+                            rank=rank, world_size=world, timeout=timeout)
     return device
 
 
