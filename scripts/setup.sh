@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Create .venv with meshplan and its test tools (numpy, pytest, hypothesis).
-# Planning needs no torch. The runtime (coming with `meshplan train`) needs the CPU build of
-# torch on this disk: set MESHPLAN_WITH_TORCH=1 to install torch==2.13.0 (pinned: an unpinned
-# torch pulls a multi-GB CUDA build).
+# Create .venv with meshplan, its test tools (numpy, pytest, hypothesis) and the runtime's torch.
+# Planning needs no torch; `meshplan train` and tests/dist do. torch is pinned to 2.13.0 (on this
+# disk the CPU build; an unpinned torch pulls a multi-GB CUDA build). MESHPLAN_WITH_TORCH=0 skips it
+# (tests/dist are then skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
-if [ "${MESHPLAN_WITH_TORCH:-0}" = "1" ]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+if [ "${MESHPLAN_WITH_TORCH:-1}" = "1" ]; then
+  .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
+    || .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 fi
