@@ -38,7 +38,7 @@ BLOCK_KEY = ("tp", "cp", "micro_batch", "precision", "recompute", "sequence_para
              "compile", "flash_attention", "ep", "fused_loss")
 #: Exposed time terms (they sum to the step time) and overlapped ones, in report order.
 TIME_KEYS = ("compute", "recompute", "tp_comm", "tp_comm_overlapped", "cp_comm", "ep_comm",
-             "dp_comm", "dp_comm_overlapped", "pp_comm", "bubble", "optimizer", "overhead")
+             "dp_comm", "dp_comm_overlapped", "pp_comm", "offload", "bubble", "optimizer", "overhead")
 MEMORY_KEYS = ("weights", "grads", "optimizer", "activations", "transient", "overhead")
 
 
@@ -195,11 +195,18 @@ def estimate_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload,
     act = tokens * m_.hidden_size * ACT_BYTES / np.where(cols["p2p_sharded"], tp, 1)
     p2p = np.where(pp > 1, 2 * v * Group.of(cluster, 2, tp * cp * dp).send_recv(act) * p.pp_p2p_exposed, 0)
 
+    plocal = np.where(valid, layers * col(lp) + first * col(m_.embedding_params() / tp)
+                      + last * col((m_.norm_params() + m_.vocab_size * m_.hidden_size) / tp)
+                      - (first & last) * col(m_.tied_embeddings * m_.vocab_size * m_.hidden_size / tp), 0)
+    # Parameter offload (FSDP CPU offload): each micro-batch copies the fp32 shard host->device
+    # for the forward and again for the backward, over PCIe, not overlapped.
+    offloaded = np.asarray(cols["offload_params"], dtype=bool)[:, None]
+    offload = np.where(offloaded, 8.0 * plocal / col(shard) / (p.pcie_gbps * 1e9), 0.0)
     terms = {"compute": compute, "recompute": recompute, "tp_comm": tp_exp,
              "tp_comm_overlapped": tp_t - tp_exp, "cp_comm": cp_exp, "ep_comm": ep_exp,
              "dp_comm": layers * col(blk_exp), "dp_comm_overlapped": layers * col(blk_ovl),
-             "pp_comm": np.broadcast_to(col(p2p), layers.shape)}
-    exposed = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm")
+             "pp_comm": np.broadcast_to(col(p2p), layers.shape), "offload": offload}
+    exposed = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm", "offload")
     totals = np.where(valid, sum(terms[k] for k in exposed), -np.inf)
     crit = np.argmax(totals, axis=1)
     rows = np.arange(len(crit))
@@ -212,9 +219,6 @@ def estimate_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload,
     zb = (sched == "zero-bubble") | (sched == "zbv")
     bubble = np.where(zb, bubble * np.maximum(0, 1 - 2 * w_frac) / np.where(sched == "zbv", 2, 1), bubble)
 
-    plocal = np.where(valid, layers * col(lp) + first * col(m_.embedding_params() / tp)
-                      + last * col((m_.norm_params() + m_.vocab_size * m_.hidden_size) / tp)
-                      - (first & last) * col(m_.tied_embeddings * m_.vocab_size * m_.hidden_size / tp), 0)
     pmax = plocal.max(axis=1)
     dp_exp, dp_ovl = _dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, pmax, compute[:, 0] / 2)
     tied = Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)
