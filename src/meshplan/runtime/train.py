@@ -135,13 +135,18 @@ class Trainer:
             g.copy_(r)
 
     def _clip(self) -> float:
-        """Global gradient norm over all stages and meshes (full_tensor per gradient, summed over
-        pipeline ranks), then clip_grads_with_norm_ (clip_grad_norm_ fails on mixed meshes)."""
+        """Global gradient norm over all stages and meshes, then clip_grads_with_norm_
+        (clip_grad_norm_ fails when parameters live on different meshes, as in PP x TP x FSDP):
+        one norm per device mesh (full_tensor reduces its shards), summed over pipeline ranks."""
         params = [p for part in self.par.parts for p in part.parameters() if p.grad is not None]
-        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        groups: dict[Any, list[torch.Tensor]] = {}
         for p in params:
-            n = torch.linalg.vector_norm(p.grad.float())
-            sq += (n.full_tensor() if _is_dtensor(n) else n) ** 2
+            key = (p.grad.device_mesh, p.grad.placements) if _is_dtensor(p.grad) else None
+            groups.setdefault(key, []).append(p.grad)
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for grads in groups.values():
+            n = torch.nn.utils.get_total_norm(grads, foreach=False)
+            sq += (n.full_tensor() if _is_dtensor(n) else n).float() ** 2
         if self.mesh is not None and self.mesh.pp > 1:
             dist.all_reduce(sq, group=self.mesh.pp_group)
         norm = sq.sqrt()
