@@ -202,7 +202,8 @@ def apply_fsdp(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh) -> None:
     rep, _ = dp_split(plan)
     dp_mesh = mesh.sub("dp_replicate", "dp_shard") if rep > 1 else mesh.sub("dp_shard")
     dtype = DTYPES[plan.precision]
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
+        else MixedPrecisionPolicy()  # fp32: no casts at all
     reshard = plan.zero == 3 and plan.pp == 1
     for part in parts:
         for block in part.layers.values():
