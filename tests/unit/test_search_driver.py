@@ -52,10 +52,11 @@ def _exhaustive_best(m, c, w, space):
 
 
 @pytest.mark.parametrize("case", [
-    ("tiny-llama", "h100-sxm-80gb:8", 16, 64, SearchSpace()),
+    ("tiny-llama", "h100-sxm-80gb:8", 16, 64, SearchSpace(offload=False, recompute_fractions=())),
     ("llama3-8b", "h100-sxm-80gb:8", 64, 8192,
-     SearchSpace(cp=(1, 2), max_virtual_stages=2, recompute_fractions=(0.5,), hybrid_nodes=(),
-                 zero=(0, 1, 3))),
+     SearchSpace(cp=(1, 2), max_virtual_stages=2, recompute=("none", "op", "full"),
+                 recompute_fractions=(0.5,), hybrid_nodes=(), zero=(1, 3), offload=False,
+                 micro_batch=(1, 2, 4))),
 ], ids=["tiny-llama-8", "llama3-8b-8"])
 def test_winner_equals_exhaustive_estimate_loop(case):
     m, c, w, space = model(case[0]), cluster(case[1]), Workload(global_batch=case[2], seq_len=case[3]), case[4]
@@ -156,7 +157,7 @@ def test_gpu_ranges():
 
 
 def test_evaluator_is_a_replaceable_seam():
-    from meshplan.search.evaluate import evaluate
+    from meshplan.search.evaluate import evaluate, evaluate_loop
     calls = []
 
     def counting(model, cluster, work, cols, params):
@@ -168,3 +169,6 @@ def test_evaluator_is_a_replaceable_seam():
     b = search(m, c, w)
     assert sum(calls) == a.evaluated and max(calls) <= 100
     assert a.to_json(timing=False) == b.to_json(timing=False)
+    # The per-plan reference loop gives the same winner and counts.
+    loop = search(m, c, w, evaluator=evaluate_loop)
+    assert loop.best.plan == b.best.plan and (loop.feasible, loop.evaluated) == (b.feasible, b.evaluated)

@@ -7,9 +7,10 @@ Per cluster size:
   2. vectorised constraints; each rejected row counted once under its first reason;
   3. model-state memory lower bound: rows that cannot fit even before activations are
      "out of memory" without a full estimate (`bounds`);
-  4. `evaluate` the rest, smallest micro-batch first: once a plan does not fit, the same plan
-     with larger micro-batches is "out of memory" too (memory never decreases with
-     micro_batch; see `bounds`). ``prune=False`` evaluates every row instead;
+  4. `evaluate` the rest (vectorised, ``chunk`` rows per call), smallest micro-batch first:
+     once a plan does not fit, the same plan with larger micro-batches is "out of memory"
+     too (memory never decreases with micro_batch; see `bounds`). ``prune=False`` evaluates
+     every row instead;
   5. rank the feasible rows (`result` documents the order) and take the Pareto front.
 The top plans are re-estimated for their full CostReport (time breakdown for the explanation).
 """
@@ -121,7 +122,7 @@ def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostPa
 def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work: Workload,
            space: SearchSpace | None = None, *, params: CostParams = DEFAULT_PARAMS,
            objective: str = "time", top: int = 10, prune: bool = True,
-           progress: Progress | None = None, chunk: int = 2048,
+           progress: Progress | None = None, chunk: int = 32768,
            evaluator: Evaluator = evaluate) -> SearchResult:
     """Find the best plans for ``model`` on each of ``clusters`` (one or several sizes).
 

@@ -14,19 +14,22 @@ per row of ``cols``, in the same order:
   fits             bool     peak_memory_gib <= usable memory (HBM less the cost model's margin)
   dominant         str      the largest exposed time term (CostReport.dominant: compute,
                             recompute, tp_comm, cp_comm, ep_comm, dp_comm, pp_comm, bubble,
-                            optimizer, overhead)
+                            optimizer, overhead; the first in that order on ties)
 
 Contract: rows must satisfy every constraint of meshplan.spec.constraints (the search only
-passes such rows); results for other rows are unspecified (this version gives inf / nan /
-fits False / dominant "invalid"). The results must equal `meshplan.cost.estimate` row by row
-(a test checks it on random plans), so a vectorised body can replace this loop without any
-caller changing.
+passes such rows); results for other rows are unspecified. The results equal
+`meshplan.cost.estimate` row by row (tests check it on random plans).
+
+`evaluate` runs the cost model's vectorised kernel (`meshplan.cost.batch.estimate_batch`) on
+the decoded columns; `evaluate_loop` is the reference: one `estimate()` per row (rows it
+refuses get step_time_s = inf, fits False, dominant "invalid").
 """
 from __future__ import annotations
 
 import numpy as np
 
 from meshplan.cost import estimate
+from meshplan.cost.batch import TIME_KEYS, estimate_batch
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.search.columns import PlanColumns
@@ -35,13 +38,34 @@ from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Workload
 
 FLOAT_COLUMNS = ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib")
-COLUMNS = FLOAT_COLUMNS + ("fits", "dominant")
+COLUMNS = (*FLOAT_COLUMNS, "fits", "dominant")
+EXPOSED_TERMS = tuple(k for k in TIME_KEYS if not k.endswith("_overlapped"))
+"""Time terms that add up to the step time, in CostReport.time order."""
+
+
+def _empty() -> dict[str, np.ndarray]:
+    return {k: np.zeros(0) for k in FLOAT_COLUMNS} | {
+        "fits": np.zeros(0, dtype=bool), "dominant": np.zeros(0, dtype=str)}
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanColumns,
              params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
     """Predicted cost of every row of ``cols`` (see the module docstring for the columns)."""
+    if cols.num_rows == 0:
+        return _empty()
+    r = estimate_batch(model, cluster, work, cols.plain(), params)
+    terms = np.stack([np.asarray(r[f"time.{k}"], dtype=float) for k in EXPOSED_TERMS])
+    out = {k: np.asarray(r[k], dtype=float) for k in FLOAT_COLUMNS}
+    return out | {"fits": np.asarray(r["fits"], dtype=bool),
+                  "dominant": np.asarray(EXPOSED_TERMS)[np.argmax(terms, axis=0)]}
+
+
+def evaluate_loop(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanColumns,
+                  params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
+    """The same columns from one `estimate()` call per row (the reference for tests)."""
     n = cols.num_rows
+    if n == 0:
+        return _empty()
     out = {k: np.full(n, np.nan) for k in FLOAT_COLUMNS}
     fits = np.zeros(n, dtype=bool)
     dominant = np.full(n, "invalid", dtype=object)
@@ -51,11 +75,8 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanC
         except MeshplanError:
             out["step_time_s"][i] = np.inf
             continue
-        out["step_time_s"][i] = r.step_time_s
-        out["tokens_per_s"][i] = r.tokens_per_s
-        out["tflops_per_gpu"][i] = r.tflops_per_gpu
-        out["mfu"][i] = r.mfu
-        out["peak_memory_gib"][i] = r.peak_memory_gib
+        for k in FLOAT_COLUMNS:
+            out[k][i] = getattr(r, k)
         fits[i] = r.fits
         dominant[i] = r.dominant
     return out | {"fits": fits, "dominant": dominant.astype(str)}
