@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -57,13 +58,14 @@ def run_case(case: dict, device: torch.device) -> dict:
     per_param = {k: rel(weights[k], ref_w[k]) for k in weights if k in ref_w and not k.endswith(NOISE_ONLY)}
     worst = sorted(per_param, key=per_param.get)[-3:]
     return {"name": case["name"], "ok": True, "losses": losses, "ref_losses": ref_losses,
-            "loss_rel_err": loss_err, "weight_rel_err": w_err, "noise_param_abs_err": noise_err, "params": sorted(weights),
+            "loss_rel_err": loss_err, "weight_rel_err": w_err, "noise_param_abs_err": noise_err,
+            "params": sorted(weights),
             "ref_params": sorted(ref_w), "unknown_params": missing,
             "worst": {k: per_param[k] for k in worst}, "seconds": time.perf_counter() - t0}
 
 
 def main() -> int:
-    out_dir, cases = sys.argv[1], json.loads(open(sys.argv[2]).read())
+    out_dir, cases = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
     device = init_distributed(float(os.environ.get("MESHPLAN_PG_TIMEOUT", "60")))
     rank = dist.get_rank()
     torch.set_num_threads(1)

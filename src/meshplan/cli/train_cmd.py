@@ -41,7 +41,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--model", required=True, help="preset (tiny-llama, tiny-gpt2, tiny-moe, ...) or ModelSpec file")
     t.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,... or a plan .json/.toml")
     t.add_argument("--global-batch", type=_positive("--global-batch"), required=True, help="sequences per step")
-    t.add_argument("--steps", type=_positive("--steps"), required=True, help="optimizer steps (in total, when resuming)")
+    t.add_argument("--steps", type=_positive("--steps"), required=True,
+                   help="optimizer steps (in total, when resuming)")
     t.add_argument("--seq-len", type=_positive("--seq-len"), help="tokens per sequence (default: the model's)")
     t.add_argument("--nproc-per-node", type=_positive("--nproc-per-node"),
                    help="processes on this node (default: the plan's GPU count / --nnodes)")

@@ -14,12 +14,14 @@ import torch
 CORPUS_BYTES = 1 << 18
 """Size of the generated corpus: 256 KiB of text, enough for tiny-model runs."""
 _WORDS = (
-    "the a one every each some many model layer stage rank mesh plan tensor pipeline shard "
-    "gradient optimizer step batch token sequence memory time compute network link device "
-    "runs trains splits sends gathers reduces stores waits overlaps grows fits measures "
-    "fast slow large small whole half first last quietly early late across within between "
-    "after before while because"
-).split()
+    "the", "a", "one", "every", "each", "some", "many", "model", "layer", "stage", "rank",
+    "mesh", "plan", "tensor", "pipeline", "shard", "gradient", "optimizer", "step", "batch",
+    "token", "sequence", "memory", "time", "compute", "network", "link", "device", "runs",
+    "trains", "splits", "sends", "gathers", "reduces", "stores", "waits", "overlaps", "grows",
+    "fits", "measures", "fast", "slow", "large", "small", "whole", "half", "first", "last",
+    "quietly", "early", "late", "across", "within", "between", "after", "before", "while",
+    "because",
+)
 
 
 @functools.lru_cache(maxsize=1)

@@ -69,7 +69,8 @@ def check_job(job: Job) -> None:
     from meshplan.runtime import mesh as mesh_mod  # imports torch; only reached by `train`
     mesh_mod.check_supported(job.model, job.plan, job.world_size)
     if job.seq_len > (job.model.max_position_embeddings or job.seq_len) and job.model.position == "learned":
-        raise MeshplanError(f"--seq-len {job.seq_len} exceeds the model's {job.model.max_position_embeddings} positions")
+        raise MeshplanError(f"--seq-len {job.seq_len} exceeds the model's "
+                            f"{job.model.max_position_embeddings} positions")
     from meshplan.runtime.train import RunConfig, microbatches
     microbatches(RunConfig(model=job.model, plan=job.plan, global_batch=job.global_batch,
                            seq_len=job.seq_len, steps=job.steps))

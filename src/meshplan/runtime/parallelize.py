@@ -108,8 +108,13 @@ def split_stage(model: Transformer, stage: int, counts: list[int]) -> Transforme
 def apply_tp(part: Transformer, tp_mesh: Any, sp: bool) -> None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-        parallelize_module)
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
     resid = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
     top: dict[str, Any] = {}
     if part.embed is not None:
@@ -264,10 +269,7 @@ def build_schedule(modules: list[nn.Module], stage_ids: list[int], plan: Plan, m
               for m, s in zip(modules, stage_ids)]
     name = SCHEDULES[plan.schedule]
     if plan.schedule in ("gpipe", "1f1b") and len(stages) > 1:
-        if plan.schedule == "1f1b":
-            name = "ScheduleInterleaved1F1B"
-        else:
-            name = "ScheduleLoopedBFS"
+        name = "ScheduleInterleaved1F1B" if plan.schedule == "1f1b" else "ScheduleLoopedBFS"
     cls = getattr(pipelining, name)
     single = name in ("ScheduleGPipe", "Schedule1F1B")
     if single:
