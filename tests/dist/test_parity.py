@@ -6,7 +6,6 @@ Three launches (2, 4 and 8 processes), several plans per launch.
 from __future__ import annotations
 
 import pytest
-
 from conftest import torchrun_worker
 
 TOL = 1e-5

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import meshplan_train, run_env
 
 COMMON = ["--model", "tiny-llama", "--global-batch", "8", "--seq-len", "32", "--pg-timeout", "60"]
