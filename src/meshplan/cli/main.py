@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--seq-len", type=_positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
     es.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
-    from meshplan.cli import plan_cmd
+    from meshplan.cli import plan_cmd, train_cmd
     plan_cmd.add_parser(sub, _positive_int)
+    train_cmd.add_train_parser(sub)
 
     va = sub.add_parser("validate", help="compare the cost model with published measured runs")
     va.add_argument("--runs", help="CSV in the format of published_runs_dev.csv (default: the shipped dev set)")
@@ -119,8 +120,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from meshplan.cli.train_cmd import cmd_train as run  # imports torch only when it runs
+    return run(args)
+
+
 COMMANDS = {"presets": cmd_presets, "estimate": cmd_estimate, "validate": cmd_validate,
-            "plan": cmd_plan}
+            "plan": cmd_plan, "train": cmd_train}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
