@@ -96,6 +96,15 @@ def test_every_scalar_check_has_a_vectorised_twin():
     assert reason_names()[-1] == "out of memory" and set(SEARCH_CHECKS) <= set(reason_names())
 
 
+def test_unique_rows_matches_numpy():
+    from meshplan.search.bounds import unique_rows
+    keys = np.random.default_rng(0).integers(0, 3, (500, 4))
+    u, inv = unique_rows(keys)
+    nu, ninv = np.unique(keys, axis=0, return_inverse=True)
+    assert np.array_equal(u, nu) and np.array_equal(inv, ninv.reshape(-1))
+    assert np.array_equal(u[inv], keys)
+
+
 def test_first_violation_counts_each_row_once():
     masks = {"a": np.array([True, False, True, False]), "b": np.array([True, True, False, False])}
     assert first_violation(masks, 4).tolist() == [0, 1, 0, -1]
