@@ -116,7 +116,8 @@ def attention_core(model: ModelSpec, plan: Plan, b: int, s: int, gpu: GPUSpec, p
     model_flops = 4.0 * b * s * s * heads_q / plan.cp
     if plan.flash_attention:
         d, d0 = model.dhead, p.attn_headdim_half
-        shape = (d / (d + d0)) / (128 / (128 + d0))  # relative to head_dim 128
+        kv = s / plan.cp  # keys per kernel call (a ring step of context parallel sees s/cp)
+        shape = (d / (d + d0)) / (128 / (128 + d0)) * kv / (kv + p.attn_half_seq)
         eff = shape * (gpu.attention_efficiency or gpu.gemm_efficiency * p.flash_fwd_efficiency)
         fwd = flops / (peak * eff)
         bwd = p.flash_bwd_flop_ratio * flops / (peak * eff * p.flash_bwd_efficiency)

@@ -16,26 +16,31 @@ from dataclasses import dataclass
 class CostParams:
     """Kernel, collective and framework constants. Override with dataclasses.replace()."""
 
-    gemm_half_dim: float = 246.811
+    gemm_half_dim: float = 255.39
     """FITTED. GEMM dimension (elements) at which a dimension alone halves throughput;
     efficiency multiplier per dim d is d/(d+gemm_half_dim). Models tile/wave under-use of
     thin matrices (cf. NVIDIA 'Matrix Multiplication Background' guide)."""
-    gemm_half_tokens: float = 8.322
+    gemm_half_tokens: float = 113.84
     """FITTED. The same for the token (row) dimension m of activations x weights, which tiles
     differently from the weight dimensions."""
     flash_fwd_efficiency: float = 0.50
     """FlashAttention forward throughput relative to the GPU's large-GEMM efficiency, used when
     the GPU file gives no attention_efficiency. 0.5 = the ratio of the fitted attention and
     GEMM efficiencies on A100 (0.53) and the 500 W H100 (0.40), rounded."""
-    flash_bwd_efficiency: float = 0.821
+    flash_bwd_efficiency: float = 0.83
     """FITTED. FlashAttention backward throughput relative to its forward (FA2 paper: bwd
     reaches 50-60% of peak on A100 where fwd reaches ~70%)."""
     attn_headdim_half: float = 16.0
     """Head dimension at which FlashAttention's per-head throughput would halve; gives ~10%
     less throughput at head_dim 64 than 128 (FA2 paper benchmarks)."""
+    attn_half_seq: float = 1029.505
+    """FITTED. Keys per attention kernel call at which FlashAttention's throughput halves
+    (FA2 paper, A100 causal hdim 128: ~60% of the long-sequence rate at 512 tokens). With
+    context parallelism each ring step sees s/cp keys. attention_efficiency is the
+    long-sequence limit."""
     flash_bwd_flop_ratio: float = 2.5
     """Backward/forward matmul FLOPs of FlashAttention (5 matmuls vs 2; Dao 2023)."""
-    hbm_efficiency: float = 0.856
+    hbm_efficiency: float = 0.841
     """FITTED. Achieved fraction of HBM bandwidth by elementwise kernels (STREAM-like copies
     reach ~85-90% on A100/H100; norm and activation kernels less)."""
     fp8_cast_bytes_per_elem: float = 3.0
@@ -44,7 +49,7 @@ class CostParams:
     optimizer_bytes_per_param: float = 32.0
     """HBM bytes an Adam step moves per parameter: read fp32 param, grad, m, v (16 B), write
     param, m, v (12 B), write the bf16 copy (2 B) plus grad-norm pass (~2 B)."""
-    tp_exposed_async: float = 0.984
+    tp_exposed_async: float = 0.999
     """FITTED. Fraction of TP communication left exposed with async TP. The fit finds little
     gain: torchtitan's 70B rows with and without AsyncTP differ by ~5%."""
     dp_bucket_mib: float = 25.0
@@ -86,7 +91,7 @@ DEFAULT_PARAMS = CostParams()
 PARAM_KINDS: dict[str, str] = {
     "gemm_half_dim": "fitted", "gemm_half_tokens": "fitted", "flash_fwd_efficiency": "derived",
     "flash_bwd_efficiency": "fitted",
-    "attn_headdim_half": "measured", "flash_bwd_flop_ratio": "derived", "hbm_efficiency": "fitted",
+    "attn_headdim_half": "measured", "attn_half_seq": "fitted", "flash_bwd_flop_ratio": "derived", "hbm_efficiency": "fitted",
     "fp8_cast_bytes_per_elem": "derived", "optimizer_bytes_per_param": "derived",
     "tp_exposed_async": "fitted", "dp_bucket_mib": "derived", "fsdp_reduce_bytes": "derived",
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",

@@ -161,10 +161,10 @@ class ClusterSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-NVLINK_EFFICIENCY = 0.91
+NVLINK_EFFICIENCY = 0.94
 """FITTED (benchmarks/fit_cost_model.py, NVSwitch rows): achieved fraction of NVLink/NVSwitch
 bandwidth by NCCL ring collectives (bus bandwidth of nccl-tests on DGX A100: ~230-270 of 300 GB/s)."""
-NIC_EFFICIENCY = 0.46
+NIC_EFFICIENCY = 0.41
 """FITTED (InfiniBand/RoCE rows): achieved fraction of the NIC line rate by NCCL rings across
 nodes. Few dev rows are sensitive to it (FSDP on 16-128 A100s), so it is loosely determined."""
 
