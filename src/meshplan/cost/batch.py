@@ -24,6 +24,7 @@ from meshplan.cost.compute import ACT_BYTES, block_times, embedding_times, outpu
 from meshplan.cost.memory import (
     FUSED_LOGITS_BYTES_PER_ELEM,
     LOGITS_BYTES_PER_ELEM,
+    VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
     activation_bytes_per_token,
     op_sac_bytes_per_token,
 )
@@ -300,7 +301,8 @@ def _memory(model: ModelSpec, work: Workload, cols: Mapping[str, np.ndarray], p:
     transient = np.where(rec | op, t * col(blk.full_bytes), 0.0)
     inflight = _in_flight(cols, micro, layers.shape[1])
     acts = (kept + first * t * model.hidden_size * ACT_BYTES) * inflight
-    per = np.where(flag(cols["fused_loss"]), FUSED_LOGITS_BYTES_PER_ELEM, LOGITS_BYTES_PER_ELEM)
+    unfused = np.where(col(cols["tp"]) > 1, VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM, LOGITS_BYTES_PER_ELEM)
+    per = np.where(flag(cols["fused_loss"]), FUSED_LOGITS_BYTES_PER_ELEM, unfused)
     logits = t * model.vocab_size / col(cols["tp"]) * per
     transient = np.where(last, np.maximum(transient, logits), transient) + buffers
     transient = transient + p.allocator_fragmentation * (acts + transient)

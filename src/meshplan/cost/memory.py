@@ -22,6 +22,11 @@ LOGITS_BYTES_PER_ELEM = 14.0
 upcast 4 + fp32 log-softmax kept for backward 4 + its fp32 gradient 4 (PyTorch cross_entropy
 on upcast logits, as torchtitan; Megatron's vocab-parallel CE alike). Checked against
 torchtitan's measured peaks (shared/data rows 77-86)."""
+VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM = 20.0
+"""FITTED (torchtitan rows 87-88, TP=8). The same when the loss runs on vocabulary-sharded
+logits (tp > 1: torchtitan's loss_parallel, Megatron's vocab-parallel cross-entropy): the
+log-softmax is decomposed into separate ops (max-subtract, exp, sum, log), each holding a
+full-size fp32 tensor for a while (~1.5 more than the single-kernel path)."""
 FUSED_LOGITS_BYTES_PER_ELEM = 4.0
 """The same with a fused cross-entropy: bf16 logits 2 + their gradient written in place 2."""
 
