@@ -149,10 +149,34 @@ def estimate_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload,
 
     Returns arrays: step_time_s, tokens_per_s, tflops_per_gpu, mfu, hfu, peak_memory_gib, fits,
     microbatches, time.<term> for every TIME_KEYS term, memory.<part> of the fullest stage,
-    stage_memory_gib (rows, stages; NaN beyond pp), dominant (index into the exposed terms).
+    stage_memory_gib (rows, stages; NaN beyond pp).
     """
     cols = plans if isinstance(plans, Mapping) else plans_to_columns(plans)
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in cols.items()}
+    pp = cols["pp"]
+    degrees = np.unique(pp)
+    if len(pp) <= 64 or len(degrees) == 1:
+        return _estimate(model, cluster, work, cols, params)
+    # Rows of one pipeline depth at a time: the stage axis is then no wider than needed.
+    parts = [(np.nonzero(pp == d)[0], d) for d in degrees]
+    outs = [_estimate(model, cluster, work, {k: v[idx] for k, v in cols.items()}, params)
+            for idx, _ in parts]
+    width = int(degrees.max())
+    merged: dict[str, np.ndarray] = {}
+    for key, first in outs[0].items():
+        shape = (len(pp), width) if key == "stage_memory_gib" else (len(pp),)
+        merged[key] = np.full(shape, np.nan) if key == "stage_memory_gib" else np.empty(shape, first.dtype)
+    for (idx, d), out in zip(parts, outs):
+        for key, val in out.items():
+            if key == "stage_memory_gib":
+                merged[key][idx, :int(d)] = val
+            else:
+                merged[key][idx] = val
+    return merged
+
+
+def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
+              params: CostParams) -> dict[str, np.ndarray]:
     p, m_, gpu = params, model, cluster.gpu
     tp, pp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "pp", "dp", "cp", "ep"))
     zero, mb, v = cols["zero"], cols["micro_batch"].astype(float), cols["virtual_stages"].astype(float)
