@@ -215,8 +215,7 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     fsdp = (zero == 3) & (shard > 1)
     per_step = (zero == 3) & (pp > 1)  # torch pipelining: gather/reduce once per step
     blk_exp = np.where(fsdp & ~per_step, np.maximum(0, ag - blk.f) + np.maximum(0, ag + rs - (blk.b + blk.rc)), 0)
-    blk_ovl = np.where(fsdp & per_step, (2 * ag + rs) / np.maximum(1, micro),
-                       np.where(fsdp, 2 * ag + rs - blk_exp, 0))
+    blk_ovl = np.where(fsdp & ~per_step, 2 * ag + rs - blk_exp, 0)
     act = tokens * m_.hidden_size * ACT_BYTES / np.where(cols["p2p_sharded"], tp, 1)
     p2p = np.where(pp > 1, 2 * v * Group.of(cluster, 2, tp * cp * dp).send_recv(act) * p.pp_p2p_exposed, 0)
 
@@ -248,6 +247,15 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     dp_exp, dp_ovl = _dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, pmax, compute[:, 0] / 2)
     tied = Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)
     dp_exp = dp_exp + np.where((pp > 1) & m_.tied_embeddings, tied, 0)
+    # FSDP under a pipeline gathers the stage's parameters once, during the first micro-batch's
+    # forward, and reduce-scatters the gradients once, during the last one's backward: only that
+    # one micro-batch's compute can hide each (torch.distributed.pipelining, torchtitan PP+FSDP).
+    n_blk = layers[rows, crit]
+    ag_s, rs_s = n_blk * ag, n_blk * rs
+    exp_s = np.maximum(0, ag_s - n_blk * blk.f) + np.maximum(0, rs_s - n_blk * (blk.b + blk.rc))
+    staged = fsdp & per_step
+    dp_exp = dp_exp + np.where(staged, exp_s, 0)
+    dp_ovl = dp_ovl + np.where(staged, ag_s + rs_s - exp_s, 0)
     n_opt = plocal / col(np.where(zero >= 1, shard, 1))
     host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
     hbm = n_opt * p.optimizer_bytes_per_param / (gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
