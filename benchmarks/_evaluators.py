@@ -2,7 +2,25 @@
 reference `evaluate_loop` (one estimate() per plan). Both return the same columns."""
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 from meshplan.search.evaluate import evaluate, evaluate_loop
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EVALUATORS = {"vectorised": (evaluate, 32768), "loop": (evaluate_loop, 2048)}
 """name -> (evaluator, rows per call)."""
+
+
+def commit() -> str:
+    """The code measured: HEAD, marked '+dirty' when the working tree has changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=ROOT,  # our own outputs
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _evaluators import EVALUATORS  # noqa: E402
+from _evaluators import EVALUATORS, commit  # noqa: E402
 
 from meshplan.cost import estimate  # noqa: E402
 from meshplan.errors import MeshplanError  # noqa: E402
@@ -131,19 +130,6 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    """The code measured: HEAD, marked '+dirty' when the working tree has changes."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)benchmarks/results"], cwd=ROOT,  # our own outputs
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="only rows whose source id starts with this")
@@ -172,7 +158,7 @@ def main() -> int:
               f"{sp:>7}  fits={row['meshplan_fits']}  {row['search_s']:6.1f} s  {row['meshplan_plan']}",
               flush=True)
     doc = {"note": "predicted step times, both from meshplan's cost model; speedup = published / meshplan",
-           "evaluator": args.evaluator, "commit": _commit(), "python": platform.python_version(),
+           "evaluator": args.evaluator, "commit": commit(), "python": platform.python_version(),
            "machine": platform.platform(), "cpus": os.cpu_count(),
            "total_s": round(time.perf_counter() - t0, 1), "rows": rows}
     out = Path(args.out)

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _evaluators import EVALUATORS  # noqa: E402
+from _evaluators import EVALUATORS, commit  # noqa: E402
 
 from meshplan.search import SearchSpace, search  # noqa: E402
 from meshplan.spec.io import load_cluster, load_model  # noqa: E402
@@ -63,19 +62,6 @@ def run_case(name: str, model: str, cluster: str, batch: int, seq: int, uneven: 
     }
 
 
-def _commit() -> str:
-    """The code measured: HEAD, marked '+dirty' when the working tree has changes."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)benchmarks/results"], cwd=ROOT,  # our own outputs
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="run only cases whose name contains this")
@@ -102,7 +88,7 @@ def main() -> int:
                  "cost.estimate() per plan). Enumeration, constraints and bounds are vectorised "
                  "in both. wall_s includes everything; cpu_s is this process's CPU time (less "
                  "sensitive to other load: see load_avg_1min)."),
-        "commit": _commit(), "python": platform.python_version(), "machine": platform.platform(),
+        "commit": commit(), "python": platform.python_version(), "machine": platform.platform(),
         "cpus": os.cpu_count(), "results": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

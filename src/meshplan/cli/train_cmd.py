@@ -107,22 +107,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry (the lead wires cmd_train into cli/main.py)."""
-    from meshplan.cli.main import _Parser
-    parser = _Parser(prog="meshplan")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    add_train_parser(sub)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "train":
-        argv = ["train"] + argv
-    try:
-        return cmd_train(parser.parse_args(argv))
-    except MeshplanError as e:
-        print(f"meshplan: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("meshplan: interrupted", file=sys.stderr)
-        return 130
+    """Entry of the torchrun workers (`python -m meshplan.cli.train_cmd ARGS`): the same as
+    `meshplan train ARGS`, with the CLI's one-line error handling."""
+    from meshplan.cli.main import main as cli_main
+    args = list(sys.argv[1:] if argv is None else argv)
+    return cli_main(args if args and args[0] == "train" else ["train", *args])
 
 
 if __name__ == "__main__":

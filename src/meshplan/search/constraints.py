@@ -138,21 +138,8 @@ def zero_bubble_dp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns)
     return zb & (_i64(cols, "dp") * _i64(cols, "cp") > 1)
 
 
-VECTOR_CHECKS: dict[str, Masker] = {
-    "gpu count mismatch": gpus_match,
-    "tp does not divide heads": tp_divides_heads,
-    "tp does not divide ffn": tp_divides_ffn,
-    "tp larger than a node": tp_within_node,
-    "layers do not split into stages": layers_split,
-    "batch not divisible": batch_divides,
-    "schedule incompatible": schedule_fits,
-    "cp does not divide sequence": cp_divides_seq,
-    "sequence parallel without tp": sp_needs_tp,
-    "invalid expert parallel": ep_valid,
-    "invalid hybrid sharding": hybrid_valid,
-    "invalid offload": offload_valid,
-    "precision unsupported": precision_supported,
-}
+# The vectorised twin of each scalar predicate has the scalar one's function name.
+VECTOR_CHECKS: dict[str, Masker] = {name: globals()[fn.__name__] for name, fn in CHECKS.items()}
 SEARCH_CHECKS: dict[str, Masker] = {ZERO_BUBBLE_DP: zero_bubble_dp}
 
 
