@@ -30,7 +30,8 @@ from meshplan.validate.report import default_runs_path  # noqa: E402
 from meshplan.validate.runs import load_runs  # noqa: E402
 
 GLOBAL = {  # name: (low, high)
-    "gemm_half_dim": (16.0, 512.0), "gemm_half_tokens": (4.0, 512.0), "attn_half_seq": (16.0, 4096.0), "hbm_efficiency": (0.5, 0.95),
+    "gemm_half_dim": (16.0, 512.0), "gemm_half_tokens": (4.0, 512.0), "attn_half_seq": (16.0, 4096.0),
+    "hbm_efficiency": (0.5, 0.95),
     "flash_bwd_efficiency": (0.6, 1.0),
     "tp_exposed_async": (0.2, 1.0),
 }
