@@ -91,7 +91,8 @@ DEFAULT_PARAMS = CostParams()
 PARAM_KINDS: dict[str, str] = {
     "gemm_half_dim": "fitted", "gemm_half_tokens": "fitted", "flash_fwd_efficiency": "derived",
     "flash_bwd_efficiency": "fitted",
-    "attn_headdim_half": "measured", "attn_half_seq": "fitted", "flash_bwd_flop_ratio": "derived", "hbm_efficiency": "fitted",
+    "attn_headdim_half": "measured", "attn_half_seq": "fitted", "flash_bwd_flop_ratio": "derived",
+    "hbm_efficiency": "fitted",
     "fp8_cast_bytes_per_elem": "derived", "optimizer_bytes_per_param": "derived",
     "tp_exposed_async": "fitted", "dp_bucket_mib": "derived", "fsdp_reduce_bytes": "derived",
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
