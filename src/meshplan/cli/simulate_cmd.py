@@ -1,0 +1,72 @@
+"""`meshplan simulate`: a discrete-event simulation of one training step of a plan.
+
+Wire into meshplan.cli.main: ``simulate_cmd.add_parser(sub)`` in build_parser and
+``"simulate": simulate_cmd.run`` in COMMANDS. Numpy only (matplotlib for --plot).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def _positive_int(name: str):  # noqa: ANN202 - argparse type factory
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+        return v
+    return conv
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """The `simulate` subcommand's arguments."""
+    p = sub.add_parser("simulate", help="simulate one training step of a plan (timeline, trace, memory)",
+                       description="Discrete-event simulation of one step on every pipeline rank: "
+                                   "compute, TP/CP/EP, data-parallel and pipeline-send streams, the "
+                                   "schedule micro-batch by micro-batch. Durations from the cost model.")
+    p.add_argument("--model", required=True, help="preset name or ModelSpec .toml/.json")
+    p.add_argument("--cluster", required=True, help="GPU:COUNT, GPU:NODESxPER_NODE or a cluster .toml")
+    p.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,... or a plan .json")
+    p.add_argument("--global-batch", type=_positive_int("--global-batch"), required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=_positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) to this file")
+    p.add_argument("--plot", help="write a Gantt chart per pipeline rank to this image (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshplan.cost import check
+    from meshplan.sim import simulate_plan, write_plot, write_trace
+    from meshplan.spec.io import load_cluster, load_model, load_plan
+    from meshplan.spec.plan import Workload
+    model, cluster, plan = load_model(args.model), load_cluster(args.cluster), load_plan(args.plan)
+    work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+    check(model, cluster, plan, work)
+    res, sim_summary = simulate_plan(model, cluster, plan, work)
+    if args.trace:
+        write_trace(res, args.trace)
+    if args.plot:
+        write_plot(res, args.plot, title=f"{model.name} on {cluster.name}: {plan.short()}")
+    summary: dict[str, Any] = {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
+               "global_batch": work.global_batch, "seq_len": work.seq_len} | sim_summary
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"simulated step: {summary['step_time_s']:.4f} s   analytical estimate: "
+          f"{summary['analytic_step_time_s']:.4f} s ({summary['sim_vs_analytic_pct']:+.2f}%)")
+    print(f"schedule {summary['schedule']}, {summary['microbatches']} micro-batches, "
+          f"bubble {100 * summary['bubble_fraction']:.1f}% of compute time")
+    print(f"{'rank':>4}  " + "  ".join(f"{s + ' busy':>13}" for s in ("compute", "tp", "dp", "pp"))
+          + f"  {'peak GiB':>9}")
+    for r in summary["ranks"]:
+        print(f"{r['rank']:>4}  " + "  ".join(f"{r['busy_s'][s]:>12.3f}s" for s in ("compute", "tp", "dp", "pp"))
+              + f"  {r['peak_memory_gib']:>9.1f}")
+    for label, path in (("trace", args.trace), ("plot", args.plot)):
+        if path:
+            print(f"{label}: {path}")
+    return 0

@@ -1,0 +1,192 @@
+"""Per-pass, per-stage durations of one plan, from the cost model (for the simulator).
+
+A pure addition: it evaluates the same terms as ``batch._estimate`` (reusing its helpers and
+the scalar functions of compute.py / comm.py) but keeps them apart by pass (forward,
+input-gradient backward, weight-gradient backward), by stream (compute, TP/CP/EP, data
+parallel, pipeline sends) and by pipeline rank, instead of summing them into a step time.
+``analytic_step_time`` recombines them with the closed-form schedule, and a unit test checks
+it equals ``estimate().step_time_s``: the two stay in step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshplan.cost import batch as _b
+from meshplan.cost.comm import Group
+from meshplan.cost.compute import ACT_BYTES, embedding_times, output_layer_times
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+
+
+@dataclass(frozen=True)
+class StageDurations:
+    """Seconds per micro-batch per pipeline rank (lists indexed by rank) unless stated.
+
+    ``*_extra_*``: the embedding (rank 0) and output layer + loss (last rank) parts, which a
+    virtual-stage split must not divide. Communication ``*_exposed`` is on the critical path
+    of its pass (after the compute); ``*_overlapped`` runs under the pass's compute.
+    """
+
+    pp: int
+    virtual_stages: int
+    microbatches: int
+    schedule: str
+    fwd_s: list[float]
+    bwd_input_s: list[float]
+    bwd_weight_s: list[float]
+    recompute_s: list[float]
+    fwd_extra_s: list[float]
+    bwd_input_extra_s: list[float]
+    bwd_weight_extra_s: list[float]
+    tp_fwd_exposed_s: list[float]        # TP + CP + EP (one stream), forward pass
+    tp_fwd_overlapped_s: list[float]
+    tp_bwd_exposed_s: list[float]        # backward (input grads + recompute)
+    tp_bwd_overlapped_s: list[float]
+    dp_fwd_exposed_s: list[float]        # per-block FSDP gathers (no pipeline), parameter offload
+    dp_fwd_overlapped_s: list[float]
+    dp_bwd_exposed_s: list[float]
+    dp_bwd_overlapped_s: list[float]
+    p2p_send_s: float                    # one activation (or gradient) send between stages
+    p2p_exposed: float                   # fraction of a send the sender blocks on
+    staged_gather_s: list[float]         # pipelined FSDP: once per step, under the first forward
+    staged_reduce_s: list[float]         # ... and under the last backward
+    end_dp_exposed_s: list[float]        # per step: gradient sync / gathers ending the step
+    end_dp_overlapped_s: list[float]     # ... the part hidden under the last backward
+    optimizer_s: list[float]
+    overhead_s: float
+    static_bytes: list[float]            # memory that does not vary within the step
+    act_bytes_per_microbatch: list[float]  # activations one micro-batch leaves on a rank (+ fragmentation)
+    analytic: dict[str, float] = field(default_factory=dict)
+    """The cost model's own per-step terms (time.* of estimate_batch, step_time_s)."""
+
+
+def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                    params: CostParams = DEFAULT_PARAMS) -> StageDurations:
+    """The cost model's durations of ``plan``, kept apart by pass, stream and rank."""
+    p, m_ = params, model
+    cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in _b.plans_to_columns([plan]).items()}
+    tp, pp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "pp", "dp", "cp", "ep"))
+    zero = cols["zero"]
+    shard = np.where(zero == 0, 1.0, np.where((cols["shard_group"] > 0) & (cols["shard_group"] < dp * cp),
+                                               cols["shard_group"], dp * cp))
+    micro = work.global_batch // (cols["dp"] * cols["micro_batch"])
+    tokens = cols["micro_batch"].astype(float) * work.seq_len / cp
+    blk = _b._blocks(model, cluster, work, cols, p)
+    layers = _b._stage_layers(model, cols)
+    width = layers.shape[1]
+    j = np.arange(width)[None, :]
+    valid, first, last = j < pp[:, None], j == 0, j == (pp[:, None] - 1)
+    emb = embedding_times(model, plan, work.seq_len, cluster.gpu, p)
+    out = output_layer_times(model, plan, work.seq_len, cluster.gpu, p)
+
+    def col(x: object) -> np.ndarray:
+        return np.asarray(x, dtype=float)[:, None]
+
+    full_rc = cols["recompute"] == "full"
+    rl = cols["recompute_layers"]
+    rc_layers = np.where(full_rc[:, None] & (rl[:, None] >= 0), np.minimum(layers, rl[:, None]), layers)
+    bw = col(blk.bw)
+    bin_ = col(blk.b) - bw
+    fwd_x = first * emb.fwd_s + last * out.fwd_s
+    bin_x = first * emb.bwd_input_s + last * out.bwd_input_s
+    bw_x = first * emb.bwd_weight_s + last * out.bwd_weight_s
+    fwd = layers * col(blk.f) + fwd_x
+    b_in = layers * bin_ + bin_x
+    b_w = layers * bw + bw_x
+    recompute = rc_layers * col(blk.rc)
+
+    async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
+    tp_one = Group.of(cluster, tp, 1).all_reduce(tokens * m_.hidden_size * ACT_BYTES)
+    tp_fwd = layers * col(2 * tp_one)
+    tp_bwd = (layers - rc_layers) * col(2 * tp_one) + rc_layers * col(np.where(full_rc, 4, 2) * tp_one)
+    kv = tokens * 2 * m_.kv_dim / tp * ACT_BYTES
+    cp_t = 3 * Group.of(cluster, cp, tp).all_gather(kv * cp)
+    cp_exp = np.maximum(0.0, cp_t - 0.5 * (blk.f + blk.b))
+    share_f = blk.f / np.maximum(1e-30, blk.f + blk.b)
+    ep_t = 4 * Group.of(cluster, ep, tp).all_to_all(tokens * m_.experts_per_token * m_.hidden_size * ACT_BYTES)
+    ep_t = ep_t if m_.is_moe else 0.0 * ep_t
+    tp_f_exp = tp_fwd * async_f + layers * col(cp_exp * share_f + ep_t / 2)
+    tp_b_exp = tp_bwd * async_f + layers * col(cp_exp * (1 - share_f) + ep_t / 2)
+    tp_f_ovl = tp_fwd * (1 - async_f) + layers * col((cp_t - cp_exp) * share_f)
+    tp_b_ovl = tp_bwd * (1 - async_f) + layers * col((cp_t - cp_exp) * (1 - share_f))
+
+    lp = _b._layer_params_local(m_, tp, ep)
+    shard_g = Group.of(cluster, shard, tp)
+    ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(p.fsdp_reduce_bytes * lp)
+    fsdp = (zero == 3) & (shard > 1)
+    per_step = (zero == 3) & (pp > 1)
+    blocked = fsdp & ~per_step
+    f_exp = np.where(blocked, np.maximum(0, ag - blk.f), 0)
+    b_exp = np.where(blocked, np.maximum(0, ag + rs - (blk.b + blk.rc)), 0)
+    f_ovl = np.where(blocked, ag - f_exp, 0)
+    b_ovl = np.where(blocked, ag + rs - b_exp, 0)
+
+    plocal = np.where(valid, layers * col(lp) + first * col(m_.embedding_params() / tp)
+                      + last * col((m_.norm_params() + m_.vocab_size * m_.hidden_size) / tp)
+                      - (first & last) * col(m_.tied_embeddings * m_.vocab_size * m_.hidden_size / tp), 0)
+    offloaded = np.asarray(cols["offload_params"], dtype=bool)[:, None]
+    offload = np.where(offloaded, 8.0 * plocal / col(shard) / (p.pcie_gbps * 1e9), 0.0)
+    dp_f_exp = layers * col(f_exp) + offload / 2
+    dp_b_exp = layers * col(b_exp) + offload / 2
+
+    act = tokens * m_.hidden_size * ACT_BYTES / np.where(cols["p2p_sharded"], tp, 1)
+    send = float(np.where(pp > 1, Group.of(cluster, 2, tp * cp * dp).send_recv(act), 0)[0])
+
+    staged = fsdp & per_step
+    ag_s = np.where(staged[:, None], layers * col(ag), 0)
+    rs_s = np.where(staged[:, None], layers * col(rs), 0)
+
+    # End of step, per rank with the rank's own parameters (the cost model takes the fullest).
+    end_exp, end_ovl = [], []
+    for r in range(width):
+        ea, oa = _b._dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, plocal[:, r],
+                                    (fwd[:, 0] + b_in[:, 0] + b_w[:, 0]) / 2)
+        e, o = float(ea[0]), float(oa[0])
+        if plan.pp > 1 and m_.tied_embeddings and r in (0, width - 1):
+            e += float(Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)[0])
+        end_exp.append(e)
+        end_ovl.append(o)
+    n_opt = plocal / col(np.where(zero >= 1, shard, 1))
+    host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
+    hbm = n_opt * p.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
+    opt_t = np.where(np.asarray(cols["offload_optimizer"], dtype=bool)[:, None], host, hbm)
+
+    mem = _b._memory(model, work, cols, p, layers, valid, first, last, plocal, lp, shard, tokens, blk, micro)
+    inflight = _b._in_flight(cols, micro, width)
+    acts = mem["activations"][0]
+    per_mb = acts / inflight[0]
+    frag = p.allocator_fragmentation
+    static = sum(mem[k][0] for k in ("weights", "grads", "optimizer", "overhead", "transient")) - frag * acts
+
+    est = _b.estimate_batch(model, cluster, work, [plan], p)
+    analytic = {k[5:]: float(v[0]) for k, v in est.items() if k.startswith("time.")}
+    analytic["step_time_s"] = float(est["step_time_s"][0])
+
+    def row(a: np.ndarray) -> list[float]:
+        return [float(x) for x in np.broadcast_to(a, layers.shape)[0]]
+
+    return StageDurations(
+        pp=plan.pp, virtual_stages=plan.virtual_stages, microbatches=int(micro[0]), schedule=plan.schedule,
+        fwd_s=row(fwd), bwd_input_s=row(b_in), bwd_weight_s=row(b_w), recompute_s=row(recompute),
+        fwd_extra_s=row(fwd_x), bwd_input_extra_s=row(bin_x), bwd_weight_extra_s=row(bw_x),
+        tp_fwd_exposed_s=row(tp_f_exp), tp_fwd_overlapped_s=row(tp_f_ovl),
+        tp_bwd_exposed_s=row(tp_b_exp), tp_bwd_overlapped_s=row(tp_b_ovl),
+        dp_fwd_exposed_s=row(dp_f_exp), dp_fwd_overlapped_s=row(layers * col(f_ovl)),
+        dp_bwd_exposed_s=row(dp_b_exp), dp_bwd_overlapped_s=row(layers * col(b_ovl)),
+        p2p_send_s=send, p2p_exposed=p.pp_p2p_exposed,
+        staged_gather_s=row(ag_s), staged_reduce_s=row(rs_s),
+        end_dp_exposed_s=end_exp, end_dp_overlapped_s=end_ovl, optimizer_s=row(opt_t),
+        overhead_s=p.step_overhead_s, static_bytes=[float(x) for x in static],
+        act_bytes_per_microbatch=[float(x) * (1 + frag) for x in per_mb], analytic=analytic)
+
+
+def stage_totals(d: StageDurations) -> list[float]:
+    """Exposed seconds of one micro-batch on each rank, as the cost model sums them."""
+    return [d.fwd_s[r] + d.bwd_input_s[r] + d.bwd_weight_s[r] + d.recompute_s[r]
+            + d.tp_fwd_exposed_s[r] + d.tp_bwd_exposed_s[r] + d.dp_fwd_exposed_s[r] + d.dp_bwd_exposed_s[r]
+            + (2 * d.virtual_stages * d.p2p_send_s * d.p2p_exposed if d.pp > 1 else 0.0)
+            for r in range(d.pp)]

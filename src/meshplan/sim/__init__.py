@@ -1,0 +1,32 @@
+"""Discrete-event simulation of one training step (timelines, traces, memory over time).
+
+Durations come from the analytical cost model (meshplan.cost.durations); the search ranks
+plans with the analytical model, the simulator shows how a chosen plan runs. Numpy only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.sim.build import spec_from_durations, spec_from_plan
+from meshplan.sim.engine import STREAMS, Pass, RankStep, SimResult, SimSpec, VStage, simulate
+from meshplan.sim.output import trace_dict, write_plot, write_trace
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+
+__all__ = ["STREAMS", "Pass", "RankStep", "SimResult", "SimSpec", "VStage", "simulate", "simulate_plan",
+           "spec_from_durations", "spec_from_plan", "trace_dict", "write_plot", "write_trace"]
+
+
+def simulate_plan(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                  params: CostParams = DEFAULT_PARAMS) -> tuple[SimResult, dict[str, Any]]:
+    """Simulate one step of ``plan``; returns the result and a summary dict that also carries
+    the analytical estimate (``analytic_step_time_s``) and the relative difference."""
+    spec, d = spec_from_plan(model, cluster, plan, work, params)
+    res = simulate(spec)
+    s = res.summary()
+    a = d.analytic["step_time_s"]
+    s |= {"analytic_step_time_s": a, "sim_vs_analytic_pct": 100 * (res.step_time_s / a - 1),
+          "microbatches": d.microbatches, "schedule": spec.schedule, "virtual_stages": spec.v}
+    return res, s

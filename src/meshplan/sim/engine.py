@@ -1,0 +1,263 @@
+"""Discrete-event simulation of one training step on every pipeline rank.
+
+Each rank has four streams: ``compute``, ``tp`` (TP/CP/EP collectives), ``dp`` (data-parallel
+and FSDP traffic, parameter offload) and ``pp`` (pipeline sends). Work on one stream
+serialises (two transfers sharing a link queue); streams of a rank run concurrently. Each
+rank runs its passes in the schedule's order (sim.schedules); a pass starts when the compute
+stream is free and its inputs have arrived:
+
+- F(i) on virtual stage s waits for F(i) on s-1 and its send; B(i) on s waits for F(i) on s
+  and for B(i) on s+1 and its send; W(i) waits for B(i).
+- A pass = compute; communication hidden under it starts with it on its stream; exposed
+  communication follows the compute (the compute stream waits); then the send to the
+  neighbouring stage (the sender blocks for ``p2p_exposed`` of it, the receiver for all).
+- Pipelined FSDP gathers a rank's parameters once, under its first forward, and
+  reduce-scatters once, under its last backward; data-parallel gradient sync follows the
+  rank's last pass (hidden under it as far as the cost model says it overlaps), then the
+  optimizer step. The step ends when the slowest rank is done, plus the fixed overhead.
+
+Durations per pass come from the cost model (``cost.durations``); the simulator adds the
+timing structure: the schedule's real order, per-rank end of step, stream contention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshplan.errors import MeshplanError
+from meshplan.sim.schedules import Op, rank_orders
+
+STREAMS = ("compute", "tp", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One pass of one micro-batch on one virtual stage: seconds per stream part."""
+
+    compute: float
+    tp_overlapped: float = 0.0
+    tp_exposed: float = 0.0
+    dp_overlapped: float = 0.0
+    dp_exposed: float = 0.0
+
+
+@dataclass(frozen=True)
+class VStage:
+    """A virtual pipeline stage (chunk c of rank r is stage c * pp + r)."""
+
+    fwd: Pass
+    bwd: Pass           # input gradients + recompute (+ weight gradients if not split)
+    wgt: Pass           # weight gradients (only run as W by zero-bubble)
+    act_bytes: float = 0.0  # activation bytes one micro-batch leaves on the rank
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """Once-per-step work of one pipeline rank."""
+
+    staged_gather_s: float = 0.0
+    staged_reduce_s: float = 0.0
+    end_dp_exposed_s: float = 0.0
+    end_dp_overlapped_s: float = 0.0
+    optimizer_s: float = 0.0
+    static_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    pp: int
+    v: int
+    microbatches: int
+    schedule: str
+    stages: list[VStage]          # pp * v virtual stages
+    ranks: list[RankStep]         # pp ranks
+    send_s: float = 0.0
+    send_exposed: float = 1.0
+    overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    stream: str
+    name: str
+    start: float
+    end: float
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class SimResult:
+    step_time_s: float
+    events: list[Event]
+    memory: list[list[tuple[float, float]]]   # per rank: (time s, bytes) steps
+    pp: int
+    wait_s: list[float]                       # per rank: compute idle waiting for inputs
+
+    def busy(self, rank: int, stream: str) -> float:
+        return sum(e.end - e.start for e in self.events if e.rank == rank and e.stream == stream)
+
+    def summary(self) -> dict:
+        t = self.step_time_s
+        ranks = []
+        for r in range(self.pp):
+            busy = {s: self.busy(r, s) for s in STREAMS}
+            ranks.append({"rank": r, "busy_s": busy, "idle_s": {s: t - b for s, b in busy.items()},
+                          "pipeline_wait_s": self.wait_s[r],
+                          "peak_memory_gib": max(b for _, b in self.memory[r]) / 2**30})
+        return {"step_time_s": t, "bubble_fraction": sum(self.wait_s) / (self.pp * t) if t > 0 else 0.0,
+                "ranks": ranks, "events": len(self.events)}
+
+
+def simulate(spec: SimSpec) -> SimResult:
+    """Run the step; raises MeshplanError if the schedule deadlocks (a bug, not a user error)."""
+    pp, v, m = spec.pp, spec.v, spec.microbatches
+    split_w = spec.schedule == "zero-bubble" and pp > 1
+    orders = rank_orders(spec.schedule, pp, m, v)
+    nvs = pp * v
+    free = [dict.fromkeys(STREAMS, 0.0) for _ in range(pp)]
+    ready: dict[tuple[str, int, int], float] = {}   # (kind, mb, vstage) -> inputs available downstream
+    done: dict[tuple[str, int, int], float] = {}    # (kind, mb, vstage) -> pass end on its rank
+    idx = [0] * pp
+    wait = [0.0] * pp
+    events: list[Event] = []
+    mem_deltas: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
+    last_b = [max((k for k, op in enumerate(o) if op[0] == "B"), default=-1) for o in orders]
+
+    def put(r: int, stream: str, name: str, start: float, dur: float, **args: object) -> float:
+        if dur <= 0:  # nothing to send: no wait for the stream
+            return start
+        start = max(start, free[r][stream])
+        end = start + dur
+        events.append(Event(r, stream, name, start, end, dict(args)))
+        free[r][stream] = end
+        return end
+
+    def deps(op: Op, s: int) -> list[float] | None:
+        kind, i, _ = op
+        keys = []
+        if kind == "F" and s > 0:
+            keys.append(("Fs", i, s - 1))
+        if kind == "B":
+            keys.append(("F", i, s))
+            if s < nvs - 1:
+                keys.append(("Bs", i, s + 1))
+        if kind == "W":
+            keys.append(("B", i, s))
+        out = []
+        for k in keys:
+            t = ready.get(k) if k[0].endswith("s") else done.get(k)
+            if t is None:
+                return None
+            out.append(t)
+        return out
+
+    # Pipelined FSDP: each rank gathers its stage's parameters once, from the start of the step
+    # (layer by layer, overlapping its first forward; ranks downstream gather while they wait).
+    gathered = [put(r, "dp", "fsdp all-gather", 0.0, spec.ranks[r].staged_gather_s) for r in range(pp)]
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # zero-bubble: W passes to run
+
+    def run(r: int, op: Op, ts: list[float]) -> None:
+        kind, i, c = op
+        s = c * pp + r
+        st = spec.stages[s]
+        ps = {"F": st.fwd, "B": st.bwd, "W": st.wgt}[kind]
+        if kind == "B" and not split_w:
+            ps = Pass(st.bwd.compute + st.wgt.compute, st.bwd.tp_overlapped + st.wgt.tp_overlapped,
+                      st.bwd.tp_exposed + st.wgt.tp_exposed, st.bwd.dp_overlapped + st.wgt.dp_overlapped,
+                      st.bwd.dp_exposed + st.wgt.dp_exposed)
+        t0 = max([free[r]["compute"], *ts])
+        wait[r] += t0 - free[r]["compute"]
+        name = f"{kind}{i}" + (f".{c}" if v > 1 else "")
+        end = t0 + ps.compute
+        hold = end
+        put(r, "tp", name + " tp", t0, ps.tp_overlapped)
+        put(r, "dp", name + " dp", t0, ps.dp_overlapped)
+        if kind != "W" and idx[r] == 0:  # the forward cannot finish before its last layer's parameters
+            hold = max(hold, gathered[r])
+        if kind != "W" and idx[r] == last_b[r] and spec.ranks[r].staged_reduce_s > 0:  # async
+            put(r, "dp", "fsdp reduce-scatter", t0, spec.ranks[r].staged_reduce_s)
+        if ps.compute > 0:
+            events.append(Event(r, "compute", name, t0, end, {"mb": i, "chunk": c, "pass": kind}))
+        hold = put(r, "tp", name + " tp exposed", hold, ps.tp_exposed)
+        hold = put(r, "dp", name + " dp exposed", hold, ps.dp_exposed)
+        downstream = (kind == "F" and s < nvs - 1) or (kind == "B" and s > 0)
+        arrive = hold
+        if downstream and spec.send_s > 0:
+            arrive = put(r, "pp", f"send {name}", hold, spec.send_s)
+            hold = max(hold, arrive - spec.send_s * (1 - spec.send_exposed))
+        free[r]["compute"] = hold
+        done[(kind, i, s)] = hold
+        if downstream:
+            ready[(kind + "s", i, s)] = arrive
+        if kind == "F":
+            mem_deltas[r].append((t0, st.act_bytes))
+        elif (kind == "B" and not split_w) or kind == "W":  # zero-bubble: W still needs the inputs
+            mem_deltas[r].append((end, -st.act_bytes))
+        if kind == "B" and split_w:
+            pending[r].append((i, c))
+        if kind != "W":
+            idx[r] += 1
+
+    if not split_w:
+        progress = True
+        while progress:
+            progress = False
+            for r in range(pp):
+                while idx[r] < len(orders[r]):
+                    op = orders[r][idx[r]]
+                    ts = deps(op, op[2] * pp + r)
+                    if ts is None:
+                        break
+                    run(r, op, ts)
+                    progress = True
+    else:
+        # Zero bubble (ZB-H1): F and B in 1F1B order; a pending weight-gradient pass W fills
+        # the compute stream whenever the next F/B's inputs have not arrived yet. Ranks are
+        # advanced earliest-start first.
+        while True:
+            best: tuple[float, int, Op, list[float]] | None = None
+            for r in range(pp):
+                fr = free[r]["compute"]
+                cand = None
+                if idx[r] < len(orders[r]):
+                    op = orders[r][idx[r]]
+                    ts = deps(op, op[2] * pp + r)
+                    capped = op[0] == "F" and len(pending[r]) >= pp  # bound the weight-gradient backlog
+                    if ts is not None and not capped and (not pending[r] or max(ts, default=0.0) <= fr):
+                        cand = (max([fr, *ts]), r, op, ts)
+                if cand is None and pending[r]:
+                    i, c = pending[r][0]
+                    cand = (fr, r, ("W", i, c), [])
+                if cand is not None and (best is None or cand[0] < best[0]):
+                    best = cand
+            if best is None:
+                break
+            _, r, op, ts = best
+            if op[0] == "W":
+                pending[r].pop(0)
+            run(r, op, ts)
+    if any(idx[r] < len(orders[r]) for r in range(pp)):
+        stuck = {r: orders[r][idx[r]] for r in range(pp) if idx[r] < len(orders[r])}
+        raise MeshplanError(f"simulation deadlocked (schedule {spec.schedule}, pp={pp}, v={v}, m={m}): {stuck}")
+
+    pipe_end = max(free[r]["compute"] for r in range(pp))
+    ends = []
+    for r in range(pp):
+        rk, last = spec.ranks[r], free[r]["compute"]
+        wait[r] += pipe_end - last
+        t = last
+        if rk.end_dp_exposed_s + rk.end_dp_overlapped_s > 0:
+            t = put(r, "dp", "grad sync", last - rk.end_dp_overlapped_s,
+                    rk.end_dp_overlapped_s + rk.end_dp_exposed_s)
+        t = put(r, "compute", "optimizer", max(t, free[r]["dp"]), rk.optimizer_s)
+        ends.append(t)
+    step = max(ends) + spec.overhead_s
+    memory = []
+    for r in range(pp):
+        level, series = spec.ranks[r].static_bytes, [(0.0, spec.ranks[r].static_bytes)]
+        for t, d in sorted(mem_deltas[r]):
+            level += d
+            series.append((t, level))
+        series.append((step, level))
+        memory.append(series)
+    return SimResult(step_time_s=step, events=events, memory=memory, pp=pp, wait_s=wait)
