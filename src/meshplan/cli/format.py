@@ -1,6 +1,8 @@
 """Plain-text tables for the terminal."""
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Sequence
 
 
@@ -46,3 +48,19 @@ def seconds(t: float) -> str:
     if t >= 1e-3:
         return f"{t * 1e3:.2f} ms"
     return f"{t * 1e6:.1f} us"
+
+
+def json_text(obj: object) -> str:
+    """Strict JSON (RFC 8259): a non-finite number (an overflow) is written as null, never as
+    NaN or Infinity; numpy scalars and arrays as plain numbers and lists."""
+    def clean(x: object) -> object:
+        if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
+            x = x.tolist()
+        if isinstance(x, float):
+            return x if math.isfinite(x) else None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+    return json.dumps(clean(obj), indent=2, allow_nan=False)

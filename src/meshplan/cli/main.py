@@ -81,6 +81,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    from meshplan.cli.format import json_text
     from meshplan.cli.views import estimate_text
     from meshplan.cost import estimate
     from meshplan.spec.io import load_cluster, load_model, load_plan
@@ -93,25 +94,33 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
                                   "global_batch": work.global_batch, "seq_len": work.seq_len}
-        print(json.dumps(out, indent=2))
+        print(json_text(out))
     else:
         print(estimate_text(model, cluster, plan, work, report))
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from meshplan.cli.format import json_text
     from meshplan.cost import estimate
     from meshplan.validate.report import default_runs_path, to_markdown, to_text, validate
     from meshplan.validate.runs import load_runs
-    path = args.runs or default_runs_path()
-    result = validate(load_runs(path), estimate)
-    if args.report:
+    path = default_runs_path() if args.runs is None else args.runs
+    try:
+        cases = load_runs(path)
+    except OSError as e:  # e.g. a name too long to stat
+        raise MeshplanError(f"cannot read --runs {path}: {e.strerror or e}") from None
+    if not cases:
+        raise MeshplanError(f"--runs {path}: no runs (the file has no data rows)",
+                            hint="use the format of published_runs_dev.csv: a header and one row per run")
+    result = validate(cases, estimate)
+    if args.report is not None:
         try:
             with open(args.report, "w") as f:
                 f.write(to_markdown(result))
         except OSError as e:
             raise MeshplanError(f"cannot write --report {args.report}: {e.strerror}") from None
-    print(json.dumps(result, indent=2) if args.json else to_text(result))
+    print(json_text(result) if args.json else to_text(result))
     return 0
 
 

@@ -113,7 +113,7 @@ def _clusters(args: argparse.Namespace) -> list[Any]:
     from meshplan.search.sizes import node_size, parse_gpus, resized
     from meshplan.spec.io import load_cluster
     cluster = load_cluster(args.cluster)
-    if not args.gpus:
+    if args.gpus is None:
         return [cluster]
     return [resized(cluster, n) for n in parse_gpus(args.gpus, node_size(cluster))]
 
@@ -241,16 +241,27 @@ def _write_out(path: str, result: Any) -> None:
         raise MeshplanError(f"cannot write --out {path}: {e.strerror or e}") from None
 
 
-def _check_matplotlib() -> None:
+def _plot_format(path: str) -> str:
+    """The image format of --plot PATH (from its extension; png without one), checked before
+    the search: matplotlib is installed and can write it."""
+    import os
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise MeshplanError("--plot needs matplotlib, which is not installed",
                             hint="pip install 'meshplan[plot]'") from None
+    ext = os.path.splitext(path)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in formats:
+        raise MeshplanError(f"--plot {path}: cannot draw a .{ext} image",
+                            hint="use one of " + ", ".join(f".{f}" for f in sorted(formats)))
+    return ext or "png"
 
 
 def plot_pareto(path: str, result: Any) -> None:
-    """Scatter of every feasible plan (step time vs peak memory), the front and the winner."""
+    """Scatter of every feasible plan (step time vs peak memory), the front and the winner,
+    written to exactly ``path``."""
+    fmt = _plot_format(path)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -280,9 +291,10 @@ def plot_pareto(path: str, result: Any) -> None:
     ax.set_title(f"{result.model.name}: {result.feasible:,} feasible of {result.considered:,}")
     ax.legend(loc="best", fontsize=8)
     try:
-        fig.savefig(path, dpi=120, bbox_inches="tight")
-    except (OSError, ValueError) as e:
-        raise MeshplanError(f"cannot write --plot {path}: {e}") from None
+        with open(path, "wb") as f:  # a file object: matplotlib adds no extension to the name
+            fig.savefig(f, format=fmt, dpi=120, bbox_inches="tight")
+    except OSError as e:
+        raise MeshplanError(f"cannot write --plot {path}: {e.strerror or e}") from None
     finally:
         plt.close(fig)
 
@@ -291,8 +303,8 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.search.driver import search
     from meshplan.spec.io import load_model
     from meshplan.spec.plan import Workload
-    if args.plot:
-        _check_matplotlib()
+    if args.plot is not None:
+        _plot_format(args.plot)
     model = load_model(args.model)
     clusters = _clusters(args)
     space = _space(args, clusters[0])
@@ -306,12 +318,13 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     if args.json:
+        from meshplan.cli.format import json_text
         from meshplan.search.explain import explain
         doc = result.to_json()
         doc["explanation"] = explain(result)
         if tokens is not None:
             doc["train"] = [_train(result, tokens, p) for p in result.plans]
-        print(json.dumps(doc, indent=2, default=_json_default))
+        print(json_text(doc))
     elif result.plans:
         print(_text(result, tokens))
     if not result.plans:
@@ -321,8 +334,8 @@ def run(args: argparse.Namespace) -> int:
         c = clusters[-1]
         raise MeshplanError(f"no plan fits {model.name} on {c.num_gpus} x {c.gpu.name} with global batch "
                             f"{work.global_batch} x {work.seq_len}: " + "; ".join(result.nearest))
-    if args.out:
+    if args.out is not None:
         _write_out(args.out, result)
-    if args.plot:
+    if args.plot is not None:
         plot_pareto(args.plot, result)
     return 0

@@ -39,6 +39,7 @@ from meshplan.search.constraints import (
 from meshplan.search.evaluate import evaluate
 from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
 from meshplan.search.result import ClusterCount, ParetoPoint, RankedPlan, SearchResult
+from meshplan.search.sizes import MAX_GPUS
 from meshplan.search.space import SearchSpace, enumerate_space
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import violations
@@ -136,6 +137,10 @@ def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work
     clusters = [clusters] if isinstance(clusters, ClusterSpec) else list(clusters)
     if not clusters:
         raise MeshplanError("no cluster to search")
+    for c in clusters:
+        if c.num_gpus > MAX_GPUS:
+            raise MeshplanError(f"cluster {c.name}: {c.num_gpus:,} GPUs is more than the search "
+                                f"handles ({MAX_GPUS:,})", hint="search a smaller cluster")
     space = space or SearchSpace()
     timings = {"enumerate_s": 0.0, "constraints_s": 0.0, "bounds_s": 0.0}
     scans = [_prepare(model, c, work, space, params, timings) for c in clusters]

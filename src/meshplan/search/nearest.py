@@ -19,18 +19,24 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.errors import MeshplanError
 from meshplan.search.bounds import usable_gib
 from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import first_violation, violation_masks
 from meshplan.search.evaluate import evaluate
-from meshplan.search.sizes import node_size, resized
+from meshplan.search.sizes import MAX_GPUS, nice_sizes, node_size, resized
 from meshplan.search.space import SearchSpace, enumerate_space
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.plan import MAX_COUNT, Plan, Workload
 
 MAX_GROWTH = 64
-"""Clusters up to this many times the given size (and at least 65,536 GPUs) are tried."""
+"""Clusters up to this many times the given size (and at least 65,536 GPUs, at most
+sizes.MAX_GPUS) are tried."""
+
+
+def growth_limit(cluster: ClusterSpec) -> int:
+    return min(max(cluster.num_gpus * MAX_GROWTH, 65536), MAX_GPUS)
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ def smallest_fitting_size(model: ModelSpec, cluster: ClusterSpec, work: Workload
     the growth limit. (Fitting need not be monotone in the size, because of divisibility, so
     this is the smallest size found, not a proof that nothing smaller fits.)"""
     node = node_size(cluster)
-    limit = max(cluster.num_gpus * MAX_GROWTH, 65536)
+    limit = growth_limit(cluster)
     lo, size, found = cluster.num_gpus, cluster.num_gpus, None
     while found is None:
         size = _next_size(size, node)
@@ -113,6 +119,35 @@ def smallest_fitting_size(model: ModelSpec, cluster: ClusterSpec, work: Workload
         else:
             lo_nodes = mid
     return found
+
+
+def fewer_gpus(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
+               params: CostParams = DEFAULT_PARAMS) -> Corner | None:
+    """When no plan passes the constraints (typically: more GPUs than the global batch, heads,
+    layers and sequence can be split over), the largest smaller cluster of the same GPU among
+    the usual sizes (powers of two and 3 x 2^k, `sizes.nice_sizes`) where the corner fits.
+    None down to one GPU."""
+    for n in reversed(nice_sizes(1, cluster.num_gpus - 1, node_size(cluster))):
+        try:
+            c = memory_corner(model, resized(cluster, n), work, space, params)
+        except MeshplanError:  # no mesh of a --fix-restricted space makes n GPUs
+            continue
+        if c.plan is not None and c.fits:
+            return c
+    return None
+
+
+def larger_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
+                 params: CostParams = DEFAULT_PARAMS) -> tuple[int, Corner] | None:
+    """The smallest global batch (doubling, up to one sequence per GPU and a little more) with
+    which the corner fits on ``cluster``; None if none does."""
+    b = work.global_batch
+    while b < min(4 * cluster.num_gpus, MAX_COUNT // 2):
+        b *= 2
+        c = memory_corner(model, cluster, Workload(global_batch=b, seq_len=work.seq_len), space, params)
+        if c.plan is not None and c.fits:
+            return b, c
+    return None
 
 
 def bigger_gpus(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
@@ -172,6 +207,21 @@ def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, spac
             free = refine(model, free, work, open_space, params)
             out.append(f"without the --fix restrictions it fits on {cluster.num_gpus} GPUs: "
                        f"{_short(free)} ({free.peak_memory_gib:.1f} GiB per GPU)")
+    if here.plan is None:  # the constraints, not memory, rule everything out on this size
+        fewer = fewer_gpus(model, cluster, work, space, params)
+        if fewer is not None and fewer.plan is not None:
+            fewer = refine(model, fewer, work, space, params)
+            out.append(f"no plan passes the constraints on {cluster.num_gpus} GPUs (see the rejection "
+                       f"reasons); on fewer GPUs it fits: {fewer.cluster.num_gpus} x {gpu}, e.g. "
+                       f"{_short(fewer)} ({fewer.peak_memory_gib:.1f} GiB per GPU)")
+        batch = larger_batch(model, cluster, work, space, params)
+        if batch is not None:
+            b, c = batch
+            c = refine(model, c, Workload(global_batch=b, seq_len=work.seq_len), space, params)
+            out.append(f"or, on {cluster.num_gpus} GPUs, a global batch of {b} sequences: "
+                       f"e.g. {_short(c)} ({c.peak_memory_gib:.1f} GiB per GPU)")
+        if out:
+            return out
     more = smallest_fitting_size(model, cluster, work, space, params)
     if more is not None and more.plan is not None:
         more = refine(model, more, work, space, params)
@@ -183,7 +233,27 @@ def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, spac
         out.append(f"or {cluster.num_gpus} x {big.cluster.gpu.name}: {_short(big)} "
                    f"({big.peak_memory_gib:.1f} GiB per GPU)")
     if more is None:
-        limit = max(cluster.num_gpus * MAX_GROWTH, 65536)
+        limit = growth_limit(cluster)
+        if here.plan is None:
+            out.append(f"no candidate passes the constraints on {cluster.num_gpus} GPUs, nor a "
+                       f"memory-saving one on larger clusters up to {limit} (see the rejection "
+                       "reasons: batch size, heads, layers and sequence length must divide)")
+        else:
+            out.append(f"no cluster of up to {limit} x {gpu} fits global batch {work.global_batch} "
+                       f"x {work.seq_len} tokens; try a smaller sequence length or GPUs with more memory")
+    return out
+    more = smallest_fitting_size(model, cluster, work, space, params)
+    if more is not None and more.plan is not None:
+        more = refine(model, more, work, space, params)
+        out.append(f"needs at least {more.cluster.num_gpus} x {gpu}: e.g. {_short(more)} "
+                   f"({more.peak_memory_gib:.1f} GiB per GPU)")
+    big = bigger_gpus(model, cluster, work, space, params)
+    if big is not None and big.plan is not None:
+        big = refine(model, big, work, space, params)
+        out.append(f"or {cluster.num_gpus} x {big.cluster.gpu.name}: {_short(big)} "
+                   f"({big.peak_memory_gib:.1f} GiB per GPU)")
+    if more is None:
+        limit = growth_limit(cluster)
         if here.plan is None:  # the constraints, not memory, rule everything out
             out.append(f"no candidate passes the constraints on {cluster.num_gpus} GPUs, nor a "
                        f"memory-saving one on larger clusters up to {limit} (see the rejection "

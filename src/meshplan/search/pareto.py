@@ -75,6 +75,8 @@ def naive_pareto_mask(points: np.ndarray) -> np.ndarray:
 
 def usd_per_million_tokens(num_gpus: np.ndarray | float, price_per_gpu_hour: float,
                            step_time_s: np.ndarray | float, tokens_per_step: float) -> np.ndarray:
-    """Dollars per million trained tokens: num_gpus x price x step time / 3600 per step."""
-    usd_per_step = np.asarray(num_gpus, dtype=float) * price_per_gpu_hour * np.asarray(step_time_s) / 3600.0
-    return usd_per_step / (tokens_per_step / 1e6)
+    """Dollars per million trained tokens: num_gpus x price x step time / 3600 per step
+    (inf, without a warning, beyond the float range)."""
+    with np.errstate(over="ignore"):
+        usd_per_step = np.asarray(num_gpus, dtype=float) * price_per_gpu_hour * np.asarray(step_time_s) / 3600.0
+        return usd_per_step / (tokens_per_step / 1e6)

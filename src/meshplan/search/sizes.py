@@ -4,6 +4,10 @@ from __future__ import annotations
 from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import ClusterSpec
 
+MAX_GPUS = 2**31 - 1
+"""Largest cluster the search takes: plan degrees are int32 columns (and divisors of the GPU
+count are found by trial division, so far larger counts would not finish)."""
+
 STANDARD_NODE = 8
 """GPUs per node assumed when growing a single partial node (e.g. `h100-sxm-80gb:2`): the
 cluster shorthand's default node (DGX/HGX: 8 GPUs)."""
@@ -52,6 +56,8 @@ def parse_gpus(text: str, node: int) -> list[int]:
     """--gpus 'A..B' (the nice sizes in the range) or 'A,B,C' (exactly these)."""
     t = text.strip()
     try:
+        if not t.strip(" ,"):
+            raise ValueError("no size")
         if ".." in t:
             lo, hi = (int(x) for x in t.split("..", 1))
             listed = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -68,9 +69,27 @@ def read_data_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise MeshplanError(f"{p}: expected an object/table at the top level")
     version = data.get("schema_version", SCHEMA_VERSION)
+    try:
+        version = _coerce(version, int, f"{p}.schema_version")
+    except MeshplanError:
+        pass  # reported just below, as it was written
     if version != SCHEMA_VERSION:
         raise MeshplanError(f"{p}: schema_version {version!r} is not supported (this meshplan reads {SCHEMA_VERSION})")
+    _check_finite(data, str(p))
     return data
+
+
+def _check_finite(value: Any, where: str) -> None:
+    """No spec field means anything with inf or nan (TOML's inf/nan, JSON's Infinity/NaN or
+    1e400): reject them here rather than let them reach the cost model's arithmetic."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise MeshplanError(f"{where}: expected a finite number, got {value}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{where}[{i}]")
 
 
 def load_preset_data(kind: str, name: str) -> dict[str, Any]:
@@ -209,7 +228,10 @@ def load_plan(arg: str) -> Plan:
     """--plan: 'tp=..,pp=..' or a plan file (.json/.toml, as written by `meshplan plan --out`)."""
     if isinstance(arg, str) and arg.endswith((".toml", ".json")):
         data = read_data_file(arg)
-        if "plan" in data and isinstance(data["plan"], dict):
+        if "plan" in data:  # a document written by `meshplan plan --out`
+            if not isinstance(data["plan"], dict):
+                raise MeshplanError(f"{arg}: 'plan' must be an object/table of plan fields; "
+                                    f"got {type(data['plan']).__name__}")
             data = data["plan"]
         return from_dict(Plan, data, where=arg)
     return parse_plan(arg)

@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass
 
 from meshplan.errors import MeshplanError
-from meshplan.spec.base import _closest, _coerce, choice, positive
+from meshplan.spec.base import _closest, _coerce, _show, choice, positive
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 RECOMPUTE = ("none", "selective", "op", "full")
@@ -175,6 +175,11 @@ def parse_plan(text: str) -> Plan:
     return Plan(**kwargs)  # type: ignore[arg-type]
 
 
+MAX_COUNT = 2**31 - 1
+"""Largest global batch and sequence length: the cost model and the search hold them (and
+products with plan degrees) in fixed-width numpy integers."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Workload:
     """How much is trained per optimizer step."""
@@ -185,8 +190,11 @@ class Workload:
     """Tokens per sequence."""
 
     def __post_init__(self) -> None:
-        positive("workload: global_batch", self.global_batch)
-        positive("workload: seq_len", self.seq_len)
+        for name in ("global_batch", "seq_len"):
+            value = getattr(self, name)
+            positive(f"workload: {name}", value)
+            if value > MAX_COUNT:
+                raise MeshplanError(f"workload: {name} must be at most {MAX_COUNT:,}; got {_show(value)}")
 
     @property
     def tokens(self) -> int:
