@@ -203,3 +203,17 @@ def test_plan_out_then_estimate_is_the_same_prediction(capsys, tmp_path):
     assert rc == 0, err
     d = strict_json(out)
     assert math.isclose(d["step_time_s"], doc["predicted"]["step_time_s"], rel_tol=1e-12)
+
+
+# ---- --fix ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fix, words", [
+    ("micro_batch=0", "micro_batch must be between 1"),
+    ("micro_batch=" + "9" * 30, "micro_batch must be between 1"),
+    ("tp=0", "tp must be between 1"),
+    ("pp=-2", "pp must be between 1"),
+    ("tp=1,tp=2", "given twice"),
+])
+def test_bad_fix_values(capsys, fix, words):
+    rc, _, err = run(capsys, *PLAN, "--fix", fix)
+    one_line_error(rc, err, words)

@@ -84,6 +84,7 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> None
     from meshplan.spec.plan import Plan
     hints = typing.get_type_hints(Plan)
     fields = {f.name for f in dataclasses.fields(Plan)}
+    seen: set[str] = set()
     for part in (p.strip() for p in text.split(",") if p.strip()):
         if "=" not in part:
             raise MeshplanError(f"--fix: {part!r} is not key=value", hint="e.g. --fix tp=8,zero=1|3")
@@ -91,6 +92,9 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> None
         alts = [v.strip() for v in value.split("|") if v.strip()]
         if not alts:
             raise MeshplanError(f"--fix: {key} has no value")
+        if key in seen:
+            raise MeshplanError(f"--fix: {key} given twice", hint=f"list alternatives as {key}=a|b")
+        seen.add(key)
         if key in ("tp", "pp", "cp", "ep", "zero", "micro_batch"):
             changes[key] = tuple(_coerce(v, int, f"--fix {key}") for v in alts)
         elif key == "schedule":

@@ -41,9 +41,13 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.search.columns import CATEGORIES, FIELDS, NONE_CODE, PlanColumns
 from meshplan.search.stages import balanced_stage_layers
+from meshplan.spec.base import _show
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import RECOMPUTE, SCHEDULES, Plan, Workload
+
+MAX_DEGREE = 2**31 - 1
+"""Largest value of a parallel degree or micro-batch (plan columns are int32)."""
 
 SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "micro_batch", "virtual_stages",
             "schedule", "recompute", "recompute_layers", "sequence_parallel", "offload_optimizer",
@@ -84,6 +88,11 @@ class SearchSpace:
                 raise MeshplanError(f"search space: unknown recompute {r!r}")
         if any(z not in (0, 1, 2, 3) for z in self.zero):
             raise MeshplanError("search space: zero levels must be among 0, 1, 2, 3")
+        for name in ("tp", "pp", "cp", "ep", "micro_batch"):  # held in int32 columns
+            for v in getattr(self, name) or ():
+                if not 1 <= v <= MAX_DEGREE:
+                    raise MeshplanError(f"search space: {name} must be between 1 and {MAX_DEGREE:,}; "
+                                        f"got {_show(v)}")
 
     def replace(self, **changes: object) -> SearchSpace:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
