@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--seq-len", type=_positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
     es.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
-    from meshplan.cli import plan_cmd, train_cmd
+    from meshplan.cli import plan_cmd, simulate_cmd, train_cmd
     plan_cmd.add_parser(sub, _positive_int)
+    simulate_cmd.add_parser(sub)
     train_cmd.add_train_parser(sub)
 
     va = sub.add_parser("validate", help="compare the cost model with published measured runs")
@@ -129,13 +130,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from meshplan.cli.simulate_cmd import run
+    return run(args)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from meshplan.cli.train_cmd import cmd_train as run  # imports torch only when it runs
     return run(args)
 
 
 COMMANDS = {"presets": cmd_presets, "estimate": cmd_estimate, "validate": cmd_validate,
-            "plan": cmd_plan, "train": cmd_train}
+            "plan": cmd_plan, "train": cmd_train, "simulate": cmd_simulate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

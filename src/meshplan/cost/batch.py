@@ -353,8 +353,9 @@ def _summary(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: Mappi
     model_flops = 3.0 * (model.num_layers * blk.flops + blk.out_flops) * scale
     rc_flops = model.num_layers * blk.rc_flops * scale
     prec = cols["precision"]
-    peak = np.where(prec == "fp16", gpu.peak("fp16"),
-                    np.where(prec == "fp32", gpu.peak("fp32"), gpu.peak("bf16")))
+    peak = np.empty(len(prec))
+    for name in np.unique(prec):  # MFU basis: the 16-bit peak for bf16/fp8, else the dtype's own
+        peak[prec == name] = gpu.peak("bf16" if name in ("bf16", "fp8") else str(name))
     total = np.sum([mem[k] for k in MEMORY_KEYS], axis=0)
     worst = np.nanargmax(total, axis=1)
     rows = np.arange(len(worst))

@@ -76,7 +76,8 @@ class GPUSpec:
         for d in chain:
             if d in self.peak_tflops:
                 return self.peak_tflops[d] * 1e12
-        raise MeshplanError(f"gpu {self.name!r} has no peak for {dtype}")  # pragma: no cover
+        raise MeshplanError(f"gpu {self.name!r} has no peak for {dtype}",
+                            hint=f"add peak_tflops.{dtype} to its GPU file, or use another precision")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +134,9 @@ class ClusterSpec:
         positive(f"cluster {self.name}: gpus_per_node", self.gpus_per_node)
         if self.nodes_per_dc is not None:
             positive(f"cluster {self.name}: nodes_per_dc", self.nodes_per_dc)
+        if self.price_per_gpu_hour_usd is not None:
+            positive(f"cluster {self.name}: price_per_gpu_hour_usd", self.price_per_gpu_hour_usd,
+                     allow_zero=True)
         if self.inter_dc is not None and not self.nodes_per_dc:
             raise MeshplanError(f"cluster {self.name}: inter_dc given but nodes_per_dc is missing")
         if self.nodes_per_dc is not None and self.num_nodes % self.nodes_per_dc:

@@ -1228,11 +1228,20 @@ def _safe_int(row: _Row, name: str) -> int | None:
 def load_runs(path: str | Path) -> list[RunCase]:
     """Read a published-runs CSV into one RunCase per row (none dropped)."""
     p = Path(path)
-    if not p.is_file():
-        raise MeshplanError(f"runs file not found: {p}")
     try:
+        if not p.is_file():
+            raise MeshplanError(f"runs file not found: {p}")
         with p.open(newline="", encoding="utf-8-sig") as f:
-            rows = list(csv.DictReader(f))
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise MeshplanError(f"cannot read {p}: {e}") from None
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            header = {_norm_key(k) for k in (reader.fieldnames or [])}
+    except OSError as e:
+        raise MeshplanError(f"cannot read the runs file (--runs) {str(p)[:80]}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise MeshplanError(f"cannot read the runs file (--runs) {str(p)[:80]}: {e}") from None
+    needed = {"num_layers", "hidden_size", "num_gpus"}
+    if rows and not needed & header:
+        raise MeshplanError(f"{p} is not a published-runs CSV: none of the columns "
+                            f"{', '.join(sorted(needed))} is present",
+                            hint="see shared/data/README.md for the format")
     return [case_from_row(r, i) for i, r in enumerate(rows)]
