@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from meshplan.cli.args import positive_int
 from meshplan.errors import MeshplanError
 
 EPILOG = """examples:
@@ -23,18 +24,6 @@ EPILOG = """examples:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
         raise MeshplanError(message, hint=f"see `{self.prog} --help`")
-
-
-def _positive_int(name: str):  # noqa: ANN202 - argparse type factory
-    def conv(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
-        return v
-    return conv
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,12 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--cluster", required=True,
                     help="GPU:COUNT (e.g. h100-sxm-80gb:64), GPU:NODESxPER_NODE, or a cluster .toml")
     es.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,micro_batch=..,... or a plan .json")
-    es.add_argument("--global-batch", type=_positive_int("--global-batch"), required=True, help="sequences per step")
-    es.add_argument("--seq-len", type=_positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
+    es.add_argument("--global-batch", type=positive_int("--global-batch"), required=True, help="sequences per step")
+    es.add_argument("--seq-len", type=positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
     es.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     from meshplan.cli import plan_cmd, simulate_cmd, train_cmd
-    plan_cmd.add_parser(sub, _positive_int)
+    plan_cmd.add_parser(sub, positive_int)
     simulate_cmd.add_parser(sub)
     train_cmd.add_train_parser(sub)
 

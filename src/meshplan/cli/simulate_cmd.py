@@ -9,17 +9,7 @@ import argparse
 import json
 from typing import Any
 
-
-def _positive_int(name: str):  # noqa: ANN202 - argparse type factory
-    def conv(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
-        return v
-    return conv
+from meshplan.cli.args import positive_int
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -31,8 +21,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="preset name or ModelSpec .toml/.json")
     p.add_argument("--cluster", required=True, help="GPU:COUNT, GPU:NODESxPER_NODE or a cluster .toml")
     p.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,... or a plan .json")
-    p.add_argument("--global-batch", type=_positive_int("--global-batch"), required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=_positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
+    p.add_argument("--global-batch", type=positive_int("--global-batch"), required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) to this file")
     p.add_argument("--plot", help="write a Gantt chart per pipeline rank to this image (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")

@@ -10,7 +10,8 @@ from meshplan.spec.plan import Plan, Workload
 TIME_LABELS = {
     "compute": "compute (fwd+bwd)", "recompute": "recompute", "tp_comm": "TP/SP communication",
     "cp_comm": "CP communication", "ep_comm": "EP all-to-all", "dp_comm": "DP/FSDP communication",
-    "pp_comm": "pipeline send/recv", "offload": "parameter offload (PCIe)", "bubble": "pipeline bubble", "optimizer": "optimizer step",
+    "pp_comm": "pipeline send/recv", "offload": "parameter offload (PCIe)", "bubble": "pipeline bubble",
+    "optimizer": "optimizer step",
     "overhead": "fixed overhead",
 }
 

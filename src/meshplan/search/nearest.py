@@ -242,23 +242,3 @@ def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, spac
             out.append(f"no cluster of up to {limit} x {gpu} fits global batch {work.global_batch} "
                        f"x {work.seq_len} tokens; try a smaller sequence length or GPUs with more memory")
     return out
-    more = smallest_fitting_size(model, cluster, work, space, params)
-    if more is not None and more.plan is not None:
-        more = refine(model, more, work, space, params)
-        out.append(f"needs at least {more.cluster.num_gpus} x {gpu}: e.g. {_short(more)} "
-                   f"({more.peak_memory_gib:.1f} GiB per GPU)")
-    big = bigger_gpus(model, cluster, work, space, params)
-    if big is not None and big.plan is not None:
-        big = refine(model, big, work, space, params)
-        out.append(f"or {cluster.num_gpus} x {big.cluster.gpu.name}: {_short(big)} "
-                   f"({big.peak_memory_gib:.1f} GiB per GPU)")
-    if more is None:
-        limit = growth_limit(cluster)
-        if here.plan is None:  # the constraints, not memory, rule everything out
-            out.append(f"no candidate passes the constraints on {cluster.num_gpus} GPUs, nor a "
-                       f"memory-saving one on larger clusters up to {limit} (see the rejection "
-                       "reasons: batch size, heads, layers and sequence length must divide)")
-        else:
-            out.append(f"no cluster of up to {limit} x {gpu} fits global batch {work.global_batch} "
-                       f"x {work.seq_len} tokens; try a smaller sequence length or GPUs with more memory")
-    return out
