@@ -26,9 +26,12 @@ from meshplan.cost.memory import (
     LOGITS_BYTES_PER_ELEM,
     VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
     activation_bytes_per_token,
+    kept_activation_bytes,
+    model_state_arrays,
     op_sac_bytes_per_token,
 )
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.schedule import bubble_array, in_flight_array
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
@@ -129,18 +132,6 @@ def _layer_params_local(model: ModelSpec, tp: np.ndarray, ep: np.ndarray) -> np.
     return model.layer_params() / tp + 0.0 * ep
 
 
-def _in_flight(cols: Mapping[str, np.ndarray], m: np.ndarray, width: int) -> np.ndarray:
-    """(rows, stages) micro-batches whose activations each stage holds at its peak."""
-    pp, v = cols["pp"][:, None], cols["virtual_stages"][:, None]
-    sched, mm = cols["schedule"][:, None], m[:, None].astype(float)
-    j = np.arange(width)[None, :]
-    one_f = np.minimum(mm, pp - j)
-    inter = np.minimum(mm * v, (pp - j - 1) * 2 + (v - 1) * pp + 1) / v
-    out = np.where(sched == "gpipe", mm, np.where((sched == "interleaved-1f1b") & (v > 1), inter,
-                   np.where(sched == "zbv", np.minimum(mm, pp), one_f)))
-    return np.where(pp == 1, 1.0, out)
-
-
 def estimate_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload,
                    plans: Sequence[Plan] | Mapping[str, np.ndarray],
                    params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
@@ -238,10 +229,7 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     busy = micro * tmax
     w_frac = blk.bw / np.maximum(1e-30, blk.f + blk.b + blk.rc)
     sched = cols["schedule"]
-    bubble = np.where(pp == 1, 0.0, tsum - tmax)
-    bubble = np.where(sched == "interleaved-1f1b", bubble / v, bubble)
-    zb = (sched == "zero-bubble") | (sched == "zbv")
-    bubble = np.where(zb, bubble * np.maximum(0, 1 - 2 * w_frac) / np.where(sched == "zbv", 2, 1), bubble)
+    bubble = bubble_array(tsum, tmax, pp, v, sched, w_frac)
 
     pmax = plocal.max(axis=1)
     dp_exp, dp_ovl = _dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, pmax, compute[:, 0] / 2)
@@ -312,26 +300,17 @@ def _memory(model: ModelSpec, work: Workload, cols: Mapping[str, np.ndarray], p:
         return np.asarray(x, dtype=bool)[:, None]
 
     zero, pp = col(cols["zero"]), col(cols["pp"])
-    sh = col(shard)
-    z3 = zero == 3
-    w = np.where(z3, np.where(flag(cols["offload_params"]), 0, 4 * plocal / sh), 2 * plocal)
-    g = np.where(z3, 4 * plocal / sh, np.where(zero >= 1, 4, 2) * plocal / np.where(zero >= 2, sh, 1))
-    o = np.where(flag(cols["offload_optimizer"]), 0,
-                 np.where(z3, 8 * plocal / sh, 12 * plocal / np.where(zero >= 1, sh, 1)))
-    gathered = (1 + p.fsdp_prefetch_layers) * col(lp) * 2.0 + col(lp) * 4.0
-    buckets = np.where(col(cols["dp"] * cols["cp"]) > 1, 2 * p.dp_bucket_mib * 2**20, 0.0)
-    buffers = np.where(z3, gathered, buckets)
-    per_step = z3 & (pp > 1)  # pipelined FSDP keeps unsharded bf16 params + fp32 grads
+    w, g, o, buffers = model_state_arrays(plocal, col(lp), zero, col(shard), flag(cols["offload_params"]),
+                                          flag(cols["offload_optimizer"]), col(cols["dp"] * cols["cp"]), p)
+    per_step = (zero == 3) & (pp > 1)  # pipelined FSDP keeps unsharded bf16 params + fp32 grads
     w, g = w + per_step * 2 * plocal, g + per_step * 4 * plocal
 
-    rec, rl = flag(cols["recompute"] == "full"), col(cols["recompute_layers"])
-    op = flag(cols["recompute"] == "op")
-    r = np.where(rl >= 0, np.minimum(layers, rl), layers)
     t = col(tokens)
-    kept = t * np.where(rec, r * col(blk.inp_bytes) + (layers - r) * col(blk.full_bytes),
-                        layers * np.where(op, col(blk.op_bytes), col(blk.full_bytes)))
-    transient = np.where(rec | op, t * col(blk.full_bytes), 0.0)
-    inflight = _in_flight(cols, micro, layers.shape[1])
+    kept, transient = kept_activation_bytes(t, layers, cols["recompute"][:, None], col(cols["recompute_layers"]),
+                                            col(blk.full_bytes), col(blk.inp_bytes), col(blk.op_bytes))
+    width = layers.shape[1]
+    inflight = in_flight_array(col(cols["pp"]), col(cols["virtual_stages"]), cols["schedule"][:, None],
+                               np.arange(width)[None, :], micro[:, None])
     acts = (kept + first * t * model.hidden_size * ACT_BYTES) * inflight
     unfused = np.where(col(cols["tp"]) > 1, VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM, LOGITS_BYTES_PER_ELEM)
     per = np.where(flag(cols["fused_loss"]), FUSED_LOGITS_BYTES_PER_ELEM, unfused)

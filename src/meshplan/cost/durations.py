@@ -17,6 +17,7 @@ from meshplan.cost import batch as _b
 from meshplan.cost.comm import Group
 from meshplan.cost.compute import ACT_BYTES, embedding_times, output_layer_times
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.schedule import in_flight_array
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
@@ -156,7 +157,8 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
     opt_t = np.where(np.asarray(cols["offload_optimizer"], dtype=bool)[:, None], host, hbm)
 
     mem = _b._memory(model, work, cols, p, layers, valid, first, last, plocal, lp, shard, tokens, blk, micro)
-    inflight = _b._in_flight(cols, micro, width)
+    inflight = in_flight_array(col(cols["pp"]), col(cols["virtual_stages"]), cols["schedule"][:, None],
+                               np.arange(width)[None, :], micro[:, None])
     acts = mem["activations"][0]
     per_mb = acts / inflight[0]
     frag = p.allocator_fragmentation

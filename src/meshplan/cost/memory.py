@@ -10,12 +10,15 @@ with TP/SP splits), generalised to GQA, SwiGLU, rotary and FlashAttention (no s 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from meshplan.cost.params import CostParams
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
-from meshplan.units import GiB
+
+Num = Any  # a float, or a numpy array of one value per plan (and per stage)
 
 LOGITS_BYTES_PER_ELEM = 14.0
 """Bytes per logit element alive at the start of the loss backward: bf16 logits 2 + fp32
@@ -29,27 +32,6 @@ log-softmax is decomposed into separate ops (max-subtract, exp, sum, log), each 
 full-size fp32 tensor for a while (~1.5 more than the single-kernel path)."""
 FUSED_LOGITS_BYTES_PER_ELEM = 4.0
 """The same with a fused cross-entropy: bf16 logits 2 + their gradient written in place 2."""
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    """Bytes on one GPU of one pipeline stage, by kind."""
-
-    weights: float
-    grads: float
-    optimizer: float
-    activations: float
-    transient: float
-    overhead: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.transient + self.overhead
-
-    def as_gib(self) -> dict[str, float]:
-        return {k: getattr(self, k) / GiB for k in
-                ("weights", "grads", "optimizer", "activations", "transient", "overhead")} | {
-                "total": self.total / GiB}
 
 
 def activation_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> tuple[float, float]:
@@ -84,33 +66,43 @@ def op_sac_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
     return 2 * h / sp + (2 * model.q_dim + 2 * model.kv_dim + 2 * f + 2 * h + 2 * model.q_dim) / t
 
 
-def block_activation_bytes(model: ModelSpec, plan: Plan, seq_len: int, layers: int) -> tuple[float, float]:
+def kept_activation_bytes(tokens: Num, layers: Num, recompute: Num, recompute_layers: Num,
+                          full: Num, inp: Num, op: Num) -> tuple[Num, Num]:
     """(bytes kept per micro-batch for ``layers`` blocks, transient bytes of one block being
-    recomputed/back-propagated)."""
-    tokens = plan.micro_batch * seq_len / plan.cp
+    recomputed/back-propagated). Per-token block bytes ``full`` (no recompute), ``inp`` (the
+    block input) and ``op`` (op-level SAC); recompute_layers < 0 means all blocks."""
+    rec, opm = recompute == "full", recompute == "op"
+    r = np.where(recompute_layers >= 0, np.minimum(layers, recompute_layers), layers)
+    kept = tokens * np.where(rec, r * inp + (layers - r) * full, layers * np.where(opm, op, full))
+    return kept, np.where(rec | opm, tokens * full, 0.0)
+
+
+def block_activation_bytes(model: ModelSpec, plan: Plan, seq_len: int, layers: int) -> tuple[float, float]:
+    """kept_activation_bytes for one plan."""
     full, inp = activation_bytes_per_token(model, plan, seq_len)
-    if plan.recompute == "full":
-        r = layers if plan.recompute_layers is None else min(layers, plan.recompute_layers)
-        kept = r * inp + (layers - r) * full
-        return tokens * kept, tokens * full
-    if plan.recompute == "op":
-        return tokens * layers * op_sac_bytes_per_token(model, plan), tokens * full
-    return tokens * layers * full, 0.0
+    rl = -1 if plan.recompute_layers is None else plan.recompute_layers
+    kept, transient = kept_activation_bytes(plan.micro_batch * seq_len / plan.cp, layers,
+                                            np.asarray(plan.recompute), rl, full, inp,
+                                            op_sac_bytes_per_token(model, plan))
+    return float(kept), float(transient)
+
+
+def model_state_arrays(params: Num, layer_params: Num, zero: Num, shard: Num, offload_params: Num,
+                       offload_optimizer: Num, dp_cp: Num, p: CostParams) -> tuple[Num, Num, Num, Num]:
+    """(weights, grads, optimizer, transient) bytes for ``params`` parameters held by one GPU
+    before ZeRO sharding over ``shard`` ranks; ``layer_params`` for FSDP's gathered copies."""
+    z3 = zero == 3
+    w = np.where(z3, np.where(offload_params, 0, 4 * params / shard), 2 * params)
+    g = np.where(z3, 4 * params / shard, np.where(zero >= 1, 4, 2) * params / np.where(zero >= 2, shard, 1))
+    o = np.where(offload_optimizer, 0, np.where(z3, 8 * params / shard, 12 * params / np.where(zero >= 1, shard, 1)))
+    gathered = (1 + p.fsdp_prefetch_layers) * layer_params * 2.0 + layer_params * 4.0
+    buckets = np.where(dp_cp > 1, 2 * p.dp_bucket_mib * 2**20, 0.0)
+    return w, g, o, np.where(z3, gathered, buckets)
 
 
 def model_state_bytes(params: float, layer_params: float, plan: Plan,
                       p: CostParams) -> tuple[float, float, float, float]:
-    """(weights, grads, optimizer, transient) bytes for ``params`` parameters held by one GPU
-    before ZeRO sharding; ``layer_params`` for FSDP's gathered working copies."""
-    shard = plan.effective_shard
-    if plan.zero == 3:
-        w = 0.0 if plan.offload_params else 4.0 * params / shard
-        g = 4.0 * params / shard
-        o = 0.0 if plan.offload_optimizer else 8.0 * params / shard
-        gathered = (1 + p.fsdp_prefetch_layers) * layer_params * 2.0 + layer_params * 4.0
-        return w, g, o, gathered
-    w = 2.0 * params
-    g = (4.0 if plan.zero >= 1 else 2.0) * params / (shard if plan.zero >= 2 else 1)
-    o = 0.0 if plan.offload_optimizer else 12.0 * params / (shard if plan.zero >= 1 else 1)
-    buckets = 2 * p.dp_bucket_mib * 2**20 if plan.dp * plan.cp > 1 else 0.0
-    return w, g, o, buckets
+    """model_state_arrays for one plan."""
+    out = model_state_arrays(params, layer_params, plan.zero, plan.effective_shard, plan.offload_params,
+                             plan.offload_optimizer, plan.dp * plan.cp, p)
+    return tuple(float(x) for x in out)  # type: ignore[return-value]
