@@ -132,6 +132,70 @@ def _layer_params_local(model: ModelSpec, tp: np.ndarray, ep: np.ndarray) -> np.
     return model.layer_params() / tp + 0.0 * ep
 
 
+@dataclass(frozen=True)
+class _Comm:
+    """Per-row communication seconds of one block for one micro-batch (see estimate_batch)."""
+
+    tp_one: np.ndarray   # one TP all-reduce (= RS + AG with SP) of the block's activations
+    cp: np.ndarray       # CP K/V gathers and gradient scatter of one block
+    cp_exposed: np.ndarray  # of which not hidden under half of the block's compute
+    ep: np.ndarray       # EP all-to-alls of one block (0 for dense models)
+    lp: np.ndarray       # parameters of one block on one GPU before ZeRO sharding
+    ag: np.ndarray       # FSDP all-gather of one block's bf16 parameters
+    rs: np.ndarray       # FSDP reduce-scatter of one block's gradients
+    fsdp: np.ndarray     # FSDP shards over more than one rank
+    per_step: np.ndarray  # FSDP under a pipeline: gathered/reduced once per step
+    fwd_exposed: np.ndarray  # per-micro-batch FSDP time not hidden by the forward
+    bwd_exposed: np.ndarray  # ... nor by the backward (+ recompute)
+    send: np.ndarray     # one pipeline send of a micro-batch's activations
+
+
+def _comm(model: ModelSpec, cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: CostParams,
+          blk: _Block, tokens: np.ndarray, shard: np.ndarray) -> _Comm:
+    tp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "dp", "cp", "ep"))
+    zero, pp = cols["zero"], cols["pp"]
+    tp_one = Group.of(cluster, tp, 1).all_reduce(tokens * model.hidden_size * ACT_BYTES)
+    kv = tokens * 2 * model.kv_dim / tp * ACT_BYTES
+    cp_t = 3 * Group.of(cluster, cp, tp).all_gather(kv * cp)
+    ep_t = 4 * Group.of(cluster, ep, tp).all_to_all(tokens * model.experts_per_token * model.hidden_size * ACT_BYTES)
+    lp = _layer_params_local(model, tp, ep)
+    shard_g = Group.of(cluster, shard, tp)
+    ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(p.fsdp_reduce_bytes * lp)
+    fsdp = (zero == 3) & (shard > 1)
+    per_step = (zero == 3) & (pp > 1)
+    blocked = fsdp & ~per_step
+    act = tokens * model.hidden_size * ACT_BYTES / np.where(cols["p2p_sharded"], tp, 1)
+    return _Comm(tp_one=tp_one, cp=cp_t, cp_exposed=np.maximum(0.0, cp_t - 0.5 * (blk.f + blk.b)),
+                 ep=ep_t if model.is_moe else 0.0 * ep_t, lp=lp, ag=ag, rs=rs, fsdp=fsdp, per_step=per_step,
+                 fwd_exposed=np.where(blocked, np.maximum(0, ag - blk.f), 0),
+                 bwd_exposed=np.where(blocked, np.maximum(0, ag + rs - (blk.b + blk.rc)), 0),
+                 send=Group.of(cluster, 2, tp * cp * dp).send_recv(act))
+
+
+def _shard(cols: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Ranks ZeRO/FSDP state is sharded over (Plan.effective_shard, per row)."""
+    dp, cp = cols["dp"].astype(float), cols["cp"].astype(float)
+    sg = cols["shard_group"]
+    return np.where(cols["zero"] == 0, 1.0, np.where((sg > 0) & (sg < dp * cp), sg, dp * cp))
+
+
+def _stage_params(model: ModelSpec, layers: np.ndarray, valid: np.ndarray, first: np.ndarray,
+                  last: np.ndarray, tp: np.ndarray, lp: np.ndarray) -> np.ndarray:
+    """(rows, stages) parameters per GPU before sharding: blocks, embedding on the first stage,
+    final norm + output projection on the last (a tied copy included when pp > 1)."""
+    vh = model.vocab_size * model.hidden_size
+    return np.where(valid, layers * lp[:, None] + first * (model.embedding_params() / tp)[:, None]
+                    + last * ((model.norm_params() + vh) / tp)[:, None]
+                    - (first & last) * (model.tied_embeddings * vh / tp)[:, None], 0)
+
+
+def _offload(cols: Mapping[str, np.ndarray], plocal: np.ndarray, shard: np.ndarray, p: CostParams) -> np.ndarray:
+    """Parameter offload (FSDP CPU offload): each micro-batch copies the fp32 shard host->device
+    for the forward and again for the backward, over PCIe, not overlapped."""
+    offloaded = np.asarray(cols["offload_params"], dtype=bool)[:, None]
+    return np.where(offloaded, 8.0 * plocal / shard[:, None] / (p.pcie_gbps * 1e9), 0.0)
+
+
 def estimate_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload,
                    plans: Sequence[Plan] | Mapping[str, np.ndarray],
                    params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
@@ -171,8 +235,7 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     p, m_, gpu = params, model, cluster.gpu
     tp, pp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "pp", "dp", "cp", "ep"))
     zero, mb, v = cols["zero"], cols["micro_batch"].astype(float), cols["virtual_stages"].astype(float)
-    shard = np.where(zero == 0, 1.0, np.where((cols["shard_group"] > 0) & (cols["shard_group"] < dp * cp),
-                                               cols["shard_group"], dp * cp))
+    shard = _shard(cols)
     micro = work.global_batch // (cols["dp"] * cols["micro_batch"])
     tokens = mb * work.seq_len / cp
     blk = _blocks(model, cluster, work, cols, p)
@@ -190,33 +253,17 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     compute = layers * col(blk.f + blk.b) + first * col(blk.emb) + last * col(blk.out)
     recompute = rc_layers * col(blk.rc)
 
-    tp_one = Group.of(cluster, tp, 1).all_reduce(tokens * m_.hidden_size * ACT_BYTES)
-    tp_t = (layers - rc_layers) * col(4 * tp_one) + rc_layers * col(np.where(full_rc, 6, 4) * tp_one)
+    c = _comm(m_, cluster, cols, p, blk, tokens, shard)
+    tp_t = (layers - rc_layers) * col(4 * c.tp_one) + rc_layers * col(np.where(full_rc, 6, 4) * c.tp_one)
     tp_exp = tp_t * col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
-
-    kv = tokens * 2 * m_.kv_dim / tp * ACT_BYTES
-    cp_t = 3 * Group.of(cluster, cp, tp).all_gather(kv * cp)
-    cp_exp = layers * col(np.maximum(0.0, cp_t - 0.5 * (blk.f + blk.b)))
-    ep_t = 4 * Group.of(cluster, ep, tp).all_to_all(tokens * m_.experts_per_token * m_.hidden_size * ACT_BYTES)
-    ep_exp = layers * col(ep_t if m_.is_moe else 0.0 * ep_t)
-
-    lp = _layer_params_local(m_, tp, ep)
-    shard_g = Group.of(cluster, shard, tp)
-    ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(p.fsdp_reduce_bytes * lp)
-    fsdp = (zero == 3) & (shard > 1)
-    per_step = (zero == 3) & (pp > 1)  # torch pipelining: gather/reduce once per step
-    blk_exp = np.where(fsdp & ~per_step, np.maximum(0, ag - blk.f) + np.maximum(0, ag + rs - (blk.b + blk.rc)), 0)
+    cp_exp = layers * col(c.cp_exposed)
+    ep_exp = layers * col(c.ep)
+    lp, ag, rs, fsdp, per_step = c.lp, c.ag, c.rs, c.fsdp, c.per_step
+    blk_exp = c.fwd_exposed + c.bwd_exposed
     blk_ovl = np.where(fsdp & ~per_step, 2 * ag + rs - blk_exp, 0)
-    act = tokens * m_.hidden_size * ACT_BYTES / np.where(cols["p2p_sharded"], tp, 1)
-    p2p = np.where(pp > 1, 2 * v * Group.of(cluster, 2, tp * cp * dp).send_recv(act) * p.pp_p2p_exposed, 0)
-
-    plocal = np.where(valid, layers * col(lp) + first * col(m_.embedding_params() / tp)
-                      + last * col((m_.norm_params() + m_.vocab_size * m_.hidden_size) / tp)
-                      - (first & last) * col(m_.tied_embeddings * m_.vocab_size * m_.hidden_size / tp), 0)
-    # Parameter offload (FSDP CPU offload): each micro-batch copies the fp32 shard host->device
-    # for the forward and again for the backward, over PCIe, not overlapped.
-    offloaded = np.asarray(cols["offload_params"], dtype=bool)[:, None]
-    offload = np.where(offloaded, 8.0 * plocal / col(shard) / (p.pcie_gbps * 1e9), 0.0)
+    p2p = np.where(pp > 1, 2 * v * c.send * p.pp_p2p_exposed, 0)
+    plocal = _stage_params(m_, layers, valid, first, last, tp, lp)
+    offload = _offload(cols, plocal, shard, p)
     terms = {"compute": compute, "recompute": recompute, "tp_comm": tp_exp,
              "tp_comm_overlapped": tp_t - tp_exp, "cp_comm": cp_exp, "ep_comm": ep_exp,
              "dp_comm": layers * col(blk_exp), "dp_comm_overlapped": layers * col(blk_ovl),

@@ -15,7 +15,7 @@ import numpy as np
 
 from meshplan.cost import batch as _b
 from meshplan.cost.comm import Group
-from meshplan.cost.compute import ACT_BYTES, embedding_times, output_layer_times
+from meshplan.cost.compute import embedding_times, output_layer_times
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.schedule import in_flight_array
 from meshplan.spec.cluster import ClusterSpec
@@ -72,8 +72,7 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in _b.plans_to_columns([plan]).items()}
     tp, pp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "pp", "dp", "cp", "ep"))
     zero = cols["zero"]
-    shard = np.where(zero == 0, 1.0, np.where((cols["shard_group"] > 0) & (cols["shard_group"] < dp * cp),
-                                               cols["shard_group"], dp * cp))
+    shard = _b._shard(cols)
     micro = work.global_batch // (cols["dp"] * cols["micro_batch"])
     tokens = cols["micro_batch"].astype(float) * work.seq_len / cp
     blk = _b._blocks(model, cluster, work, cols, p)
@@ -101,41 +100,28 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
     recompute = rc_layers * col(blk.rc)
 
     async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
-    tp_one = Group.of(cluster, tp, 1).all_reduce(tokens * m_.hidden_size * ACT_BYTES)
-    tp_fwd = layers * col(2 * tp_one)
-    tp_bwd = (layers - rc_layers) * col(2 * tp_one) + rc_layers * col(np.where(full_rc, 4, 2) * tp_one)
-    kv = tokens * 2 * m_.kv_dim / tp * ACT_BYTES
-    cp_t = 3 * Group.of(cluster, cp, tp).all_gather(kv * cp)
-    cp_exp = np.maximum(0.0, cp_t - 0.5 * (blk.f + blk.b))
+    c = _b._comm(m_, cluster, cols, p, blk, tokens, shard)
+    tp_fwd = layers * col(2 * c.tp_one)
+    tp_bwd = (layers - rc_layers) * col(2 * c.tp_one) + rc_layers * col(np.where(full_rc, 4, 2) * c.tp_one)
+    cp_t, cp_exp, ep_t = c.cp, c.cp_exposed, c.ep
     share_f = blk.f / np.maximum(1e-30, blk.f + blk.b)
-    ep_t = 4 * Group.of(cluster, ep, tp).all_to_all(tokens * m_.experts_per_token * m_.hidden_size * ACT_BYTES)
-    ep_t = ep_t if m_.is_moe else 0.0 * ep_t
     tp_f_exp = tp_fwd * async_f + layers * col(cp_exp * share_f + ep_t / 2)
     tp_b_exp = tp_bwd * async_f + layers * col(cp_exp * (1 - share_f) + ep_t / 2)
     tp_f_ovl = tp_fwd * (1 - async_f) + layers * col((cp_t - cp_exp) * share_f)
     tp_b_ovl = tp_bwd * (1 - async_f) + layers * col((cp_t - cp_exp) * (1 - share_f))
 
-    lp = _b._layer_params_local(m_, tp, ep)
-    shard_g = Group.of(cluster, shard, tp)
-    ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(p.fsdp_reduce_bytes * lp)
-    fsdp = (zero == 3) & (shard > 1)
-    per_step = (zero == 3) & (pp > 1)
+    lp, ag, rs, fsdp, per_step = c.lp, c.ag, c.rs, c.fsdp, c.per_step
+    f_exp, b_exp = c.fwd_exposed, c.bwd_exposed
     blocked = fsdp & ~per_step
-    f_exp = np.where(blocked, np.maximum(0, ag - blk.f), 0)
-    b_exp = np.where(blocked, np.maximum(0, ag + rs - (blk.b + blk.rc)), 0)
     f_ovl = np.where(blocked, ag - f_exp, 0)
     b_ovl = np.where(blocked, ag + rs - b_exp, 0)
 
-    plocal = np.where(valid, layers * col(lp) + first * col(m_.embedding_params() / tp)
-                      + last * col((m_.norm_params() + m_.vocab_size * m_.hidden_size) / tp)
-                      - (first & last) * col(m_.tied_embeddings * m_.vocab_size * m_.hidden_size / tp), 0)
-    offloaded = np.asarray(cols["offload_params"], dtype=bool)[:, None]
-    offload = np.where(offloaded, 8.0 * plocal / col(shard) / (p.pcie_gbps * 1e9), 0.0)
+    plocal = _b._stage_params(m_, layers, valid, first, last, tp, lp)
+    offload = _b._offload(cols, plocal, shard, p)
     dp_f_exp = layers * col(f_exp) + offload / 2
     dp_b_exp = layers * col(b_exp) + offload / 2
 
-    act = tokens * m_.hidden_size * ACT_BYTES / np.where(cols["p2p_sharded"], tp, 1)
-    send = float(np.where(pp > 1, Group.of(cluster, 2, tp * cp * dp).send_recv(act), 0)[0])
+    send = float(np.where(pp > 1, c.send, 0)[0])
 
     staged = fsdp & per_step
     ag_s = np.where(staged[:, None], layers * col(ag), 0)
