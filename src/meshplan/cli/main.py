@@ -45,10 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--seq-len", type=positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
     es.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
-    from meshplan.cli import plan_cmd, simulate_cmd, train_cmd
+    from meshplan.cli import export_cmd, plan_cmd, report_cmd, simulate_cmd, train_cmd
     plan_cmd.add_parser(sub, positive_int)
     simulate_cmd.add_parser(sub)
     train_cmd.add_train_parser(sub)
+    report_cmd.add_parser(sub)
+    export_cmd.add_parser(sub)
 
     va = sub.add_parser("validate", help="compare the cost model with published measured runs")
     va.add_argument("--runs", help="CSV in the format of published_runs_dev.csv (default: the shipped dev set)")
@@ -129,8 +131,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from meshplan.cli.report_cmd import run
+    return run(args)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from meshplan.cli.export_cmd import run
+    return run(args)
+
+
 COMMANDS = {"presets": cmd_presets, "estimate": cmd_estimate, "validate": cmd_validate,
-            "plan": cmd_plan, "train": cmd_train, "simulate": cmd_simulate}
+            "plan": cmd_plan, "train": cmd_train, "simulate": cmd_simulate,
+            "report": cmd_report, "export": cmd_export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
