@@ -1,19 +1,110 @@
-"""`meshplan report`: one self-contained HTML page for a planning problem (issue 6). Stub."""
+"""`meshplan report`: one self-contained HTML page for a planning problem (issue 6).
+
+Takes the search options of `meshplan plan` (the same argparse actions, taken from
+plan_cmd.add_parser, less --json, --out and --plot) and writes the page to --out. Exit status
+0 when the page is written, also when no plan fits (the page then says what would make the
+problem feasible); 2 with a one-line error on bad input or an unwritable --out. Importing
+this module is cheap; the search, the simulator and the page are imported when it runs.
+"""
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import sys
+import time
+from typing import Any
 
 from meshplan.errors import MeshplanError
 
+NOT_FROM_PLAN = frozenset({"help", "json", "out", "plot"})
+"""`meshplan plan` options that make no sense here (--out is redefined: the HTML file)."""
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="write one self-contained HTML report of the best plans")
-    p.add_argument("--model", required=True)
-    p.add_argument("--cluster", required=True)
-    p.add_argument("--global-batch", type=int, required=True)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--out", required=True)
+
+def _search_actions() -> list[argparse.Action]:
+    """The argparse actions of `meshplan plan`'s search options (one definition for both)."""
+    from meshplan.cli import plan_cmd
+    from meshplan.cli.args import positive_int
+    holder = argparse.ArgumentParser(add_help=False)
+    subs = holder.add_subparsers()
+    plan_cmd.add_parser(subs, positive_int)
+    plan = subs.choices["plan"]
+    return [a for a in plan._actions if a.dest not in NOT_FROM_PLAN]
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """The `report` subcommand's arguments (called from meshplan.cli.main.build_parser)."""
+    p = sub.add_parser(
+        "report", help="write one self-contained HTML report of the best plans",
+        description="Search the plans like `meshplan plan`, simulate the winner's step, and write one "
+                    "self-contained HTML page (no network needed): the problem, the top plans, the Pareto "
+                    "front, time and memory breakdowns, the winner's timeline and the explanation. When no "
+                    "plan fits, the page says what would make the problem feasible.")
+    for action in _search_actions():
+        p._add_action(action)  # what ArgumentParser(parents=...) does, less the options above
+    p.add_argument("--out", required=True, help="the HTML file to write (e.g. report.html)")
+    return p
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this page (options at their defaults left out)."""
+    words = ["meshplan", "report"]
+    for a in _search_actions():
+        value = getattr(args, a.dest, None)
+        if not a.option_strings or value is None or (value == a.default and not a.required):
+            continue
+        if isinstance(a, argparse._StoreTrueAction):
+            words.append(a.option_strings[0])
+        else:
+            words += [a.option_strings[0], str(value)]
+    words += ["--out", args.out]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _check_out(path: str) -> None:
+    """Fail before the search if --out cannot be written."""
+    if not path:
+        raise MeshplanError("--out is empty", hint="give the HTML file to write, e.g. --out report.html")
+    if os.path.isdir(path):
+        raise MeshplanError(f"--out {path} is a directory", hint="give a file name, e.g. report.html")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise MeshplanError(f"cannot write --out {path}: directory {parent} does not exist",
+                            hint="create it first or write somewhere else")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise MeshplanError(f"cannot write --out {path}: permission denied", hint="write somewhere else")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise MeshplanError("meshplan report is not implemented yet")
+    from meshplan.cli.plan_cmd import Progress, _clusters, _space, _train, _train_tokens
+    from meshplan.report import build_report, write_html
+    from meshplan.spec.io import load_model
+    from meshplan.spec.plan import Workload
+    t0 = time.perf_counter()
+    _check_out(args.out)
+    model = load_model(args.model)
+    clusters = _clusters(args)
+    space = _space(args, clusters[0])
+    tokens = _train_tokens(args.train_tokens)
+    work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+    bar = Progress(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        report = build_report(model, clusters, work, space, objective=args.objective, top=args.top,
+                              progress=bar, command=_command(args))
+    finally:
+        if bar is not None:
+            bar.close()
+    result = report.result
+    if tokens is not None and result.plans:
+        report.train = [_train(result, tokens, p) for p in result.plans]
+    text = report.html()
+    write_html(args.out, text)
+    size = f"{len(text.encode()) / 1024:,.0f} KiB"
+    took = f"{time.perf_counter() - t0:.1f} s"
+    if result.best is not None:
+        b = result.best
+        print(f"wrote {args.out} ({size}, {took}): best plan {b.plan.short()} on {b.plan.num_gpus} GPUs, "
+              f"{b.report.step_time_s:.3f} s per step")
+    else:
+        print(f"wrote {args.out} ({size}, {took}): no plan fits; the page says what would make it feasible")
+    return 0

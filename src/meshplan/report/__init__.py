@@ -1,0 +1,104 @@
+"""`meshplan report`: one self-contained HTML page for a planning problem.
+
+    build_report(model, clusters, work, space) -> Report      (search + simulate the winner)
+    Report.html()                                              (the page, a pure function)
+    write_html(path, text)
+
+The page shows the problem, the top plans, the Pareto front (time, memory, dollars), time
+and memory breakdowns, the winner's simulated timeline (meshplan.sim) and the search's
+explanation; for an infeasible problem, what would make it feasible. Figures are inline SVG
+drawn here (report.svg, report.charts); numpy only: no torch, no matplotlib, no network.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.errors import MeshplanError
+from meshplan.search.bounds import usable_gib
+from meshplan.search.driver import search
+from meshplan.search.result import SearchResult
+from meshplan.search.space import SearchSpace
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Workload
+
+__all__ = ["MAX_SIM_PASSES", "Report", "build_report", "simulate_winner", "write_html"]
+
+
+@dataclass
+class Report:
+    """Everything the page shows."""
+
+    result: SearchResult
+    usable_gib: float
+    sim: Any = None
+    """meshplan.sim.SimResult of the winner, or None (no winner, or not simulated)."""
+    sim_summary: dict[str, Any] | None = None
+    sim_error: str | None = None
+    """Why the winner was not simulated (e.g. a schedule the simulator does not model)."""
+    train: list[dict[str, float] | None] | None = None
+    """Per top plan: days and dollars to train --train-tokens (None without it)."""
+    command: str | None = None
+
+    def html(self) -> str:
+        from meshplan.report.page import render
+        return render(self.result, usable_gib=self.usable_gib, sim=self.sim, sim_summary=self.sim_summary,
+                      sim_error=self.sim_error, train=self.train, command=self.command)
+
+
+MAX_SIM_PASSES = 25_000
+"""The winner's step is simulated when it has at most this many pipeline passes (forward and
+backward per micro-batch, virtual stage and rank: about a second of simulation); beyond,
+the page says how to simulate it with `meshplan simulate`."""
+
+
+def sim_passes(plan: Any, microbatches: int) -> int:
+    """Forward and backward passes of one step over all pipeline ranks and virtual stages."""
+    v = plan.virtual_stages if plan.schedule == "interleaved-1f1b" and plan.pp > 1 else 1
+    return plan.pp * v * microbatches * 2
+
+
+def simulate_winner(result: SearchResult, params: CostParams = DEFAULT_PARAMS, max_passes: int = MAX_SIM_PASSES
+                    ) -> tuple[Any, dict[str, Any] | None, str | None]:
+    """(SimResult, summary, None), or (None, None, why) when there is no winner, its step is
+    too long to simulate quickly, or the simulator cannot run its plan."""
+    from meshplan.sim import simulate_plan
+    best = result.best
+    if best is None:
+        return None, None, "no plan fits"
+    n = sim_passes(best.plan, best.report.microbatches)
+    if n > max_passes:
+        w = result.work
+        return None, None, (f"the winner runs {n:,} pipeline passes per step, over the report's limit of "
+                            f"{max_passes:,} that keeps it fast; simulate it with: meshplan simulate --model "
+                            f"{result.model.name} --cluster {best.cluster.name} --global-batch {w.global_batch} "
+                            f"--seq-len {w.seq_len} --plan {best.plan.short()} --trace trace.json")
+    try:
+        sim, summary = simulate_plan(result.model, best.cluster, best.plan, result.work, params)
+    except MeshplanError as e:
+        return None, None, str(e)
+    return sim, summary, None
+
+
+def build_report(model: ModelSpec, clusters: ClusterSpec | list[ClusterSpec], work: Workload,
+                 space: SearchSpace | None = None, *, objective: str = "time", top: int = 5,
+                 params: CostParams = DEFAULT_PARAMS, progress: Any = None, simulate: bool = True,
+                 command: str | None = None) -> Report:
+    """Search, then simulate the winner: the inputs of the page."""
+    clusters = [clusters] if isinstance(clusters, ClusterSpec) else list(clusters)
+    result = search(model, clusters, work, space, params=params, objective=objective, top=top, progress=progress)
+    sim, summary, err = simulate_winner(result, params) if simulate else (None, None, "simulation switched off")
+    ref = result.best.cluster if result.best is not None else clusters[-1]
+    return Report(result=result, usable_gib=usable_gib(ref, params), sim=sim, sim_summary=summary,
+                  sim_error=err, command=command)
+
+
+def write_html(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise MeshplanError(f"cannot write --out {path}: {e.strerror or e}",
+                            hint="give a path in an existing, writable directory") from None
