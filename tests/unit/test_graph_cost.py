@@ -269,7 +269,7 @@ def transformer_graph(name: str, s: int) -> LayerGraph:
                     bwd_flops=0.0, saved_bytes=0.0, output_bytes=2.0 * s * h, tp_style="megatron", tp_fraction=1.0,
                     tp_max=8, tp_allreduces=1, extra={"mem_bytes": 2.0 * s * h * 2})
     blocks = [LayerSpec(name=f"layers.{i}", block="block", params=m.layer_params(), fwd_flops=2.0 * s * lin + att,
-                        bwd_flops=4.0 * s * lin + 2.5 * att, saved_bytes=full1 * s, output_bytes=2.0 * s * h,
+                        bwd_flops=4.0 * s * lin + 2.0 * att, saved_bytes=full1 * s, output_bytes=2.0 * s * h,
                         tp_style="megatron", tp_fraction=lin / m.layer_params(), tp_max=tp_max, tp_allreduces=2,
                         extra=extra) for i in range(m.num_layers)]
     vh = V * h
@@ -308,4 +308,4 @@ def test_graph_matches_the_transformer_model_within_ten_percent(name, cluster, b
     assert got.step_time_s == pytest.approx(ref.step_time_s, rel=0.10)
     assert got.peak_memory_gib == pytest.approx(ref.peak_memory_gib, rel=0.10)
     assert got.params == ref.params
-    assert got.mfu == pytest.approx(ref.mfu, rel=0.15)  # graph FLOPs: full s x s attention, as counted
+    assert got.mfu == pytest.approx(ref.mfu, rel=0.10)

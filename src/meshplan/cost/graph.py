@@ -99,6 +99,7 @@ class GraphArrays:
     allreduces: np.ndarray
     gemm_dim: np.ndarray
     att: np.ndarray           # attention-core forward FLOPs (full s x s count)
+    att_bwd: np.ndarray       # attention-core backward FLOPs as counted in bwd
     causal: np.ndarray        # 1 causal, else 0
     head_dim: np.ndarray
     mem: np.ndarray           # forward memory-bound HBM bytes
@@ -140,7 +141,8 @@ def graph_arrays(graph: LayerGraph) -> GraphArrays:
         tp_saved_fraction=np.where(tp_able, arr(_tp_saved_fraction), 0.0),
         allreduces=np.where(tp_able, arr(lambda x: x.tp_allreduces), 0.0),
         gemm_dim=np.array([float(x.extra.get("gemm_dim", w)) for x, w in zip(layers, width)]),
-        att=att, causal=arr(lambda x: x.extra.get("attention_causal", 0.0)),
+        att=att, att_bwd=np.array([float(x.extra.get("attention_bwd_flops", 2.0 * a)) for x, a in zip(layers, att)]),
+        causal=arr(lambda x: x.extra.get("attention_causal", 0.0)),
         head_dim=arr(lambda x: x.extra.get("head_dim", DEFAULT_HEAD_DIM)),
         mem=np.array([float(x.extra.get("mem_bytes", MEM_BYTES_PER_SAVED_BYTE * x.saved_bytes)) for x in layers]),
         bwd_weight=np.minimum(bwd, arr(lambda x: x.extra.get(
@@ -203,7 +205,7 @@ def layer_costs(graph: LayerGraph, ga: GraphArrays, cluster: ClusterSpec, tp: in
     # GEMMs: shape factor with m = uses of each weight per micro-batch, n = k = the layer width
     # (the TP-split part: n / tp).
     gemm_f = np.maximum(0.0, ga.fwd - ga.att) * mb
-    gemm_b = np.maximum(0.0, ga.bwd - p.flash_bwd_flop_ratio * ga.att) * mb
+    gemm_b = np.maximum(0.0, ga.bwd - ga.att_bwd) * mb
     uses = np.where(ga.weights > 0, gemm_f / np.maximum(2.0 * ga.weights, 1.0), mb * graph.sample_tokens)
     uses = np.maximum(uses, 1.0)
     eff_rep = gemm_efficiency(uses, ga.gemm_dim, ga.gemm_dim, gpu, p)
@@ -213,7 +215,8 @@ def layer_costs(graph: LayerGraph, ga: GraphArrays, cluster: ClusterSpec, tp: in
     t_w = np.where(gemm_b > 0, t_gemm_b * np.minimum(1.0, ga.bwd_weight * mb / np.maximum(gemm_b, 1e-300)), 0.0)
 
     # Attention core (FlashAttention): masked half skipped when causal; per-GPU efficiency with
-    # the head-dimension and sequence factors of compute.attention_core.
+    # the head-dimension and sequence factors of compute.attention_core; the backward kernel's
+    # work (with its recomputation of QK^T) is flash_bwd_flop_ratio x the forward's.
     d0 = p.attn_headdim_half
     kv = float(graph.sample_tokens)
     base = gpu.attention_efficiency or gpu.gemm_efficiency * p.flash_fwd_efficiency

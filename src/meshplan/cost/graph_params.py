@@ -41,6 +41,8 @@ EXTRA_KEYS: dict[str, str] = {
                 "matrices (default sqrt(weights / PARAMS_PER_SQUARED_WIDTH))",
     "attention_flops": "forward FLOPs per sample of the attention core (QK^T, AV; counted over the "
                        "full s x s as FlopCounterMode counts sdpa), included in fwd_flops (default 0)",
+    "attention_bwd_flops": "backward FLOPs per sample of the attention core included in bwd_flops "
+                           "(default 2 x attention_flops: dQ, dK, dV, dP, the model-FLOPs convention)",
     "attention_causal": "1 when the attention is causal: FlashAttention skips the masked half of "
                         "attention_flops (default 0)",
     "head_dim": "attention head dimension (default DEFAULT_HEAD_DIM)",
