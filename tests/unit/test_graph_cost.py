@@ -309,3 +309,16 @@ def test_graph_matches_the_transformer_model_within_ten_percent(name, cluster, b
     assert got.peak_memory_gib == pytest.approx(ref.peak_memory_gib, rel=0.10)
     assert got.params == ref.params
     assert got.mfu == pytest.approx(ref.mfu, rel=0.10)
+
+
+@pytest.mark.parametrize("schedule, ranks, sends", [("interleaved-1f1b", [0, 1, 0, 1], 3), ("zbv", [0, 1, 1, 0], 2)])
+def test_virtual_stages_place_chunks_and_send_across_ranks_only(schedule, ranks, sends):
+    from meshplan.cost.graph import make_layout
+    lay = make_layout(4, 2, 2, schedule, None)
+    assert lay.rank.tolist() == ranks and lay.stage_layers == (1, 1, 1, 1)
+    out = 4e6
+    g = graph_of(*(linear_layer(f"l{i}", 10_000_000, out=out) for i in range(4)))
+    r = estimate_graph(g, hand_cluster(gpn=2), Plan(pp=2, virtual_stages=2, schedule=schedule, p2p_sharded=False),
+                       graph_workload(g, 4))
+    # Every rank pays one send per boundary it touches (zbv's turn stays on rank 1): 4 micro-batches.
+    assert r.time["pp_comm"] == pytest.approx(4 * sends * (out / 300e9 + 2e-6), rel=1e-9)

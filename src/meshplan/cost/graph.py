@@ -530,12 +530,11 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     opt = np.where(offo[:, None], host, hbm).max(axis=1)
     step = micro * tmax + bubble + dp_exp + opt + p.step_overhead_s
 
-    bcast = np.broadcast_to
-    terms = {"compute": bcast(s.compute, (n, pp)), "recompute": bcast(s.recompute, (n, pp)),
-             "tp_comm": bcast(s.tp_exp, (n, pp)), "tp_comm_overlapped": bcast(s.tp_t - s.tp_exp, (n, pp)),
-             "dp_comm": dp_layer, "dp_comm_overlapped": dp_layer_ovl, "pp_comm": bcast(s.p2p, (n, pp)),
-             "offload": offload}
-    out: dict[str, np.ndarray] = {f"time.{k}": micro * t[rows, crit] for k, t in terms.items()}
+    per_rank = {"compute": s.compute, "recompute": s.recompute, "tp_comm": s.tp_exp,
+                "tp_comm_overlapped": s.tp_t - s.tp_exp, "pp_comm": s.p2p}
+    out: dict[str, np.ndarray] = {f"time.{k}": micro * t[crit] for k, t in per_rank.items()}
+    out |= {f"time.{k}": micro * t[rows, crit] for k, t in
+            (("dp_comm", dp_layer), ("dp_comm_overlapped", dp_layer_ovl), ("offload", offload))}
     out["time.cp_comm"] = out["time.ep_comm"] = np.zeros(n)
     out["time.dp_comm"] = out["time.dp_comm"] + dp_exp
     out["time.dp_comm_overlapped"] = out["time.dp_comm_overlapped"] + dp_ovl
@@ -546,15 +545,17 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     stepped = per_step[:, None]  # pipelined FSDP keeps unsharded 16-bit params + fp32 grads
     w, g = w + stepped * 2 * plocal, g + stepped * 4 * plocal
     inflight = in_flight_array(pp, v, np.asarray(schedule), np.arange(pp), micro)
-    acts = bcast(s.kept * inflight, (n, pp))
+    acts = s.kept * inflight
     transient = s.transient[None, :] + buffers
     transient = transient + p.allocator_fragmentation * (acts + transient)
-    parts = {"weights": w, "grads": g, "optimizer": o, "activations": acts, "transient": transient,
-             "overhead": np.full((n, pp), p.framework_overhead_gib * GiB)}
-    total = sum(bcast(x, (n, pp)) for x in parts.values())
+    overhead = p.framework_overhead_gib * GiB
+    total = w + g + o + acts + transient + overhead
     worst = np.argmax(total, axis=1)
     peak = total[rows, worst] / GiB
-    out |= {f"memory.{k}": bcast(x, (n, pp))[rows, worst] / GiB for k, x in parts.items()}
+    out |= {f"memory.{k}": np.broadcast_to(x, (n, pp))[rows, worst] / GiB for k, x in
+            (("weights", w), ("grads", g), ("optimizer", o), ("transient", transient))}
+    out["memory.activations"] = acts[worst] / GiB
+    out["memory.overhead"] = np.full(n, overhead / GiB)
     out |= {"step_time_s": step, "peak_memory_gib": peak, "stage_memory_gib": total / GiB,
             "fits": peak <= cluster.gpu.memory_gib * (1 - p.memory_margin), "microbatches": np.full(n, micro)}
     return out

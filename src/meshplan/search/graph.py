@@ -42,6 +42,7 @@ from meshplan.cost.graph import (
     GraphArrays,
     LayerCosts,
     Layout,
+    StageSums,
     estimate_graph,
     finish,
     graph_arrays,
@@ -149,6 +150,7 @@ class _Pricer:
         self._lc: dict[tuple[int, int], LayerCosts] = {}
         self._split: dict[tuple, tuple[int, ...] | None] = {}
         self._layout: dict[tuple, Layout] = {}
+        self._sums: dict[tuple, StageSums] = {}
 
     def costs(self, tp: int, mb: int) -> LayerCosts:
         key = (tp, mb)
@@ -170,6 +172,17 @@ class _Pricer:
         if key not in self._split:
             self._split[key] = balanced_split(self.ga, self.layer_times(tp, mb, rc), pp, self.costs(tp, mb).loss_s)
         return self._split[key]
+
+    def sums(self, tp: int, pp: int, dp: int, mb: int, rc: str, v: int, sched: str,
+             split: tuple[int, ...] | None) -> StageSums:
+        """Stage sums of a candidate (shared by the schedules with the same layout)."""
+        key = (tp, dp, mb, rc, pp, v, sched == "zbv", split)
+        if key not in self._sums:
+            b = self.base
+            self._sums[key] = stage_sums(self.graph, self.cluster, self.costs(tp, mb), self.layout(pp, v, sched, split),
+                                         tp=tp, cp=1, dp=dp, recompute=rc, recompute_layers=None,
+                                         p2p_sharded=b.p2p_sharded, async_tp=b.async_tp, params=self.params)
+        return self._sums[key]
 
     def layout(self, pp: int, v: int, sched: str, split: tuple[int, ...] | None) -> Layout:
         key = (pp, v, sched == "zbv", split)
@@ -264,9 +277,7 @@ def _price(scan: _Scan, pricer: _Pricer, work: Workload, space: GraphSpace, chec
     if checked[key] >= 0:
         _record(scan, rows, [checked[key]] * len(rows), nan, nan)
         return
-    s = stage_sums(graph, cluster, pricer.costs(tp, mb), pricer.layout(pp, v, sched, split), tp=tp, cp=1, dp=dp,
-                   recompute=rc, recompute_layers=None, p2p_sharded=base.p2p_sharded, async_tp=base.async_tp,
-                   params=params)
+    s = pricer.sums(tp, pp, dp, mb, rc, v, sched, split)
     r = finish(cluster, work, s, tp=tp, dp=dp, cp=1, micro_batch=mb, schedule=sched, v=v, zero=zs.zero,
                shard=zs.shard, offload_params=zs.offload_params, offload_optimizer=zs.offload_optimizer,
                grad_sync=np.full(len(rows), base.grad_sync), params=params)
