@@ -2,42 +2,78 @@
 from __future__ import annotations
 
 from meshplan.cost.durations import StageDurations, stage_durations
+from meshplan.cost.memory import (
+    FUSED_LOGITS_BYTES_PER_ELEM,
+    LOGITS_BYTES_PER_ELEM,
+    VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
+    block_activation_bytes,
+    model_state_bytes,
+)
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.sim.engine import Pass, RankStep, SimSpec, VStage
+from meshplan.sim.schedules import chunks_per_rank, rank_chunk
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
 
-def spec_from_durations(d: StageDurations) -> SimSpec:
-    """Split each rank's per-micro-batch durations over its v chunks (the embedding stays on
-    chunk 0 of rank 0, the output layer and loss on the last chunk of the last rank)."""
+def spec_from_durations(d: StageDurations, output_static_bytes: float = 0.0) -> SimSpec:
+    """Split each rank's per-micro-batch durations over its chunks. The embedding stays on
+    the first virtual stage and the output layer + loss on the last one: rank 0 and rank
+    pp - 1 (the cost model's placement), except under ZBV, whose V puts the last stage on
+    rank 0: there the output layer's compute moves to rank 0, and so does its static memory,
+    ``output_static_bytes`` (which the cost model counts on rank pp - 1)."""
     pp = d.pp
-    v = d.virtual_stages if (d.schedule == "interleaved-1f1b" and pp > 1) else 1
+    sched = d.schedule if pp > 1 else "1f1b"
+    v = chunks_per_rank(sched, pp, d.virtual_stages)
+    nvs = pp * v
     stages = []
-    for s in range(pp * v):
-        r, c = s % pp, s // pp
-        holds_first, holds_last = (r == 0 and c == 0), (r == pp - 1 and c == v - 1)
-        x = 1.0 if (holds_first or holds_last) else 0.0
+    for s in range(nvs):
+        r, _ = rank_chunk(sched, pp, s)
 
-        def part(total: float, extra: float, x: float = x) -> float:
-            return (total - extra) / v + x * extra
+        def part(total: list[float], extra: list[float], r: int = r, s: int = s) -> float:
+            if pp == 1:
+                return total[0]
+            # the cost model's rank 0 holds the embedding, rank pp - 1 the output layer
+            return (total[r] - extra[r]) / v + (s == 0) * extra[0] + (s == nvs - 1) * extra[pp - 1]
 
-        fwd = Pass(part(d.fwd_s[r], d.fwd_extra_s[r]), d.tp_fwd_overlapped_s[r] / v, d.tp_fwd_exposed_s[r] / v,
+        fwd = Pass(part(d.fwd_s, d.fwd_extra_s), d.tp_fwd_overlapped_s[r] / v, d.tp_fwd_exposed_s[r] / v,
                    d.dp_fwd_overlapped_s[r] / v, d.dp_fwd_exposed_s[r] / v)
-        bwd = Pass(part(d.bwd_input_s[r], d.bwd_input_extra_s[r]) + d.recompute_s[r] / v,
+        bwd = Pass(part(d.bwd_input_s, d.bwd_input_extra_s) + d.recompute_s[r] / v,
                    d.tp_bwd_overlapped_s[r] / v, d.tp_bwd_exposed_s[r] / v,
                    d.dp_bwd_overlapped_s[r] / v, d.dp_bwd_exposed_s[r] / v)
-        wgt = Pass(part(d.bwd_weight_s[r], d.bwd_weight_extra_s[r]))
+        wgt = Pass(part(d.bwd_weight_s, d.bwd_weight_extra_s))
         stages.append(VStage(fwd, bwd, wgt, act_bytes=d.act_bytes_per_microbatch[r] / v))
+    static = list(d.static_bytes)
+    if sched == "zbv" and pp > 1:
+        static[0] += output_static_bytes
+        static[pp - 1] -= output_static_bytes
     ranks = [RankStep(d.staged_gather_s[r], d.staged_reduce_s[r], d.end_dp_exposed_s[r],
-                      d.end_dp_overlapped_s[r], d.optimizer_s[r], d.static_bytes[r]) for r in range(pp)]
-    return SimSpec(pp=pp, v=v, microbatches=d.microbatches, schedule=d.schedule if pp > 1 else "1f1b",
+                      d.end_dp_overlapped_s[r], d.optimizer_s[r], static[r]) for r in range(pp)]
+    return SimSpec(pp=pp, v=v, microbatches=d.microbatches, schedule=sched,
                    stages=stages, ranks=ranks, send_s=d.p2p_send_s, send_exposed=d.p2p_exposed,
                    overhead_s=d.overhead_s)
+
+
+def output_layer_static_bytes(model: ModelSpec, plan: Plan, work: Workload,
+                              params: CostParams = DEFAULT_PARAMS) -> float:
+    """Bytes the cost model's memory charges the stage holding the final norm + output
+    projection for them (pp > 1): their model states (a separate copy when embeddings are
+    tied) and the logits' transient beyond a block's, times (1 + fragmentation). The same
+    pieces as cost.batch._memory; a unit test checks the two agree."""
+    n = (model.norm_params() + model.vocab_size * model.hidden_size) / plan.tp
+    w, g, o, _ = model_state_bytes(n, 0.0, plan, params)
+    states = w + g + o + (6.0 * n if plan.zero == 3 and plan.pp > 1 else 0.0)  # pipelined FSDP's copies
+    tokens = plan.micro_batch * work.seq_len / plan.cp
+    _, block = block_activation_bytes(model, plan, work.seq_len, 1)
+    per = (FUSED_LOGITS_BYTES_PER_ELEM if plan.fused_loss else
+           VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM if plan.tp > 1 else LOGITS_BYTES_PER_ELEM)
+    logits = tokens * model.vocab_size / plan.tp * per
+    return states + (1 + params.allocator_fragmentation) * max(0.0, logits - block)
 
 
 def spec_from_plan(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
                    params: CostParams = DEFAULT_PARAMS) -> tuple[SimSpec, StageDurations]:
     d = stage_durations(model, cluster, plan, work, params)
-    return spec_from_durations(d), d
+    moved = output_layer_static_bytes(model, plan, work, params) if plan.schedule == "zbv" and plan.pp > 1 else 0.0
+    return spec_from_durations(d, moved), d

@@ -7,14 +7,16 @@ rank runs its passes in the schedule's order (sim.schedules); a pass starts when
 stream is free and its inputs have arrived:
 
 - F(i) on virtual stage s waits for F(i) on s-1 and its send; B(i) on s waits for F(i) on s
-  and for B(i) on s+1 and its send; W(i) waits for B(i).
+  and for B(i) on s+1 and its send; W(i) waits for B(i). Neighbouring stages on the same
+  rank (ZBV's turn of the V) hand over without a send.
 - A pass = compute; communication hidden under it starts with it on its stream; exposed
   communication follows the compute (the compute stream waits); then the send to the
   neighbouring stage (the sender blocks for ``p2p_exposed`` of it, the receiver for all).
 - Pipelined FSDP gathers a rank's parameters once, under its first forward, and
-  reduce-scatters once, under its last backward; data-parallel gradient sync follows the
-  rank's last pass (hidden under it as far as the cost model says it overlaps), then the
-  optimizer step. The step ends when the slowest rank is done, plus the fixed overhead.
+  reduce-scatters once, from the pass that completes its weight gradients (the last B, or
+  the last W when the schedule splits them); data-parallel gradient sync follows the rank's
+  last pass (hidden under it as far as the cost model says it overlaps), then the optimizer
+  step. The step ends when the slowest rank is done, plus the fixed overhead.
 
 Durations per pass come from the cost model (``cost.durations``); the simulator adds the
 timing structure: the schedule's real order, per-rank end of step, stream contention.
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshplan.errors import MeshplanError
-from meshplan.sim.schedules import Op, rank_orders
+from meshplan.sim.schedules import SPLIT_W, Op, rank_chunk, rank_orders, stage_of
 
 STREAMS = ("compute", "tp", "dp", "pp")
 
@@ -42,11 +44,11 @@ class Pass:
 
 @dataclass(frozen=True)
 class VStage:
-    """A virtual pipeline stage (chunk c of rank r is stage c * pp + r)."""
+    """A virtual pipeline stage, in model order (sim.schedules.stage_of places it on a rank)."""
 
     fwd: Pass
     bwd: Pass           # input gradients + recompute (+ weight gradients if not split)
-    wgt: Pass           # weight gradients (only run as W by zero-bubble)
+    wgt: Pass           # weight gradients (run as W by zero-bubble and ZBV)
     act_bytes: float = 0.0  # activation bytes one micro-batch leaves on the rank
 
 
@@ -68,7 +70,7 @@ class SimSpec:
     v: int
     microbatches: int
     schedule: str
-    stages: list[VStage]          # pp * v virtual stages
+    stages: list[VStage]          # pp * v virtual stages, in model order
     ranks: list[RankStep]         # pp ranks
     send_s: float = 0.0
     send_exposed: float = 1.0
@@ -111,8 +113,9 @@ class SimResult:
 def simulate(spec: SimSpec) -> SimResult:
     """Run the step; raises MeshplanError if the schedule deadlocks (a bug, not a user error)."""
     pp, v, m = spec.pp, spec.v, spec.microbatches
-    split_w = spec.schedule == "zero-bubble" and pp > 1
-    orders = rank_orders(spec.schedule, pp, m, v)
+    sched = spec.schedule
+    split_w = sched in SPLIT_W and pp > 1  # B = input gradients, W = weight gradients (in the order)
+    orders = rank_orders(sched, pp, m, v)
     nvs = pp * v
     free = [dict.fromkeys(STREAMS, 0.0) for _ in range(pp)]
     ready: dict[tuple[str, int, int], float] = {}   # (kind, mb, vstage) -> inputs available downstream
@@ -121,7 +124,9 @@ def simulate(spec: SimSpec) -> SimResult:
     wait = [0.0] * pp
     events: list[Event] = []
     mem_deltas: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
-    last_b = [max((k for k, op in enumerate(o) if op[0] == "B"), default=-1) for o in orders]
+    # Passes that complete weight gradients, per rank: the reduce-scatter follows the last one.
+    wg_kind = "W" if split_w else "B"
+    wg_left = [sum(op[0] == "B" for op in o) for o in orders]
 
     def put(r: int, stream: str, name: str, start: float, dur: float, **args: object) -> float:
         if dur <= 0:  # nothing to send: no wait for the stream
@@ -154,11 +159,10 @@ def simulate(spec: SimSpec) -> SimResult:
     # Pipelined FSDP: each rank gathers its stage's parameters once, from the start of the step
     # (layer by layer, overlapping its first forward; ranks downstream gather while they wait).
     gathered = [put(r, "dp", "fsdp all-gather", 0.0, spec.ranks[r].staged_gather_s) for r in range(pp)]
-    pending: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # zero-bubble: W passes to run
 
     def run(r: int, op: Op, ts: list[float]) -> None:
         kind, i, c = op
-        s = c * pp + r
+        s = stage_of(sched, pp, r, c)
         st = spec.stages[s]
         ps = {"F": st.fwd, "B": st.bwd, "W": st.wgt}[kind]
         if kind == "B" and not split_w:
@@ -174,15 +178,18 @@ def simulate(spec: SimSpec) -> SimResult:
         put(r, "dp", name + " dp", t0, ps.dp_overlapped)
         if kind != "W" and idx[r] == 0:  # the forward cannot finish before its last layer's parameters
             hold = max(hold, gathered[r])
-        if kind != "W" and idx[r] == last_b[r] and spec.ranks[r].staged_reduce_s > 0:  # async
-            put(r, "dp", "fsdp reduce-scatter", t0, spec.ranks[r].staged_reduce_s)
+        if kind == wg_kind:
+            wg_left[r] -= 1
+            if wg_left[r] == 0 and spec.ranks[r].staged_reduce_s > 0:  # async, from the last gradients
+                put(r, "dp", "fsdp reduce-scatter", t0, spec.ranks[r].staged_reduce_s)
         if ps.compute > 0:
-            events.append(Event(r, "compute", name, t0, end, {"mb": i, "chunk": c, "pass": kind}))
+            events.append(Event(r, "compute", name, t0, end, {"mb": i, "chunk": c, "stage": s, "pass": kind}))
         hold = put(r, "tp", name + " tp exposed", hold, ps.tp_exposed)
         hold = put(r, "dp", name + " dp exposed", hold, ps.dp_exposed)
-        downstream = (kind == "F" and s < nvs - 1) or (kind == "B" and s > 0)
+        nxt = s + 1 if kind == "F" else s - 1
+        downstream = kind != "W" and 0 <= nxt < nvs
         arrive = hold
-        if downstream and spec.send_s > 0:
+        if downstream and spec.send_s > 0 and rank_chunk(sched, pp, nxt)[0] != r:  # same rank: no send
             arrive = put(r, "pp", f"send {name}", hold, spec.send_s)
             hold = max(hold, arrive - spec.send_s * (1 - spec.send_exposed))
         free[r]["compute"] = hold
@@ -191,54 +198,24 @@ def simulate(spec: SimSpec) -> SimResult:
             ready[(kind + "s", i, s)] = arrive
         if kind == "F":
             mem_deltas[r].append((t0, st.act_bytes))
-        elif (kind == "B" and not split_w) or kind == "W":  # zero-bubble: W still needs the inputs
+        elif (kind == "B" and not split_w) or kind == "W":  # split: W still needs the inputs
             mem_deltas[r].append((end, -st.act_bytes))
-        if kind == "B" and split_w:
-            pending[r].append((i, c))
-        if kind != "W":
-            idx[r] += 1
+        idx[r] += 1
 
-    if not split_w:
-        progress = True
-        while progress:
-            progress = False
-            for r in range(pp):
-                while idx[r] < len(orders[r]):
-                    op = orders[r][idx[r]]
-                    ts = deps(op, op[2] * pp + r)
-                    if ts is None:
-                        break
-                    run(r, op, ts)
-                    progress = True
-    else:
-        # Zero bubble (ZB-H1): F and B in 1F1B order; a pending weight-gradient pass W fills
-        # the compute stream whenever the next F/B's inputs have not arrived yet. Ranks are
-        # advanced earliest-start first.
-        while True:
-            best: tuple[float, int, Op, list[float]] | None = None
-            for r in range(pp):
-                fr = free[r]["compute"]
-                cand = None
-                if idx[r] < len(orders[r]):
-                    op = orders[r][idx[r]]
-                    ts = deps(op, op[2] * pp + r)
-                    capped = op[0] == "F" and len(pending[r]) >= pp  # bound the weight-gradient backlog
-                    if ts is not None and not capped and (not pending[r] or max(ts, default=0.0) <= fr):
-                        cand = (max([fr, *ts]), r, op, ts)
-                if cand is None and pending[r]:
-                    i, c = pending[r][0]
-                    cand = (fr, r, ("W", i, c), [])
-                if cand is not None and (best is None or cand[0] < best[0]):
-                    best = cand
-            if best is None:
-                break
-            _, r, op, ts = best
-            if op[0] == "W":
-                pending[r].pop(0)
-            run(r, op, ts)
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            while idx[r] < len(orders[r]):
+                op = orders[r][idx[r]]
+                ts = deps(op, stage_of(sched, pp, r, op[2]))
+                if ts is None:
+                    break
+                run(r, op, ts)
+                progress = True
     if any(idx[r] < len(orders[r]) for r in range(pp)):
         stuck = {r: orders[r][idx[r]] for r in range(pp) if idx[r] < len(orders[r])}
-        raise MeshplanError(f"simulation deadlocked (schedule {spec.schedule}, pp={pp}, v={v}, m={m}): {stuck}")
+        raise MeshplanError(f"simulation deadlocked (schedule {sched}, pp={pp}, v={v}, m={m}): {stuck}")
 
     pipe_end = max(free[r]["compute"] for r in range(pp))
     ends = []
@@ -255,9 +232,12 @@ def simulate(spec: SimSpec) -> SimResult:
     memory = []
     for r in range(pp):
         level, series = spec.ranks[r].static_bytes, [(0.0, spec.ranks[r].static_bytes)]
-        for t, d in sorted(mem_deltas[r]):
+        for t, d in sorted(mem_deltas[r]):  # frees before allocations at the same instant
             level += d
-            series.append((t, level))
+            if len(series) > 1 and series[-1][0] == t:  # one level per instant (no zero-width dips)
+                series[-1] = (t, level)
+            else:
+                series.append((t, level))
         series.append((step, level))
         memory.append(series)
     return SimResult(step_time_s=step, events=events, memory=memory, pp=pp, wait_s=wait)

@@ -46,11 +46,15 @@ _COLORS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", "optimizer": "#b279a2
 
 
 def write_plot(res: SimResult, path: str | Path, title: str = "") -> None:
-    """Gantt chart: one row group per pipeline rank (its four streams), memory underneath."""
+    """Gantt chart: one row group per pipeline rank (its four streams), memory underneath.
+    Passes of a rank's second (fourth, ...) model chunk are drawn lighter, so the interleaved
+    and V-shaped (ZBV) placements show."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.colors import to_rgb
+        from matplotlib.patches import Patch
     except ImportError:
         raise MeshplanError("--plot needs matplotlib", hint="pip install matplotlib") from None
     fig, (ax, axm) = plt.subplots(2, 1, figsize=(14, 2 + 1.1 * res.pp + 2.5), sharex=True,
@@ -58,13 +62,24 @@ def write_plot(res: SimResult, path: str | Path, title: str = "") -> None:
     n = len(STREAMS)
     for e in res.events:
         y = e.rank * (n + 1) + TIDS[e.stream]
-        color = _COLORS.get(e.name[0] if e.stream == "compute" and e.name[0] in "FBW" else
-                            ("optimizer" if e.stream == "compute" else e.stream), "#888")
-        ax.broken_barh([(e.start, e.end - e.start)], (y - 0.4, 0.8), facecolors=color, linewidth=0)
+        color = to_rgb(_COLORS.get(e.name[0] if e.stream == "compute" and e.name[0] in "FBW" else
+                                   ("optimizer" if e.stream == "compute" else e.stream), "#888"))
+        if e.args.get("chunk", 0) % 2:
+            color = tuple(0.55 * x + 0.45 for x in color)
+        ax.broken_barh([(e.start, e.end - e.start)], (y - 0.4, 0.8), facecolors=[color], linewidth=0)
+    labels = {"F": "forward", "B": "backward (input grads)" if any(e.name[0] == "W" for e in res.events)
+              else "backward", "W": "weight grads", "optimizer": "optimizer", "tp": "TP/CP/EP comm",
+              "dp": "DP/FSDP comm", "pp": "pipeline send"}
+    used = {k for k in labels if any((e.stream == "compute" and e.name.startswith(k)) or
+                                     (e.stream == k) for e in res.events)}
+    handles = [Patch(color=_COLORS[k], label=labels[k]) for k in labels if k in used]
+    if any(e.args.get("chunk", 0) % 2 for e in res.events):
+        handles.append(Patch(color="#bbbbbb", label="lighter: the rank's 2nd (4th, ...) chunk"))
+    fig.legend(handles=handles, fontsize=7, ncol=len(handles), loc="lower center", frameon=False)
     ticks = [r * (n + 1) + TIDS[s] for r in range(res.pp) for s in STREAMS]
     ax.set_yticks(ticks, [f"r{r} {s}" for r in range(res.pp) for s in STREAMS], fontsize=7)
     ax.invert_yaxis()
-    ax.set_title(title or f"simulated step: {res.step_time_s:.3f} s")
+    ax.set_title(title or f"simulated step: {res.step_time_s:.3f} s", loc="left", fontsize=9)
     for r, series in enumerate(res.memory):
         ts, bs = zip(*series)
         axm.step(ts, [b / 2**30 for b in bs], where="post", label=f"rank {r}")
@@ -72,7 +87,7 @@ def write_plot(res: SimResult, path: str | Path, title: str = "") -> None:
     axm.set_xlabel("seconds")
     if res.pp <= 16:
         axm.legend(fontsize=6, ncol=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     try:
         fig.savefig(path, dpi=110)
     except OSError as e:
