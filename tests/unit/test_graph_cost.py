@@ -322,3 +322,15 @@ def test_virtual_stages_place_chunks_and_send_across_ranks_only(schedule, ranks,
                        graph_workload(g, 4))
     # Every rank pays one send per boundary it touches (zbv's turn stays on rank 1): 4 micro-batches.
     assert r.time["pp_comm"] == pytest.approx(4 * sends * (out / 300e9 + 2e-6), rel=1e-9)
+
+
+def test_zbv_runs_the_last_layer_and_the_loss_on_rank_0():
+    g = graph_of(*(linear_layer(f"l{i}", 10_000_000, out=4e6 if i < 3 else 4e9) for i in range(4)))
+    c = hand_cluster(gpn=2)
+    w = graph_workload(g, 4)
+    zbv = estimate_graph(g, c, Plan(pp=2, virtual_stages=2, schedule="zbv"), w)
+    inter = estimate_graph(g, c, Plan(pp=2, virtual_stages=2, schedule="interleaved-1f1b"), w)
+    # The 4e9-byte output's logits (14 B per element at the loss) sit with the last layer: rank 0
+    # under the V, rank 1 interleaved.
+    assert zbv.memory_per_stage[0] > zbv.memory_per_stage[1]
+    assert inter.memory_per_stage[1] > inter.memory_per_stage[0]

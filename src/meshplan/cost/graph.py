@@ -418,12 +418,12 @@ class StageSums:
 
     pp: int
     onehot: np.ndarray       # (L, pp) layer -> rank
-    compute: np.ndarray      # (pp,) forward + backward seconds (+ loss on the last rank)
+    compute: np.ndarray      # (pp,) forward + backward seconds (+ the loss on the last layer's rank)
     recompute: np.ndarray
     tp_t: np.ndarray         # TP all-reduce seconds
     tp_exp: np.ndarray       # of which exposed
     p2p: np.ndarray          # pipeline sends
-    plocal: np.ndarray       # parameters per GPU before ZeRO sharding (tied copy on the last)
+    plocal: np.ndarray       # parameters per GPU before ZeRO sharding (tied copy with the last layer)
     lp_max: np.ndarray       # largest layer's parameters (FSDP's gathered copies)
     kept: np.ndarray         # activation bytes kept per micro-batch
     transient: np.ndarray    # bytes of the layer being recomputed / the logits at the loss
@@ -451,7 +451,8 @@ def stage_sums(graph: LayerGraph, cluster: ClusterSpec, lc: LayerCosts, lay: Lay
     rc = np.where(rc_mask, lc.rc, 0.0)
     fb = lc.f + lc.b
     compute = fb @ onehot
-    compute[-1] += lc.loss_s
+    last = int(rank[-1])  # the rank of the last layer (rank 0 under zbv's V)
+    compute[last] += lc.loss_s
     tp_t = np.where(rc_mask, lc.tp3, lc.tp2) @ onehot
     p2p = np.zeros(pp)
     if pp > 1:  # each chunk boundary: the activation forward (sender), its gradient backward (receiver)
@@ -462,12 +463,12 @@ def stage_sums(graph: LayerGraph, cluster: ClusterSpec, lc: LayerCosts, lay: Lay
         p2p = np.bincount(src, weights=t, minlength=pp) + np.bincount(dst, weights=t, minlength=pp)
     plocal = lc.lp @ onehot
     if pp > 1 and lc.tied_local:
-        plocal[-1] += lc.tied_local
+        plocal[last] += lc.tied_local
     lp_max = np.zeros(pp)
     np.maximum.at(lp_max, rank, lc.lp)
     transient = np.zeros(pp)
     np.maximum.at(transient, rank, np.where(rc_mask, lc.saved, 0.0))
-    transient[-1] = max(transient[-1], lc.logits_bytes)
+    transient[last] = max(transient[last], lc.logits_bytes)
     rc_flops = float(sum(x.fwd_flops for x, m in zip(graph.layers, rc_mask) if m))
     return StageSums(
         pp=pp, onehot=onehot, compute=compute, recompute=rc @ onehot, tp_t=tp_t,
