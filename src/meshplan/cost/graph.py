@@ -432,7 +432,7 @@ class StageSums:
     lp: np.ndarray           # (L,) parameters per GPU
     first_lp: float          # parameters of the first layer the step runs (ZeRO-3's exposed gather)
     w_frac: float            # weight-gradient share of a micro-batch's compute (zero-bubble)
-    tied_local: float
+    tied_local: float        # tied parameters copied onto the last layer's rank (0 when that is rank 0)
     recompute_flops: float   # forward FLOPs per sample recomputed
 
 
@@ -462,8 +462,8 @@ def stage_sums(graph: LayerGraph, cluster: ClusterSpec, lc: LayerCosts, lay: Lay
         t = Group.of(cluster, 2, tp * cp * dp).send_recv(size) * p.pp_p2p_exposed * moved
         p2p = np.bincount(src, weights=t, minlength=pp) + np.bincount(dst, weights=t, minlength=pp)
     plocal = lc.lp @ onehot
-    if pp > 1 and lc.tied_local:
-        plocal[last] += lc.tied_local
+    tied = lc.tied_local if last != 0 else 0.0  # a copy (and its all-reduce) only off the first rank
+    plocal[last] += tied
     lp_max = np.zeros(pp)
     np.maximum.at(lp_max, rank, lc.lp)
     transient = np.zeros(pp)
@@ -475,7 +475,7 @@ def stage_sums(graph: LayerGraph, cluster: ClusterSpec, lc: LayerCosts, lay: Lay
         tp_exp=tp_t * (p.tp_exposed_async if async_tp else 1.0), p2p=p2p, plocal=plocal, lp_max=lp_max,
         kept=np.where(rc_mask, lc.inp, lc.saved) @ onehot, transient=transient, f=lc.f, b_rc=lc.b + rc, lp=lc.lp,
         first_lp=float(lc.lp[rank == 0][0]), w_frac=float(lc.bw.sum() / max(1e-30, float(fb.sum() + rc.sum()))),
-        tied_local=lc.tied_local, recompute_flops=rc_flops)
+        tied_local=tied, recompute_flops=rc_flops)
 
 
 def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: int, cp: int, micro_batch: int,
@@ -516,7 +516,7 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     cols = {"zero": zero, "pp": np.full(n, pp), "grad_sync": np.asarray(grad_sync)}
     dp_exp, dp_ovl = _b._dp_end_of_step(cluster, cols, p, tp * full, dp * full, cp * full, shard,
                                         s.first_lp * full, s.plocal.max() * full, s.compute[0] / 2 * full)
-    if pp > 1 and s.tied_local:
+    if s.tied_local:
         dp_exp = dp_exp + Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * s.tied_local)
     staged = fsdp & per_step
     if staged.any():
