@@ -1,0 +1,241 @@
+"""Hugging Face models from a config.json, with random weights, never downloading anything.
+
+The model class comes from the config's ``architectures`` (when transformers knows it), else from
+the model type through the auto mappings, tried in this order: causal LM, seq2seq LM, masked LM,
+image classification, sequence classification. The class fixes the task and so the synthetic
+batch and the loss (see docs/ingest.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshplan.errors import MeshplanError
+from meshplan.ingest.batch import Batch, class_logits, token_ce
+from meshplan.ingest.source import Source, read_hf_config
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TASK_MAPPINGS = (  # (auto mapping, task) in the order tried when the architecture is not given/known
+    ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal-lm"),
+    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "seq2seq-lm"),
+    ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked-lm"),
+    ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "classification"),
+    ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "classification"),
+)
+DEFAULT_SEQ_LEN = 2048
+"""Sequence length when neither the caller nor the config gives one."""
+MAX_DEFAULT_SEQ_LEN = 8192
+"""The config's maximum positions is the default sequence length, capped at this."""
+SEQ2SEQ_DEFAULT_SEQ_LEN = 512
+"""Encoder-decoders without learned positions (T5): the pre-training length."""
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise MeshplanError("hf: sources need the transformers package",
+                            hint="pip install 'meshplan[ingest]' (or pip install transformers)") from None
+    return transformers
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' warnings (config sanity checks, deprecations) while building."""
+    tf = _transformers()
+    old = tf.logging.get_verbosity()
+    tf.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        tf.logging.set_verbosity(old)
+
+
+@contextlib.contextmanager
+def meta_patches() -> Iterator[None]:
+    """transformers code that reads tensor values on the way, made shape-only for the trace.
+
+    ``masking_utils.find_packed_sequence_indices`` checks whether the position ids describe several
+    sequences packed in one row (``.all()`` on a tensor): a synthetic batch never is, so it returns
+    None (what it returns for an unpacked batch) while tracing."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - old transformers
+        yield
+        return
+    old = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if old is not None:
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        if old is not None:
+            masking_utils.find_packed_sequence_indices = old
+
+
+def load_config(src: Source) -> Any:
+    """The transformers config object of an hf: source."""
+    assert src.path is not None
+    data = read_hf_config(src.path)
+    tf = _transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    mt = data["model_type"]
+    if mt not in CONFIG_MAPPING:
+        raise MeshplanError(f"{str(src.path)!r}: model_type {mt!r} is not known to transformers {tf.__version__}",
+                            hint="upgrade transformers or use a module: source")
+    kw = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
+    try:
+        with quiet_transformers():
+            return CONFIG_MAPPING[mt].from_dict(kw)
+    except Exception as e:  # noqa: BLE001 - any config error becomes one line
+        raise MeshplanError(f"{str(src.path)!r}: transformers rejects the config: {_one_line(e)}",
+                            hint="fix the field it names") from None
+
+
+def pick_class(config: Any, path: str) -> tuple[type, str]:
+    """(model class, task) for a config."""
+    tf = _transformers()
+    import transformers.models.auto.modeling_auto as ma
+
+    task_of = {}
+    for mapping, task in TASK_MAPPINGS:
+        for cls_name in getattr(ma, mapping, {}).values():
+            for name in (cls_name if isinstance(cls_name, (tuple, list)) else (cls_name,)):
+                task_of.setdefault(name, task)
+    for arch in getattr(config, "architectures", None) or ():
+        cls = getattr(tf, arch, None) if isinstance(arch, str) else None
+        if cls is not None and arch in task_of:
+            return cls, task_of[arch]
+    mt = config.model_type
+    for mapping, task in TASK_MAPPINGS:
+        name = getattr(ma, mapping, {}).get(mt)
+        if isinstance(name, (tuple, list)):
+            name = name[0]
+        cls = getattr(tf, name, None) if name else None
+        if cls is not None:
+            return cls, task
+    raise MeshplanError(f"{path!r}: no trainable head class for model_type {mt!r} "
+                        "(causal LM, seq2seq LM, masked LM or classification)",
+                        hint='set "architectures" to a transformers class name, or use a module: source')
+
+
+def default_seq_len(config: Any, task: str) -> int:
+    for key in _POSITION_KEYS:
+        v = getattr(config, key, None)
+        if isinstance(v, int) and v > 0:
+            return min(v, MAX_DEFAULT_SEQ_LEN)
+    return SEQ2SEQ_DEFAULT_SEQ_LEN if task == "seq2seq-lm" else DEFAULT_SEQ_LEN
+
+
+def _attn_impl(cls: type) -> str:
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def build_module(config: Any, cls: type, dtype: torch.dtype, device: str) -> nn.Module:
+    """The model with random weights (the class's own init) on ``device``."""
+    with quiet_transformers(), torch.device(device):
+        try:
+            model = cls._from_config(config, attn_implementation=_attn_impl(cls), dtype=dtype)
+        except (ValueError, ImportError, TypeError):
+            model = cls._from_config(config, dtype=dtype)
+    model.train()
+    return model
+
+
+def vocab_size(config: Any) -> int:
+    v = getattr(config, "vocab_size", None)
+    if not isinstance(v, int) or v < 1:
+        raise MeshplanError(f"config of model_type {config.model_type!r} has no vocab_size",
+                            hint='add "vocab_size" to the config')
+    return v
+
+
+def make_batch_fn(config: Any, task: str, cls: type, seq_len: int, device: str, dtype: torch.dtype):
+    """batch_size -> Batch of synthetic inputs and labels for the task (deterministic, seed 0)."""
+    image = "pixel_values" in _forward_params(cls)
+
+    def make(batch_size: int, seed: int = 0) -> Batch:
+        g = torch.Generator().manual_seed(seed)
+        kw: dict[str, Any] = {}
+        if image:
+            c = int(getattr(config, "num_channels", 3))
+            size = getattr(config, "image_size", 224)
+            hw = tuple(size) if isinstance(size, (list, tuple)) else (int(size), int(size))
+            kw["pixel_values"] = torch.randn(batch_size, c, *hw, generator=g).to(device=device, dtype=dtype)
+            labels = torch.randint(0, int(getattr(config, "num_labels", 2)), (batch_size,), generator=g)
+        else:
+            ids = torch.randint(0, vocab_size(config), (batch_size, seq_len), generator=g)
+            kw["input_ids"] = ids.to(device)
+            if task == "seq2seq-lm":
+                labels = torch.randint(0, vocab_size(config), (batch_size, seq_len), generator=g)
+                start = getattr(config, "decoder_start_token_id", None) or 0
+                dec = torch.cat([torch.full((batch_size, 1), int(start)), labels[:, :-1]], dim=1)
+                kw["decoder_input_ids"] = dec.to(device)
+            elif task == "classification":
+                labels = torch.randint(0, int(getattr(config, "num_labels", 2)), (batch_size,), generator=g)
+            else:
+                labels = ids
+        if "use_cache" in _forward_params(cls):
+            kw["use_cache"] = False
+        return Batch(kwargs=kw, targets=labels.to(device))
+
+    return make
+
+
+def loss_for(task: str):
+    """(outputs, batch) -> scalar loss in float32, from the logits (the model is given no labels)."""
+    if task == "causal-lm":
+        def loss(outputs: Any, batch: Batch) -> torch.Tensor:
+            logits = class_logits(outputs)
+            return token_ce(logits[:, :-1], batch.targets[:, 1:])
+    elif task in ("seq2seq-lm", "masked-lm"):
+        def loss(outputs: Any, batch: Batch) -> torch.Tensor:
+            return token_ce(class_logits(outputs), batch.targets)
+    else:
+        def loss(outputs: Any, batch: Batch) -> torch.Tensor:
+            return F.cross_entropy(class_logits(outputs).float(), batch.targets)
+    return loss
+
+
+def sample_tokens(config: Any, task: str, cls: type, seq_len: int) -> int:
+    if "pixel_values" in _forward_params(cls):
+        size, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
+        if isinstance(size, int) and isinstance(patch, int) and patch > 0:
+            return (size // patch) ** 2 + 1  # patches + the class token (ViT)
+        return 1
+    return 2 * seq_len if task == "seq2seq-lm" else seq_len
+
+
+def head_counts(config: Any) -> tuple[int | None, int | None]:
+    """(attention heads, key/value heads) from the config, None when not given."""
+    heads = next((getattr(config, k) for k in ("num_attention_heads", "n_head", "num_heads", "n_heads")
+                  if isinstance(getattr(config, k, None), int)), None)
+    kv = next((getattr(config, k) for k in ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+               if isinstance(getattr(config, k, None), int)), None)
+    if kv is None and getattr(config, "multi_query", False):
+        kv = 1
+    return heads, kv or heads
+
+
+def _forward_params(cls: type) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -1,0 +1,166 @@
+"""ingest(source) -> LayerGraph: build on the meta device, trace one step, assemble the layers."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from meshplan.errors import MeshplanError
+from meshplan.ingest import layers as _layers
+from meshplan.ingest import moe, tp
+from meshplan.ingest.builder import Built, build
+from meshplan.ingest.source import parse_source
+from meshplan.ingest.trace import LayerRec, Tracer, frontier, run
+from meshplan.spec.graph import LayerGraph, LayerSpec
+
+
+def ingest(source: str, *, seq_len: int | None = None, dtype: str = "float32", batch_size: int = 1) -> LayerGraph:
+    """Measure ``source`` (``hf:config.json`` or ``module:pkg.mod:factory``) layer by layer.
+
+    Builds the model on the meta device (no memory, no weights), runs forward, loss and backward
+    of a synthetic batch of ``batch_size`` samples there and returns per-sample costs per layer.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise MeshplanError(f"batch_size must be a positive integer, got {batch_size!r}")
+    src = parse_source(source)
+    t0 = time.perf_counter()
+    built = build(src, device="meta", seq_len=seq_len, dtype=dtype)
+    return measure(built, batch_size=batch_size, started=t0)
+
+
+def _leaf_sig(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"T{tuple(x.shape)}{x.dtype}"
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return repr(x)
+    return type(x).__name__
+
+
+def measure(built: Built, *, batch_size: int = 1, started: float | None = None) -> LayerGraph:
+    """The LayerGraph of an already built (meta) model."""
+    t0 = started if started is not None else time.perf_counter()
+    model = built.module
+    units = _layers.find_units(model)
+    sigs = {id(u): _layers.signature(u.module) for u in units}
+    tp_info: dict[str, tp.TPInfo] = {}
+    regions: dict[int, list[nn.Module]] = {}
+    for u in units:
+        if not u.in_container:
+            continue
+        info = tp_info.get(sigs[id(u)])
+        if info is None:
+            info = tp_info[sigs[id(u)]] = tp.analyse(u.module, built.heads)
+        mods = dict(u.module.named_modules())
+        regions[id(u)] = [mods[r] for r in info.regions if r in mods]
+
+    tracer = Tracer(model, units, regions)
+
+    def key(rec: LayerRec, args: tuple, kwargs: dict) -> str:
+        leaves = ",".join(_leaf_sig(x) for x in tree_flatten((args, kwargs))[0])
+        return f"{sigs[id(rec.unit)]}|{sum(p.numel() for p in rec.owned)}|{leaves}"
+
+    tracer.key_fn = key
+    batch = built.make_inputs(batch_size)
+    with moe.uniform_routing(model) as moe_layers, built.trace_patches():
+        run(tracer, built.source, lambda: model(*batch.args, **batch.kwargs),
+            lambda out: built.loss_fn(out, batch))
+    return assemble(built, tracer, tp_info, sigs, batch_size, moe_layers, time.perf_counter() - t0)
+
+
+def assemble(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: dict[int, str],
+             batch_size: int, moe_layers: list[str], seconds: float) -> LayerGraph:
+    recs = tracer.layers
+    if not recs:
+        raise MeshplanError(f"{built.source}: no layer ran in the forward pass",
+                            hint="the model's forward must call its sub-modules")
+    b = float(batch_size)
+    cuts = frontier(tracer)
+    notes = list(built.notes)
+    # parameters: the layer whose module holds them (first call), else the layer that first used them
+    params = [sum(p.numel() for p in r.owned) for r in recs]
+    owned = {id(p) for r in recs for p in r.owned}
+    unused = 0
+    for k, plist in tracer.state_keys.items():
+        for p in plist:
+            if id(p) in owned:
+                continue
+            owned.add(id(p))
+            if k in tracer.first_use:
+                params[tracer.first_use[k]] += p.numel()
+            else:
+                unused += p.numel()
+                params[0] += p.numel()
+    if unused:
+        notes.append(f"{unused:,} parameter elements never used in the forward pass (counted in layer 0)")
+    holders: dict[int, set[int]] = {}
+    seen_units: set[int] = set()
+    for r in recs:
+        if id(r.unit) in seen_units:
+            continue
+        seen_units.add(id(r.unit))
+        for p in r.unit.module.parameters():
+            holders.setdefault(id(p), set()).add(id(r.unit))
+    tied = sum(p.numel() for p in built.module.parameters() if len(holders.get(id(p), ())) > 1)
+
+    blocks = [i for i, r in enumerate(recs) if r.unit.in_container]
+    first, last = (blocks[0], blocks[-1]) if blocks else (0, len(recs) - 1)
+    ids: dict[str, str] = {}
+    per_class: dict[str, int] = {}
+    specs = []
+    unfused = 0
+    for i, r in enumerate(recs):
+        src = recs[r.copy_of] if r.copy_of is not None else r
+        a = src.acc
+        if r.key not in ids:
+            cls = type(r.unit.module).__name__
+            per_class[cls] = per_class.get(cls, 0) + 1
+            ids[r.key] = cls if per_class[cls] == 1 else f"{cls}.{per_class[cls]}"
+        kind = ("block" if r.unit.in_container else "embedding" if i < first else "head" if i > last else "other")
+        info = tp_info.get(sigs[id(r.unit)]) if r.unit.in_container else None
+        flops = a.fwd + a.bwd
+        style, frac, tp_max, ars = "none", 0.0, 1, 0
+        extra: dict[str, float] = {"measured": 0.0 if r.copy_of is not None else 1.0,
+                                   "gemm_dim": math.exp(a.gemm_logdim / a.gemm_flops) if a.gemm_flops else 1.0,
+                                   "mem_bytes": a.mem / b, "send_bytes": cuts[i] / b}
+        if info is not None and info.style == "megatron":
+            style, tp_max, ars = info.style, info.tp_max, info.pairs
+            frac = min(1.0, (a.fwd_tp + a.bwd_tp) / flops) if flops > 0 else info.param_fraction
+            extra["tp_param_fraction"] = round(info.param_fraction, 6)
+            extra["tp_saved_fraction"] = round(min(1.0, a.tp_saved / a.saved), 6) if a.saved else frac
+        if a.attn_fwd:
+            extra["attention_flops"] = a.attn_fwd / b
+            extra["attention_bwd_flops"] = a.attn_bwd / b
+            extra["attention_recompute_flops"] = 0.5 * a.attn_fwd / b
+            extra["attention_causal"] = 1.0 if a.causal else 0.0
+        if a.head_dim:
+            extra["head_dim"] = float(a.head_dim)
+        if a.loss_saved:
+            extra["loss_saved_bytes"] = a.loss_saved / b
+        unfused += a.sdpa_unfused if r.copy_of is None else 0
+        specs.append(LayerSpec(
+            name=r.name or type(r.unit.module).__name__, kind=kind, block=ids[r.key], params=params[i],
+            fwd_flops=a.fwd / b, bwd_flops=a.bwd / b, saved_bytes=a.saved / b,
+            output_bytes=r.out_bytes / b,
+            tp_style=style, tp_fraction=round(frac, 6), tp_max=tp_max, tp_allreduces=ars, extra=extra))
+    copied = sum(1 for r in recs if r.copy_of is not None)
+    if copied:
+        notes.append(f"measured {len(recs) - copied} of {len(recs)} layers; {copied} repeated blocks copied "
+                     "from the second call of their block")
+    if moe_layers:
+        notes.append(f"mixture of experts ({len(moe_layers)} layers) traced with uniform routing: "
+                     "tokens*k/E token-expert pairs per expert")
+    if any(s.extra.get("attention_flops") for s in specs):
+        notes.append("attention traced as the fused flash kernel (no s x s scores kept; model FLOPs, "
+                     "no causal halving)")
+    if unfused:
+        notes.append("attention with a learned additive bias (e.g. T5's relative positions) traced unfused "
+                     "(SDPA math path: the s x s scores are saved)")
+    for info in tp_info.values():
+        notes.extend(n for n in info.notes if n not in notes)
+    notes.append(f"traced at batch {batch_size}, {built.dtype}, in {seconds:.2f} s")
+    return LayerGraph(name=built.name, source=built.source, task=built.task, sample_tokens=built.sample_tokens,
+                      trace_dtype=built.dtype, layers=tuple(specs), tied_params=tied, notes=tuple(notes))

@@ -1,0 +1,115 @@
+"""Mixture-of-experts routing on the meta device: uniform routing.
+
+Routing is data dependent (which expert gets which token) and cannot run on the meta device as
+written (``nonzero``/``where`` over the router's choice). While tracing, ingestion replaces the
+experts' forward by a uniform-routing equivalent: the router still runs (its FLOPs and saved
+tensors are counted), and the ``tokens x k`` token-expert pairs are split evenly over the E experts
+(``tokens k / E`` each, the remainder spread one by one), each expert running its real matrices on
+its share. FLOPs therefore equal a perfectly balanced step: ``k/E`` of the experts' dense cost.
+
+Two layouts are handled:
+- transformers >= 5 fused experts (``gate_up_proj``/``up_proj`` and ``down_proj`` as [E, out, in]
+  parameters, forward(hidden_states, top_k_index, top_k_weights)): Mixtral, Qwen-MoE, DeepSeek ...
+- a module with ``gate`` (a Linear to E logits), ``experts`` (a ModuleList of E MLPs) and ``top_k``
+  (or ``num_experts_per_tok``/``experts_per_token``), whose forward maps x to a tensor of x's shape
+  (meshplan's runtime MoE, most hand-written ones). Softmax router, top-k, weights renormalised.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_TOPK_ATTRS = ("top_k", "num_experts_per_tok", "experts_per_token", "k")
+
+
+def _counts(pairs: int, experts: int) -> list[int]:
+    base, extra = divmod(pairs, experts)
+    return [base + (1 if e < extra else 0) for e in range(experts)]
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    y = x @ w if transposed else F.linear(x, w)
+    return y + b if b is not None else y
+
+
+def _uniform_fused(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    h = hidden_states.shape[-1]
+    flat = hidden_states.reshape(-1, h)
+    k, n_exp = top_k_index.shape[-1], int(self.num_experts)
+    has_gate = bool(getattr(self, "has_gate", hasattr(self, "gate_up_proj")))
+    has_bias = bool(getattr(self, "has_bias", False))
+    transposed = bool(getattr(self, "is_transposed", False))
+    w_in = self.gate_up_proj if has_gate else self.up_proj
+    b_in = getattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", None) if has_bias else None
+    b_out = getattr(self, "down_proj_bias", None) if has_bias else None
+    pairs = flat.repeat_interleave(k, dim=0)  # [tokens*k, h], token-major like top_k_index.reshape(-1)
+    outs = []
+    for e, chunk in enumerate(pairs.split(_counts(pairs.shape[0], n_exp))):
+        if chunk.shape[0] == 0:
+            continue
+        y = _linear(chunk, w_in[e], None if b_in is None else b_in[e], transposed)
+        y = self._apply_gate(y) if has_gate else self.act_fn(y)
+        y = _linear(y, self.down_proj[e], None if b_out is None else b_out[e], transposed)
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        outs.append(y)
+    y = torch.cat(outs) * top_k_weights.reshape(-1, 1).to(flat.dtype)
+    return y.view(flat.shape[0], k, -1).sum(dim=1).view(hidden_states.shape).to(hidden_states.dtype)
+
+
+def _uniform_list(self: nn.Module, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    k = next(int(getattr(self, a)) for a in _TOPK_ATTRS if isinstance(getattr(self, a, None), int))
+    probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+    weights, _chosen = probs.topk(k, dim=-1)
+    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
+    pairs = flat.repeat_interleave(k, dim=0)
+    outs = [expert(chunk) for expert, chunk in zip(self.experts, pairs.split(_counts(pairs.shape[0],
+                                                                                      len(self.experts))))
+            if chunk.shape[0]]
+    y = torch.cat(outs) * weights.reshape(-1, 1)
+    return y.view(flat.shape[0], k, -1).sum(dim=1).view(shape)
+
+
+def _is_fused(m: nn.Module) -> bool:
+    return (isinstance(getattr(m, "num_experts", None), int) and isinstance(getattr(m, "down_proj", None), nn.Parameter)
+            and (isinstance(getattr(m, "gate_up_proj", None), nn.Parameter)
+                 or isinstance(getattr(m, "up_proj", None), nn.Parameter))
+            and m.down_proj.dim() == 3)
+
+
+def _is_list(m: nn.Module) -> bool:
+    experts, gate = getattr(m, "experts", None), getattr(m, "gate", None)
+    return (isinstance(experts, nn.ModuleList) and len(experts) > 1 and isinstance(gate, nn.Linear)
+            and gate.out_features == len(experts)
+            and any(isinstance(getattr(m, a, None), int) for a in _TOPK_ATTRS))
+
+
+@contextlib.contextmanager
+def uniform_routing(model: nn.Module) -> Iterator[list[str]]:
+    """Patch every MoE layer of ``model`` for the duration; yields the patched module paths."""
+    patched: list[tuple[nn.Module, bool, object]] = []
+    names: list[str] = []
+    for name, m in model.named_modules():
+        fn = _uniform_fused if _is_fused(m) else _uniform_list if _is_list(m) else None
+        if fn is None:
+            continue
+        had = "forward" in vars(m)
+        patched.append((m, had, vars(m).get("forward")))
+        m.forward = types.MethodType(fn, m)
+        names.append(name)
+    try:
+        yield names
+    finally:
+        for m, had, old in patched:
+            if had:
+                m.forward = old
+            else:
+                del m.forward

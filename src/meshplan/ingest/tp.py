@@ -1,0 +1,151 @@
+"""Megatron tensor-parallel structure of a block, from the names of its weight matrices.
+
+A *column* matrix (q/k/v, gate/up, c_attn, c_fc, query/key/value, wi, fc1 ...) is split by output
+features, a *row* matrix (o, down, c_proj, dense, wo, fc2 ...) by input features; a run of column
+matrices closed by a row matrix (in parameter-registration order) is one pair: one all-reduce of
+the layer's output forward and one backward. Recognised names (case-insensitive, the module's name
+or, for fused parameters such as MoE experts' ``gate_up_proj``, the parameter's) are listed in
+COLUMN and ROW; a ``dense`` under a module named ``intermediate`` (BERT, ViT) is a column matrix.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torch import nn
+
+COLUMN = frozenset({
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "q", "k", "v", "query", "key", "value", "c_attn", "qkv", "wqkv",
+    "query_key_value", "wq", "wk", "wv", "in_proj", "gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "c_fc",
+    "fc1", "fc_in", "wi", "wi_0", "wi_1", "dense_h_to_4h", "lin1", "linear1",
+})
+ROW = frozenset({
+    "o_proj", "o", "out_proj", "c_proj", "dense", "down_proj", "w2", "wo", "fc2", "fc_out", "dense_4h_to_h",
+    "proj", "lin2", "linear2",
+})
+ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "q", "k", "v", "query", "key", "value", "c_attn",
+                       "qkv", "wqkv", "query_key_value", "wq", "wk", "wv", "in_proj"})
+HEAD_ATTRS = ("num_attention_heads", "num_heads", "n_head", "n_heads")
+KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads")
+
+
+@dataclass
+class _Matrix:
+    module: str  # owner module path inside the block
+    leaf: str
+    role: str  # column | row
+    in_width: int
+    numel: int
+
+
+@dataclass
+class TPInfo:
+    style: str = "none"
+    pairs: int = 0
+    param_fraction: float = 0.0
+    tp_max: int = 1
+    regions: list[str] = field(default_factory=list)
+    """Module paths (inside the block) whose work TP divides."""
+    notes: list[str] = field(default_factory=list)
+
+
+def _role(owner: str, leaf: str) -> str | None:
+    name = leaf.lower()
+    parent = owner.rsplit(".", 2)[-2] if owner.count(".") >= 1 else ""
+    if name == "dense" and parent.lower() == "intermediate":
+        return "column"
+    if name in COLUMN:
+        return "column"
+    if name in ROW:
+        return "row"
+    return None
+
+
+def _in_width(module: nn.Module, pname: str, shape: tuple[int, ...]) -> int:
+    if type(module).__name__ == "Conv1D" and len(shape) == 2:  # GPT-2's transposed linear [in, out]
+        return shape[0]
+    if pname == "weight" and isinstance(getattr(module, "in_features", None), int):
+        return module.in_features
+    return shape[-1]  # [out, in] or fused experts [E, out, in]
+
+
+def _matrices(block: nn.Module) -> list[_Matrix]:
+    out = []
+    for mod_name, mod in block.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.dim() < 2:
+                continue
+            if pname == "weight":
+                leaf = mod_name.rsplit(".", 1)[-1] if mod_name else ""
+            else:
+                leaf = pname[:-len("_weight")] if pname.endswith("_weight") else pname
+            role = _role(mod_name, leaf)
+            if role is not None:
+                out.append(_Matrix(mod_name, leaf, role, _in_width(mod, pname, tuple(p.shape)), p.numel()))
+    return out
+
+
+def _lca(paths: list[str]) -> str:
+    split = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def _heads(block: nn.Module, config_heads: tuple[int | None, int | None]) -> tuple[int | None, int | None]:
+    heads, kv = config_heads
+    if heads is not None:
+        return heads, kv or heads
+    for _n, m in block.named_modules():
+        if isinstance(m, nn.MultiheadAttention):
+            return m.num_heads, m.num_heads
+        h = next((getattr(m, a) for a in HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
+        if h:
+            k = next((getattr(m, a) for a in KV_ATTRS if isinstance(getattr(m, a, None), int)), None)
+            return h, k or h
+    return None, None
+
+
+def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (None, None)) -> TPInfo:
+    """The TP structure of one block (a unit's module)."""
+    mats = _matrices(block)
+    pairs: list[list[_Matrix]] = []
+    run: list[_Matrix] = []
+    for m in mats:
+        if m.role == "column":
+            run.append(m)
+        elif run:
+            pairs.append([*run, m])
+            run = []
+    info = TPInfo()
+    if not pairs:
+        return info
+    info.style, info.pairs = "megatron", len(pairs)
+    caps: list[int] = []
+    heads, kv = _heads(block, config_heads)
+    owners: set[str] = set()
+    for pair in pairs:
+        row = pair[-1]
+        owners |= {m.module for m in pair}
+        if any(m.leaf.lower() in ATTENTION for m in pair[:-1]):
+            if heads:
+                caps += [heads, kv or heads]
+            else:
+                caps.append(row.in_width)
+                info.notes.append(f"attention heads unknown: TP degree bounded by width {row.in_width}")
+        else:
+            caps.append(row.in_width)
+        lca = _lca([m.module for m in pair])
+        info.regions += [lca] if lca else sorted({m.module for m in pair})
+    info.tp_max = math.gcd(*caps) if caps else 1
+    # keep the outermost regions only (nested ones would be counted twice)
+    regions = sorted(set(info.regions), key=lambda r: (r.count("."), r))
+    info.regions = [r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)]
+    mods = dict(block.named_modules())
+    split = sum(p.numel() for o in owners for p in mods[o].parameters())
+    total = sum(p.numel() for p in block.parameters())
+    info.param_fraction = min(1.0, split / total) if total else 0.0
+    return info
