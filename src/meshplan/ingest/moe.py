@@ -10,7 +10,7 @@ its share. FLOPs therefore equal a perfectly balanced step: ``k/E`` of the exper
 Two layouts are handled:
 - transformers >= 5 fused experts (``gate_up_proj``/``up_proj`` and ``down_proj`` as [E, out, in]
   parameters, forward(hidden_states, top_k_index, top_k_weights)): Mixtral, Qwen-MoE, DeepSeek ...
-- a module with ``gate`` (a Linear to E logits), ``experts`` (a ModuleList of E MLPs) and ``top_k``
+- a module with ``gate`` (a Linear to E logits), ``experts`` (a ModuleList/ModuleDict of E MLPs), ``top_k``
   (or ``num_experts_per_tok``/``experts_per_token``), whose forward maps x to a tensor of x's shape
   (meshplan's runtime MoE, most hand-written ones). Softmax router, top-k, weights renormalised.
 """
@@ -71,8 +71,8 @@ def _uniform_list(self: nn.Module, x: torch.Tensor, *args: object, **kwargs: obj
     weights, _chosen = probs.topk(k, dim=-1)
     weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
     pairs = flat.repeat_interleave(k, dim=0)
-    outs = [expert(chunk) for expert, chunk in zip(self.experts, pairs.split(_counts(pairs.shape[0],
-                                                                                      len(self.experts))))
+    experts = list(self.experts.values() if isinstance(self.experts, nn.ModuleDict) else self.experts)
+    outs = [expert(chunk) for expert, chunk in zip(experts, pairs.split(_counts(pairs.shape[0], len(experts))))
             if chunk.shape[0]]
     y = torch.cat(outs) * weights.reshape(-1, 1)
     return y.view(flat.shape[0], k, -1).sum(dim=1).view(shape)
@@ -87,7 +87,7 @@ def _is_fused(m: nn.Module) -> bool:
 
 def _is_list(m: nn.Module) -> bool:
     experts, gate = getattr(m, "experts", None), getattr(m, "gate", None)
-    return (isinstance(experts, nn.ModuleList) and len(experts) > 1 and isinstance(gate, nn.Linear)
+    return (isinstance(experts, (nn.ModuleList, nn.ModuleDict)) and len(experts) > 1 and isinstance(gate, nn.Linear)
             and gate.out_features == len(experts)
             and any(isinstance(getattr(m, a, None), int) for a in _TOPK_ATTRS))
 

@@ -1,9 +1,11 @@
 """Megatron tensor-parallel structure of a block, from the names of its weight matrices.
 
 A *column* matrix (q/k/v, gate/up, c_attn, c_fc, query/key/value, wi, fc1 ...) is split by output
-features, a *row* matrix (o, down, c_proj, dense, wo, fc2 ...) by input features; a run of column
-matrices closed by a row matrix (in parameter-registration order) is one pair: one all-reduce of
-the layer's output forward and one backward. Recognised names (case-insensitive, the module's name
+features, a *row* matrix (o, down, c_proj, dense, wo, fc2 ...) by input features; a set of column
+matrices and the row matrix of the same parent module (else: a run of column matrices closed by a
+row matrix, in parameter-registration order) is one pair: one all-reduce of the layer's output
+forward and one backward. The experts of a MoE layer (pairs under one ModuleList/ModuleDict, or one
+fused ``gate_up_proj``/``down_proj`` module) share one all-reduce. Recognised names (case-insensitive, the module's name
 or, for fused parameters such as MoE experts' ``gate_up_proj``, the parameter's) are listed in
 COLUMN and ROW; a ``dense`` under a module named ``intermediate`` (BERT, ViT) is a column matrix.
 """
@@ -35,13 +37,22 @@ class _Matrix:
     leaf: str
     role: str  # column | row
     in_width: int
+    out_width: int
     numel: int
+
+    @property
+    def scope(self) -> str:
+        """The module the pair lives in: the owner's parent (a fused parameter: its owner)."""
+        if self.leaf != self.module.rsplit(".", 1)[-1]:
+            return self.module
+        return self.module.rsplit(".", 1)[0] if "." in self.module else ""
 
 
 @dataclass
 class TPInfo:
     style: str = "none"
     pairs: int = 0
+    """All-reduces per pass: column->row pairs, the experts of one MoE layer counted once."""
     param_fraction: float = 0.0
     tp_max: int = 1
     regions: list[str] = field(default_factory=list)
@@ -61,12 +72,13 @@ def _role(owner: str, leaf: str) -> str | None:
     return None
 
 
-def _in_width(module: nn.Module, pname: str, shape: tuple[int, ...]) -> int:
+def _widths(module: nn.Module, pname: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(in, out) features of a weight matrix."""
     if type(module).__name__ == "Conv1D" and len(shape) == 2:  # GPT-2's transposed linear [in, out]
-        return shape[0]
+        return shape[0], shape[1]
     if pname == "weight" and isinstance(getattr(module, "in_features", None), int):
-        return module.in_features
-    return shape[-1]  # [out, in] or fused experts [E, out, in]
+        return module.in_features, module.out_features
+    return shape[-1], shape[-2]  # [out, in] or fused experts [E, out, in]
 
 
 def _matrices(block: nn.Module) -> list[_Matrix]:
@@ -81,8 +93,46 @@ def _matrices(block: nn.Module) -> list[_Matrix]:
                 leaf = pname[:-len("_weight")] if pname.endswith("_weight") else pname
             role = _role(mod_name, leaf)
             if role is not None:
-                out.append(_Matrix(mod_name, leaf, role, _in_width(mod, pname, tuple(p.shape)), p.numel()))
+                w_in, w_out = _widths(mod, pname, tuple(p.shape))
+                out.append(_Matrix(mod_name, leaf, role, w_in, w_out, p.numel()))
     return out
+
+
+def _runs(mats: list[_Matrix]) -> tuple[list[list[_Matrix]], list[_Matrix]]:
+    """Column runs closed by a row matrix, in registration order; also the matrices left over."""
+    pairs, run, left = [], [], []
+    for m in mats:
+        if m.role == "column":
+            run.append(m)
+        elif run:
+            pairs.append([*run, m])
+            run = []
+        else:
+            left.append(m)
+    return pairs, left + run
+
+
+def _pairs(mats: list[_Matrix]) -> list[list[_Matrix]]:
+    """Pairs within one scope first (any order of registration: w1, w2, w3), then the rest in order
+    (BERT's attention.self.query ... attention.output.dense)."""
+    scopes: dict[str, list[_Matrix]] = {}
+    for m in mats:
+        scopes.setdefault(m.scope, []).append(m)
+    pairs, rest = [], []
+    for group in scopes.values():
+        rows = [m for m in group if m.role == "row"]
+        cols = [m for m in group if m.role == "column"]
+        if len(rows) == 1 and cols:
+            pairs.append([*cols, rows[0]])
+        elif len(rows) > 1 and cols:
+            found, left = _runs(group)
+            pairs += found
+            rest += left
+        else:
+            rest += group
+    rest.sort(key=lambda m: mats.index(m))
+    pairs += _runs(rest)[0]
+    return pairs
 
 
 def _lca(paths: list[str]) -> str:
@@ -95,37 +145,46 @@ def _lca(paths: list[str]) -> str:
     return ".".join(common)
 
 
-def _heads(block: nn.Module, config_heads: tuple[int | None, int | None]) -> tuple[int | None, int | None]:
+def _heads(block: nn.Module, config_heads: tuple[int | None, int | None],
+           pairs: list[list[_Matrix]]) -> tuple[int | None, int | None]:
     heads, kv = config_heads
     if heads is not None:
         return heads, kv or heads
-    for _n, m in block.named_modules():
+    mods = dict(block.named_modules())
+    for _n, m in mods.items():
         if isinstance(m, nn.MultiheadAttention):
             return m.num_heads, m.num_heads
         h = next((getattr(m, a) for a in HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
         if h:
             k = next((getattr(m, a) for a in KV_ATTRS if isinstance(getattr(m, a, None), int)), None)
             return h, k or h
+    for pair in pairs:  # a head_dim attribute on the attention module: heads from the q / k widths
+        d = getattr(mods.get(pair[-1].scope), "head_dim", None)
+        if isinstance(d, int) and d > 0:
+            q = next((m.out_width for m in pair if m.leaf.lower() in ("q", "q_proj", "query", "wq")), None)
+            k = next((m.out_width for m in pair if m.leaf.lower() in ("k", "k_proj", "key", "wk")), None)
+            if q and q % d == 0:
+                return q // d, (k // d if k and k % d == 0 else q // d)
     return None, None
 
 
 def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (None, None)) -> TPInfo:
     """The TP structure of one block (a unit's module)."""
-    mats = _matrices(block)
-    pairs: list[list[_Matrix]] = []
-    run: list[_Matrix] = []
-    for m in mats:
-        if m.role == "column":
-            run.append(m)
-        elif run:
-            pairs.append([*run, m])
-            run = []
+    mods = dict(block.named_modules())
+    pairs = _pairs(_matrices(block))
     info = TPInfo()
     if not pairs:
         return info
-    info.style, info.pairs = "megatron", len(pairs)
+    # experts: pairs whose scopes are children of one ModuleList/ModuleDict reduce once together
+    groups: dict[str, list[list[_Matrix]]] = {}
+    for pair in pairs:
+        scope = pair[-1].scope
+        parent = scope.rsplit(".", 1)[0] if "." in scope else ""
+        key = parent if isinstance(mods.get(parent), (nn.ModuleList, nn.ModuleDict)) else f"#{scope}#{id(pair)}"
+        groups.setdefault(key, []).append(pair)
+    info.style, info.pairs = "megatron", len(groups)
     caps: list[int] = []
-    heads, kv = _heads(block, config_heads)
+    heads, kv = _heads(block, config_heads, pairs)
     owners: set[str] = set()
     for pair in pairs:
         row = pair[-1]
@@ -144,7 +203,6 @@ def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (Non
     # keep the outermost regions only (nested ones would be counted twice)
     regions = sorted(set(info.regions), key=lambda r: (r.count("."), r))
     info.regions = [r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)]
-    mods = dict(block.named_modules())
     split = sum(p.numel() for o in owners for p in mods[o].parameters())
     total = sum(p.numel() for p in block.parameters())
     info.param_fraction = min(1.0, split / total) if total else 0.0
