@@ -21,6 +21,10 @@ EPILOG = """examples:
 """
 
 
+MODEL_HELP = ("preset name (see `meshplan presets`), ModelSpec .toml/.json, hf:CONFIG.json, "
+              "module:pkg.mod:factory, or a layer graph .json from `meshplan ingest --out`")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
         raise MeshplanError(message, hint=f"see `{self.prog} --help`")
@@ -37,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true")
 
     es = sub.add_parser("estimate", help="predict step time, throughput and memory of one plan")
-    es.add_argument("--model", required=True, help="preset name (see `meshplan presets`) or ModelSpec .toml/.json")
+    es.add_argument("--model", required=True, help=MODEL_HELP)
     es.add_argument("--cluster", required=True,
                     help="GPU:COUNT (e.g. h100-sxm-80gb:64), GPU:NODESxPER_NODE, or a cluster .toml")
     es.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,micro_batch=..,... or a plan .json")
@@ -51,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_train_parser(sub)
     report_cmd.add_parser(sub)
     export_cmd.add_parser(sub)
+
+    ig = sub.add_parser("ingest", help="trace any model (hf: config or module: factory) into a layer graph",
+                        description="Instantiate the model on the meta device (no weights, no GPU), run forward "
+                                    "and backward there, and record per-layer FLOPs, parameters, saved "
+                                    "activations and tensor-parallel structure. The graph (--out) plans "
+                                    "without torch: pass it as --model to estimate/plan.")
+    ig.add_argument("--model", required=True, help="hf:path/to/config.json or module:package.module:factory")
+    ig.add_argument("--seq-len", type=positive_int("--seq-len"), help="tokens per sample (default: the model's)")
+    ig.add_argument("--out", help="write the layer graph to this .json file")
+    ig.add_argument("--json", action="store_true", help="print the layer graph as JSON")
 
     va = sub.add_parser("validate", help="compare the cost model with published measured runs")
     va.add_argument("--runs", help="CSV in the format of published_runs_dev.csv (default: the shipped dev set)")
@@ -75,20 +89,56 @@ def cmd_presets(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from meshplan.cli.format import json_text
     from meshplan.cli.views import estimate_text
+    from meshplan.cli.model_arg import load_model_arg
     from meshplan.cost import estimate
-    from meshplan.spec.io import load_cluster, load_model, load_plan
+    from meshplan.spec.graph import LayerGraph
+    from meshplan.spec.io import load_cluster, load_plan
     from meshplan.spec.plan import Workload
-    model = load_model(args.model)
+    model = load_model_arg(args.model, seq_len=args.seq_len)
     cluster = load_cluster(args.cluster)
     plan = load_plan(args.plan)
-    work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
-    report = estimate(model, cluster, plan, work)
+    if isinstance(model, LayerGraph):
+        from meshplan.cost.graph import estimate_graph, graph_workload
+        work = graph_workload(model, args.global_batch)
+        report = estimate_graph(model, cluster, plan, work)
+    else:
+        work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+        report = estimate(model, cluster, plan, work)
     if args.json:
         out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
                                   "global_batch": work.global_batch, "seq_len": work.seq_len}
         print(json_text(out))
     else:
         print(estimate_text(model, cluster, plan, work, report))
+    return 0
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from meshplan.cli.format import json_text
+    from meshplan.cli.model_arg import graph_table, graph_text, is_ingested
+    from meshplan.spec.io import dump_json
+    if not is_ingested(args.model):
+        raise MeshplanError(f"--model {args.model}: ingest takes hf:CONFIG.json or module:package.module:factory",
+                            hint="presets and ModelSpec files need no ingestion; use them with estimate/plan")
+    from meshplan.ingest import ingest
+    import time
+    t0 = time.perf_counter()
+    graph = ingest(args.model, seq_len=args.seq_len)
+    took = time.perf_counter() - t0
+    if args.out is not None:
+        try:
+            with open(args.out, "w") as f:
+                f.write(dump_json(graph) + "\n")
+        except OSError as e:
+            raise MeshplanError(f"cannot write --out {args.out}: {e.strerror or e}") from None
+    if args.json:
+        from meshplan.spec.base import to_dict
+        print(json_text(to_dict(graph)))
+        return 0
+    print("\n".join(graph_text(graph)))
+    print(f"traced in {took:.1f} s" + (f"; layer graph written to {args.out}" if args.out else ""))
+    print()
+    print(graph_table(graph))
     return 0
 
 
@@ -141,7 +191,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return run(args)
 
 
-COMMANDS = {"presets": cmd_presets, "estimate": cmd_estimate, "validate": cmd_validate,
+COMMANDS = {"presets": cmd_presets, "ingest": cmd_ingest, "estimate": cmd_estimate, "validate": cmd_validate,
             "plan": cmd_plan, "train": cmd_train, "simulate": cmd_simulate,
             "report": cmd_report, "export": cmd_export}
 

@@ -25,7 +25,9 @@ def add_parser(sub: Any, positive_int: Any) -> None:
         description="Search every parallel plan for the model on the cluster, rank the feasible "
                     "ones (fastest first, or cheapest with --objective cost; ties: fewer GPUs, "
                     "less memory, then the plan string), explain the winner and every rejection.")
-    pl.add_argument("--model", required=True, help="preset name or ModelSpec .toml/.json")
+    pl.add_argument("--model", required=True,
+                    help="preset name, ModelSpec .toml/.json, hf:CONFIG.json, module:pkg.mod:factory, "
+                         "or a layer graph .json from `meshplan ingest --out`")
     pl.add_argument("--cluster", required=True,
                     help="GPU:COUNT, GPU:NODESxPER_NODE or a cluster .toml; with --gpus, the GPU type "
                          "and links (e.g. h100-sxm-80gb)")
@@ -72,6 +74,34 @@ def _space(args: argparse.Namespace, cluster: Any) -> Any:
     except TypeError as e:  # pragma: no cover - keys are checked in _apply_fix
         raise MeshplanError(f"--fix: {e}") from None
     return SearchSpace(base=plan, **changes)
+
+
+def _graph_space(args: argparse.Namespace, cluster: Any) -> Any:
+    """The search space on an ingested layer graph: the same options, mapped to GraphSpace."""
+    from meshplan.search.graph import GraphSpace
+    from meshplan.spec.plan import Plan
+    space = _space(args, cluster)  # parses and checks --fix and the plan options once
+    for axis in ("cp", "ep"):
+        if getattr(space, axis, None) not in (None, (1,)):
+            raise MeshplanError(f"--fix {axis}: a layer graph has no {'sequence' if axis == 'cp' else 'expert'} "
+                                "axis to split", hint=f"drop {axis} from --fix (ingested models plan with "
+                                "tp, pp, dp/zero, micro_batch, schedule, recompute)")
+    fixed = {k: getattr(space, k) for k in ("tp", "pp", "micro_batch") if getattr(space, k, None)}
+    if getattr(space, "zero", None):
+        fixed["zero"] = tuple(space.zero)
+    if args.fix and "schedule" in args.fix:
+        fixed["schedules"] = tuple(space.schedules)
+    if args.fix and "recompute" in args.fix:
+        fixed["recompute"] = tuple(space.recompute)
+    if args.fix and "offload" in args.fix:
+        fixed["offload"] = bool(space.offload)
+    base = space.base
+    if base.precision == "fp8":
+        raise MeshplanError("--precision fp8 is not modelled on an ingested layer graph",
+                            hint="use --precision bf16")
+    return GraphSpace(base=Plan(precision=base.precision, fused_loss=base.fused_loss, async_tp=base.async_tp,
+                                compile=base.compile, flash_attention=base.flash_attention),
+                      even_stages=not args.uneven_stages, **fixed)
 
 
 def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> None:
@@ -175,7 +205,7 @@ def _train(result: Any, tokens: float | None, plan: Any) -> dict[str, float] | N
 
 
 def _table(result: Any, tokens: float | None) -> str:
-    from meshplan.cli.format import table
+    from meshplan.cli.format import seconds, table
     multi = len(result.clusters) > 1
     head = ["#", "plan"] + (["GPUs"] if multi else []) + [
         "step time", "tokens/s", "MFU", "peak GiB", "$/M tok", "dominant"]
@@ -185,7 +215,7 @@ def _table(result: Any, tokens: float | None) -> str:
     for p in result.plans:
         r = p.report
         row: list[object] = [p.rank, p.plan.short()] + ([p.plan.num_gpus] if multi else []) + [
-            f"{r.step_time_s:.3f} s", f"{r.tokens_per_s:,.0f}", f"{100 * r.mfu:.1f}%",
+            seconds(r.step_time_s), f"{r.tokens_per_s:,.0f}", f"{100 * r.mfu:.1f}%",
             f"{r.peak_memory_gib:.1f}", f"{p.usd_per_mtok:.3f}", r.dominant]
         t = _train(result, tokens, p)
         if t is not None:
@@ -234,7 +264,8 @@ def _json_default(obj: Any) -> Any:
 def _write_out(path: str, result: Any) -> None:
     from meshplan.spec.io import plan_document
     best = result.best
-    doc = plan_document(best.plan, model=result.model.name, cluster=best.cluster.name,
+    model = getattr(result.model, "source", None) or result.model.name  # an ingested graph: how to rebuild it
+    doc = plan_document(best.plan, model=model, cluster=best.cluster.name,
                         global_batch=result.work.global_batch, seq_len=result.work.seq_len,
                         predicted=best.report.to_dict())
     try:
@@ -304,23 +335,31 @@ def plot_pareto(path: str, result: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshplan.cli.model_arg import load_model_arg
     from meshplan.search.driver import search
-    from meshplan.spec.io import load_model
+    from meshplan.spec.graph import LayerGraph
     from meshplan.spec.plan import Workload
     if args.plot is not None:
         _plot_format(args.plot)
-    model = load_model(args.model)
+    model = load_model_arg(args.model, seq_len=args.seq_len)
     clusters = _clusters(args)
-    space = _space(args, clusters[0])
     tokens = _train_tokens(args.train_tokens)
-    work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
-    bar = Progress(sys.stderr) if sys.stderr.isatty() else None
-    try:
-        result = search(model, clusters, work, space, objective=args.objective, top=args.top,
-                        progress=bar)
-    finally:
-        if bar is not None:
-            bar.close()
+    if isinstance(model, LayerGraph):
+        from meshplan.cost.graph import graph_workload
+        from meshplan.search.graph import search_graph
+        space = _graph_space(args, clusters[0])
+        work = graph_workload(model, args.global_batch)
+        result = search_graph(model, clusters, work, space, objective=args.objective, top=args.top)
+    else:
+        space = _space(args, clusters[0])
+        work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+        bar = Progress(sys.stderr) if sys.stderr.isatty() else None
+        try:
+            result = search(model, clusters, work, space, objective=args.objective, top=args.top,
+                            progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
     if args.json:
         from meshplan.cli.format import json_text
         from meshplan.search.explain import explain

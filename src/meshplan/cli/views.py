@@ -4,6 +4,7 @@ from __future__ import annotations
 from meshplan.cli.format import human, seconds, table
 from meshplan.cost.report import CostReport
 from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
@@ -16,13 +17,21 @@ TIME_LABELS = {
 }
 
 
-def estimate_text(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+def model_line(model: ModelSpec | LayerGraph, params: int) -> str:
+    if isinstance(model, LayerGraph):
+        return (f"model    {model.name} ({model.source}): {human(params)} parameters, {model.num_layers} layers "
+                f"({len(model.distinct_blocks())} distinct), ingested layer graph")
+    return f"model    {model.name}: {human(params)} parameters, {model.num_layers} layers, h={model.hidden_size}"
+
+
+def estimate_text(model: ModelSpec | LayerGraph, cluster: ClusterSpec, plan: Plan, work: Workload,
                   r: CostReport) -> str:
+    unit = "tokens" if not isinstance(model, LayerGraph) else f"tokens ({model.task} samples)"
     head = [
-        f"model    {model.name}: {human(r.params)} parameters, {model.num_layers} layers, h={model.hidden_size}",
+        model_line(model, r.params),
         f"cluster  {cluster.num_gpus} x {cluster.gpu.name} ({cluster.num_nodes} node(s) x {cluster.gpus_per_node})",
         f"plan     {plan.short()}",
-        f"workload global batch {work.global_batch} x {work.seq_len} tokens = {human(work.tokens)} tokens/step, "
+        f"workload global batch {work.global_batch} x {work.seq_len} {unit} = {human(work.tokens)} tokens/step, "
         f"{r.microbatches} micro-batch(es) per replica",
         "",
         f"step time      {seconds(r.step_time_s)}",

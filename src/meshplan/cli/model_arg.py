@@ -1,0 +1,68 @@
+"""--model for every command: a preset or ModelSpec file (the transformer cost model), or any model
+through ingestion: ``hf:config.json``, ``module:pkg.mod:factory`` (traced on the meta device, needs
+torch), or a LayerGraph .json written by ``meshplan ingest --out`` (plans without torch)."""
+from __future__ import annotations
+
+from typing import Any
+
+from meshplan.errors import MeshplanError
+from meshplan.spec.graph import LayerGraph
+from meshplan.spec.model import ModelSpec
+
+INGESTED = ("hf:", "module:")
+
+
+def is_ingested(arg: str) -> bool:
+    return isinstance(arg, str) and arg.startswith(INGESTED)
+
+
+def _graph_file(arg: str) -> dict[str, Any] | None:
+    """The parsed file when ``arg`` is a .json/.toml holding a LayerGraph (it has a 'layers' list)."""
+    if not isinstance(arg, str) or not arg.endswith((".json", ".toml")):
+        return None
+    from meshplan.spec.io import read_data_file
+    data = read_data_file(arg)
+    return data if isinstance(data.get("layers"), list) else None
+
+
+def load_model_arg(arg: str, *, seq_len: int | None = None) -> ModelSpec | LayerGraph:
+    """A ModelSpec for presets and ModelSpec files; a LayerGraph for ingested models and graph files."""
+    if is_ingested(arg):
+        from meshplan.ingest import ingest  # imports torch (and transformers for hf:)
+        return ingest(arg, seq_len=seq_len)
+    data = _graph_file(arg)
+    if data is not None:
+        from meshplan.spec.base import from_dict
+        data = {k: v for k, v in data.items() if k not in ("schema_version", "meta")}
+        graph = from_dict(LayerGraph, data, where=arg)
+        if seq_len is not None and seq_len != graph.sample_tokens:
+            raise MeshplanError(f"--seq-len {seq_len}: {arg} was traced at {graph.sample_tokens} tokens per sample",
+                                hint=f"drop --seq-len, or ingest again: meshplan ingest --model {graph.source} "
+                                     f"--seq-len {seq_len} --out {arg}")
+        return graph
+    from meshplan.spec.io import load_model
+    return load_model(arg)
+
+
+def graph_text(graph: LayerGraph) -> list[str]:
+    """A summary of an ingested model: layers, distinct blocks, parameters, FLOPs, TP structure."""
+    from meshplan.cli.format import human
+    blocks = graph.distinct_blocks()
+    tp = graph.tp_degrees(64)
+    lines = [f"model    {graph.name} ({graph.source}): {human(graph.params)} parameters, {graph.num_layers} layers "
+             f"({len(blocks)} distinct), task {graph.task}, {graph.sample_tokens} tokens per sample",
+             f"FLOPs    {human(graph.fwd_flops)} forward + {human(graph.bwd_flops)} backward per sample; "
+             f"tensor parallel degrees allowed: {', '.join(map(str, tp))}"]
+    return lines
+
+
+def graph_table(graph: LayerGraph) -> str:
+    from meshplan.cli.format import human, table
+    rows = []
+    for bid, idx in graph.distinct_blocks().items():
+        la = graph.layers[idx[0]]
+        rows.append((bid, la.kind, len(idx), human(la.params), human(la.fwd_flops), human(la.bwd_flops),
+                     f"{la.saved_bytes / 2**20:.2f}", f"{la.output_bytes / 2**20:.2f}",
+                     f"{la.tp_style} x{la.tp_max}" if la.tp_style != "none" else "-"))
+    return table(["block", "kind", "count", "params", "fwd FLOPs", "bwd FLOPs", "saved MiB", "out MiB", "TP"],
+                 rows, "llrrrrrrl")
