@@ -88,8 +88,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from meshplan.cli.format import json_text
-    from meshplan.cli.views import estimate_text
     from meshplan.cli.model_arg import load_model_arg
+    from meshplan.cli.views import estimate_text
     from meshplan.cost import estimate
     from meshplan.spec.graph import LayerGraph
     from meshplan.spec.io import load_cluster, load_plan
@@ -120,8 +120,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if not is_ingested(args.model):
         raise MeshplanError(f"--model {args.model}: ingest takes hf:CONFIG.json or module:package.module:factory",
                             hint="presets and ModelSpec files need no ingestion; use them with estimate/plan")
-    from meshplan.ingest import ingest
     import time
+
+    from meshplan.ingest import ingest
     t0 = time.perf_counter()
     graph = ingest(args.model, seq_len=args.seq_len)
     took = time.perf_counter() - t0
