@@ -1,9 +1,10 @@
 """Hugging Face models from a config.json, with random weights, never downloading anything.
 
-The model class comes from the config's ``architectures`` (when transformers knows it), else from
-the model type through the auto mappings, tried in this order: causal LM, seq2seq LM, masked LM,
-image classification, sequence classification. The class fixes the task and so the synthetic
-batch and the loss (see docs/ingest.md).
+The model class comes from the config's ``architectures`` (when transformers knows it and it is a
+causal LM, seq2seq LM, masked LM or classification class), else from the model type through the
+auto mappings: seq2seq LM first for encoder-decoders, masked LM first for types that have one
+(encoders), else causal LM, seq2seq LM, masked LM, image classification, sequence classification.
+The class fixes the task and so the synthetic batch and the loss (see docs/ingest.md).
 """
 from __future__ import annotations
 
@@ -117,7 +118,12 @@ def pick_class(config: Any, path: str) -> tuple[type, str]:
         if cls is not None and arch in task_of:
             return cls, task_of[arch]
     mt = config.model_type
-    for mapping, task in TASK_MAPPINGS:
+    order = list(TASK_MAPPINGS)
+    if getattr(config, "is_encoder_decoder", False):  # T5, BART: seq2seq first
+        order.insert(0, order.pop(1))
+    elif mt in getattr(ma, "MODEL_FOR_MASKED_LM_MAPPING_NAMES", {}):  # encoders (BERT, RoBERTa): masked LM
+        order.insert(0, order.pop(2))
+    for mapping, task in order:
         name = getattr(ma, mapping, {}).get(mt)
         if isinstance(name, (tuple, list)):
             name = name[0]
@@ -137,6 +143,17 @@ def default_seq_len(config: Any, task: str) -> int:
     return SEQ2SEQ_DEFAULT_SEQ_LEN if task == "seq2seq-lm" else DEFAULT_SEQ_LEN
 
 
+def tf_version() -> str:
+    return _transformers().__version__
+
+
+def _major(version: str) -> int:
+    try:
+        return int(version.split(".")[0])
+    except ValueError:
+        return 0
+
+
 def _attn_impl(cls: type) -> str:
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
@@ -144,10 +161,11 @@ def _attn_impl(cls: type) -> str:
 def build_module(config: Any, cls: type, dtype: torch.dtype, device: str) -> nn.Module:
     """The model with random weights (the class's own init) on ``device``."""
     with quiet_transformers(), torch.device(device):
+        dt = "dtype" if _major(tf_version()) >= 5 else "torch_dtype"  # transformers 4 calls it torch_dtype
         try:
-            model = cls._from_config(config, attn_implementation=_attn_impl(cls), dtype=dtype)
-        except (ValueError, ImportError, TypeError):
-            model = cls._from_config(config, dtype=dtype)
+            model = cls._from_config(config, attn_implementation=_attn_impl(cls), **{dt: dtype})
+        except (ValueError, ImportError):  # the class refuses SDPA: its default attention
+            model = cls._from_config(config, **{dt: dtype})
     model.train()
     return model
 
