@@ -222,3 +222,23 @@ def test_import_does_not_load_torch():
     code = "import meshplan.ingest, sys; meshplan.ingest.parse_source('module:a.b:c'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("family, key", [("llama", "num_hidden_layers"), ("mixtral", "num_hidden_layers"),
+                                         ("gpt2", "n_layer"), ("t5", "num_layers")])
+def test_copied_blocks_equal_traced_blocks(tmp_path, family, key):
+    """Measuring two calls of a block and copying the second to the rest gives the numbers of
+    tracing every call (FLOPs, saved/output/send/memory bytes, TP fractions)."""
+    cfg = json.loads((DATA / f"{family}-tiny.json").read_text())
+    cfg[key] = 5
+    if family == "t5":
+        cfg["num_decoder_layers"] = 5
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    copied = ingest(f"hf:{tmp_path}", seq_len=32)
+    full = ingest(f"hf:{tmp_path}", seq_len=32, copy_blocks=False)
+    assert sum(1 for x in copied.layers if x.extra["measured"] == 0.0) == (4 if family == "t5" else 3)
+    assert all(x.extra["measured"] == 1.0 for x in full.layers)
+    strip = [{k: v for k, v in x.extra.items() if k != "measured"} for x in copied.layers]
+    assert [x.__class__(**{**x.__dict__, "extra": e}) for x, e in zip(copied.layers, strip)] == \
+        [x.__class__(**{**x.__dict__, "extra": {k: v for k, v in x.extra.items() if k != "measured"}})
+         for x in full.layers]

@@ -18,18 +18,21 @@ from meshplan.ingest.trace import LayerRec, Tracer, frontier, run
 from meshplan.spec.graph import LayerGraph, LayerSpec
 
 
-def ingest(source: str, *, seq_len: int | None = None, dtype: str = "float32", batch_size: int = 1) -> LayerGraph:
+def ingest(source: str, *, seq_len: int | None = None, dtype: str = "float32", batch_size: int = 1,
+           copy_blocks: bool = True) -> LayerGraph:
     """Measure ``source`` (``hf:config.json`` or ``module:pkg.mod:factory``) layer by layer.
 
     Builds the model on the meta device (no memory, no weights), runs forward, loss and backward
     of a synthetic batch of ``batch_size`` samples there and returns per-sample costs per layer.
+    ``copy_blocks=False`` traces every repeated block instead of copying the second one's numbers
+    (slower; the numbers are the same).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise MeshplanError(f"batch_size must be a positive integer, got {batch_size!r}")
     src = parse_source(source)
     t0 = time.perf_counter()
     built = build(src, device="meta", seq_len=seq_len, dtype=dtype)
-    return measure(built, batch_size=batch_size, started=t0)
+    return measure(built, batch_size=batch_size, started=t0, copy_blocks=copy_blocks)
 
 
 def _leaf_sig(x: Any) -> str:
@@ -40,7 +43,8 @@ def _leaf_sig(x: Any) -> str:
     return type(x).__name__
 
 
-def measure(built: Built, *, batch_size: int = 1, started: float | None = None) -> LayerGraph:
+def measure(built: Built, *, batch_size: int = 1, started: float | None = None,
+            copy_blocks: bool = True) -> LayerGraph:
     """The LayerGraph of an already built (meta) model."""
     t0 = started if started is not None else time.perf_counter()
     model = built.module
@@ -58,6 +62,7 @@ def measure(built: Built, *, batch_size: int = 1, started: float | None = None) 
         regions[id(u)] = [mods[r] for r in info.regions if r in mods]
 
     tracer = Tracer(model, units, regions)
+    tracer.copy_blocks = copy_blocks
 
     def key(rec: LayerRec, args: tuple, kwargs: dict) -> str:
         leaves = ",".join(_leaf_sig(x) for x in tree_flatten((args, kwargs))[0])

@@ -189,6 +189,7 @@ class Tracer(TorchDispatchMode):
         self.keep: list[Any] = []
         self.last_op = ""
         self.pre = Acc()
+        self.copy_blocks = True
         self.tp_inputs: set[int] = set()
         self.key_fn: Callable[[LayerRec, tuple, dict], str] = lambda rec, a, k: ""
         with torch.enable_grad():
@@ -381,7 +382,7 @@ class Tracer(TorchDispatchMode):
                 return orig(*args, **kwargs)
             rec = self.layers[self.current]
             done = self.measured.setdefault(rec.key, [])
-            if len(done) >= 2:
+            if len(done) >= 2 and self.copy_blocks:
                 out = self._passthrough(rec, self.layers[done[1]], args, kwargs)
                 if out is not None:
                     return out
