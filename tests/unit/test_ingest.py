@@ -191,8 +191,7 @@ def test_runtime_build_trains_on_cpu():
         loss = built.step(batch)
         loss.backward()
         assert torch.isfinite(loss), fam
-        assert all(p.grad is not None for p in built.module.parameters() if p.requires_grad
-                   and p.dim() > 1 and "relative_attention_bias" not in str(p.shape)), fam
+        assert all(p.grad is not None for p in built.module.parameters() if p.dim() > 1), fam
 
 
 def test_source_errors(tmp_path):
