@@ -1,17 +1,140 @@
-"""`meshplan export`: a plan as torchtitan / Megatron-LM / DeepSpeed settings (issue 6). Stub."""
+"""`meshplan export`: a plan as torchtitan / Megatron-LM / DeepSpeed settings (issue 6).
+
+The plan is a plan string or a plan file; a file written by `meshplan plan --out` also carries the
+model, global batch and sequence length, which --model/--global-batch/--seq-len override. The
+settings go to --out (or stdout); what the tool cannot express is listed on stderr and in the file.
+Importing this module is cheap (argparse only).
+"""
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
 
 from meshplan.errors import MeshplanError
 
+TARGETS = ("torchtitan", "megatron", "deepspeed")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write a plan as torchtitan, Megatron-LM or DeepSpeed settings")
-    p.add_argument("--plan", required=True)
-    p.add_argument("--to", required=True, choices=["torchtitan", "megatron", "deepspeed"])
-    p.add_argument("--out")
+    from meshplan.cli.args import positive_int
+    p = sub.add_parser(
+        "export", help="write a plan as torchtitan, Megatron-LM or DeepSpeed settings",
+        description="Write a plan as the settings of a training framework: a torchtitan job-config TOML "
+                    "(with the same settings as command-line overrides), Megatron-LM arguments (a bash array, "
+                    "or JSON with --out FILE.json) or a DeepSpeed config JSON. What the framework cannot "
+                    "express is printed on stderr and written into the file.")
+    p.add_argument("--plan", required=True,
+                   help="tp=..,pp=..,dp=..,micro_batch=..,... or a plan .json/.toml (as written by "
+                        "`meshplan plan --out`, which also records the model, global batch and seq len)")
+    p.add_argument("--to", required=True, choices=list(TARGETS), help="the framework")
+    p.add_argument("--out", help="write to this file (default: stdout)")
+    p.add_argument("--model", help="preset name or ModelSpec .toml/.json (default: the plan file's)")
+    p.add_argument("--global-batch", type=positive_int("--global-batch"),
+                   help="sequences per step (default: the plan file's)")
+    p.add_argument("--seq-len", type=positive_int("--seq-len"),
+                   help="tokens per sequence (default: the plan file's, else the model's)")
+
+
+def _plan_file_context(arg: str) -> dict[str, Any]:
+    """model / global_batch / seq_len recorded in a plan document (None where absent)."""
+    from meshplan.spec.io import read_data_file
+    if not arg.endswith((".toml", ".json")):
+        return {}
+    data = read_data_file(arg)
+    if "plan" not in data:
+        return {}
+    out: dict[str, Any] = {}
+    model = data.get("model")
+    if model is not None:
+        if not isinstance(model, str) or not model.strip():
+            raise MeshplanError(f"{arg}: 'model' must be a model name; got {model!r}",
+                                hint="fix the file or give --model")
+        out["model"] = model
+    for key in ("global_batch", "seq_len"):
+        v = data.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise MeshplanError(f"{arg}: '{key}' must be a positive integer; got {v!r}",
+                                hint=f"fix the file or give --{key.replace('_', '-')}")
+        out[key] = v
+    return out
+
+
+def _load_model(name: str, *, from_file: str | None) -> Any:
+    """A ModelSpec (preset or file). Ingested models (hf:, module:, layer-graph files) have no
+    transformer shape to write into a framework's settings."""
+    from meshplan.cli.model_arg import is_ingested
+    from meshplan.spec.io import load_model, read_data_file
+    where = f"{from_file}: model {name!r} recorded in the plan file" if from_file else f"--model {name}"
+    graph = is_ingested(name)
+    if not graph and name.endswith((".json", ".toml")):
+        try:
+            graph = isinstance(read_data_file(name).get("layers"), list)
+        except MeshplanError:
+            graph = False  # load_model reports it
+    if graph:
+        raise MeshplanError(f"{where}: export needs a transformer ModelSpec for the model shape; ingested models "
+                            "(hf:, module:, layer-graph files) are not supported",
+                            hint="give --model with the matching preset or a ModelSpec .toml/.json")
+    try:
+        return load_model(name)
+    except MeshplanError as e:
+        if from_file is None:
+            raise
+        raise MeshplanError(f"{where} cannot be loaded ({e.message})",
+                            hint="give --model PRESET or the ModelSpec .toml/.json it was planned with") from None
+
+
+def build_input(args: argparse.Namespace) -> Any:
+    from meshplan.export import ExportInput
+    from meshplan.spec.io import load_plan
+    from meshplan.spec.plan import Workload
+    plan = load_plan(args.plan)
+    ctx = _plan_file_context(args.plan)
+    model = None
+    if args.model is not None:
+        model = _load_model(args.model, from_file=None)
+    elif "model" in ctx:
+        try:
+            model = _load_model(ctx["model"], from_file=args.plan)
+        except MeshplanError:
+            if args.to != "deepspeed":  # the DeepSpeed config takes no model shape
+                raise
+    gb = args.global_batch if args.global_batch is not None else ctx.get("global_batch")
+    seq = args.seq_len if args.seq_len is not None else ctx.get("seq_len")
+    if seq is None and model is not None:
+        seq = model.seq_len
+    Workload(global_batch=gb or 1, seq_len=seq or 1)  # the bounds every command applies
+    return ExportInput(plan=plan, model=model, global_batch=gb, seq_len=seq)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise MeshplanError("meshplan export is not implemented yet")
+    from meshplan.export import export, formats, render
+    if args.to not in TARGETS:  # argparse checks choices; kept for direct callers
+        raise MeshplanError(f"unknown --to {args.to!r}", hint="use one of " + ", ".join(TARGETS))
+    fmt = None
+    if args.out is not None:
+        if not args.out.strip():
+            raise MeshplanError("empty --out path", hint="give a file name, or leave --out out for stdout")
+        ext = args.out.rsplit(".", 1)[-1].lower() if "." in args.out else ""
+        fmt = ext if ext in formats(args.to) else None
+    result = export(args.to, build_input(args))
+    text = render(result, fmt)
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        try:
+            with open(args.out, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise MeshplanError(f"cannot write --out {args.out}: {e.strerror or e}") from None
+    if result.unsupported:
+        print(f"meshplan export: {args.to} cannot express {len(result.unsupported)} part(s) of the plan "
+              "(written into the output too):", file=sys.stderr)
+        for line in result.unsupported:
+            print(f"  - {line}", file=sys.stderr)
+    if args.out is not None:
+        print(f"meshplan export: wrote {args.out}", file=sys.stderr)
+    return 0

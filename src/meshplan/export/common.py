@@ -1,0 +1,182 @@
+"""What every exporter shares: the input (plan + model + workload), the result, stage splits,
+the plan checks, and a small TOML writer. Pure Python: no torch, no target tool imported."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from meshplan.errors import MeshplanError
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+
+TARGETS = ("torchtitan", "megatron", "deepspeed")
+
+
+@dataclass(frozen=True)
+class ExportInput:
+    """A plan and what it runs on. ``model``, ``global_batch`` and ``seq_len`` may be unknown
+    (None); each exporter says which it needs (``require``)."""
+
+    plan: Plan
+    model: ModelSpec | None = None
+    global_batch: int | None = None
+    seq_len: int | None = None
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per optimizer step per data-parallel rank (the gradient accumulation
+        steps, or the pipeline's micro-batches under PP)."""
+        p = self.plan
+        return cast(int, self.global_batch) // (p.dp * p.micro_batch)
+
+
+@dataclass
+class ExportResult:
+    """One plan written for one tool.
+
+    ``config``: torchtitan -> the TOML tables (dict); megatron -> the argument list; deepspeed ->
+    the JSON object. ``overrides``: the same settings as command-line arguments (torchtitan's
+    ``--section.key value`` overrides, Megatron's argument list). ``unsupported``: one line per
+    part of the plan the tool cannot express (what was exported instead, how to get it).
+    ``notes``: what the exported settings need around them (code, environment, launch)."""
+
+    target: str
+    config: Any
+    overrides: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    title: str = ""
+
+
+# ---- inputs --------------------------------------------------------------------------------------
+
+def require(inp: ExportInput, target: str, *, model: bool, seq_len: bool) -> None:
+    """One-line errors for what ``target`` needs and the input lacks."""
+    if inp.global_batch is None:
+        raise MeshplanError(f"export --to {target} needs the global batch size (sequences per step)",
+                            hint="give --global-batch, or a plan file written by `meshplan plan --out`")
+    if model and inp.model is None:
+        raise MeshplanError(f"export --to {target} needs the model (its shape goes into the {target} settings)",
+                            hint="give --model PRESET or a ModelSpec .toml/.json, or a plan file written by "
+                                 "`meshplan plan --out`")
+    if seq_len and inp.seq_len is None:
+        raise MeshplanError(f"export --to {target} needs the sequence length",
+                            hint="give --seq-len (or --model, whose default is used)")
+
+
+def check_plan(inp: ExportInput) -> None:
+    """The feasibility checks that need no cluster: a plan that cannot run is not exported."""
+    from meshplan.spec import constraints as c
+    p, m = inp.plan, inp.model
+    seq = inp.seq_len if inp.seq_len is not None else 2 * p.cp  # unknown: skip the cp check
+    ctx = c.Context(model=cast(ModelSpec, m), cluster=cast(Any, None), plan=p,
+                    work=Workload(global_batch=cast(int, inp.global_batch), seq_len=seq))
+    checks = [c.batch_divides, c.schedule_fits, c.cp_divides_seq, c.sp_needs_tp, c.hybrid_valid, c.offload_valid]
+    if m is not None:
+        checks += [c.tp_divides_heads, c.tp_divides_ffn, c.layers_split, c.ep_valid]
+    for check in checks:
+        reason = check(ctx)
+        if reason:
+            what = f"model {m.name}, " if m is not None else ""
+            raise MeshplanError(f"plan {p.short()} cannot run ({what}global batch {inp.global_batch}): {reason}",
+                                hint="fix the plan, or let `meshplan plan` pick one")
+
+
+# ---- pipeline stages -----------------------------------------------------------------------------
+
+def _even(n: int, k: int) -> list[int]:
+    base, extra = divmod(n, k)
+    return [base + (1 if i < extra else 0) for i in range(k)]
+
+
+def stage_ids_for_rank(pp_rank: int, plan: Plan) -> list[int]:
+    """Global stage indices held by one pipeline rank: looped (r, r+pp, ...) or V-shaped (zbv);
+    the same rule as the runtime and torch.distributed.pipelining."""
+    pp, v = plan.pp, plan.virtual_stages
+    if plan.schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(v)]
+
+
+def stage_layer_counts(num_layers: int, plan: Plan) -> list[int]:
+    """Transformer blocks per global pipeline stage (pp * virtual_stages of them, model order).
+    ``plan.stage_layers`` gives blocks per pipeline rank, split evenly over the rank's chunks."""
+    v = plan.virtual_stages
+    if plan.stage_layers is None:
+        return _even(num_layers, plan.pp * v)
+    counts = [0] * (plan.pp * v)
+    for r, n in enumerate(plan.stage_layers):
+        for i, c in zip(stage_ids_for_rank(r, plan), _even(n, v)):
+            counts[i] = c
+    return counts
+
+
+def recompute_layers_per_chunk(plan: Plan, counts: list[int]) -> int | None:
+    """With recompute=full: blocks recomputed per model chunk (the runtime recomputes the first
+    ``recompute_layers`` blocks of each chunk). None: every block."""
+    k = plan.recompute_layers
+    if k is None or k >= max(counts):
+        return None
+    return k
+
+
+# ---- output --------------------------------------------------------------------------------------
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(k: str) -> str:
+    return k if _BARE_KEY.match(k) else json.dumps(k)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")  # pragma: no cover - exporters write plain values
+
+
+def toml_text(tables: dict[str, dict[str, Any]]) -> str:
+    """Nested dicts of scalars/lists as TOML: one [table] per dict, sub-dicts as [a.b] tables."""
+    out: list[str] = []
+
+    def emit(prefix: str, table: dict[str, Any]) -> None:
+        scalars = [(k, v) for k, v in table.items() if not isinstance(v, dict)]
+        subs = [(k, v) for k, v in table.items() if isinstance(v, dict)]
+        if scalars:
+            out.append(f"[{prefix}]")
+            out.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars)
+            out.append("")
+        for k, v in subs:
+            emit(f"{prefix}.{_toml_key(k)}", v)
+
+    for name, table in tables.items():
+        emit(_toml_key(name), table)
+    return "\n".join(out)
+
+
+def comment_block(lines: list[str], prefix: str = "# ") -> str:
+    return "".join(f"{prefix}{line}\n" if line else prefix.rstrip() + "\n" for line in lines)
+
+
+def describe(inp: ExportInput) -> list[str]:
+    """Header lines: what was exported."""
+    p = inp.plan
+    lines = [f"plan: {p.short()}  ({p.num_gpus} GPUs: tp*pp*dp*cp = {p.tp}*{p.pp}*{p.dp}*{p.cp})"]
+    if inp.model is not None:
+        lines.append(f"model: {inp.model.name}")
+    if inp.global_batch is not None:
+        work = f"global batch {inp.global_batch}"
+        if inp.seq_len is not None:
+            work += f" x {inp.seq_len} tokens"
+        work += f", {inp.microbatches} micro-batches of {p.micro_batch} per data-parallel rank per step"
+        lines.append(work)
+    return lines
