@@ -65,22 +65,24 @@ def quiet_transformers() -> Iterator[None]:
 def meta_patches() -> Iterator[None]:
     """transformers code that reads tensor values on the way, made shape-only for the trace.
 
-    ``masking_utils.find_packed_sequence_indices`` checks whether the position ids describe several
-    sequences packed in one row (``.all()`` on a tensor): a synthetic batch never is, so it returns
-    None (what it returns for an unpacked batch) while tracing."""
+    ``transformers.masking_utils`` checks attention masks and position ids with ``bool(tensor)``
+    ("is every token unmasked?", "is the batch unpacked?"): for the synthetic batch (no padding, one
+    sequence per row) the answer is True, so those checks answer True while tracing."""
+    from meshplan.ingest import trace
+
     try:
         from transformers import masking_utils
     except ImportError:  # pragma: no cover - old transformers
         yield
         return
-    old = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if old is not None:
-        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    path = masking_utils.__file__
+    added = path not in trace.ASSUME_TRUE
+    trace.ASSUME_TRUE.add(path)
     try:
         yield
     finally:
-        if old is not None:
-            masking_utils.find_packed_sequence_indices = old
+        if added:
+            trace.ASSUME_TRUE.discard(path)
 
 
 def load_config(src: Source) -> Any:

@@ -19,14 +19,16 @@ from torch import nn
 COLUMN = frozenset({
     "q_proj", "k_proj", "v_proj", "qkv_proj", "q", "k", "v", "query", "key", "value", "c_attn", "qkv", "wqkv",
     "query_key_value", "wq", "wk", "wv", "in_proj", "gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "c_fc",
-    "fc1", "fc_in", "wi", "wi_0", "wi_1", "dense_h_to_4h", "lin1", "linear1",
+    "fc1", "fc_in", "wi", "wi_0", "wi_1", "dense_h_to_4h", "lin1", "linear1", "q_lin", "k_lin", "v_lin",
+    "q_b_proj", "kv_b_proj",
 })
 ROW = frozenset({
     "o_proj", "o", "out_proj", "c_proj", "dense", "down_proj", "w2", "wo", "fc2", "fc_out", "dense_4h_to_h",
-    "proj", "lin2", "linear2",
+    "proj", "lin2", "linear2", "out_lin",
 })
 ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "q", "k", "v", "query", "key", "value", "c_attn",
-                       "qkv", "wqkv", "query_key_value", "wq", "wk", "wv", "in_proj"})
+                       "qkv", "wqkv", "query_key_value", "wq", "wk", "wv", "in_proj", "q_lin", "k_lin", "v_lin",
+                       "q_b_proj", "kv_b_proj"})
 HEAD_ATTRS = ("num_attention_heads", "num_heads", "n_head", "n_heads")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads")
 
@@ -175,13 +177,22 @@ def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (Non
     info = TPInfo()
     if not pairs:
         return info
-    # experts: pairs whose scopes are children of one ModuleList/ModuleDict reduce once together
-    groups: dict[str, list[list[_Matrix]]] = {}
+    # one all-reduce per MoE layer: its experts (pairs under one ModuleList/ModuleDict, or fused
+    # expert parameters) and any other pair beside them (a shared expert) are summed first
+    def parent(path: str) -> str:
+        return path.rsplit(".", 1)[0] if "." in path else ""
+
+    moe: set[str] = set()
     for pair in pairs:
         scope = pair[-1].scope
-        parent = scope.rsplit(".", 1)[0] if "." in scope else ""
-        key = parent if isinstance(mods.get(parent), (nn.ModuleList, nn.ModuleDict)) else f"#{scope}#{id(pair)}"
-        groups.setdefault(key, []).append(pair)
+        if isinstance(mods.get(parent(scope)), (nn.ModuleList, nn.ModuleDict)):
+            moe.add(parent(parent(scope)))
+        elif pair[-1].leaf != pair[-1].module.rsplit(".", 1)[-1] and mods[pair[-1].module] is not block:
+            moe.add(parent(scope))  # fused experts: the MoE module holding them
+    groups: set[str] = set()
+    for i, pair in enumerate(pairs):
+        up = [p for p in moe if pair[-1].scope == p or pair[-1].scope.startswith(p + ".") or p == ""]
+        groups.add(f"moe:{max(up, key=len)}" if up else f"pair:{i}")
     info.style, info.pairs = "megatron", len(groups)
     caps: list[int] = []
     heads, kv = _heads(block, config_heads, pairs)
@@ -190,8 +201,8 @@ def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (Non
         row = pair[-1]
         owners |= {m.module for m in pair}
         if any(m.leaf.lower() in ATTENTION for m in pair[:-1]):
-            if heads:
-                caps += [heads, kv or heads]
+            if heads:  # multi-query (one k/v head): the k/v head is replicated on every rank
+                caps += [heads] if kv == 1 else [heads, kv or heads]
             else:
                 caps.append(row.in_width)
                 info.notes.append(f"attention heads unknown: TP degree bounded by width {row.in_width}")
