@@ -21,7 +21,7 @@ from meshplan.runtime.mesh import build_mesh, check_supported
 from meshplan.runtime.train import RunConfig, Trainer, init_distributed, reference_run
 from meshplan.spec.io import load_model, parse_plan
 
-_REF_CACHE: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
+_REF_CACHE: dict[str, tuple[list[float], list[float], dict[str, torch.Tensor]]] = {}
 
 
 NOISE_ONLY = (".attention.wk.bias",)
@@ -37,20 +37,24 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_case(case: dict, device: torch.device) -> dict:
     model = load_model(case["model"]).replace(**case.get("overrides", {}))
     plan = parse_plan(case["plan"])
-    check_supported(model, plan, dist.get_world_size())
     cfg = RunConfig(model=model, plan=plan, global_batch=case["global_batch"],
                     seq_len=case.get("seq_len", 32), steps=case["steps"])
+    check_supported(model, plan, dist.get_world_size(), cfg.seq_len)
     key = json.dumps([case["model"], case.get("overrides", {}), case["global_batch"], cfg.seq_len,
                       case["steps"], plan.precision, plan.recompute != "none"])
     if key not in _REF_CACHE:
         _REF_CACHE[key] = reference_run(cfg, cfg.steps)
-    ref_losses, ref_w = _REF_CACHE[key]
+    ref_losses, ref_norms, ref_w = _REF_CACHE[key]
     mesh = build_mesh(plan, device.type)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, mesh, device)
-    losses = [trainer.train_step() for _ in range(cfg.steps)]
+    losses, norms = [], []
+    for _ in range(cfg.steps):
+        losses.append(trainer.train_step())
+        norms.append(float(trainer.grad_norm))
     weights = trainer.full_weights()
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    norm_err = max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms))
     w_err = max(rel(weights[k], ref_w[k]) for k in weights if not k.endswith(NOISE_ONLY))
     noise_err = max([float((weights[k] - ref_w[k]).abs().max()) for k in weights if k.endswith(NOISE_ONLY)],
                     default=0.0)
@@ -58,10 +62,12 @@ def run_case(case: dict, device: torch.device) -> dict:
     per_param = {k: rel(weights[k], ref_w[k]) for k in weights if k in ref_w and not k.endswith(NOISE_ONLY)}
     worst = sorted(per_param, key=per_param.get)[-3:]
     return {"name": case["name"], "ok": True, "losses": losses, "ref_losses": ref_losses,
-            "loss_rel_err": loss_err, "weight_rel_err": w_err, "noise_param_abs_err": noise_err,
+            "loss_rel_err": loss_err, "grad_norm_rel_err": norm_err, "norms": norms, "ref_norms": ref_norms,
+            "weight_rel_err": w_err, "noise_param_abs_err": noise_err,
             "params": sorted(weights),
             "ref_params": sorted(ref_w), "unknown_params": missing,
-            "worst": {k: per_param[k] for k in worst}, "seconds": time.perf_counter() - t0}
+            "worst": {k: per_param[k] for k in worst}, "notes": trainer.par.notes,
+            "seconds": time.perf_counter() - t0}
 
 
 def main() -> int:

@@ -67,7 +67,7 @@ class Job:
 def check_job(job: Job) -> None:
     """Bad input, caught before anything starts: one-line MeshplanErrors."""
     from meshplan.runtime import mesh as mesh_mod  # imports torch; only reached by `train`
-    mesh_mod.check_supported(job.model, job.plan, job.world_size)
+    mesh_mod.check_supported(job.model, job.plan, job.world_size, job.seq_len)
     if job.seq_len > (job.model.max_position_embeddings or job.seq_len) and job.model.position == "learned":
         raise MeshplanError(f"--seq-len {job.seq_len} exceeds the model's "
                             f"{job.model.max_position_embeddings} positions")
@@ -189,7 +189,7 @@ def worker_main(job: Job) -> int:
     from meshplan.runtime.train import RunConfig, Trainer, init_distributed, maybe_fail, timed_step
     if in_torchrun():
         device = init_distributed(float(os.environ.get("MESHPLAN_PG_TIMEOUT", job.pg_timeout_s)))
-        check_supported(job.model, job.plan, dist.get_world_size())
+        check_supported(job.model, job.plan, dist.get_world_size(), job.seq_len)
     else:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -197,6 +197,10 @@ def worker_main(job: Job) -> int:
     cfg = RunConfig(model=job.model, plan=job.plan, global_batch=job.global_batch, seq_len=job.seq_len,
                     steps=job.steps, lr=job.lr, seed=job.seed, data=job.data)
     trainer = Trainer(cfg, mesh, device)
+    if rank0:  # plan fields this hardware cannot honour: said once, and kept with the metrics
+        for note in trainer.par.notes:
+            print(f"meshplan: warning: {note}", file=sys.stderr, flush=True)
+            _write(job.metrics, {"kind": "warning", "message": note})
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     if job.checkpoint_dir and (job.resume or (restarted and ckpt.read_meta(job.checkpoint_dir))):
         ckpt.load(trainer, job.checkpoint_dir)
@@ -228,7 +232,8 @@ def worker_main(job: Job) -> int:
         est = estimate_for(job, device.type)
         print(summary_text(measured, est), flush=True)
         _write(job.metrics, {"kind": "summary", "plan": job.plan.short(), "model": job.model.name,
-                             "world_size": job.world_size, "measured": measured, "estimate": est})
+                             "world_size": job.world_size, "measured": measured, "estimate": est,
+                             "warnings": trainer.par.notes})
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -1,9 +1,14 @@
 """Plan -> torch DeviceMesh.
 
-Axes, outermost to innermost: pp, dp_replicate, dp_shard, tp (the planner's pp, dp, cp, tp
-with dp split for hybrid sharding; cp is not run, see ``check_supported``). TP groups are
-consecutive ranks, so on GPUs they share a node's fastest links. Every axis is created, size 1
-included, so that code never branches on which axes exist.
+The planner's axes, outermost to innermost: pp, dp, cp, tp. TP groups are consecutive ranks, so
+on GPUs they share a node's fastest links. All meshes here come from one root (pp, dp_cp, tp)
+by unflattening dp_cp, so that FSDP can combine any of them with the TP mesh:
+
+    world   (pp, dp, cp, tp)                          coordinates; cp groups
+    fsdp    (pp, dp_replicate, dp_shard, tp)          dp x cp split for FSDP/HSDP (ZeRO shards over dp x cp)
+    experts (pp, edp_replicate, edp_shard, ep, tp)    ep > 1: the ep group = innermost ep ranks of dp x cp;
+                                                      expert replicas = the rest, split for FSDP/HSDP
+Every axis is created, size 1 included, so that code never branches on which axes exist.
 """
 from __future__ import annotations
 
@@ -16,45 +21,66 @@ from meshplan.errors import MeshplanError
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp", "cp", "tp")
 
 
 def dp_split(plan: Plan) -> tuple[int, int]:
-    """(replicate, shard) sizes of the data-parallel axis: DDP replicates over all of dp;
-    FSDP shards over all of dp; HSDP shards within groups of shard_group and replicates across."""
+    """(replicate, shard) sizes of the dp x cp ranks: DDP replicates over all of them; FSDP
+    shards over all; HSDP shards within groups of shard_group and replicates across."""
+    n = plan.dp * plan.cp
     if plan.zero == 0:
-        return plan.dp, 1
+        return n, 1
     shard = plan.effective_shard
-    return plan.dp // shard, shard
+    return n // shard, shard
 
 
-def check_supported(model: ModelSpec, plan: Plan, world_size: int) -> None:
+def expert_split(plan: Plan) -> tuple[int, int]:
+    """(replicate, shard) sizes of an expert's replicas (dp x cp / ep ranks). Experts are sharded
+    within the dense shard group when ep divides it (HSDP keeps its groups), else replicated."""
+    n = plan.dp * plan.cp // plan.ep
+    if plan.zero == 0:
+        return n, 1
+    _, shard = dp_split(plan)
+    eshard = shard // plan.ep if shard % plan.ep == 0 else 1
+    return n // eshard, eshard
+
+
+def check_supported(model: ModelSpec, plan: Plan, world_size: int, seq_len: int | None = None) -> None:
     """Raise a one-line MeshplanError for a plan this runtime cannot execute."""
     if plan.num_gpus != world_size:
         raise MeshplanError(
             f"plan needs {plan.num_gpus} processes (tp={plan.tp} x pp={plan.pp} x dp={plan.dp} x "
             f"cp={plan.cp}) but {world_size} were started",
             hint=f"use --nproc-per-node {plan.num_gpus} (x --nnodes) or change the plan")
-    if plan.cp > 1:
-        raise MeshplanError("plan: cp>1 is not supported by the runtime yet (PyTorch's context "
-                            "parallel needs CUDA SDPA kernels)", hint="use cp=1")
+    n = plan.dp * plan.cp
+    if plan.cp > 1 and seq_len is not None and seq_len % (2 * plan.cp):
+        raise MeshplanError(f"plan: cp={plan.cp} needs a sequence length divisible by 2*cp = {2 * plan.cp} "
+                            f"(load-balanced chunks), got {seq_len}", hint="change --seq-len or cp")
     if plan.ep > 1:
-        raise MeshplanError("plan: ep>1 is not supported by the runtime yet (experts are "
-                            "replicated or tensor-parallel)", hint="use ep=1")
-    if plan.zero and plan.shard_group and plan.dp % plan.effective_shard:
-        raise MeshplanError(f"plan: shard_group={plan.shard_group} does not divide dp={plan.dp}")
+        if not model.is_moe:
+            raise MeshplanError(f"plan: ep={plan.ep} but model {model.name} has no experts", hint="use ep=1")
+        if model.num_experts % plan.ep:
+            raise MeshplanError(f"plan: ep={plan.ep} does not divide the model's {model.num_experts} experts")
+        if n % plan.ep:
+            raise MeshplanError(f"plan: ep={plan.ep} must divide dp*cp = {n} (expert parallelism is carved "
+                                "out of the data-parallel ranks)")
+    if plan.zero and plan.shard_group and n % plan.effective_shard:
+        raise MeshplanError(f"plan: shard_group={plan.shard_group} does not divide dp*cp={n}")
     if plan.tp > 1:
-        for name, n in (("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.kv_heads),
-                        ("ffn_hidden_size", model.ffn_hidden_size), ("vocab_size", model.vocab_size)):
-            if n % plan.tp:
-                raise MeshplanError(f"plan: tp={plan.tp} does not divide the model's {name}={n}")
+        sizes = [("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.kv_heads),
+                 ("ffn_hidden_size", model.ffn_hidden_size), ("vocab_size", model.vocab_size)]
+        if model.is_moe:
+            sizes.append(("expert_ffn_hidden_size", model.expert_ffn))
+        for name, size in sizes:
+            if size % plan.tp:
+                raise MeshplanError(f"plan: tp={plan.tp} does not divide the model's {name}={size}")
     if plan.pp > 1 and model.tied_embeddings:
         raise MeshplanError(f"model {model.name}: tied embeddings with pp>1 are not supported yet "
                             "(the embedding and the output projection live on different stages)",
                             hint="use pp=1 or a model with tied_embeddings=false")
-    if plan.schedule in ("zero-bubble", "zbv") and plan.pp > 1 and plan.dp > 1:
-        raise MeshplanError(f"plan: schedule={plan.schedule} with dp>1 gives wrong gradients on "
-                            "torch 2.13 (zero-bubble + FSDP/DDP)", hint="use interleaved-1f1b or dp=1")
+    if plan.schedule in ("zero-bubble", "zbv") and plan.pp > 1 and n > 1:
+        raise MeshplanError(f"plan: schedule={plan.schedule} with dp*cp>1 gives wrong gradients on "
+                            "torch 2.13 (zero-bubble + FSDP/DDP)", hint="use interleaved-1f1b or dp=cp=1")
     if plan.schedule == "zbv" and plan.pp > 1 and plan.virtual_stages != 2:
         raise MeshplanError("plan: schedule=zbv needs virtual_stages=2")
     if plan.stage_layers is not None and sum(plan.stage_layers) != model.num_layers:
@@ -64,17 +90,34 @@ def check_supported(model: ModelSpec, plan: Plan, world_size: int) -> None:
 
 @dataclass(frozen=True)
 class RuntimeMesh:
-    """The world mesh and the coordinates of this rank."""
+    """The meshes of a run and the coordinates of this rank."""
 
     world: DeviceMesh
+    """(pp, dp, cp, tp)."""
+    fsdp: DeviceMesh
+    """(pp, dp_replicate, dp_shard, tp): how FSDP/HSDP split dp x cp."""
     dp_mesh: DeviceMesh
-    """All data-parallel ranks as one axis (for data, loss averaging and DDP)."""
+    """All of dp x cp as one axis: the ranks that average gradients and the loss (DDP's group)."""
+    experts: DeviceMesh | None
+    """(pp, edp_replicate, edp_shard, ep, tp) when ep > 1."""
+    expert_dp: DeviceMesh | None
+    """An expert's replicas (dp x cp / ep ranks) as one axis, when ep > 1 (a manual all-reduce)."""
     pp: int
     dp: int
+    cp: int
     tp: int
+    ep: int
     pp_rank: int
     dp_rank: int
+    """Index on the dp axis: which rows of the global batch this rank reads."""
+    cp_rank: int
     tp_rank: int
+    ep_rank: int
+
+    @property
+    def ndp(self) -> int:
+        """Ranks averaging gradients: dp * cp."""
+        return self.dp * self.cp
 
     def sub(self, *axes: str) -> DeviceMesh:
         return self.world[axes] if len(axes) > 1 else self.world[axes[0]]
@@ -85,15 +128,41 @@ class RuntimeMesh:
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
+        """dp x cp (gradient and loss averaging)."""
         return self.dp_mesh.get_group()
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.world.get_group("cp")
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        assert self.experts is not None
+        return self.experts.get_group("ep")
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        rep = self.fsdp.size(self.fsdp.mesh_dim_names.index("dp_replicate"))
+        return self.fsdp["dp_replicate", "dp_shard"] if rep > 1 else self.fsdp["dp_shard"]
+
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        assert self.experts is not None
+        rep = self.experts.size(self.experts.mesh_dim_names.index("edp_replicate"))
+        return self.experts["edp_replicate", "edp_shard"] if rep > 1 else self.experts["edp_shard"]
 
 
 def build_mesh(plan: Plan, device_type: str) -> RuntimeMesh:
-    """A DeviceMesh with the four axes for ``plan`` (process group must already exist)."""
-    rep, shard = dp_split(plan)
-    world = init_device_mesh(device_type, (plan.pp, rep, shard, plan.tp), mesh_dim_names=AXES)
-    dp_mesh = world["dp_replicate", "dp_shard"]._flatten("dp")
-    return RuntimeMesh(world=world, dp_mesh=dp_mesh, pp=plan.pp, dp=plan.dp, tp=plan.tp,
-                       pp_rank=world.get_local_rank("pp"), dp_rank=dp_mesh.get_local_rank(),
-                       tp_rank=world.get_local_rank("tp"))
-
+    """The meshes for ``plan`` (the process group must already exist)."""
+    n = plan.dp * plan.cp
+    base = init_device_mesh(device_type, (plan.pp, n, plan.tp), mesh_dim_names=("pp", "dp_cp", "tp"))
+    world = base._unflatten("dp_cp", (plan.dp, plan.cp), ("dp", "cp"))
+    fsdp = base._unflatten("dp_cp", dp_split(plan), ("dp_replicate", "dp_shard"))
+    experts = expert_dp = None
+    if plan.ep > 1:
+        experts = base._unflatten("dp_cp", (*expert_split(plan), plan.ep), ("edp_replicate", "edp_shard", "ep"))
+        expert_dp = experts["edp_replicate", "edp_shard"]._flatten("edp")
+    return RuntimeMesh(world=world, fsdp=fsdp, dp_mesh=base["dp_cp"], experts=experts, expert_dp=expert_dp,
+                       pp=plan.pp, dp=plan.dp,
+                       cp=plan.cp, tp=plan.tp, ep=plan.ep, pp_rank=world.get_local_rank("pp"),
+                       dp_rank=world.get_local_rank("dp"), cp_rank=world.get_local_rank("cp"),
+                       tp_rank=world.get_local_rank("tp"),
+                       ep_rank=experts.get_local_rank("ep") if experts is not None else 0)

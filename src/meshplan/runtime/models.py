@@ -7,7 +7,7 @@ parallelism; the pieces are named so that ``parallelize`` can act on them from o
 
     embed.tok, embed.pos, embed.norm      token / learned-position embeddings (+ BLOOM's norm)
     layers["i"].attention.{wq,wk,wv,wo}   projections; attention.core is the softmax(QK^T)V part
-    layers["i"].feed_forward.{w1,w2,w3}   MLP (w3 only for gated MLPs) or .gate + .experts[e]
+    layers["i"].feed_forward.{w1,w2,w3}   MLP (w3 only for gated MLPs) or .gate + .experts["e"]
     norm, output                          final norm and output projection
 
 Any of ``embed``, ``norm`` and ``output`` may be None (a pipeline stage keeps only its part);
@@ -117,15 +117,31 @@ class FeedForward(nn.Module):
         return self.w2(a)
 
 
+class Experts(nn.ModuleDict):
+    """Expert MLPs keyed by global expert index ("0" .. "E-1"; a subset under expert parallelism).
+    One forward for all of them, so that FSDP gathers their parameters once per layer."""
+
+    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [expert(x) for expert, x in zip(self.values(), xs)]
+
+
 class MoE(nn.Module):
     """Top-k routed experts (softmax router, weights renormalised over the chosen k: Mixtral).
-    Experts are computed one after another on the tokens routed to them; no token dropping."""
+    Token copies are sorted by expert, each expert runs once on its rows (also on none: every
+    expert always gets a gradient, so all ranks agree on what the optimizer updates), and the
+    weighted outputs are summed back per token in expert order. No token dropping.
+    ``dispatch`` is the seam for expert parallelism (``runtime.expert_parallel``)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.top_k = spec.experts_per_token
+        self.num_experts = spec.num_experts
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
-        self.experts = nn.ModuleList(FeedForward(spec, spec.expert_ffn) for _ in range(spec.num_experts))
+        self.experts = Experts({str(e): FeedForward(spec, spec.expert_ffn) for e in range(spec.num_experts)})
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert outputs for ``rows`` (token copies sorted by expert; ``counts[e]`` rows each)."""
+        return torch.cat(self.experts(list(rows.split(counts.tolist()))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -133,13 +149,12 @@ class MoE(nn.Module):
         probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
-        out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            if token.numel():
-                y = expert(flat[token]) * weights[token, slot, None]
-                out = out.index_add(0, token, y)
-        return out.view(shape)
+        choice = chosen.reshape(-1)  # copy a = token * top_k + slot
+        order = torch.argsort(choice, stable=True)
+        token = order // self.top_k
+        counts = torch.bincount(choice, minlength=self.num_experts)
+        y = self.dispatch(flat[token], counts) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add(0, token, y).view(shape)
 
 
 class Block(nn.Module):
@@ -162,11 +177,14 @@ class Embeddings(nn.Module):
         rows = max(spec.max_position_embeddings or spec.seq_len, seq_len)
         self.pos = nn.Embedding(rows, spec.hidden_size) if spec.position == "learned" else None
         self.norm = _norm(spec) if spec.embedding_norm else None
+        self.positions: torch.Tensor | None = None
+        """Global positions of the input's tokens (set under context parallelism); None: 0..s-1."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok(tokens)
         if self.pos is not None:
-            h = h + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            pos = self.positions if self.positions is not None else torch.arange(tokens.shape[1], device=tokens.device)
+            h = h + self.pos(pos)
         return self.norm(h) if self.norm is not None else h
 
 

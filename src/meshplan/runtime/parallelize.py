@@ -2,17 +2,22 @@
 
 1. pipeline split   the full model is built (same seed on every rank), then each pipeline
                     stage keeps its blocks (plan.stage_layers, virtual stages) and drops the rest;
-2. TP / SP          DTensor parallelize_module: Megatron column/row split of attention and MLP,
-                    sequence-sharded norms with sequence_parallel; needs the unsharded params;
-3. CP               not run (cp>1 is rejected by mesh.check_supported);
-4. recompute        checkpoint_wrapper per block (full, first recompute_layers of each stage),
+2. EP               ep > 1: each MoE layer keeps this rank's experts and dispatches tokens to the
+                    others with all-to-all (``expert_parallel``);
+3. TP / SP          DTensor parallelize_module: Megatron column/row split of attention and MLP
+                    (and of every local expert), sequence-sharded norms with sequence_parallel;
+4. CP               cp > 1: global positions and all-gather attention (``context_parallel``);
+5. recompute        checkpoint_wrapper per block (full, first recompute_layers of each stage),
                     around the core attention (selective), or op-level SAC (op); it wraps the
                     TP-annotated modules so recomputation replays their collectives;
-5. data parallel    zero=0: DDP (a manual, flattened gradient all-reduce when params are
-                    DTensors, which DDP cannot hold, or under PP); zero 1-3: FSDP2 fully_shard per block then per stage,
-                    on a 2-D (replicate, shard) mesh for HSDP; last, because it shards whatever
-                    the earlier steps produced;
-6. precision        FSDP2 MixedPrecisionPolicy (bf16/fp16 params, fp32 reduce), else autocast.
+6. compile          torch.compile per block (fullgraph), after TP and recomputation;
+7. data parallel    over dp x cp. zero=0: DDP (a manual, flattened gradient all-reduce when
+                    params are DTensors, which DDP cannot hold, under PP, or with EP); zero 1-3:
+                    FSDP2 fully_shard per block then per stage, on a 2-D (replicate, shard) mesh
+                    for HSDP, experts first on their own (replicas-only) mesh; last, because it
+                    shards whatever the earlier steps produced; CPUOffloadPolicy for offload on GPUs;
+8. precision        FSDP2 MixedPrecisionPolicy (bf16/fp16 params, fp32 reduce), else autocast;
+                    fp8: torchao float8 linears where the GPU and torchao allow, else bf16 (noted).
 
 FSDP2 has no ZeRO-1/2 switch: zero=3 reshards parameters after forward (not under PP, where it
 would all-gather once per micro-batch), zero=1 and zero=2 keep them unsharded from forward to
@@ -29,12 +34,14 @@ import torch
 from torch import nn
 
 from meshplan.errors import MeshplanError
-from meshplan.runtime.mesh import RuntimeMesh, dp_split
+from meshplan.runtime.context_parallel import apply_cp
+from meshplan.runtime.expert_parallel import shard_experts
+from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.models import Transformer, loss_fn
 from meshplan.spec.plan import Plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "fp32": torch.float32}
-"""Compute dtype per plan precision (fp8 runs as bf16: no fp8 linears in this runtime)."""
+"""Compute dtype per plan precision (fp8: the dtype around torchao's float8 linears, or the fallback)."""
 
 
 @dataclass
@@ -51,6 +58,8 @@ class Parallelized:
     dp_mode: str = "none"
     """none | ddp | manual (all-reduce by hand) | fsdp."""
     autocast: torch.dtype | None = None
+    notes: list[str] = field(default_factory=list)
+    """Plan fields this hardware cannot honour, and what runs instead (one line each)."""
 
     @property
     def has_first(self) -> bool:
@@ -146,7 +155,7 @@ def apply_tp(part: Transformer, tp_mesh: Any, sp: bool) -> None:
                                                       desired_input_layouts=(Replicate(),),
                                                       use_local_output=True)
         ff = block.feed_forward
-        mlps = [(f"feed_forward.experts.{e}", m) for e, m in enumerate(ff.experts)] if hasattr(ff, "experts") \
+        mlps = [(f"feed_forward.experts.{e}", m) for e, m in ff.experts.items()] if hasattr(ff, "experts") \
             else [("feed_forward", ff)]
         moe = hasattr(ff, "experts")
         for prefix, mlp in mlps:
@@ -201,19 +210,60 @@ def apply_ac(part: Transformer, plan: Plan) -> None:
                                                    context_fn=_op_sac_context)
 
 
-# ---- 5/6. data parallel and precision ----------------------------------------------------------
-def apply_fsdp(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    rep, _ = dp_split(plan)
-    dp_mesh = mesh.sub("dp_replicate", "dp_shard") if rep > 1 else mesh.sub("dp_shard")
+# ---- 5. torch.compile --------------------------------------------------------------------------
+def _inner(module: nn.Module) -> nn.Module:
+    """The module under checkpoint_wrapper / torch.compile wrappers."""
+    for attr in ("_checkpoint_wrapped_module", "_orig_mod"):
+        while hasattr(module, attr):
+            module = getattr(module, attr)
+    return module
+
+
+def apply_compile(part: Transformer) -> None:
+    """torch.compile per block, fullgraph (after TP and recomputation, before FSDP, whose hooks
+    stay outside the compiled code: torchtitan's order). MoE blocks route tokens with
+    data-dependent shapes and collectives: there the attention and each expert MLP are compiled
+    (fullgraph), the router and the dispatch run eagerly."""
+    for name in list(part.layers.keys()):
+        block = part.layers[name]
+        inner = _inner(block)
+        ff = inner.feed_forward
+        if hasattr(ff, "experts"):
+            inner.attention = torch.compile(inner.attention, fullgraph=True)
+            for key in list(ff.experts.keys()):
+                ff.experts[key] = torch.compile(ff.experts[key], fullgraph=True)
+        else:
+            part.layers[name] = torch.compile(block, fullgraph=True)
+
+
+# ---- 6/7. data parallel and precision ----------------------------------------------------------
+def _offload_policy(plan: Plan, device: torch.device) -> Any:
+    """FSDP2 CPUOffloadPolicy for offload_params / offload_optimizer on an accelerator, else None.
+    FSDP2 has no optimizer-only offload: its policy keeps the sharded parameters, gradients and
+    AdamW states in host memory and steps on the CPU, which covers both fields."""
+    if device.type == "cpu" or not (plan.offload_params or plan.offload_optimizer):
+        return None
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    return CPUOffloadPolicy(pin_memory=True)
+
+
+def apply_fsdp(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh, device: torch.device) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
     dtype = DTYPES[plan.precision]
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
         else MixedPrecisionPolicy()  # fp32: no casts at all
-    reshard = plan.zero == 3 and plan.pp == 1
+    kw = {"reshard_after_forward": plan.zero == 3 and plan.pp == 1, "mp_policy": mp,
+          "offload_policy": _offload_policy(plan, device) or OffloadPolicy()}
+    dp_mesh = mesh.fsdp_mesh()
     for part in parts:
         for block in part.layers.values():
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-        fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+            ff = _inner(block).feed_forward
+            if plan.ep > 1 and hasattr(ff, "experts"):  # experts: over their replicas only; FSDP
+                fully_shard(ff.experts, mesh=mesh.expert_fsdp_mesh(), **kw)  # averages over those, the
+                # trainer divides by ep (not set_gradient_divide_factor: gloo has no PREMUL_SUM, and
+                # with a one-rank shard group torch 2.13 divides twice when forced to plain sums)
+            fully_shard(block, mesh=dp_mesh, **kw)
+        fully_shard(part, mesh=dp_mesh, **kw)
 
 
 def _has_dtensor(parts: list[nn.Module]) -> bool:
@@ -221,37 +271,114 @@ def _has_dtensor(parts: list[nn.Module]) -> bool:
     return any(isinstance(p, DTensor) for part in parts for p in part.parameters())
 
 
-def apply_data_parallel(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh) -> tuple[list[nn.Module], str]:
-    if plan.zero > 0:
-        apply_fsdp(parts, plan, mesh)
+def apply_data_parallel(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh,
+                        device: torch.device) -> tuple[list[nn.Module], str]:
+    """Gradient averaging over dp x cp: FSDP2 (zero >= 1, or offload on an accelerator), DDP,
+    or a manual all-reduce (DTensor parameters, pipeline stages, expert parallelism)."""
+    if mesh.ndp == 1:
+        return parts, "none"
+    if plan.zero > 0 or _offload_policy(plan, device) is not None:
+        apply_fsdp(parts, plan, mesh, device)
         return parts, "fsdp"
-    if _has_dtensor(parts) or plan.pp > 1:  # DDP holds no DTensors; under PP its reducer
-        return parts, "manual"                # asserts on stages with few parameters (torch 2.13)
+    if _has_dtensor(parts) or plan.pp > 1 or plan.ep > 1:  # DDP holds no DTensors; under PP its reducer
+        return parts, "manual"                            # asserts on stages with few parameters (torch 2.13)
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return [DDP(p, process_group=mesh.dp_group) for p in parts], "ddp"
+    # no buffer broadcast: the rotary tables are the same on every rank (or per cp rank, by design)
+    return [DDP(p, process_group=mesh.dp_group, broadcast_buffers=False) for p in parts], "ddp"
+
+
+# ---- features that need hardware this run may lack --------------------------------------------
+def hardware_notes(plan: Plan, device: torch.device) -> list[str]:
+    """One line per plan field this run cannot honour on ``device`` (printed once, recorded in
+    the metrics): the run goes on with the equivalent that gives the same numbers."""
+    notes = []
+    if device.type == "cpu":
+        if plan.offload_params or plan.offload_optimizer:
+            notes.append("offload: no-op on CPU devices (host memory is the device memory)")
+        if plan.async_tp and plan.tp > 1:
+            notes.append("async_tp: needs CUDA symmetric memory; TP communication runs without overlap")
+        if plan.precision == "fp8":
+            notes.append("precision=fp8: no fp8 matmuls on CPU; running bf16")
+        return notes
+    if plan.offload_optimizer and not plan.offload_params:
+        notes.append("offload_optimizer: FSDP2's CPUOffloadPolicy also keeps the sharded parameters in host memory")
+    if plan.precision == "fp8" and _fp8_unavailable(plan, device):
+        notes.append(f"precision=fp8: {_fp8_unavailable(plan, device)}; running bf16")
+    return notes
+
+
+def _fp8_unavailable(plan: Plan, device: torch.device) -> str | None:
+    """Why torchao float8 linears cannot be used here, or None."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return "fp8 matmuls need a CUDA GPU of compute capability >= 8.9"
+    if plan.tp > 1:
+        return "fp8 with tp>1 is not wired in this runtime (torchao's Float8 TP styles)"
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return "torchao is not installed (pip install torchao)"
+    return None
+
+
+def apply_fp8(model: Transformer) -> None:
+    """torchao float8 training linears (dynamic scaling) for every projection but the output."""
+    from torchao.float8 import convert_to_float8_training
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return isinstance(module, nn.Linear) and not fqn.endswith(("output", "gate")) \
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    convert_to_float8_training(model, module_filter_fn=keep)
+
+
+def enable_async_tp(mesh: RuntimeMesh) -> None:
+    """torchtitan's async TP: symmetric memory on the TP group and inductor's micro-pipeline
+    pass, which overlaps the TP all-gather / reduce-scatter with the matmuls of compiled blocks."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(mesh.sub("tp").get_group().group_name)
 
 
 # ---- the whole ---------------------------------------------------------------------------------
 def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device: torch.device,
-                *, microbatches: int) -> Parallelized:
+                *, microbatches: int, seq_len: int | None = None) -> Parallelized:
     """Apply ``plan`` to ``model`` (the full model, same weights on every rank) for this rank."""
+    notes = hardware_notes(plan, device)
+    fp8 = plan.precision == "fp8" and device.type == "cuda" and _fp8_unavailable(plan, device) is None
+    if fp8:
+        apply_fp8(model)
+    compile_blocks = plan.compile
+    async_tp = plan.async_tp and plan.tp > 1 and device.type == "cuda"
+    if async_tp and not plan.compile:
+        notes.append("async_tp: blocks are compiled (the overlap is an inductor pass) although compile=0")
+        compile_blocks = True
     if mesh is None or plan.num_gpus == 1:
         model.to(device)
         apply_ac(model, plan)
+        if compile_blocks:
+            apply_compile(model)
         autocast = None if plan.precision == "fp32" else DTYPES[plan.precision]
-        return Parallelized(parts=[model], run_modules=[model], autocast=autocast)
+        return Parallelized(parts=[model], run_modules=[model], autocast=autocast, notes=notes)
     counts = stage_layer_counts(model.spec.num_layers, plan)
     stage_ids = stage_ids_for_rank(mesh.pp_rank, plan) if plan.pp > 1 else [0]
     parts = [split_stage(model, s, counts) if plan.pp > 1 else model for s in stage_ids]
+    if async_tp:
+        enable_async_tp(mesh)
     for part in parts:
         part.to(device)
+        if plan.ep > 1:
+            for block in part.layers.values():
+                shard_experts(block.feed_forward, mesh.ep_group, plan.ep, mesh.ep_rank)
         if plan.tp > 1:
             apply_tp(part, mesh.sub("tp"), plan.sequence_parallel)
+        if plan.cp > 1:
+            apply_cp(part, mesh.cp_group, plan.cp, mesh.cp_rank, seq_len or model.spec.seq_len, device)
         apply_ac(part, plan)
-    run_modules, dp_mode = (parts, "none") if plan.dp == 1 else apply_data_parallel(parts, plan, mesh)
+        if compile_blocks:
+            apply_compile(part)
+    run_modules, dp_mode = apply_data_parallel(parts, plan, mesh, device)
     autocast = None if plan.precision == "fp32" or dp_mode == "fsdp" else DTYPES[plan.precision]
     out = Parallelized(parts=parts, run_modules=run_modules, stage_ids=stage_ids, dp_mode=dp_mode,
-                       autocast=autocast)
+                       autocast=autocast, notes=notes)
     if plan.pp > 1:
         out.schedule = build_schedule(run_modules, stage_ids, plan, mesh, device, microbatches)
     return out

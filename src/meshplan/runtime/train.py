@@ -23,6 +23,8 @@ from torch import nn
 
 from meshplan.errors import MeshplanError
 from meshplan.runtime import data as data_mod
+from meshplan.runtime.context_parallel import shard_sequence
+from meshplan.runtime.expert_parallel import is_expert_param
 from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.models import build_model, loss_fn
 from meshplan.runtime.parallelize import Parallelized, parallelize
@@ -82,9 +84,12 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.n_micro = microbatches(cfg)
         model = build_model(cfg.model, cfg.seq_len, seed=cfg.seed)
-        self.par: Parallelized = parallelize(model, cfg.plan, mesh, device, microbatches=self.n_micro)
+        self.par: Parallelized = parallelize(model, cfg.plan, mesh, device, microbatches=self.n_micro,
+                                             seq_len=cfg.seq_len)
         self.optimizers = [torch.optim.AdamW(p.parameters(), lr=cfg.lr, **ADAMW) for p in self.par.parts]
         self.step = 0  # optimizer steps done; also the data position
+        self.grad_norm: torch.Tensor | None = None
+        """Global gradient norm of the last step (before clipping), left on the device."""
 
     # ---- one step ------------------------------------------------------------------------------
     def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +98,8 @@ class Trainer:
                                        vocab=c.model.vocab_size, seed=c.seed, source=c.data)
         dp_rank, dp = (self.mesh.dp_rank, self.mesh.dp) if self.mesh else (0, 1)
         x, y = data_mod.rank_rows(tokens, dp_rank, dp)
+        if self.mesh is not None and self.mesh.cp > 1:  # this cp rank's two chunks of every row
+            x, y = (shard_sequence(t, self.mesh.cp, self.mesh.cp_rank) for t in (x, y))
         return x.to(self.device), y.to(self.device)
 
     def _autocast(self) -> Any:
@@ -121,38 +128,87 @@ class Trainer:
             total += loss.detach()
         return total
 
-    def _manual_dp_sync(self) -> None:
-        """DDP by hand: one flattened all-reduce of this rank's local gradients, then average."""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-        grads = [p.grad.to_local() if _is_dtensor(p.grad) else p.grad
-                 for part in self.par.parts for p in part.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.mesh.dp_group)  # type: ignore[union-attr]
-        flat /= self.mesh.dp  # type: ignore[union-attr]
-        for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(r)
+    def _finish_grads(self) -> None:
+        """Gradients as the optimizer needs them: averaged over dp x cp (manual mode), experts'
+        FSDP average over their replicas divided by ep, sums left Partial by sequence-parallel
+        norms reduced once here (not in every AdamW op, nor wrongly in the norm)."""
+        if self.par.dp_mode == "manual":
+            self._manual_dp_sync()
+        mesh = self.mesh
+        experts: list[torch.Tensor] = []
+        for part in self.par.parts:
+            for name, p in part.named_parameters():
+                g = p.grad
+                if g is None:
+                    continue
+                if self.par.dp_mode == "fsdp" and mesh is not None and mesh.ep > 1 and is_expert_param(name):
+                    experts.append(g.to_local() if _is_dtensor(g) else g)
+                if _is_dtensor(g) and any(pl.is_partial() for pl in g.placements):
+                    from torch.distributed.tensor import Replicate
+                    p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl
+                                                            for pl in g.placements])
+        if experts:
+            torch._foreach_div_(experts, float(mesh.ep))  # type: ignore[union-attr]
 
-    def _clip(self) -> float:
-        """Global gradient norm over all stages and meshes, then clip_grads_with_norm_
-        (clip_grad_norm_ fails when parameters live on different meshes, as in PP x TP x FSDP):
-        one norm per device mesh (full_tensor reduces its shards), summed over pipeline ranks."""
-        params = [p for part in self.par.parts for p in part.parameters() if p.grad is not None]
-        groups: dict[Any, list[torch.Tensor]] = {}
-        for p in params:
-            key = (p.grad.device_mesh, p.grad.placements) if _is_dtensor(p.grad) else None
-            groups.setdefault(key, []).append(p.grad)
-        sq = torch.zeros((), device=self.device, dtype=torch.float32)
-        for grads in groups.values():
-            n = torch.nn.utils.get_total_norm(grads, foreach=False)
-            sq += (n.full_tensor() if _is_dtensor(n) else n).float() ** 2
-        if self.mesh is not None and self.mesh.pp > 1:
-            dist.all_reduce(sq, group=self.mesh.pp_group)
-        norm = sq.sqrt()
+    def _manual_dp_sync(self) -> None:
+        """DDP by hand: one flattened all-reduce of this rank's local gradients over dp x cp, then
+        average. Expert-parallel experts are all-reduced over their replicas only (their gradient
+        already sums the ep group's tokens) and averaged over dp x cp like the rest."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        mesh = self.mesh
+        assert mesh is not None
+        buckets: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+        for part in self.par.parts:
+            for name, p in part.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.to_local() if _is_dtensor(p.grad) else p.grad
+                    buckets[mesh.ep > 1 and is_expert_param(name)].append(g)
+        for expert, grads in buckets.items():
+            if not grads:
+                continue
+            flat = _flatten_dense_tensors(grads)
+            group = mesh.expert_dp.get_group() if expert else mesh.dp_group  # type: ignore[union-attr]
+            dist.all_reduce(flat, group=group)
+            flat /= mesh.ndp
+            for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(r)
+
+    def _clip(self) -> torch.Tensor:
+        """Global gradient norm over all stages, meshes and experts, then clip_grads_with_norm_
+        (clip_grad_norm_ fails when parameters live on different meshes, as in PP x TP x FSDP).
+        Per group of gradients with the same mesh and placements: the local sum of squares,
+        summed over the mesh dims they are sharded on (this is what DTensor's full_tensor does,
+        also for gradients FSDP offloads to host memory); experts summed over the ep group;
+        stages summed over pipeline ranks."""
+        mesh = self.mesh
+        params: list[torch.Tensor] = []
+        groups: dict[tuple[bool, Any], list[torch.Tensor]] = {}
+        for part in self.par.parts:
+            for name, p in part.named_parameters():
+                if p.grad is None:
+                    continue
+                params.append(p)
+                g = p.grad
+                key = (g.device_mesh, g.placements) if _is_dtensor(g) else None
+                expert = mesh is not None and mesh.ep > 1 and is_expert_param(name)
+                groups.setdefault((expert, key), []).append(g.to_local() if _is_dtensor(g) else g)
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        for (expert, key), grads in groups.items():
+            sq = torch.nn.utils.get_total_norm(grads, foreach=False).to(self.device, torch.float32) ** 2
+            if key is not None:
+                dmesh, placements = key
+                for dim, pl in enumerate(placements):
+                    if not pl.is_replicate():  # Shard or _StridedShard (Partial is gone: _finish_grads)
+                        dist.all_reduce(sq, group=dmesh.get_group(dim))
+            if expert:
+                dist.all_reduce(sq, group=mesh.ep_group)  # type: ignore[union-attr]
+            total += sq
+        if mesh is not None and mesh.pp > 1:
+            dist.all_reduce(total, group=mesh.pp_group)
+        norm = total.sqrt()
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, norm, foreach=False)
-        return float(norm)
+        return norm
 
     def _global_loss(self, local: torch.Tensor) -> float:
         if self.mesh is None:
@@ -160,9 +216,9 @@ class Trainer:
         t = local.detach().float().clone()
         if self.mesh.pp > 1:  # only ranks holding the last stage have it
             dist.all_reduce(t, group=self.mesh.pp_group)
-        if self.mesh.dp > 1:
+        if self.mesh.ndp > 1:
             dist.all_reduce(t, group=self.mesh.dp_group)
-            t /= self.mesh.dp
+            t /= self.mesh.ndp
         return float(t)
 
     def train_step(self) -> float:
@@ -171,9 +227,8 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         x, y = self._rows()
         local = self._forward_backward(x, y)
-        if self.par.dp_mode == "manual":
-            self._manual_dp_sync()
-        self._clip()
+        self._finish_grads()
+        self.grad_norm = self._clip()
         for opt in self.optimizers:
             opt.step()
         self.step += 1
@@ -190,12 +245,16 @@ class Trainer:
         return out
 
 
-def reference_run(cfg: RunConfig, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The single-process run of ``cfg`` on the whole global batch: losses and final weights."""
+def reference_run(cfg: RunConfig, steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """The single-process run of ``cfg`` on the whole global batch: losses, gradient norms (which,
+    unlike Adam's updates, show a wrongly scaled gradient) and final weights."""
     ref_plan = Plan(micro_batch=cfg.global_batch, precision=cfg.plan.precision)
     t = Trainer(RunConfig(**{**cfg.__dict__, "plan": ref_plan}), None, torch.device("cpu"))
-    losses = [t.train_step() for _ in range(steps)]
-    return losses, t.full_weights()
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(t.train_step())
+        norms.append(float(t.grad_norm))  # type: ignore[arg-type]
+    return losses, norms, t.full_weights()
 
 
 # ---- measurement -------------------------------------------------------------------------------
