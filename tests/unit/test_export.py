@@ -419,3 +419,10 @@ def test_cli_ingested_models_have_no_shape_to_export(capsys, tmp_path):
     code, _, err = run(capsys, "export", "--plan", "dp=8", "--to", "torchtitan", "--global-batch", "8",
                        "--model", "module:pkg.mod:factory")
     assert code == 2 and "needs a transformer ModelSpec" in err
+
+
+def test_torchtitan_mixed_precision_needs_fsdp():
+    res = export("torchtitan", inp("tp=8,pp=4,dp=1,micro_batch=1,sequence_parallel=1", gb=32))
+    assert any("computes in fp32" in u for u in res.unsupported)
+    assert not any("fp32" in u for u in export("torchtitan", inp("tp=8,dp=4,zero=3,micro_batch=1,"
+                                                                 "sequence_parallel=1")).unsupported)

@@ -181,8 +181,9 @@ def build(inp: ExportInput) -> ExportResult:
             notes.append("fp8 linears (model.converters = quantize.linear.float8) need torchao and an "
                          "fp8 GPU (H100 or newer)")
     if not fsdp and p.precision != "fp32" and (p.tp > 1 or p.pp > 1):
-        notes.append("without FSDP torchtitan does not cast parameters to bf16 (mixed precision comes from "
-                     "FSDP's MixedPrecisionPolicy or, for single-device/DDP runs, autocast)")
+        uns.append(f"precision={p.precision} with TP/PP and no data parallelism: torchtitan applies mixed "
+                   "precision through FSDP (or autocast for DDP/single-device runs only), so this run computes "
+                   "in fp32; set training.dtype = \"bfloat16\" for pure bf16 training")
     if p.offload_params:
         training["enable_cpu_offload"] = True
         if not p.offload_optimizer:
