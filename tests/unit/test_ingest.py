@@ -241,3 +241,10 @@ def test_copied_blocks_equal_traced_blocks(tmp_path, family, key):
     assert [x.__class__(**{**x.__dict__, "extra": e}) for x, e in zip(copied.layers, strip)] == \
         [x.__class__(**{**x.__dict__, "extra": {k: v for k, v in x.extra.items() if k != "measured"}})
          for x in full.layers]
+
+
+def test_transformers_mask_checks_on_meta():
+    """BART's decoder asks transformers' mask helpers whether the padding mask is all ones
+    (bool(tensor)): on the meta device that is answered True (no padding), not an error."""
+    g = ingest(f"hf:{DATA / 'bart-tiny.json'}", seq_len=32)
+    assert g.task == "seq2seq-lm" and sum(1 for x in g.layers if x.kind == "block") == 4

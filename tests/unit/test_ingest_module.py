@@ -244,3 +244,30 @@ def test_missing_example_inputs(monkeypatch):
     monkeypatch.delitem(globals(), "example_inputs")
     with pytest.raises(MeshplanError, match="example_inputs"):
         ingest(src("cnn"))
+
+
+def test_tp_structure_of_hand_written_blocks():
+    from meshplan.ingest import tp
+
+    layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=96)
+    info = tp.analyse(layer)
+    assert (info.style, info.pairs, info.tp_max) == ("megatron", 2, 4)  # in_proj->out_proj, linear1->linear2
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1, self.w2, self.w3 = nn.Linear(16, 48), nn.Linear(48, 16), nn.Linear(16, 48)
+
+    class MoEBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 8)
+            self.gate = nn.Linear(16, 4)
+            self.experts = nn.ModuleList(MLP() for _ in range(4))
+            self.shared_expert = MLP()
+
+    info = tp.analyse(MoEBlock())
+    assert info.pairs == 2  # attention + one all-reduce for the experts and the shared expert
+    assert info.tp_max == 8  # gcd(8 heads, 48)
+    assert info.param_fraction < 1.0  # the router is replicated
+    assert tp.analyse(nn.Sequential(nn.Linear(4, 4), nn.ReLU())).style == "none"

@@ -191,8 +191,9 @@ def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (Non
             moe.add(parent(scope))  # fused experts: the MoE module holding them
     groups: set[str] = set()
     for i, pair in enumerate(pairs):
+        attention = any(m.leaf.lower() in ATTENTION for m in pair[:-1])
         up = [p for p in moe if pair[-1].scope == p or pair[-1].scope.startswith(p + ".") or p == ""]
-        groups.add(f"moe:{max(up, key=len)}" if up else f"pair:{i}")
+        groups.add(f"moe:{max(up, key=len)}" if up and not attention else f"pair:{i}")
     info.style, info.pairs = "megatron", len(groups)
     caps: list[int] = []
     heads, kv = _heads(block, config_heads, pairs)
@@ -214,7 +215,7 @@ def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (Non
     # keep the outermost regions only (nested ones would be counted twice)
     regions = sorted(set(info.regions), key=lambda r: (r.count("."), r))
     info.regions = [r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)]
-    split = sum(p.numel() for o in owners for p in mods[o].parameters())
+    split = sum(p.numel() for p in {id(p): p for o in owners for p in mods[o].parameters()}.values())
     total = sum(p.numel() for p in block.parameters())
     info.param_fraction = min(1.0, split / total) if total else 0.0
     return info
