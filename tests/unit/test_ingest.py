@@ -184,8 +184,9 @@ def test_bf16_trace_halves_bytes(graphs):
 
 
 def test_runtime_build_trains_on_cpu():
-    """build() gives the real module: one CPU step of every family has a finite loss and gradients."""
-    for fam in FAMILIES:
+    """build() gives the real module: one CPU step of each task (and real MoE routing) has a finite
+    loss and gradients for every weight matrix."""
+    for fam in ("llama", "mixtral", "bert", "t5", "vit"):
         built = build(f"hf:{DATA / f'{fam}-tiny.json'}", device="cpu", seq_len=16)
         batch = built.make_inputs(2)
         loss = built.step(batch)
