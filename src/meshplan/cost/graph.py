@@ -93,6 +93,7 @@ class GraphArrays:
     bwd: np.ndarray
     saved: np.ndarray
     out: np.ndarray
+    send: np.ndarray          # what a pipeline cut after the layer carries (extra send_bytes, else out)
     tp_able: np.ndarray       # tp_style != none and tp_fraction > 0
     tp_fraction: np.ndarray
     tp_saved_fraction: np.ndarray
@@ -137,6 +138,7 @@ def graph_arrays(graph: LayerGraph) -> GraphArrays:
     width = np.sqrt(np.maximum(weights, 1.0) / PARAMS_PER_SQUARED_WIDTH)
     return GraphArrays(
         params=params, weights=weights, fwd=fwd, bwd=bwd, saved=saved, out=arr(lambda x: x.output_bytes),
+        send=arr(lambda x: x.extra.get("send_bytes", x.output_bytes)),
         tp_able=tp_able, tp_fraction=np.where(tp_able, frac, 0.0),
         tp_saved_fraction=np.where(tp_able, arr(_tp_saved_fraction), 0.0),
         allreduces=np.where(tp_able, arr(lambda x: x.tp_allreduces), 0.0),
@@ -180,6 +182,7 @@ class LayerCosts:
     saved: np.ndarray       # bytes kept for backward, no recompute
     inp: np.ndarray         # bytes of the layer's input (what full recompute keeps)
     out: np.ndarray         # bytes of the layer's output (full tensor)
+    send: np.ndarray        # bytes a pipeline cut after the layer sends (output + side inputs, e.g. rotary)
     loss_s: float           # loss forward + backward seconds (last rank)
     logits_bytes: float     # bytes alive at the loss (last rank's transient)
     tied_local: float       # tied parameters on this GPU (copy on the last rank when pp > 1)
@@ -243,7 +246,7 @@ def layer_costs(graph: LayerGraph, ga: GraphArrays, cluster: ClusterSpec, tp: in
     inp = np.concatenate([[0.0], out[:-1]])
     owner = int(np.argmax(ga.params > 0)) if graph.tied_params else 0
     return LayerCosts(f=f, b=b, bw=t_w, rc=f.copy(), tp2=2 * tp_one, tp3=3 * tp_one, lp=ga.params * keep,
-                      saved=ga.saved * mb * scale * s_keep, inp=inp, out=out,
+                      saved=ga.saved * mb * scale * s_keep, inp=inp, out=out, send=ga.send * mb * scale,
                       loss_s=elems * (fwd_b + bwd_b) / hbm, logits_bytes=elems * per_elem,
                       tied_local=graph.tied_params * float(keep[owner]))
 
@@ -458,7 +461,7 @@ def stage_sums(graph: LayerGraph, cluster: ClusterSpec, lc: LayerCosts, lay: Lay
     if pp > 1:  # each chunk boundary: the activation forward (sender), its gradient backward (receiver)
         src, dst = lay.chunk_rank[:-1], lay.chunk_rank[1:]
         moved = src != dst  # zbv's turn keeps both chunks on one rank
-        size = lc.out[lay.chunk_end[:-1] - 1] / (tp if p2p_sharded else 1)
+        size = lc.send[lay.chunk_end[:-1] - 1] / (tp if p2p_sharded else 1)
         t = Group.of(cluster, 2, tp * cp * dp).send_recv(size) * p.pp_p2p_exposed * moved
         p2p = np.bincount(src, weights=t, minlength=pp) + np.bincount(dst, weights=t, minlength=pp)
     plocal = lc.lp @ onehot

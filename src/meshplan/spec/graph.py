@@ -47,7 +47,10 @@ class LayerSpec:
     saved_bytes: float
     """Bytes of activations the forward keeps for backward, per sample, at trace_dtype."""
     output_bytes: float
-    """Bytes of the output handed to the next layer per sample (pipeline send size)."""
+    """Bytes of the layer's own output per sample (the hidden state; the logits for the last layer):
+    the size of its TP all-reduces and of the loss input. A pipeline cut after the layer sends
+    ``extra['send_bytes']`` when ingestion recorded it (side inputs such as rotary tables or an
+    encoder output travel too), else this."""
     tp_style: str = "none"
     """How tensor parallel splits this layer: see TP_STYLES."""
     tp_fraction: float = 0.0
