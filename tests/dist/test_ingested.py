@@ -156,6 +156,37 @@ def test_meshplan_train_cli(tmp_path: Path) -> None:
     assert "estimated" in p.stdout and "measured" in p.stdout
 
 
+def test_units_in_execution_order_are_the_graph_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stage_layers from the graph search count the runtime's units: the same number, in the same order."""
+    from meshplan.ingest import build, ingest
+    from meshplan.runtime.generic import execution_order, make_batch, unit_paths
+    monkeypatch.syspath_prepend(str(MODULES))
+    for fam, src in SOURCES.items():
+        built = build(src, device="cpu", seq_len=SEQ.get(fam))
+        order = execution_order(built.module, unit_paths(built.module)[0], make_batch(built, 1, 0))
+        graph = ingest(src, seq_len=SEQ.get(fam))
+        assert [u.name for u in order] == [x.name for x in graph.layers], fam
+
+
+def test_pipeline_refuses_a_forward_that_is_not_a_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A skip connection over the blocks: cutting the forward at a stage boundary changes it."""
+    from meshplan.errors import MeshplanError
+    from meshplan.ingest import build
+    from meshplan.runtime.generic import check_sequence, chunk_bounds, execution_order, make_batch, unit_paths
+    from meshplan.spec.plan import Plan
+    monkeypatch.syspath_prepend(str(MODULES))
+    built = build("module:skip_net:make_skip_net", device="cpu")
+    sample = make_batch(built, 1, 0)
+    order = execution_order(built.module, unit_paths(built.module)[0], sample)
+    assert [u.name for u in order] == ["stem", "blocks.0", "blocks.1", "blocks.2", "head"]
+    with pytest.raises(MeshplanError, match="changes its output"):
+        check_sequence(built, order, chunk_bounds(len(order), Plan(pp=2)), sample)
+    llama = build(SOURCES["llama"], device="cpu", seq_len=8)  # and a sequence passes, at every cut
+    sample = make_batch(llama, 1, 0)
+    order = execution_order(llama.module, unit_paths(llama.module)[0], sample)
+    check_sequence(llama, order, [(i, i + 1) for i in range(len(order))], sample)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", SOURCES["t5"], "--plan", "pp=2,precision=fp32"], "encoder-decoder"),
     (["--model", SOURCES["cnn"], "--plan", "tp=2,precision=fp32"], "no block of make_cnn"),
