@@ -10,12 +10,14 @@ from html.parser import HTMLParser
 import pytest
 
 from meshplan.cli.main import build_parser, main
+from meshplan.errors import MeshplanError
 from meshplan.report import Report, build_report, simulate_winner
 from meshplan.report.charts import _column_max, _runs, gantt, sim_memory
 from meshplan.report.svg import Scale, make_scale, nice_step, num, viridis
 from meshplan.search.space import SearchSpace
 from meshplan.sim import simulate_plan
 from meshplan.sim.engine import Event
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.io import load_cluster, load_model, load_plan
 from meshplan.spec.plan import Plan, Workload
 
@@ -286,3 +288,100 @@ def test_space_from_plan_options_reaches_the_search(tmp_path):
     doc = data_block(out.read_text())
     assert all(p["plan"]["pp"] == 2 and p["plan"]["tp"] == 2 for p in doc["plans"])
     assert isinstance(Plan(**{k: v for k, v in doc["plans"][0]["plan"].items()}), Plan)
+
+
+# ---- layer graphs (any model through ingestion) --------------------------------------------
+
+def toy_graph(blocks: int = 6, h: int = 1024, s: int = 1024, vocab: int = 32000) -> LayerGraph:
+    """A small decoder as a layer graph: embedding, blocks with two TP pairs, output projection."""
+    from meshplan.spec.graph import LayerSpec
+    lin = 12 * h * h
+    emb = LayerSpec(name="embed", kind="embedding", block="embed", params=vocab * h, fwd_flops=0.0, bwd_flops=0.0,
+                    saved_bytes=0.0, output_bytes=2.0 * s * h, tp_style="megatron", tp_fraction=1.0, tp_max=8,
+                    tp_allreduces=1)
+    body = [LayerSpec(name=f"layers.{i}", block="block", params=lin, fwd_flops=2.0 * s * lin + 4.0 * s * s * h,
+                      bwd_flops=4.0 * s * lin + 8.0 * s * s * h, saved_bytes=34.0 * s * h, output_bytes=2.0 * s * h,
+                      tp_style="megatron", tp_fraction=1.0, tp_max=8, tp_allreduces=2,
+                      extra={"attention_flops": 4.0 * s * s * h, "attention_causal": 1.0, "gemm_dim": 1.6 * h})
+            for i in range(blocks)]
+    head = LayerSpec(name="lm_head", kind="head", block="head", params=vocab * h, fwd_flops=2.0 * s * vocab * h,
+                     bwd_flops=4.0 * s * vocab * h, saved_bytes=2.0 * s * h, output_bytes=2.0 * s * vocab,
+                     tp_style="megatron", tp_fraction=1.0, tp_max=8)
+    return LayerGraph(name="toy<graph>", source="module:toy:decoder", sample_tokens=s, trace_dtype="bfloat16",
+                      layers=(emb, *body, head))
+
+
+@pytest.fixture(scope="module")
+def graph_page(tmp_path_factory) -> tuple[str, str]:
+    from meshplan.spec.io import dump_json
+    d = tmp_path_factory.mktemp("g")
+    graph = d / "toy.json"
+    graph.write_text(dump_json(toy_graph()) + "\n")
+    out = d / "report.html"
+    assert main(["report", "--model", str(graph), "--cluster", "h100-sxm-80gb:16", "--global-batch", "64",
+                 "--fix", "pp=2", "--top", "3", "--out", str(out)]) == 0
+    return out.read_text(), str(graph)
+
+
+def test_graph_report_has_every_section_and_the_graphs_timeline(graph_page):
+    html, _ = graph_page
+    p = parse(html)
+    assert p.bad == [] and p.stack == [] and set(p.plots) == PLOTS
+    for name, a in p.plots.items():
+        assert int(a["data-marks"]) > 0, name
+    assert "layer graph of" in html and "module:toy:decoder" in html and "64 samples x 1,024 tokens" in html
+    assert "toy&lt;graph&gt;" in html and "<graph>" not in html  # the name is escaped
+    assert "Discrete-event simulation" in html and "Best plan:" in html
+    doc = data_block(html)
+    assert doc["model"] == "toy<graph>" and doc["seq_len"] == 1024 and len(doc["plans"]) == 3
+    assert all(x["plan"]["pp"] == 2 for x in doc["plans"])
+    sim = doc["simulation"]
+    assert len(sim["ranks"]) == 2 and abs(sim["sim_vs_analytic_pct"]) < 3
+    assert sim["analytic_step_time_s"] == pytest.approx(doc["plans"][0]["cost"]["step_time_s"], rel=1e-12)
+
+
+def test_graph_report_matches_its_search_and_simulation():
+    from meshplan.cost.graph import graph_workload
+    from meshplan.search.graph import GraphSpace
+    from meshplan.sim import simulate_graph_plan
+    g, cluster = toy_graph(), load_cluster("h100-sxm-80gb:8")
+    work = graph_workload(g, 32)
+    rep = build_report(g, cluster, work, GraphSpace(pp=(2,)), top=2)
+    best = rep.result.best
+    assert rep.result.model is g and best.plan.pp == 2 and rep.sim_error is None
+    _, s = simulate_graph_plan(g, best.cluster, best.plan, work)
+    assert rep.sim_summary == s
+    assert rep.html() == rep.html()  # deterministic
+    with pytest.raises(MeshplanError, match="GraphSpace"):
+        build_report(g, cluster, work, SearchSpace(pp=(2,)))
+    sim, _, err = simulate_winner(rep.result, max_passes=1)
+    assert sim is None and "meshplan simulate --model module:toy:decoder" in err
+    _, _, err = simulate_winner(rep.result, max_passes=1, model="g.json")
+    assert "--model g.json" in err
+
+
+def test_graph_report_imports_neither_torch_nor_matplotlib(graph_page, tmp_path):
+    _, graph = graph_page
+    code = ("import sys\nfrom meshplan.cli.main import main\n"
+            f"rc = main(['report', '--model', {graph!r}, '--cluster', 'h100-sxm-80gb:8', '--global-batch', '16', "
+            f"'--out', {str(tmp_path / 'r.html')!r}])\n"
+            "bad = [m for m in ('torch', 'matplotlib') if m in sys.modules]\n"
+            "print(rc, bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def test_report_on_an_hf_source(tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from pathlib import Path
+    src = f"hf:{Path(__file__).resolve().parents[1] / 'data' / 'hf' / 'llama-tiny.json'}"
+    out = tmp_path / "r.html"
+    assert main(["report", "--model", src, "--cluster", "h100-sxm-80gb:8", "--global-batch", "32", "--top", "2",
+                 "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out} (")
+    html = out.read_text()
+    assert set(parse(html).plots) == PLOTS and "layer graph of" in html
+    doc = data_block(html)
+    assert doc["simulation"]["step_time_s"] > 0 and f"--model {src}" in html  # the command line

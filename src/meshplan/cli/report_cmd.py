@@ -1,7 +1,9 @@
 """`meshplan report`: one self-contained HTML page for a planning problem (issue 6).
 
 Takes the search options of `meshplan plan` (the same argparse actions, taken from
-plan_cmd.add_parser, less --json, --out and --plot) and writes the page to --out. Exit status
+plan_cmd.add_parser, less --json, --out and --plot) and writes the page to --out. ``--model``
+takes every kind `meshplan plan` does: a preset or ModelSpec file (search.search), or through
+ingestion ``hf:``/``module:`` or a layer graph .json (search.graph.search_graph). Exit status
 0 when the page is written, also when no plan fits (the page then says what would make the
 problem feasible); 2 with a one-line error on bad input or an unwritable --out. Importing
 this module is cheap; the search, the simulator and the page are imported when it runs.
@@ -76,21 +78,27 @@ def _check_out(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshplan.cli.plan_cmd import Progress, _clusters, _space, _train, _train_tokens
+    from meshplan.cli.model_arg import load_model_arg
+    from meshplan.cli.plan_cmd import Progress, _clusters, _graph_space, _space, _train, _train_tokens
     from meshplan.report import build_report, write_html
-    from meshplan.spec.io import load_model
+    from meshplan.spec.graph import LayerGraph
     from meshplan.spec.plan import Workload
     t0 = time.perf_counter()
     _check_out(args.out)
-    model = load_model(args.model)
+    model = load_model_arg(args.model, seq_len=args.seq_len)
     clusters = _clusters(args)
-    space = _space(args, clusters[0])
     tokens = _train_tokens(args.train_tokens)
-    work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+    if isinstance(model, LayerGraph):  # an ingested model or a layer graph file: search_graph
+        from meshplan.cost.graph import graph_workload
+        space = _graph_space(args, clusters[0])
+        work = graph_workload(model, args.global_batch)
+    else:
+        space = _space(args, clusters[0])
+        work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
     bar = Progress(sys.stderr) if sys.stderr.isatty() else None
     try:
         report = build_report(model, clusters, work, space, objective=args.objective, top=args.top,
-                              progress=bar, command=_command(args))
+                              progress=bar, command=_command(args), model_name=args.model)
     finally:
         if bar is not None:
             bar.close()
@@ -102,9 +110,10 @@ def run(args: argparse.Namespace) -> int:
     size = f"{len(text.encode()) / 1024:,.0f} KiB"
     took = f"{time.perf_counter() - t0:.1f} s"
     if result.best is not None:
+        from meshplan.cli.format import seconds
         b = result.best
         print(f"wrote {args.out} ({size}, {took}): best plan {b.plan.short()} on {b.plan.num_gpus} GPUs, "
-              f"{b.report.step_time_s:.3f} s per step")
+              f"{seconds(b.report.step_time_s)} per step")
     else:
         print(f"wrote {args.out} ({size}, {took}): no plan fits; the page says what would make it feasible")
     return 0

@@ -1,7 +1,9 @@
 """`meshplan simulate`: a discrete-event simulation of one training step of a plan.
 
 Wire into meshplan.cli.main: ``simulate_cmd.add_parser(sub)`` in build_parser and
-``"simulate": simulate_cmd.run`` in COMMANDS. Numpy only (matplotlib for --plot).
+``"simulate": simulate_cmd.run`` in COMMANDS. Numpy only (matplotlib for --plot). ``--model`` takes
+every kind ``meshplan estimate`` does: a transformer (preset/ModelSpec: ``sim.simulate_plan``) or a
+layer graph (``hf:``/``module:`` through ingestion, or a graph .json: ``sim.simulate_graph_plan``).
 """
 from __future__ import annotations
 
@@ -18,11 +20,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        description="Discrete-event simulation of one step on every pipeline rank: "
                                    "compute, TP/CP/EP, data-parallel and pipeline-send streams, the "
                                    "schedule micro-batch by micro-batch. Durations from the cost model.")
-    p.add_argument("--model", required=True, help="preset name or ModelSpec .toml/.json")
+    p.add_argument("--model", required=True,
+                   help="preset name, ModelSpec .toml/.json, hf:CONFIG.json, module:pkg.mod:factory, "
+                        "or a layer graph .json from `meshplan ingest --out`")
     p.add_argument("--cluster", required=True, help="GPU:COUNT, GPU:NODESxPER_NODE or a cluster .toml")
     p.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,... or a plan .json")
-    p.add_argument("--global-batch", type=positive_int("--global-batch"), required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
+    p.add_argument("--global-batch", type=positive_int("--global-batch"), required=True,
+                   help="sequences (samples, for an ingested model) per step")
+    p.add_argument("--seq-len", type=positive_int("--seq-len"),
+                   help="tokens per sequence (default: the model's; an ingested model is traced at it)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) to this file")
     p.add_argument("--plot", help="write a Gantt chart per pipeline rank to this image (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -30,14 +36,25 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshplan.cost import check
-    from meshplan.sim import simulate_plan, write_plot, write_trace
-    from meshplan.spec.io import load_cluster, load_model, load_plan
+    from meshplan.cli.model_arg import load_model_arg
+    from meshplan.sim import write_plot, write_trace
+    from meshplan.spec.graph import LayerGraph
+    from meshplan.spec.io import load_cluster, load_plan
     from meshplan.spec.plan import Workload
-    model, cluster, plan = load_model(args.model), load_cluster(args.cluster), load_plan(args.plan)
-    work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
-    check(model, cluster, plan, work)
-    res, sim_summary = simulate_plan(model, cluster, plan, work)
+    model = load_model_arg(args.model, seq_len=args.seq_len)
+    cluster, plan = load_cluster(args.cluster), load_plan(args.plan)
+    if isinstance(model, LayerGraph):  # an ingested model or a layer graph file: the graph cost model
+        from meshplan.cost.graph import check_graph, graph_workload
+        from meshplan.sim import simulate_graph_plan
+        work = graph_workload(model, args.global_batch)
+        check_graph(model, cluster, plan, work)
+        res, sim_summary = simulate_graph_plan(model, cluster, plan, work)
+    else:
+        from meshplan.cost import check
+        from meshplan.sim import simulate_plan
+        work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+        check(model, cluster, plan, work)
+        res, sim_summary = simulate_plan(model, cluster, plan, work)
     if args.trace:
         write_trace(res, args.trace)
     if args.plot:
@@ -47,14 +64,15 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"simulated step: {summary['step_time_s']:.4f} s   analytical estimate: "
-          f"{summary['analytic_step_time_s']:.4f} s ({summary['sim_vs_analytic_pct']:+.2f}%)")
+    from meshplan.cli.format import seconds
+    print(f"simulated step: {seconds(summary['step_time_s'])}   analytical estimate: "
+          f"{seconds(summary['analytic_step_time_s'])} ({summary['sim_vs_analytic_pct']:+.2f}%)")
     print(f"schedule {summary['schedule']}, {summary['microbatches']} micro-batches, "
           f"bubble {100 * summary['bubble_fraction']:.1f}% of compute time")
     print(f"{'rank':>4}  " + "  ".join(f"{s + ' busy':>13}" for s in ("compute", "tp", "dp", "pp"))
           + f"  {'peak GiB':>9}")
     for r in summary["ranks"]:
-        print(f"{r['rank']:>4}  " + "  ".join(f"{r['busy_s'][s]:>12.3f}s" for s in ("compute", "tp", "dp", "pp"))
+        print(f"{r['rank']:>4}  " + "  ".join(f"{seconds(r['busy_s'][s]):>13}" for s in ("compute", "tp", "dp", "pp"))
               + f"  {r['peak_memory_gib']:>9.1f}")
     for label, path in (("trace", args.trace), ("plot", args.plot)):
         if path:

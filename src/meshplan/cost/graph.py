@@ -31,7 +31,10 @@ Per layer, per micro-batch of b samples, on one GPU (docs/graph-cost.md has the 
             (full recompute keeps each layer's input only) + the loss's logits + buffers,
             allocator fragmentation and the framework overhead of CostParams.
 Activation bytes are traced at graph.trace_dtype and rescaled to the plan's precision (2 bytes
-for bf16/fp16, 4 for fp32).
+for bf16/fp16, 4 for fp32). ``cost.graph_durations`` keeps the same terms apart by pass, stream,
+chunk and rank for the simulator (``sim.simulate_graph_plan``), from the pieces ``finish`` is
+built from (boundary_sends, fsdp_layer_traffic/_exposed, optimizer_seconds, tied_sync_seconds,
+memory_parts).
 
 Not modelled, refused with a one-line reason (`graph_violations`): cp > 1 and ep > 1 (a graph
 has no attention sequence axis or experts to split), sequence_parallel (which activations are
@@ -186,6 +189,7 @@ class LayerCosts:
     loss_s: float           # loss forward + backward seconds (last rank)
     logits_bytes: float     # bytes alive at the loss (last rank's transient)
     tied_local: float       # tied parameters on this GPU (copy on the last rank when pp > 1)
+    loss_fwd_share: float = 1.0  # share of loss_s in the forward pass (the rest is backward)
 
 
 def act_bytes(precision: str) -> float:
@@ -248,7 +252,7 @@ def layer_costs(graph: LayerGraph, ga: GraphArrays, cluster: ClusterSpec, tp: in
     return LayerCosts(f=f, b=b, bw=t_w, rc=f.copy(), tp2=2 * tp_one, tp3=3 * tp_one, lp=ga.params * keep,
                       saved=ga.saved * mb * scale * s_keep, inp=inp, out=out, send=ga.send * mb * scale,
                       loss_s=elems * (fwd_b + bwd_b) / hbm, logits_bytes=elems * per_elem,
-                      tied_local=graph.tied_params * float(keep[owner]))
+                      tied_local=graph.tied_params * float(keep[owner]), loss_fwd_share=fwd_b / (fwd_b + bwd_b))
 
 
 # ---- pipeline layout -------------------------------------------------------------------------
@@ -439,6 +443,14 @@ class StageSums:
     recompute_flops: float   # forward FLOPs per sample recomputed
 
 
+def recompute_mask(lay: Layout, recompute: str, recompute_layers: int | None) -> np.ndarray:
+    """(L,) layers whose forward is recomputed: all with recompute=full, or the first
+    ``recompute_layers`` of each rank."""
+    if recompute == "full":
+        return np.ones(len(lay.rank), dtype=bool) if recompute_layers is None else lay.pos < recompute_layers
+    return np.zeros(len(lay.rank), dtype=bool)
+
+
 def stage_sums(graph: LayerGraph, cluster: ClusterSpec, lc: LayerCosts, lay: Layout, *, tp: int, cp: int, dp: int,
                recompute: str, recompute_layers: int | None, p2p_sharded: bool, async_tp: bool,
                params: CostParams = DEFAULT_PARAMS) -> StageSums:
@@ -447,10 +459,7 @@ def stage_sums(graph: LayerGraph, cluster: ClusterSpec, lc: LayerCosts, lay: Lay
     pp = int(lay.chunk_rank.max()) + 1
     rank = lay.rank
     onehot = (rank[:, None] == np.arange(pp)[None, :]).astype(float)
-    if recompute == "full":
-        rc_mask = np.ones(len(rank), dtype=bool) if recompute_layers is None else lay.pos < recompute_layers
-    else:
-        rc_mask = np.zeros(len(rank), dtype=bool)
+    rc_mask = recompute_mask(lay, recompute, recompute_layers)
     rc = np.where(rc_mask, lc.rc, 0.0)
     fb = lc.f + lc.b
     compute = fb @ onehot
@@ -459,10 +468,8 @@ def stage_sums(graph: LayerGraph, cluster: ClusterSpec, lc: LayerCosts, lay: Lay
     tp_t = np.where(rc_mask, lc.tp3, lc.tp2) @ onehot
     p2p = np.zeros(pp)
     if pp > 1:  # each chunk boundary: the activation forward (sender), its gradient backward (receiver)
-        src, dst = lay.chunk_rank[:-1], lay.chunk_rank[1:]
-        moved = src != dst  # zbv's turn keeps both chunks on one rank
-        size = lc.send[lay.chunk_end[:-1] - 1] / (tp if p2p_sharded else 1)
-        t = Group.of(cluster, 2, tp * cp * dp).send_recv(size) * p.pp_p2p_exposed * moved
+        src, dst, send, moved = boundary_sends(cluster, lc, lay, tp=tp, cp=cp, dp=dp, p2p_sharded=p2p_sharded)
+        t = send * p.pp_p2p_exposed * moved
         p2p = np.bincount(src, weights=t, minlength=pp) + np.bincount(dst, weights=t, minlength=pp)
     plocal = lc.lp @ onehot
     tied = lc.tied_local if last != 0 else 0.0  # a copy (and its all-reduce) only off the first rank
@@ -479,6 +486,67 @@ def stage_sums(graph: LayerGraph, cluster: ClusterSpec, lc: LayerCosts, lay: Lay
         kept=np.where(rc_mask, lc.inp, lc.saved) @ onehot, transient=transient, f=lc.f, b_rc=lc.b + rc, lp=lc.lp,
         first_lp=float(lc.lp[rank == 0][0]), w_frac=float(lc.bw.sum() / max(1e-30, float(fb.sum() + rc.sum()))),
         tied_local=tied, recompute_flops=rc_flops)
+
+
+def boundary_sends(cluster: ClusterSpec, lc: LayerCosts, lay: Layout, *, tp: int, cp: int, dp: int,
+                   p2p_sharded: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per chunk boundary (model order): sending rank, receiving rank, seconds of one send of
+    the boundary layer's output (its gradient goes back the same way), and whether it crosses
+    ranks (zbv's turn keeps both chunks on one rank)."""
+    src, dst = lay.chunk_rank[:-1], lay.chunk_rank[1:]
+    size = lc.send[lay.chunk_end[:-1] - 1] / (tp if p2p_sharded else 1)
+    return src, dst, Group.of(cluster, 2, tp * cp * dp).send_recv(size), src != dst
+
+
+def fsdp_layer_traffic(cluster: ClusterSpec, s: StageSums, shard: np.ndarray, tp: int,
+                       params: CostParams = DEFAULT_PARAMS) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, L) seconds of each layer's ZeRO-3 all-gather (16-bit weights) and gradient
+    reduce-scatter over the shard group."""
+    sg = Group.of(cluster, shard[:, None], tp)
+    return sg.all_gather(2.0 * s.lp[None, :]), sg.reduce_scatter(params.fsdp_reduce_bytes * s.lp[None, :])
+
+
+def fsdp_layer_exposed(ag: np.ndarray, rs: np.ndarray, s: StageSums) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, the parts of its gather not hidden under its forward, and of its gather +
+    reduce-scatter not hidden under its backward (+ recompute): FSDP without a pipeline."""
+    return np.maximum(0, ag - s.f), np.maximum(0, ag + rs - s.b_rc)
+
+
+def optimizer_seconds(cluster: ClusterSpec, plocal: np.ndarray, zero: np.ndarray, shard: np.ndarray,
+                      offload_optimizer: np.ndarray, params: CostParams = DEFAULT_PARAMS) -> np.ndarray:
+    """(rows, pp) seconds of each rank's optimizer step (on the host with optimizer offload)."""
+    p = params
+    n_opt = plocal / np.where(zero >= 1, shard, 1.0)[:, None]
+    host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
+    hbm = n_opt * p.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
+    return np.where(offload_optimizer[:, None], host, hbm)
+
+
+def tied_sync_seconds(cluster: ClusterSpec, s: StageSums, *, tp: int, cp: int, dp: int) -> float:
+    """The all-reduce of the tied parameters' 16-bit gradients between the first rank and the
+    rank holding their copy (0 when there is no copy)."""
+    if not s.tied_local:
+        return 0.0
+    return float(Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * s.tied_local))
+
+
+def memory_parts(cluster: ClusterSpec, s: StageSums, plocal: np.ndarray, *, dp: int, cp: int, micro: int,
+                 schedule: str, v: int, zero: np.ndarray, shard: np.ndarray, offload_params: np.ndarray,
+                 offload_optimizer: np.ndarray, params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
+    """Bytes per rank, (rows, pp) or broadcastable: weights, grads, optimizer, activations
+    (kept bytes x micro-batches in flight), transient (with the allocator fragmentation of
+    activations and transient) and overhead; ``inflight`` (pp,) micro-batches in flight."""
+    p, pp = params, s.pp
+    w, g, o, buffers = model_state_arrays(plocal, s.lp_max[None, :], zero[:, None], shard[:, None],
+                                          offload_params[:, None], offload_optimizer[:, None], dp * cp, p)
+    stepped = ((zero == 3) & (pp > 1))[:, None]  # pipelined FSDP keeps unsharded 16-bit params + fp32 grads
+    w, g = w + stepped * 2 * plocal, g + stepped * 4 * plocal
+    inflight = in_flight_array(pp, v, np.asarray(schedule), np.arange(pp), micro)
+    acts = s.kept * inflight
+    transient = s.transient[None, :] + buffers
+    transient = transient + p.allocator_fragmentation * (acts + transient)
+    return {"weights": w, "grads": g, "optimizer": o, "activations": acts, "transient": transient,
+            "overhead": p.framework_overhead_gib * GiB, "inflight": inflight}
 
 
 def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: int, cp: int, micro_batch: int,
@@ -500,10 +568,10 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     full = np.ones(n)
 
     fsdp, per_step = (zero == 3) & (shard > 1), (zero == 3) & (pp > 1)
-    sg = Group.of(cluster, shard[:, None], tp)
-    ag, rs = sg.all_gather(2.0 * s.lp[None, :]), sg.reduce_scatter(p.fsdp_reduce_bytes * s.lp[None, :])
+    ag, rs = fsdp_layer_traffic(cluster, s, shard, tp, p)
     blocked = (fsdp & ~per_step)[:, None]  # ZeRO-3 without a pipeline: per layer, under its compute
-    exp_l = np.where(blocked, np.maximum(0, ag - s.f) + np.maximum(0, ag + rs - s.b_rc), 0.0)
+    fe, be = fsdp_layer_exposed(ag, rs, s)
+    exp_l = np.where(blocked, fe + be, 0.0)
     dp_layer = exp_l @ s.onehot
     dp_layer_ovl = np.where(blocked, 2 * ag + rs - exp_l, 0.0) @ s.onehot
     plocal = np.broadcast_to(s.plocal, (n, pp))
@@ -520,7 +588,7 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     dp_exp, dp_ovl = _b._dp_end_of_step(cluster, cols, p, tp * full, dp * full, cp * full, shard,
                                         s.first_lp * full, s.plocal.max() * full, s.compute[0] / 2 * full)
     if s.tied_local:
-        dp_exp = dp_exp + Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * s.tied_local)
+        dp_exp = dp_exp + tied_sync_seconds(cluster, s, tp=tp, cp=cp, dp=dp)
     staged = fsdp & per_step
     if staged.any():
         ag_s, rs_s = (ag @ s.onehot)[rows, crit], (rs @ s.onehot)[rows, crit]
@@ -528,10 +596,7 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
         exp_s = np.maximum(0, ag_s - f_c) + np.maximum(0, rs_s - b_c)
         dp_exp = dp_exp + np.where(staged, exp_s, 0)
         dp_ovl = dp_ovl + np.where(staged, ag_s + rs_s - exp_s, 0)
-    n_opt = plocal / np.where(zero >= 1, shard, 1.0)[:, None]
-    host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
-    hbm = n_opt * p.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
-    opt = np.where(offo[:, None], host, hbm).max(axis=1)
+    opt = optimizer_seconds(cluster, plocal, zero, shard, offo, p).max(axis=1)
     step = micro * tmax + bubble + dp_exp + opt + p.step_overhead_s
 
     per_rank = {"compute": s.compute, "recompute": s.recompute, "tp_comm": s.tp_exp,
@@ -544,15 +609,10 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     out["time.dp_comm_overlapped"] = out["time.dp_comm_overlapped"] + dp_ovl
     out |= {"time.bubble": bubble, "time.optimizer": opt, "time.overhead": np.full(n, p.step_overhead_s)}
 
-    w, g, o, buffers = model_state_arrays(plocal, s.lp_max[None, :], zero[:, None], shard[:, None], offp[:, None],
-                                          offo[:, None], dp * cp, p)
-    stepped = per_step[:, None]  # pipelined FSDP keeps unsharded 16-bit params + fp32 grads
-    w, g = w + stepped * 2 * plocal, g + stepped * 4 * plocal
-    inflight = in_flight_array(pp, v, np.asarray(schedule), np.arange(pp), micro)
-    acts = s.kept * inflight
-    transient = s.transient[None, :] + buffers
-    transient = transient + p.allocator_fragmentation * (acts + transient)
-    overhead = p.framework_overhead_gib * GiB
+    mem = memory_parts(cluster, s, plocal, dp=dp, cp=cp, micro=micro, schedule=schedule, v=v, zero=zero,
+                       shard=shard, offload_params=offp, offload_optimizer=offo, params=p)
+    w, g, o, acts, transient, overhead = (mem[k] for k in ("weights", "grads", "optimizer", "activations",
+                                                           "transient", "overhead"))
     total = w + g + o + acts + transient + overhead
     worst = np.argmax(total, axis=1)
     peak = total[rows, worst] / GiB

@@ -14,9 +14,10 @@ from typing import Any
 
 from meshplan import __version__
 from meshplan.report import charts
-from meshplan.report.svg import esc
+from meshplan.report.svg import esc, fixed3
 from meshplan.search.explain import TERM_LABELS, explain, rejection_lines
 from meshplan.search.result import SearchResult
+from meshplan.spec.graph import LayerGraph
 
 CSS = """
 :root{--fg:#1d2330;--mut:#5b6475;--line:#d9dde5;--bg:#fff;--panel:#f6f7f9;--acc:#2f5fa7;--bad:#b3261e;--ok:#2e7d32}
@@ -127,8 +128,20 @@ def _facts(items: list[tuple[str, str]]) -> str:
 
 # ---- sections ------------------------------------------------------------------------------
 
-def _problem(r: SearchResult, command: str | None) -> str:
-    m, c0, w = r.model, r.clusters[0], r.work
+def _model_facts(m: Any) -> list[tuple[str, str]]:
+    """The model's shape: a transformer ModelSpec's, or an ingested layer graph's."""
+    if isinstance(m, LayerGraph):
+        blocks = m.distinct_blocks()
+        kinds = [x.kind for x in m.layers]
+        counts = ", ".join(f"{kinds.count(k)} {k}" for k in ("embedding", "block", "head", "other") if k in kinds)
+        tp = [x for x in m.layers if x.tp_style != "none" and x.tp_fraction > 0]
+        return [("model", f"<b>{esc(m.name)}</b>, {_count(m.params)} parameters (layer graph of "
+                          f"<code>{esc(m.source)}</code>, task {esc(m.task)})"),
+                ("layers", f"{m.num_layers} ({counts}; {len(blocks)} distinct)"),
+                ("FLOPs per sample", f"{_count(m.fwd_flops)} forward + {_count(m.bwd_flops)} backward, at "
+                                     f"{m.sample_tokens:,} tokens per sample"),
+                ("tensor parallel", f"{len(tp)} of {m.num_layers} layers split; degrees "
+                                    + ", ".join(map(str, m.tp_degrees(64))))]
     heads = f"{m.num_attention_heads}" + (f" ({m.kv_heads} KV)" if m.kv_heads != m.num_attention_heads else "")
     model = [("model", f"<b>{esc(m.name)}</b>, {_count(m.num_params())} parameters"
               + (f" ({_count(m.num_active_params())} active)" if m.is_moe else "")),
@@ -136,6 +149,12 @@ def _problem(r: SearchResult, command: str | None) -> str:
              ("FFN / vocabulary", f"{m.ffn_hidden_size:,} ({esc(m.mlp_type)}) / {m.vocab_size:,}")]
     if m.is_moe:
         model.append(("experts", f"{m.num_experts}, {m.experts_per_token} per token"))
+    return model
+
+
+def _problem(r: SearchResult, command: str | None) -> str:
+    m, c0, w = r.model, r.clusters[0], r.work
+    model = _model_facts(m)
     sizes = ", ".join(f"{c.num_gpus:,}" for c in r.clusters)
     g = c0.gpu
     cluster = [("cluster", esc(c0.name) if len(r.clusters) == 1 else f"{sizes} GPUs (searched)"),
@@ -146,7 +165,8 @@ def _problem(r: SearchResult, command: str | None) -> str:
                ("links per GPU", f"{c0.intra_node.bandwidth_gbps:g} GB/s in a node, "
                                  f"{c0.inter_node.bandwidth_gbps:g} GB/s between nodes"),
                ("price", f"${c0.price_per_hour:g} per GPU-hour")]
-    work = [("global batch", f"{w.global_batch:,} sequences x {w.seq_len:,} tokens = {w.tokens:,} tokens per step"),
+    unit = "samples" if isinstance(m, LayerGraph) else "sequences"
+    work = [("global batch", f"{w.global_batch:,} {unit} x {w.seq_len:,} tokens = {w.tokens:,} tokens per step"),
             ("objective", "fastest step" if r.objective == "time" else "fewest dollars per token"),
             ("searched", f"{r.considered:,} plans: {r.feasible:,} feasible, {r.evaluated:,} priced by the "
                          f'cost model, in <span class="timing">{r.search_time_s:.2f} s</span>')]
@@ -168,9 +188,9 @@ def _verdict(r: SearchResult, train: list[dict[str, float] | None] | None) -> st
     t = train[0] if train else None
     extra = (f"; {t['days']:.1f} days and ${t['usd']:,.0f} to train {_count(t['tokens'])} tokens" if t else "")
     return ('<div class="verdict" id="verdict"><p class="big">Best plan: ' + _plan(b.plan.short())
-            + f" on {b.plan.num_gpus:,} GPUs</p><p>{rep.step_time_s:.3f} s per step, {rep.tokens_per_s:,.0f} "
+            + f" on {b.plan.num_gpus:,} GPUs</p><p>{fixed3(rep.step_time_s)} s per step, {rep.tokens_per_s:,.0f} "
             f"tokens/s, MFU {100 * rep.mfu:.1f}%, peak memory {rep.peak_memory_gib:.1f} of "
-            f"{rep.usable_memory_gib:.1f} GiB usable, ${b.usd_per_mtok:.3f} per million tokens{esc(extra)}; "
+            f"{rep.usable_memory_gib:.1f} GiB usable, ${fixed3(b.usd_per_mtok)} per million tokens{esc(extra)}; "
             f"largest time term: {esc(TERM_LABELS.get(rep.dominant, rep.dominant))}.</p></div>")
 
 
@@ -190,9 +210,9 @@ def _top_table(r: SearchResult, train: list[dict[str, float] | None] | None) -> 
         cells = [(str(p.rank), p.rank), (_plan(p.plan.short()), None)]
         if multi:
             cells.append((f"{p.plan.num_gpus:,}", p.plan.num_gpus))
-        cells += [(f"{rep.step_time_s:.3f}", rep.step_time_s), (f"{rep.tokens_per_s:,.0f}", rep.tokens_per_s),
+        cells += [(f"{fixed3(rep.step_time_s)}", rep.step_time_s), (f"{rep.tokens_per_s:,.0f}", rep.tokens_per_s),
                   (f"{100 * rep.mfu:.1f}%", rep.mfu), (f"{rep.peak_memory_gib:.1f}", rep.peak_memory_gib),
-                  (f"{p.usd_per_mtok:.3f}", p.usd_per_mtok),
+                  (f"{fixed3(p.usd_per_mtok)}", p.usd_per_mtok),
                   (esc(TERM_LABELS.get(rep.dominant, rep.dominant)), None)]
         t = train[i] if (has_train and train and i < len(train)) else None
         if t:
@@ -212,7 +232,7 @@ def _pareto(r: SearchResult, usable: float) -> str:
     multi = len(r.clusters) > 1
     rows = "".join(
         f'<tr><td class="l plan">{_plan(p.plan.short())}</td>' + (f"<td>{p.plan.num_gpus:,}</td>" if multi else "")
-        + f"<td>{p.step_time_s:.3f}</td><td>{p.peak_memory_gib:.1f}</td><td>{p.usd_per_mtok:.3f}</td></tr>"
+        + f"<td>{fixed3(p.step_time_s)}</td><td>{p.peak_memory_gib:.1f}</td><td>{fixed3(p.usd_per_mtok)}</td></tr>"
         for p in r.pareto)
     head = ('<th class="l" data-sort="text">plan</th>' + ('<th data-sort="num">GPUs</th>' if multi else "")
             + '<th data-sort="num">step time (s)</th><th data-sort="num">peak GiB</th>'
@@ -243,16 +263,17 @@ def _simulation(r: SearchResult, sim: Any, summary: dict[str, Any] | None, error
     s = summary
     g = charts.gantt(sim)
     rows = "".join(
-        f"<tr><td>{k['rank']}</td>" + "".join(f"<td>{k['busy_s'][st]:.3f}</td>" for st in ("compute", "tp", "dp", "pp"))
-        + f"<td>{k['pipeline_wait_s']:.3f}</td><td>{k['peak_memory_gib']:.1f}</td></tr>"
+        f"<tr><td>{k['rank']}</td>"
+        + "".join(f"<td>{fixed3(k['busy_s'][st])}</td>" for st in ("compute", "tp", "dp", "pp"))
+        + f"<td>{fixed3(k['pipeline_wait_s'])}</td><td>{k['peak_memory_gib']:.1f}</td></tr>"
         for k in s["ranks"][:64])
     more = f"<p class='mut'>first 64 of {len(s['ranks'])} ranks</p>" if len(s["ranks"]) > 64 else ""
     usable = r.best.report.usable_memory_gib
     return (head + f"<p>Discrete-event simulation of one step of {_plan(r.best.plan.short())} "
             f"(schedule {esc(s['schedule'])}, {s['microbatches']} micro-batches per pipeline"
             + (f", {s['virtual_stages']} virtual stages" if s.get("virtual_stages", 1) > 1 else "")
-            + f"): <b>{s['step_time_s']:.3f} s</b> against the analytical estimate of "
-            f"{s['analytic_step_time_s']:.3f} s ({s['sim_vs_analytic_pct']:+.2f}%); pipeline ranks wait for "
+            + f"): <b>{fixed3(s['step_time_s'])} s</b> against the analytical estimate of "
+            f"{fixed3(s['analytic_step_time_s'])} s ({s['sim_vs_analytic_pct']:+.2f}%); pipeline ranks wait for "
             f"inputs {100 * s['bubble_fraction']:.1f}% of the step. Each pipeline rank has four lanes: compute, "
             "TP/CP/EP communication, data-parallel/FSDP communication and pipeline sends. Move the mouse over "
             "the chart for the time.</p>" + g + "<h3>Memory per GPU during the step</h3>"
@@ -278,7 +299,7 @@ def _explanation(r: SearchResult) -> str:
     if len(r.clusters) > 1 and r.per_cluster:
         rows = "".join(
             f"<tr><td>{pc.num_gpus:,}</td><td>{pc.considered:,}</td><td>{pc.feasible:,}</td>"
-            + (f"<td>{pc.best_step_time_s:.3f}</td><td>{pc.best_usd_per_mtok:.3f}</td>"
+            + (f"<td>{fixed3(pc.best_step_time_s)}</td><td>{fixed3(pc.best_usd_per_mtok)}</td>"
                if pc.best_step_time_s is not None else '<td colspan="2" class="l">no feasible plan</td>') + "</tr>"
             for pc in r.per_cluster)
         out.append('<h3>Best per cluster size</h3><table id="per-cluster"><thead><tr><th>GPUs</th><th>plans</th>'

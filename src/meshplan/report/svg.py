@@ -28,6 +28,12 @@ def f1(x: float) -> str:
     return s[:-2] if s.endswith(".0") else ("0" if s == "-0" else s)
 
 
+def fixed3(v: float) -> str:
+    """Seconds or dollars: 3 decimals from 0.1 up (as before), 3 significant digits below (a
+    small ingested model's step takes microseconds)."""
+    return f"{v:.3f}" if abs(v) >= 0.1 or v == 0 or not math.isfinite(v) else f"{v:.3g}"
+
+
 def num(v: float) -> str:
     """A tick label or value: 3 significant digits, thousands separated, no exponent for
     everyday magnitudes."""
