@@ -13,8 +13,7 @@ import pytest
 from meshplan.cost import DEFAULT_PARAMS, estimate
 from meshplan.cost.comm import Group
 from meshplan.cost.compute import block_times, gemm_time
-from meshplan.cost.memory import (activation_bytes_per_token, block_activation_bytes,
-                                  model_state_bytes)
+from meshplan.cost.memory import activation_bytes_per_token, block_activation_bytes, model_state_bytes
 from meshplan.cost.schedule import in_flight, pipeline_time
 from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import ClusterSpec, LinkTier
@@ -102,7 +101,8 @@ def test_group_partial_members_per_node():
 
 def test_preset_cluster_tiers():
     """h100-sxm-80gb: NVSwitch 450 GB/s x NVLINK_EFFICIENCY; NDR 50 GB/s x NIC_EFFICIENCY."""
-    from meshplan.spec.cluster import NIC_EFFICIENCY as nic, NVLINK_EFFICIENCY as nvl
+    from meshplan.spec.cluster import NIC_EFFICIENCY as nic
+    from meshplan.spec.cluster import NVLINK_EFFICIENCY as nvl
     c = cluster("h100-sxm-80gb:64")
     assert Group.of(c, 8, 1).bytes_per_s == pytest.approx(450e9 * nvl, rel=REL)
     assert Group.of(c, 8, 8).bytes_per_s == pytest.approx(50e9 * nic, rel=REL)
@@ -259,17 +259,43 @@ def test_nonuniform_stages_bubble():
     assert busy == pytest.approx(12.0) and bubble == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize("w", [0.1, 1 / 3, 0.45])
-def test_zero_bubble_smaller_than_1f1b(w):
+@pytest.mark.parametrize("f,w", [(0.3, 0.1), (1 / 3, 1 / 3), (0.25, 0.2), (0.2, 0.15)])
+def test_zero_bubble_smaller_than_1f1b(f, w):
+    """Uniform stages, F + B + W = T, W <= F <= B, m >= 2 pp - 1. ZB-H1: (pp - 1)(F + B - W)
+    (Qi et al. 2024, and torch's order). ZBV, per chunk f, b, w (half a rank): (pp - 1) max(b,
+    2 (b - w)) in torch's ScheduleZBVZeroBubble order; it is ZB-H1's halved only when F = B = W
+    (the form the cost model used before, wrong otherwise)."""
     pp, m, T = 4, 8, 1.0
+    F, W = f * T, w * T
+    B = T - F - W
+    passes = [(F, B, W)] * pp
     _, b1 = pipeline_time([T] * pp, m, Plan(pp=pp), w)
-    _, bz = pipeline_time([T] * pp, m, Plan(pp=pp, schedule="zero-bubble"), w)
-    _, bv = pipeline_time([T] * pp, m, Plan(pp=pp, virtual_stages=2, schedule="zbv"), w)
+    _, bz = pipeline_time([T] * pp, m, Plan(pp=pp, schedule="zero-bubble"), w, passes)
+    _, bv = pipeline_time([T] * pp, m, Plan(pp=pp, virtual_stages=2, schedule="zbv"), w, passes)
     assert bz < b1
-    assert bz == pytest.approx(b1 * (1 - 2 * w), rel=1e-12)  # (F+B-W)/(F+B+W), Qi et al. 2023
-    assert bv == pytest.approx(bz / 2, rel=1e-12)
-    if w == pytest.approx(1 / 3):  # F = B = W: one third of 1F1B
+    assert bz == pytest.approx((pp - 1) * (F + B - W), rel=1e-12)
+    assert bv == pytest.approx((pp - 1) * max(B / 2, 2 * (B / 2 - W / 2)), rel=1e-12)
+    if w == pytest.approx(1 / 3):  # F = B = W: one third of 1F1B, ZBV one sixth
         assert bz == pytest.approx(b1 / 3, rel=1e-12)
+        assert bv == pytest.approx(bz / 2, rel=1e-12)
+    # without the pass split: the uniform-stage forms of the paper (no m term)
+    _, old_z = pipeline_time([T] * pp, m, Plan(pp=pp, schedule="zero-bubble"), w)
+    assert old_z == pytest.approx(b1 * (1 - 2 * w), rel=1e-12)
+
+
+@pytest.mark.parametrize("pp, m", [(4, 1), (4, 2), (4, 4), (4, 6), (8, 8)])
+def test_split_backward_bubble_grows_when_few_microbatches(pp, m):
+    """Fewer micro-batches than the warm-up: ZB-H1 (pp - 1)(F + B) - (min(m, pp) - 1) W; ZBV
+    (m <= pp) 2 (pp - 1)(f + b) - 2 (m - 1) f per chunk: at m = 1 every pass waits for the
+    whole round trip (twice the 1F1B bubble of one chunk)."""
+    F, B, W = 0.25, 0.5, 0.2
+    passes = [(F, B, W)] * pp
+    T = F + B + W
+    _, bz = pipeline_time([T] * pp, m, Plan(pp=pp, schedule="zero-bubble"), W / T, passes)
+    _, bv = pipeline_time([T] * pp, m, Plan(pp=pp, virtual_stages=2, schedule="zbv"), W / T, passes)
+    assert bz == pytest.approx((pp - 1) * (F + B) - (min(m, pp) - 1) * W, rel=1e-12)
+    if m <= pp:
+        assert bv == pytest.approx(2 * (pp - 1) * (F / 2 + B / 2) - 2 * (m - 1) * F / 2, rel=1e-12)
 
 
 def test_no_bubble_without_pipeline():
@@ -284,6 +310,9 @@ def test_in_flight_microbatches(pp, m):
     for i in range(pp):
         assert in_flight(p, i, m) == min(m, pp - i)
         assert in_flight(Plan(pp=pp, schedule="gpipe"), i, m) == m
+        # torch's orders: ZB-H1 keeps a micro-batch until its (late) W; ZBV chunks are half a rank
+        assert in_flight(Plan(pp=pp, schedule="zero-bubble"), i, m) == min(m, pp)
+        assert in_flight(Plan(pp=pp, virtual_stages=2, schedule="zbv"), i, m) == min(2 * m, m + i + 1, 2 * pp) / 2
     assert in_flight(Plan(pp=1), 0, m) == 1
 
 

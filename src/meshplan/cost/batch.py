@@ -31,7 +31,7 @@ from meshplan.cost.memory import (
     op_sac_bytes_per_token,
 )
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.cost.schedule import bubble_array, in_flight_array
+from meshplan.cost.schedule import RankPasses, bubble_array, in_flight_array, rank_passes
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
@@ -78,6 +78,12 @@ class _Block:
     full_bytes: np.ndarray  # activation bytes per token of one block, no recompute
     inp_bytes: np.ndarray   # bytes per token of the block input (what full recompute keeps)
     op_bytes: np.ndarray    # bytes per token kept by op-level SAC
+    emb_f: np.ndarray       # the embedding's and the output layer's (+ loss) passes apart:
+    emb_bi: np.ndarray      # forward, input gradients, weight gradients (the split-backward
+    emb_w: np.ndarray       # schedules' bubble needs them)
+    out_f: np.ndarray
+    out_bi: np.ndarray
+    out_w: np.ndarray
 
 
 def _group_rows(cols: Mapping[str, np.ndarray], keys: Sequence[str]) -> tuple[list[dict], np.ndarray]:
@@ -104,7 +110,8 @@ def _blocks(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: Mappin
         full, inp = activation_bytes_per_token(model, plan, s)
         vals.append((blk.fwd_s, blk.bwd_s, blk.bwd_weight_s, blk.recompute_s, blk.fwd_flops,
                      blk.recompute_flops, emb.fwd_s + emb.bwd_s, out.fwd_s + out.bwd_s,
-                     out.fwd_flops, full, inp, op_sac_bytes_per_token(model, plan)))
+                     out.fwd_flops, full, inp, op_sac_bytes_per_token(model, plan),
+                     emb.fwd_s, emb.bwd_input_s, emb.bwd_weight_s, out.fwd_s, out.bwd_input_s, out.bwd_weight_s))
     table = np.array(vals, dtype=float).reshape(len(combos), -1)[inv]
     return _Block(*(table[:, i] for i in range(table.shape[1])))
 
@@ -189,6 +196,54 @@ def _stage_params(model: ModelSpec, layers: np.ndarray, valid: np.ndarray, first
                     - (first & last) * (model.tied_embeddings * vh / tp)[:, None], 0)
 
 
+def output_stage(pp: np.ndarray, zbv: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """(rows, stages) mask of the pipeline rank holding the final norm, output layer and loss:
+    the last rank, or rank 0 under ZBV (its V puts the last virtual stage there, as
+    torch.distributed.pipelining and runtime.parallelize.stage_ids_for_rank do)."""
+    pp, zbv = np.asarray(pp)[:, None], np.asarray(zbv)[:, None]
+    return np.where(zbv & (pp > 1), j == 0, j == (pp - 1))
+
+
+def stage_sends(two_v: np.ndarray, pp: np.ndarray, zbv: np.ndarray, j: np.ndarray, one: np.ndarray) -> np.ndarray:
+    """(rows, stages) seconds of pipeline sends per micro-batch: ``two_v`` (2 v sends) on every
+    stage, except under ZBV, where ranks 0 and pp - 1 send 2 (``one``: one send): the first
+    and the last virtual stage have no neighbour outside, and the V turns on rank pp - 1."""
+    ends = np.asarray(zbv)[:, None] & ((j == 0) | (j == np.asarray(pp)[:, None] - 1))
+    return np.where(ends, 2 * np.asarray(one)[:, None], np.asarray(two_v)[:, None] + 0 * j)
+
+
+def _rank_passes(cols: Mapping[str, np.ndarray], p: CostParams, blk: _Block, c: _Comm, layers: np.ndarray,
+                 valid: np.ndarray, first: np.ndarray, last: np.ndarray, zbv: np.ndarray, totals: np.ndarray,
+                 p2p: np.ndarray, offload: np.ndarray, j: np.ndarray) -> RankPasses:
+    """Per-micro-batch forward / input-gradient / weight-gradient seconds of each rank, split
+    as the simulator runs them (cost.durations): exposed TP/CP/EP and FSDP communication with
+    the pass that carries it, half the sends with the forward. For ZBV also each rank's
+    second chunk (virtual stage 2 pp - 1 - r): half its blocks and communication, the output
+    layer on rank 0, and that chunk's own sends."""
+    def col(x: Any) -> np.ndarray:
+        return np.asarray(x, dtype=float)[:, None]
+
+    async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
+    share_f = blk.f / np.maximum(1e-30, blk.f + blk.b)
+    fwd_x, bin_x, w_x = (first * col(e) + last * col(o) for e, o in
+                         ((blk.emb_f, blk.out_f), (blk.emb_bi, blk.out_bi), (blk.emb_w, blk.out_w)))
+    comm_f = layers * (col(2 * c.tp_one) * async_f + col(c.cp_exposed * share_f + c.ep / 2 + c.fwd_exposed)) \
+        + offload / 2
+    fwd = layers * col(blk.f) + fwd_x + comm_f + p2p / 2
+    wgt = layers * col(blk.bw) + w_x
+    bwd = np.where(valid, totals, 0.0) - fwd - wgt
+    chunk1 = None
+    if zbv.any():
+        pp = col(cols["pp"])
+        one = col(np.where(cols["pp"] > 1, c.send * p.pp_p2p_exposed, 0))
+        out_f, out_b, out_w = (last * col(o) for o in (blk.out_f, blk.out_bi, blk.out_w))
+        f1 = (fwd - fwd_x - p2p / 2) / 2 + out_f + one * (j > 0)
+        b1 = (bwd - bin_x - p2p / 2) / 2 + out_b + one * (j < pp - 1)
+        w1 = (wgt - w_x) / 2 + out_w
+        chunk1 = (f1, b1, w1)
+    return rank_passes(fwd, bwd, wgt, valid, chunk1)
+
+
 def _offload(cols: Mapping[str, np.ndarray], plocal: np.ndarray, shard: np.ndarray, p: CostParams) -> np.ndarray:
     """Parameter offload (FSDP CPU offload): each micro-batch copies the fp32 shard host->device
     for the forward and again for the backward, over PCIe, not overlapped."""
@@ -242,7 +297,8 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     layers = _stage_layers(model, cols)
     width = layers.shape[1]
     j = np.arange(width)[None, :]
-    valid, first, last = j < pp[:, None], j == 0, j == (pp[:, None] - 1)
+    zbv = np.asarray(cols["schedule"]) == "zbv"
+    valid, first, last = j < pp[:, None], j == 0, output_stage(pp, zbv, j)
 
     def col(x: Any) -> np.ndarray:  # per-row array -> (rows, 1) for stage broadcasting
         return np.asarray(x, dtype=float)[:, None]
@@ -261,13 +317,14 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     lp, ag, rs, fsdp, per_step = c.lp, c.ag, c.rs, c.fsdp, c.per_step
     blk_exp = c.fwd_exposed + c.bwd_exposed
     blk_ovl = np.where(fsdp & ~per_step, 2 * ag + rs - blk_exp, 0)
-    p2p = np.where(pp > 1, 2 * v * c.send * p.pp_p2p_exposed, 0)
+    p2p = stage_sends(np.where(pp > 1, 2 * v * c.send * p.pp_p2p_exposed, 0), pp, zbv, j,
+                      np.where(pp > 1, c.send * p.pp_p2p_exposed, 0))
     plocal = _stage_params(m_, layers, valid, first, last, tp, lp)
     offload = _offload(cols, plocal, shard, p)
     terms = {"compute": compute, "recompute": recompute, "tp_comm": tp_exp,
              "tp_comm_overlapped": tp_t - tp_exp, "cp_comm": cp_exp, "ep_comm": ep_exp,
              "dp_comm": layers * col(blk_exp), "dp_comm_overlapped": layers * col(blk_ovl),
-             "pp_comm": np.broadcast_to(col(p2p), layers.shape), "offload": offload}
+             "pp_comm": p2p, "offload": offload}
     exposed = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm", "offload")
     totals = np.where(valid, sum(terms[k] for k in exposed), -np.inf)
     crit = np.argmax(totals, axis=1)
@@ -276,18 +333,23 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     busy = micro * tmax
     w_frac = blk.bw / np.maximum(1e-30, blk.f + blk.b + blk.rc)
     sched = cols["schedule"]
-    bubble = bubble_array(tsum, tmax, pp, v, sched, w_frac)
+    split = ((sched == "zero-bubble") | zbv) & (pp > 1)
+    passes = _rank_passes(cols, p, blk, c, layers, valid, first, last, zbv, totals, p2p, offload, j) \
+        if split.any() else None
+    bubble = bubble_array(tsum, tmax, pp, v, sched, w_frac, micro, passes)
 
     pmax = plocal.max(axis=1)
     dp_exp, dp_ovl = _dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, pmax, compute[:, 0] / 2)
     tied = Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)
-    dp_exp = dp_exp + np.where((pp > 1) & m_.tied_embeddings, tied, 0)
+    dp_exp = dp_exp + np.where((pp > 1) & m_.tied_embeddings & ~zbv, tied, 0)  # zbv: both on rank 0
     # FSDP under a pipeline gathers the stage's parameters once, during the first micro-batch's
     # forward, and reduce-scatters the gradients once, during the last one's backward: only that
     # one micro-batch's compute can hide each (torch.distributed.pipelining, torchtitan PP+FSDP).
     n_blk = layers[rows, crit]
     ag_s, rs_s = n_blk * ag, n_blk * rs
-    exp_s = np.maximum(0, ag_s - n_blk * blk.f) + np.maximum(0, rs_s - n_blk * (blk.b + blk.rc))
+    # (split backward: the last weight gradients come with the last W, which hides it alone)
+    hide_rs = np.where(split, n_blk * blk.bw / np.where(zbv, 2, 1), n_blk * (blk.b + blk.rc))
+    exp_s = np.maximum(0, ag_s - n_blk * blk.f) + np.maximum(0, rs_s - hide_rs)
     staged = fsdp & per_step
     dp_exp = dp_exp + np.where(staged, exp_s, 0)
     dp_ovl = dp_ovl + np.where(staged, ag_s + rs_s - exp_s, 0)

@@ -4,8 +4,16 @@ A pure addition: it evaluates the same terms as ``batch._estimate`` (reusing its
 the scalar functions of compute.py / comm.py) but keeps them apart by pass (forward,
 input-gradient backward, weight-gradient backward), by stream (compute, TP/CP/EP, data
 parallel, pipeline sends) and by pipeline rank, instead of summing them into a step time.
-``analytic_step_time`` recombines them with the closed-form schedule, and a unit test checks
-it equals ``estimate().step_time_s``: the two stay in step.
+``stage_totals`` recombines them into the cost model's per-rank times, and a unit test checks
+that they give ``estimate().step_time_s``: the two stay in step.
+
+Under ZBV the cost model places the final norm, output layer and loss on rank 0 (the V's last
+virtual stage). Here the per-rank step work (optimizer, gradient sync, parameter offload)
+follows that placement, while the output layer's pass pieces are listed at rank pp - 1
+(``*_extra_s[pp - 1]``, included in ``fwd_s[pp - 1]``, ...) and its static bytes are
+``static_bytes`` minus the simulator's move: ``sim.build.spec_from_durations`` takes both
+from rank pp - 1 and puts them on the last virtual stage (rank 0), as it does for any
+schedule's last stage.
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import numpy as np
 from meshplan.cost import batch as _b
 from meshplan.cost.comm import Group
 from meshplan.cost.compute import embedding_times, output_layer_times
+from meshplan.cost.memory import output_layer_static_bytes
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.schedule import in_flight_array
 from meshplan.spec.cluster import ClusterSpec
@@ -27,8 +36,9 @@ from meshplan.spec.plan import Plan, Workload
 class StageDurations:
     """Seconds per micro-batch per pipeline rank (lists indexed by rank) unless stated.
 
-    ``*_extra_*``: the embedding (rank 0) and output layer + loss (last rank) parts, which a
-    virtual-stage split must not divide. Communication ``*_exposed`` is on the critical path
+    ``*_extra_*``: the embedding (rank 0) and output layer + loss (last rank; under ZBV the
+    simulator moves them to rank 0's second chunk) parts, which a virtual-stage split must
+    not divide. Communication ``*_exposed`` is on the critical path
     of its pass (after the compute); ``*_overlapped`` runs under the pass's compute.
     """
 
@@ -80,6 +90,8 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
     width = layers.shape[1]
     j = np.arange(width)[None, :]
     valid, first, last = j < pp[:, None], j == 0, j == (pp[:, None] - 1)
+    zbv = plan.schedule == "zbv" and plan.pp > 1
+    held = _b.output_stage(pp, cols["schedule"] == "zbv", j)  # the output layer's parameters: rank 0 under ZBV
     emb = embedding_times(model, plan, work.seq_len, cluster.gpu, p)
     out = output_layer_times(model, plan, work.seq_len, cluster.gpu, p)
 
@@ -116,7 +128,7 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
     f_ovl = np.where(blocked, ag - f_exp, 0)
     b_ovl = np.where(blocked, ag + rs - b_exp, 0)
 
-    plocal = _b._stage_params(m_, layers, valid, first, last, tp, lp)
+    plocal = _b._stage_params(m_, layers, valid, first, held, tp, lp)
     offload = _b._offload(cols, plocal, shard, p)
     dp_f_exp = layers * col(f_exp) + offload / 2
     dp_b_exp = layers * col(b_exp) + offload / 2
@@ -133,7 +145,7 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
         ea, oa = _b._dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, plocal[:, r],
                                     (fwd[:, 0] + b_in[:, 0] + b_w[:, 0]) / 2)
         e, o = float(ea[0]), float(oa[0])
-        if plan.pp > 1 and m_.tied_embeddings and r in (0, width - 1):
+        if plan.pp > 1 and m_.tied_embeddings and not zbv and r in (0, width - 1):  # zbv: one rank holds both
             e += float(Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)[0])
         end_exp.append(e)
         end_ovl.append(o)
@@ -142,13 +154,17 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
     hbm = n_opt * p.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
     opt_t = np.where(np.asarray(cols["offload_optimizer"], dtype=bool)[:, None], host, hbm)
 
-    mem = _b._memory(model, work, cols, p, layers, valid, first, last, plocal, lp, shard, tokens, blk, micro)
+    mem = _b._memory(model, work, cols, p, layers, valid, first, held, plocal, lp, shard, tokens, blk, micro)
     inflight = in_flight_array(col(cols["pp"]), col(cols["virtual_stages"]), cols["schedule"][:, None],
                                np.arange(width)[None, :], micro[:, None])
     acts = mem["activations"][0]
     per_mb = acts / inflight[0]
     frag = p.allocator_fragmentation
     static = sum(mem[k][0] for k in ("weights", "grads", "optimizer", "overhead", "transient")) - frag * acts
+    if zbv:  # listed as if on rank pp - 1, where sim.build takes them from (module docstring)
+        moved = output_layer_static_bytes(model, plan, work, p)
+        static[0] -= moved
+        static[plan.pp - 1] += moved
 
     est = _b.estimate_batch(model, cluster, work, [plan], p)
     analytic = {k[5:]: float(v[0]) for k, v in est.items() if k.startswith("time.")}
@@ -173,8 +189,17 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
 
 
 def stage_totals(d: StageDurations) -> list[float]:
-    """Exposed seconds of one micro-batch on each rank, as the cost model sums them."""
-    return [d.fwd_s[r] + d.bwd_input_s[r] + d.bwd_weight_s[r] + d.recompute_s[r]
-            + d.tp_fwd_exposed_s[r] + d.tp_bwd_exposed_s[r] + d.dp_fwd_exposed_s[r] + d.dp_bwd_exposed_s[r]
-            + (2 * d.virtual_stages * d.p2p_send_s * d.p2p_exposed if d.pp > 1 else 0.0)
-            for r in range(d.pp)]
+    """Exposed seconds of one micro-batch on each rank, as the cost model sums them (2 v sends
+    per rank; under ZBV the output layer on rank 0, and 2 sends on ranks 0 and pp - 1)."""
+    out = [d.fwd_s[r] + d.bwd_input_s[r] + d.bwd_weight_s[r] + d.recompute_s[r]
+           + d.tp_fwd_exposed_s[r] + d.tp_bwd_exposed_s[r] + d.dp_fwd_exposed_s[r] + d.dp_bwd_exposed_s[r]
+           + (2 * d.virtual_stages * d.p2p_send_s * d.p2p_exposed if d.pp > 1 else 0.0)
+           for r in range(d.pp)]
+    if d.schedule == "zbv" and d.pp > 1:
+        last = d.pp - 1
+        extra = d.fwd_extra_s[last] + d.bwd_input_extra_s[last] + d.bwd_weight_extra_s[last]
+        out[0] += extra
+        out[last] -= extra
+        for r in (0, last):
+            out[r] -= (2 * d.virtual_stages - 2) * d.p2p_send_s * d.p2p_exposed
+    return out

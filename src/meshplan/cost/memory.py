@@ -16,7 +16,7 @@ import numpy as np
 
 from meshplan.cost.params import CostParams
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan
+from meshplan.spec.plan import Plan, Workload
 
 Num = Any  # a float, or a numpy array of one value per plan (and per stage)
 
@@ -98,6 +98,22 @@ def model_state_arrays(params: Num, layer_params: Num, zero: Num, shard: Num, of
     gathered = (1 + p.fsdp_prefetch_layers) * layer_params * 2.0 + layer_params * 4.0
     buckets = np.where(dp_cp > 1, 2 * p.dp_bucket_mib * 2**20, 0.0)
     return w, g, o, np.where(z3, gathered, buckets)
+
+
+def output_layer_static_bytes(model: ModelSpec, plan: Plan, work: Workload, p: CostParams) -> float:
+    """Bytes a pipeline stage's memory carries for holding the final norm and the output
+    projection (pp > 1): their model states (a separate copy when embeddings are tied), and
+    the logits' transient at the loss beyond a block's, times (1 + fragmentation). The same
+    pieces as cost.batch._memory; sim.build has the same function (a test checks they agree)."""
+    n = (model.norm_params() + model.vocab_size * model.hidden_size) / plan.tp
+    w, g, o, _ = model_state_bytes(n, 0.0, plan, p)
+    states = w + g + o + (6.0 * n if plan.zero == 3 and plan.pp > 1 else 0.0)  # pipelined FSDP's copies
+    tokens = plan.micro_batch * work.seq_len / plan.cp
+    _, block = block_activation_bytes(model, plan, work.seq_len, 1)
+    per = (FUSED_LOGITS_BYTES_PER_ELEM if plan.fused_loss else
+           VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM if plan.tp > 1 else LOGITS_BYTES_PER_ELEM)
+    logits = tokens * model.vocab_size / plan.tp * per
+    return states + (1 + p.allocator_fragmentation) * max(0.0, logits - block)
 
 
 def model_state_bytes(params: float, layer_params: float, plan: Plan,

@@ -6,17 +6,21 @@ A bound may only reject a plan that `meshplan.cost.estimate` would also find not
 1. Model states (``states_lower_bound_gib``). The estimate's peak memory of a stage is
    weights + grads + optimizer + activations + transient + overhead, every part >= 0, and the
    first three are ``meshplan.cost.memory.model_state_bytes(stage params, ...)`` (FSDP under a
-   pipeline adds more, ignored here). So states(first stage) and states(last stage), plus the
-   fixed framework overhead, bound the peak from below. Stage parameters are counted as the
-   cost model counts them (blocks split by TP and EP; embedding on the first stage; final norm
-   and output projection, a copy when tied, on the last). The bytes per parameter come from
-   the cost model's own function, called once per distinct (degrees, zero, offload, split).
+   pipeline adds more, ignored here). So the states of the stage holding the embedding and of
+   the one holding the output layer, plus the fixed framework overhead, bound the peak from
+   below. Stage parameters are counted as the cost model counts them (blocks split by TP and
+   EP; embedding on the first stage; final norm and output projection, a copy when tied, on
+   the last; under ZBV both on rank 0, no copy, and the last rank holds blocks only:
+   ``cost.batch.output_stage``). The bytes per parameter come from the cost model's own
+   function, called once per distinct (degrees, zero, offload, split, zbv or not).
 
 2. Micro-batch monotonicity (used by the search driver, not here): with every other field
    fixed, the estimate's peak memory does not decrease with micro_batch (kept activations
    scale with micro_batch x micro-batches in flight, which never shrinks: GPipe keeps
-   B/dp sequences, 1F1B min(B/dp, (pp - i) x micro_batch); transients scale with it). So once
-   a micro-batch size does not fit, the larger ones of the same plan are not estimated.
+   B/dp sequences, 1F1B min(B/dp, (pp - i) x micro_batch), zero-bubble min(B/dp, pp x
+   micro_batch), ZBV min(B/dp, (B/dp + (i + 1) micro_batch) / 2, pp x micro_batch);
+   transients scale with it). So once a micro-batch size does not fit, the larger ones of the
+   same plan are not estimated.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import numpy as np
 
 from meshplan.cost.memory import model_state_bytes
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.search.columns import NONE_CODE, PlanColumns
+from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
@@ -32,6 +36,7 @@ from meshplan.units import GiB
 
 _STATE_KEYS = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "offload_optimizer",
                "offload_params", "stage_layers")
+_ZBV = CATEGORIES["schedule"].index("zbv")
 
 
 def usable_gib(cluster: ClusterSpec, params: CostParams = DEFAULT_PARAMS) -> float:
@@ -61,8 +66,11 @@ def _stage_states(model: ModelSpec, plan: Plan, p: CostParams) -> float:
     n_first, n_last = _first_last_layers(m, plan.pp, plan.stage_layers)
     first = n_first * lp + m.embedding_params() / t
     last = n_last * lp + (m.norm_params() + m.vocab_size * m.hidden_size) / t
+    tied = m.vocab_size * m.hidden_size / t if m.tied_embeddings else 0.0
     if plan.pp == 1:
-        first = last = first + last - n_last * lp - (m.vocab_size * m.hidden_size / t if m.tied_embeddings else 0.0)
+        first = last = first + last - n_last * lp - tied
+    elif plan.schedule == "zbv":  # the V: output layer on rank 0 with the embedding, no tied copy
+        first, last = first + last - n_last * lp - tied, n_last * lp
     best = 0.0
     for params in (first, last):
         w, g, o, _ = model_state_bytes(params, lp, plan, p)
@@ -88,15 +96,17 @@ def states_lower_bound_gib(model: ModelSpec, cols: PlanColumns,
     n = cols.num_rows
     if n == 0:
         return np.zeros(0)
-    keys = np.stack([cols[k].astype(np.int64) for k in _STATE_KEYS], axis=1)
+    keys = np.stack([cols[k].astype(np.int64) for k in _STATE_KEYS] + [(cols["schedule"] == _ZBV).astype(np.int64)],
+                    axis=1)
     uniq, inverse = unique_rows(keys)
     out = np.empty(len(uniq))
     for i, row in enumerate(uniq.tolist()):
         d = dict(zip(_STATE_KEYS, row))
+        zbv = bool(row[-1])
         code = d["stage_layers"]
         plan = Plan(tp=d["tp"], pp=d["pp"], dp=d["dp"], cp=d["cp"], ep=d["ep"], zero=d["zero"],
                     shard_group=d["shard_group"], offload_optimizer=bool(d["offload_optimizer"]),
-                    offload_params=bool(d["offload_params"]),
+                    offload_params=bool(d["offload_params"]), schedule="zbv" if zbv else "1f1b",
                     stage_layers=None if code == NONE_CODE else cols.stage_table[code])
         out[i] = _stage_states(model, plan, params)
     return out[inverse] / GiB + params.framework_overhead_gib
