@@ -16,6 +16,17 @@ TERM_LABELS = {
 }
 
 
+
+def _secs(t: float, signed: bool = False) -> str:
+    """Seconds for explanations: 3 decimals from 1 s, else ms or us (tiny models are not 0.000 s)."""
+    sign = "+" if signed and t >= 0 else ""
+    a = abs(t)
+    if a >= 1 or a == 0:
+        return f"{sign}{t:.3f} s"
+    if a >= 1e-3:
+        return f"{sign}{t * 1e3:.2f} ms"
+    return f"{sign}{t * 1e6:.1f} us"
+
 def term_differences(a: CostReport, b: CostReport, n: int = 3) -> list[tuple[str, float]]:
     """The ``n`` exposed time terms with the largest |b - a| (seconds; positive: b spends more)."""
     keys = sorted({k for k in (*a.time, *b.time) if not k.endswith("_overlapped")})
@@ -58,8 +69,8 @@ def compare_line(win: RankedPlan | tuple[Plan, CostReport], other: RankedPlan | 
     if dt == 0:
         head = f"{label} ties on predicted step time (ranked by the tie-break: fewer GPUs, less memory, plan string)"
     else:
-        head = f"{label} is {_pct(dt, wr.step_time_s)} ({dt:+.3f} s per step)"
-    terms = "; ".join(f"{TERM_LABELS.get(k, k)} {d:+.3f} s" for k, d in term_differences(wr, orp))
+        head = f"{label} is {_pct(dt, wr.step_time_s)} ({_secs(dt, signed=True)} per step)"
+    terms = "; ".join(f"{TERM_LABELS.get(k, k)} {_secs(d, signed=True)}" for k, d in term_differences(wr, orp))
     mem = orp.peak_memory_gib - wr.peak_memory_gib
     return (f"{head}: {terms or 'no term differs'}; memory {mem:+.1f} GiB; differs in {settings}")
 
@@ -70,7 +81,7 @@ def explain(result: SearchResult, runners_up: int = 3) -> list[str]:
     if result.best is not None:
         b = result.best
         r = b.report
-        lines.append(f"winner {b.plan.short()} on {b.plan.num_gpus} GPUs: {r.step_time_s:.3f} s per step, "
+        lines.append(f"winner {b.plan.short()} on {b.plan.num_gpus} GPUs: {_secs(r.step_time_s)} per step, "
                      f"MFU {100 * r.mfu:.1f}%, peak {r.peak_memory_gib:.1f} of {r.usable_memory_gib:.1f} "
                      f"GiB usable; largest term: {TERM_LABELS.get(r.dominant, r.dominant)}")
         for other in result.plans[1:1 + runners_up]:
