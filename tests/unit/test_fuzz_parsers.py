@@ -18,7 +18,11 @@ from meshplan.errors import MeshplanError
 from meshplan.spec import ClusterSpec, GPUSpec, LinkTier, ModelSpec, Plan, parse_plan
 from meshplan.spec.base import from_dict, to_dict
 from meshplan.spec.io import (
-    load_cluster, load_gpu, load_model, load_plan, parse_cluster_shorthand, preset_names,
+    load_cluster,
+    load_gpu,
+    load_model,
+    load_plan,
+    parse_cluster_shorthand,
     read_data_file,
 )
 from meshplan.spec.plan import PLAN_KEY_ALIASES, SCHEDULE_ALIASES
@@ -223,7 +227,8 @@ def test_parse_plan_near_valid(pairs, sep):
 # cluster shorthand
 
 COUNTS = (st.integers().map(str) | st.text(max_size=6)
-          | st.tuples(st.integers(-2, 64), st.sampled_from("xX"), st.integers(-2, 64)).map(lambda t: "".join(map(str, t)))
+          | st.tuples(st.integers(-2, 64), st.sampled_from("xX"), st.integers(-2, 64))
+          .map(lambda t: "".join(map(str, t)))
           | st.sampled_from(["", "x", "8x", "x8", "1x2x3", " 8", "8 ", "0", "٨", "1_6", "+8", "1e2"]))
 GPU_ARGS = st.sampled_from(GPU_NAMES + ["H100-SXM-80GB", " a100-sxm-80gb ", "h100", "", "x.toml", "x.json",
                                         "/", "a" * 300 + ".toml"]) | st.text(max_size=10)

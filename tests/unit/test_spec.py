@@ -6,17 +6,23 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.errors import MeshplanError
-from meshplan.spec import ClusterSpec, GPUSpec, LinkTier, ModelSpec, Plan, Workload, parse_plan
-from meshplan.spec import constraints
+from meshplan.spec import ClusterSpec, GPUSpec, LinkTier, ModelSpec, Plan, Workload, constraints, parse_plan
 from meshplan.spec.base import from_dict, to_dict
 from meshplan.spec.cluster import default_links
-from meshplan.spec.io import (dump_toml, 
-    dump_json, load_cluster, load_gpu, load_model, load_plan, parse_cluster_shorthand,
-    plan_document, preset_names, read_data_file,
+from meshplan.spec.io import (
+    dump_json,
+    dump_toml,
+    load_cluster,
+    load_gpu,
+    load_model,
+    load_plan,
+    parse_cluster_shorthand,
+    plan_document,
+    preset_names,
 )
 from meshplan.spec.plan import PRECISIONS, RECOMPUTE, SCHEDULES
 
