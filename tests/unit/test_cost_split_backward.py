@@ -7,14 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshplan.cost import DEFAULT_PARAMS, estimate
+from meshplan.cost import estimate
 from meshplan.cost.batch import estimate_batch
 from meshplan.cost.durations import stage_durations, stage_totals
-from meshplan.cost.memory import output_layer_static_bytes
 from meshplan.search.bounds import states_lower_bound_gib
 from meshplan.search.columns import PlanColumns
 from meshplan.sim import simulate_plan
-from meshplan.sim.build import output_layer_static_bytes as sim_output_layer_static_bytes
 from meshplan.spec.io import load_cluster, load_model, load_plan
 from meshplan.spec.plan import Plan, Workload
 
@@ -109,14 +107,6 @@ def test_durations_recombine(plan):
     if p.schedule == "zbv":
         assert t.index(max(t)) == 0
     assert max(d.optimizer_s) == pytest.approx(a["optimizer"], rel=1e-12)
-
-
-def test_output_layer_static_bytes_agrees_with_sim_build():
-    m, w = _m("gpt3-13b"), Workload(global_batch=8, seq_len=2048)
-    for plan in ("tp=4,pp=4,schedule=zbv,virtual_stages=2", "tp=1,pp=4,zero=3,schedule=zbv,virtual_stages=2,dp=2",
-                 "tp=2,pp=2,schedule=zbv,virtual_stages=2,fused_loss=true,micro_batch=2"):
-        p = load_plan(plan)
-        assert output_layer_static_bytes(m, p, w, DEFAULT_PARAMS) == sim_output_layer_static_bytes(m, p, w)
 
 
 @pytest.mark.parametrize("stage_layers", [(2, 8, 8, 14), (4, 8, 8, 12), None])

@@ -4,6 +4,7 @@ hf:/module:/graph .json models. Most tests use hand-built graphs (pure, fast); t
 tiny HF configs need torch and transformers (skipped without them)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -23,7 +24,7 @@ from meshplan.cost.graph import (
 )
 from meshplan.cost.graph_durations import graph_analytic_step_time, graph_stage_durations, graph_stage_totals
 from meshplan.errors import MeshplanError
-from meshplan.sim import simulate_graph_plan, spec_from_graph
+from meshplan.sim import RankStep, simulate, simulate_graph_plan, spec_from_graph
 from meshplan.spec.base import to_dict
 from meshplan.spec.graph import LayerGraph, LayerSpec
 from meshplan.spec.io import dump_json, load_cluster, load_plan
@@ -70,7 +71,31 @@ def cnn() -> LayerGraph:
     return LayerGraph(name="cnn", source="module:toy:cnn", sample_tokens=1, layers=tuple(layers))
 
 
-TOY, TIED, CNN = transformer(), transformer(tied=True), cnn()
+def unequal(s: int = 512) -> LayerGraph:
+    """An embedding, seven blocks of unequal size and a heavy head (search tests' graph)."""
+    def layer(name: str, params: float, kind: str = "block", tp: bool = True) -> LayerSpec:
+        return LayerSpec(name=name, kind=kind, block=name, params=params, fwd_flops=2.0 * s * params,
+                         bwd_flops=4.0 * s * params, saved_bytes=12.0 * s * 1024, output_bytes=2.0 * s * 1024,
+                         tp_style="megatron" if tp else "none", tp_fraction=0.98 if tp else 0.0, tp_max=8 if tp else 1,
+                         tp_allreduces=2 if tp else 0, extra={"gemm_dim": 2048.0, "mem_bytes": 8.0 * s * 1024})
+    body = [layer(f"b{i}", m * 1e6) for i, m in enumerate((30, 10, 50, 20, 20, 70, 10))]
+    return LayerGraph(name="unequal", source="test", sample_tokens=s, trace_dtype="bfloat16",
+                      layers=(layer("emb", 5e6, "embedding", tp=False), *body, layer("head", 60e6, "head")))
+
+
+def blocks(head: float, n: int = 15, s: int = 2048, h: int = 2048) -> LayerGraph:
+    """n identical blocks and a last layer of ``head`` blocks (no embedding): under ZB-H1 the
+    last rank is the heavier one, under ZBV rank 0 (the V's last chunk), as in a transformer."""
+    def layer(i: int, scale: float) -> LayerSpec:
+        lin = 12 * h * h * scale
+        return LayerSpec(name=f"l{i}", kind="head" if i == n else "block", block="head" if i == n else "block",
+                         params=lin, fwd_flops=2.0 * s * lin, bwd_flops=4.0 * s * lin, saved_bytes=34.0 * s * h,
+                         output_bytes=2.0 * s * h, extra={"gemm_dim": 1.6 * h, "mem_bytes": 24.0 * s * h})
+    return LayerGraph(name="blocks", source="test", sample_tokens=s, trace_dtype="bfloat16",
+                      layers=tuple(layer(i, head if i == n else 1.0) for i in range(n + 1)))
+
+
+TOY, TIED, CNN, UNEQUAL = transformer(), transformer(tied=True), cnn(), unequal()
 
 PLANS = [
     "dp=16", "dp=16,zero=1", "dp=16,zero=3", "dp=16,zero=3,shard_group=4,offload_params=1",
@@ -201,6 +226,73 @@ def test_simulation_agrees_with_estimate_graph(graph, text):
     _, s = simulate_graph_plan(graph, CLUSTER, plan, w)
     assert abs(s["sim_vs_analytic_pct"]) < 3.0, s["sim_vs_analytic_pct"]
     assert s["analytic_step_time_s"] == estimate_graph(graph, CLUSTER, plan, w).step_time_s
+
+
+SPLIT_BASES = ["pp=2,dp=8", "pp=4,dp=4", "tp=2,pp=4,dp=2", "pp=4,dp=4,recompute=full", "pp=4,dp=4,zero=3",
+               "tp=2,pp=2,dp=4,zero=1", "pp=8,dp=2", "pp=4,dp=4,zero=1,offload_optimizer=1",
+               "tp=2,pp=4,dp=2,async_tp=1,fused_loss=1"]
+
+
+@pytest.mark.parametrize("graph", [TOY, TIED, UNEQUAL], ids=["untied", "tied", "unequal"])
+@pytest.mark.parametrize("schedule, per_rank", [("zero-bubble", 1), ("zero-bubble", 2), ("zero-bubble", 4),
+                                                ("zbv", 2), ("zbv", 4)])
+@pytest.mark.parametrize("base", SPLIT_BASES)
+def test_split_backward_plans_simulate_within_three_percent(graph, schedule, per_rank, base):
+    """zero-bubble and ZBV with pp, 2 pp, 4 pp micro-batches (ZBV: 2 pp and 4 pp): estimate_graph
+    takes its bubble from each rank's F, B, W passes (ZBV: each rank's two chunks) in torch's
+    order and hides pipelined FSDP's reduce-scatter under the last W pass. Seen: mean |sim -
+    est| 0.21% (zero-bubble) and 0.46% (zbv), worst 1.54% and 1.72%; with the paper's uniform
+    forms (before) 2.81% / 2.02%, worst -12.4% (tied, pp=8, m = pp) / +6.2%, 29 of 129 beyond 3%.
+    ZBV with pp <= m < 2 pp - 1 is left out: see the next test and docs/graph-cost.md."""
+    plan = load_plan(base + (",schedule=zbv,virtual_stages=2" if schedule == "zbv" else ",schedule=zero-bubble"))
+    w = graph_workload(graph, plan.dp * plan.pp * per_rank)
+    if graph_violations(graph, CLUSTER, plan, w):
+        pytest.skip("the layers do not split into pp x v chunks")
+    d = graph_stage_durations(graph, CLUSTER, plan, w)
+    assert graph_analytic_step_time(d) == pytest.approx(d.analytic["step_time_s"], rel=1e-12)
+    _, s = simulate_graph_plan(graph, CLUSTER, plan, w)
+    assert abs(s["sim_vs_analytic_pct"]) < 3.0, s["sim_vs_analytic_pct"]
+
+
+@pytest.mark.parametrize("head", [1.0, 2.5])
+@pytest.mark.parametrize("schedule", ["zero-bubble", "zbv"])
+def test_split_backward_bubble_is_torchs_order_for_every_microbatch_count(head, schedule):
+    """The cost model's m max T + bubble against the simulated pipeline alone (the same passes
+    and sends, no end-of-step work), pp = 4, m = 1 .. 16, uniform blocks and one heavier rank
+    (the head's): within 1% (seen 0.6%). With the paper's forms it was up to 95% low (ZBV,
+    m = 1: every pass waits for the round trip) and 43% (ZB-H1)."""
+    g = blocks(head)
+    plan = load_plan("pp=4,dp=4" + (",schedule=zbv,virtual_stages=2" if schedule == "zbv" else
+                                     ",schedule=zero-bubble"))
+    for m in range(1, 17):
+        spec, d = spec_from_graph(g, CLUSTER, plan, graph_workload(g, 4 * m))
+        alone = dataclasses.replace(spec, ranks=[RankStep() for _ in spec.ranks], overhead_s=0.0)
+        closed = d.microbatches * max(graph_stage_totals(d)) + d.analytic["bubble"]
+        assert simulate(alone).step_time_s == pytest.approx(closed, rel=0.01), m
+
+
+def test_pipelined_fsdp_reduce_scatter_hides_under_the_last_w_pass():
+    """ZeRO-3 under a split-backward pipeline: the reduce-scatter of the critical rank's
+    gradients starts with its last W pass (ZB-H1: the rank's weight gradients; ZBV: its first
+    chunk's, the last W of torch's order on every rank), so only that pass hides it. Here the
+    reduce-scatter is longer than that W and shorter than the rank's whole backward (which hid it
+    before, and still does under 1F1B)."""
+    g = transformer(s=1024, tied=True)
+    for sched in ("zero-bubble", "zbv"):
+        plan = load_plan("pp=4,dp=4,zero=3,schedule=" + sched + (",virtual_stages=2" if sched == "zbv" else ""))
+        w = graph_workload(g, plan.dp * plan.pp * 4)
+        d = graph_stage_durations(g, CLUSTER, plan, w)
+        ref = estimate_graph(g, CLUSTER, plan, w)
+        crit = int(np.argmax(graph_stage_totals(d)))
+        last_w = d.chunks[crit].bwd_weight_s if sched == "zbv" else d.bwd_weight_s[crit]
+        backward = d.bwd_input_s[crit] + d.bwd_weight_s[crit] + d.recompute_s[crit] - d.loss_bwd_s[crit]
+        assert last_w < d.staged_reduce_s[crit] < backward
+        gather = max(0.0, d.staged_gather_s[crit] - (d.fwd_s[crit] - d.loss_fwd_s[crit]))
+        end = max(e - (d.tied_sync_s if r in d.tied_ranks else 0.0) for r, e in enumerate(d.end_dp_exposed_s))
+        exposed = end + d.tied_sync_s + gather + d.staged_reduce_s[crit] - last_w
+        assert ref.time["dp_comm"] == pytest.approx(exposed, rel=1e-9)
+        _, sim = simulate_graph_plan(g, CLUSTER, plan, w)
+        assert abs(sim["sim_vs_analytic_pct"]) < 3.0, sim["sim_vs_analytic_pct"]
 
 
 @pytest.mark.parametrize("text", ["pp=2,dp=8", "pp=4,dp=4,stage_layers=2:3:3:2", "pp=2,dp=8,schedule=gpipe"])

@@ -91,6 +91,40 @@ def test_virtual_stages_split_in_whole_chunks():
     assert balanced_stage_layers(6, 8) is None  # fewer blocks than stages
 
 
+def test_zbv_split_charges_the_output_layer_to_rank_0_dp_vs_brute_force():
+    """ZBV's V puts the output layer and the loss on rank 0 with the embedding: the split
+    minimises the slowest rank with both extras there, as exhaustion over every split in whole
+    chunks finds it (the same tie rules)."""
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        units = int(rng.integers(2, 10))
+        pp = int(rng.integers(2, min(units, 5) + 1))
+        layer = float(rng.choice([1.0, rng.random() * 2 + 0.1]))
+        first, last = (float(rng.integers(0, 3)), float(rng.integers(0, 6))) if rng.random() < 0.5 else \
+            (float(rng.random()), float(rng.random() * 6))
+        got = balanced_stage_layers(2 * units, pp, 2, layer_cost=layer, first_extra=first, last_extra=last,
+                                    schedule="zbv")
+        assert got is not None and sum(got) == 2 * units and all(n % 2 == 0 and n > 0 for n in got)
+        want = _brute(np.full(units, 2 * layer), pp, first + last, 0.0, 1)
+        assert got == tuple(2 * u for u in want), (units, pp, layer, first, last)
+        costs = np.full(2 * units, layer)
+        best = min(stage_cost_max(costs, tuple(2 * u for u in c), first, last, schedule="zbv")
+                   for c in _compositions(units, pp, 1))
+        assert stage_cost_max(costs, got, first, last, schedule="zbv") == pytest.approx(best, rel=1e-12)
+
+
+def test_zbv_split_moves_blocks_off_rank_0():
+    # 12 blocks, pp = 2 (chunks of 2), an output layer worth 3.7 blocks (a GPT-3 125M-like
+    # vocabulary): on the last rank it takes blocks off rank 1; under ZBV it sits on rank 0.
+    assert balanced_stage_layers(12, 2, 2, first_extra=0.01, last_extra=3.7) == (8, 4)
+    assert balanced_stage_layers(12, 2, 2, first_extra=0.01, last_extra=3.7, schedule="zbv") == (4, 8)
+    # Other schedules, and a single stage, are unchanged by the keyword.
+    for sched in ("1f1b", "gpipe", "zero-bubble", "interleaved-1f1b"):
+        assert balanced_stage_layers(12, 2, 2, last_extra=3.7, schedule=sched) == (8, 4)
+    assert stage_cost_max(np.ones(4), (4,), 1.0, 2.0, schedule="zbv") == stage_cost_max(np.ones(4), (4,), 1.0, 2.0)
+    assert stage_cost_max(np.ones(4), (2, 2), 1.0, 2.0, schedule="zbv") == 5.0
+
+
 def test_impossible_split_is_a_clear_error():
     with pytest.raises(MeshplanError):
         split_layers(np.ones(3), 4)

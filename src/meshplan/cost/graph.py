@@ -23,10 +23,13 @@ Per layer, per micro-batch of b samples, on one GPU (docs/graph-cost.md has the 
             and again backward (and again when recomputed).
   PP        contiguous stages (stage_layers, or the even split by layer count); embedding
             layers stay on the first stage, heads on the last; a send of the boundary layer's
-            output forward, of its gradient backward.
+            output forward, of its gradient backward. Zero-bubble and ZBV: the bubble of
+            torch's order from m and each rank's F, B, W passes (chunk_passes; ZBV: the
+            critical rank's own two chunks), as cost.batch passes them.
   DP/ZeRO   model states per ZeRO level over the stage's (TP-local) parameters; FSDP gathers
             and reduce-scatters each layer, hidden under that layer's compute (once per step
-            under a pipeline); DDP/ZeRO-1/2 gradient sync at the end of the step.
+            under a pipeline, the reduce-scatter under the last W pass when the backward is
+            split); DDP/ZeRO-1/2 gradient sync at the end of the step.
   memory    per pipeline rank: model states + saved activations x micro-batches in flight
             (full recompute keeps each layer's input only) + the loss's logits + buffers,
             allocator fragmentation and the framework overhead of CostParams.
@@ -66,7 +69,7 @@ from meshplan.cost.memory import (
 )
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport
-from meshplan.cost.schedule import bubble_array, in_flight_array
+from meshplan.cost.schedule import SPLIT_BACKWARD, RankPasses, bubble_array, in_flight_array, rank_passes
 from meshplan.errors import MeshplanError
 from meshplan.spec import constraints as _c
 from meshplan.spec.cluster import ClusterSpec
@@ -441,6 +444,13 @@ class StageSums:
     w_frac: float            # weight-gradient share of a micro-batch's compute (zero-bubble)
     tied_local: float        # tied parameters copied onto the last layer's rank (0 when that is rank 0)
     recompute_flops: float   # forward FLOPs per sample recomputed
+    bw: np.ndarray           # (L,) weight-gradient seconds
+    chunk_onehot: np.ndarray  # (L, chunks) layer -> model chunk (virtual stage, model order)
+    chunk_rank: np.ndarray   # (chunks,) rank of each chunk
+    chunk_fwd: np.ndarray    # (chunks,) the split-backward passes of each chunk, without the per-row
+    chunk_bwd: np.ndarray    # FSDP and offload terms (finish adds them): forward (+ the loss's forward
+    chunk_wgt: np.ndarray    # share, exposed TP, its forward send), input gradients (+ recompute, the
+    #                          loss's backward, exposed TP, its gradient send), weight gradients
 
 
 def recompute_mask(lay: Layout, recompute: str, recompute_layers: int | None) -> np.ndarray:
@@ -480,12 +490,29 @@ def stage_sums(graph: LayerGraph, cluster: ClusterSpec, lc: LayerCosts, lay: Lay
     np.maximum.at(transient, rank, np.where(rc_mask, lc.saved, 0.0))
     transient[last] = max(transient[last], lc.logits_bytes)
     rc_flops = float(sum(x.fwd_flops for x, m in zip(graph.layers, rc_mask) if m))
+    # Per chunk, the passes of the split-backward schedules as the simulator runs them
+    # (cost.graph_durations): TP forward / backward all-reduces with their pass, each send with
+    # the pass that sends it (an activation after F, a gradient after B).
+    nch = len(lay.chunk_rank)
+    chunk_of = np.repeat(np.arange(nch), lay.stage_layers)
+    chunk_onehot = (chunk_of[:, None] == np.arange(nch)[None, :]).astype(float)
+    a = p.tp_exposed_async if async_tp else 1.0
+    tp_f = lc.tp2 / 2
+    loss = np.zeros(len(lc.f))
+    loss[-1] = lc.loss_s * lc.loss_fwd_share
+    c_fwd = (lc.f + tp_f * a + loss) @ chunk_onehot
+    loss[-1] = lc.loss_s - loss[-1]
+    c_bwd = (lc.b - lc.bw + rc + (np.where(rc_mask, lc.tp3, lc.tp2) - tp_f) * a + loss) @ chunk_onehot
+    if pp > 1:
+        c_fwd[:-1] += t
+        c_bwd[1:] += t
     return StageSums(
         pp=pp, onehot=onehot, compute=compute, recompute=rc @ onehot, tp_t=tp_t,
         tp_exp=tp_t * (p.tp_exposed_async if async_tp else 1.0), p2p=p2p, plocal=plocal, lp_max=lp_max,
         kept=np.where(rc_mask, lc.inp, lc.saved) @ onehot, transient=transient, f=lc.f, b_rc=lc.b + rc, lp=lc.lp,
         first_lp=float(lc.lp[rank == 0][0]), w_frac=float(lc.bw.sum() / max(1e-30, float(fb.sum() + rc.sum()))),
-        tied_local=tied, recompute_flops=rc_flops)
+        tied_local=tied, recompute_flops=rc_flops, bw=lc.bw, chunk_onehot=chunk_onehot, chunk_rank=lay.chunk_rank,
+        chunk_fwd=c_fwd, chunk_bwd=c_bwd, chunk_wgt=lc.bw @ chunk_onehot)
 
 
 def boundary_sends(cluster: ClusterSpec, lc: LayerCosts, lay: Layout, *, tp: int, cp: int, dp: int,
@@ -549,6 +576,23 @@ def memory_parts(cluster: ClusterSpec, s: StageSums, plocal: np.ndarray, *, dp: 
             "overhead": p.framework_overhead_gib * GiB, "inflight": inflight}
 
 
+def chunk_passes(fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray, chunk_rank: np.ndarray, totals: np.ndarray,
+                 zbv: bool) -> RankPasses:
+    """schedule.RankPasses from (rows, chunks) forward / input-gradient / weight-gradient seconds
+    of each model chunk (``chunk_rank``: their ranks) and the (rows, pp) per-rank totals of
+    finish: each rank's F and W are its chunks' sums, its B the rest of its total (so F + B + W
+    is the total). ZBV (rank r: chunks r and 2 pp - 1 - r): the second chunk is the V's way
+    back (chunk 2 pp - 1 - r), with the output layer and the loss on rank 0."""
+    pp = totals.shape[1]
+    to_rank = (np.asarray(chunk_rank)[:, None] == np.arange(pp)[None, :]).astype(float)
+    f, w = fwd @ to_rank, wgt @ to_rank
+    second = None
+    if zbv:
+        back = 2 * pp - 1 - np.arange(pp)
+        second = (fwd[:, back], bwd[:, back], wgt[:, back])
+    return rank_passes(f, totals - f - w, w, np.ones(totals.shape, dtype=bool), second)
+
+
 def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: int, cp: int, micro_batch: int,
            schedule: str, v: int, zero: np.ndarray, shard: np.ndarray, offload_params: np.ndarray,
            offload_optimizer: np.ndarray, grad_sync: np.ndarray,
@@ -580,7 +624,18 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     totals = base[None, :] + dp_layer + offload
     crit = np.argmax(totals, axis=1)
     tmax, tsum = totals[rows, crit], totals.sum(axis=1)
-    bubble = bubble_array(tsum, tmax, pp, v, np.asarray(schedule), s.w_frac)
+    split = schedule in SPLIT_BACKWARD and pp > 1
+    if split:  # zero-bubble, ZBV: the form of torch's order from each rank's F, B, W (and ZBV's chunks)
+        chunk_params = s.lp @ s.chunk_onehot
+        chunk_params[-1] += s.tied_local
+        off_c = _b._offload({"offload_params": offp}, np.broadcast_to(chunk_params, (n, len(chunk_params))),
+                            shard, p)
+        passes = chunk_passes(s.chunk_fwd + np.where(blocked, fe, 0.0) @ s.chunk_onehot + off_c / 2,
+                              s.chunk_bwd + np.where(blocked, be, 0.0) @ s.chunk_onehot + off_c / 2,
+                              np.broadcast_to(s.chunk_wgt, off_c.shape), s.chunk_rank, totals, schedule == "zbv")
+        bubble = bubble_array(tsum, tmax, pp, v, np.asarray(schedule), s.w_frac, micro, passes)
+    else:
+        bubble = bubble_array(tsum, tmax, pp, v, np.asarray(schedule), s.w_frac)
 
     # End of step: the transformer path's gradient sync / ZeRO gathers; tied weights; FSDP
     # under a pipeline (once per step, hidden by one micro-batch's compute only).
@@ -593,6 +648,8 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     if staged.any():
         ag_s, rs_s = (ag @ s.onehot)[rows, crit], (rs @ s.onehot)[rows, crit]
         f_c, b_c = (s.f @ s.onehot)[crit], (s.b_rc @ s.onehot)[crit]
+        if split:  # the last weight gradients come with the rank's last W, which alone hides the reduce
+            b_c = (s.bw @ (s.chunk_onehot if schedule == "zbv" else s.onehot))[crit]  # ZBV: chunk 0's (chunk crit)
         exp_s = np.maximum(0, ag_s - f_c) + np.maximum(0, rs_s - b_c)
         dp_exp = dp_exp + np.where(staged, exp_s, 0)
         dp_ovl = dp_ovl + np.where(staged, ag_s + rs_s - exp_s, 0)

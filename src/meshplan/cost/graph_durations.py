@@ -31,6 +31,7 @@ from meshplan.cost.graph import (
     TIME_KEYS,
     boundary_sends,
     check_graph,
+    chunk_passes,
     finish_plan,
     fsdp_layer_exposed,
     fsdp_layer_traffic,
@@ -44,7 +45,7 @@ from meshplan.cost.graph import (
     tied_sync_seconds,
 )
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.cost.schedule import bubble_array
+from meshplan.cost.schedule import SPLIT_BACKWARD, bubble_array
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.plan import Plan, Workload
@@ -232,15 +233,30 @@ def graph_stage_totals(d: GraphStageDurations) -> list[float]:
 
 def graph_analytic_step_time(d: GraphStageDurations) -> float:
     """The durations recombined with the closed-form schedule, as cost.graph.finish does:
-    m x the slowest rank's micro-batch + the bubble + the end-of-step data-parallel terms (the
-    fullest rank's sync, the tied weights' all-reduce, pipelined FSDP's traffic not hidden
-    under one micro-batch of the slowest rank) + the slowest optimizer step + the overhead."""
+    m x the slowest rank's micro-batch + the bubble (zero-bubble and ZBV: from each rank's F, B,
+    W passes and ZBV's chunks, ``cost.graph.chunk_passes``) + the end-of-step data-parallel
+    terms (the fullest rank's sync, the tied weights' all-reduce, pipelined FSDP's traffic not
+    hidden under one micro-batch of the slowest rank, the reduce-scatter under its last W pass
+    when the backward is split) + the slowest optimizer step + the overhead."""
     t = graph_stage_totals(d)
     crit = int(np.argmax(t))
-    bubble = float(bubble_array(sum(t), t[crit], d.pp, d.virtual_stages, np.asarray(d.schedule), d.w_frac))
+    split = d.schedule in SPLIT_BACKWARD and d.pp > 1
+    if split:
+        ch, x = d.chunks, d.p2p_exposed  # each send with the pass that sends it (F: activation, B: gradient)
+        fwd = [c.fwd_s + c.tp_fwd_exposed_s + c.dp_fwd_exposed_s + x * c.send_s for c in ch]
+        bwd = [c.bwd_input_s + c.recompute_s + c.tp_bwd_exposed_s + c.dp_bwd_exposed_s
+               + (x * ch[k - 1].send_s if k else 0.0) for k, c in enumerate(ch)]
+        passes = chunk_passes(np.array([fwd]), np.array([bwd]), np.array([[c.bwd_weight_s for c in ch]]),
+                              np.array([c.rank for c in ch]), np.array([t]), d.schedule == "zbv")
+        bubble = float(bubble_array(np.array([sum(t)]), np.array([t[crit]]), d.pp, d.virtual_stages,
+                                    np.asarray(d.schedule), d.w_frac, d.microbatches, passes)[0])
+    else:
+        bubble = float(bubble_array(sum(t), t[crit], d.pp, d.virtual_stages, np.asarray(d.schedule), d.w_frac))
     end = max(e - (d.tied_sync_s if r in d.tied_ranks else 0.0) for r, e in enumerate(d.end_dp_exposed_s))
     f_c = d.fwd_s[crit] - d.loss_fwd_s[crit]
     b_c = d.bwd_input_s[crit] + d.bwd_weight_s[crit] + d.recompute_s[crit] - d.loss_bwd_s[crit]
+    if split:  # the rank's last W pass hides the reduce-scatter (ZBV: its first chunk's, model chunk crit)
+        b_c = d.chunks[crit].bwd_weight_s if d.schedule == "zbv" else d.bwd_weight_s[crit]
     staged = max(0.0, d.staged_gather_s[crit] - f_c) + max(0.0, d.staged_reduce_s[crit] - b_c)
     return (d.microbatches * t[crit] + bubble + end + d.tied_sync_s + staged + max(d.optimizer_s)
             + d.overhead_s)

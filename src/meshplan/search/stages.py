@@ -3,7 +3,10 @@
 Given a cost per layer (any array), an extra cost on the first stage (embedding) and on the
 last (final norm, output projection and loss), and ``pp`` stages of contiguous layers, pick the
 split that minimises the maximum stage cost: the pipeline runs at the pace of its slowest
-stage (m x max_i T_i in every schedule of ``meshplan.cost.schedule``).
+stage (m x max_i T_i in every schedule of ``meshplan.cost.schedule``). Under ZBV the V puts the
+last virtual stage, with the output layer and the loss, on rank 0 beside the embedding
+(``cost.batch.output_stage``): ``balanced_stage_layers(..., schedule="zbv")`` charges both
+extras to the first rank.
 
 Ties are common (whole layers, uniform costs), so the choice among optimal splits is fixed:
   1. least maximum stage cost;
@@ -98,27 +101,37 @@ def _reconstruct(stage: list[np.ndarray], sq: list[np.ndarray], cap: float, pp: 
 
 
 def stage_cost_max(costs: np.ndarray, split: tuple[int, ...], first_extra: float = 0.0,
-                   last_extra: float = 0.0) -> float:
-    """Maximum stage cost of ``split`` (for tests and reports)."""
+                   last_extra: float = 0.0, schedule: str = "1f1b") -> float:
+    """Maximum stage cost of ``split`` (for tests and reports); ``last_extra`` on rank 0 under
+    zbv (``output_on_first_rank``)."""
     costs = np.asarray(costs, dtype=float)
     bounds = np.concatenate([[0], np.cumsum(split)])
     per = [costs[bounds[i]:bounds[i + 1]].sum() for i in range(len(split))]
     per[0] += first_extra
-    per[-1] += last_extra
+    per[0 if output_on_first_rank(schedule, len(split)) else -1] += last_extra
     return float(max(per))
+
+
+def output_on_first_rank(schedule: str, pp: int) -> bool:
+    """Whether the output layer (and the loss) runs on pipeline rank 0: ZBV's V puts the last
+    virtual stage there (torch.distributed.pipelining, cost.batch.output_stage)."""
+    return schedule == "zbv" and pp > 1
 
 
 def balanced_stage_layers(num_layers: int, pp: int, virtual_stages: int = 1, *,
                           layer_cost: float = 1.0, first_extra: float = 0.0,
-                          last_extra: float = 0.0) -> tuple[int, ...] | None:
-    """Blocks per pipeline rank for a model of identical blocks, balancing the embedding and
-    output layers. With virtual stages each rank holds ``virtual_stages`` chunks, so the split
-    is in units of ``virtual_stages`` blocks (the constraint `layers_split` asks each rank's
-    count to be divisible by it). None when no split exists (too few layers, or num_layers
-    not divisible by virtual_stages)."""
+                          last_extra: float = 0.0, schedule: str = "1f1b") -> tuple[int, ...] | None:
+    """Blocks per pipeline rank for a model of identical blocks, balancing the embedding
+    (``first_extra``, on rank 0) and the output layer + loss (``last_extra``: on the last rank,
+    or on rank 0 with the embedding when ``schedule`` is zbv). With virtual stages each rank
+    holds ``virtual_stages`` chunks, so the split is in units of ``virtual_stages`` blocks (the
+    constraint `layers_split` asks each rank's count to be divisible by it). None when no
+    split exists (too few layers, or num_layers not divisible by virtual_stages)."""
     v = virtual_stages
     if num_layers % v or num_layers // v < pp:
         return None
     units = num_layers // v
+    if output_on_first_rank(schedule, pp):
+        first_extra, last_extra = first_extra + last_extra, 0.0
     split = split_layers(np.full(units, layer_cost * v), pp, first_extra, last_extra)
     return tuple(u * v for u in split)

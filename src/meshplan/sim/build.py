@@ -2,13 +2,7 @@
 from __future__ import annotations
 
 from meshplan.cost.durations import StageDurations, stage_durations
-from meshplan.cost.memory import (
-    FUSED_LOGITS_BYTES_PER_ELEM,
-    LOGITS_BYTES_PER_ELEM,
-    VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
-    block_activation_bytes,
-    model_state_bytes,
-)
+from meshplan.cost.memory import output_layer_static_bytes
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.sim.engine import Pass, RankStep, SimSpec, VStage
 from meshplan.sim.schedules import chunks_per_rank, rank_chunk
@@ -19,10 +13,13 @@ from meshplan.spec.plan import Plan, Workload
 
 def spec_from_durations(d: StageDurations, output_static_bytes: float = 0.0) -> SimSpec:
     """Split each rank's per-micro-batch durations over its chunks. The embedding stays on
-    the first virtual stage and the output layer + loss on the last one: rank 0 and rank
-    pp - 1 (the cost model's placement), except under ZBV, whose V puts the last stage on
-    rank 0: there the output layer's compute moves to rank 0, and so does its static memory,
-    ``output_static_bytes`` (which the cost model counts on rank pp - 1)."""
+    the first virtual stage and the output layer + loss on the last one, where ``d`` lists
+    their pass pieces (``*_extra_s``) at ranks 0 and pp - 1. Under ZBV the V puts the last
+    stage on rank 0: the output layer's passes land there with that stage, and its static
+    memory, ``output_static_bytes`` (``cost.memory.output_layer_static_bytes``), which
+    ``cost.durations`` lists at rank pp - 1, moves to rank 0 here. The once-per-step work of
+    each rank (gradient sync, optimizer, pipelined FSDP) and the parameter offload are taken
+    as ``d`` places them (rank 0 holds the output layer's under ZBV): no move."""
     pp = d.pp
     sched = d.schedule if pp > 1 else "1f1b"
     v = chunks_per_rank(sched, pp, d.virtual_stages)
@@ -55,25 +52,9 @@ def spec_from_durations(d: StageDurations, output_static_bytes: float = 0.0) -> 
                    overhead_s=d.overhead_s)
 
 
-def output_layer_static_bytes(model: ModelSpec, plan: Plan, work: Workload,
-                              params: CostParams = DEFAULT_PARAMS) -> float:
-    """Bytes the cost model's memory charges the stage holding the final norm + output
-    projection for them (pp > 1): their model states (a separate copy when embeddings are
-    tied) and the logits' transient beyond a block's, times (1 + fragmentation). The same
-    pieces as cost.batch._memory; a unit test checks the two agree."""
-    n = (model.norm_params() + model.vocab_size * model.hidden_size) / plan.tp
-    w, g, o, _ = model_state_bytes(n, 0.0, plan, params)
-    states = w + g + o + (6.0 * n if plan.zero == 3 and plan.pp > 1 else 0.0)  # pipelined FSDP's copies
-    tokens = plan.micro_batch * work.seq_len / plan.cp
-    _, block = block_activation_bytes(model, plan, work.seq_len, 1)
-    per = (FUSED_LOGITS_BYTES_PER_ELEM if plan.fused_loss else
-           VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM if plan.tp > 1 else LOGITS_BYTES_PER_ELEM)
-    logits = tokens * model.vocab_size / plan.tp * per
-    return states + (1 + params.allocator_fragmentation) * max(0.0, logits - block)
-
-
 def spec_from_plan(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
                    params: CostParams = DEFAULT_PARAMS) -> tuple[SimSpec, StageDurations]:
+    """The SimSpec of ``plan`` and the cost model's durations it is built from."""
     d = stage_durations(model, cluster, plan, work, params)
     moved = output_layer_static_bytes(model, plan, work, params) if plan.schedule == "zbv" and plan.pp > 1 else 0.0
     return spec_from_durations(d, moved), d
