@@ -35,10 +35,13 @@ def ok(p: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run: 6 steps of FSDP on 2 ranks, checkpoint at the end."""
+    """The uninterrupted run: 6 steps of FSDP on 2 ranks, checkpoint at the end (offload_optimizer:
+    a no-op on CPU, said once; the numbers are FSDP's)."""
     d = tmp_path_factory.mktemp("baseline")
-    ok(meshplan_train(*COMMON, "--plan", FSDP, "--steps", str(STEPS), "--checkpoint-dir", str(d / "ck"),
-                      "--metrics", str(d / "m.jsonl")))
+    p = meshplan_train(*COMMON, "--plan", FSDP + ",offload_optimizer=1", "--steps", str(STEPS),
+                       "--checkpoint-dir", str(d / "ck"), "--metrics", str(d / "m.jsonl"))
+    ok(p)
+    (d / "stderr.txt").write_text(p.stderr)
     return d
 
 
@@ -53,6 +56,11 @@ def test_metrics_and_estimate(baseline: Path) -> None:
     assert summary["kind"] == "summary" and summary["world_size"] == 2
     assert summary["measured"]["step_time_s"] > 0 and summary["estimate"]["step_time_s"] > 0
     assert steps[-1]["loss"] < steps[0]["loss"]  # it learns
+    assert all(b["wall_time"] > a["wall_time"] and b["cpu_time"] > a["cpu_time"] for a, b in zip(steps, steps[1:]))
+    note = "offload: no-op on CPU devices (host memory is the device memory)"
+    assert [r for r in rows if r.get("kind") == "warning"] == [{"kind": "warning", "message": note}]
+    assert summary["warnings"] == [note]
+    assert (baseline / "stderr.txt").read_text().count("meshplan: warning: offload") == 1
 
 
 def test_resume_under_other_plans(baseline: Path, tmp_path: Path) -> None:

@@ -179,6 +179,22 @@ def summary_text(measured: dict[str, Any], est: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_step(trainer: Any, job: Job, rank0: bool) -> Any:
+    """One step of `meshplan train` on this rank: fault hook, timed step, log line and metrics
+    record (rank 0), checkpoint when due. Returns the StepRecord."""
+    from meshplan.runtime import checkpoint as ckpt
+    from meshplan.runtime.train import maybe_fail, timed_step
+    maybe_fail(trainer.step)
+    rec = timed_step(trainer)
+    if rank0:
+        print(f"step {rec.step:>5}/{job.steps}  loss {rec.loss:.6f}  {rec.step_time_s:.4f} s  "
+              f"{rec.tokens_per_s:,.0f} tok/s  {rec.peak_memory_gib:.3f} GiB", file=sys.stderr, flush=True)
+        _write(job.metrics, rec.to_dict())
+    if job.checkpoint_dir and job.checkpoint_every and trainer.step % job.checkpoint_every == 0:
+        ckpt.save(trainer, job.checkpoint_dir)
+    return rec
+
+
 def worker_main(job: Job) -> int:
     """Train on this rank (or alone): resume if asked (or after a restart), log, checkpoint."""
     import torch
@@ -186,7 +202,7 @@ def worker_main(job: Job) -> int:
 
     from meshplan.runtime import checkpoint as ckpt
     from meshplan.runtime.mesh import build_mesh, check_supported
-    from meshplan.runtime.train import RunConfig, Trainer, init_distributed, maybe_fail, timed_step
+    from meshplan.runtime.train import RunConfig, Trainer, init_distributed
     if in_torchrun():
         device = init_distributed(float(os.environ.get("MESHPLAN_PG_TIMEOUT", job.pg_timeout_s)))
         check_supported(job.model, job.plan, dist.get_world_size(), job.seq_len)
@@ -208,15 +224,7 @@ def worker_main(job: Job) -> int:
             print(f"meshplan: resumed from {job.checkpoint_dir} at step {trainer.step}", file=sys.stderr, flush=True)
     records = []
     while trainer.step < job.steps:
-        maybe_fail(trainer.step)
-        rec = timed_step(trainer)
-        records.append(rec)
-        if rank0:
-            print(f"step {rec.step:>5}/{job.steps}  loss {rec.loss:.6f}  {rec.step_time_s:.4f} s  "
-                  f"{rec.tokens_per_s:,.0f} tok/s  {rec.peak_memory_gib:.3f} GiB", file=sys.stderr, flush=True)
-            _write(job.metrics, rec.to_dict())
-        if job.checkpoint_dir and job.checkpoint_every and trainer.step % job.checkpoint_every == 0:
-            ckpt.save(trainer, job.checkpoint_dir)
+        records.append(run_step(trainer, job, rank0))
     if job.checkpoint_dir and not (job.checkpoint_every and trainer.step % job.checkpoint_every == 0):
         if not records and ckpt.read_meta(job.checkpoint_dir):
             pass  # nothing new to save

@@ -19,9 +19,10 @@
 8. precision        FSDP2 MixedPrecisionPolicy (bf16/fp16 params, fp32 reduce), else autocast;
                     fp8: torchao float8 linears where the GPU and torchao allow, else bf16 (noted).
 
-FSDP2 has no ZeRO-1/2 switch: zero=3 reshards parameters after forward (not under PP, where it
-would all-gather once per micro-batch), zero=1 and zero=2 keep them unsharded from forward to
-backward. Gradients are reduce-scattered and optimizer states sharded in all three.
+FSDP2 has no ZeRO-1/2 switch: zero=3 reshards the blocks' parameters after forward (not the last
+block's nor the root's, whose backward comes first; not under PP, where it would all-gather once
+per micro-batch), zero=1 and zero=2 keep them unsharded from forward to backward. Gradients are
+reduce-scattered and optimizer states sharded in all three.
 """
 from __future__ import annotations
 
@@ -219,21 +220,28 @@ def _inner(module: nn.Module) -> nn.Module:
     return module
 
 
-def apply_compile(part: Transformer) -> None:
+def apply_compile(part: Transformer, plan: Plan) -> None:
     """torch.compile per block, fullgraph (after TP and recomputation, before FSDP, whose hooks
-    stay outside the compiled code: torchtitan's order). MoE blocks route tokens with
-    data-dependent shapes and collectives: there the attention and each expert MLP are compiled
-    (fullgraph), the router and the dispatch run eagerly."""
+    stay outside the compiled code: torchtitan's order). Where a whole block cannot be one graph,
+    its attention and MLP (or each expert) are compiled and the rest runs eagerly: MoE blocks
+    (data-dependent routing and collectives) and TP blocks under recomputation (torch 2.13's
+    AOTAutograd fails on DTensor meshes saved inside a compiled checkpoint region; the checkpoint
+    then stays outside the compiled parts)."""
+    split = plan.tp > 1 and plan.recompute != "none"
     for name in list(part.layers.keys()):
         block = part.layers[name]
         inner = _inner(block)
         ff = inner.feed_forward
-        if hasattr(ff, "experts"):
+        if not (split or hasattr(ff, "experts")):
+            part.layers[name] = torch.compile(block, fullgraph=True)
+            continue
+        if not (split and plan.recompute == "selective"):
             inner.attention = torch.compile(inner.attention, fullgraph=True)
+        if hasattr(ff, "experts"):
             for key in list(ff.experts.keys()):
                 ff.experts[key] = torch.compile(ff.experts[key], fullgraph=True)
         else:
-            part.layers[name] = torch.compile(block, fullgraph=True)
+            inner.feed_forward = torch.compile(ff, fullgraph=True)
 
 
 # ---- 6/7. data parallel and precision ----------------------------------------------------------
@@ -252,18 +260,24 @@ def apply_fsdp(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh, device: to
     dtype = DTYPES[plan.precision]
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
         else MixedPrecisionPolicy()  # fp32: no casts at all
-    kw = {"reshard_after_forward": plan.zero == 3 and plan.pp == 1, "mp_policy": mp,
-          "offload_policy": _offload_policy(plan, device) or OffloadPolicy()}
+    kw = {"mp_policy": mp, "offload_policy": _offload_policy(plan, device) or OffloadPolicy()}
+    reshard = plan.zero == 3 and plan.pp == 1
     dp_mesh = mesh.fsdp_mesh()
     for part in parts:
-        for block in part.layers.values():
+        blocks = list(part.layers.values())
+        for i, block in enumerate(blocks):
+            # zero=3: reshard after forward, but not the last block, whose backward comes first
+            # (FSDP would gather it again at once: torchtitan's choice)
+            rs = reshard and i < len(blocks) - 1
             ff = _inner(block).feed_forward
             if plan.ep > 1 and hasattr(ff, "experts"):  # experts: over their replicas only; FSDP
-                fully_shard(ff.experts, mesh=mesh.expert_fsdp_mesh(), **kw)  # averages over those, the
-                # trainer divides by ep (not set_gradient_divide_factor: gloo has no PREMUL_SUM, and
-                # with a one-rank shard group torch 2.13 divides twice when forced to plain sums)
-            fully_shard(block, mesh=dp_mesh, **kw)
-        fully_shard(part, mesh=dp_mesh, **kw)
+                fully_shard(ff.experts, mesh=mesh.expert_fsdp_mesh(), reshard_after_forward=rs, **kw)  # averages
+                # over those, the trainer divides by ep (not set_gradient_divide_factor: gloo has no
+                # PREMUL_SUM, and with a one-rank shard group torch 2.13 divides twice when forced to sums)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=rs, **kw)
+        # the root (embedding, final norm, output) is kept gathered from forward to backward: its
+        # output projection's backward comes first (FSDP2's default for the root module)
+        fully_shard(part, mesh=dp_mesh, reshard_after_forward=False, **kw)
 
 
 def _has_dtensor(parts: list[nn.Module]) -> bool:
@@ -275,9 +289,10 @@ def apply_data_parallel(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh,
                         device: torch.device) -> tuple[list[nn.Module], str]:
     """Gradient averaging over dp x cp: FSDP2 (zero >= 1, or offload on an accelerator), DDP,
     or a manual all-reduce (DTensor parameters, pipeline stages, expert parallelism)."""
-    if mesh.ndp == 1:
+    offload = _offload_policy(plan, device) is not None
+    if mesh.ndp == 1 and not offload:
         return parts, "none"
-    if plan.zero > 0 or _offload_policy(plan, device) is not None:
+    if plan.zero > 0 or offload:  # offload: FSDP2 over dp x cp, one rank included
         apply_fsdp(parts, plan, mesh, device)
         return parts, "fsdp"
     if _has_dtensor(parts) or plan.pp > 1 or plan.ep > 1:  # DDP holds no DTensors; under PP its reducer
@@ -352,10 +367,13 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
         notes.append("async_tp: blocks are compiled (the overlap is an inductor pass) although compile=0")
         compile_blocks = True
     if mesh is None or plan.num_gpus == 1:
+        if _offload_policy(plan, device) is not None:
+            notes.append("offload: not applied to a one-process run (FSDP2's CPUOffloadPolicy needs a "
+                         "process group)")
         model.to(device)
         apply_ac(model, plan)
         if compile_blocks:
-            apply_compile(model)
+            apply_compile(model, plan)
         autocast = None if plan.precision == "fp32" else DTYPES[plan.precision]
         return Parallelized(parts=[model], run_modules=[model], autocast=autocast, notes=notes)
     counts = stage_layer_counts(model.spec.num_layers, plan)
@@ -374,7 +392,7 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
             apply_cp(part, mesh.cp_group, plan.cp, mesh.cp_rank, seq_len or model.spec.seq_len, device)
         apply_ac(part, plan)
         if compile_blocks:
-            apply_compile(part)
+            apply_compile(part, plan)
     run_modules, dp_mode = apply_data_parallel(parts, plan, mesh, device)
     autocast = None if plan.precision == "fp32" or dp_mode == "fsdp" else DTYPES[plan.precision]
     out = Parallelized(parts=parts, run_modules=run_modules, stage_ids=stage_ids, dp_mode=dp_mode,

@@ -14,6 +14,7 @@ import os
 import resource
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,13 @@ class Trainer:
         self.par: Parallelized = parallelize(model, cfg.plan, mesh, device, microbatches=self.n_micro,
                                              seq_len=cfg.seq_len)
         self.optimizers = [torch.optim.AdamW(p.parameters(), lr=cfg.lr, **ADAMW) for p in self.par.parts]
+        ep = mesh is not None and mesh.ep > 1
+        self._params = [(p, ep and is_expert_param(name)) for part in self.par.parts
+                        for name, p in part.named_parameters()]
+        """(parameter, is an expert-parallel expert's), listed once: the step loops over this."""
+        self._clip_groups: list[tuple[bool, Any, list[torch.Tensor]]] | None = None
+        self._grads_final = False
+        """True once a step showed that gradients need no finishing (placements do not change)."""
         self.step = 0  # optimizer steps done; also the data position
         self.grad_norm: torch.Tensor | None = None
         """Global gradient norm of the last step (before clipping), left on the device."""
@@ -134,21 +142,28 @@ class Trainer:
         norms reduced once here (not in every AdamW op, nor wrongly in the norm)."""
         if self.par.dp_mode == "manual":
             self._manual_dp_sync()
-        mesh = self.mesh
+        if self._grads_final:
+            return
+        fsdp = self.par.dp_mode == "fsdp"
         experts: list[torch.Tensor] = []
-        for part in self.par.parts:
-            for name, p in part.named_parameters():
-                g = p.grad
-                if g is None:
-                    continue
-                if self.par.dp_mode == "fsdp" and mesh is not None and mesh.ep > 1 and is_expert_param(name):
-                    experts.append(g.to_local() if _is_dtensor(g) else g)
-                if _is_dtensor(g) and any(pl.is_partial() for pl in g.placements):
+        partial = False
+        for p, expert in self._params:
+            g = p.grad
+            if g is None:
+                continue
+            if _is_dtensor(g):
+                if any(pl.is_partial() for pl in g.placements):
+                    partial = True
                     from torch.distributed.tensor import Replicate
                     p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl
                                                             for pl in g.placements])
+                if expert and fsdp:
+                    experts.append(g.to_local())
+            elif expert and fsdp:
+                experts.append(g)
         if experts:
-            torch._foreach_div_(experts, float(mesh.ep))  # type: ignore[union-attr]
+            torch._foreach_div_(experts, float(self.mesh.ep))  # type: ignore[union-attr]
+        self._grads_final = not (partial or experts)  # nothing to do now: nor in later steps
 
     def _manual_dp_sync(self) -> None:
         """DDP by hand: one flattened all-reduce of this rank's local gradients over dp x cp, then
@@ -158,11 +173,9 @@ class Trainer:
         mesh = self.mesh
         assert mesh is not None
         buckets: dict[bool, list[torch.Tensor]] = {False: [], True: []}
-        for part in self.par.parts:
-            for name, p in part.named_parameters():
-                if p.grad is not None:
-                    g = p.grad.to_local() if _is_dtensor(p.grad) else p.grad
-                    buckets[mesh.ep > 1 and is_expert_param(name)].append(g)
+        for p, expert in self._params:
+            if p.grad is not None:
+                buckets[expert].append(p.grad.to_local() if _is_dtensor(p.grad) else p.grad)
         for expert, grads in buckets.items():
             if not grads:
                 continue
@@ -179,21 +192,21 @@ class Trainer:
         Per group of gradients with the same mesh and placements: the local sum of squares,
         summed over the mesh dims they are sharded on (this is what DTensor's full_tensor does,
         also for gradients FSDP offloads to host memory); experts summed over the ep group;
-        stages summed over pipeline ranks."""
+        stages summed over pipeline ranks. The grouping is worked out once."""
         mesh = self.mesh
-        params: list[torch.Tensor] = []
-        groups: dict[tuple[bool, Any], list[torch.Tensor]] = {}
-        for part in self.par.parts:
-            for name, p in part.named_parameters():
-                if p.grad is None:
-                    continue
-                params.append(p)
+        params = [p for p, _ in self._params if p.grad is not None]
+        if self._clip_groups is None or sum(len(g[2]) for g in self._clip_groups) != len(params):
+            by_key: dict[tuple[bool, Any], list[torch.Tensor]] = {}
+            for p, expert in self._params:
                 g = p.grad
-                key = (g.device_mesh, g.placements) if _is_dtensor(g) else None
-                expert = mesh is not None and mesh.ep > 1 and is_expert_param(name)
-                groups.setdefault((expert, key), []).append(g.to_local() if _is_dtensor(g) else g)
+                if g is not None:
+                    by_key.setdefault((expert, (g.device_mesh, g.placements) if _is_dtensor(g) else None), []).append(p)
+            self._clip_groups = [(expert, key, ps) for (expert, key), ps in by_key.items()]
         total = torch.zeros((), device=self.device, dtype=torch.float32)
-        for (expert, key), grads in groups.items():
+        local: list[torch.Tensor] = []  # every gradient's local tensor: clipped without DTensor dispatch
+        for expert, key, ps in self._clip_groups:
+            grads = [p.grad.to_local() if key is not None else p.grad for p in ps]
+            local += grads
             sq = torch.nn.utils.get_total_norm(grads, foreach=False).to(self.device, torch.float32) ** 2
             if key is not None:
                 dmesh, placements = key
@@ -206,23 +219,39 @@ class Trainer:
         if mesh is not None and mesh.pp > 1:
             dist.all_reduce(total, group=mesh.pp_group)
         norm = total.sqrt()
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, norm, foreach=False)
+        if self.cfg.grad_clip > 0:  # clip_grads_with_norm_'s arithmetic, on the local tensors
+            coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in local:
+                by_device.setdefault(g.device, []).append(g)
+            for dev, gs in by_device.items():
+                torch._foreach_mul_(gs, coef.to(dev))
         return norm
 
     def _global_loss(self, local: torch.Tensor) -> float:
-        if self.mesh is None:
-            return float(local)
-        t = local.detach().float().clone()
-        if self.mesh.pp > 1:  # only ranks holding the last stage have it
-            dist.all_reduce(t, group=self.mesh.pp_group)
-        if self.mesh.ndp > 1:
-            dist.all_reduce(t, group=self.mesh.dp_group)
-            t /= self.mesh.ndp
-        return float(t)
+        return self.reduce_metrics(local)[0]
 
-    def train_step(self) -> float:
-        """One optimizer step on global batch number ``self.step``; returns the global loss."""
+    def reduce_metrics(self, local: torch.Tensor, *maxima: float) -> list[float]:
+        """[global loss, *max over ranks of each of ``maxima``] in one collective (an all-gather
+        of a few numbers per rank): the loss is the mean over dp x cp of the local losses of
+        tp rank 0 (pipeline ranks without the last stage hold 0)."""
+        if self.mesh is None or not dist.is_initialized():
+            return [float(local), *maxima]
+        mesh = self.mesh
+        contrib = local.detach().float() / mesh.ndp if mesh.tp_rank == 0 else torch.zeros((), device=self.device)
+        mine = torch.stack([contrib.to(torch.float64), *(torch.tensor(m, dtype=torch.float64, device=self.device)
+                                                         for m in maxima)])
+        every = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.float64, device=self.device)
+        dist.all_gather_into_tensor(every, mine)  # flat: gloo wants the output 1-D
+        every = every.view(-1, mine.numel())
+        out = [float(every[:, 0].sum())]
+        if maxima:
+            out += every[:, 1:].amax(dim=0).tolist()
+        return out
+
+    def step_local(self) -> torch.Tensor:
+        """One optimizer step on global batch number ``self.step``; returns this rank's loss
+        (a tensor, not reduced: ``reduce_metrics`` makes it global)."""
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         x, y = self._rows()
@@ -232,7 +261,11 @@ class Trainer:
         for opt in self.optimizers:
             opt.step()
         self.step += 1
-        return self._global_loss(local)
+        return local
+
+    def train_step(self) -> float:
+        """One optimizer step on global batch number ``self.step``; returns the global loss."""
+        return self._global_loss(self.step_local())
 
     # ---- inspection ----------------------------------------------------------------------------
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -266,12 +299,18 @@ def peak_memory_gib(device: torch.device) -> float:
     return kib / 2**20
 
 
-def max_over_ranks(value: float, device: torch.device) -> float:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+@typing.overload
+def max_over_ranks(value: float, device: torch.device) -> float: ...
+@typing.overload
+def max_over_ranks(value: list[float], device: torch.device) -> list[float]: ...
+def max_over_ranks(value: float | list[float], device: torch.device) -> float | list[float]:
+    """The maximum over all ranks (one all-reduce for a list of values)."""
+    values = value if isinstance(value, list) else [value]
+    if dist.is_initialized():
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        values = t.tolist()
+    return values if isinstance(value, list) else values[0]
 
 
 @dataclass
@@ -281,25 +320,32 @@ class StepRecord:
     step_time_s: float
     tokens_per_s: float
     peak_memory_gib: float
+    wall_time: float = 0.0
+    """time.time() at the end of the step on this rank (intervals include everything the loop does)."""
+    cpu_time: float = 0.0
+    """time.process_time() of this rank's process at the end of the step (intervals: CPU seconds
+    per step, less sensitive than wall time to other load on a shared machine)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "loss": self.loss, "step_time_s": self.step_time_s,
-                "tokens_per_s": self.tokens_per_s, "peak_memory_gib": self.peak_memory_gib, **self.extra}
+                "tokens_per_s": self.tokens_per_s, "peak_memory_gib": self.peak_memory_gib,
+                "wall_time": self.wall_time, "cpu_time": self.cpu_time, **self.extra}
 
 
 def timed_step(trainer: Trainer) -> StepRecord:
-    """One step, timed across ranks (barrier-free: the loss reduction synchronises them)."""
+    """One step, timed on every rank; the loss, the slowest rank's time and the largest peak
+    memory are then gathered in one collective (the only one the loop adds to training's)."""
     if trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)
     t0 = time.perf_counter()
-    loss = trainer.train_step()
+    local = trainer.step_local()
     if trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)
-    dt = max_over_ranks(time.perf_counter() - t0, trainer.device)
-    mem = max_over_ranks(peak_memory_gib(trainer.device), trainer.device)
+    loss, dt, mem = trainer.reduce_metrics(local, time.perf_counter() - t0, peak_memory_gib(trainer.device))
     toks = trainer.cfg.global_batch * trainer.cfg.seq_len
-    return StepRecord(step=trainer.step, loss=loss, step_time_s=dt, tokens_per_s=toks / dt, peak_memory_gib=mem)
+    return StepRecord(step=trainer.step, loss=loss, step_time_s=dt, tokens_per_s=toks / dt, peak_memory_gib=mem,
+                      wall_time=time.time(), cpu_time=time.process_time())
 
 
 def maybe_fail(step: int) -> None:
