@@ -120,6 +120,23 @@ def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostPa
             tick(len(part))
 
 
+def checked_request(clusters: ClusterSpec | Sequence[ClusterSpec], objective: str, top: int) -> list[ClusterSpec]:
+    """The clusters of a search request as a list, after checking the request's options (also
+    used by search.graph.search_graph)."""
+    if objective not in OBJECTIVES:
+        raise MeshplanError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
+    if top < 1:
+        raise MeshplanError(f"top must be >= 1; got {top}")
+    clusters = [clusters] if isinstance(clusters, ClusterSpec) else list(clusters)
+    if not clusters:
+        raise MeshplanError("no cluster to search")
+    for c in clusters:
+        if c.num_gpus > MAX_GPUS:
+            raise MeshplanError(f"cluster {c.name}: {c.num_gpus:,} GPUs is more than the search "
+                                f"handles ({MAX_GPUS:,})", hint="search a smaller cluster")
+    return clusters
+
+
 def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work: Workload,
            space: SearchSpace | None = None, *, params: CostParams = DEFAULT_PARAMS,
            objective: str = "time", top: int = 10, prune: bool = True,
@@ -129,18 +146,8 @@ def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work
 
     ``evaluator`` has the signature and contract of `meshplan.search.evaluate.evaluate` (the
     default); ``chunk`` is how many rows it receives per call."""
-    if objective not in OBJECTIVES:
-        raise MeshplanError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
-    if top < 1:
-        raise MeshplanError(f"top must be >= 1; got {top}")
     t0 = time.perf_counter()
-    clusters = [clusters] if isinstance(clusters, ClusterSpec) else list(clusters)
-    if not clusters:
-        raise MeshplanError("no cluster to search")
-    for c in clusters:
-        if c.num_gpus > MAX_GPUS:
-            raise MeshplanError(f"cluster {c.name}: {c.num_gpus:,} GPUs is more than the search "
-                                f"handles ({MAX_GPUS:,})", hint="search a smaller cluster")
+    clusters = checked_request(clusters, objective, top)
     space = space or SearchSpace()
     timings = {"enumerate_s": 0.0, "constraints_s": 0.0, "bounds_s": 0.0}
     scans = [_prepare(model, c, work, space, params, timings) for c in clusters]

@@ -56,17 +56,17 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.search.bounds import usable_gib
 from meshplan.search.constraints import OUT_OF_MEMORY, ZERO_BUBBLE_DP
-from meshplan.search.nearest import growth_limit
+from meshplan.search.driver import checked_request
+from meshplan.search.nearest import Corner, growth_limit, larger_memory_gpus, next_size
 from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
 from meshplan.search.result import ClusterCount, ParetoPoint, RankedPlan, SearchResult
-from meshplan.search.sizes import MAX_GPUS, nice_sizes, node_size, resized
-from meshplan.search.space import divisors, schedule_options, zero_options
+from meshplan.search.sizes import nice_sizes, node_size, resized
+from meshplan.search.space import check_space, divisors, micro_batch_values, schedule_options, zero_options
 from meshplan.search.stages import split_layers
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.plan import SCHEDULES, Plan, Workload
 
-OBJECTIVES = ("time", "cost")
 GRAPH_RECOMPUTE = ("none", "full")
 REASONS = [*GRAPH_CHECKS, ZERO_BUBBLE_DP, OUT_OF_MEMORY]
 """Rejection reasons, in counting order (a candidate counts under its first)."""
@@ -93,21 +93,13 @@ class GraphSpace:
     """Also try the even split by layer count (v = 1; the dynamic-programming split is always tried)."""
 
     def __post_init__(self) -> None:
-        for s in self.schedules:
-            if s not in SCHEDULES:
-                raise MeshplanError(f"graph search space: unknown schedule {s!r}", hint=", ".join(SCHEDULES))
+        check_space(self, "graph search space", ("tp", "pp", "micro_batch"))
         for r in self.recompute:
             if r not in GRAPH_RECOMPUTE:
                 raise MeshplanError(f"graph search space: recompute={r!r} is not modelled on a layer graph "
                                     "(it records whole layers)", hint="use recompute none and/or full")
-        if any(z not in (0, 1, 2, 3) for z in self.zero):
-            raise MeshplanError("graph search space: zero levels must be among 0, 1, 2, 3")
         if self.max_virtual_stages < 1:
             raise MeshplanError("graph search space: max_virtual_stages must be >= 1")
-        for name in ("tp", "pp", "micro_batch"):
-            for v in getattr(self, name) or ():
-                if v < 1:
-                    raise MeshplanError(f"graph search space: {name} values must be >= 1; got {v}")
 
     def replace(self, **changes: object) -> GraphSpace:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -208,15 +200,6 @@ def balanced_split(ga: GraphArrays, times: np.ndarray, pp: int, loss_s: float = 
     return tuple(split)
 
 
-def _micro_batches(work: Workload, dp: int, space: GraphSpace) -> list[int]:
-    if work.global_batch % dp:
-        return [1]
-    vals = divisors(work.global_batch // dp)
-    if space.micro_batch is not None:
-        vals = [v for v in space.micro_batch if v in vals] or [min(space.micro_batch)]
-    return vals
-
-
 def tp_values(graph: LayerGraph, cluster: ClusterSpec, space: GraphSpace) -> list[int]:
     """Default: the degrees the graph's TP-able layers allow, dividing the node and the cluster."""
     n, g = cluster.num_gpus, cluster.gpus_per_node
@@ -256,7 +239,8 @@ def _scan(graph: LayerGraph, ga: GraphArrays, cluster: ClusterSpec, work: Worklo
         for pp in [p for p in pps if (n // tp) % p == 0 and p <= graph.num_layers]:
             dp = n // (tp * pp)
             zs = _ZeroOpts.of(cluster, tp, dp, space)
-            for rc, mb, (sched, v) in itertools.product(space.recompute, _micro_batches(work, dp, space),
+            mbs = micro_batch_values(work, dp, space)  # type: ignore[arg-type]
+            for rc, mb, (sched, v) in itertools.product(space.recompute, mbs,
                                                         schedule_options(pp, graph, space)):  # type: ignore[arg-type]
                 for split in _splits(pricer, ga, tp, mb, rc, pp, v, space):
                     _price(scan, pricer, work, space, checked, (tp, pp, dp, mb), (sched, v, rc, split), zs)
@@ -337,17 +321,8 @@ def search_graph(graph: LayerGraph, clusters: ClusterSpec | Sequence[ClusterSpec
     ``work.seq_len`` must equal graph.sample_tokens (`cost.graph.graph_workload` builds it);
     global_batch counts samples. The result's ``model`` is the graph (it has a ``name``)."""
     p = DEFAULT_PARAMS if params is None else params
-    if objective not in OBJECTIVES:
-        raise MeshplanError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
-    if top < 1:
-        raise MeshplanError(f"top must be >= 1; got {top}")
     t0 = time.perf_counter()
-    clusters = [clusters] if isinstance(clusters, ClusterSpec) else list(clusters)
-    if not clusters:
-        raise MeshplanError("no cluster to search")
-    for c in clusters:
-        if c.num_gpus > MAX_GPUS:
-            raise MeshplanError(f"cluster {c.name}: {c.num_gpus:,} GPUs is more than the search handles")
+    clusters = checked_request(clusters, objective, top)
     space = space or GraphSpace()
     _check_request(graph, work, space)
     ga = graph_arrays(graph)
@@ -453,17 +428,6 @@ def _examples(graph: LayerGraph, work: Workload, scans: list[_Scan], space: Grap
 
 # ---- nothing fits: the nearest feasible options ----------------------------------------------
 
-@dataclass(frozen=True)
-class Corner:
-    """The best plan of the memory-saving corner of a space on one cluster."""
-
-    cluster: ClusterSpec
-    plan: Plan | None
-    peak_memory_gib: float
-    fits: bool
-    step_time_s: float
-
-
 def corner_space(space: GraphSpace) -> GraphSpace:
     """Least memory per GPU: the highest ZeRO level sharded over all ranks (with offload where
     the space has it), full recompute, micro-batch 1; every mesh and schedule."""
@@ -526,7 +490,7 @@ def nearest_graph(graph: LayerGraph, cluster: ClusterSpec, work: Workload, space
     size, limit = cluster.num_gpus, growth_limit(cluster)
     more, blocked = None, None
     while more is None:
-        size = size * 2 if size >= node else min(size * 2, node)
+        size = next_size(size, node)
         if size > limit:
             break
         c = _corner(graph, ga, resized(cluster, size), work, space, params)
@@ -538,10 +502,7 @@ def nearest_graph(graph: LayerGraph, cluster: ClusterSpec, work: Workload, space
     if more is not None and more.plan is not None:
         out.append(f"needs at least {more.cluster.num_gpus} x {gpu}: e.g. {more.plan.short()} "
                    f"({more.peak_memory_gib:.1f} GiB per GPU)")
-    from meshplan.spec.io import load_gpu, preset_names
-    bigger = sorted((g for g in (load_gpu(x) for x in preset_names("gpus")) if g.memory_gib > cluster.gpu.memory_gib),
-                    key=lambda g: (g.memory_gib, g.name))
-    for g in bigger:
+    for g in larger_memory_gpus(cluster):
         c = _corner(graph, ga, cluster.replace(gpu=g, name=f"{g.name}:{cluster.num_gpus}"), work, space, params)
         if c.fits and c.plan is not None:
             out.append(f"or {cluster.num_gpus} x {g.name}: {c.plan.short()} ({c.peak_memory_gib:.1f} GiB per GPU)")

@@ -26,7 +26,7 @@ from meshplan.search.constraints import first_violation, violation_masks
 from meshplan.search.evaluate import evaluate
 from meshplan.search.sizes import MAX_GPUS, nice_sizes, node_size, resized
 from meshplan.search.space import SearchSpace, enumerate_space
-from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.cluster import ClusterSpec, GPUSpec
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import MAX_COUNT, Plan, Workload
 
@@ -41,7 +41,8 @@ def growth_limit(cluster: ClusterSpec) -> int:
 
 @dataclass(frozen=True)
 class Corner:
-    """The most memory-saving plan of a space on one cluster."""
+    """The most memory-saving plan of a space on one cluster (of a SearchSpace here, of a
+    GraphSpace in search.graph)."""
 
     cluster: ClusterSpec
     plan: Plan | None
@@ -88,7 +89,8 @@ def memory_corner(model: ModelSpec, cluster: ClusterSpec, work: Workload, space:
                   float(res["step_time_s"][j]))
 
 
-def _next_size(n: int, node: int) -> int:
+def next_size(n: int, node: int) -> int:
+    """The next cluster size tried when growing: doubling, in whole nodes once past one node."""
     return n * 2 if n >= node else min(n * 2, node)
 
 
@@ -102,7 +104,7 @@ def smallest_fitting_size(model: ModelSpec, cluster: ClusterSpec, work: Workload
     limit = growth_limit(cluster)
     lo, size, found = cluster.num_gpus, cluster.num_gpus, None
     while found is None:
-        size = _next_size(size, node)
+        size = next_size(size, node)
         if size > limit:
             return None
         c = memory_corner(model, resized(cluster, size), work, space, params)
@@ -150,14 +152,17 @@ def larger_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: 
     return None
 
 
+def larger_memory_gpus(cluster: ClusterSpec) -> list[GPUSpec]:
+    """The GPU presets with more memory than ``cluster``'s, smallest memory first."""
+    from meshplan.spec.io import load_gpu, preset_names  # io is heavy-ish; only on this path
+    gpus = [load_gpu(n) for n in preset_names("gpus")]
+    return sorted((g for g in gpus if g.memory_gib > cluster.gpu.memory_gib), key=lambda g: (g.memory_gib, g.name))
+
+
 def bigger_gpus(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
                 params: CostParams = DEFAULT_PARAMS) -> Corner | None:
     """The same number of GPUs of the smallest-memory preset type on which the corner fits."""
-    from meshplan.spec.io import load_gpu, preset_names  # io is heavy-ish; only on this path
-    gpus = [load_gpu(n) for n in preset_names("gpus")]
-    cands = sorted((g for g in gpus if g.memory_gib > cluster.gpu.memory_gib),
-                   key=lambda g: (g.memory_gib, g.name))
-    for g in cands:
+    for g in larger_memory_gpus(cluster):
         c = memory_corner(model, cluster.replace(gpu=g, name=f"{g.name}:{cluster.num_gpus}"),
                           work, space, params)
         if c.fits:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -80,22 +81,27 @@ class SearchSpace:
     uneven_stages: bool = False
 
     def __post_init__(self) -> None:
-        for s in self.schedules:
-            if s not in SCHEDULES:
-                raise MeshplanError(f"search space: unknown schedule {s!r}")
+        check_space(self, "search space", ("tp", "pp", "cp", "ep", "micro_batch"))
         for r in self.recompute:
             if r not in RECOMPUTE:
                 raise MeshplanError(f"search space: unknown recompute {r!r}")
-        if any(z not in (0, 1, 2, 3) for z in self.zero):
-            raise MeshplanError("search space: zero levels must be among 0, 1, 2, 3")
-        for name in ("tp", "pp", "cp", "ep", "micro_batch"):  # held in int32 columns
-            for v in getattr(self, name) or ():
-                if not 1 <= v <= MAX_DEGREE:
-                    raise MeshplanError(f"search space: {name} must be between 1 and {MAX_DEGREE:,}; "
-                                        f"got {_show(v)}")
 
     def replace(self, **changes: object) -> SearchSpace:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def check_space(space: Any, where: str, degrees: tuple[str, ...]) -> None:
+    """The checks a SearchSpace and a search.graph.GraphSpace share: known schedules, ZeRO levels
+    0..3, and each of ``degrees`` (tuples or None) between 1 and MAX_DEGREE (int32 plan columns)."""
+    for s in space.schedules:
+        if s not in SCHEDULES:
+            raise MeshplanError(f"{where}: unknown schedule {s!r}")
+    if any(z not in (0, 1, 2, 3) for z in space.zero):
+        raise MeshplanError(f"{where}: zero levels must be among 0, 1, 2, 3")
+    for name in degrees:
+        for v in getattr(space, name) or ():
+            if not 1 <= v <= MAX_DEGREE:
+                raise MeshplanError(f"{where}: {name} must be between 1 and {MAX_DEGREE:,}; got {_show(v)}")
 
 
 def divisors(n: int) -> list[int]:
