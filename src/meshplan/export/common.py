@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from meshplan.errors import MeshplanError
+from meshplan.spec.io import toml_value
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
@@ -54,7 +55,8 @@ class ExportResult:
 # ---- inputs --------------------------------------------------------------------------------------
 
 def require(inp: ExportInput, target: str, *, model: bool, seq_len: bool) -> None:
-    """One-line errors for what ``target`` needs and the input lacks."""
+    """One-line errors for what ``target`` needs and the input lacks, then for a plan that cannot
+    run (`check_plan`): what every exporter's build() checks first."""
     if inp.global_batch is None:
         raise MeshplanError(f"export --to {target} needs the global batch size (sequences per step)",
                             hint="give --global-batch, or a plan file written by `meshplan plan --out`")
@@ -65,6 +67,7 @@ def require(inp: ExportInput, target: str, *, model: bool, seq_len: bool) -> Non
     if seq_len and inp.seq_len is None:
         raise MeshplanError(f"export --to {target} needs the sequence length",
                             hint="give --seq-len (or --model, whose default is used)")
+    check_plan(inp)
 
 
 def check_plan(inp: ExportInput) -> None:
@@ -132,20 +135,9 @@ def _toml_key(k: str) -> str:
     return k if _BARE_KEY.match(k) else json.dumps(k)
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")  # pragma: no cover - exporters write plain values
-
-
 def toml_text(tables: dict[str, dict[str, Any]]) -> str:
-    """Nested dicts of scalars/lists as TOML: one [table] per dict, sub-dicts as [a.b] tables."""
+    """Nested dicts of scalars/lists as TOML: one [table] per dict, sub-dicts as [a.b] tables, bare
+    keys where TOML allows them (values: spec.io.toml_value)."""
     out: list[str] = []
 
     def emit(prefix: str, table: dict[str, Any]) -> None:
@@ -153,7 +145,7 @@ def toml_text(tables: dict[str, dict[str, Any]]) -> str:
         subs = [(k, v) for k, v in table.items() if isinstance(v, dict)]
         if scalars:
             out.append(f"[{prefix}]")
-            out.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars)
+            out.extend(f"{_toml_key(k)} = {toml_value(v)}" for k, v in scalars)
             out.append("")
         for k, v in subs:
             emit(f"{prefix}.{_toml_key(k)}", v)

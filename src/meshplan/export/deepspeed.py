@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshplan.export.common import ExportInput, ExportResult, check_plan, describe, require, stage_layer_counts
+from meshplan.export.common import ExportInput, ExportResult, describe, require, stage_layer_counts
 
 TARGET = "deepspeed"
 
 
 def build(inp: ExportInput) -> ExportResult:
     require(inp, TARGET, model=False, seq_len=False)
-    check_plan(inp)
     p, m = inp.plan, inp.model
     assert inp.global_batch is not None
     uns: list[str] = []

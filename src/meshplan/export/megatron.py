@@ -9,7 +9,6 @@ from __future__ import annotations
 from meshplan.export.common import (
     ExportInput,
     ExportResult,
-    check_plan,
     describe,
     recompute_layers_per_chunk,
     require,
@@ -35,7 +34,6 @@ def layout(counts: list[int]) -> str:
 
 def build(inp: ExportInput) -> ExportResult:
     require(inp, TARGET, model=True, seq_len=True)
-    check_plan(inp)
     p, m = inp.plan, inp.model
     assert m is not None and inp.global_batch is not None and inp.seq_len is not None
     args: list[str] = []

@@ -12,7 +12,6 @@ from typing import Any
 from meshplan.export.common import (
     ExportInput,
     ExportResult,
-    check_plan,
     describe,
     recompute_layers_per_chunk,
     require,
@@ -88,7 +87,6 @@ def _fqns(counts: list[int]) -> list[list[str]]:
 
 def build(inp: ExportInput) -> ExportResult:
     require(inp, TARGET, model=True, seq_len=True)
-    check_plan(inp)
     p, m = inp.plan, inp.model
     assert m is not None and inp.global_batch is not None and inp.seq_len is not None
     uns: list[str] = []

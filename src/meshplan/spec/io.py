@@ -246,7 +246,8 @@ def dump_json(obj: Any) -> str:
     return json.dumps(to_dict(obj), indent=2, sort_keys=False)
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
+    """One TOML value: booleans, numbers, strings, lists and (inline) tables of them."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -254,9 +255,9 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, str):
         return json.dumps(v)
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()
                                if x is not None) + "}"
     raise MeshplanError(f"cannot write {type(v).__name__} to TOML")
 
@@ -270,8 +271,8 @@ def dump_toml(obj: Any) -> str:
         if v is None:
             continue
         (tables if isinstance(v, dict) else lines).append((k, v))
-    out = [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in lines]
+    out = [f"{json.dumps(k)} = {toml_value(v)}" for k, v in lines]
     for name, table in tables:
         out.append(f"\n[{json.dumps(name)}]")
-        out += [f"{json.dumps(k)} = {_toml_value(x)}" for k, x in table.items() if x is not None]
+        out += [f"{json.dumps(k)} = {toml_value(x)}" for k, x in table.items() if x is not None]
     return "\n".join(out) + "\n"
