@@ -1,4 +1,5 @@
-"""Units and sizes. Internally: bytes, FLOP, seconds, bytes/second."""
+"""Units and sizes. Internally: bytes, FLOP, seconds, bytes/second. Counts as people read them
+(`human_count`: the terminal and the HTML report print them the same way)."""
 from __future__ import annotations
 
 KiB = 1024
@@ -17,6 +18,14 @@ DTYPE_BYTES: dict[str, float] = {
 def gib(n_bytes: float) -> float:
     """Bytes -> GiB."""
     return n_bytes / GiB
+
+
+def human_count(n: float) -> str:
+    """12_345_678_901 -> '12.3B' (the inverse of parse_count, to 3 significant digits)."""
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:g}"
 
 
 def parse_count(text: str) -> float:

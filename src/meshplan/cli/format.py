@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
+
+from meshplan.spec.base import json_safe
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], align: str | None = None) -> str:
@@ -34,14 +35,6 @@ def _fmt(x: object) -> str:
     return str(x)
 
 
-def human(n: float) -> str:
-    """12_345_678_901 -> '12.3B'."""
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.3g}{unit}"
-    return f"{n:g}"
-
-
 def seconds(t: float) -> str:
     if t >= 1:
         return f"{t:.3f} s"
@@ -53,14 +46,4 @@ def seconds(t: float) -> str:
 def json_text(obj: object) -> str:
     """Strict JSON (RFC 8259): a non-finite number (an overflow) is written as null, never as
     NaN or Infinity; numpy scalars and arrays as plain numbers and lists."""
-    def clean(x: object) -> object:
-        if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
-            x = x.tolist()
-        if isinstance(x, float):
-            return x if math.isfinite(x) else None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-    return json.dumps(clean(obj), indent=2, allow_nan=False)
+    return json.dumps(json_safe(obj), indent=2, allow_nan=False)

@@ -46,22 +46,24 @@ def load_model_arg(arg: str, *, seq_len: int | None = None) -> ModelSpec | Layer
 
 def graph_text(graph: LayerGraph) -> list[str]:
     """A summary of an ingested model: layers, distinct blocks, parameters, FLOPs, TP structure."""
-    from meshplan.cli.format import human
+    from meshplan.units import human_count
     blocks = graph.distinct_blocks()
     tp = graph.tp_degrees(64)
-    lines = [f"model    {graph.name} ({graph.source}): {human(graph.params)} parameters, {graph.num_layers} layers "
-             f"({len(blocks)} distinct), task {graph.task}, {graph.sample_tokens} tokens per sample",
-             f"FLOPs    {human(graph.fwd_flops)} forward + {human(graph.bwd_flops)} backward per sample; "
+    lines = [f"model    {graph.name} ({graph.source}): {human_count(graph.params)} parameters, "
+             f"{graph.num_layers} layers ({len(blocks)} distinct), task {graph.task}, "
+             f"{graph.sample_tokens} tokens per sample",
+             f"FLOPs    {human_count(graph.fwd_flops)} forward + {human_count(graph.bwd_flops)} backward per sample; "
              f"tensor parallel degrees allowed: {', '.join(map(str, tp))}"]
     return lines
 
 
 def graph_table(graph: LayerGraph) -> str:
-    from meshplan.cli.format import human, table
+    from meshplan.cli.format import table
+    from meshplan.units import human_count
     rows = []
     for bid, idx in graph.distinct_blocks().items():
         la = graph.layers[idx[0]]
-        rows.append((bid, la.kind, len(idx), human(la.params), human(la.fwd_flops), human(la.bwd_flops),
+        rows.append((bid, la.kind, len(idx), *(human_count(x) for x in (la.params, la.fwd_flops, la.bwd_flops)),
                      f"{la.saved_bytes / 2**20:.2f}", f"{la.output_bytes / 2**20:.2f}",
                      f"{la.tp_style} x{la.tp_max}" if la.tp_style != "none" else "-"))
     return table(["block", "kind", "count", "params", "fwd FLOPs", "bwd FLOPs", "saved MiB", "out MiB", "TP"],

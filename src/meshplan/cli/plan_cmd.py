@@ -57,7 +57,8 @@ def add_parser(sub: Any, positive_int: Any) -> None:
 
 # ---- inputs --------------------------------------------------------------------------------
 
-def _space(args: argparse.Namespace, cluster: Any) -> Any:
+def search_space(args: argparse.Namespace, cluster: Any) -> Any:
+    """The SearchSpace of the plan options (--fix, --precision, ...) on ``cluster``."""
     from meshplan.search.space import SearchSpace
     from meshplan.spec.plan import Plan
     base: dict[str, Any] = {"precision": args.precision, "compile": args.compile,
@@ -76,11 +77,11 @@ def _space(args: argparse.Namespace, cluster: Any) -> Any:
     return SearchSpace(base=plan, **changes)
 
 
-def _graph_space(args: argparse.Namespace, cluster: Any) -> Any:
+def graph_space(args: argparse.Namespace, cluster: Any) -> Any:
     """The search space on an ingested layer graph: the same options, mapped to GraphSpace."""
     from meshplan.search.graph import GraphSpace
     from meshplan.spec.plan import Plan
-    space = _space(args, cluster)  # parses and checks --fix and the plan options once
+    space = search_space(args, cluster)  # parses and checks --fix and the plan options once
     for axis in ("cp", "ep"):
         if getattr(space, axis, None) not in (None, (1,)):
             raise MeshplanError(f"--fix {axis}: a layer graph has no {'sequence' if axis == 'cp' else 'expert'} "
@@ -143,7 +144,8 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> None
             raise MeshplanError(f"--fix: unknown key {key!r}", hint="fixable: " + ", ".join(SEARCHABLE_FIX))
 
 
-def _clusters(args: argparse.Namespace) -> list[Any]:
+def cluster_sizes(args: argparse.Namespace) -> list[Any]:
+    """--cluster, at each size of --gpus (if given)."""
     from meshplan.search.sizes import node_size, parse_gpus, resized
     from meshplan.spec.io import load_cluster
     cluster = load_cluster(args.cluster)
@@ -152,7 +154,8 @@ def _clusters(args: argparse.Namespace) -> list[Any]:
     return [resized(cluster, n) for n in parse_gpus(args.gpus, node_size(cluster))]
 
 
-def _train_tokens(text: str | None) -> float | None:
+def train_tokens(text: str | None) -> float | None:
+    """--train-tokens as a number (None when not given)."""
     if text is None:
         return None
     from meshplan.units import parse_count
@@ -163,6 +166,23 @@ def _train_tokens(text: str | None) -> float | None:
     if not v > 0 or v == float("inf"):
         raise MeshplanError(f"--train-tokens must be positive; got {text!r}")
     return v
+
+
+def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any, Any]:
+    """(model, clusters, train tokens, space, workload) of the search options (`meshplan plan` and
+    `meshplan report`): a layer graph (hf:, module:, graph .json) gets a GraphSpace and
+    graph_workload, a transformer a SearchSpace."""
+    from meshplan.cli.model_arg import load_model_arg
+    from meshplan.spec.graph import LayerGraph
+    from meshplan.spec.plan import Workload
+    model = load_model_arg(args.model, seq_len=args.seq_len)
+    clusters = cluster_sizes(args)
+    tokens = train_tokens(args.train_tokens)
+    if isinstance(model, LayerGraph):
+        from meshplan.cost.graph import graph_workload
+        return model, clusters, tokens, graph_space(args, clusters[0]), graph_workload(model, args.global_batch)
+    work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+    return model, clusters, tokens, search_space(args, clusters[0]), work
 
 
 # ---- progress ------------------------------------------------------------------------------
@@ -196,7 +216,8 @@ class Progress:
 
 # ---- output --------------------------------------------------------------------------------
 
-def _train(result: Any, tokens: float | None, plan: Any) -> dict[str, float] | None:
+def train_cost(tokens: float | None, plan: Any) -> dict[str, float] | None:
+    """Days and dollars for a ranked plan to train ``tokens`` tokens (None without --train-tokens)."""
     if tokens is None:
         return None
     seconds = tokens / plan.report.tokens_per_s
@@ -217,7 +238,7 @@ def _table(result: Any, tokens: float | None) -> str:
         row: list[object] = [p.rank, p.plan.short()] + ([p.plan.num_gpus] if multi else []) + [
             seconds(r.step_time_s), f"{r.tokens_per_s:,.0f}", f"{100 * r.mfu:.1f}%",
             f"{r.peak_memory_gib:.1f}", f"{p.usd_per_mtok:.3f}", r.dominant]
-        t = _train(result, tokens, p)
+        t = train_cost(tokens, p)
         if t is not None:
             row += [f"{t['days']:.1f}", f"{t['usd']:,.0f}"]
         rows.append(row)
@@ -335,24 +356,15 @@ def plot_pareto(path: str, result: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshplan.cli.model_arg import load_model_arg
     from meshplan.search.driver import search
     from meshplan.spec.graph import LayerGraph
-    from meshplan.spec.plan import Workload
     if args.plot is not None:
         _plot_format(args.plot)
-    model = load_model_arg(args.model, seq_len=args.seq_len)
-    clusters = _clusters(args)
-    tokens = _train_tokens(args.train_tokens)
+    model, clusters, tokens, space, work = problem(args)
     if isinstance(model, LayerGraph):
-        from meshplan.cost.graph import graph_workload
         from meshplan.search.graph import search_graph
-        space = _graph_space(args, clusters[0])
-        work = graph_workload(model, args.global_batch)
         result = search_graph(model, clusters, work, space, objective=args.objective, top=args.top)
     else:
-        space = _space(args, clusters[0])
-        work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
         bar = Progress(sys.stderr) if sys.stderr.isatty() else None
         try:
             result = search(model, clusters, work, space, objective=args.objective, top=args.top,
@@ -366,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         doc = result.to_json()
         doc["explanation"] = explain(result)
         if tokens is not None:
-            doc["train"] = [_train(result, tokens, p) for p in result.plans]
+            doc["train"] = [train_cost(tokens, p) for p in result.plans]
         print(json_text(doc))
     elif result.plans:
         print(_text(result, tokens))

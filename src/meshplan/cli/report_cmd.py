@@ -78,23 +78,11 @@ def _check_out(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshplan.cli.model_arg import load_model_arg
-    from meshplan.cli.plan_cmd import Progress, _clusters, _graph_space, _space, _train, _train_tokens
+    from meshplan.cli.plan_cmd import Progress, problem, train_cost
     from meshplan.report import build_report, write_html
-    from meshplan.spec.graph import LayerGraph
-    from meshplan.spec.plan import Workload
     t0 = time.perf_counter()
     _check_out(args.out)
-    model = load_model_arg(args.model, seq_len=args.seq_len)
-    clusters = _clusters(args)
-    tokens = _train_tokens(args.train_tokens)
-    if isinstance(model, LayerGraph):  # an ingested model or a layer graph file: search_graph
-        from meshplan.cost.graph import graph_workload
-        space = _graph_space(args, clusters[0])
-        work = graph_workload(model, args.global_batch)
-    else:
-        space = _space(args, clusters[0])
-        work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+    model, clusters, tokens, space, work = problem(args)  # a layer graph gets a GraphSpace (search_graph)
     bar = Progress(sys.stderr) if sys.stderr.isatty() else None
     try:
         report = build_report(model, clusters, work, space, objective=args.objective, top=args.top,
@@ -104,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
     result = report.result
     if tokens is not None and result.plans:
-        report.train = [_train(result, tokens, p) for p in result.plans]
+        report.train = [train_cost(tokens, p) for p in result.plans]
     text = report.html()
     write_html(args.out, text)
     size = f"{len(text.encode()) / 1024:,.0f} KiB"

@@ -69,19 +69,23 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     return t
 
 
+def _procs_per_node(args: argparse.Namespace, plan: Any) -> int:
+    """--nproc-per-node, or the plan's GPUs spread evenly over --nnodes."""
+    if args.nproc_per_node is not None:
+        return args.nproc_per_node
+    if plan.num_gpus % args.nnodes:
+        raise MeshplanError(f"plan needs {plan.num_gpus} processes, not a multiple of --nnodes {args.nnodes}")
+    return plan.num_gpus // args.nnodes
+
+
 def _job(args: argparse.Namespace) -> Any:
     from meshplan.runtime.launch import Job, metrics_path
     from meshplan.spec.io import load_model, load_plan
     model = load_model(args.model)
     plan = load_plan(args.plan)
-    nproc = args.nproc_per_node
-    if nproc is None:
-        if plan.num_gpus % args.nnodes:
-            raise MeshplanError(f"plan needs {plan.num_gpus} processes, not a multiple of --nnodes {args.nnodes}")
-        nproc = plan.num_gpus // args.nnodes
     return Job(model_arg=args.model, plan_arg=args.plan, model=model, plan=plan,
                global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len, steps=args.steps,
-               nproc_per_node=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+               nproc_per_node=_procs_per_node(args, plan), nnodes=args.nnodes, node_rank=args.node_rank,
                rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                resume=args.resume, metrics=metrics_path(args.metrics), lr=args.lr, seed=args.seed,
@@ -100,14 +104,9 @@ def _ingested_job(args: argparse.Namespace) -> Any:
                     else "are not checkpointed yet")
             raise MeshplanError(f"{flag}: ingested models ({args.model}) {what}", hint=f"drop {flag}")
     plan = load_plan(args.plan)
-    nproc = args.nproc_per_node
-    if nproc is None:
-        if plan.num_gpus % args.nnodes:
-            raise MeshplanError(f"plan needs {plan.num_gpus} processes, not a multiple of --nnodes {args.nnodes}")
-        nproc = plan.num_gpus // args.nnodes
     return GenericJob(source=args.model, plan=plan, global_batch=args.global_batch, steps=args.steps,
-                      seq_len=args.seq_len, nproc_per_node=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
+                      seq_len=args.seq_len, nproc_per_node=_procs_per_node(args, plan), nnodes=args.nnodes,
+                      node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
                       metrics=metrics_path(args.metrics), lr=args.lr, seed=args.seed, pg_timeout_s=args.pg_timeout)
 
 

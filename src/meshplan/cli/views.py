@@ -1,12 +1,13 @@
 """Human-readable renderings of reports."""
 from __future__ import annotations
 
-from meshplan.cli.format import human, seconds, table
+from meshplan.cli.format import seconds, table
 from meshplan.cost.report import CostReport
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
+from meshplan.units import human_count
 
 TIME_LABELS = {
     "compute": "compute (fwd+bwd)", "recompute": "recompute", "tp_comm": "TP/SP communication",
@@ -19,9 +20,9 @@ TIME_LABELS = {
 
 def model_line(model: ModelSpec | LayerGraph, params: int) -> str:
     if isinstance(model, LayerGraph):
-        return (f"model    {model.name} ({model.source}): {human(params)} parameters, {model.num_layers} layers "
+        return (f"model    {model.name} ({model.source}): {human_count(params)} parameters, {model.num_layers} layers "
                 f"({len(model.distinct_blocks())} distinct), ingested layer graph")
-    return f"model    {model.name}: {human(params)} parameters, {model.num_layers} layers, h={model.hidden_size}"
+    return f"model    {model.name}: {human_count(params)} parameters, {model.num_layers} layers, h={model.hidden_size}"
 
 
 def estimate_text(model: ModelSpec | LayerGraph, cluster: ClusterSpec, plan: Plan, work: Workload,
@@ -31,7 +32,7 @@ def estimate_text(model: ModelSpec | LayerGraph, cluster: ClusterSpec, plan: Pla
         model_line(model, r.params),
         f"cluster  {cluster.num_gpus} x {cluster.gpu.name} ({cluster.num_nodes} node(s) x {cluster.gpus_per_node})",
         f"plan     {plan.short()}",
-        f"workload global batch {work.global_batch} x {work.seq_len} {unit} = {human(work.tokens)} tokens/step, "
+        f"workload global batch {work.global_batch} x {work.seq_len} {unit} = {human_count(work.tokens)} tokens/step, "
         f"{r.microbatches} micro-batch(es) per replica",
         "",
         f"step time      {seconds(r.step_time_s)}",

@@ -109,7 +109,7 @@ def build_report(model: ModelSpec | LayerGraph, clusters: ClusterSpec | list[Clu
         from meshplan.search.graph import search_graph
         if space is not None and isinstance(space, SearchSpace):
             raise MeshplanError("a layer graph is searched with a GraphSpace, not a SearchSpace",
-                                hint="use meshplan.search.graph.GraphSpace (cli.plan_cmd._graph_space maps "
+                                hint="use meshplan.search.graph.GraphSpace (cli.plan_cmd.graph_space maps "
                                      "the plan options)")
         result = search_graph(model, clusters, work, space, params=params, objective=objective, top=top)
     else:

@@ -9,7 +9,6 @@ reads both).
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from meshplan import __version__
@@ -17,7 +16,9 @@ from meshplan.report import charts
 from meshplan.report.svg import esc, fixed3
 from meshplan.search.explain import TERM_LABELS, explain, rejection_lines
 from meshplan.search.result import SearchResult
+from meshplan.spec.base import json_safe
 from meshplan.spec.graph import LayerGraph
+from meshplan.units import human_count
 
 CSS = """
 :root{--fg:#1d2330;--mut:#5b6475;--line:#d9dde5;--bg:#fff;--panel:#f6f7f9;--acc:#2f5fa7;--bad:#b3261e;--ok:#2e7d32}
@@ -99,25 +100,8 @@ def _plan(text: str) -> str:
     return "<code>" + ",<wbr>".join(esc(p) for p in text.split(",")) + "</code>"
 
 
-def _count(n: float) -> str:
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.3g}{unit}"
-    return f"{n:g}"
-
-
 def _json_script(doc: Any) -> str:
-    def clean(x: Any) -> Any:
-        if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
-            x = x.tolist()
-        if isinstance(x, float):
-            return x if math.isfinite(x) else None
-        if isinstance(x, dict):
-            return {str(k): clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-    text = json.dumps(clean(doc), allow_nan=False, separators=(",", ":"))
+    text = json.dumps(json_safe(doc), allow_nan=False, separators=(",", ":"))
     text = text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     return f'<script type="application/json" id="meshplan-data">{text}</script>'
 
@@ -135,16 +119,16 @@ def _model_facts(m: Any) -> list[tuple[str, str]]:
         kinds = [x.kind for x in m.layers]
         counts = ", ".join(f"{kinds.count(k)} {k}" for k in ("embedding", "block", "head", "other") if k in kinds)
         tp = [x for x in m.layers if x.tp_style != "none" and x.tp_fraction > 0]
-        return [("model", f"<b>{esc(m.name)}</b>, {_count(m.params)} parameters (layer graph of "
+        return [("model", f"<b>{esc(m.name)}</b>, {human_count(m.params)} parameters (layer graph of "
                           f"<code>{esc(m.source)}</code>, task {esc(m.task)})"),
                 ("layers", f"{m.num_layers} ({counts}; {len(blocks)} distinct)"),
-                ("FLOPs per sample", f"{_count(m.fwd_flops)} forward + {_count(m.bwd_flops)} backward, at "
+                ("FLOPs per sample", f"{human_count(m.fwd_flops)} forward + {human_count(m.bwd_flops)} backward, at "
                                      f"{m.sample_tokens:,} tokens per sample"),
                 ("tensor parallel", f"{len(tp)} of {m.num_layers} layers split; degrees "
                                     + ", ".join(map(str, m.tp_degrees(64))))]
     heads = f"{m.num_attention_heads}" + (f" ({m.kv_heads} KV)" if m.kv_heads != m.num_attention_heads else "")
-    model = [("model", f"<b>{esc(m.name)}</b>, {_count(m.num_params())} parameters"
-              + (f" ({_count(m.num_active_params())} active)" if m.is_moe else "")),
+    model = [("model", f"<b>{esc(m.name)}</b>, {human_count(m.num_params())} parameters"
+              + (f" ({human_count(m.num_active_params())} active)" if m.is_moe else "")),
              ("layers / hidden / heads", f"{m.num_layers} / {m.hidden_size:,} / {heads}"),
              ("FFN / vocabulary", f"{m.ffn_hidden_size:,} ({esc(m.mlp_type)}) / {m.vocab_size:,}")]
     if m.is_moe:
@@ -186,7 +170,7 @@ def _verdict(r: SearchResult, train: list[dict[str, float] | None] | None) -> st
                 f"were rejected (reasons below).</p><p><b>What would make it feasible:</b></p><ul>{items}</ul></div>")
     b, rep = r.best, r.best.report
     t = train[0] if train else None
-    extra = (f"; {t['days']:.1f} days and ${t['usd']:,.0f} to train {_count(t['tokens'])} tokens" if t else "")
+    extra = (f"; {t['days']:.1f} days and ${t['usd']:,.0f} to train {human_count(t['tokens'])} tokens" if t else "")
     return ('<div class="verdict" id="verdict"><p class="big">Best plan: ' + _plan(b.plan.short())
             + f" on {b.plan.num_gpus:,} GPUs</p><p>{fixed3(rep.step_time_s)} s per step, {rep.tokens_per_s:,.0f} "
             f"tokens/s, MFU {100 * rep.mfu:.1f}%, peak memory {rep.peak_memory_gib:.1f} of "

@@ -152,6 +152,21 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def json_safe(x: Any) -> Any:
+    """``x`` as strict JSON (RFC 8259) takes it: numpy scalars and arrays as plain numbers and
+    lists, a non-finite float (an overflow) as None (null, never NaN or Infinity), dict keys as
+    strings."""
+    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
+        x = x.tolist()
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k if isinstance(k, str) else str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
 def choice(where: str, value: str, options: typing.Iterable[str]) -> None:
     """Raise a helpful error if ``value`` is not one of ``options``."""
     opts = list(options)
