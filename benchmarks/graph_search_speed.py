@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from _evaluators import commit  # noqa: E402
+from _evaluators import best_fields, commit  # noqa: E402
 from test_graph_cost import transformer_graph  # noqa: E402
 
 from meshplan.cost.graph import graph_workload  # noqa: E402
@@ -76,7 +76,6 @@ def run_case(name: str, make, cluster: str, batch: int, repeat: int) -> dict:
         walls.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
     assert r is not None
-    best = r.best
     wall = statistics.median(walls)
     return {
         "case": name, "graph": g.name, "layers": g.num_layers, "params": g.params, "cluster": cluster,
@@ -86,11 +85,7 @@ def run_case(name: str, make, cluster: str, batch: int, repeat: int) -> dict:
         "cpu_s": round(statistics.median(cpus), 3),
         "load_avg_1min": round(os.getloadavg()[0], 2), "priced_per_s": round(r.evaluated / wall, 1),
         "target_s": TARGET_S, "meets_target": wall <= TARGET_S,
-        "best_plan": best.plan.short() if best else None,
-        "best_step_time_s": best.report.step_time_s if best else None,
-        "best_mfu": best.report.mfu if best else None,
-        "best_peak_memory_gib": best.report.peak_memory_gib if best else None,
-        "pareto_size": len(r.pareto),
+        **best_fields(r),
     }
 
 

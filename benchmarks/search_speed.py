@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _evaluators import EVALUATORS, commit  # noqa: E402
+from _evaluators import EVALUATORS, best_fields, commit  # noqa: E402
 
 from meshplan.search import SearchSpace, search  # noqa: E402
 from meshplan.spec.io import load_cluster, load_model  # noqa: E402
@@ -44,7 +44,6 @@ def run_case(name: str, model: str, cluster: str, batch: int, seq: int, uneven: 
     fn, chunk = EVALUATORS[evaluator]
     r = search(m, c, w, SearchSpace(uneven_stages=uneven), top=3, evaluator=fn, chunk=chunk)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    best = r.best
     mode = "uneven" if uneven else "uniform"
     return {
         "case": name, "space": mode, "evaluator": evaluator, "model": model, "cluster": cluster, "global_batch": batch,
@@ -54,11 +53,7 @@ def run_case(name: str, model: str, cluster: str, batch: int, seq: int, uneven: 
         "timings_s": {k: round(v, 3) for k, v in r.timings.items()},
         "evaluated_per_s": round(r.evaluated / max(r.timings.get("evaluate_s", wall), 1e-9), 1),
         "target_s": TARGET_S[mode], "meets_target": wall <= TARGET_S[mode],
-        "best_plan": best.plan.short() if best else None,
-        "best_step_time_s": best.report.step_time_s if best else None,
-        "best_mfu": best.report.mfu if best else None,
-        "best_peak_memory_gib": best.report.peak_memory_gib if best else None,
-        "pareto_size": len(r.pareto),
+        **best_fields(r),
     }
 
 
