@@ -272,14 +272,19 @@ def test_cli_errors_are_one_line(capsys, tmp_path, monkeypatch, argv, message):
     assert "Traceback" not in err and not (tmp_path / "r.html").exists()
 
 
-def test_report_imports_neither_torch_nor_matplotlib(tmp_path):
+def assert_report_imports_neither_torch_nor_matplotlib(argv: list[str]) -> None:
+    """`meshplan report ARGV` in a fresh interpreter succeeds without importing torch or matplotlib."""
     code = ("import sys\nfrom meshplan.cli.main import main\n"
-            f"rc = main(['report', {', '.join(repr(a) for a in FEASIBLE)}, '--out', {str(tmp_path / 'r.html')!r}])\n"
+            f"rc = main({['report', *argv]!r})\n"
             "bad = [m for m in ('torch', 'matplotlib') if m in sys.modules]\n"
             "print(rc, bad)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def test_report_imports_neither_torch_nor_matplotlib(tmp_path):
+    assert_report_imports_neither_torch_nor_matplotlib([*FEASIBLE, "--out", str(tmp_path / "r.html")])
 
 
 def test_space_from_plan_options_reaches_the_search(tmp_path):
@@ -362,14 +367,8 @@ def test_graph_report_matches_its_search_and_simulation():
 
 def test_graph_report_imports_neither_torch_nor_matplotlib(graph_page, tmp_path):
     _, graph = graph_page
-    code = ("import sys\nfrom meshplan.cli.main import main\n"
-            f"rc = main(['report', '--model', {graph!r}, '--cluster', 'h100-sxm-80gb:8', '--global-batch', '16', "
-            f"'--out', {str(tmp_path / 'r.html')!r}])\n"
-            "bad = [m for m in ('torch', 'matplotlib') if m in sys.modules]\n"
-            "print(rc, bad)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "0 []"
+    assert_report_imports_neither_torch_nor_matplotlib(["--model", graph, "--cluster", "h100-sxm-80gb:8",
+                                                        "--global-batch", "16", "--out", str(tmp_path / "r.html")])
 
 
 def test_report_on_an_hf_source(tmp_path, capsys):
