@@ -25,7 +25,7 @@ from meshplan.report.svg import (
 from meshplan.search.explain import TERM_LABELS
 from meshplan.search.result import SearchResult
 from meshplan.sim.engine import STREAMS, SimResult
-from meshplan.sim.output import _COLORS as SIM_COLORS
+from meshplan.sim.output import COLORS as SIM_COLORS
 from meshplan.sim.output import STREAM_NAMES
 
 TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm", "offload",

@@ -207,7 +207,7 @@ class _StageSplitter:
     table: list[tuple[int, ...]] = field(default_factory=list)
     codes: dict[tuple[int, ...], int] = field(default_factory=dict)
     _extras: dict[int, tuple[float, float]] = field(default_factory=dict)
-    _splits: dict[tuple[int, int, int], tuple[int, ...] | None] = field(default_factory=dict)
+    _splits: dict[tuple[int, int, int, bool], tuple[int, ...] | None] = field(default_factory=dict)
 
     def extras(self, tp: int) -> tuple[float, float]:
         """(embedding, output layer + loss) cost in units of one block, for this tp."""
@@ -223,14 +223,15 @@ class _StageSplitter:
             self._extras[tp] = ((emb.fwd_s + emb.bwd_s) / unit, (out.fwd_s + out.bwd_s) / unit)
         return self._extras[tp]
 
-    def code(self, tp: int, pp: int, v: int) -> int | None:
+    def code(self, tp: int, pp: int, v: int, schedule: str = "1f1b") -> int | None:
         """Stage-table code of the balanced split, None when it equals the even split or
-        does not exist."""
-        key = (tp, pp, v)
+        does not exist. Under zbv the output layer sits on rank 0 with the embedding."""
+        zbv = schedule == "zbv"
+        key = (tp, pp, v, zbv)
         if key not in self._splits:
             first, last = self.extras(tp)
-            self._splits[key] = balanced_stage_layers(self.model.num_layers, pp, v,
-                                                      first_extra=first, last_extra=last)
+            self._splits[key] = balanced_stage_layers(self.model.num_layers, pp, v, first_extra=first,
+                                                      last_extra=last, schedule="zbv" if zbv else "1f1b")
         split = self._splits[key]
         L = self.model.num_layers
         if split is None or (L % (pp * v) == 0 and len(set(split)) == 1):
@@ -265,7 +266,7 @@ def _stage_options(model: ModelSpec, tp: int, pp: int, space: SearchSpace,
     for sched, v in schedule_options(pp, model, space):
         variants = [(NONE_CODE, -(-L // pp))]
         if splitter is not None and pp > 1:
-            c = splitter.code(tp, pp, v)
+            c = splitter.code(tp, pp, v, sched)
             if c is not None:
                 variants.append((c, max(splitter.table[c])))
         for code, stage_max in variants:

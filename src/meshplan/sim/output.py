@@ -41,7 +41,7 @@ def write_trace(res: SimResult, path: str | Path) -> None:
         raise MeshplanError(f"cannot write --trace {path}: {e.strerror}") from None
 
 
-_COLORS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", "optimizer": "#b279a2",
+COLORS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", "optimizer": "#b279a2",
            "tp": "#e45756", "dp": "#72b7b2", "pp": "#9d755d"}
 
 
@@ -62,7 +62,7 @@ def write_plot(res: SimResult, path: str | Path, title: str = "") -> None:
     n = len(STREAMS)
     for e in res.events:
         y = e.rank * (n + 1) + TIDS[e.stream]
-        color = to_rgb(_COLORS.get(e.name[0] if e.stream == "compute" and e.name[0] in "FBW" else
+        color = to_rgb(COLORS.get(e.name[0] if e.stream == "compute" and e.name[0] in "FBW" else
                                    ("optimizer" if e.stream == "compute" else e.stream), "#888"))
         if e.args.get("chunk", 0) % 2:
             color = tuple(0.55 * x + 0.45 for x in color)
@@ -72,7 +72,7 @@ def write_plot(res: SimResult, path: str | Path, title: str = "") -> None:
               "dp": "DP/FSDP comm", "pp": "pipeline send"}
     used = {k for k in labels if any((e.stream == "compute" and e.name.startswith(k)) or
                                      (e.stream == k) for e in res.events)}
-    handles = [Patch(color=_COLORS[k], label=labels[k]) for k in labels if k in used]
+    handles = [Patch(color=COLORS[k], label=labels[k]) for k in labels if k in used]
     if any(e.args.get("chunk", 0) % 2 for e in res.events):
         handles.append(Patch(color="#bbbbbb", label="lighter: the rank's 2nd (4th, ...) chunk"))
     fig.legend(handles=handles, fontsize=7, ncol=len(handles), loc="lower center", frameon=False)
