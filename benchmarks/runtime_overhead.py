@@ -4,15 +4,17 @@ Target (issue 4): meshplan's step time within 2% of the hand-written loop. Two m
 NPROC ranks (gloo, one thread each), both reporting wall time and rank 0's process CPU time per
 step (``time.process_time``: other load on a shared machine disturbs it much less):
 
-1. interleaved (the figure): one torchrun job whose ranks hold both a meshplan ``Trainer`` (built
+1. interleaved (the figure): one torchrun job whose ranks hold a meshplan ``Trainer`` (A, built
    as ``meshplan train`` builds it; each step is ``launch.run_step``, the loop body of ``meshplan
-   train``: timed step, log line, metrics record) and the hand-written FSDP2 model, and run them
-   alternately, ``--block-steps`` steps at a time (default 1: A B B A A B ..., ``--blocks`` of
-   each, after ``--warmup`` steps of each). Adjacent steps see the same machine, so load drifts
-   cancel in the per-pair ratio A_i / B_i. The figure (``headline``): the median of those
-   ratios, with a 95% bootstrap interval over pairs. Also reported: ratios of the medians and of
-   the 10th percentiles over all steps (other load only adds time: the low quantile estimates
-   the undisturbed step, timeit's min made robust), with paired bootstrap intervals.
+   train``: timed step, log line, metrics record), the hand-written FSDP2 model (B) and a second
+   copy of it (C, the control), and run them in turn, ``--block-steps`` steps at a time (default
+   1), cycling through the six orders of A, B, C (``--blocks`` blocks of each, after ``--warmup``
+   steps of each). Steps of one block see the same machine, so load drifts cancel in the
+   per-block ratio A/B. The figure (``headline``): the median of those ratios with a 95%
+   bootstrap interval over blocks, beside the same for C/B, which should be 0 (the instrument's
+   own error). Also reported: ratios of the medians and of the 10th percentiles over all steps
+   (other load only adds time: the low quantile estimates the undisturbed step, timeit's min
+   made robust), with paired bootstrap intervals.
 2. launches (the end-to-end cross-check): ``meshplan train`` and the script as separate torchrun
    jobs, alternated A B A B ... ``--launch-pairs`` times, each ``--steps`` steps, the first
    ``--warmup`` dropped; step time = interval between the ends of consecutive steps on rank 0
@@ -22,12 +24,13 @@ step (``time.process_time``: other load on a shared machine disturbs it much les
 The model is tiny-llama widened and deepened (4 layers, hidden 256, ~3M parameters, sequence
 128), so that a step is compute, not Python: ~0.25 s on one CPU thread per rank.
 
-    python benchmarks/runtime_overhead.py [--nproc 2] [--blocks 200] [--block-steps 1] [--launch-pairs 3]
+    python benchmarks/runtime_overhead.py [--nproc 2] [--blocks 180] [--block-steps 1] [--launch-pairs 3]
 writes benchmarks/results/runtime_overhead.json
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -92,7 +95,8 @@ def hand_written(model_file: str, batch: int, seq: int, steps: int, out: str) ->
 
 def interleaved(model_file: str, plan_text: str, batch: int, seq: int, warmup: int, blocks: int,
                 block_steps: int, out: str) -> None:
-    """Both loops in one job, blocks of steps in the order AB BA AB ...; per-step clocks of rank 0."""
+    """meshplan (A), the script (B) and a second copy of the script (C, the control) in one job,
+    blocks of steps in the orders ABC ACB BAC ...; per-step clocks of rank 0."""
     import torch.distributed as dist
 
     from meshplan.runtime.launch import Job, run_step
@@ -107,16 +111,17 @@ def interleaved(model_file: str, plan_text: str, batch: int, seq: int, warmup: i
     trainer = Trainer(RunConfig(model=spec, plan=plan, global_batch=batch, seq_len=seq, steps=steps),
                       build_mesh(plan, device.type), device)
     rank0 = dist.get_rank() == 0
-    hand = hand_setup(model_file, batch, seq)
-    done = {"A": 0, "B": 0}
-    run = {"A": lambda: run_step(trainer, job, rank0), "B": lambda: hand(done["B"])}
-    res: dict[str, list[list[list[float]]]] = {"A": [], "B": []}
-    for side in ("A", "B"):
+    hand, control = hand_setup(model_file, batch, seq), hand_setup(model_file, batch, seq)
+    done = {"A": 0, "B": 0, "C": 0}
+    run = {"A": lambda: run_step(trainer, job, rank0), "B": lambda: hand(done["B"]), "C": lambda: control(done["C"])}
+    res: dict[str, list[list[list[float]]]] = {"A": [], "B": [], "C": []}
+    for side in run:
         for _ in range(warmup):
             run[side]()
             done[side] += 1
+    orders = list(itertools.permutations("ABC"))  # each side first, middle and last equally often
     for b in range(blocks):
-        for side in ("AB" if b % 2 == 0 else "BA"):
+        for side in orders[b % len(orders)]:
             times = []
             for _ in range(block_steps):
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -197,7 +202,7 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=5, help="steps dropped first (per run / per loop)")
-    ap.add_argument("--blocks", type=int, default=200, help="interleaved: blocks per loop, order AB BA AB ...")
+    ap.add_argument("--blocks", type=int, default=180, help="interleaved: blocks (one per side), orders ABC ACB ...")
     ap.add_argument("--block-steps", type=int, default=1, help="interleaved: steps per block")
     ap.add_argument("--launch-pairs", type=int, default=3, help="launches: A/B pairs of torchrun jobs, alternated")
     ap.add_argument("--steps", type=int, default=25, help="launches: steps per job")
@@ -231,10 +236,13 @@ def main() -> int:
         run(torchrun + [me, *common, "--blocks", str(a.blocks), "--block-steps", str(a.block_steps),
                         "--_inproc", model_file, plan, out])
         blocks = json.loads(Path(out).read_text())
-        inter = {"wall": compare([[t[0] for t in b] for b in blocks["A"]], [[t[0] for t in b] for b in blocks["B"]]),
-                 "cpu": compare([[t[1] for t in b] for b in blocks["A"]], [[t[1] for t in b] for b in blocks["B"]])}
-        print("interleaved: " + ", ".join(f"{k} {est} {inter[k][est]['overhead_pct']:+.2f}%" for k in inter
-                                          for est in STATS), file=sys.stderr, flush=True)
+        inter = {k: compare([[t[i] for t in b] for b in blocks["A"]], [[t[i] for t in b] for b in blocks["B"]])
+                 for i, k in enumerate(("wall", "cpu"))}
+        control = {k: compare([[t[i] for t in b] for b in blocks["C"]], [[t[i] for t in b] for b in blocks["B"]])
+                   for i, k in enumerate(("wall", "cpu"))}
+        print("interleaved: " + ", ".join(f"{k} {inter[k]['pair_ratio']['overhead_pct']:+.2f}% (control "
+                                          f"{control[k]['pair_ratio']['overhead_pct']:+.2f}%)" for k in inter),
+              file=sys.stderr, flush=True)
         # 2. separate launches, alternated
         for rep in range(a.launch_pairs):
             m = Path(tmp) / f"m{rep}.jsonl"
@@ -253,13 +261,16 @@ def main() -> int:
             print(f"launch pair {rep + 1}/{a.launch_pairs}: meshplan {mm:.1f} ms, hand-written {hm:.1f} ms",
                   file=sys.stderr, flush=True)
     res = {
-        "command": "python benchmarks/runtime_overhead.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/runtime_overhead.py", *sys.argv[1:]]),
         "model": MODEL, "params": spec.num_params(), "nproc": a.nproc, "global_batch": a.global_batch,
         "seq_len": seq, "plan": plan,
-        "interleaved": {"what": "one job, both loops, blocks AB BA AB ...; per-step time of rank 0 (wall: "
-                                "perf_counter; cpu: process_time); meshplan's step is launch.run_step",
+        "interleaved": {"what": "one job, meshplan (A) vs the script (B), blocks in the orders ABC ACB BAC ... (C: "
+                                "control); per-step time of rank 0 (wall: perf_counter; cpu: process_time); "
+                                "meshplan's step is launch.run_step",
                         "warmup_steps": a.warmup, "blocks_per_loop": a.blocks, "steps_per_block": a.block_steps,
                         **inter},
+        "control": {"what": "the same comparison between two copies of the hand-written script (C vs B): the "
+                            "instrument's own error, ideally 0", **control},
         "launches": {"what": "separate torchrun jobs alternated A B A B; step = interval between step ends on rank 0",
                      "pairs": a.launch_pairs, "steps_per_job": a.steps, "warmup_steps": a.warmup,
                      "wall": compare(launches["mine"], launches["hand"]) if launches["mine"] else None,
@@ -270,7 +281,9 @@ def main() -> int:
     }
     res["headline"] = {"what": "interleaved: median over adjacent pairs of meshplan's / the script's step time",
                        **{k: {"overhead_pct": inter[k]["pair_ratio"]["overhead_pct"],
-                              "overhead_pct_95ci": inter[k]["pair_ratio"]["overhead_pct_95ci"]} for k in inter}}
+                              "overhead_pct_95ci": inter[k]["pair_ratio"]["overhead_pct_95ci"],
+                              "control_pct": control[k]["pair_ratio"]["overhead_pct"],
+                              "control_pct_95ci": control[k]["pair_ratio"]["overhead_pct_95ci"]} for k in inter}}
     path = ROOT / "benchmarks" / "results" / "runtime_overhead.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=2) + "\n")
