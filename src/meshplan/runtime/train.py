@@ -242,7 +242,7 @@ class Trainer:
         mine = torch.stack([contrib.to(torch.float64), *(torch.tensor(m, dtype=torch.float64, device=self.device)
                                                          for m in maxima)])
         every = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(every, mine)  # flat: gloo wants the output 1-D
+        dist.all_gather_single(every, mine)  # flat: gloo wants the output 1-D
         every = every.view(-1, mine.numel())
         out = [float(every[:, 0].sum())]
         if maxima:
