@@ -8,18 +8,14 @@ CASES_JSON: [{"name", "source", "plan", "global_batch", "steps", "seq_len"}, ...
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
-import traceback
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from worker_main import main
 
 from meshplan.runtime.generic import GenericConfig, GenericTrainer, reference_run
 from meshplan.runtime.mesh import build_mesh
-from meshplan.runtime.train import init_distributed
 from meshplan.spec.io import parse_plan
 
 NOISE_ONLY = ("k_proj.bias", "key.bias", ".k.bias")
@@ -61,27 +57,5 @@ def run_case(case: dict, device: torch.device) -> dict:
             "notes": trainer.par.notes, "dp_mode": trainer.par.dp_mode, "seconds": time.perf_counter() - t0}
 
 
-def main() -> int:
-    out_dir, cases = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
-    device = init_distributed(float(os.environ.get("MESHPLAN_PG_TIMEOUT", "60")))
-    rank = dist.get_rank()
-    torch.set_num_threads(1)
-    for case in cases:
-        try:
-            res = run_case(case, device)
-        except Exception as e:  # recorded per rank; the test shows it
-            res = {"name": case["name"], "ok": False, "error": f"{type(e).__name__}: {e}",
-                   "trace": traceback.format_exc()}
-        res["rank"] = rank
-        with open(os.path.join(out_dir, f"{case['name']}.rank{rank}.json"), "w") as f:
-            json.dump(res, f)
-        if not res["ok"]:
-            print(f"rank {rank} case {case['name']} failed: {res['error']}", file=sys.stderr, flush=True)
-            break  # collectives of the next case could hang; the pytest side reports the rest missing
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(run_case))

@@ -8,17 +8,15 @@ CASES_JSON: [{"name", "model", "overrides": {...}, "plan", "global_batch", "step
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
-import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from worker_main import main
 
 from meshplan.runtime.mesh import build_mesh, check_supported
-from meshplan.runtime.train import RunConfig, Trainer, init_distributed, reference_run
+from meshplan.runtime.train import RunConfig, Trainer, reference_run
 from meshplan.spec.io import load_model, parse_plan
 
 _REF_CACHE: dict[str, tuple[list[float], list[float], dict[str, torch.Tensor]]] = {}
@@ -70,27 +68,5 @@ def run_case(case: dict, device: torch.device) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
-def main() -> int:
-    out_dir, cases = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
-    device = init_distributed(float(os.environ.get("MESHPLAN_PG_TIMEOUT", "60")))
-    rank = dist.get_rank()
-    torch.set_num_threads(1)
-    for case in cases:
-        try:
-            res = run_case(case, device)
-        except Exception as e:  # recorded per rank; the test shows it
-            res = {"name": case["name"], "ok": False, "error": f"{type(e).__name__}: {e}",
-                   "trace": traceback.format_exc()}
-        res["rank"] = rank
-        with open(os.path.join(out_dir, f"{case['name']}.rank{rank}.json"), "w") as f:
-            json.dump(res, f)
-        if not res["ok"]:
-            print(f"rank {rank} case {case['name']} failed: {res['error']}", file=sys.stderr, flush=True)
-            break  # collectives of the next case could hang; the pytest side reports the rest missing
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(run_case))

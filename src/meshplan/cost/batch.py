@@ -199,7 +199,7 @@ def _stage_params(model: ModelSpec, layers: np.ndarray, valid: np.ndarray, first
 def output_stage(pp: np.ndarray, zbv: np.ndarray, j: np.ndarray) -> np.ndarray:
     """(rows, stages) mask of the pipeline rank holding the final norm, output layer and loss:
     the last rank, or rank 0 under ZBV (its V puts the last virtual stage there, as
-    torch.distributed.pipelining and runtime.parallelize.stage_ids_for_rank do)."""
+    torch.distributed.pipelining and spec.stages.stage_ids_for_rank do)."""
     pp, zbv = np.asarray(pp)[:, None], np.asarray(zbv)[:, None]
     return np.where(zbv & (pp > 1), j == 0, j == (pp - 1))
 

@@ -11,6 +11,8 @@ from meshplan.errors import MeshplanError
 from meshplan.spec.io import toml_value
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.stages import stage_ids_for_rank as stage_ids_for_rank  # re-exported for the exporters
+from meshplan.spec.stages import stage_layer_counts as stage_layer_counts
 
 TARGETS = ("torchtitan", "megatron", "deepspeed")
 
@@ -89,33 +91,6 @@ def check_plan(inp: ExportInput) -> None:
 
 
 # ---- pipeline stages -----------------------------------------------------------------------------
-
-def _even(n: int, k: int) -> list[int]:
-    base, extra = divmod(n, k)
-    return [base + (1 if i < extra else 0) for i in range(k)]
-
-
-def stage_ids_for_rank(pp_rank: int, plan: Plan) -> list[int]:
-    """Global stage indices held by one pipeline rank: looped (r, r+pp, ...) or V-shaped (zbv);
-    the same rule as the runtime and torch.distributed.pipelining."""
-    pp, v = plan.pp, plan.virtual_stages
-    if plan.schedule == "zbv":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(v)]
-
-
-def stage_layer_counts(num_layers: int, plan: Plan) -> list[int]:
-    """Transformer blocks per global pipeline stage (pp * virtual_stages of them, model order).
-    ``plan.stage_layers`` gives blocks per pipeline rank, split evenly over the rank's chunks."""
-    v = plan.virtual_stages
-    if plan.stage_layers is None:
-        return _even(num_layers, plan.pp * v)
-    counts = [0] * (plan.pp * v)
-    for r, n in enumerate(plan.stage_layers):
-        for i, c in zip(stage_ids_for_rank(r, plan), _even(n, v)):
-            counts[i] = c
-    return counts
-
 
 def recompute_layers_per_chunk(plan: Plan, counts: list[int]) -> int | None:
     """With recompute=full: blocks recomputed per model chunk (the runtime recomputes the first

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,7 +49,9 @@ from meshplan.ingest.batch import Batch, class_logits
 from meshplan.ingest.builder import Built, build
 from meshplan.ingest.layers import Unit, find_units
 from meshplan.runtime.mesh import RuntimeMesh
+from meshplan.runtime.parallelize import Parallelized
 from meshplan.spec.plan import Plan
+from meshplan.spec.stages import stage_ids_for_rank
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FUSED = frozenset({"qkv_proj", "c_attn", "qkv", "wqkv", "query_key_value", "gate_up_proj", "in_proj"})
@@ -538,16 +539,12 @@ def _is_dtensor(t: Any) -> bool:
 
 # ---- the whole ----------------------------------------------------------------------------------
 @dataclass
-class GenericParallel:
-    parts: list[nn.Module]
-    run_modules: list[nn.Module]
-    stage_ids: list[int] = field(default_factory=lambda: [0])
-    schedule: Any = None
-    dp_mode: str = "none"
-    autocast: torch.dtype | None = None
-    has_first: bool = True
-    has_last: bool = True
-    notes: list[str] = field(default_factory=list)
+class GenericParallel(Parallelized):
+    """Parallelized for an ingested model: whether this rank holds the first / last pipeline stage
+    is set when splitting (the chunks are StageModules, not Transformers)."""
+
+    has_first: bool = True  # type: ignore[assignment]
+    has_last: bool = True  # type: ignore[assignment]
 
 
 def parallelize_generic(built: Built, plan: Plan, mesh: RuntimeMesh | None, device: torch.device, *,
@@ -568,7 +565,6 @@ def parallelize_generic(built: Built, plan: Plan, mesh: RuntimeMesh | None, devi
     part_blocks = [blocks]
     sample = make_batch(built, 1, 0)
     if plan.pp > 1:
-        from meshplan.runtime.parallelize import stage_ids_for_rank
         why = pp_refusal(built, units)
         if why:
             raise MeshplanError(why)
@@ -914,24 +910,16 @@ def estimate_for(job: GenericJob, device_type: str) -> dict[str, Any]:
 
 def launch(job: GenericJob, worker_argv: list[str]) -> int:
     """Run the job: in this process for one process, else under torchrun."""
-    import subprocess
-
-    from meshplan.runtime.launch import torchrun_argv
+    from meshplan.runtime.launch import run_torchrun, torchrun_argv
     check_job(job)
     if job.world_size == 1:
         return worker_main(job)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["MESHPLAN_PG_TIMEOUT"] = str(job.pg_timeout_s)
-    rc = subprocess.call(torchrun_argv(job, worker_argv), env=env)  # type: ignore[arg-type]
-    if rc != 0:
-        raise MeshplanError(f"training failed (torchrun exit code {rc}); see the rank errors above")
-    return 0
+    return run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s)  # type: ignore[arg-type]
 
 
 def worker_main(job: GenericJob) -> int:
     """Train on this rank (or alone), log each step, print the estimate beside the measurement."""
-    from meshplan.runtime.launch import _write, in_torchrun, summary_text
+    from meshplan.runtime.launch import _write, in_torchrun, measured_summary, summary_text
     from meshplan.runtime.mesh import build_mesh
     from meshplan.runtime.train import StepRecord, init_distributed, max_over_ranks, maybe_fail, peak_memory_gib
     if in_torchrun():
@@ -964,12 +952,7 @@ def worker_main(job: GenericJob) -> int:
             print(f"step {rec.step:>5}/{job.steps}  loss {rec.loss:.6f}  {rec.step_time_s:.4f} s  "
                   f"{rec.tokens_per_s:,.0f} tok/s  {rec.peak_memory_gib:.3f} GiB", file=sys.stderr, flush=True)
             _write(job.metrics, rec.to_dict())
-    times = [r.step_time_s for r in records[1:]] or [r.step_time_s for r in records]
-    measured: dict[str, Any] = {}
-    if times:
-        st = statistics.median(times)
-        measured = {"step_time_s": st, "tokens_per_s": tokens / st,
-                    "peak_memory_gib": max(r.peak_memory_gib for r in records)}
+    measured = measured_summary(records, tokens)
     if rank0:
         est = estimate_for(job, device.type)
         print(summary_text(measured, est), flush=True)

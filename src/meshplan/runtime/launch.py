@@ -98,10 +98,16 @@ def launch(job: Job, worker_argv: list[str]) -> int:
     check_job(job)
     if job.world_size == 1:
         return worker_main(job)
+    return run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s)
+
+
+def run_torchrun(argv: list[str], pg_timeout_s: float) -> int:
+    """Run a torchrun command line (one thread per process, the process-group timeout passed on);
+    a failure raises. Shared by this runtime and runtime.generic."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["MESHPLAN_PG_TIMEOUT"] = str(job.pg_timeout_s)
-    rc = subprocess.call(torchrun_argv(job, worker_argv), env=env)
+    env["MESHPLAN_PG_TIMEOUT"] = str(pg_timeout_s)
+    rc = subprocess.call(argv, env=env)
     if rc != 0:
         raise MeshplanError(f"training failed (torchrun exit code {rc}); see the rank errors above")
     return 0
@@ -179,6 +185,16 @@ def summary_text(measured: dict[str, Any], est: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def measured_summary(records: list[Any], tokens: int) -> dict[str, Any]:
+    """Median step time (the first step left out when there are others), tokens/s and peak memory
+    over a run's StepRecords; empty without records."""
+    times = [r.step_time_s for r in records[1:]] or [r.step_time_s for r in records]
+    if not times:
+        return {}
+    st = statistics.median(times)
+    return {"step_time_s": st, "tokens_per_s": tokens / st, "peak_memory_gib": max(r.peak_memory_gib for r in records)}
+
+
 def run_step(trainer: Any, job: Job, rank0: bool) -> Any:
     """One step of `meshplan train` on this rank: fault hook, timed step, log line and metrics
     record (rank 0), checkpoint when due. Returns the StepRecord."""
@@ -230,12 +246,7 @@ def worker_main(job: Job) -> int:
             pass  # nothing new to save
         else:
             ckpt.save(trainer, job.checkpoint_dir)
-    times = [r.step_time_s for r in records[1:]] or [r.step_time_s for r in records]
-    measured: dict[str, Any] = {}
-    if times:
-        st = statistics.median(times)
-        measured = {"step_time_s": st, "tokens_per_s": job.global_batch * job.seq_len / st,
-                    "peak_memory_gib": max(r.peak_memory_gib for r in records)}
+    measured = measured_summary(records, job.global_batch * job.seq_len)
     if rank0:
         est = estimate_for(job, device.type)
         print(summary_text(measured, est), flush=True)

@@ -40,6 +40,7 @@ from meshplan.runtime.expert_parallel import shard_experts
 from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.models import Transformer, loss_fn
 from meshplan.spec.plan import Plan
+from meshplan.spec.stages import stage_ids_for_rank, stage_layer_counts
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "fp32": torch.float32}
 """Compute dtype per plan precision (fp8: the dtype around torchao's float8 linears, or the fallback)."""
@@ -72,30 +73,6 @@ class Parallelized:
 
 
 # ---- 1. pipeline split -----------------------------------------------------------------------
-def _even(n: int, k: int) -> list[int]:
-    base, extra = divmod(n, k)
-    return [base + (1 if i < extra else 0) for i in range(k)]
-
-
-def stage_layer_counts(num_layers: int, plan: Plan) -> list[int]:
-    """Blocks per global pipeline stage (pp * virtual_stages stages, in model order).
-    stage_layers gives blocks per pipeline rank; a rank's blocks are split evenly over its chunks."""
-    v = plan.virtual_stages
-    if plan.stage_layers is None:
-        return _even(num_layers, plan.pp * v)
-    counts = [0] * (plan.pp * v)
-    for r, n in enumerate(plan.stage_layers):
-        for i, c in zip(stage_ids_for_rank(r, plan), _even(n, v)):
-            counts[i] = c
-    return counts
-
-
-def stage_ids_for_rank(pp_rank: int, plan: Plan) -> list[int]:
-    """Global stage indices on a pipeline rank: looped (r, r+pp, ...) or V-shaped for zbv."""
-    pp, v = plan.pp, plan.virtual_stages
-    if plan.schedule == "zbv":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(v)]
 
 
 def split_stage(model: Transformer, stage: int, counts: list[int]) -> Transformer:
