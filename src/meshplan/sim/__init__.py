@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.sim.build import spec_from_durations, spec_from_plan
+from meshplan.sim.build import run_and_summarise, spec_from_durations, spec_from_plan
 from meshplan.sim.engine import STREAMS, Pass, RankStep, SimResult, SimSpec, VStage, simulate
 from meshplan.sim.graph import simulate_graph_plan, spec_from_graph
 from meshplan.sim.output import trace_dict, write_plot, write_trace
@@ -27,9 +27,4 @@ def simulate_plan(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Work
     """Simulate one step of ``plan``; returns the result and a summary dict that also carries
     the analytical estimate (``analytic_step_time_s``) and the relative difference."""
     spec, d = spec_from_plan(model, cluster, plan, work, params)
-    res = simulate(spec)
-    s = res.summary()
-    a = d.analytic["step_time_s"]
-    s |= {"analytic_step_time_s": a, "sim_vs_analytic_pct": 100 * (res.step_time_s / a - 1),
-          "microbatches": d.microbatches, "schedule": spec.schedule, "virtual_stages": spec.v}
-    return res, s
+    return run_and_summarise(spec, d)

@@ -1,10 +1,12 @@
 """From (model, cluster, plan, workload) to a SimSpec, every duration from the cost model."""
 from __future__ import annotations
 
+from typing import Any
+
 from meshplan.cost.durations import StageDurations, stage_durations
 from meshplan.cost.memory import output_layer_static_bytes
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.sim.engine import Pass, RankStep, SimSpec, VStage
+from meshplan.sim.engine import Pass, RankStep, SimResult, SimSpec, VStage, simulate
 from meshplan.sim.schedules import chunks_per_rank, rank_chunk
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
@@ -58,3 +60,14 @@ def spec_from_plan(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wor
     d = stage_durations(model, cluster, plan, work, params)
     moved = output_layer_static_bytes(model, plan, work, params) if plan.schedule == "zbv" and plan.pp > 1 else 0.0
     return spec_from_durations(d, moved), d
+
+
+def run_and_summarise(spec: SimSpec, d: StageDurations) -> tuple[SimResult, dict[str, Any]]:
+    """Simulate ``spec`` and summarise it beside the analytical step time of its durations ``d``
+    (``analytic_step_time_s`` and the relative difference ``sim_vs_analytic_pct``)."""
+    res = simulate(spec)
+    s = res.summary()
+    a = d.analytic["step_time_s"]
+    s |= {"analytic_step_time_s": a, "sim_vs_analytic_pct": 100 * (res.step_time_s / a - 1),
+          "microbatches": d.microbatches, "schedule": spec.schedule, "virtual_stages": spec.v}
+    return res, s

@@ -17,8 +17,8 @@ from typing import Any
 
 from meshplan.cost.graph_durations import ChunkDurations, GraphStageDurations, graph_stage_durations
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.sim.build import spec_from_durations
-from meshplan.sim.engine import Pass, SimResult, SimSpec, VStage, simulate
+from meshplan.sim.build import run_and_summarise, spec_from_durations
+from meshplan.sim.engine import Pass, SimResult, SimSpec, VStage
 from meshplan.sim.schedules import rank_chunk
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
@@ -63,9 +63,4 @@ def simulate_graph_plan(graph: LayerGraph, cluster: ClusterSpec, plan: Plan, wor
     result and a summary with the analytical estimate (``estimate_graph``'s step time) and the
     relative difference. Raises MeshplanError when the plan cannot run on the graph."""
     spec, d = spec_from_graph(graph, cluster, plan, work, params)
-    res = simulate(spec)
-    s = res.summary()
-    a = d.analytic["step_time_s"]
-    s |= {"analytic_step_time_s": a, "sim_vs_analytic_pct": 100 * (res.step_time_s / a - 1),
-          "microbatches": d.microbatches, "schedule": spec.schedule, "virtual_stages": spec.v}
-    return res, s
+    return run_and_summarise(spec, d)
