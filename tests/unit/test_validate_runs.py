@@ -363,9 +363,10 @@ def test_validate_errors_and_summary(cases: list[RunCase]) -> None:
     assert set(rows[0]) == {
         "row_id", "source_id", "model", "status", "reason", "assumptions", "measured_step_time_s",
         "predicted_step_time_s", "step_time_error_pct", "measured_peak_memory_gib",
-        "predicted_peak_memory_gib", "memory_error_pct", "predicted_fits", "measured_from"}
+        "predicted_peak_memory_gib", "memory_error_pct", "predicted_fits", "measured_fits",
+        "measured_from"}
     assert set(s) == {"rows", "ok", "unsupported", "step_time_mape_pct", "step_time_max_abs_pct",
-                      "memory_mape_pct", "memory_rows", "by_source"}
+                      "memory_mape_pct", "memory_rows", "fit_verdicts", "by_source"}
     assert s["rows"] == 186 and s["unsupported"] == 3 and s["ok"] == 183
     for r in rows:
         if r["model"] == "BLOOM-176B":
@@ -493,3 +494,35 @@ def test_implementation_details_mapped(by_id):
     c = by_id["1312"].cluster
     assert c.inter_node.bandwidth_gbps == 6.25 and c.num_gpus == 384
     assert any("jean-zay-a100" in a for a in by_id["1312"].assumptions)
+
+
+def test_fit_verdicts_count_oom_rows(tmp_path: Path) -> None:
+    """A run that trained and one that ran out of memory: the summary says which verdicts
+    the model got right, by row."""
+    import csv
+    src = default_runs_path()
+    rows = list(csv.DictReader(src.open()))
+    ok = dict(next(r for r in rows if r["source_id"] == "MOSAIC_LLMFOUNDRY"))
+    oom = dict(ok, row_id="9001", status="oom", reported_mfu_pct="", reported_hfu_pct="",
+               reported_tokens_per_s_per_gpu="", reported_tokens_per_s_total="")
+    path = tmp_path / "runs.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows([ok, oom])
+    res = validate(load_runs(path), _fake(1.0, mem=10.0))  # predicts both fit
+    v = res["summary"]["fit_verdicts"]
+    assert v["runs_that_fit"] == 1 and v["runs_that_fit_predicted_oom"] == []
+    assert v["oom_runs"] == 1 and v["oom_runs_predicted_to_fit"] == ["9001"]
+    assert v["accuracy"] == 0.5
+    assert "0/1 out-of-memory runs predicted not to fit (rows 9001)" in to_text(res)
+
+
+def test_default_peak_follows_the_source_convention() -> None:
+    """Composer divides fp8 runs by the fp8 peak; torchtitan and Megatron quote the 16-bit one."""
+    from meshplan.validate.runs import default_peak_tflops
+    assert default_peak_tflops("h100-sxm-80gb", "H100-SXM", "fp8", "llm-foundry")[0] == 1979.0
+    assert default_peak_tflops("h100-sxm-80gb", "H100-SXM", "bf16", "llm-foundry")[0] == 989.0
+    assert default_peak_tflops("h100-sxm-80gb", "H100-SXM", "fp8", "torchtitan")[0] == 989.0
+    assert default_peak_tflops("h100-pcie-80gb", "H100 PCIe", "bf16", "megatron")[0] == 756.0
+    assert default_peak_tflops("a100-sxm-80gb", "A100-SXM", "bf16", "llm-foundry")[0] == 312.0

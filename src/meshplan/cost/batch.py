@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.comm import Group
+from meshplan.cost.comm import Group, exposed_under
 from meshplan.cost.compute import ACT_BYTES, block_times, embedding_times, output_layer_times
 from meshplan.cost.memory import (
     FUSED_LOGITS_BYTES_PER_ELEM,
@@ -174,8 +174,8 @@ def _comm(model: ModelSpec, cluster: ClusterSpec, cols: Mapping[str, np.ndarray]
     act = tokens * model.hidden_size * ACT_BYTES / np.where(cols["p2p_sharded"], tp, 1)
     return _Comm(tp_one=tp_one, cp=cp_t, cp_exposed=np.maximum(0.0, cp_t - 0.5 * (blk.f + blk.b)),
                  ep=ep_t if model.is_moe else 0.0 * ep_t, lp=lp, ag=ag, rs=rs, fsdp=fsdp, per_step=per_step,
-                 fwd_exposed=np.where(blocked, np.maximum(0, ag - blk.f), 0),
-                 bwd_exposed=np.where(blocked, np.maximum(0, ag + rs - (blk.b + blk.rc)), 0),
+                 fwd_exposed=np.where(blocked, exposed_under(ag, blk.f, p.overlap_slowdown), 0),
+                 bwd_exposed=np.where(blocked, exposed_under(ag + rs, blk.b + blk.rc, p.overlap_slowdown), 0),
                  send=Group.of(cluster, 2, tp * cp * dp).send_recv(act))
 
 
@@ -349,7 +349,8 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     ag_s, rs_s = n_blk * ag, n_blk * rs
     # (split backward: the last weight gradients come with the last W, which hides it alone)
     hide_rs = np.where(split, n_blk * blk.bw / np.where(zbv, 2, 1), n_blk * (blk.b + blk.rc))
-    exp_s = np.maximum(0, ag_s - n_blk * blk.f) + np.maximum(0, rs_s - hide_rs)
+    exp_s = exposed_under(ag_s, n_blk * blk.f, p.overlap_slowdown) \
+        + exposed_under(rs_s, hide_rs, p.overlap_slowdown)
     staged = fsdp & per_step
     dp_exp = dp_exp + np.where(staged, exp_s, 0)
     dp_ovl = dp_ovl + np.where(staged, ag_s + rs_s - exp_s, 0)
@@ -389,7 +390,7 @@ def _dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cos
     sync = np.where(allreduce, g.all_reduce(grads), g.reduce_scatter(grads))
     bucket = g.all_reduce(np.minimum(grads, p.dp_bucket_mib * 2**20))
     # With a pipeline the sync starts after the stage's last backward: nothing to overlap.
-    exposed = np.where(pp > 1, sync, np.maximum(bucket, sync - last_bwd))
+    exposed = np.where(pp > 1, sync, np.maximum(bucket, exposed_under(sync, last_bwd, p.overlap_slowdown)))
     exposed = exposed + np.where(zero >= 1, g.all_gather(2.0 * params_local), 0)
     overlapped = sync - np.minimum(sync, exposed)
     none = n_dp == 1

@@ -27,6 +27,14 @@ from meshplan.units import US
 Num = Any  # float or numpy array
 
 
+def exposed_under(comm: Num, compute: Num, slowdown: float) -> Num:
+    """Seconds a collective adds to the compute it runs under: the part the compute cannot
+    hide, or, when the compute hides all of it, the compute's slowdown while both share the
+    GPU (NCCL kernels hold SMs and HBM bandwidth: ``slowdown`` x the shared time)."""
+    comm, compute = np.asarray(comm, dtype=float), np.asarray(compute, dtype=float)
+    return np.maximum(np.maximum(0.0, comm - compute), slowdown * np.minimum(comm, compute))
+
+
 @dataclass(frozen=True)
 class Group:
     """A communication group: ``n`` ranks, achievable bytes/s per rank, per-hop latency (s)."""

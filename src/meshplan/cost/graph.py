@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.cost import batch as _b
-from meshplan.cost.comm import Group
+from meshplan.cost.comm import Group, exposed_under
 from meshplan.cost.compute import ELEMENTWISE_BWD_RATIO, gemm_efficiency
 from meshplan.cost.graph_params import (
     DEFAULT_HEAD_DIM,
@@ -533,10 +533,12 @@ def fsdp_layer_traffic(cluster: ClusterSpec, s: StageSums, shard: np.ndarray, tp
     return sg.all_gather(2.0 * s.lp[None, :]), sg.reduce_scatter(params.fsdp_reduce_bytes * s.lp[None, :])
 
 
-def fsdp_layer_exposed(ag: np.ndarray, rs: np.ndarray, s: StageSums) -> tuple[np.ndarray, np.ndarray]:
+def fsdp_layer_exposed(ag: np.ndarray, rs: np.ndarray, s: StageSums,
+                       params: CostParams = DEFAULT_PARAMS) -> tuple[np.ndarray, np.ndarray]:
     """Per layer, the parts of its gather not hidden under its forward, and of its gather +
     reduce-scatter not hidden under its backward (+ recompute): FSDP without a pipeline."""
-    return np.maximum(0, ag - s.f), np.maximum(0, ag + rs - s.b_rc)
+    a = params.overlap_slowdown
+    return exposed_under(ag, s.f, a), exposed_under(ag + rs, s.b_rc, a)
 
 
 def optimizer_seconds(cluster: ClusterSpec, plocal: np.ndarray, zero: np.ndarray, shard: np.ndarray,
@@ -614,7 +616,7 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     fsdp, per_step = (zero == 3) & (shard > 1), (zero == 3) & (pp > 1)
     ag, rs = fsdp_layer_traffic(cluster, s, shard, tp, p)
     blocked = (fsdp & ~per_step)[:, None]  # ZeRO-3 without a pipeline: per layer, under its compute
-    fe, be = fsdp_layer_exposed(ag, rs, s)
+    fe, be = fsdp_layer_exposed(ag, rs, s, p)
     exp_l = np.where(blocked, fe + be, 0.0)
     dp_layer = exp_l @ s.onehot
     dp_layer_ovl = np.where(blocked, 2 * ag + rs - exp_l, 0.0) @ s.onehot
@@ -650,7 +652,7 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
         f_c, b_c = (s.f @ s.onehot)[crit], (s.b_rc @ s.onehot)[crit]
         if split:  # the last weight gradients come with the rank's last W, which alone hides the reduce
             b_c = (s.bw @ (s.chunk_onehot if schedule == "zbv" else s.onehot))[crit]  # ZBV: chunk 0's (chunk crit)
-        exp_s = np.maximum(0, ag_s - f_c) + np.maximum(0, rs_s - b_c)
+        exp_s = exposed_under(ag_s, f_c, p.overlap_slowdown) + exposed_under(rs_s, b_c, p.overlap_slowdown)
         dp_exp = dp_exp + np.where(staged, exp_s, 0)
         dp_ovl = dp_ovl + np.where(staged, ag_s + rs_s - exp_s, 0)
     opt = optimizer_seconds(cluster, plocal, zero, shard, offo, p).max(axis=1)

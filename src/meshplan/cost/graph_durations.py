@@ -134,7 +134,7 @@ def graph_stage_durations(graph: LayerGraph, cluster: ClusterSpec, plan: Plan, w
     shard = np.array([plan.effective_shard], dtype=float)
     fsdp, per_step = plan.zero == 3 and plan.effective_shard > 1, plan.zero == 3 and pp > 1
     ag, rs = (x[0] for x in fsdp_layer_traffic(cluster, s, shard, tp, p))
-    fe, be = (x[0] for x in fsdp_layer_exposed(ag[None, :], rs[None, :], s))
+    fe, be = (x[0] for x in fsdp_layer_exposed(ag[None, :], rs[None, :], s, p))
     blocked = fsdp and not per_step
     zeros = np.zeros(graph.num_layers)
     dp_f_exp = by_chunk(fe if blocked else zeros)

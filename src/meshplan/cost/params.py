@@ -52,6 +52,11 @@ class CostParams:
     tp_exposed_async: float = 0.999
     """FITTED. Fraction of TP communication left exposed with async TP. The fit finds little
     gain: torchtitan's 70B rows with and without AsyncTP differ by ~5%."""
+    overlap_slowdown: float = 0.0
+    """Slowdown of compute while a collective runs under it, as a fraction of the time they
+    share: NCCL kernels hold SMs and HBM bandwidth, so overlapped communication is not free
+    (Rashidi et al., ISCA 2021: compute slows 1.1-1.4x under concurrent collectives).
+    A collective of c seconds under compute of k seconds adds max(c - k, slowdown x min(c, k))."""
     dp_bucket_mib: float = 25.0
     """DDP gradient bucket size, MiB (PyTorch default bucket_cap_mb=25): the last bucket's
     all-reduce is exposed after the backward pass."""
@@ -94,7 +99,7 @@ PARAM_KINDS: dict[str, str] = {
     "attn_headdim_half": "measured", "attn_half_seq": "fitted", "flash_bwd_flop_ratio": "derived",
     "hbm_efficiency": "fitted",
     "fp8_cast_bytes_per_elem": "derived", "optimizer_bytes_per_param": "derived",
-    "tp_exposed_async": "fitted", "dp_bucket_mib": "derived", "fsdp_reduce_bytes": "derived",
+    "tp_exposed_async": "fitted", "overlap_slowdown": "fitted", "dp_bucket_mib": "derived", "fsdp_reduce_bytes": "derived",
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
     "pp_p2p_exposed": "derived", "allocator_fragmentation": "fitted",
     "framework_overhead_gib": "measured", "memory_margin": "derived", "step_overhead_s": "derived",

@@ -113,6 +113,7 @@ def validate(cases: Iterable[RunCase],
             "predicted_peak_memory_gib": pred_m,
             "memory_error_pct": _err_pct(pred_m, meas_m) if status == "ok" else None,
             "predicted_fits": fits,
+            "measured_fits": c.measured_fits,
             "measured_from": c.measured_from,
         })
     return {"rows": rows, "summary": summarize(rows)}
@@ -130,6 +131,17 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         by_source[src] = {"rows": len(sr), "mape_pct": _mean_abs(te), "max_abs_pct": _max_abs(te),
                           "memory_mape_pct": _mean_abs(me)}
     ok = sum(1 for r in rows if r["status"] == "ok")
+    judged = [r for r in rows if r.get("measured_fits") is not None and r["predicted_fits"] is not None]
+    ran = [r for r in judged if r["measured_fits"]]
+    oom = [r for r in judged if not r["measured_fits"]]
+    fit_verdicts = {
+        "runs_that_fit": len(ran),
+        "runs_that_fit_predicted_oom": [r["row_id"] for r in ran if not r["predicted_fits"]],
+        "oom_runs": len(oom),
+        "oom_runs_predicted_to_fit": [r["row_id"] for r in oom if r["predicted_fits"]],
+        "accuracy": (sum(r["measured_fits"] == r["predicted_fits"] for r in judged) / len(judged)
+                     if judged else None),
+    }
     return {
         "rows": len(rows),
         "ok": ok,
@@ -138,6 +150,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "step_time_max_abs_pct": _max_abs(t_err),
         "memory_mape_pct": _mean_abs(m_err),
         "memory_rows": len(m_err),
+        "fit_verdicts": fit_verdicts,
         "by_source": by_source,
     }
 
@@ -187,7 +200,22 @@ def _summary_lines(result: dict[str, Any]) -> list[str]:
         f"step time: MAPE {_f(s['step_time_mape_pct'], '.1f')}%, "
         f"max abs error {_f(s['step_time_max_abs_pct'], '.1f')}%",
         f"peak memory: MAPE {_f(s['memory_mape_pct'], '.1f')}% over {s['memory_rows']} rows",
+        *_verdict_lines(s.get("fit_verdicts")),
     ]
+
+
+def _verdict_lines(v: dict[str, Any] | None) -> list[str]:
+    """Fits / out-of-memory: the model's verdict against what the runs did."""
+    if not v or not (v["runs_that_fit"] or v["oom_runs"]):
+        return []
+
+    def ids(xs: list[str]) -> str:
+        return f" (rows {', '.join(map(str, xs[:8]))}{', ...' if len(xs) > 8 else ''})" if xs else ""
+
+    return [f"fits: {v['runs_that_fit'] - len(v['runs_that_fit_predicted_oom'])}/{v['runs_that_fit']} "
+            f"runs that trained predicted to fit{ids(v['runs_that_fit_predicted_oom'])}; "
+            f"{v['oom_runs'] - len(v['oom_runs_predicted_to_fit'])}/{v['oom_runs']} out-of-memory "
+            f"runs predicted not to fit{ids(v['oom_runs_predicted_to_fit'])}"]
 
 
 def _md_cell(x: str) -> str:

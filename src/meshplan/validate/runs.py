@@ -799,17 +799,32 @@ def _peak_from_basis(text: str | None) -> float | None:
     return vals[-1] if vals else None
 
 
-def default_peak_tflops(gpu: str | None, gpu_type: str, precision: str) -> tuple[float | None, str]:
+#: Frameworks whose MFU divides by the peak of the run's own precision (Composer's
+#: SpeedMonitor GPU_AVAILABLE_FLOPS: amp_fp8 -> the fp8 peak, 1979 TFLOP/s on H100 SXM);
+#: the others (torchtitan, Megatron) quote the 16-bit peak whatever the precision.
+OWN_PRECISION_PEAK = ("llm-foundry",)
+
+
+def default_peak_tflops(gpu: str | None, gpu_type: str, precision: str,
+                        fw: str = "unknown") -> tuple[float | None, str]:
+    """The dense peak the row's source divided by, when the row does not state it."""
     t = gpu_type.lower()
+    own = precision == "fp8" and fw in OWN_PRECISION_PEAK
     if "a100" in t:
         return 312.0, "A100 dense bf16/fp16 312 TFLOP/s"
-    if "h100" in t:
-        return 989.0, "H100 SXM dense bf16 989 TFLOP/s"
+    if "h100" in t or "h200" in t:
+        kind = "PCIe" if "pcie" in t else ("NVL" if "nvl" in t else "SXM")
+        bf16, fp8 = {"PCIe": (756.0, 1513.0), "NVL": (835.0, 1671.0), "SXM": (989.0, 1979.0)}[kind]
+        name = "H200" if "h200" in t else "H100"
+        if own:
+            return fp8, f"{name} {kind} dense fp8 {fp8:g} TFLOP/s ({FRAMEWORK_LABEL[fw]} uses the fp8 peak)"
+        return bf16, f"{name} {kind} dense bf16 {bf16:g} TFLOP/s"
     if gpu:
         try:
             g = load_gpu(gpu)
-            p = g.peak("bf16" if precision == "fp8" else precision) / 1e12
-            return p, f"{gpu} preset dense {precision} {p:g} TFLOP/s"
+            prec = precision if (own or precision != "fp8") else "bf16"
+            p = g.peak(prec) / 1e12
+            return p, f"{gpu} preset dense {prec} {p:g} TFLOP/s"
         except MeshplanError:
             pass
     return None, ""
@@ -896,7 +911,7 @@ def measure_step_time(row: _Row, *, B: int | None, s: int | None, n: int | None,
         if u is None:
             continue
         if peak is None:
-            peak, peak_how = default_peak_tflops(gpu, row.text("gpu_type") or "", precision)
+            peak, peak_how = default_peak_tflops(gpu, row.text("gpu_type") or "", precision, fw)
             if peak is None:
                 return None, ""
             assume(f"peak_tflops_basis not stated: assumed {peak_how}")
