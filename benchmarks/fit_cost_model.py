@@ -1,6 +1,6 @@
 """Fit the cost model's few free parameters to the published runs, and report every row.
 
-    python benchmarks/fit_cost_model.py [--runs CSV] [--iters N] [--show-only]
+    python benchmarks/fit_cost_model.py [--runs CSV] [--iters N] [--show-only] [--free NAME]
 
 Free parameters (all physically meaningful, bounded to plausible ranges):
   per GPU type: gemm_efficiency, attention_efficiency (GPU data files)
@@ -35,8 +35,14 @@ GLOBAL = {  # name: (low, high)
     "flash_bwd_efficiency": (0.6, 1.0),
     "tp_exposed_async": (0.2, 1.0),
 }
+#: Candidate terms, fitted only with --free NAME (results in fit_cost_model_NAME.json): a
+#: term the data give no weight stays out of the default fit.
+OPTIONAL = {"overlap_slowdown": (0.0, 0.6)}
 LINK_BOUNDS = (0.3, 0.95)  # efficiency of each (tier, link kind) seen in the runs
 PER_GPU = {"gemm_efficiency": (0.4, 0.9), "attention_efficiency": (0.15, 0.75)}
+
+
+FREE: list[str] = []  # the OPTIONAL terms fitted in this run (--free)
 
 
 def _cases(path: str) -> list:
@@ -60,6 +66,7 @@ def _space(cases: list, start: dict[str, float] | None = None,
             v = getattr(gpu, k) or gpu.gemm_efficiency * DEFAULT_PARAMS.flash_fwd_efficiency
             spec.append((f"{g}.{k}", a, b, v))
     spec += [(k, a, b, getattr(DEFAULT_PARAMS, k)) for k, (a, b) in GLOBAL.items()]
+    spec += [(k, *OPTIONAL[k], getattr(DEFAULT_PARAMS, k)) for k in FREE]
     links: dict[str, float] = {}
     for c in cases:
         for t in ("intra_node", "inter_node"):
@@ -74,7 +81,7 @@ def _space(cases: list, start: dict[str, float] | None = None,
 
 def predict(cases: list, names: list[str], x: np.ndarray) -> list[float]:
     vals = dict(zip(names, x))
-    p = DEFAULT_PARAMS.replace(**{k: float(vals[k]) for k in GLOBAL})
+    p = DEFAULT_PARAMS.replace(**{k: float(vals[k]) for k in (*GLOBAL, *FREE)})
     out = []
     for c in cases:
         g = c.cluster.gpu
@@ -118,7 +125,10 @@ def main() -> None:
     ap.add_argument("--runs", default=str(default_runs_path()))
     ap.add_argument("--iters", type=int, default=3000)
     ap.add_argument("--show-only", action="store_true", help="report the current values, no fit")
+    ap.add_argument("--free", action="append", default=[], choices=sorted(OPTIONAL),
+                    help="also fit this candidate term (repeatable)")
     args = ap.parse_args()
+    FREE[:] = args.free
     cases = _cases(args.runs)
     names, lo, hi, x0 = _space(cases, None if args.show_only else START)
     x = x0
@@ -134,7 +144,8 @@ def main() -> None:
         print(f"fit: {res.nit} iterations, {time.time() - t0:.0f} s, loss {res.fun:.4f}")
     out = report(cases, names, x)
     Path(__file__).parent.joinpath("results").mkdir(exist_ok=True)
-    Path(__file__).parent.joinpath("results", "fit_cost_model.json").write_text(json.dumps(out, indent=1))
+    name = "fit_cost_model" + "".join(f"_{k}" for k in FREE) + ".json"
+    Path(__file__).parent.joinpath("results", name).write_text(json.dumps(out, indent=1))
     print(json.dumps(out["params"], indent=1))
     print(f"all rows: MAPE {out['mape_pct']:.2f}%  max {out['max_abs_pct']:.1f}%")
     for s, v in out["by_source"].items():

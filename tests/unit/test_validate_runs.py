@@ -526,3 +526,17 @@ def test_default_peak_follows_the_source_convention() -> None:
     assert default_peak_tflops("h100-sxm-80gb", "H100-SXM", "fp8", "torchtitan")[0] == 989.0
     assert default_peak_tflops("h100-pcie-80gb", "H100 PCIe", "bf16", "megatron")[0] == 756.0
     assert default_peak_tflops("a100-sxm-80gb", "A100-SXM", "bf16", "llm-foundry")[0] == 312.0
+
+
+def test_fused_kernels_assumed_for_megatron_and_deepspeed(by_id: dict[str, RunCase]) -> None:
+    """Megatron-LM and Megatron-DeepSpeed run hand-fused norms, bias-GeLU and
+    bias-dropout-add without torch.compile: costed on the fused path, and said so. Other
+    frameworks stay eager unless the row says torch.compile."""
+    for rid in ("1", "14", "1312"):  # SC'21, Korthikanti et al., BLOOM
+        c = by_id[rid]
+        assert c.plan.compile, rid
+        assert any("hand-fused kernels" in a for a in c.assumptions), rid
+    c = by_id["66"]  # torchtitan without compile
+    assert not c.plan.compile and not any("hand-fused" in a for a in c.assumptions)
+    c = next(c for c in by_id.values() if c.source_id == "MOSAIC_LLMFOUNDRY")
+    assert not c.plan.compile

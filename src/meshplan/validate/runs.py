@@ -799,6 +799,12 @@ def _peak_from_basis(text: str | None) -> float | None:
     return vals[-1] if vals else None
 
 
+#: Frameworks that run hand-fused elementwise kernels without torch.compile (Megatron-LM /
+#: NeMo: Transformer Engine or apex fused LayerNorm/RMSNorm, bias-GeLU and bias-SwiGLU
+#: fusions, fused bias-dropout-add, fused RoPE; Megatron-DeepSpeed: apex fused LayerNorm,
+#: bias-GeLU and bias-dropout-add).
+FUSED_KERNEL_FRAMEWORKS = ("megatron", "deepspeed")
+
 #: Frameworks whose MFU divides by the peak of the run's own precision (Composer's
 #: SpeedMonitor GPU_AVAILABLE_FLOPS: amp_fp8 -> the fp8 peak, 1979 TFLOP/s on H100 SXM);
 #: the others (torchtitan, Megatron) quote the 16-bit peak whatever the precision.
@@ -1086,6 +1092,10 @@ def _plan_from_row(row: _Row, fw: str, model: ModelSpec, assume: Callable[[str],
     other = " ".join(row.lower(c) for c in ("other_settings", "sharding"))
     compile_ = ("torch.compile" in other or "torch_compile" in other
                 or _bool_cell(row.text("compile")) is True)
+    if not compile_ and fw in FUSED_KERNEL_FRAMEWORKS and _bool_cell(row.text("compile")) is None:
+        compile_ = True  # the cost model's fused-elementwise path (Plan.compile)
+        assume(f"elementwise ops: {FRAMEWORK_LABEL[fw]}'s hand-fused kernels (fused norms, "
+               "bias-GeLU/SwiGLU, bias-dropout-add, RoPE), costed as compiled")
     async_tp = bool(re.search(r"async[\s_-]*tp|tp[\s_-]*comm[\s_-]*overlap", other)) or \
         _bool_cell(row.text("async_tp")) is True
     offload_opt = bool(re.search(r"offload[\s_-]*(optim|opt\b)|optimizer[\s_-]*offload"
