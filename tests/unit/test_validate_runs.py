@@ -540,3 +540,13 @@ def test_fused_kernels_assumed_for_megatron_and_deepspeed(by_id: dict[str, RunCa
     assert not c.plan.compile and not any("hand-fused" in a for a in c.assumptions)
     c = next(c for c in by_id.values() if c.source_id == "MOSAIC_LLMFOUNDRY")
     assert not c.plan.compile
+
+
+@pytest.mark.parametrize("status,fits", [
+    ("oom", False), ("OOM", False), ("failed (OOM)", False), ("failed: CUDA out of memory", False),
+    ("memory limit exceeded", False), ("ok", True), ("completed", True), ("failed (NCCL timeout)", None),
+    ("zoom", None)])
+def test_status_column_variants(status: str, fits: bool | None) -> None:
+    rows = list(csv.DictReader(default_runs_path().open()))
+    c = case_from_row(dict(rows[0], status=status))
+    assert c.measured_fits is fits

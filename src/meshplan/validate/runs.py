@@ -1210,7 +1210,8 @@ def case_from_row(raw: dict[str, Any], index: int = 0) -> RunCase:
         t, how = None, ""
         assume(f"measurement not readable: {e}")
     mem = measure_peak_mem(row, assume)
-    if run_status.startswith("oom") or re.search(r"out[\s_-]*of[\s_-]*memory", run_status):
+    if re.search(r"(?<![a-z])oom(?![a-z])|out[\s_-]*of[\s_-]*memory|memory[\s_-]*(limit|exceeded)",
+                 run_status):
         fits: bool | None = False
         how = how or f"none (status={run_status}: the run did not fit)"
     elif run_status not in ("ok", "success", "succeeded", "completed"):
