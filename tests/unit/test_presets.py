@@ -240,3 +240,22 @@ def test_unknown_gpu_lists_known_ones():
 
 def test_preset_lookup_is_case_insensitive():
     assert load_model("Llama3-8B").name == "llama3-8b"
+
+
+def test_gpus_per_node_sets_the_shorthand_node_size():
+    from meshplan.spec.io import load_gpu, parse_cluster_shorthand
+    c = parse_cluster_shorthand("gh200-96gb:16")  # GH200 blades hold 4 superchips
+    assert (c.num_nodes, c.gpus_per_node) == (4, 4)
+    assert load_gpu("gh200-144gb").memory_gib > load_gpu("gh200-96gb").memory_gib
+    c = parse_cluster_shorthand("h100-sxm-80gb:16")
+    assert (c.num_nodes, c.gpus_per_node) == (2, 8)
+    with pytest.raises(MeshplanError, match="4-GPU nodes"):
+        parse_cluster_shorthand("gh200-96gb:6")
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True, "4"])
+def test_gpus_per_node_must_be_a_positive_integer(bad):
+    base = dict(name="x", peak_tflops={"bf16": 100.0}, memory_gib=10.0, hbm_bandwidth_gbps=100.0,
+                intra_node_bandwidth_gbps=10.0, gpus_per_node=bad)
+    with pytest.raises(MeshplanError, match="gpus_per_node"):
+        GPUSpec(**base)

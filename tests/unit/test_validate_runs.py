@@ -550,3 +550,17 @@ def test_status_column_variants(status: str, fits: bool | None) -> None:
     rows = list(csv.DictReader(default_runs_path().open()))
     c = case_from_row(dict(rows[0], status=status))
     assert c.measured_fits is fits
+
+
+def test_grace_hopper_and_h100_nvl_rows_are_expressible() -> None:
+    rows = list(csv.DictReader(default_runs_path().open()))
+    r = next(r for r in rows if r["source_id"] == "MOSAIC_LLMFOUNDRY" and r["num_gpus"] == "64")
+    c = case_from_row(dict(r, gpu_type="GH200", gpu_memory_gb="96"))
+    assert c.ok and c.cluster.gpu.name == "gh200-96gb" and c.cluster.gpus_per_node == 4
+    assert any("nodes of 4 GPUs" in a for a in c.assumptions)
+    c = case_from_row(dict(r, gpu_type="GH200 (HBM3e)", gpu_memory_gb="144"))
+    assert c.cluster.gpu.name == "gh200-144gb"
+    c = case_from_row(dict(r, gpu_type="H100 NVL", gpu_memory_gb="94"))
+    assert c.ok and c.cluster.gpu.name == "h100-nvl-94gb"
+    c = case_from_row(dict(r, gpu_type="GB200"))
+    assert c.status == "unsupported" and "Grace Blackwell" in c.reason

@@ -46,6 +46,9 @@ class GPUSpec:
     ~0.35-0.45 on H100 before FA3)."""
     default_nic_gbps: float = 25.0
     """Per-GPU inter-node bandwidth of the typical system, GB/s (25 = 200 Gb/s HDR, 50 = 400 Gb/s NDR)."""
+    gpus_per_node: int = 8
+    """GPUs in the typical node of this part (8 for HGX/DGX; 4 for GH200 blades): the node
+    size of the ``--cluster GPU:COUNT`` shorthand."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -63,6 +66,9 @@ class GPUSpec:
         positive(f"{w}: price_per_hour_usd", self.price_per_hour_usd, allow_zero=True)
         positive(f"{w}: default_nic_gbps", self.default_nic_gbps)
         positive(f"{w}: tdp_w", self.tdp_w, allow_zero=True)
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
+                or self.gpus_per_node <= 0:
+            raise MeshplanError(f"{w}: gpus_per_node must be a positive whole number; got {self.gpus_per_node!r}")
         for f in ("gemm_efficiency", "attention_efficiency"):
             v = getattr(self, f)
             if v is not None and not 0 < v <= 1:

@@ -151,13 +151,14 @@ def load_model(arg: str, *, seq_len: int | None = None) -> ModelSpec:
 
 
 def parse_cluster_shorthand(arg: str) -> ClusterSpec:
-    """'h100-sxm-80gb:64' (8 per node), 'a100-sxm-80gb:4x8' (nodes x per node), or 'gpu' (one node)."""
+    """'h100-sxm-80gb:64' (the GPU's typical node size, 8 for HGX/DGX parts), 'a100-sxm-80gb:4x8'
+    (nodes x per node), or 'gpu' (one node)."""
     name, _, count = arg.partition(":")
     gpu = load_gpu(name)
-    per_node = 8
+    per_node = gpu.gpus_per_node
     try:
         if not count:
-            nodes, per_node = 1, 8
+            nodes = 1
         elif "x" in count.lower():
             a, b = count.lower().split("x", 1)
             nodes, per_node = int(a), int(b)
@@ -168,7 +169,7 @@ def parse_cluster_shorthand(arg: str) -> ClusterSpec:
             if n < per_node:
                 nodes, per_node = 1, n
             elif n % per_node:
-                raise MeshplanError(f"--cluster {arg}: {n} GPUs is not a whole number of 8-GPU nodes",
+                raise MeshplanError(f"--cluster {arg}: {n} GPUs is not a whole number of {per_node}-GPU nodes",
                                     hint=f"use {name}:{(n // per_node + 1) * per_node}, or NODESxPER_NODE "
                                          f"like {name}:1x{n} (or write a cluster .toml)")
             else:

@@ -543,15 +543,17 @@ def gpu_preset_for(gpu_type: str, memory_gb: float | None,
 
     if "mi300x" in t or "mi300" in t:
         return "mi300x-192gb"
-    if "gh200" in t or "gb200" in t:
-        raise _Unsupported(f"no GPU preset for {gpu_type!r} (Grace superchips are not modelled)")
+    if "gb200" in t:
+        raise _Unsupported(f"no GPU preset for {gpu_type!r} (Grace Blackwell superchips are not modelled)")
+    if "gh200" in t:
+        return "gh200-144gb" if mem_or(96, (96, 144), "(GH200)") == 144 else "gh200-96gb"
     if "b200" in t:
         return "b200-sxm-192gb"
     if "h200" in t:
         return "h200-sxm-141gb"
     if "h100" in t:
         if "nvl" in t:
-            raise _Unsupported(f"no GPU preset for {gpu_type!r} (H100 NVL)")
+            return "h100-nvl-94gb"
         if pcie:
             return "h100-pcie-80gb"
         if "500w" in t or "hbm2e" in t:
@@ -604,19 +606,23 @@ def system_cluster(preset: str, n: int, assume: Callable[[str], None]) -> Cluste
 
 def build_cluster(gpu: str, n: int, per_node: int | None, tp: int,
                   assume: Callable[[str], None]) -> ClusterSpec:
-    """parse_cluster_shorthand(f'{gpu}:{n}') semantics: 8 per node, one node below 8 GPUs."""
+    """parse_cluster_shorthand(f'{gpu}:{n}') semantics: the GPU's typical node size (8 for
+    HGX/DGX parts, 4 for GH200), one node below that."""
+    node = load_gpu(gpu).gpus_per_node
     if per_node:
         if n % per_node:
             raise _Unsupported(f"num_gpus={n} is not a multiple of gpus_per_node={per_node}")
         spec = f"{gpu}:{n // per_node}x{per_node}"
-    elif n > 8 and n % 8:
-        cands = [d for d in range(8, 0, -1) if n % d == 0 and d % tp == 0]
+    elif n > node and n % node:
+        cands = [d for d in range(node, 0, -1) if n % d == 0 and d % tp == 0]
         if not cands:
             raise _Unsupported(f"num_gpus={n} does not split into nodes that hold tp={tp}")
         per = cands[0]
-        assume(f"{n} GPUs is not a whole number of 8-GPU nodes: assumed {n // per} nodes x {per}")
+        assume(f"{n} GPUs is not a whole number of {node}-GPU nodes: assumed {n // per} nodes x {per}")
         spec = f"{gpu}:{n // per}x{per}"
     else:
+        if node != 8 and n > node:
+            assume(f"nodes of {node} GPUs ({gpu}'s typical node)")
         spec = f"{gpu}:{n}"
     try:
         return parse_cluster_shorthand(spec)
