@@ -35,6 +35,17 @@ def exposed_under(comm: Num, compute: Num, slowdown: float) -> Num:
     return np.maximum(np.maximum(0.0, comm - compute), slowdown * np.minimum(comm, compute))
 
 
+_GROUPS: dict[tuple[Any, ...], tuple[float, float]] = {}
+
+
+def _link_key(c: ClusterSpec) -> tuple[Any, ...]:
+    """Everything of a cluster that Group.of reads."""
+    dc = c.inter_dc
+    return (c.gpus_per_node, c.intra_node.bytes_per_s, c.intra_node.latency_us,
+            c.inter_node.bytes_per_s, c.inter_node.latency_us, c.nodes_per_dc,
+            None if dc is None else (dc.bytes_per_s, dc.latency_us))
+
+
 @dataclass(frozen=True)
 class Group:
     """A communication group: ``n`` ranks, achievable bytes/s per rank, per-hop latency (s)."""
@@ -47,6 +58,23 @@ class Group:
     def of(cluster: ClusterSpec, n: Num, stride: Num) -> Group:
         """Group of ``n`` ranks whose members are ``stride`` ranks apart (mesh axis placement)."""
         n, stride = np.asarray(n, dtype=float), np.asarray(stride, dtype=float)
+        if n.size == 1 and stride.size == 1:
+            # One plan (estimate()): the same few groups recur for every plan on a cluster;
+            # memoised on the values that decide them (pure function of them, so exact).
+            key = (_link_key(cluster), float(n.flat[0]), float(stride.flat[0]))
+            hit = _GROUPS.get(key)
+            if hit is None:
+                if len(_GROUPS) > 4096:
+                    _GROUPS.clear()
+                g = Group._of(cluster, n.reshape(()), stride.reshape(()))
+                hit = _GROUPS[key] = (float(g.bytes_per_s), float(g.latency_s))
+            shape = np.broadcast_shapes(n.shape, stride.shape)
+            return Group(n.reshape(shape) if n.shape != shape else n, np.full(shape, hit[0]),
+                         np.full(shape, hit[1]))
+        return Group._of(cluster, n, stride)
+
+    @staticmethod
+    def _of(cluster: ClusterSpec, n: np.ndarray, stride: np.ndarray) -> Group:
         gpn = cluster.gpus_per_node
         intra, inter = cluster.intra_node, cluster.inter_node
         span = n * stride
@@ -56,15 +84,19 @@ class Group:
             dc = span > cluster.nodes_per_dc * gpn
             tier_bw = np.where(dc, cluster.inter_dc.bytes_per_s, tier_bw)
             tier_lat = np.where(dc, cluster.inter_dc.latency_us * US, tier_lat)
-        per_node = np.where(stride < gpn, np.clip(gpn // np.maximum(stride, 1), 1, np.maximum(n, 1)), 1)
-        bw = np.where(inside, intra.bytes_per_s, np.minimum(intra.bytes_per_s, per_node * tier_bw))
+        # k ranks of the group per node (one ring per NIC), 1 when the stride spans nodes
+        per_node = np.where(stride < gpn, np.minimum(np.maximum(gpn // np.maximum(stride, 1), 1),
+                                                     np.maximum(n, 1)), 1)
+        intra_bw = intra.bytes_per_s
+        bw = np.where(inside, intra_bw, np.minimum(intra_bw, per_node * tier_bw))
         lat = np.where(n <= 1, 0.0, np.where(inside, intra.latency_us * US, tier_lat))
         return Group(n, bw, lat)
 
     def _ring(self, size: Num, passes: float) -> Num:
         n = np.maximum(self.n, 1)
-        t = passes * ((n - 1) / n * size / self.bytes_per_s + (n - 1) * self.latency_s)
-        return np.where((self.n <= 1) | (np.asarray(size) <= 0), 0.0, t)
+        m = n - 1
+        t = passes * (m / n * size / self.bytes_per_s + m * self.latency_s)
+        return np.where((self.n <= 1) | (size <= 0), 0.0, t)
 
     def all_reduce(self, size: Num) -> Num:
         return self._ring(size, 2.0)
