@@ -210,12 +210,17 @@ def _verdict_lines(v: dict[str, Any] | None) -> list[str]:
         return []
 
     def ids(xs: list[str]) -> str:
-        return f" (rows {', '.join(map(str, xs[:8]))}{', ...' if len(xs) > 8 else ''})" if xs else ""
+        if not xs:
+            return ""
+        shown = ", ".join(map(str, xs[:8])) + (", ..." if len(xs) > 8 else "")
+        return f" ({'row' if len(xs) == 1 else 'rows'} {shown})"
 
-    return [f"fits: {v['runs_that_fit'] - len(v['runs_that_fit_predicted_oom'])}/{v['runs_that_fit']} "
-            f"runs that trained predicted to fit{ids(v['runs_that_fit_predicted_oom'])}; "
-            f"{v['oom_runs'] - len(v['oom_runs_predicted_to_fit'])}/{v['oom_runs']} out-of-memory "
-            f"runs predicted not to fit{ids(v['oom_runs_predicted_to_fit'])}"]
+    ran = (f"{v['runs_that_fit'] - len(v['runs_that_fit_predicted_oom'])}/{v['runs_that_fit']} runs "
+           f"that trained predicted to fit{ids(v['runs_that_fit_predicted_oom'])}")
+    oom = (f"{v['oom_runs'] - len(v['oom_runs_predicted_to_fit'])}/{v['oom_runs']} out-of-memory runs "
+           f"predicted not to fit{ids(v['oom_runs_predicted_to_fit'])}" if v["oom_runs"]
+           else "no out-of-memory runs in the file")
+    return [f"fits: {ran}; {oom}"]
 
 
 def _md_cell(x: str) -> str:
