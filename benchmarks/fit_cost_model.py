@@ -36,8 +36,9 @@ GLOBAL = {  # name: (low, high)
     "tp_exposed_async": (0.2, 1.0),
 }
 #: Candidate terms, fitted only with --free NAME (results in fit_cost_model_NAME.json): a
-#: term the data give no weight stays out of the default fit.
-OPTIONAL = {"overlap_slowdown": (0.0, 0.6)}
+#: term the data give no weight stays out of the default fit. (low, high, start): the fit
+#: starts mid-range, away from the bound, so a zero result is the data's, not the start's.
+OPTIONAL = {"overlap_slowdown": (0.0, 0.6, 0.2)}
 LINK_BOUNDS = (0.3, 0.95)  # efficiency of each (tier, link kind) seen in the runs
 PER_GPU = {"gemm_efficiency": (0.4, 0.9), "attention_efficiency": (0.15, 0.75)}
 
@@ -66,7 +67,8 @@ def _space(cases: list, start: dict[str, float] | None = None,
             v = getattr(gpu, k) or gpu.gemm_efficiency * DEFAULT_PARAMS.flash_fwd_efficiency
             spec.append((f"{g}.{k}", a, b, v))
     spec += [(k, a, b, getattr(DEFAULT_PARAMS, k)) for k, (a, b) in GLOBAL.items()]
-    spec += [(k, *OPTIONAL[k], getattr(DEFAULT_PARAMS, k)) for k in FREE]
+    spec += [(k, *OPTIONAL[k][:2], OPTIONAL[k][2] if start is not None else getattr(DEFAULT_PARAMS, k))
+             for k in FREE]
     links: dict[str, float] = {}
     for c in cases:
         for t in ("intra_node", "inter_node"):
@@ -128,7 +130,7 @@ def main() -> None:
     ap.add_argument("--free", action="append", default=[], choices=sorted(OPTIONAL),
                     help="also fit this candidate term (repeatable)")
     args = ap.parse_args()
-    FREE[:] = args.free
+    FREE[:] = list(dict.fromkeys(args.free))
     cases = _cases(args.runs)
     names, lo, hi, x0 = _space(cases, None if args.show_only else START)
     x = x0

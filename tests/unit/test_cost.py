@@ -488,3 +488,44 @@ def test_impossible_tp_raises_naming_tp():
         _est("tp=3,dp=8", name="llama3-8b", cl="h100-sxm-80gb:24")
     with pytest.raises(MeshplanError, match=r"tp=3"):
         _est("tp=3,dp=8")  # and the GPU count is wrong as well: both named
+
+
+@pytest.mark.parametrize("comm,compute,slowdown,expected", [
+    (2.0, 5.0, 0.0, 0.0),   # hidden: nothing exposed
+    (7.0, 5.0, 0.0, 2.0),   # the part the compute cannot hide
+    (2.0, 5.0, 0.3, 0.6),   # hidden, but the compute slows while they share the GPU
+    (7.0, 5.0, 0.3, 2.0),   # the uncovered part dominates the slowdown (0.3 x 5 = 1.5)
+    (7.0, 5.0, 0.5, 2.5),   # ... unless the slowdown is larger
+    (0.0, 5.0, 0.3, 0.0)])
+def test_exposed_under_closed_form(comm, compute, slowdown, expected):
+    from meshplan.cost.comm import exposed_under
+    assert float(exposed_under(comm, compute, slowdown)) == pytest.approx(expected)
+
+
+def test_overlap_slowdown_adds_exposed_fsdp_time():
+    """With FSDP traffic under the compute, a positive slowdown lengthens the step by
+    slowdown x the overlapped time (nothing at 0, the fitted value)."""
+    m, c = model("llama3-8b"), hand_cluster(nodes=2)
+    plan = Plan(tp=1, pp=1, dp=16, zero=3, micro_batch=1)
+    w = Workload(global_batch=16, seq_len=4096)
+    base = estimate(m, c, plan, w)
+    slow = estimate(m, c, plan, w, params=DEFAULT_PARAMS.replace(overlap_slowdown=0.2))
+    assert base.time["dp_comm_overlapped"] > 0
+    assert slow.step_time_s > base.step_time_s
+    assert slow.step_time_s - base.step_time_s == pytest.approx(
+        0.2 * base.time["dp_comm_overlapped"], rel=0.05)
+
+
+def test_group_fast_path_matches_the_vectorised_path():
+    """Group.of memoises one-plan groups; the result equals the array path bit for bit, and a
+    cluster with other link efficiencies does not reuse another's entry."""
+    import numpy as np
+    a = hand_cluster(nodes=4)
+    b = a.replace(inter_node=LinkTier(**{**a.inter_node.__dict__, "efficiency": a.inter_node.efficiency / 2}))
+    ns, strides = np.array([1, 2, 4, 8, 16, 32]), np.array([1, 2, 8, 1, 4, 1])
+    for cl in (a, b):
+        vec = Group.of(cl, ns, strides)
+        for i, (n, s) in enumerate(zip(ns, strides)):
+            one = Group.of(cl, np.array([n]), np.array([s]))
+            assert one.bytes_per_s[0] == vec.bytes_per_s[i] and one.latency_s[0] == vec.latency_s[i]
+    assert Group.of(b, 32, 1).bytes_per_s < Group.of(a, 32, 1).bytes_per_s

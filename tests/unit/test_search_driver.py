@@ -172,3 +172,12 @@ def test_evaluator_is_a_replaceable_seam():
     # The per-plan reference loop gives the same winner and counts.
     loop = search(m, c, w, evaluator=evaluate_loop)
     assert loop.best.plan == b.best.plan and (loop.feasible, loop.evaluated) == (b.feasible, b.evaluated)
+
+
+def test_a_partial_gh200_node_grows_into_4_gpu_nodes():
+    from meshplan.spec.io import parse_cluster_shorthand
+    base = parse_cluster_shorthand("gh200-96gb:2")
+    c = resized(base, 12)
+    assert (c.num_nodes, c.gpus_per_node) == (3, 4)
+    c = resized(parse_cluster_shorthand("h100-sxm-80gb:2"), 16)
+    assert (c.num_nodes, c.gpus_per_node) == (2, 8)

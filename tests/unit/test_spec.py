@@ -93,7 +93,7 @@ def test_cluster_shorthand(arg, nodes, per_node):
 
 
 @pytest.mark.parametrize("arg, words", [
-    ("h100-sxm-80gb:12", ["not a whole number of 8-GPU nodes", "h100-sxm-80gb:16", "1x12"]),
+    ("h100-sxm-80gb:12", ["not a whole number of 8-GPU nodes", "h100-sxm-80gb:16", "2x6"]),
     ("h100-sxm-80gb:0", ["cannot read GPU count"]),
     ("h100-sxm-80gb:-8", ["cannot read GPU count"]),
     ("h100-sxm-80gb:lots", ["cannot read GPU count", "GPU:COUNT"]),

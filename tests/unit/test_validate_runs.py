@@ -545,7 +545,8 @@ def test_fused_kernels_assumed_for_megatron_and_deepspeed(by_id: dict[str, RunCa
 @pytest.mark.parametrize("status,fits", [
     ("oom", False), ("OOM", False), ("failed (OOM)", False), ("failed: CUDA out of memory", False),
     ("memory limit exceeded", False), ("ok", True), ("completed", True), ("failed (NCCL timeout)", None),
-    ("zoom", None)])
+    ("zoom", None), ("ok (no OOM)", True), ("OOM-free", None), ("ok; memory limited to 70GB", True),
+    ("killed: host OOM", None), ("failed: cpu oom killer", None)])
 def test_status_column_variants(status: str, fits: bool | None) -> None:
     rows = list(csv.DictReader(default_runs_path().open()))
     c = case_from_row(dict(rows[0], status=status))
@@ -564,3 +565,24 @@ def test_grace_hopper_and_h100_nvl_rows_are_expressible() -> None:
     assert c.ok and c.cluster.gpu.name == "h100-nvl-94gb"
     c = case_from_row(dict(r, gpu_type="GB200"))
     assert c.status == "unsupported" and "Grace Blackwell" in c.reason
+
+
+def test_fused_kernels_only_for_megatron_code(by_id: dict[str, RunCase]) -> None:
+    """Plain DeepSpeed (HF Trainer + ZeRO) rows stay eager; Megatron-DeepSpeed rows are fused."""
+    raw = dict(by_id["1312"].raw)  # BLOOM, Megatron-DeepSpeed
+    plain = {k: v for k, v in raw.items()}
+    for k in ("source", "source_id", "model", "other_settings", "notes", "source_locator",
+              "metric_formula_id", "tflops_kind", "arch_family", "attention_impl"):
+        plain[k] = ""
+    plain.update(source_id="HF_DS", source="HF Trainer with DeepSpeed ZeRO-3", model="GPT-like",
+                 arch_family="GPT", sharding="DeepSpeed ZeRO-3")
+    c = case_from_row(plain)
+    assert c.framework == "deepspeed" and not c.plan.compile, c.assumptions
+    assert by_id["1312"].plan.compile
+
+
+def test_gh200_rows_name_their_peak_and_memory() -> None:
+    from meshplan.validate.runs import default_peak_tflops, gpu_preset_for
+    peak, how = default_peak_tflops("gh200-96gb", "GH200", "bf16", "megatron")
+    assert peak == 989.0 and how.startswith("GH200")
+    assert gpu_preset_for("GH200 HBM3e", None, lambda s: None) == "gh200-144gb"

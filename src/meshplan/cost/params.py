@@ -56,7 +56,9 @@ class CostParams:
     """Slowdown of compute while a collective runs under it, as a fraction of the time they
     share: NCCL kernels hold SMs and HBM bandwidth, so overlapped communication is not free
     (Rashidi et al., ISCA 2021: compute slows 1.1-1.4x under concurrent collectives).
-    A collective of c seconds under compute of k seconds adds max(c - k, slowdown x min(c, k))."""
+    A collective of c seconds under compute of k seconds adds max(c - k, slowdown x min(c, k)),
+    booked as exposed communication. FITTED to 0.0: benchmarks/fit_cost_model.py --free
+    overlap_slowdown gives the dev runs no better fit with it."""
     dp_bucket_mib: float = 25.0
     """DDP gradient bucket size, MiB (PyTorch default bucket_cap_mb=25): the last bucket's
     all-reduce is exposed after the backward pass."""

@@ -8,16 +8,12 @@ MAX_GPUS = 2**31 - 1
 """Largest cluster the search takes: plan degrees are int32 columns (and divisors of the GPU
 count are found by trial division, so far larger counts would not finish)."""
 
-STANDARD_NODE = 8
-"""GPUs per node assumed when growing a single partial node (e.g. `h100-sxm-80gb:2`): the
-cluster shorthand's default node (DGX/HGX: 8 GPUs)."""
-
-
 def node_size(cluster: ClusterSpec) -> int:
-    """GPUs per node when the cluster grows: its own node size, or a standard 8-GPU node when it
-    is a single node with fewer GPUs."""
+    """GPUs per node when the cluster grows: its own node size, or, for a single node with fewer
+    GPUs (e.g. `h100-sxm-80gb:2`), the GPU's typical node (GPUSpec.gpus_per_node: 8 for
+    DGX/HGX parts, 4 for GH200), as the cluster shorthand uses."""
     g = cluster.gpus_per_node
-    return max(g, STANDARD_NODE) if cluster.num_nodes == 1 else g
+    return max(g, cluster.gpu.gpus_per_node) if cluster.num_nodes == 1 else g
 
 
 def resized(cluster: ClusterSpec, num_gpus: int) -> ClusterSpec:

@@ -169,9 +169,10 @@ def parse_cluster_shorthand(arg: str) -> ClusterSpec:
             if n < per_node:
                 nodes, per_node = 1, n
             elif n % per_node:
+                d = max(k for k in range(1, per_node + 1) if n % k == 0)  # smaller nodes that fit n
                 raise MeshplanError(f"--cluster {arg}: {n} GPUs is not a whole number of {per_node}-GPU nodes",
                                     hint=f"use {name}:{(n // per_node + 1) * per_node}, or NODESxPER_NODE "
-                                         f"like {name}:1x{n} (or write a cluster .toml)")
+                                         f"like {name}:{n // d}x{d} (or write a cluster .toml)")
             else:
                 nodes = n // per_node
     except MeshplanError:  # a ValueError too: let its specific message through

@@ -546,6 +546,8 @@ def gpu_preset_for(gpu_type: str, memory_gb: float | None,
     if "gb200" in t:
         raise _Unsupported(f"no GPU preset for {gpu_type!r} (Grace Blackwell superchips are not modelled)")
     if "gh200" in t:
+        if memory_gb is None and "hbm3e" in t:
+            return "gh200-144gb"
         return "gh200-144gb" if mem_or(96, (96, 144), "(GH200)") == 144 else "gh200-96gb"
     if "b200" in t:
         return "b200-sxm-192gb"
@@ -805,12 +807,6 @@ def _peak_from_basis(text: str | None) -> float | None:
     return vals[-1] if vals else None
 
 
-#: Frameworks that run hand-fused elementwise kernels without torch.compile (Megatron-LM /
-#: NeMo: Transformer Engine or apex fused LayerNorm/RMSNorm, bias-GeLU and bias-SwiGLU
-#: fusions, fused bias-dropout-add, fused RoPE; Megatron-DeepSpeed: apex fused LayerNorm,
-#: bias-GeLU and bias-dropout-add).
-FUSED_KERNEL_FRAMEWORKS = ("megatron", "deepspeed")
-
 #: Frameworks whose MFU divides by the peak of the run's own precision (Composer's
 #: SpeedMonitor GPU_AVAILABLE_FLOPS: amp_fp8 -> the fp8 peak, 1979 TFLOP/s on H100 SXM);
 #: the others (torchtitan, Megatron) quote the 16-bit peak whatever the precision.
@@ -824,10 +820,10 @@ def default_peak_tflops(gpu: str | None, gpu_type: str, precision: str,
     own = precision == "fp8" and fw in OWN_PRECISION_PEAK
     if "a100" in t:
         return 312.0, "A100 dense bf16/fp16 312 TFLOP/s"
-    if "h100" in t or "h200" in t:
+    if "h100" in t or "h200" in t:  # also GH200: the H100 GPU of the superchip
         kind = "PCIe" if "pcie" in t else ("NVL" if "nvl" in t else "SXM")
         bf16, fp8 = {"PCIe": (756.0, 1513.0), "NVL": (835.0, 1671.0), "SXM": (989.0, 1979.0)}[kind]
-        name = "H200" if "h200" in t else "H100"
+        name = "GH200" if "gh200" in t else ("H200" if "h200" in t else "H100")
         if own:
             return fp8, f"{name} {kind} dense fp8 {fp8:g} TFLOP/s ({FRAMEWORK_LABEL[fw]} uses the fp8 peak)"
         return bf16, f"{name} {kind} dense bf16 {bf16:g} TFLOP/s"
@@ -840,6 +836,22 @@ def default_peak_tflops(gpu: str | None, gpu_type: str, precision: str,
         except MeshplanError:
             pass
     return None, ""
+
+
+_OK_STATUS = re.compile(r"^(ok|success|succeeded|completed|done|trained)\b")
+_NO_OOM = re.compile(r"\bno[\s_-]*oom\b|oom[\s_-]*free|without[\s_-]*oom")
+_GPU_OOM = re.compile(r"(?<![a-z])oom(?![a-z])|out[\s_-]*of[\s_-]*memory|memory[\s_-]*limit[\s_-]*exceeded"
+                      r"|exceeded[\s_-]*(gpu[\s_-]*)?memory")
+_HOST_OOM = re.compile(r"\b(host|cpu|system)[\s_-]*(oom|out[\s_-]*of[\s_-]*memory)|oom[\s_-]*killer")
+
+
+def did_not_fit(status: str) -> bool:
+    """A `status` cell that says the run ran out of GPU memory ('oom', 'failed (OOM)', 'CUDA out
+    of memory', 'memory limit exceeded'); not 'ok (no OOM)', nor a host OOM-killer."""
+    t = status.strip().lower()
+    if _OK_STATUS.match(t) or _NO_OOM.search(t) or _HOST_OOM.search(t):
+        return False
+    return bool(_GPU_OOM.search(t))
 
 
 def measure_step_time(row: _Row, *, B: int | None, s: int | None, n: int | None,
@@ -1098,7 +1110,14 @@ def _plan_from_row(row: _Row, fw: str, model: ModelSpec, assume: Callable[[str],
     other = " ".join(row.lower(c) for c in ("other_settings", "sharding"))
     compile_ = ("torch.compile" in other or "torch_compile" in other
                 or _bool_cell(row.text("compile")) is True)
-    if not compile_ and fw in FUSED_KERNEL_FRAMEWORKS and _bool_cell(row.text("compile")) is None:
+    # Megatron-LM / NeMo (Transformer Engine or apex fused LayerNorm/RMSNorm, bias-GeLU and
+    # bias-SwiGLU fusions, fused bias-dropout-add, fused RoPE) and Megatron-DeepSpeed (apex
+    # fused LayerNorm, bias-GeLU, bias-dropout-add) run hand-fused elementwise kernels
+    # without torch.compile; plain DeepSpeed (e.g. HF Trainer + ZeRO) does not.
+    megatron_code = fw == "megatron" or (fw == "deepspeed" and re.search(
+        r"megatron|bloom|bigscience", " ".join(row.lower(c) for c in (
+            "source", "source_id", "model", "other_settings", "notes", "framework"))))
+    if not compile_ and megatron_code and _bool_cell(row.text("compile")) is None:
         compile_ = True  # the cost model's fused-elementwise path (Plan.compile)
         assume(f"elementwise ops: {FRAMEWORK_LABEL[fw]}'s hand-fused kernels (fused norms, "
                "bias-GeLU/SwiGLU, bias-dropout-add, RoPE), costed as compiled")
@@ -1216,11 +1235,10 @@ def case_from_row(raw: dict[str, Any], index: int = 0) -> RunCase:
         t, how = None, ""
         assume(f"measurement not readable: {e}")
     mem = measure_peak_mem(row, assume)
-    if re.search(r"(?<![a-z])oom(?![a-z])|out[\s_-]*of[\s_-]*memory|memory[\s_-]*(limit|exceeded)",
-                 run_status):
+    if did_not_fit(run_status):
         fits: bool | None = False
         how = how or f"none (status={run_status}: the run did not fit)"
-    elif run_status not in ("ok", "success", "succeeded", "completed"):
+    elif not _OK_STATUS.match(run_status):
         fits = None
         how = how or f"none (status={run_status})"
     else:
