@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.comm import Group, exposed_under
+from meshplan.cost.comm import Group, exposed_under, staged_fsdp_exposed
 from meshplan.cost.compute import ACT_BYTES, block_times, embedding_times, output_layer_times
 from meshplan.cost.memory import (
     FUSED_LOGITS_BYTES_PER_ELEM,
@@ -349,8 +349,7 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     ag_s, rs_s = n_blk * ag, n_blk * rs
     # (split backward: the last weight gradients come with the last W, which hides it alone)
     hide_rs = np.where(split, n_blk * blk.bw / np.where(zbv, 2, 1), n_blk * (blk.b + blk.rc))
-    exp_s = exposed_under(ag_s, n_blk * blk.f, p.overlap_slowdown) \
-        + exposed_under(rs_s, hide_rs, p.overlap_slowdown)
+    exp_s = staged_fsdp_exposed(ag_s, n_blk * blk.f, rs_s, hide_rs, pp, split, p.overlap_slowdown)
     staged = fsdp & per_step
     dp_exp = dp_exp + np.where(staged, exp_s, 0)
     dp_ovl = dp_ovl + np.where(staged, ag_s + rs_s - exp_s, 0)

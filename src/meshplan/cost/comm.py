@@ -35,6 +35,17 @@ def exposed_under(comm: Num, compute: Num, slowdown: float) -> Num:
     return np.maximum(np.maximum(0.0, comm - compute), slowdown * np.minimum(comm, compute))
 
 
+def staged_fsdp_exposed(gather: Num, fwd: Num, reduce: Num, hide: Num, pp: Num, split: Num,
+                        slowdown: float) -> Num:
+    """Seconds FSDP under a pipeline adds (gathered and reduced once per step): the gather
+    under the first forward, the reduce-scatter under the last backward (the last W pass with
+    a split backward). Every rank's last backward is slowed while its reduce-scatter runs, and
+    the drain hands them on one after another (the gradient sends), so that slowdown counts
+    pp times; a W pass is off that chain (sim.engine runs the same)."""
+    chained = np.where(split, 0.0, (np.asarray(pp) - 1) * slowdown * np.minimum(reduce, hide))
+    return exposed_under(gather, fwd, slowdown) + exposed_under(reduce, hide, slowdown) + chained
+
+
 _GROUPS: dict[tuple[Any, ...], tuple[float, float]] = {}
 
 

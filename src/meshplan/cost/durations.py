@@ -73,6 +73,10 @@ class StageDurations:
     act_bytes_per_microbatch: list[float]  # activations one micro-batch leaves on a rank (+ fragmentation)
     analytic: dict[str, float] = field(default_factory=dict)
     """The cost model's own per-step terms (time.* of estimate_batch, step_time_s)."""
+    overlap_slowdown: float = 0.0
+    """CostParams.overlap_slowdown: the compute a pipelined FSDP gather or reduce-scatter runs
+    under is slowed by this fraction of the time they share (the per-block and end-of-step
+    terms above already include it)."""
 
 
 def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
@@ -185,6 +189,7 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
         staged_gather_s=row(ag_s), staged_reduce_s=row(rs_s),
         end_dp_exposed_s=end_exp, end_dp_overlapped_s=end_ovl, optimizer_s=row(opt_t),
         overhead_s=p.step_overhead_s, static_bytes=[float(x) for x in static],
+        overlap_slowdown=p.overlap_slowdown,
         act_bytes_per_microbatch=[float(x) * (1 + frag) for x in per_mb], analytic=analytic)
 
 

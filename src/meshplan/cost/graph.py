@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.cost import batch as _b
-from meshplan.cost.comm import Group, exposed_under
+from meshplan.cost.comm import Group, exposed_under, staged_fsdp_exposed
 from meshplan.cost.compute import ELEMENTWISE_BWD_RATIO, gemm_efficiency
 from meshplan.cost.graph_params import (
     DEFAULT_HEAD_DIM,
@@ -652,7 +652,7 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
         f_c, b_c = (s.f @ s.onehot)[crit], (s.b_rc @ s.onehot)[crit]
         if split:  # the last weight gradients come with the rank's last W, which alone hides the reduce
             b_c = (s.bw @ (s.chunk_onehot if schedule == "zbv" else s.onehot))[crit]  # ZBV: chunk 0's (chunk crit)
-        exp_s = exposed_under(ag_s, f_c, p.overlap_slowdown) + exposed_under(rs_s, b_c, p.overlap_slowdown)
+        exp_s = staged_fsdp_exposed(ag_s, f_c, rs_s, b_c, pp, split, p.overlap_slowdown)
         dp_exp = dp_exp + np.where(staged, exp_s, 0)
         dp_ovl = dp_ovl + np.where(staged, ag_s + rs_s - exp_s, 0)
     opt = optimizer_seconds(cluster, plocal, zero, shard, offo, p).max(axis=1)

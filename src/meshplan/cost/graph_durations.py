@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meshplan.cost import batch as _b
+from meshplan.cost.comm import staged_fsdp_exposed
 from meshplan.cost.durations import StageDurations
 from meshplan.cost.graph import (
     TIME_KEYS,
@@ -218,7 +219,7 @@ def graph_stage_durations(graph: LayerGraph, cluster: ClusterSpec, plan: Plan, w
         p2p_send_s=mean_send, p2p_exposed=p.pp_p2p_exposed,
         staged_gather_s=rank_list(gather), staged_reduce_s=rank_list(reduce),
         end_dp_exposed_s=end_exp, end_dp_overlapped_s=end_ovl, optimizer_s=rank_list(opt),
-        overhead_s=p.step_overhead_s, static_bytes=rank_list(static),
+        overhead_s=p.step_overhead_s, static_bytes=rank_list(static), overlap_slowdown=p.overlap_slowdown,
         act_bytes_per_microbatch=rank_list(by_rank(kept) * (1 + frag)), analytic=analytic,
         chunks=chunks, p2p_rank_s=rank_list(s.p2p), loss_fwd_s=rank_list(loss_rank * loss_f),
         loss_bwd_s=rank_list(loss_rank * loss_b), w_frac=s.w_frac, tied_sync_s=tied, tied_ranks=tied_ranks)
@@ -257,6 +258,7 @@ def graph_analytic_step_time(d: GraphStageDurations) -> float:
     b_c = d.bwd_input_s[crit] + d.bwd_weight_s[crit] + d.recompute_s[crit] - d.loss_bwd_s[crit]
     if split:  # the rank's last W pass hides the reduce-scatter (ZBV: its first chunk's, model chunk crit)
         b_c = d.chunks[crit].bwd_weight_s if d.schedule == "zbv" else d.bwd_weight_s[crit]
-    staged = max(0.0, d.staged_gather_s[crit] - f_c) + max(0.0, d.staged_reduce_s[crit] - b_c)
+    staged = float(staged_fsdp_exposed(d.staged_gather_s[crit], f_c, d.staged_reduce_s[crit], b_c, d.pp, split,
+                                       d.overlap_slowdown))
     return (d.microbatches * t[crit] + bubble + end + d.tied_sync_s + staged + max(d.optimizer_s)
             + d.overhead_s)

@@ -75,6 +75,9 @@ class SimSpec:
     send_s: float = 0.0
     send_exposed: float = 1.0
     overhead_s: float = 0.0
+    overlap_slowdown: float = 0.0
+    """Compute under a rank's once-per-step FSDP gather or reduce-scatter runs slower by this
+    fraction of the time they share (cost.comm.exposed_under)."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,11 @@ def simulate(spec: SimSpec) -> SimResult:
         wait[r] += t0 - free[r]["compute"]
         name = f"{kind}{i}" + (f".{c}" if v > 1 else "")
         end = t0 + ps.compute
+        a = spec.overlap_slowdown
+        if a and kind != "W" and idx[r] == 0:  # the step's gather runs under the first forward
+            end += a * max(0.0, min(end, gathered[r]) - t0)
+        if a and kind == wg_kind and wg_left[r] == 1:  # ... the reduce-scatter under the last gradients
+            end += a * min(spec.ranks[r].staged_reduce_s, ps.compute)
         hold = end
         put(r, "tp", name + " tp", t0, ps.tp_overlapped)
         put(r, "dp", name + " dp", t0, ps.dp_overlapped)

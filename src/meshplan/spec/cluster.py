@@ -171,12 +171,13 @@ class ClusterSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-NVLINK_EFFICIENCY = 0.94
+NVLINK_EFFICIENCY = 0.945
 """FITTED (benchmarks/fit_cost_model.py, NVSwitch rows): achieved fraction of NVLink/NVSwitch
 bandwidth by NCCL ring collectives (bus bandwidth of nccl-tests on DGX A100: ~230-270 of 300 GB/s)."""
-NIC_EFFICIENCY = 0.41
+NIC_EFFICIENCY = 0.319
 """FITTED (InfiniBand/RoCE rows): achieved fraction of the NIC line rate by NCCL rings across
-nodes. Few dev rows are sensitive to it (FSDP on 16-128 A100s), so it is loosely determined."""
+nodes. Few dev rows are sensitive to it (FSDP on 16-128 A100s), so it is loosely determined
+(0.41 before overlap_slowdown was fitted with it: the two trade against each other)."""
 
 
 def default_links(gpu: GPUSpec, *, nic_gbps: float | None = None) -> tuple[LinkTier, LinkTier]:
