@@ -165,10 +165,14 @@ def test_zero_model_states_and_in_flight_activations():
     # Bytes per parameter of a stage (2 layers), sharded over dp = 4: ZeRO-0 2 + 2 + 12; ZeRO-1
     # fp32 main grads 4, Adam 12 / 4; ZeRO-2 grads / 4 too; ZeRO-3 16 / 4, plus (under a pipeline)
     # the unsharded bf16 weights 2 and fp32 grads 4.
-    for zero, per_param in ((0, 2 + 2 + 12), (1, 2 + 4 + 3), (2, 2 + 1 + 3), (3, 4 + 2 + 4)):
-        r = estimate_graph(g, c, Plan(pp=2, dp=4, zero=zero, micro_batch=2), w)
+    # ZeRO-2 under a pipeline is refused (gradients cannot stay sharded there): on 8-way dp, all
+    # 4 layers per GPU, grads 4 / 8 and Adam 12 / 8.
+    for zero, per_param, pp in ((0, 2 + 2 + 12, 2), (1, 2 + 4 + 3, 2), (2, 2 + 0.5 + 1.5, 1), (3, 4 + 2 + 4, 2)):
+        r = estimate_graph(g, c, Plan(pp=pp, dp=8 // pp, zero=zero, micro_batch=2), w)
         states = (r.memory["weights"] + r.memory["grads"] + r.memory["optimizer"]) * GiB
-        assert states == pytest.approx(2 * prm * per_param, rel=1e-9)
+        assert states == pytest.approx(4 / pp * prm * per_param, rel=1e-9)
+    with pytest.raises(MeshplanError, match="zero=2 with pp > 1"):
+        estimate_graph(g, c, Plan(pp=2, dp=4, zero=2, micro_batch=2), w)
     # 1F1B: stage 0 holds min(micro, pp - 0) = 2 micro-batches of its 2 layers' saved bytes x 2 samples.
     r = estimate_graph(g, c, Plan(pp=2, dp=4, micro_batch=2), w)
     assert r.memory["activations"] * GiB == pytest.approx(2 * 2 * saved * 2, rel=1e-9)

@@ -13,7 +13,8 @@ from meshplan.cli.plan_cmd import _text
 from meshplan.cost.graph import estimate_graph, graph_arrays, graph_violations, graph_workload, layer_costs
 from meshplan.cost.params import DEFAULT_PARAMS
 from meshplan.errors import MeshplanError
-from meshplan.search.constraints import OUT_OF_MEMORY, ZERO_BUBBLE_DP
+from meshplan.search.constraints import AT_RISK, OUT_OF_MEMORY, ZERO_BUBBLE_DP
+from meshplan.spec.support import RULES, microbatches, runtime_violations
 from meshplan.search.explain import explain
 from meshplan.search.graph import REASONS, GraphSpace, _scan, balanced_split, row_plan, search_graph
 from meshplan.search.stages import stage_cost_max
@@ -133,18 +134,20 @@ def test_rows_are_priced_and_rejected_as_estimate_graph_says():
     reason, step, peak = scan.arrays()
     assert (reason == -1).any() and (reason == REASONS.index(OUT_OF_MEMORY)).any()
     for i in np.random.default_rng(0).choice(len(scan.rows), size=150, replace=False):
-        plan = row_plan(Plan(), scan.rows[i])
+        plan = row_plan(GraphSpace().base, scan.rows[i])
         name = REASONS[reason[i]] if reason[i] >= 0 else None
         bad = graph_violations(g, c, plan, w)
         if bad:
             assert name == bad[0][0]
-        elif name == ZERO_BUBBLE_DP:
-            assert plan.schedule in ("zero-bubble", "zbv") and plan.dp > 1
+        elif name in RULES:  # the runtime's rules (spec.support), the first one the plan violates
+            assert runtime_violations(plan, microbatches(plan, w.global_batch))[0][0].name == name
         else:
+            assert not runtime_violations(plan, microbatches(plan, w.global_batch))
             r = estimate_graph(g, c, plan, w)
             assert r.step_time_s == pytest.approx(step[i], rel=1e-12)
             assert r.peak_memory_gib == pytest.approx(peak[i], rel=1e-12)
-            assert r.fits == (name is None)
+            assert (r.fits and not r.at_risk) == (name is None)
+            assert r.at_risk == (name == AT_RISK)
     res = search_graph(g, c, w, GraphSpace(max_virtual_stages=2), top=5)
     assert sum(res.rejected.values()) == res.considered - res.feasible
     assert [p.report.step_time_s for p in res.plans] == sorted(p.report.step_time_s for p in res.plans)

@@ -12,6 +12,8 @@ from meshplan.cost import estimate
 from meshplan.search.bounds import states_lower_bound_gib, usable_gib
 from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import (
+    AT_RISK,
+    RUNTIME_CHECKS,
     SEARCH_CHECKS,
     VECTOR_CHECKS,
     ZERO_BUBBLE_DP,
@@ -19,6 +21,7 @@ from meshplan.search.constraints import (
     reason_names,
     violation_masks,
 )
+from meshplan.spec.support import RULES, runtime_violations
 from meshplan.search.evaluate import COLUMNS, evaluate, evaluate_loop
 from meshplan.spec.constraints import CHECKS, violations
 from meshplan.spec.io import load_cluster, load_model
@@ -85,15 +88,19 @@ def test_vectorised_masks_equal_scalar_predicates(case):
         scalar = {name for name, _ in violations(m, c, p, w)}
         vec = {name for name in CHECKS if masks[name][i]}
         assert vec == scalar, (p.short(), vec ^ scalar)
-        zb = p.schedule in ("zero-bubble", "zbv") and p.dp * p.cp > 1
+        zb = p.schedule in ("zero-bubble", "zbv") and p.pp > 1 and p.dp * p.cp > 1
         assert masks[ZERO_BUBBLE_DP][i] == zb
+        # the runtime's rules (spec.support): each vectorised mask equals its scalar rule
+        micro = w.global_batch // (p.dp * p.micro_batch)
+        assert {n for n in RUNTIME_CHECKS if masks[n][i]} == {r.name for r, _ in runtime_violations(p, micro)}
     fired = {name for name in CHECKS if masks[name].any()}
     assert len(fired) >= 9, f"random plans exercise too few predicates: {sorted(fired)}"
 
 
 def test_every_scalar_check_has_a_vectorised_twin():
     assert set(VECTOR_CHECKS) == set(CHECKS)
-    assert reason_names()[-1] == "out of memory" and set(SEARCH_CHECKS) <= set(reason_names())
+    assert reason_names()[-2:] == ["out of memory", AT_RISK] and set(SEARCH_CHECKS) <= set(reason_names())
+    assert set(RUNTIME_CHECKS) == set(RULES)
 
 
 def test_unique_rows_matches_numpy():

@@ -13,6 +13,7 @@ from meshplan.errors import MeshplanError
 from meshplan.search import SearchSpace, enumerate_space, search
 from meshplan.search.sizes import nice_sizes, parse_gpus, resized
 from meshplan.spec.constraints import violations
+from meshplan.spec.support import microbatches, runtime_violations
 from meshplan.spec.io import load_cluster, load_model
 from meshplan.spec.plan import Plan, Workload
 
@@ -38,13 +39,14 @@ def test_single_gpu_tiny_model_solved_by_hand():
 
 def _exhaustive_best(m, c, w, space):
     """The definition: estimate() every candidate that passes the scalar constraints and the
-    search-only rule, keep those that fit, order by (time, GPUs, memory, short())."""
+    runtime's rules (spec.support), keep those that fit with headroom, order by (time, GPUs,
+    memory, short())."""
     best, fitting = None, 0
     for p in enumerate_space(m, c, w, space).plans():
-        if violations(m, c, p, w) or (p.schedule in ("zero-bubble", "zbv") and p.dp * p.cp > 1):
+        if violations(m, c, p, w) or runtime_violations(p, microbatches(p, w.global_batch)):
             continue
         r = estimate(m, c, p, w)
-        if r.fits:
+        if r.fits and not r.at_risk:
             fitting += 1
             key = (r.step_time_s, p.num_gpus, r.peak_memory_gib, p.short())
             best = min(best, (key, p)) if best else (key, p)
@@ -118,11 +120,23 @@ def test_uneven_stages_split_layers_that_do_not_divide():
     m = load_model("tiny-llama").replace(num_layers=30, name="tiny-30")
     c, w = cluster("a100-sxm-80gb:4"), Workload(global_batch=8, seq_len=64)
     space = SearchSpace(tp=(1,), cp=(1,), pp=(4,), zero=(0,), recompute=("none",), offload=False)
-    even = search(m, c, w, space)
+    even = search(m, c, w, space.replace(uneven_stages=False))
     assert even.feasible == 0 and even.rejected["layers do not split into stages"] == even.considered
-    uneven = search(m, c, w, space.replace(uneven_stages=True))
-    assert uneven.best is not None
-    assert sum(uneven.best.plan.stage_layers) == 30 and len(uneven.best.plan.stage_layers) == 4
+    for uneven_stages in (None, True):  # the default tries uneven splits where the layers do not divide
+        uneven = search(m, c, w, space.replace(uneven_stages=uneven_stages))
+        assert uneven.best is not None
+        assert sum(uneven.best.plan.stage_layers) == 30 and len(uneven.best.plan.stage_layers) == 4
+
+
+def test_default_search_splits_unevenly_only_where_the_layers_do_not_divide():
+    # 30 blocks: pp=2 (and pp=2 x v=3, 5) divides them: even split only, by default; pp=4 does not.
+    m, c, w = model("tiny-llama").replace(num_layers=30, name="tiny-30"), cluster("a100-sxm-80gb:4"), \
+        Workload(global_batch=16, seq_len=64)
+    space = SearchSpace(tp=(1,), cp=(1,), pp=(2, 4), zero=(0,), recompute=("none",), offload=False)
+    plans = enumerate_space(m, c, w, space).plans()
+    assert all(p.stage_layers is None for p in plans if p.pp == 2 and 30 % (2 * p.virtual_stages) == 0)
+    assert any(p.stage_layers is not None and p.pp == 4 and p.virtual_stages == 1 for p in plans)
+    assert not any(p.stage_layers for p in enumerate_space(m, c, w, space.replace(uneven_stages=False)).plans())
 
 
 def test_nothing_fits_names_the_nearest_options():

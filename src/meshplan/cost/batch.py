@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.comm import Group, exposed_under, staged_fsdp_exposed
+from meshplan.cost.comm import Group, exposed_under, staged_fsdp_exposed, staged_fsdp_overlapped
 from meshplan.cost.compute import ACT_BYTES, block_times, embedding_times, output_layer_times
 from meshplan.cost.memory import (
     FUSED_LOGITS_BYTES_PER_ELEM,
@@ -339,7 +339,7 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     bubble = bubble_array(tsum, tmax, pp, v, sched, w_frac, micro, passes)
 
     pmax = plocal.max(axis=1)
-    dp_exp, dp_ovl = _dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, pmax, compute[:, 0] / 2)
+    dp_exp, dp_ovl = _dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, pmax, compute[:, 0] / 2, micro)
     tied = Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)
     dp_exp = dp_exp + np.where((pp > 1) & m_.tied_embeddings & ~zbv, tied, 0)  # zbv: both on rank 0
     # FSDP under a pipeline gathers the stage's parameters once, during the first micro-batch's
@@ -352,7 +352,7 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     exp_s = staged_fsdp_exposed(ag_s, n_blk * blk.f, rs_s, hide_rs, pp, split, p.overlap_slowdown)
     staged = fsdp & per_step
     dp_exp = dp_exp + np.where(staged, exp_s, 0)
-    dp_ovl = dp_ovl + np.where(staged, ag_s + rs_s - exp_s, 0)
+    dp_ovl = dp_ovl + np.where(staged, staged_fsdp_overlapped(ag_s, n_blk * blk.f, rs_s, hide_rs), 0)
     n_opt = plocal / col(np.where(zero >= 1, shard, 1))
     host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
     hbm = n_opt * p.optimizer_bytes_per_param / (gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
@@ -373,8 +373,14 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
 def _dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: CostParams,
                     tp: np.ndarray, dp: np.ndarray, cp: np.ndarray, shard: np.ndarray,
                     lp: np.ndarray, params_local: np.ndarray,
-                    last_bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(exposed, overlapped) seconds of gradient sync / parameter gather ending a step."""
+                    last_bwd: np.ndarray, micro: Any = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(exposed, overlapped) seconds of gradient sync / parameter gather ending a step.
+
+    ZeRO-0/1 accumulate unsharded gradients over the ``micro`` micro-batches and reduce them
+    once, under the last backward. ZeRO-2 keeps gradients sharded, which it can only do by
+    reduce-scattering every micro-batch's gradients under that micro-batch's backward
+    (DeepSpeed ZeRO-2; FSDP2 with gradient sync on): ``micro`` times the sync. (Under a
+    pipeline nothing keeps gradients sharded: spec.constraints refuses zero=2 with pp > 1.)"""
     zero, pp = cols["zero"], cols["pp"]
     n_dp = dp * cp
     # ZeRO-3/FSDP: the first block's gather once, plus HSDP's all-reduce across replicas.
@@ -390,8 +396,9 @@ def _dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cos
     bucket = g.all_reduce(np.minimum(grads, p.dp_bucket_mib * 2**20))
     # With a pipeline the sync starts after the stage's last backward: nothing to overlap.
     exposed = np.where(pp > 1, sync, np.maximum(bucket, exposed_under(sync, last_bwd, p.overlap_slowdown)))
-    exposed = exposed + np.where(zero >= 1, g.all_gather(2.0 * params_local), 0)
-    overlapped = sync - np.minimum(sync, exposed)
+    syncs = np.where(zero == 2, np.asarray(micro, dtype=float), 1.0)  # ZeRO-2: one per micro-batch
+    overlapped = syncs * (sync - np.minimum(sync, exposed))
+    exposed = syncs * exposed + np.where(zero >= 1, g.all_gather(2.0 * params_local), 0)
     none = n_dp == 1
     return (np.where(none, 0, np.where(zero == 3, z3, exposed)),
             np.where(none | (zero == 3), 0, overlapped))
@@ -448,10 +455,12 @@ def _summary(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: Mappi
     worst = np.nanargmax(total, axis=1)
     rows = np.arange(len(worst))
     peak_gib = total[rows, worst] / GiB
+    usable = gpu.memory_gib * (1 - p.memory_margin)
     out = {"step_time_s": step, "tokens_per_s": work.tokens / step,
            "tflops_per_gpu": model_flops / step / n / 1e12, "mfu": model_flops / step / n / peak,
            "hfu": (model_flops + rc_flops) / step / n / peak, "peak_memory_gib": peak_gib,
-           "fits": peak_gib <= gpu.memory_gib * (1 - p.memory_margin), "microbatches": micro,
+           "fits": peak_gib <= usable, "at_risk": (peak_gib <= usable) & (peak_gib * (1 + p.memory_error) > usable),
+           "microbatches": micro,
            "num_gpus": n, "stage_memory_gib": total / GiB}
     out |= {f"memory.{k}": mem[k][rows, worst] / GiB for k in MEMORY_KEYS}
     return out

@@ -46,6 +46,14 @@ def staged_fsdp_exposed(gather: Num, fwd: Num, reduce: Num, hide: Num, pp: Num, 
     return exposed_under(gather, fwd, slowdown) + exposed_under(reduce, hide, slowdown) + chained
 
 
+def staged_fsdp_overlapped(gather: Num, fwd: Num, reduce: Num, hide: Num) -> Num:
+    """Seconds of that gather and reduce-scatter hidden under the compute (>= 0): the
+    communication less the parts the compute cannot hide. The slowdown they cause is extra
+    compute time, counted in staged_fsdp_exposed, not communication taken off this."""
+    gather, reduce = np.asarray(gather, dtype=float), np.asarray(reduce, dtype=float)
+    return np.minimum(gather, fwd) + np.minimum(reduce, hide)
+
+
 _GROUPS: dict[tuple[Any, ...], tuple[float, float]] = {}
 
 

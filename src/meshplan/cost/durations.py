@@ -147,7 +147,7 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
     end_exp, end_ovl = [], []
     for r in range(width):
         ea, oa = _b._dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, plocal[:, r],
-                                    (fwd[:, 0] + b_in[:, 0] + b_w[:, 0]) / 2)
+                                    (fwd[:, 0] + b_in[:, 0] + b_w[:, 0]) / 2, micro)
         e, o = float(ea[0]), float(oa[0])
         if plan.pp > 1 and m_.tied_embeddings and not zbv and r in (0, width - 1):  # zbv: one rank holds both
             e += float(Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)[0])

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.cost import batch as _b
-from meshplan.cost.comm import Group, exposed_under, staged_fsdp_exposed
+from meshplan.cost.comm import Group, exposed_under, staged_fsdp_exposed, staged_fsdp_overlapped
 from meshplan.cost.compute import ELEMENTWISE_BWD_RATIO, gemm_efficiency
 from meshplan.cost.graph_params import (
     DEFAULT_HEAD_DIM,
@@ -396,6 +396,7 @@ GRAPH_CHECKS: dict[str, Callable[[GraphContext], str | None]] = {
     "schedule incompatible": _wrap(_c.schedule_fits),
     "invalid hybrid sharding": _wrap(_c.hybrid_valid),
     "invalid offload": _wrap(_c.offload_valid),
+    "zero=2 under a pipeline": _wrap(_c.zero2_pipeline),
     "precision unsupported": _wrap(_c.precision_supported),
 }
 """Named feasibility predicates of a plan on a layer graph (memory aside), in counting order."""
@@ -643,7 +644,7 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     # under a pipeline (once per step, hidden by one micro-batch's compute only).
     cols = {"zero": zero, "pp": np.full(n, pp), "grad_sync": np.asarray(grad_sync)}
     dp_exp, dp_ovl = _b._dp_end_of_step(cluster, cols, p, tp * full, dp * full, cp * full, shard,
-                                        s.first_lp * full, s.plocal.max() * full, s.compute[0] / 2 * full)
+                                        s.first_lp * full, s.plocal.max() * full, s.compute[0] / 2 * full, micro)
     if s.tied_local:
         dp_exp = dp_exp + tied_sync_seconds(cluster, s, tp=tp, cp=cp, dp=dp)
     staged = fsdp & per_step
@@ -654,7 +655,7 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
             b_c = (s.bw @ (s.chunk_onehot if schedule == "zbv" else s.onehot))[crit]  # ZBV: chunk 0's (chunk crit)
         exp_s = staged_fsdp_exposed(ag_s, f_c, rs_s, b_c, pp, split, p.overlap_slowdown)
         dp_exp = dp_exp + np.where(staged, exp_s, 0)
-        dp_ovl = dp_ovl + np.where(staged, ag_s + rs_s - exp_s, 0)
+        dp_ovl = dp_ovl + np.where(staged, staged_fsdp_overlapped(ag_s, f_c, rs_s, b_c), 0)
     opt = optimizer_seconds(cluster, plocal, zero, shard, offo, p).max(axis=1)
     step = micro * tmax + bubble + dp_exp + opt + p.step_overhead_s
 
@@ -675,12 +676,14 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     total = w + g + o + acts + transient + overhead
     worst = np.argmax(total, axis=1)
     peak = total[rows, worst] / GiB
+    usable = cluster.gpu.memory_gib * (1 - p.memory_margin)
     out |= {f"memory.{k}": np.broadcast_to(x, (n, pp))[rows, worst] / GiB for k, x in
             (("weights", w), ("grads", g), ("optimizer", o), ("transient", transient))}
     out["memory.activations"] = acts[worst] / GiB
     out["memory.overhead"] = np.full(n, overhead / GiB)
     out |= {"step_time_s": step, "peak_memory_gib": peak, "stage_memory_gib": total / GiB,
-            "fits": peak <= cluster.gpu.memory_gib * (1 - p.memory_margin), "microbatches": np.full(n, micro)}
+            "fits": peak <= usable, "at_risk": (peak <= usable) & (peak * (1 + p.memory_error) > usable),
+            "microbatches": np.full(n, micro)}
     return out
 
 
@@ -700,7 +703,7 @@ def to_report(graph: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Workloa
     return CostReport(
         step_time_s=step, tokens_per_s=work.tokens / step, tflops_per_gpu=model_flops / step / n / 1e12,
         mfu=model_flops / step / n / peak, hfu=(model_flops + rc_flops) / step / n / peak,
-        peak_memory_gib=float(r["peak_memory_gib"][i]), fits=bool(r["fits"][i]),
+        peak_memory_gib=float(r["peak_memory_gib"][i]), fits=bool(r["fits"][i]), at_risk=bool(r["at_risk"][i]),
         usable_memory_gib=gpu.memory_gib * (1 - params.memory_margin), params=graph.params, num_gpus=n,
         microbatches=int(r["microbatches"][i]), memory=memory,
         memory_per_stage=[float(x) for x in r["stage_memory_gib"][i]], time=time,

@@ -179,7 +179,7 @@ def graph_stage_durations(graph: LayerGraph, cluster: ClusterSpec, plan: Plan, w
     end_exp, end_ovl = [], []
     for k in range(pp):
         e, o = _b._dp_end_of_step(cluster, cols, p, tp * one, dp * one, cp * one, shard, s.first_lp * one,
-                                  s.plocal[k] * one, s.compute[0] / 2 * one)
+                                  s.plocal[k] * one, s.compute[0] / 2 * one, micro)
         end_exp.append(float(e[0]) + (tied if k in tied_ranks else 0.0))
         end_ovl.append(float(o[0]))
     opt = optimizer_seconds(cluster, plocal, zero, shard, np.array([plan.offload_optimizer]), p)[0]

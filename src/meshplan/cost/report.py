@@ -22,6 +22,9 @@ class CostReport:
     fits: bool
     """peak_memory_gib <= usable memory (HBM less the stated safety margin)."""
     usable_memory_gib: float
+    at_risk: bool = False
+    """Fits, but within the memory model's demonstrated error (CostParams.memory_error) of
+    the usable memory: peak_memory_gib x (1 + memory_error) > usable_memory_gib."""
     params: int
     num_gpus: int
     microbatches: int

@@ -5,14 +5,16 @@ random plans, that every mask equals the scalar predicate). A predicate added th
 a vectorised twin here is still applied, row by row (slow, logged once), so the search never
 accepts a plan that `estimate` would refuse.
 
-Search-only rule (not a property of the plan but of the runtime it will run on):
-  ZERO_BUBBLE_DP: zero-bubble schedules (zero-bubble, zbv) with data parallelism (dp*cp > 1:
-  the gradients are synchronised by DDP or FSDP) give wrong gradients with no error on
-  torch 2.13 (issue 4's pitfalls: 0.66-0.85 of the reference gradient norm); without data
-  parallelism they are correct.
+Search-only rules (not properties of the plan but of the runtime it will run on): the rules
+of `meshplan.spec.support.RULES`, each with its vectorised twin here (``RUNTIME_CHECKS``, same
+names), e.g. ZERO_BUBBLE_DP: zero-bubble schedules (zero-bubble, zbv) with data parallelism
+(dp*cp > 1) give wrong gradients with no error on torch 2.13 (0.66-0.85 of the reference
+gradient norm). With ``export_only`` the rules that some export target runs as planned do not
+reject (the plan is marked instead: `search.driver`).
 
 Each rejected plan is counted once, under the first name it violates in the order of
-`reason_names()` (the constraints, then ZERO_BUBBLE_DP, COST_MODEL_REFUSED, OUT_OF_MEMORY).
+`reason_names()` (the constraints, the runtime rules, COST_MODEL_REFUSED, OUT_OF_MEMORY,
+AT_RISK).
 """
 from __future__ import annotations
 
@@ -26,11 +28,15 @@ from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import CHECKS, Context
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Workload
+from meshplan.spec.support import RULES
 
 log = logging.getLogger(__name__)
 
 ZERO_BUBBLE_DP = "zero-bubble schedule with data parallel gives wrong gradients in torch 2.13"
 OUT_OF_MEMORY = "out of memory"
+AT_RISK = "at risk of running out of memory"
+"""Fits by the estimate, but within the cost model's demonstrated memory error of the limit
+(CostParams.memory_error): not recommended by default (``SearchSpace.headroom``)."""
 COST_MODEL_REFUSED = "refused by the cost model"
 """A plan every constraint accepts but `estimate` raised on (should not happen; counted, with
 the estimate's message as its example, rather than stopping the search)."""
@@ -127,25 +133,84 @@ def offload_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) 
             | (cols["offload_optimizer"] & (z == 0) & (cols["dp"] > 1)))
 
 
+def zero2_pipeline(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return (cols["zero"] == 2) & (_i64(cols, "pp") > 1)
+
+
+def recompute_layers_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    rl = _i64(cols, "recompute_layers")
+    code = _i64(cols, "stage_layers")
+    most_table = np.asarray([max(s) if s else 0 for s in cols.stage_table] + [0], dtype=np.int64)
+    even = -(-m.num_layers // np.maximum(1, _i64(cols, "pp")))
+    most = np.where(code != NONE_CODE, most_table[code], even)
+    return (rl >= 0) & (rl > most)
+
+
 def precision_supported(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     fp8 = cols["precision"] == _code("precision", "fp8")
     return fp8 & ("fp8" not in c.gpu.peak_tflops)
 
 
-def zero_bubble_dp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+# ---- the runtime's rules (spec.support.RULES), vectorised ---------------------------------------
+
+def _split_backward(cols: PlanColumns) -> np.ndarray:
     s = cols["schedule"]
-    zb = (s == _code("schedule", "zero-bubble")) | (s == _code("schedule", "zbv"))
-    return zb & (_i64(cols, "dp") * _i64(cols, "cp") > 1)
+    return (s == _code("schedule", "zero-bubble")) | (s == _code("schedule", "zbv"))
 
 
-# The vectorised twin of each scalar predicate has the scalar one's function name.
+def _micro(w: Workload, cols: PlanColumns) -> np.ndarray:
+    return w.global_batch // np.maximum(1, _i64(cols, "dp") * _i64(cols, "micro_batch"))
+
+
+def zero_bubble_dp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return _split_backward(cols) & (_i64(cols, "pp") > 1) & (_i64(cols, "dp") * _i64(cols, "cp") > 1)
+
+
+def few_microbatches(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    pp = _i64(cols, "pp")
+    sched = _split_backward(cols) | (cols["schedule"] == _code("schedule", "interleaved-1f1b"))
+    return (pp > 1) & sched & (_micro(w, cols) < pp)
+
+
+def offload_optimizer_only(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return cols["offload_optimizer"] & ~cols["offload_params"]
+
+
+def fp8_tp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return (cols["precision"] == _code("precision", "fp8")) & (_i64(cols, "tp") > 1)
+
+
+def allreduce_sharded(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return (np.asarray(cols["grad_sync"]) == "all-reduce") & (cols["zero"] >= 1)
+
+
+def unfused_attention(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return ~np.asarray(cols["flash_attention"], dtype=bool)
+
+
+def fused_loss(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return np.asarray(cols["fused_loss"], dtype=bool)
+
+
+def p2p_sends(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    sharded, sp = np.asarray(cols["p2p_sharded"], dtype=bool), np.asarray(cols["sequence_parallel"], dtype=bool)
+    return (_i64(cols, "pp") > 1) & (_i64(cols, "tp") > 1) & (sharded != sp)
+
+
+def async_tp_eager(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return np.asarray(cols["async_tp"], dtype=bool) & (_i64(cols, "tp") > 1) & ~np.asarray(cols["compile"], dtype=bool)
+
+
+# The vectorised twin of each scalar predicate has the scalar one's function name (without "_").
 VECTOR_CHECKS: dict[str, Masker] = {name: globals()[fn.__name__] for name, fn in CHECKS.items()}
-SEARCH_CHECKS: dict[str, Masker] = {ZERO_BUBBLE_DP: zero_bubble_dp}
+RUNTIME_CHECKS: dict[str, Masker] = {name: globals()[rule.why.__name__.lstrip("_")]
+                                     for name, rule in RULES.items()}
+SEARCH_CHECKS = RUNTIME_CHECKS  # the search-only rules are the runtime's
 
 
 def reason_names() -> list[str]:
     """Every rejection reason, in counting order."""
-    return list(CHECKS) + list(SEARCH_CHECKS) + [COST_MODEL_REFUSED, OUT_OF_MEMORY]
+    return list(CHECKS) + list(RUNTIME_CHECKS) + [COST_MODEL_REFUSED, OUT_OF_MEMORY, AT_RISK]
 
 
 def _scalar_mask(name: str, model: ModelSpec, cluster: ClusterSpec, work: Workload,
@@ -158,16 +223,27 @@ def _scalar_mask(name: str, model: ModelSpec, cluster: ClusterSpec, work: Worklo
 
 
 def violation_masks(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanColumns,
-                    *, search_rules: bool = True) -> dict[str, np.ndarray]:
+                    *, search_rules: bool = True, export_only: bool = False) -> dict[str, np.ndarray]:
     """{name: mask of rows violating it} for every constraint of CHECKS (and, with
-    ``search_rules``, the search-only rules)."""
+    ``search_rules``, the runtime's rules; with ``export_only`` those that an export target
+    runs as planned are all False: such plans are kept, to be marked)."""
     out = {}
     for name in CHECKS:
         fn = VECTOR_CHECKS.get(name)
         out[name] = (fn(model, cluster, work, cols) if fn is not None
                      else _scalar_mask(name, model, cluster, work, cols))
     if search_rules:
-        out |= {name: fn(model, cluster, work, cols) for name, fn in SEARCH_CHECKS.items()}
+        for name, fn in RUNTIME_CHECKS.items():
+            mask = fn(model, cluster, work, cols)
+            out[name] = mask & False if export_only and RULES[name].targets else mask
+    return out
+
+
+def runtime_mask(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanColumns) -> np.ndarray:
+    """Rows that violate any of the runtime's rules (the export-only plans, once the rest are out)."""
+    out = np.zeros(cols.num_rows, dtype=bool)
+    for fn in RUNTIME_CHECKS.values():
+        out |= fn(model, cluster, work, cols)
     return out
 
 

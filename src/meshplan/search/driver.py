@@ -28,12 +28,13 @@ from meshplan.errors import MeshplanError
 from meshplan.search.bounds import states_lower_bound_gib, usable_gib
 from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import (
+    AT_RISK,
     COST_MODEL_REFUSED,
     OUT_OF_MEMORY,
-    SEARCH_CHECKS,
-    ZERO_BUBBLE_DP,
+    RUNTIME_CHECKS,
     first_violation,
     reason_names,
+    runtime_mask,
     violation_masks,
 )
 from meshplan.search.evaluate import evaluate
@@ -43,6 +44,7 @@ from meshplan.search.sizes import MAX_GPUS
 from meshplan.search.space import SearchSpace, enumerate_space
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import violations
+from meshplan.spec.support import RULES, export_targets, microbatches
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
@@ -74,7 +76,7 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: Sear
     cols = enumerate_space(model, cluster, work, space, params)
     n = cols.num_rows
     t1 = time.perf_counter()
-    masks = violation_masks(model, cluster, work, cols)
+    masks = violation_masks(model, cluster, work, cols, export_only=space.allow_export_only)
     reason = first_violation(masks, n)
     reason[reason < 0] = -2
     ok = np.nonzero(reason == -2)[0]
@@ -93,10 +95,13 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: Sear
 
 
 def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostParams, prune: bool,
-                   chunk: int, tick: Callable[[int], None], evaluator: Evaluator) -> None:
-    """Price the rows left in ``scan`` (smallest micro-batch first when pruning)."""
+                   chunk: int, tick: Callable[[int], None], evaluator: Evaluator, headroom: bool = True) -> None:
+    """Price the rows left in ``scan`` (smallest micro-batch first when pruning). With
+    ``headroom``, plans at risk of running out of memory are rejected as such (and, like those
+    that do not fit, end the larger micro-batches of the same plan, whose memory is no less)."""
     names = reason_names()
     oom_idx, refused_idx = names.index(OUT_OF_MEMORY), names.index(COST_MODEL_REFUSED)
+    risk_idx = names.index(AT_RISK)
     group, rank = scan.cols.meta.get("group"), scan.cols.meta.get("mb_rank")
     if not prune or group is None or rank is None:
         group, rank = np.arange(scan.cols.num_rows), np.zeros(scan.cols.num_rows, dtype=np.int64)
@@ -114,8 +119,9 @@ def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostPa
                 scan.res[k][part] = out[k]
             priced = np.isfinite(out["step_time_s"])
             fits = out["fits"] & priced
-            scan.reason[part] = np.where(fits, -1, np.where(priced, oom_idx, refused_idx))
-            dead[group[part[priced & ~fits]]] = True
+            risky = fits & np.asarray(out.get("at_risk", np.zeros(len(part), dtype=bool))) & headroom
+            scan.reason[part] = np.where(risky, risk_idx, np.where(fits, -1, np.where(priced, oom_idx, refused_idx)))
+            dead[group[part[priced & (~fits | risky)]]] = True
             scan.evaluated += len(part)
             tick(len(part))
 
@@ -161,7 +167,7 @@ def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work
 
     t1 = time.perf_counter()
     for s in scans:
-        _evaluate_scan(model, work, s, params, prune, chunk, tick, evaluator)
+        _evaluate_scan(model, work, s, params, prune, chunk, tick, evaluator, space.headroom)
     t2 = time.perf_counter()
     result = _collect(model, work, scans, params, objective, top)
     timings |= {"evaluate_s": t2 - t1, "rank_s": time.perf_counter() - t2}
@@ -242,7 +248,8 @@ def _ranked(rank: int, scan: _Scan, row: int, model: ModelSpec, work: Workload,
     report = estimate(model, scan.cluster, plan, work, params)
     usd = float(usd_per_million_tokens(plan.num_gpus, scan.cluster.price_per_hour,
                                        report.step_time_s, work.tokens))
-    return RankedPlan(rank=rank, plan=plan, cluster=scan.cluster, report=report, usd_per_mtok=usd)
+    return RankedPlan(rank=rank, plan=plan, cluster=scan.cluster, report=report, usd_per_mtok=usd,
+                      export_only=export_targets(plan, microbatches(plan, work.global_batch)))
 
 
 def _pareto(scans: list[_Scan], which: np.ndarray, rows: np.ndarray,
@@ -275,6 +282,8 @@ def _examples(model: ModelSpec, work: Workload, scans: list[_Scan], names: list[
                 continue
             if name == OUT_OF_MEMORY:
                 out[name] = _oom_example(s, hit, params)
+            elif name == AT_RISK:
+                out[name] = _at_risk_example(s, hit, params)
             elif name == COST_MODEL_REFUSED:
                 out[name] = _refused_example(model, s, int(hit[0]), work, params)
             else:
@@ -285,11 +294,9 @@ def _examples(model: ModelSpec, work: Workload, scans: list[_Scan], names: list[
 
 
 def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload) -> str:
-    if name == ZERO_BUBBLE_DP:
-        return (f"{plan.short()}: schedule={plan.schedule} with dp*cp={plan.dp * plan.cp}; "
-                "use 1f1b/interleaved-1f1b, or no data parallelism")
-    if name in SEARCH_CHECKS:  # pragma: no cover - future search-only rules
-        return plan.short()
+    if name in RUNTIME_CHECKS:
+        reason = RULES[name].why(plan, microbatches(plan, work.global_batch))
+        return f"{plan.short()}: {reason or name}"
     reasons = dict(violations(model, cluster, plan, work))
     return f"{plan.short()}: {reasons.get(name, name)}"
 
@@ -305,6 +312,15 @@ def _oom_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
     j = hit[np.nanargmin(lb)]
     return (f"{s.cols.plan(int(j)).short()}: model states alone need {s.lower_bound[j]:.1f} GiB "
             f"per GPU of {usable:.1f} usable")
+
+
+def _at_risk_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
+    usable = usable_gib(s.cluster, params)
+    peak = s.res["peak_memory_gib"][hit]
+    j = hit[np.nanargmin(np.where(np.isfinite(peak), peak, np.inf))]
+    return (f"{s.cols.plan(int(j)).short()} needs {s.res['peak_memory_gib'][j]:.1f} GiB per GPU of "
+            f"{usable:.1f} usable, closer to the limit than the memory model's demonstrated error "
+            f"({100 * params.memory_error:.1f}%); --no-headroom accepts such plans")
 
 
 def _refused_example(model: ModelSpec, s: _Scan, row: int, work: Workload,

@@ -55,7 +55,7 @@ from meshplan.cost.graph import (
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.search.bounds import usable_gib
-from meshplan.search.constraints import OUT_OF_MEMORY, ZERO_BUBBLE_DP
+from meshplan.search.constraints import AT_RISK, OUT_OF_MEMORY
 from meshplan.search.driver import checked_request
 from meshplan.search.nearest import Corner, growth_limit, larger_memory_gpus, next_size
 from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
@@ -66,20 +66,25 @@ from meshplan.search.stages import split_layers
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.plan import SCHEDULES, Plan, Workload
+from meshplan.spec.support import RULES, microbatches, runtime_violations
 
 GRAPH_RECOMPUTE = ("none", "full")
-REASONS = [*GRAPH_CHECKS, ZERO_BUBBLE_DP, OUT_OF_MEMORY]
-"""Rejection reasons, in counting order (a candidate counts under its first)."""
+REASONS = [*GRAPH_CHECKS, *RULES, OUT_OF_MEMORY, AT_RISK]
+"""Rejection reasons, in counting order (a candidate counts under its first): the graph's
+constraints, the runtime's rules (spec.support), memory, headroom."""
 _OOM = REASONS.index(OUT_OF_MEMORY)
-_ZB = REASONS.index(ZERO_BUBBLE_DP)
+_RISK = REASONS.index(AT_RISK)
+_ZERO2_PP = REASONS.index("zero=2 under a pipeline")
 
 
 @dataclass(frozen=True, kw_only=True)
 class GraphSpace:
     """What to enumerate on a layer graph. None means the module docstring's default."""
 
-    base: Plan = field(default_factory=Plan)
-    """Fields not searched (precision, fused_loss, async_tp, p2p_sharded, grad_sync) come from here."""
+    base: Plan = field(default_factory=lambda: Plan(p2p_sharded=False))
+    """Fields not searched (precision, fused_loss, async_tp, p2p_sharded, grad_sync) come from here.
+    p2p_sharded=False by default: with no sequence parallelism on a layer graph, the runtime's
+    pipeline sends carry whole activations (spec.support)."""
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     zero: tuple[int, ...] = (0, 1, 2, 3)
@@ -91,6 +96,8 @@ class GraphSpace:
     offload: bool = True
     even_stages: bool = False
     """Also try the even split by layer count (v = 1; the dynamic-programming split is always tried)."""
+    headroom: bool = True
+    """Reject plans at risk of running out of memory (search.constraints.AT_RISK)."""
 
     def __post_init__(self) -> None:
         check_space(self, "graph search space", ("tp", "pp", "micro_batch"))
@@ -258,15 +265,25 @@ def _price(scan: _Scan, pricer: _Pricer, work: Workload, space: GraphSpace, chec
     if key not in checked:  # the checks do not depend on the ZeRO variant (all valid by construction)
         checked[key] = _first_reason(graph, cluster, work, row_plan(base, rows[0]))
     nan = np.full(len(rows), np.nan)
-    if checked[key] >= 0:
-        _record(scan, rows, [checked[key]] * len(rows), nan, nan)
+    if checked[key] >= 0:  # the ZeRO-2-under-a-pipeline constraint may come first for some variants
+        first = [min(checked[key], _ZERO2_PP) if z[0] == 2 and pp > 1 else checked[key] for z in zs.opts]
+        _record(scan, rows, first, nan, nan)
         return
     s = pricer.sums(tp, pp, dp, mb, rc, v, sched, split)
     r = finish(cluster, work, s, tp=tp, dp=dp, cp=1, micro_batch=mb, schedule=sched, v=v, zero=zs.zero,
                shard=zs.shard, offload_params=zs.offload_params, offload_optimizer=zs.offload_optimizer,
                grad_sync=np.full(len(rows), base.grad_sync), params=params)
     scan.evaluated += len(rows)
-    _record(scan, rows, np.where(r["fits"], -1, _OOM).tolist(), r["step_time_s"], r["peak_memory_gib"])
+    fits = np.asarray(r["fits"], dtype=bool)
+    reasons = np.where(fits & np.asarray(r["at_risk"], dtype=bool) & space.headroom, _RISK, np.where(fits, -1, _OOM))
+    for i, z in enumerate(zs.opts):  # the rules that depend on the ZeRO / offload variant
+        if z[0] == 2 and pp > 1:
+            reasons[i] = _ZERO2_PP
+        elif z[2] or z[3]:
+            bad = runtime_violations(row_plan(base, rows[i]), work.global_batch // (dp * mb))
+            if bad:
+                reasons[i] = REASONS.index(bad[0][0].name)
+    _record(scan, rows, reasons.tolist(), r["step_time_s"], r["peak_memory_gib"])
 
 
 def _splits(pricer: _Pricer, ga: GraphArrays, tp: int, mb: int, rc: str, pp: int, v: int,
@@ -289,9 +306,8 @@ def _first_reason(graph: LayerGraph, cluster: ClusterSpec, work: Workload, plan:
     bad = graph_violations(graph, cluster, plan, work)
     if bad:
         return REASONS.index(bad[0][0])
-    if plan.schedule in ("zero-bubble", "zbv") and plan.dp * plan.cp > 1:
-        return _ZB
-    return -1
+    bad = runtime_violations(plan, microbatches(plan, work.global_batch))
+    return REASONS.index(bad[0][0].name) if bad else -1
 
 
 def _record(scan: _Scan, rows: list[tuple], reasons: list[int], step: np.ndarray, peak: np.ndarray) -> None:
@@ -414,10 +430,15 @@ def _examples(graph: LayerGraph, work: Workload, scans: list[_Scan], space: Grap
                 plan = row_plan(space.base, s.rows[j])
                 out[name] = (f"closest to fitting on {s.cluster.num_gpus} GPUs: {plan.short()} needs "
                              f"{peak[j]:.1f} GiB per GPU of {usable_gib(s.cluster, params):.1f} usable")
-            elif name == ZERO_BUBBLE_DP:
+            elif name == AT_RISK:
+                j = int(hit[np.argmin(peak[hit])])
+                plan = row_plan(space.base, s.rows[j])
+                out[name] = (f"{plan.short()} needs {peak[j]:.1f} GiB per GPU of {usable_gib(s.cluster, params):.1f} "
+                             f"usable, closer to the limit than the memory model's demonstrated error "
+                             f"({100 * params.memory_error:.1f}%)")
+            elif name in RULES:
                 plan = row_plan(space.base, s.rows[int(hit[0])])
-                out[name] = (f"{plan.short()}: schedule={plan.schedule} with dp={plan.dp}; use 1f1b/interleaved-1f1b, "
-                             "or no data parallelism")
+                out[name] = f"{plan.short()}: {RULES[name].why(plan, microbatches(plan, work.global_batch)) or name}"
             else:
                 plan = row_plan(space.base, s.rows[int(hit[0])])
                 why = dict(graph_violations(graph, s.cluster, plan, work))

@@ -1,17 +1,32 @@
 """SearchResult: ranked plans, counts, rejections, Pareto front, and its JSON form.
 
 Ranking (deterministic): the objective (step time, or dollars per million tokens with
-``objective="cost"``), then fewer GPUs, then lower peak memory per GPU, then the plan's
-``short()`` string in plain lexicographic (code point) order.
+``objective="cost"``: the same order as dollars for a whole training run), then fewer GPUs,
+then lower peak memory per GPU, then the plan's ``short()`` string in plain lexicographic
+(code point) order.
+
+Also here, on results of the search engines (`driver.search`, `graph.search_graph`):
+  * `apply_deadline`: reject the feasible plans that take longer than a deadline to train a
+    number of tokens (reason `OVER_DEADLINE`);
+  * `merge`: one result from the results of several cluster sizes searched one at a time.
+
+Searching each size alone and merging gives the same top plans as one search of all sizes
+(each of the overall top ``top`` is among the top ``top`` of its size), and makes a deadline
+exact: on one cluster size, dollars are proportional to step time, so the plans of a size
+that meet a deadline are a prefix of that size's ranking (`apply_deadline` on one size keeps
+its best plans that meet it; the merge then takes the cheapest across sizes).
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from meshplan.cost.report import CostReport
+from meshplan.search.pareto import pareto_mask
 from meshplan.spec.base import to_dict
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
@@ -29,10 +44,14 @@ class RankedPlan:
     report: CostReport
     usd_per_mtok: float
     """Dollars per million trained tokens on this plan's cluster."""
+    export_only: tuple[str, ...] | None = None
+    """None: meshplan's runtime runs the plan as planned. Else (listed only with
+    --allow-export-only) the export targets that do (spec.support)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "plan": to_dict(self.plan), "short": self.plan.short(),
                 "num_gpus": self.plan.num_gpus, "usd_per_mtok": self.usd_per_mtok,
+                "export_only": None if self.export_only is None else list(self.export_only),
                 "cost": self.report.to_dict()}
 
 
@@ -58,6 +77,11 @@ class ClusterCount:
     feasible: int
     best_step_time_s: float | None
     best_usd_per_mtok: float | None
+    over_deadline: int = 0
+    """Plans that fit but take longer than the deadline (`apply_deadline`)."""
+    reason: str | None = None
+    """Why no plan of this size is feasible, in a few words (set by the caller; None when
+    some plan is)."""
 
 
 @dataclass
@@ -90,6 +114,13 @@ class SearchResult:
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     """Wall seconds by phase: enumerate_s, constraints_s, bounds_s, evaluate_s, rank_s, nearest_s."""
+    train_tokens: float | None = None
+    """Tokens of the whole training run, when given (days and dollars to train)."""
+    deadline_days: float | None = None
+    """Days the training run may take (`apply_deadline`); None: no deadline."""
+    fastest: ParetoPoint | None = None
+    """With a deadline: the fastest feasible plan before the deadline was applied (what the
+    fastest plan would take when none meets it)."""
 
     @property
     def best(self) -> RankedPlan | None:
@@ -110,9 +141,149 @@ class SearchResult:
             "pareto": [p.to_dict() for p in self.pareto],
             "per_cluster": [vars(c) for c in self.per_cluster],
             "nearest": list(self.nearest), "notes": list(self.notes),
+            "train_tokens": self.train_tokens, "deadline_days": self.deadline_days,
         }
+        if self.deadline_days is not None:
+            doc["fastest_ignoring_deadline"] = self.fastest.to_dict() if self.fastest is not None else None
         if timing:
             doc["timings"] = dict(self.timings)
         else:
             doc.pop("search_time_s")
         return doc
+
+
+# ---- deadline -------------------------------------------------------------------------------
+
+OVER_DEADLINE = "over the deadline"
+"""Rejection reason of `apply_deadline`: fits, but training takes longer than the deadline."""
+
+
+def train_days(step_time_s: Any, tokens_per_step: float, train_tokens: float) -> Any:
+    """Days to train ``train_tokens`` tokens at ``step_time_s`` per step of ``tokens_per_step``
+    tokens (works on arrays)."""
+    return np.asarray(step_time_s, dtype=float) * (train_tokens / tokens_per_step) / 86400.0
+
+
+def rank_key(p: RankedPlan, objective: str) -> tuple[float, int, float, str]:
+    """The ranking order of the search (module docstring)."""
+    obj = p.report.step_time_s if objective == "time" else p.usd_per_mtok
+    return (obj, p.plan.num_gpus, p.report.peak_memory_gib, p.plan.short())
+
+
+def apply_deadline(result: SearchResult, train_tokens: float, deadline_days: float) -> SearchResult:
+    """Reject (in place) the feasible plans of ``result`` that take more than ``deadline_days``
+    days to train ``train_tokens`` tokens: counted under `OVER_DEADLINE`, dropped from the
+    plans, the Pareto front, the points and the per-size counts. Exact on a result of one
+    cluster size (module docstring); on several sizes, the plans kept are those of the top
+    that meet the deadline (search sizes one at a time and `merge` for the exact top)."""
+    if not (train_tokens > 0 and deadline_days > 0):
+        raise ValueError("train_tokens and deadline_days must be positive")
+    tps = result.work.tokens
+
+    def over(t: Any) -> Any:
+        return train_days(t, tps, train_tokens) > deadline_days
+
+    result.train_tokens, result.deadline_days = train_tokens, deadline_days
+    if result.pareto:  # sorted by step time: the first is the fastest feasible plan
+        result.fastest = result.pareto[0]
+    t = np.asarray(result.points.get("step_time_s", np.zeros(0)), dtype=float)
+    mask = over(t) if len(t) else np.zeros(0, dtype=bool)
+    n_over = int(mask.sum())
+    # The example: the over-deadline plan closest to meeting it, among those with a Plan at hand.
+    late = [(p.report.step_time_s, p.plan) for p in result.plans if over(p.report.step_time_s)]
+    late += [(p.step_time_s, p.plan) for p in result.pareto if over(p.step_time_s)]
+    result.plans = [dataclasses.replace(p, rank=i + 1)
+                    for i, p in enumerate(p for p in result.plans if not over(p.report.step_time_s))]
+    result.pareto = [p for p in result.pareto if not over(p.step_time_s)]
+    if n_over == 0:
+        return result
+    result.feasible -= n_over
+    result.rejected[OVER_DEADLINE] = result.rejected.get(OVER_DEADLINE, 0) + n_over
+    if late:
+        st, plan = min(late, key=lambda x: (x[0], x[1].short()))
+        result.reject_examples[OVER_DEADLINE] = (
+            f"{plan.short()} on {plan.num_gpus:,} GPUs: {float(train_days(st, tps, train_tokens)):,.1f} days "
+            f"to train {_count(train_tokens)} tokens, over the {deadline_days:g}-day deadline")
+    else:
+        st = float(t[mask].min())
+        result.reject_examples[OVER_DEADLINE] = (
+            f"the fastest of them takes {float(train_days(st, tps, train_tokens)):,.1f} days to train "
+            f"{_count(train_tokens)} tokens, over the {deadline_days:g}-day deadline")
+    gpus = np.asarray(result.points.get("num_gpus", np.zeros(len(t))))
+    usd = np.asarray(result.points.get("usd_per_mtok", np.full(len(t), np.nan)))
+    result.points = {k: np.asarray(v)[~mask] for k, v in result.points.items()}
+    counts = []
+    for c in result.per_cluster:
+        here = gpus == c.num_gpus
+        n = int((mask & here).sum())
+        if n == 0:
+            counts.append(c)
+            continue
+        keep = here & ~mask
+        best_t = float(t[keep].min()) if keep.any() else None
+        best_usd = float(usd[keep].min()) if keep.any() else None
+        counts.append(dataclasses.replace(c, feasible=c.feasible - n, over_deadline=c.over_deadline + n,
+                                          best_step_time_s=best_t, best_usd_per_mtok=best_usd))
+    result.per_cluster = counts
+    return result
+
+
+def _count(n: float) -> str:
+    from meshplan.units import human_count
+    return human_count(n)
+
+
+# ---- several cluster sizes --------------------------------------------------------------------
+
+def empty_result(model: Any, cluster: ClusterSpec, work: Workload, objective: str, reason: str) -> SearchResult:
+    """The result of a cluster size that could not be searched at all (``reason``: why)."""
+    return SearchResult(model=model, clusters=[cluster], work=work, objective=objective, plans=[],
+                        considered=0, evaluated=0, feasible=0, rejected={}, search_time_s=0.0, pareto=[],
+                        per_cluster=[ClusterCount(cluster.num_gpus, 0, 0, None, None, reason=reason)])
+
+
+def merge(results: Sequence[SearchResult], top: int) -> SearchResult:
+    """One result from the results of single cluster sizes (in size order), as one search of
+    all the sizes gives: the top ``top`` plans over all, summed counts, the first example of
+    each reason, the 3-D Pareto front of the union of the fronts, and the nearest options of
+    the largest size when nothing is feasible."""
+    if not results:
+        raise ValueError("nothing to merge")
+    if len(results) == 1:
+        return results[0]
+    first = results[0]
+    objective = first.objective
+    plans = sorted((p for r in results for p in r.plans), key=lambda p: rank_key(p, objective))[:top]
+    plans = [dataclasses.replace(p, rank=i + 1) for i, p in enumerate(plans)]
+    front = [p for r in results for p in r.pareto]
+    if front:
+        pts = np.asarray([[p.step_time_s, p.peak_memory_gib, p.usd_per_mtok] for p in front], dtype=float)
+        front = [p for p, keep in zip(front, pareto_mask(pts)) if keep]
+        front.sort(key=lambda p: (p.step_time_s, p.peak_memory_gib))
+    rejected: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    timings: dict[str, float] = {}
+    notes: list[str] = []
+    for r in results:
+        for k, v in r.rejected.items():
+            rejected[k] = rejected.get(k, 0) + v
+        for k, v in r.reject_examples.items():
+            examples.setdefault(k, v)
+        for k, v in r.timings.items():
+            timings[k] = timings.get(k, 0.0) + v
+        notes += [n for n in r.notes if n not in notes]
+    with_points = [r for r in results if r.points]  # a size that could not be searched has none
+    keys = [k for k in (with_points[0].points if with_points else {}) if all(k in r.points for r in with_points)]
+    points = {k: np.concatenate([np.asarray(r.points[k]) for r in with_points]) for k in keys}
+    feasible = sum(r.feasible for r in results)
+    largest = max(results, key=lambda r: max(c.num_gpus for c in r.clusters))
+    fastest = [r.fastest for r in results if r.fastest is not None]
+    return SearchResult(
+        model=first.model, clusters=[c for r in results for c in r.clusters], work=first.work,
+        objective=objective, plans=plans, considered=sum(r.considered for r in results),
+        evaluated=sum(r.evaluated for r in results), feasible=feasible, rejected=rejected,
+        search_time_s=sum(r.search_time_s for r in results), pareto=front, reject_examples=examples,
+        per_cluster=[c for r in results for c in r.per_cluster],
+        nearest=list(largest.nearest) if feasible == 0 else [], points=points, notes=notes,
+        timings=timings, train_tokens=first.train_tokens, deadline_days=first.deadline_days,
+        fastest=min(fastest, key=lambda p: (p.step_time_s, p.peak_memory_gib)) if fastest else None)

@@ -16,9 +16,10 @@ Every candidate is a full Plan for one cluster. The dimensions, and the values e
   micro_batch     divisors of B/dp (just 1 when dp does not divide B: rejected, with its reason)
   schedule, v     pp = 1: none needed (1f1b, v = 1); pp > 1: gpipe, 1f1b, zero-bubble (v = 1),
                   zbv (v = 2), interleaved-1f1b with v = 2..max_virtual_stages
-  stage_layers    even split; with ``uneven_stages`` also the dynamic-programming split of
-                  `meshplan.search.stages` (different from the even one, or where pp*v does
-                  not divide the layers)
+  stage_layers    even split, and the dynamic-programming split of `meshplan.search.stages`
+                  where pp*v does not divide the layers (``uneven_stages=None``, the
+                  default); with ``uneven_stages=True`` also where it does (when different
+                  from the even one); with False never
   recompute       none, selective, op, full, and full on a fraction (1/4, 1/2, 3/4) of each
                   stage's blocks (recompute_layers)
   sequence_parallel  on exactly when tp > 1 (it only saves memory and elementwise time)
@@ -78,7 +79,15 @@ class SearchSpace:
     hybrid_nodes: tuple[int, ...] = (1, 2, 4)
     """Hybrid sharding groups spanning this many nodes (empty: no hybrid sharding)."""
     offload: bool = True
-    uneven_stages: bool = False
+    uneven_stages: bool | None = None
+    """Uneven pipeline stage splits (the dynamic-programming balance of `search.stages`): None
+    (default) where pp x virtual_stages does not divide the layers; True also where it does;
+    False never."""
+    headroom: bool = True
+    """Reject plans at risk of running out of memory (search.constraints.AT_RISK)."""
+    allow_export_only: bool = False
+    """Keep plans that meshplan's runtime would refuse or run as something else but an export
+    target runs as planned (spec.support), marked as such."""
 
     def __post_init__(self) -> None:
         check_space(self, "search space", ("tp", "pp", "cp", "ep", "micro_batch"))
@@ -265,7 +274,8 @@ def _stage_options(model: ModelSpec, tp: int, pp: int, space: SearchSpace,
     out = []
     for sched, v in schedule_options(pp, model, space):
         variants = [(NONE_CODE, -(-L // pp))]
-        if splitter is not None and pp > 1:
+        uneven_only = space.uneven_stages is None  # default: only where the even split does not exist
+        if splitter is not None and pp > 1 and not (uneven_only and L % (pp * v) == 0):
             c = splitter.code(tp, pp, v, sched)
             if c is not None:
                 variants.append((c, max(splitter.table[c])))
@@ -285,7 +295,7 @@ def enumerate_space(model: ModelSpec, cluster: ClusterSpec, work: Workload,
     """
     space = space or SearchSpace()
     splitter = (_StageSplitter(model, cluster, work, space.base, params)
-                if space.uneven_stages else None)
+                if space.uneven_stages is not False else None)
     base = {f: getattr(space.base, f) for f in FIELDS if f not in SEARCHED}
     parts: list[dict[str, np.ndarray]] = []
     next_group = 0

@@ -138,6 +138,27 @@ def offload_valid(c: Context) -> str | None:
     return None
 
 
+def zero2_pipeline(c: Context) -> str | None:
+    p = c.plan
+    if p.zero == 2 and p.pp > 1:
+        return ("zero=2 with pp > 1: under a pipeline gradients accumulate unsharded until the last "
+                "micro-batch (torch.distributed.pipelining), and DeepSpeed refuses ZeRO-2 with its "
+                "pipeline; use zero=1 (distributed optimizer) or zero=3")
+    return None
+
+
+def recompute_layers_valid(c: Context) -> str | None:
+    p, L = c.plan, c.model.num_layers
+    if p.recompute_layers is None:
+        return None
+    most = max(p.stage_layers) if p.stage_layers else -(-L // max(1, p.pp))
+    if p.recompute_layers > most:
+        return (f"recompute_layers={p.recompute_layers} exceeds the {most} blocks of the largest pipeline "
+                f"stage ({L} layers over pp={p.pp}); use at most {most}, or drop recompute_layers to "
+                "recompute every block")
+    return None
+
+
 def precision_supported(c: Context) -> str | None:
     if c.plan.precision == "fp8" and "fp8" not in c.cluster.gpu.peak_tflops:
         return f"precision=fp8 but {c.cluster.gpu.name} has no fp8 tensor cores; use bf16"
@@ -157,6 +178,8 @@ CHECKS: dict[str, Check] = {
     "invalid expert parallel": ep_valid,
     "invalid hybrid sharding": hybrid_valid,
     "invalid offload": offload_valid,
+    "zero=2 under a pipeline": zero2_pipeline,
+    "recompute_layers beyond the stage": recompute_layers_valid,
     "precision unsupported": precision_supported,
 }
 

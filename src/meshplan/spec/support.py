@@ -1,0 +1,140 @@
+"""What meshplan's own runtime runs: one table, shared by the search, `estimate` and the runtime.
+
+A plan can satisfy every rule of `spec.constraints` (it is a well-formed plan that some
+framework could run) and still be one that `meshplan train` refuses, or runs as something else
+than planned, so that the estimate would not describe the run. Each such case is a `Rule`:
+
+  kind "refused"  the runtime raises before it starts (wrong results on torch 2.13, or a
+                  schedule torch.distributed.pipelining cannot build);
+  kind "runs-as"  the runtime substitutes an equivalent that trains the same model but costs
+                  other time or memory (it says so when it runs).
+
+``targets`` lists the export targets (`meshplan export --to ...`) that run the plan as
+planned: `meshplan plan` recommends only plans that violate no rule; with `--allow-export-only`
+it also lists plans whose every violated rule has export targets, marked with the targets that
+run all of them. A test exports one example plan per rule to each target and checks the
+target expresses it (tests/unit/test_support.py).
+
+The rules are scalar here (torch-free); ``search.constraints`` has a vectorised twin of each,
+under the same name (a test checks they agree on random plans).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from meshplan.spec.plan import Plan
+
+TARGETS = ("torchtitan", "megatron", "deepspeed")
+SPLIT_BACKWARD = ("zero-bubble", "zbv")
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    kind: str
+    """'refused' or 'runs-as'."""
+    targets: tuple[str, ...]
+    """Export targets that run such a plan as planned (empty: none)."""
+    why: Callable[[Plan, int], str | None]
+    """(plan, micro-batches per step) -> None, or the one-line reason."""
+
+
+def _zero_bubble_dp(p: Plan, micro: int) -> str | None:
+    if p.schedule in SPLIT_BACKWARD and p.pp > 1 and p.dp * p.cp > 1:
+        return (f"schedule={p.schedule} with dp*cp={p.dp * p.cp}: zero-bubble schedules with FSDP2/DDP give "
+                "wrong gradients on torch 2.13; use 1f1b/interleaved-1f1b, or no data parallelism")
+    return None
+
+
+def _few_microbatches(p: Plan, micro: int) -> str | None:
+    if p.pp > 1 and p.schedule in ("interleaved-1f1b", *SPLIT_BACKWARD) and micro < p.pp:
+        return (f"schedule={p.schedule} needs at least pp={p.pp} micro-batches per step, got {micro} "
+                "(torch.distributed.pipelining); raise the global batch, lower micro_batch, or use 1f1b/gpipe")
+    return None
+
+
+def _offload_optimizer_only(p: Plan, micro: int) -> str | None:
+    if p.offload_optimizer and not p.offload_params:
+        return ("offload_optimizer without offload_params: FSDP2 has no optimizer-only offload, so the runtime "
+                "offloads the parameters too (other time and memory); DeepSpeed and Megatron offload the "
+                "optimizer alone")
+    return None
+
+
+def _fp8_tp(p: Plan, micro: int) -> str | None:
+    if p.precision == "fp8" and p.tp > 1:
+        return "precision=fp8 with tp > 1: the runtime's fp8 linears do not compose with its TP; it runs bf16"
+    return None
+
+
+def _allreduce_sharded(p: Plan, micro: int) -> str | None:
+    if p.grad_sync == "all-reduce" and p.zero >= 1:
+        return "grad_sync=all-reduce with zero >= 1: the runtime (FSDP2) always reduce-scatters gradients"
+    return None
+
+
+def _unfused_attention(p: Plan, micro: int) -> str | None:
+    if not p.flash_attention:
+        return "flash_attention=0: the runtime always runs fused attention (SDPA)"
+    return None
+
+
+def _fused_loss(p: Plan, micro: int) -> str | None:
+    if p.fused_loss:
+        return "fused_loss=1: the runtime computes an unfused cross-entropy (more memory at the loss)"
+    return None
+
+
+def _p2p_sends(p: Plan, micro: int) -> str | None:
+    if p.pp > 1 and p.tp > 1 and p.p2p_sharded != p.sequence_parallel:
+        return (f"p2p_sharded={int(p.p2p_sharded)} with sequence_parallel={int(p.sequence_parallel)}: the "
+                "runtime's pipeline sends carry the sequence-parallel shard exactly when sequence_parallel=1")
+    return None
+
+
+def _async_tp_eager(p: Plan, micro: int) -> str | None:
+    if p.async_tp and p.tp > 1 and not p.compile:
+        return ("async_tp without compile: the overlap is an inductor pass, so the runtime compiles the blocks "
+                "(compile=1 costs)")
+    return None
+
+
+RULES: dict[str, Rule] = {r.name: r for r in (
+    Rule("zero-bubble schedule with data parallel gives wrong gradients in torch 2.13", "refused", (),
+         _zero_bubble_dp),
+    Rule("too few micro-batches for the schedule", "refused", (), _few_microbatches),
+    Rule("fp8 with tensor parallel", "runs-as", ("torchtitan", "megatron"), _fp8_tp),
+    Rule("all-reduce gradient sync with sharding", "runs-as", ("deepspeed",), _allreduce_sharded),
+    Rule("unfused attention", "runs-as", ("megatron",), _unfused_attention),
+    Rule("fused loss", "runs-as", ("megatron",), _fused_loss),
+    Rule("pipeline sends not as planned", "runs-as", (), _p2p_sends),
+    Rule("async TP without compile", "runs-as", ("megatron",), _async_tp_eager),
+    Rule("optimizer offload without parameter offload", "runs-as", ("megatron", "deepspeed"),
+         _offload_optimizer_only),
+)}
+"""Every rule, in counting order (the search counts a rejected plan under its first)."""
+
+
+def microbatches(plan: Plan, global_batch: int) -> int:
+    """Micro-batches per step on each data-parallel replica."""
+    return global_batch // max(1, plan.dp * plan.micro_batch)
+
+
+def runtime_violations(plan: Plan, micro: int) -> list[tuple[Rule, str]]:
+    """Every (rule, reason) ``plan`` violates, in table order."""
+    out = []
+    for rule in RULES.values():
+        reason = rule.why(plan, micro)
+        if reason:
+            out.append((rule, reason))
+    return out
+
+
+def export_targets(plan: Plan, micro: int) -> tuple[str, ...] | None:
+    """None when the runtime runs ``plan`` as planned; else the export targets that run it as
+    planned (those common to every violated rule; empty when none does)."""
+    bad = runtime_violations(plan, micro)
+    if not bad:
+        return None
+    return tuple(t for t in TARGETS if all(t in rule.targets for rule, _ in bad))
