@@ -124,3 +124,45 @@ def test_progress_bar_waits_then_draws_and_clears():
     late(1, 2)
     late.close()
     assert quiet.getvalue() == ""
+
+
+def test_progress_steps_name_what_runs_and_fit_the_terminal():
+    import io
+    s = io.StringIO()
+    bar = Progress(s, delay_s=0.0, columns=40)
+    with bar.step("searching 64 GPUs (1/3)"):
+        assert s.getvalue().endswith("searching 64 GPUs (1/3) ...")
+        bar(1, 4)
+    assert "\rsearching 64 GPUs (1/3) [" in s.getvalue()
+    assert all(len(part) <= 39 for part in s.getvalue().split("\r"))  # cut, never wrapped
+    bar.close()
+    assert s.getvalue().endswith("\r")
+    bar(4, 4)  # after close: nothing more
+    assert s.getvalue().endswith("\r")
+    quiet = io.StringIO()
+    late = Progress(quiet, delay_s=60)
+    with late.step("a short step"):  # shown only once the command has run delay_s
+        late(1, 2)
+    late.close()
+    assert quiet.getvalue() == ""
+
+
+def test_multi_size_search_shows_progress_per_size(capsys, monkeypatch):
+    import sys
+
+    from meshplan.cli import plan_cmd
+    monkeypatch.setattr(plan_cmd, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run(capsys, "plan", "--model", "tiny-llama", "--cluster", "h100-sxm-80gb", "--gpus", "1..4",
+                         "--global-batch", "8", "--seq-len", "64")
+    assert code == 0 and "winner " in out
+    for label in ("searching 1 GPU (1/3)", "searching 2 GPUs (2/3)", "searching 4 GPUs (3/3)"):
+        assert label in err
+    assert "plans" in err and "%" in err  # the bar of the search's own progress
+    assert err.endswith("\r")  # cleared before the output
+
+
+def test_single_size_has_no_size_lines_and_prints_the_price(capsys):
+    code, out, _ = run(capsys, *SMALL)
+    assert code == 0 and "best per cluster size" not in out
+    assert "price: $2.50 per GPU-hour (from GPU preset h100-sxm-80gb" in out

@@ -2,15 +2,23 @@
 
 Importing this module is cheap (argparse only); the search is imported when the command runs.
 Exit status: 0 with a plan; 2 with a one-line `meshplan: error: ...` on bad input or when no
-plan is feasible (that line names the nearest feasible options; --json still prints the
-document first).
+plan is feasible (that line names the nearest feasible options, or, with --deadline, what
+would meet it; --json still prints the document first).
+
+Several cluster sizes (--gpus) are searched one at a time and merged (`search.result.merge`:
+the same plans as one search of all sizes), so that progress names the size being searched,
+every size without a feasible plan gets its own reason, and a deadline is exact.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from meshplan.errors import MeshplanError
@@ -40,17 +48,32 @@ def add_parser(sub: Any, positive_int: Any) -> None:
     pl.add_argument("--plot", help="draw the Pareto front (step time vs memory) to this image (needs matplotlib)")
     pl.add_argument("--gpus", help="search cluster sizes: LOW..HIGH (powers of two and 3x2^k in whole "
                                    "nodes) or a list 64,128,256")
-    pl.add_argument("--objective", choices=["time", "cost"], default="time",
-                    help="rank by step time (default) or by dollars per million tokens")
+    pl.add_argument("--objective", choices=["time", "cost"], default=None,
+                    help="rank by step time (default), or by dollars (for the whole run with --train-tokens, "
+                         "else per million tokens; the default with --deadline)")
     pl.add_argument("--train-tokens", help="report days and dollars to train this many tokens (e.g. 2T, 300B)")
+    pl.add_argument("--deadline", metavar="DAYS",
+                    help="with --train-tokens: reject plans that take longer than DAYS days to train; the "
+                         "cheapest plan that meets it wins")
+    pl.add_argument("--price-per-gpu-hour", metavar="USD",
+                    help="US$ per GPU-hour for every dollar figure (default: the cluster file's "
+                         "price_per_gpu_hour_usd, else the GPU preset's price)")
     pl.add_argument("--precision", choices=["bf16", "fp16", "fp8", "fp32"], default="bf16",
                     help="matmul precision (default bf16; fp8 only when asked)")
     pl.add_argument("--compile", action="store_true", help="plans use torch.compile (fused elementwise ops)")
     pl.add_argument("--no-flash-attention", action="store_true", help="unfused attention (no FlashAttention)")
     pl.add_argument("--fused-loss", action="store_true", help="fused cross-entropy")
     pl.add_argument("--async-tp", action="store_true", help="overlap TP communication (AsyncTP)")
-    pl.add_argument("--uneven-stages", action="store_true",
-                    help="also try pipeline stages of unequal size (dynamic programming)")
+    pl.add_argument("--uneven-stages", action="store_true", default=None,
+                    help="also try pipeline stages of unequal size where the layers do divide into the "
+                         "stages (where they do not, uneven splits are always tried)")
+    pl.add_argument("--even-stages-only", dest="uneven_stages", action="store_false",
+                    help="never try uneven pipeline stages")
+    pl.add_argument("--allow-export-only", action="store_true",
+                    help="also list plans that meshplan's runtime would refuse or run differently but an "
+                         "export target runs as planned, marked with the targets")
+    pl.add_argument("--no-headroom", action="store_true",
+                    help="accept plans closer to the memory limit than the memory model's demonstrated error")
     pl.add_argument("--fix", help="restrict the space: key=value[|value...],... over "
                                   + ", ".join(SEARCHABLE_FIX) + ", offload (0/1) and any non-searched plan field")
 
@@ -64,7 +87,9 @@ def search_space(args: argparse.Namespace, cluster: Any) -> Any:
     base: dict[str, Any] = {"precision": args.precision, "compile": args.compile,
                             "flash_attention": not args.no_flash_attention,
                             "fused_loss": args.fused_loss, "async_tp": args.async_tp}
-    changes: dict[str, Any] = {"uneven_stages": args.uneven_stages}
+    changes: dict[str, Any] = {"uneven_stages": args.uneven_stages,
+                               "allow_export_only": getattr(args, "allow_export_only", False),
+                               "headroom": not getattr(args, "no_headroom", False)}
     if args.fix:
         _apply_fix(args.fix, base, changes)
     if base["precision"] == "fp8" and "fp8" not in cluster.gpu.peak_tflops:
@@ -101,7 +126,7 @@ def graph_space(args: argparse.Namespace, cluster: Any) -> Any:
         raise MeshplanError("--precision fp8 is not modelled on an ingested layer graph",
                             hint="use --precision bf16")
     return GraphSpace(base=Plan(precision=base.precision, fused_loss=base.fused_loss, async_tp=base.async_tp,
-                                compile=base.compile, flash_attention=base.flash_attention),
+                                compile=base.compile, flash_attention=base.flash_attention, p2p_sharded=False),
                       even_stages=not args.uneven_stages, **fixed)
 
 
@@ -145,13 +170,62 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> None
 
 
 def cluster_sizes(args: argparse.Namespace) -> list[Any]:
-    """--cluster, at each size of --gpus (if given)."""
+    """--cluster, at each size of --gpus (if given), at --price-per-gpu-hour (if given)."""
     from meshplan.search.sizes import node_size, parse_gpus, resized
     from meshplan.spec.io import load_cluster
     cluster = load_cluster(args.cluster)
+    price = price_per_gpu_hour(getattr(args, "price_per_gpu_hour", None))
+    if price is not None:
+        cluster = cluster.replace(price_per_gpu_hour_usd=price)
     if args.gpus is None:
         return [cluster]
     return [resized(cluster, n) for n in parse_gpus(args.gpus, node_size(cluster))]
+
+
+def price_per_gpu_hour(text: str | None) -> float | None:
+    """--price-per-gpu-hour as a number (None when not given)."""
+    if text is None:
+        return None
+    try:
+        v = float(text.strip().lstrip("$"))
+    except ValueError:
+        raise MeshplanError(f"--price-per-gpu-hour {text!r}: expected US$ per GPU-hour, e.g. 2.5") from None
+    if not 0 <= v < float("inf"):
+        raise MeshplanError(f"--price-per-gpu-hour must be zero or positive; got {text!r}")
+    return v
+
+
+def price_source(args: argparse.Namespace, cluster: Any) -> str:
+    """Where the price per GPU-hour of ``cluster`` (from `cluster_sizes`) comes from."""
+    if getattr(args, "price_per_gpu_hour", None) is not None:
+        return "--price-per-gpu-hour"
+    if cluster.price_per_gpu_hour_usd is not None:
+        return f"cluster {args.cluster} (price_per_gpu_hour_usd)"
+    from meshplan.spec.io import load_gpu, preset_names
+    g = cluster.gpu
+    if g.name in preset_names("gpus") and load_gpu(g.name).price_per_hour_usd == g.price_per_hour_usd:
+        return f"GPU preset {g.name}"
+    return f"the GPU spec of {args.cluster}"
+
+
+def deadline_days(args: argparse.Namespace, tokens: float | None) -> float | None:
+    """--deadline in days (None when not given); it needs --train-tokens."""
+    text = getattr(args, "deadline", None)
+    if text is None:
+        return None
+    if getattr(args, "command", "plan") not in (None, "plan"):
+        raise MeshplanError(f"--deadline is not supported by `meshplan {args.command}`",
+                            hint="use meshplan plan --deadline")
+    try:
+        v = float(text.strip().removesuffix("d").removesuffix("days").strip())
+    except ValueError:
+        raise MeshplanError(f"--deadline {text!r}: expected a number of days, e.g. 90") from None
+    if not 0 < v < float("inf"):
+        raise MeshplanError(f"--deadline must be a positive number of days; got {text!r}")
+    if tokens is None:
+        raise MeshplanError("--deadline needs --train-tokens (how many tokens to train within it)",
+                            hint=f"e.g. --train-tokens 2T --deadline {text}")
+    return v
 
 
 def train_tokens(text: str | None) -> float | None:
@@ -175,9 +249,12 @@ def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any
     from meshplan.cli.model_arg import load_model_arg
     from meshplan.spec.graph import LayerGraph
     from meshplan.spec.plan import Workload
-    model = load_model_arg(args.model, seq_len=args.seq_len)
     clusters = cluster_sizes(args)
     tokens = train_tokens(args.train_tokens)
+    deadline = deadline_days(args, tokens)
+    if args.objective is None:  # the default: by time, or by dollars under a deadline
+        args.objective = "cost" if deadline is not None else "time"
+    model = load_model_arg(args.model, seq_len=args.seq_len)
     if isinstance(model, LayerGraph):
         from meshplan.cost.graph import graph_workload
         return model, clusters, tokens, graph_space(args, clusters[0]), graph_workload(model, args.global_batch)
@@ -187,14 +264,33 @@ def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any
 
 # ---- progress ------------------------------------------------------------------------------
 
-class Progress:
-    """A plain-text bar on a terminal's stderr, shown once a search has run 0.5 s."""
+PROGRESS_DELAY_S = 0.5
+"""Progress appears once the command has run this long (so every step over 2 s shows it)."""
 
-    def __init__(self, stream: TextIO, delay_s: float = 0.5, width: int = 30) -> None:
-        self.stream, self.delay_s, self.width = stream, delay_s, width
+
+class Progress:
+    """One status line on a terminal's stderr, shown once the command has run ``delay_s``:
+    the current step (`step`: what is being done, e.g. the cluster size being searched) and,
+    while a search prices plans (the instance is the search's ``progress`` callback), a bar.
+
+    A step without a callback is shown too: at once when ``delay_s`` has passed, else by a
+    timer when it has (so a long step never runs silently). ``close`` clears the line."""
+
+    def __init__(self, stream: TextIO, delay_s: float | None = None, width: int = 20,
+                 columns: int | None = None) -> None:
+        import shutil
+        self.stream, self.width = stream, width
+        self.delay_s = PROGRESS_DELAY_S if delay_s is None else delay_s
+        # the line is cut to the terminal's width: a wrapped line could not be redrawn in place
+        self.columns = columns or shutil.get_terminal_size((100, 24)).columns
         self.t0 = time.perf_counter()
         self.last = 0.0
         self.shown = False
+        self.label = "searching"
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._len = 0
+        self._closed = False
 
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
@@ -203,15 +299,180 @@ class Progress:
         self.last = now
         frac = done / total if total else 1.0
         bar = "#" * int(frac * self.width)
-        self.stream.write(f"\rsearching [{bar:<{self.width}}] {100 * frac:3.0f}% "
-                          f"{done:,}/{total:,} plans priced or pruned")
-        self.stream.flush()
-        self.shown = True
+        self._write(f"{self.label} [{bar:<{self.width}}] {100 * frac:3.0f}% {done:,}/{total:,} plans")
+
+    @contextlib.contextmanager
+    def step(self, label: str) -> Iterator[Progress]:
+        """Show ``label`` for the duration of a step (the bar, if any, follows it)."""
+        self._cancel()
+        self.label, self.last = label, 0.0
+        wait = self.delay_s - (time.perf_counter() - self.t0)
+        if wait <= 0:
+            self._write(f"{label} ...")
+        else:
+            self._timer = threading.Timer(wait, self._write, (f"{label} ...",))
+            self._timer.daemon = True
+            self._timer.start()
+        try:
+            yield self
+        finally:
+            self._cancel()
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _write(self, text: str) -> None:
+        text = text[:max(10, self.columns - 1)]
+        with self._lock:
+            if self._closed:
+                return
+            self.stream.write("\r" + text + " " * max(0, self._len - len(text)))
+            self.stream.flush()
+            self._len = len(text)
+            self.shown = True
 
     def close(self) -> None:
-        if self.shown:
-            self.stream.write("\r" + " " * (self.width + 60) + "\r")
-            self.stream.flush()
+        self._cancel()
+        with self._lock:
+            if self.shown and not self._closed:
+                self.stream.write("\r" + " " * self._len + "\r")
+                self.stream.flush()
+            self._closed = True
+
+
+def progress_bar() -> Progress | None:
+    """A Progress on stderr when it is a terminal (None otherwise: logs stay clean)."""
+    return Progress(sys.stderr) if sys.stderr.isatty() else None
+
+
+def _step(progress: Progress | None, label: str) -> contextlib.AbstractContextManager[Any]:
+    return progress.step(label) if progress is not None else contextlib.nullcontext()
+
+
+# ---- the search, one cluster size at a time ------------------------------------------------
+
+def search_sizes(model: Any, clusters: list[Any], work: Any, space: Any, *, objective: str, top: int,
+                 tokens: float | None = None, deadline: float | None = None,
+                 progress: Progress | None = None) -> Any:
+    """Search each cluster size alone (progress names it), reject the plans over ``deadline``
+    days, give each size without a feasible plan its reason, and merge (`search.result`)."""
+    import dataclasses
+
+    from meshplan.search.explain import size_reason
+    from meshplan.search.result import empty_result, merge
+    one = _searcher(model, work, space, objective, top, tokens, deadline, progress)
+    results, errors = [], []
+    for i, c in enumerate(clusters):
+        label = (f"searching {c.num_gpus:,} GPU{'' if c.num_gpus == 1 else 's'}"
+                 + (f" ({i + 1}/{len(clusters)})" if len(clusters) > 1 else ""))
+        with _step(progress, label):
+            try:
+                r = one(c)
+            except MeshplanError as e:  # e.g. no mesh of a --fix-restricted space makes this size
+                if len(clusters) == 1:
+                    raise
+                errors.append(e)
+                r = empty_result(model, c, work, objective, str(e))
+        if r.feasible == 0 and r.per_cluster and r.per_cluster[0].reason is None:
+            r.per_cluster = [dataclasses.replace(r.per_cluster[0], reason=size_reason(r))]
+        results.append(r)
+    if len(errors) == len(clusters):
+        raise errors[0]
+    result = merge(results, top)
+    result.train_tokens, result.deadline_days = tokens, deadline
+    return result
+
+
+def _searcher(model: Any, work: Any, space: Any, objective: str, top: int, tokens: float | None,
+              deadline: float | None, progress: Progress | None) -> Callable[[Any], Any]:
+    """cluster -> SearchResult of that one size (the deadline applied)."""
+    from meshplan.search.result import apply_deadline
+    from meshplan.spec.graph import LayerGraph
+
+    def one(cluster: Any) -> Any:
+        if isinstance(model, LayerGraph):
+            from meshplan.search.graph import search_graph
+            r = search_graph(model, [cluster], work, space, objective=objective, top=top)
+        else:
+            from meshplan.search.driver import search
+            r = search(model, [cluster], work, space, objective=objective, top=top, progress=progress)
+        r.train_tokens = tokens
+        if deadline is not None and tokens is not None:
+            apply_deadline(r, tokens, deadline)
+        return r
+    return one
+
+
+MAX_DEADLINE_SIZES = 4
+"""Larger cluster sizes tried to find one that meets a deadline the searched sizes miss."""
+
+
+def deadline_miss(result: Any, model: Any, work: Any, space: Any, *, objective: str,
+                  progress: Progress | None = None) -> dict[str, Any] | None:
+    """When plans fit but none meets the deadline: the fastest plan's days, and the smallest
+    larger cluster (of the usual sizes, from the ideal-scaling estimate up) whose best plan
+    meets it (None when something other than the deadline rules every plan out)."""
+    from meshplan.search.result import train_days
+    from meshplan.search.sizes import MAX_GPUS, nice_sizes, node_size, resized
+    f, tokens, deadline = result.fastest, result.train_tokens, result.deadline_days
+    if deadline is None or tokens is None or result.plans or f is None:
+        return None
+    days = float(train_days(f.step_time_s, work.tokens, tokens))
+    out: dict[str, Any] = {"deadline_days": deadline, "fastest": {
+        "plan": f.plan.short(), "num_gpus": f.plan.num_gpus, "days": days,
+        "usd": f.usd_per_mtok * tokens / 1e6}}
+    largest = max(result.clusters, key=lambda c: c.num_gpus)
+    ideal = math.ceil(f.plan.num_gpus * days / deadline)
+    out["ideal_scaling_gpus"] = ideal
+    hi = min(largest.num_gpus * 64, MAX_GPUS)
+    sizes = nice_sizes(max(ideal, largest.num_gpus + 1), hi, node_size(largest))[:MAX_DEADLINE_SIZES]
+    one = _searcher(model, work, space, objective, 1, tokens, deadline, progress)
+    out["tried"] = []
+    for n in sizes:
+        with _step(progress, f"{deadline:g}-day deadline: trying {n:,} GPUs"):
+            try:
+                r = one(resized(largest, n))
+            except MeshplanError:
+                continue
+        fastest = r.best or r.fastest
+        tried = {"num_gpus": n, "days": None}
+        if fastest is not None:
+            st = fastest.report.step_time_s if r.best is not None else fastest.step_time_s
+            tried["days"] = float(train_days(st, work.tokens, tokens))
+        out["tried"].append(tried)
+        if r.best is not None:
+            b = r.best
+            out["meets"] = {"num_gpus": n, "plan": b.plan.short(), "days": tried["days"],
+                            "usd": b.usd_per_mtok * tokens / 1e6}
+            break
+    return out
+
+
+def deadline_message(result: Any, miss: dict[str, Any]) -> str:
+    """The one-line error when no plan meets the deadline: what the fastest plan takes and
+    how many GPUs would be needed."""
+    from meshplan.search.explain import usd
+    from meshplan.search.result import token_count
+    sizes = sorted({c.num_gpus for c in result.clusters})
+    where = f"{sizes[0]:,}" + (f"..{sizes[-1]:,}" if len(sizes) > 1 else "")
+    f = miss["fastest"]
+    head = (f"no plan trains {token_count(result.train_tokens)} tokens of {result.model.name} within "
+            f"{miss['deadline_days']:g} days on {where} x {result.clusters[0].gpu.name}: the fastest, "
+            f"{f['plan']} on {f['num_gpus']:,} GPUs, takes {f['days']:,.1f} days")
+    if "meets" in miss:
+        m = miss["meets"]
+        return (f"{head}; about {m['num_gpus']:,} GPUs would meet it: {m['plan']} takes {m['days']:,.1f} days "
+                f"({usd(m['usd'])}; search them with --gpus {sizes[0]}..{m['num_gpus']})")
+    tried = [t for t in miss["tried"] if t["days"] is not None]
+    if tried:
+        best = min(tried, key=lambda t: t["days"])
+        return (f"{head}; ideal scaling needs at least {miss['ideal_scaling_gpus']:,} GPUs, and no size "
+                f"tried up to {miss['tried'][-1]['num_gpus']:,} meets it (best: {best['days']:,.1f} days on "
+                f"{best['num_gpus']:,} GPUs); raise --deadline or train fewer tokens")
+    return (f"{head}; it would need at least {miss['ideal_scaling_gpus']:,} GPUs at ideal scaling; raise "
+            "--deadline or train fewer tokens")
 
 
 # ---- output --------------------------------------------------------------------------------
@@ -226,53 +487,109 @@ def train_cost(tokens: float | None, plan: Any) -> dict[str, float] | None:
 
 
 def _table(result: Any, tokens: float | None) -> str:
+    """The top plans; with the cost objective the dollars come first (the ranking's order)."""
     from meshplan.cli.format import seconds, table
     multi = len(result.clusters) > 1
-    head = ["#", "plan"] + (["GPUs"] if multi else []) + [
-        "step time", "tokens/s", "MFU", "peak GiB", "$/M tok", "dominant"]
+    cols: list[tuple[str, str, Callable[[Any, Any], object]]] = [  # (head, align, cell)
+        ("step time", "r", lambda p, t: seconds(p.report.step_time_s)),
+        ("tokens/s", "r", lambda p, t: f"{p.report.tokens_per_s:,.0f}"),
+        ("MFU", "r", lambda p, t: f"{100 * p.report.mfu:.1f}%"),
+        ("peak GiB", "r", lambda p, t: f"{p.report.peak_memory_gib:.1f}"),
+        ("$/M tok", "r", lambda p, t: f"{p.usd_per_mtok:.3f}"),
+        ("dominant", "l", lambda p, t: p.report.dominant)]
     if tokens is not None:
-        head += ["days", "$ to train"]
+        cols += [("days", "r", lambda p, t: f"{t['days']:,.1f}"), ("$ to train", "r", lambda p, t: f"{t['usd']:,.0f}")]
+    if result.objective == "cost":  # dollars first, then days and step time
+        order = ["$ to train", "$/M tok", "days", "step time", "tokens/s", "MFU", "peak GiB", "dominant"]
+        cols.sort(key=lambda c: order.index(c[0]))
+    head = ["#", "plan"] + (["GPUs"] if multi else []) + [c[0] for c in cols]
+    align = "rl" + ("r" if multi else "") + "".join(c[1] for c in cols)
     rows = []
     for p in result.plans:
-        r = p.report
-        row: list[object] = [p.rank, p.plan.short()] + ([p.plan.num_gpus] if multi else []) + [
-            seconds(r.step_time_s), f"{r.tokens_per_s:,.0f}", f"{100 * r.mfu:.1f}%",
-            f"{r.peak_memory_gib:.1f}", f"{p.usd_per_mtok:.3f}", r.dominant]
         t = train_cost(tokens, p)
-        if t is not None:
-            row += [f"{t['days']:.1f}", f"{t['usd']:,.0f}"]
-        rows.append(row)
-    align = "rl" + ("r" if multi else "") + "rrrrrl" + ("rr" if tokens is not None else "")
+        rows.append([p.rank, p.plan.short()] + ([p.plan.num_gpus] if multi else []) + [c[2](p, t) for c in cols])
     return table(head, rows, align)
 
 
-def _text(result: Any, tokens: float | None) -> str:
+def _per_size(result: Any, tokens: float | None) -> list[str]:
+    """One line per cluster size: its best plan, or the main reason it has none."""
+    from meshplan.search.explain import usd
+    from meshplan.search.result import train_days
+    lines = ["best per cluster size:"]
+    win = result.best.plan.num_gpus if result.best is not None else None
+    for pc in result.per_cluster:
+        n = f"  {pc.num_gpus:>6,} GPU{'' if pc.num_gpus == 1 else 's'}: "
+        if pc.best_step_time_s is None:
+            lines.append(n + (pc.reason or "no feasible plan"))
+            continue
+        t, d = pc.best_step_time_s, pc.best_usd_per_mtok
+        if result.objective == "cost" and tokens is not None:
+            days = float(train_days(t, result.work.tokens, tokens))
+            best = f"{usd(d * tokens / 1e6)} to train in {days:,.1f} days, ${d:.3f}/M tokens, {t:.3f} s per step"
+        elif result.objective == "cost":
+            best = f"${d:.3f}/M tokens, {t:.3f} s per step"
+        else:
+            best = f"{t:.3f} s, ${d:.3f}/M tokens"
+        extra = f", {pc.over_deadline:,} over the deadline" if pc.over_deadline else ""
+        lines.append(n + f"{best} ({pc.feasible:,} feasible{extra})" + ("  <- winner" if pc.num_gpus == win else ""))
+    return lines
+
+
+def price_line(price: dict[str, Any]) -> str:
+    return (f"price: ${price['usd_per_gpu_hour']:,.2f} per GPU-hour (from {price['source']}"
+            + ("" if price["source"] == "--price-per-gpu-hour" else "; change with --price-per-gpu-hour") + ")")
+
+
+def _text(result: Any, tokens: float | None, price: dict[str, Any] | None = None) -> str:
     from meshplan.search.explain import explain
+    from meshplan.search.result import token_count
     c = result.clusters
     where = (f"{c[0].num_gpus} x {c[0].gpu.name}" if len(c) == 1 else
-             f"{', '.join(str(x.num_gpus) for x in c)} x {c[0].gpu.name} (objective: {result.objective})")
+             f"{', '.join(str(x.num_gpus) for x in c)} x {c[0].gpu.name}")
     lines = [(f"model {result.model.name} on {where}, global batch {result.work.global_batch} x "
-              f"{result.work.seq_len} tokens"),
-             (f"searched {result.considered:,} plans in {result.search_time_s:.2f} s: "
-              f"{result.feasible:,} feasible, {result.evaluated:,} priced by the cost model"), ""]
+              f"{result.work.seq_len} tokens (objective: {result.objective})")]
+    if price is not None:
+        lines.append(price_line(price))
+    if result.deadline_days is not None:
+        lines.append(f"deadline: {result.deadline_days:g} days to train {token_count(tokens)} tokens "
+                     "(plans that take longer are rejected)")
+    lines += [(f"searched {result.considered:,} plans in {result.search_time_s:.2f} s: "
+               f"{result.feasible:,} feasible, {result.evaluated:,} priced by the cost model"), ""]
     if result.plans:
         lines += [_table(result, tokens), ""]
     if len(c) > 1:
-        lines.append("best per cluster size:")
-        for pc in result.per_cluster:
-            best = (f"{pc.best_step_time_s:.3f} s, ${pc.best_usd_per_mtok:.3f}/M tokens"
-                    if pc.best_step_time_s is not None else "no feasible plan")
-            lines.append(f"  {pc.num_gpus:>6} GPUs: {best} ({pc.feasible:,} feasible)")
-        lines.append("")
+        lines += _per_size(result, tokens) + [""]
     lines += explain(result)
     if result.pareto:
-        lines += ["", f"Pareto front (step time, memory, $): {len(result.pareto)} plans"]
-        for p in result.pareto[:8]:
-            lines.append(f"  {p.step_time_s:8.3f} s  {p.peak_memory_gib:6.1f} GiB  ${p.usd_per_mtok:.3f}/M  "
-                         f"{p.plan.short()}" + (f"  ({p.plan.num_gpus} GPUs)" if len(c) > 1 else ""))
-        if len(result.pareto) > 8:
-            lines.append(f"  ... {len(result.pareto) - 8} more in --json")
+        lines += [""] + _pareto_lines(result, tokens)
     return "\n".join(lines)
+
+
+def _pareto_lines(result: Any, tokens: float | None) -> list[str]:
+    """The Pareto front; with the cost objective cheapest first, dollars first."""
+    from meshplan.search.explain import usd
+    from meshplan.search.result import train_days
+    multi = len(result.clusters) > 1
+    front = list(result.pareto)
+    if result.objective == "cost":
+        front.sort(key=lambda p: (p.usd_per_mtok, p.step_time_s, p.peak_memory_gib))
+        out = [f"Pareto front ($, step time, memory), cheapest first: {len(front)} plans"]
+    else:
+        out = [f"Pareto front (step time, memory, $): {len(front)} plans"]
+    for p in front[:8]:
+        gpus = f"  ({p.plan.num_gpus} GPUs)" if multi else ""
+        if result.objective == "cost":
+            money = f"${p.usd_per_mtok:.3f}/M"
+            if tokens is not None:
+                days = float(train_days(p.step_time_s, result.work.tokens, tokens))
+                money = f"{usd(p.usd_per_mtok * tokens / 1e6):>12}  {days:7,.1f} days  " + money
+            out.append(f"  {money}  {p.step_time_s:8.3f} s  {p.peak_memory_gib:6.1f} GiB  {p.plan.short()}{gpus}")
+        else:
+            out.append(f"  {p.step_time_s:8.3f} s  {p.peak_memory_gib:6.1f} GiB  ${p.usd_per_mtok:.3f}/M  "
+                       f"{p.plan.short()}{gpus}")
+    if len(front) > 8:
+        out.append(f"  ... {len(front) - 8} more in --json")
+    return out
 
 
 def _json_default(obj: Any) -> Any:
@@ -283,12 +600,13 @@ def _json_default(obj: Any) -> Any:
 
 
 def _write_out(path: str, result: Any) -> None:
+    from meshplan.cli.planfile import spec_fields  # the full model and cluster: the file reloads them exactly
     from meshplan.spec.io import plan_document
     best = result.best
     model = getattr(result.model, "source", None) or result.model.name  # an ingested graph: how to rebuild it
     doc = plan_document(best.plan, model=model, cluster=best.cluster.name,
                         global_batch=result.work.global_batch, seq_len=result.work.seq_len,
-                        predicted=best.report.to_dict())
+                        **spec_fields(result.model, best.cluster), predicted=best.report.to_dict())
     try:
         with open(path, "w") as f:
             json.dump(doc, f, indent=2, default=_json_default)
@@ -356,41 +674,47 @@ def plot_pareto(path: str, result: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshplan.search.driver import search
-    from meshplan.spec.graph import LayerGraph
     if args.plot is not None:
         _plot_format(args.plot)
-    model, clusters, tokens, space, work = problem(args)
-    if isinstance(model, LayerGraph):
-        from meshplan.search.graph import search_graph
-        result = search_graph(model, clusters, work, space, objective=args.objective, top=args.top)
-    else:
-        bar = Progress(sys.stderr) if sys.stderr.isatty() else None
-        try:
-            result = search(model, clusters, work, space, objective=args.objective, top=args.top,
-                            progress=bar)
-        finally:
-            if bar is not None:
-                bar.close()
+    bar = progress_bar()
+    try:
+        with _step(bar, f"loading {args.model}"):
+            model, clusters, tokens, space, work = problem(args)
+        deadline = deadline_days(args, tokens)
+        result = search_sizes(model, clusters, work, space, objective=args.objective, top=args.top,
+                              tokens=tokens, deadline=deadline, progress=bar)
+        miss = deadline_miss(result, model, work, space, objective=args.objective, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    price = {"usd_per_gpu_hour": clusters[0].price_per_hour, "source": price_source(args, clusters[0])}
     if args.json:
         from meshplan.cli.format import json_text
         from meshplan.search.explain import explain
         doc = result.to_json()
+        doc["price"] = price
         doc["explanation"] = explain(result)
         if tokens is not None:
             doc["train"] = [train_cost(tokens, p) for p in result.plans]
+        if miss is not None:
+            doc["deadline_miss"] = miss
         print(json_text(doc))
-    elif result.plans:
-        print(_text(result, tokens))
+    else:
+        print(_text(result, tokens, price))
     if not result.plans:
-        if not args.json:
-            from meshplan.search.explain import rejection_lines
-            print("\n".join(rejection_lines(result)))
+        if miss is not None:
+            raise MeshplanError(deadline_message(result, miss))
         c = clusters[-1]
         raise MeshplanError(f"no plan fits {model.name} on {c.num_gpus} x {c.gpu.name} with global batch "
                             f"{work.global_batch} x {work.seq_len}: " + "; ".join(result.nearest))
     if args.out is not None:
         _write_out(args.out, result)
     if args.plot is not None:
-        plot_pareto(args.plot, result)
+        bar = progress_bar()
+        try:
+            with _step(bar, f"drawing {args.plot}"):
+                plot_pareto(args.plot, result)
+        finally:
+            if bar is not None:
+                bar.close()
     return 0

@@ -1,11 +1,18 @@
 """Why the winner wins: the time terms that differ most from each runner-up, the settings
-that differ, and why the other candidates were rejected."""
+that differ, and why the other candidates were rejected.
+
+With ``objective="cost"`` every comparison is in dollars (for the whole training run when
+the result has ``train_tokens``, else per million tokens), with time second: the runners-up
+may run on other cluster sizes, where step times do not compare, dollars do.
+"""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from meshplan.cost.report import CostReport
-from meshplan.search.result import RankedPlan, SearchResult
+from meshplan.search.constraints import AT_RISK, COST_MODEL_REFUSED, OUT_OF_MEMORY
+from meshplan.search.result import OVER_DEADLINE, RankedPlan, SearchResult, token_count, train_days
 from meshplan.spec.plan import Plan
 
 TERM_LABELS = {
@@ -15,6 +22,13 @@ TERM_LABELS = {
     "overhead": "fixed overhead", "memory_pressure": "allocator pressure",
 }
 
+
+
+def usd(x: float, signed: bool = False) -> str:
+    """Dollars: whole dollars from $100, else cents ($0.81); '+' or '-' with ``signed``."""
+    sign = ("+" if x >= 0 else "-") if signed else ("-" if x < 0 else "")
+    a = abs(x)
+    return f"{sign}${a:,.0f}" if a >= 100 else f"{sign}${a:,.2f}" if a >= 0.01 or a == 0 else f"{sign}${a:.2g}"
 
 
 def _secs(t: float, signed: bool = False) -> str:
@@ -75,19 +89,144 @@ def compare_line(win: RankedPlan | tuple[Plan, CostReport], other: RankedPlan | 
     return (f"{head}: {terms or 'no term differs'}; memory {mem:+.1f} GiB; differs in {settings}")
 
 
+def term_cost_differences(a: RankedPlan, b: RankedPlan, scale: float, n: int = 3) -> list[tuple[str, float]]:
+    """The ``n`` exposed time terms whose dollars differ most between ``a`` and ``b``: a term of
+    t seconds per step costs usd_per_mtok * t / step_time per million tokens (GPUs x price x
+    t / 3600 per step), times ``scale`` (millions of tokens; 1: per million tokens)."""
+    def dollars(p: RankedPlan) -> dict[str, float]:
+        r = p.report
+        per_s = p.usd_per_mtok * scale / r.step_time_s if r.step_time_s > 0 else 0.0
+        return {k: v * per_s for k, v in r.time.items() if not k.endswith("_overlapped")}
+    da, db = dollars(a), dollars(b)
+    diffs = [(k, db.get(k, 0.0) - da.get(k, 0.0)) for k in sorted({*da, *db})]
+    eps = 1e-6 * max(a.usd_per_mtok, b.usd_per_mtok) * scale
+    diffs = [d for d in diffs if abs(d[1]) > eps]
+    diffs.sort(key=lambda d: (-abs(d[1]), d[0]))
+    return diffs[:n]
+
+
+def _per_m(x: float) -> str:
+    return f"${x:.3f}" if abs(x) >= 0.001 or x == 0 else f"${x:.2g}"
+
+
+def cost_compare_line(win: RankedPlan, other: RankedPlan, label: str, train_tokens: float | None = None) -> str:
+    """One sentence in dollars: how much more ``other`` costs than ``win`` (for the whole run
+    of ``train_tokens`` tokens, else per million tokens), how long it takes, and which time
+    terms' dollars make the difference."""
+    wu, ou = win.usd_per_mtok, other.usd_per_mtok
+    if train_tokens is not None:
+        scale = train_tokens / 1e6
+        money = (f"{usd(ou * scale)} vs {usd(wu * scale)} to train {token_count(train_tokens)} tokens "
+                 f"({usd((ou - wu) * scale, signed=True)}; {_per_m(ou)} vs {_per_m(wu)} per million tokens)")
+        same = f"{usd(ou * scale)} to train {token_count(train_tokens)} tokens ({_per_m(ou)} per million tokens)"
+    else:
+        scale = 1.0
+        money = f"{_per_m(ou)} vs {_per_m(wu)} per million tokens"
+        same = f"{_per_m(ou)} per million tokens"
+    wt, ot = win.report.step_time_s, other.report.step_time_s
+    if train_tokens is not None:
+        wd, od = (float(train_days(t, _tokens_per_step(p), train_tokens)) for t, p in ((wt, win), (ot, other)))
+        when = f"in {od:,.1f} days vs {wd:,.1f} ({_pct(od - wd, wd)})"
+    else:
+        when = f"at {_secs(ot)} per step vs {_secs(wt)} ({_pct(ot - wt, wt)})"
+    wn, on = win.plan.num_gpus, other.plan.num_gpus
+    where = f" on {_gpus(on)} vs {wn:,}" if on != wn else f" on the same {_gpus(on)}"
+    if ou == wu:
+        head = (f"{label} ties on predicted cost, {same} (ranked by the tie-break: fewer GPUs, less "
+                f"memory, plan string), {when}{where}")
+    else:
+        head = f"{label} costs {_pct(ou - wu, wu)}: {money}, {when}{where}"
+    terms = "; ".join(f"{TERM_LABELS.get(k, k)} {usd(d, signed=True) if scale > 1 else _signed_per_m(d)}"
+                      for k, d in term_cost_differences(win, other, scale))
+    mem = other.report.peak_memory_gib - win.report.peak_memory_gib
+    settings = ", ".join(plan_differences(win.plan, other.plan)[:5]) or "same settings"
+    return f"{head}: {terms or 'no term differs'}; memory {mem:+.1f} GiB; differs in {settings}"
+
+
+def _gpus(n: int) -> str:
+    return f"{n:,} GPU" + ("" if n == 1 else "s")
+
+
+def _signed_per_m(x: float) -> str:
+    return ("+" if x >= 0 else "-") + _per_m(abs(x)) + "/M"
+
+
+def _tokens_per_step(p: RankedPlan) -> float:
+    """Tokens per optimizer step of a ranked plan (tokens/s x step time)."""
+    return p.report.tokens_per_s * p.report.step_time_s
+
+
+def winner_line(result: SearchResult) -> str:
+    """The winner in one sentence: dollars first in cost mode, step time first otherwise."""
+    b = result.best
+    assert b is not None
+    r = b.report
+    perf = (f"MFU {100 * r.mfu:.1f}%, peak {r.peak_memory_gib:.1f} of {r.usable_memory_gib:.1f} GiB usable; "
+            f"largest term: {TERM_LABELS.get(r.dominant, r.dominant)}")
+    head = f"winner {b.plan.short()} on {_gpus(b.plan.num_gpus)}"
+    tokens = result.train_tokens
+    days = float(train_days(r.step_time_s, _tokens_per_step(b), tokens)) if tokens is not None else None
+    within = (f" (deadline {result.deadline_days:g} days)" if result.deadline_days is not None else "")
+    if result.objective == "cost":
+        if tokens is not None:
+            money = (f"{usd(b.usd_per_mtok * tokens / 1e6)} to train {token_count(tokens)} tokens "
+                     f"({_per_m(b.usd_per_mtok)} per million) in {days:,.1f} days{within}")
+        else:
+            money = f"{_per_m(b.usd_per_mtok)} per million tokens"
+        return f"{head}: {money}; {_secs(r.step_time_s)} per step, {perf}"
+    train = f" ({days:,.1f} days to train {token_count(tokens)} tokens{within})" if days is not None else ""
+    return f"{head}: {_secs(r.step_time_s)} per step{train}, {perf}"
+
+
 def explain(result: SearchResult, runners_up: int = 3) -> list[str]:
-    """Sentences: the winner, how it beats the next plans, and the rejection histogram."""
+    """Sentences: the winner, how it beats the next plans (in dollars with the cost objective),
+    and the rejection histogram (always last)."""
     lines: list[str] = []
     if result.best is not None:
         b = result.best
-        r = b.report
-        lines.append(f"winner {b.plan.short()} on {b.plan.num_gpus} GPUs: {_secs(r.step_time_s)} per step, "
-                     f"MFU {100 * r.mfu:.1f}%, peak {r.peak_memory_gib:.1f} of {r.usable_memory_gib:.1f} "
-                     f"GiB usable; largest term: {TERM_LABELS.get(r.dominant, r.dominant)}")
+        lines.append(winner_line(result))
         for other in result.plans[1:1 + runners_up]:
-            lines.append(compare_line(b, other, f"#{other.rank} ({other.plan.short()})"))
+            label = f"#{other.rank} ({other.plan.short()})"
+            if result.objective == "cost":
+                lines.append(cost_compare_line(b, other, label, result.train_tokens))
+            else:
+                lines.append(compare_line(b, other, label))
     lines += rejection_lines(result)
     return lines
+
+
+def size_reason(result: SearchResult) -> str:
+    """Why a result of one cluster size has no feasible plan, in a few words: the deadline
+    when plans fit but are too slow, the memory headroom when plans fit but too tightly,
+    memory when plans pass the constraints but none fits, else the constraint that rejects
+    the most candidates (with its example)."""
+    rej = result.rejected
+    if rej.get(OVER_DEADLINE):
+        f = result.fastest
+        if f is not None and result.train_tokens is not None:
+            d = float(train_days(f.step_time_s, result.work.tokens, result.train_tokens))
+            return f"no plan meets the {result.deadline_days:g}-day deadline (the fastest takes {d:,.1f} days)"
+        return f"no plan meets the {result.deadline_days:g}-day deadline"
+    if rej.get(AT_RISK):
+        m = re.search(r"needs ([\d.]+) GiB per GPU of ([\d.]+) usable", result.reject_examples.get(AT_RISK, ""))
+        return ("no plan fits with the memory model's headroom" + (f" (closest needs {m[1]} GiB per GPU of "
+                f"{m[2]} usable; --no-headroom accepts it)" if m else " (--no-headroom accepts such plans)"))
+    if rej.get(OUT_OF_MEMORY):
+        ex = result.reject_examples.get(OUT_OF_MEMORY, "")
+        m = re.search(r"needs ([\d.]+) GiB per GPU of ([\d.]+) usable", ex)
+        if m:
+            return f"no plan fits in memory (closest needs {m[1]} GiB per GPU of {m[2]} usable)"
+        m = re.search(r"alone need ([\d.]+) GiB per GPU of ([\d.]+) usable", ex)
+        if m:
+            return (f"no plan fits in memory (model states alone need at least {m[1]} GiB per GPU "
+                    f"of {m[2]} usable)")
+        return "no plan fits in memory" + (f" ({ex})" if ex else "")
+    if not rej:
+        return "no candidate plan"
+    name, count = min(rej.items(), key=lambda kv: (-kv[1], kv[0]))
+    ex = result.reject_examples.get(name)
+    what = "no plan passes the constraints" if name != COST_MODEL_REFUSED else "the cost model refused every plan"
+    return f"{what}; most often: {name} ({count:,} of {result.considered:,}" + (f"; e.g. {ex})" if ex else ")")
 
 
 def rejection_lines(result: SearchResult) -> list[str]:

@@ -203,12 +203,12 @@ def apply_deadline(result: SearchResult, train_tokens: float, deadline_days: flo
         st, plan = min(late, key=lambda x: (x[0], x[1].short()))
         result.reject_examples[OVER_DEADLINE] = (
             f"{plan.short()} on {plan.num_gpus:,} GPUs: {float(train_days(st, tps, train_tokens)):,.1f} days "
-            f"to train {_count(train_tokens)} tokens, over the {deadline_days:g}-day deadline")
+            f"to train {token_count(train_tokens)} tokens, over the {deadline_days:g}-day deadline")
     else:
         st = float(t[mask].min())
         result.reject_examples[OVER_DEADLINE] = (
             f"the fastest of them takes {float(train_days(st, tps, train_tokens)):,.1f} days to train "
-            f"{_count(train_tokens)} tokens, over the {deadline_days:g}-day deadline")
+            f"{token_count(train_tokens)} tokens, over the {deadline_days:g}-day deadline")
     gpus = np.asarray(result.points.get("num_gpus", np.zeros(len(t))))
     usd = np.asarray(result.points.get("usd_per_mtok", np.full(len(t), np.nan)))
     result.points = {k: np.asarray(v)[~mask] for k, v in result.points.items()}
@@ -228,9 +228,13 @@ def apply_deadline(result: SearchResult, train_tokens: float, deadline_days: flo
     return result
 
 
-def _count(n: float) -> str:
-    from meshplan.units import human_count
-    return human_count(n)
+def token_count(n: float) -> str:
+    """A token count for sentences: 2T, 300B, 1.5T, 1,000T (no exponent)."""
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            v = n / div
+            return (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}") + unit
+    return f"{n:g}"
 
 
 # ---- several cluster sizes --------------------------------------------------------------------
