@@ -353,6 +353,14 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     staged = fsdp & per_step
     dp_exp = dp_exp + np.where(staged, exp_s, 0)
     dp_ovl = dp_ovl + np.where(staged, staged_fsdp_overlapped(ag_s, n_blk * blk.f, rs_s, hide_rs), 0)
+    # FSDP's root unit (embedding, final norm, output layer) is gathered and reduce-scattered too:
+    # per micro-batch without a pipeline (FSDP2 reshards it after each backward), once per step
+    # under one. Counted as hidden under the blocks' compute (only a step's first gather is
+    # exposed, in _dp_end_of_step), so that the memory ZeRO-3 saves on it carries its traffic.
+    root = np.maximum(0.0, plocal[rows, crit] - n_blk * lp)
+    root_g = Group.of(cluster, shard, tp)
+    root_t = root_g.all_gather(2.0 * root) + root_g.reduce_scatter(p.fsdp_reduce_bytes * root)
+    dp_ovl = dp_ovl + np.where(fsdp, np.where(per_step, 1.0, micro) * root_t, 0)
     n_opt = plocal / col(np.where(zero >= 1, shard, 1))
     host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
     hbm = n_opt * p.optimizer_bytes_per_param / (gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
