@@ -507,7 +507,9 @@ def _table(result: Any, tokens: float | None) -> str:
     rows = []
     for p in result.plans:
         t = train_cost(tokens, p)
-        rows.append([p.rank, p.plan.short()] + ([p.plan.num_gpus] if multi else []) + [c[2](p, t) for c in cols])
+        name = p.plan.short() + ("" if p.export_only is None else
+                                 f"  [export only: {', '.join(p.export_only)}]")
+        rows.append([p.rank, name] + ([p.plan.num_gpus] if multi else []) + [c[2](p, t) for c in cols])
     return table(head, rows, align)
 
 
