@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from meshplan.errors import MeshplanError
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
+from meshplan.spec.support import runtime_violations
 
 AXES = ("pp", "dp", "cp", "tp")
 
@@ -45,8 +46,10 @@ def expert_split(plan: Plan) -> tuple[int, int]:
     return n // eshard, eshard
 
 
-def check_supported(model: ModelSpec, plan: Plan, world_size: int, seq_len: int | None = None) -> None:
-    """Raise a one-line MeshplanError for a plan this runtime cannot execute."""
+def check_supported(model: ModelSpec, plan: Plan, world_size: int, seq_len: int | None = None,
+                    micro: int | None = None) -> None:
+    """Raise a one-line MeshplanError for a plan this runtime cannot execute (with ``micro``,
+    the micro-batches per step, also the "refused" rules of spec.support)."""
     if plan.num_gpus != world_size:
         raise MeshplanError(
             f"plan needs {plan.num_gpus} processes (tp={plan.tp} x pp={plan.pp} x dp={plan.dp} x "
@@ -78,9 +81,10 @@ def check_supported(model: ModelSpec, plan: Plan, world_size: int, seq_len: int 
         raise MeshplanError(f"model {model.name}: tied embeddings with pp>1 are not supported yet "
                             "(the embedding and the output projection live on different stages)",
                             hint="use pp=1 or a model with tied_embeddings=false")
-    if plan.schedule in ("zero-bubble", "zbv") and plan.pp > 1 and n > 1:
-        raise MeshplanError(f"plan: schedule={plan.schedule} with dp*cp>1 gives wrong gradients on "
-                            "torch 2.13 (zero-bubble + FSDP/DDP)", hint="use interleaved-1f1b or dp=cp=1")
+    refused = [why for rule, why in runtime_violations(plan, micro) if rule.kind == "refused"] \
+        if micro is not None else []
+    if refused:  # the runtime's rules, shared with the search (spec.support)
+        raise MeshplanError("plan: " + "; ".join(refused))
     if plan.schedule == "zbv" and plan.pp > 1 and plan.virtual_stages != 2:
         raise MeshplanError("plan: schedule=zbv needs virtual_stages=2")
     if plan.stage_layers is not None and sum(plan.stage_layers) != model.num_layers:
