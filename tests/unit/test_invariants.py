@@ -79,13 +79,13 @@ def cases(draw, *, max_nodes: int = 8, min_layers: int = 2, min_heads: int = 8):
                 recompute=recompute, sequence_parallel=tp > 1, compile=draw(st.booleans()),
                 offload_params=zero == 3 and draw(st.integers(0, 5)) == 0)
     assume(not violations(model, cluster, plan, work))
-    assume(not runtime_violations(plan, microbatches(plan, work.global_batch)))
+    assume(not runtime_violations(plan, microbatches(plan, work.global_batch), model))
     return model, cluster, plan, work
 
 
 def _valid(model, cluster, plan, work) -> bool:
     return not violations(model, cluster, plan, work) and not runtime_violations(
-        plan, microbatches(plan, work.global_batch))
+        plan, microbatches(plan, work.global_batch), model)
 
 
 @SETTINGS
@@ -210,7 +210,7 @@ def test_every_top_plan_passes_the_runtime_checks_and_fits_with_headroom(case):
     for ranked in result.plans:
         p = ranked.plan
         assert violations(model, cluster, p, work) == []
-        assert runtime_violations(p, microbatches(p, work.global_batch)) == [], p.short()
+        assert runtime_violations(p, microbatches(p, work.global_batch), model) == [], p.short()
         assert ranked.export_only is None
         assert ranked.report.fits and not ranked.report.at_risk, p.short()
         assert ranked.report.peak_memory_gib * (1 + 0.092) <= ranked.report.usable_memory_gib * (1 + REL)

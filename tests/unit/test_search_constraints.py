@@ -92,7 +92,7 @@ def test_vectorised_masks_equal_scalar_predicates(case):
         assert masks[ZERO_BUBBLE_DP][i] == zb
         # the runtime's rules (spec.support): each vectorised mask equals its scalar rule
         micro = w.global_batch // (p.dp * p.micro_batch)
-        assert {n for n in RUNTIME_CHECKS if masks[n][i]} == {r.name for r, _ in runtime_violations(p, micro)}
+        assert {n for n in RUNTIME_CHECKS if masks[n][i]} == {r.name for r, _ in runtime_violations(p, micro, m)}
     fired = {name for name in CHECKS if masks[name].any()}
     assert len(fired) >= 9, f"random plans exercise too few predicates: {sorted(fired)}"
 

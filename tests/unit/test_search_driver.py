@@ -43,7 +43,7 @@ def _exhaustive_best(m, c, w, space):
     memory, short())."""
     best, fitting = None, 0
     for p in enumerate_space(m, c, w, space).plans():
-        if violations(m, c, p, w) or runtime_violations(p, microbatches(p, w.global_batch)):
+        if violations(m, c, p, w) or runtime_violations(p, microbatches(p, w.global_batch), m):
             continue
         r = estimate(m, c, p, w)
         if r.fits and not r.at_risk:

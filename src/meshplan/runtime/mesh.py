@@ -81,7 +81,7 @@ def check_supported(model: ModelSpec, plan: Plan, world_size: int, seq_len: int 
         raise MeshplanError(f"model {model.name}: tied embeddings with pp>1 are not supported yet "
                             "(the embedding and the output projection live on different stages)",
                             hint="use pp=1 or a model with tied_embeddings=false")
-    refused = [why for rule, why in runtime_violations(plan, micro) if rule.kind == "refused"] \
+    refused = [why for rule, why in runtime_violations(plan, micro, model) if rule.kind == "refused"] \
         if micro is not None else []
     if refused:  # the runtime's rules, shared with the search (spec.support)
         raise MeshplanError("plan: " + "; ".join(refused))

@@ -249,7 +249,7 @@ def _ranked(rank: int, scan: _Scan, row: int, model: ModelSpec, work: Workload,
     usd = float(usd_per_million_tokens(plan.num_gpus, scan.cluster.price_per_hour,
                                        report.step_time_s, work.tokens))
     return RankedPlan(rank=rank, plan=plan, cluster=scan.cluster, report=report, usd_per_mtok=usd,
-                      export_only=export_targets(plan, microbatches(plan, work.global_batch)))
+                      export_only=export_targets(plan, microbatches(plan, work.global_batch), model))
 
 
 def _pareto(scans: list[_Scan], which: np.ndarray, rows: np.ndarray,
@@ -295,7 +295,7 @@ def _examples(model: ModelSpec, work: Workload, scans: list[_Scan], names: list[
 
 def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload) -> str:
     if name in RUNTIME_CHECKS:
-        reason = RULES[name].why(plan, microbatches(plan, work.global_batch))
+        reason = RULES[name].why(plan, microbatches(plan, work.global_batch), model)
         return f"{plan.short()}: {reason or name}"
     reasons = dict(violations(model, cluster, plan, work))
     return f"{plan.short()}: {reasons.get(name, name)}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
 
 TARGETS = ("torchtitan", "megatron", "deepspeed")
@@ -36,25 +37,26 @@ class Rule:
     """'refused' or 'runs-as'."""
     targets: tuple[str, ...]
     """Export targets that run such a plan as planned (empty: none)."""
-    why: Callable[[Plan, int], str | None]
-    """(plan, micro-batches per step) -> None, or the one-line reason."""
+    why: Callable[[Plan, int, ModelSpec | None], str | None]
+    """(plan, micro-batches per step, model or None) -> None, or the one-line reason (rules on
+    the model's shape fire only when it is given)."""
 
 
-def _zero_bubble_dp(p: Plan, micro: int) -> str | None:
+def _zero_bubble_dp(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
     if p.schedule in SPLIT_BACKWARD and p.pp > 1 and p.dp * p.cp > 1:
         return (f"schedule={p.schedule} with dp*cp={p.dp * p.cp}: zero-bubble schedules with FSDP2/DDP give "
                 "wrong gradients on torch 2.13; use 1f1b/interleaved-1f1b, or no data parallelism")
     return None
 
 
-def _few_microbatches(p: Plan, micro: int) -> str | None:
+def _few_microbatches(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
     if p.pp > 1 and p.schedule in ("interleaved-1f1b", *SPLIT_BACKWARD) and micro < p.pp:
         return (f"schedule={p.schedule} needs at least pp={p.pp} micro-batches per step, got {micro} "
                 "(torch.distributed.pipelining); raise the global batch, lower micro_batch, or use 1f1b/gpipe")
     return None
 
 
-def _offload_optimizer_only(p: Plan, micro: int) -> str | None:
+def _offload_optimizer_only(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
     if p.offload_optimizer and not p.offload_params:
         return ("offload_optimizer without offload_params: FSDP2 has no optimizer-only offload, so the runtime "
                 "offloads the parameters too (other time and memory); DeepSpeed and Megatron offload the "
@@ -62,41 +64,55 @@ def _offload_optimizer_only(p: Plan, micro: int) -> str | None:
     return None
 
 
-def _fp8_tp(p: Plan, micro: int) -> str | None:
+def _fp8_tp(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
     if p.precision == "fp8" and p.tp > 1:
         return "precision=fp8 with tp > 1: the runtime's fp8 linears do not compose with its TP; it runs bf16"
     return None
 
 
-def _allreduce_sharded(p: Plan, micro: int) -> str | None:
+def _allreduce_sharded(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
     if p.grad_sync == "all-reduce" and p.zero >= 1:
         return "grad_sync=all-reduce with zero >= 1: the runtime (FSDP2) always reduce-scatters gradients"
     return None
 
 
-def _unfused_attention(p: Plan, micro: int) -> str | None:
+def _unfused_attention(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
     if not p.flash_attention:
         return "flash_attention=0: the runtime always runs fused attention (SDPA)"
     return None
 
 
-def _fused_loss(p: Plan, micro: int) -> str | None:
+def _fused_loss(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
     if p.fused_loss:
         return "fused_loss=1: the runtime computes an unfused cross-entropy (more memory at the loss)"
     return None
 
 
-def _p2p_sends(p: Plan, micro: int) -> str | None:
+def _p2p_sends(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
     if p.pp > 1 and p.tp > 1 and p.p2p_sharded != p.sequence_parallel:
         return (f"p2p_sharded={int(p.p2p_sharded)} with sequence_parallel={int(p.sequence_parallel)}: the "
                 "runtime's pipeline sends carry the sequence-parallel shard exactly when sequence_parallel=1")
     return None
 
 
-def _async_tp_eager(p: Plan, micro: int) -> str | None:
+def _async_tp_eager(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
     if p.async_tp and p.tp > 1 and not p.compile:
         return ("async_tp without compile: the overlap is an inductor pass, so the runtime compiles the blocks "
                 "(compile=1 costs)")
+    return None
+
+
+def _tied_pipeline(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
+    if m is not None and m.tied_embeddings and p.pp > 1 and p.schedule != "zbv":
+        return (f"model {m.name} ties its embedding to the output layer, which pp={p.pp} puts on different "
+                "stages: the runtime does not yet keep the two copies in sync (Megatron and DeepSpeed do)")
+    return None
+
+
+def _tp_vocab(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
+    if m is not None and p.tp > 1 and m.vocab_size % p.tp:
+        return (f"tp={p.tp} does not divide the vocabulary ({m.vocab_size}): the runtime shards the embedding and "
+                "the output layer evenly (Megatron pads the vocabulary)")
     return None
 
 
@@ -104,6 +120,8 @@ RULES: dict[str, Rule] = {r.name: r for r in (
     Rule("zero-bubble schedule with data parallel gives wrong gradients in torch 2.13", "refused", (),
          _zero_bubble_dp),
     Rule("too few micro-batches for the schedule", "refused", (), _few_microbatches),
+    Rule("tied embeddings under a pipeline", "refused", ("megatron", "deepspeed"), _tied_pipeline),
+    Rule("tp does not divide the vocabulary", "refused", ("megatron",), _tp_vocab),
     Rule("fp8 with tensor parallel", "runs-as", ("torchtitan", "megatron"), _fp8_tp),
     Rule("all-reduce gradient sync with sharding", "runs-as", ("deepspeed",), _allreduce_sharded),
     Rule("unfused attention", "runs-as", ("megatron",), _unfused_attention),
@@ -121,20 +139,21 @@ def microbatches(plan: Plan, global_batch: int) -> int:
     return global_batch // max(1, plan.dp * plan.micro_batch)
 
 
-def runtime_violations(plan: Plan, micro: int) -> list[tuple[Rule, str]]:
-    """Every (rule, reason) ``plan`` violates, in table order."""
+def runtime_violations(plan: Plan, micro: int, model: ModelSpec | None = None) -> list[tuple[Rule, str]]:
+    """Every (rule, reason) ``plan`` violates, in table order (with ``model``, also the rules on
+    its shape)."""
     out = []
     for rule in RULES.values():
-        reason = rule.why(plan, micro)
+        reason = rule.why(plan, micro, model)
         if reason:
             out.append((rule, reason))
     return out
 
 
-def export_targets(plan: Plan, micro: int) -> tuple[str, ...] | None:
+def export_targets(plan: Plan, micro: int, model: ModelSpec | None = None) -> tuple[str, ...] | None:
     """None when the runtime runs ``plan`` as planned; else the export targets that run it as
     planned (those common to every violated rule; empty when none does)."""
-    bad = runtime_violations(plan, micro)
+    bad = runtime_violations(plan, micro, model)
     if not bad:
         return None
     return tuple(t for t in TARGETS if all(t in rule.targets for rule, _ in bad))
