@@ -1,5 +1,6 @@
 """`meshplan train` end to end: metrics, estimate beside measurement, checkpoints, resume under
-another plan, a killed rank recovered by torchrun --max-restarts, and bad input."""
+another plan, a killed rank recovered by torchrun --max-restarts, a rank killed by SIGKILL reported
+in one line, DDP without its deprecation warning, and bad input (refused before launch)."""
 from __future__ import annotations
 
 import json
@@ -42,6 +43,7 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        "--checkpoint-dir", str(d / "ck"), "--metrics", str(d / "m.jsonl"))
     ok(p)
     (d / "stderr.txt").write_text(p.stderr)
+    (d / "stdout.txt").write_text(p.stdout)
     return d
 
 
@@ -61,6 +63,9 @@ def test_metrics_and_estimate(baseline: Path) -> None:
     assert [r for r in rows if r.get("kind") == "warning"] == [{"kind": "warning", "message": note}]
     assert summary["warnings"] == [note]
     assert (baseline / "stderr.txt").read_text().count("meshplan: warning: offload") == 1
+    label = "cost model for a `local-cpu` device; indicative only on CPU: gloo and Python overheads are not modelled"
+    assert summary["estimate"]["basis"] == label
+    assert f"estimated: {label}" in (baseline / "stdout.txt").read_text()
 
 
 def test_resume_under_other_plans(baseline: Path, tmp_path: Path) -> None:
@@ -113,6 +118,41 @@ def test_bad_input(baseline: Path, tmp_path: Path) -> None:
     one_error_line(meshplan_train("--model", "tiny-gpt2", "--global-batch", "8", "--plan", "dp=2", "--steps", "2",
                                   "--resume", "--checkpoint-dir", str(baseline / "ck")), "tiny-llama")
     one_error_line(meshplan_train(*COMMON, "--plan", "dp=2,micro_batch=3", "--steps", "2"), "not divisible")
+    one_error_line(meshplan_train(*COMMON, "--plan", "dp=2", "--steps", "2", "--lr=-1"),
+                   "--lr must be a finite number > 0")
+    one_error_line(meshplan_train(*COMMON, "--plan", "dp=2", "--steps", "2", "--metrics",
+                                  str(tmp_path / "none" / "m.jsonl")), "does not exist")
+    assert not (tmp_path / "none").exists()
+    ck = baseline / "ck"
+    one_error_line(meshplan_train(*COMMON, "--plan", FSDP, "--steps", "5", "--resume", "--checkpoint-dir", str(ck)),
+                   f"the checkpoint in {ck} is at step {STEPS}, --steps 5 asks for fewer", f"--steps > {STEPS}")
+
+
+def test_runs_that_cannot_fit_are_refused_before_launch() -> None:
+    """The estimate (every process on this machine counted) against MemAvailable: far beyond any host."""
+    one_error_line(meshplan_train("--model", "llama3-70b", "--plan", "dp=2", "--global-batch", "2", "--steps", "1"),
+                   "not enough host memory for llama3-70b with dp=2", "x 2 processes", "MemAvailable")
+    one_error_line(meshplan_train(*COMMON[:4], "--seq-len", "100000000", "--plan", "dp=2", "--steps", "1"),
+                   "not enough host memory", "x 100000000 tokens", "--seq-len")
+
+
+def test_rank_killed_by_sigkill_is_one_line() -> None:
+    """What the OOM killer does to a rank: SIGKILL. The launcher says so in one line, no traceback."""
+    p = meshplan_train(*COMMON, "--plan", "dp=2,precision=fp32", "--steps", "3",
+                       env=run_env(MESHPLAN_FAIL_AT="1:1:SIGKILL"))
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    last = [x for x in p.stderr.splitlines() if x.startswith("meshplan: error:")][-1]
+    assert last.startswith("meshplan: error: training failed: rank 1 was killed (SIGKILL"), last
+    assert "most likely out of host memory" in last and "GiB" in last
+
+
+def test_ddp_has_no_deprecation_warning() -> None:
+    """zero=0 (DDP) with Python's default warning filters: no FutureWarning from our DDP arguments."""
+    p = meshplan_train(*COMMON, "--plan", "dp=2,precision=fp32", "--steps", "2", env=run_env(PYTHONWARNINGS="default"))
+    ok(p)
+    assert "FutureWarning" not in p.stderr and "broadcast_buffers" not in p.stderr, p.stderr[-3000:]
+    assert "indicative only on CPU" in p.stdout
 
 
 def test_wrong_world_size_inside_torchrun_does_not_hang() -> None:

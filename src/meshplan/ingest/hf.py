@@ -38,6 +38,23 @@ MAX_DEFAULT_SEQ_LEN = 8192
 SEQ2SEQ_DEFAULT_SEQ_LEN = 512
 """Encoder-decoders without learned positions (T5): the pre-training length."""
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
+ARCH_FIELDS = (  # (what, the names families give it): the fields that define an architecture
+    ("hidden size", ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "model_dim")),
+    ("layers", ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers")),
+    ("attention heads", ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads")),
+    ("vocabulary", ("vocab_size",)),
+    ("MLP width", ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "ffn_hidden_size",
+                   "hidden_dim")),
+    ("experts", ("num_local_experts", "num_experts", "n_routed_experts")),
+    ("experts per token", ("num_experts_per_tok",)),
+    ("decoder layers", ("decoder_layers",)),
+    ("decoder attention heads", ("decoder_attention_heads",)),
+    ("decoder MLP width", ("decoder_ffn_dim",)),
+)
+"""A config that leaves one of these to the config class's default describes the class's default
+model, not the user's: ingestion refuses it (``missing_arch_fields``). A family is asked only for
+the names its config class takes (its ``__init__`` parameters, or their ``attribute_map`` aliases),
+and not for one whose default is None (derived from the others: GPT-2's ``n_inner`` = 4 x n_embd)."""
 
 
 def _transformers():
@@ -96,6 +113,11 @@ def load_config(src: Source) -> Any:
     if mt not in CONFIG_MAPPING:
         raise MeshplanError(f"{str(src.path)!r}: model_type {mt!r} is not known to transformers {tf.__version__}",
                             hint="upgrade transformers or use a module: source")
+    missing = missing_arch_fields(CONFIG_MAPPING[mt], data)
+    if missing:
+        raise MeshplanError(f"{str(src.path)!r}: the config does not define the architecture: missing "
+                            f"{', '.join(missing)} (model_type {mt!r})",
+                            hint="add them to the config (transformers would take its own defaults, a different model)")
     kw = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
     try:
         with quiet_transformers():
@@ -103,6 +125,45 @@ def load_config(src: Source) -> Any:
     except Exception as e:  # noqa: BLE001 - any config error becomes one line
         raise MeshplanError(f"{str(src.path)!r}: transformers rejects the config: {_one_line(e)}",
                             hint="fix the field it names") from None
+
+
+def missing_arch_fields(config_cls: type, data: dict[str, Any]) -> list[str]:
+    """The architecture fields (ARCH_FIELDS) ``config_cls`` takes that ``data`` (a config.json)
+    does not give, each by the family's own name."""
+    import inspect
+
+    try:
+        params = inspect.signature(config_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return []
+    aliases = dict(getattr(config_cls, "attribute_map", {}) or {})  # canonical name -> the family's
+    given = set(data) | {aliases[k] for k in data if k in aliases}
+    missing = []
+    for _, names in ARCH_FIELDS:
+        taken = [n for n in names if n in params]
+        if not taken or all(params[n].default is None for n in taken):
+            continue  # the family has no such field, or derives it from the others
+        if not any(n in given for n in taken):
+            missing.append(taken[0])
+    return missing
+
+
+def check_seq_len(config: Any, seq_len: int, path: str = "") -> None:
+    """``seq_len`` against the config's maximum positions, where the model has a table of them
+    (learned positions: GPT-2, BERT, BART, OPT; precomputed tables: GPT-J): a longer sequence would
+    index past it. Rotary models that compute their angles per position (``rope_parameters`` /
+    ``rope_theta``) have no such limit."""
+    if getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None):
+        return
+    for key in _POSITION_KEYS:
+        v = getattr(config, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            if seq_len > v:
+                where = f"{path!r}: " if path else ""
+                key = (getattr(config, "attribute_map", None) or {}).get(key, key)  # GPT-2: n_positions
+                raise MeshplanError(f"{where}seq_len {seq_len} exceeds the model's {v} positions ({key})",
+                                    hint=f"use --seq-len <= {v}, or raise {key} in the config")
+            return
 
 
 def pick_class(config: Any, path: str) -> tuple[type, str]:
@@ -183,6 +244,8 @@ def vocab_size(config: Any) -> int:
 def make_batch_fn(config: Any, task: str, cls: type, seq_len: int, device: str, dtype: torch.dtype):
     """batch_size -> Batch of synthetic inputs and labels for the task (deterministic, seed 0)."""
     image = "pixel_values" in _forward_params(cls)
+    if not image:
+        check_seq_len(config, seq_len)
 
     def make(batch_size: int, seed: int = 0) -> Batch:
         g = torch.Generator().manual_seed(seed)

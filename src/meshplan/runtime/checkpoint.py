@@ -68,8 +68,9 @@ def read_meta(directory: str | Path) -> dict[str, Any] | None:
         raise MeshplanError(f"checkpoint {directory}: cannot read {META}: {e}") from None
 
 
-def check_resumable(directory: str | Path, model_spec: Any) -> int:
-    """The step to resume from, or a one-line MeshplanError (missing dir, other model)."""
+def check_resumable(directory: str | Path, model_spec: Any, steps: int | None = None) -> int:
+    """The step to resume from, or a one-line MeshplanError (missing dir, other model, and with
+    ``steps``, the run's --steps, a checkpoint already at or past them: nothing left to train)."""
     d = Path(directory)
     if not d.is_dir():
         raise MeshplanError(f"--resume: checkpoint directory {d} does not exist",
@@ -85,7 +86,15 @@ def check_resumable(directory: str | Path, model_spec: Any) -> int:
         raise MeshplanError(f"--resume: checkpoint in {d} is of model {theirs.get('name')!r}, not "
                             f"{mine.get('name')!r} (differs in {', '.join(diff)})",
                             hint="resume with the model it was saved from, or use a new --checkpoint-dir")
-    return int(meta["step"])
+    try:
+        step = int(meta["step"])
+    except (KeyError, TypeError, ValueError):
+        raise MeshplanError(f"checkpoint {d}: {META} has no step", hint="use a new --checkpoint-dir") from None
+    if steps is not None and steps <= step:
+        asks = "fewer" if steps < step else "no more"
+        raise MeshplanError(f"--resume: the checkpoint in {d} is at step {step}, --steps {steps} asks for {asks}",
+                            hint=f"pass --steps > {step} (--steps counts all the steps, the resumed ones included)")
+    return step
 
 
 def save(trainer: Any, directory: str | Path) -> Path:

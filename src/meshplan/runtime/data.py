@@ -46,6 +46,8 @@ def global_batch(step: int, *, batch: int, seq_len: int, vocab: int, seed: int =
     if source == "synthetic":
         return torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
     corpus = corpus_bytes()
+    if corpus.numel() <= seq_len + 1:  # rows as long as the corpus (256 Ki tokens): read it round and round
+        corpus = corpus.repeat(-(-2 * (seq_len + 1) // corpus.numel()))
     starts = torch.randint(0, corpus.numel() - seq_len - 1, (batch,), generator=gen)
     rows = torch.stack([corpus[s:s + seq_len + 1] for s in starts.tolist()]).long()
     return rows % vocab  # byte-level tokenizer: token = byte (folded when vocab < 256)

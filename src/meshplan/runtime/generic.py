@@ -611,7 +611,8 @@ def parallelize_generic(built: Built, plan: Plan, mesh: RuntimeMesh | None, devi
             dp_mode = "manual"
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
-            run = [DDP(p, process_group=mesh.dp_group, broadcast_buffers=False, find_unused_parameters=True)
+            from meshplan.runtime.parallelize import ddp_no_buffer_sync  # forward_sync_buffers on torch >= 2.13
+            run = [DDP(p, process_group=mesh.dp_group, find_unused_parameters=True, **ddp_no_buffer_sync())
                    for p in parts]
             dp_mode = "ddp"
     if dp_mode == "fsdp":
@@ -904,8 +905,10 @@ def estimate_for(job: GenericJob, device_type: str) -> dict[str, Any]:
         r = estimate_graph(graph, cluster, job.plan, graph_workload(graph, job.global_batch))
     except MeshplanError as e:
         return {"error": str(e)}
-    return {"cluster": cluster.name, "step_time_s": r.step_time_s, "peak_memory_gib": r.peak_memory_gib,
-            "tokens_per_s": r.tokens_per_s, "activations_gib": r.memory.get("activations")}
+    from meshplan.runtime.launch import estimate_basis
+    return {"cluster": cluster.name, "basis": estimate_basis(cluster.name), "step_time_s": r.step_time_s,
+            "peak_memory_gib": r.peak_memory_gib, "tokens_per_s": r.tokens_per_s,
+            "activations_gib": r.memory.get("activations")}
 
 
 def launch(job: GenericJob, worker_argv: list[str]) -> int:

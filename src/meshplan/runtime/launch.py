@@ -1,17 +1,23 @@
 """`meshplan train`: start torchrun (or run inside it), train, checkpoint, measure, compare.
 
-``launch`` runs ``python -m torch.distributed.run ... -m meshplan.cli.train_cmd ARGS`` with the
-same arguments; inside torchrun ``worker_main`` trains on every rank. A one-process plan runs
-in the calling process (no torchrun, no process group).
+``launch`` checks the request (``check_job``, with the pre-flight checks of ``preflight``: learning
+rate, output paths, positions, memory) and runs ``python -m meshplan.runtime.launch ... -m
+meshplan.cli.train_cmd ARGS``: torchrun's own launcher (``torch.distributed.run``), in a process that
+reports a failed rank in one line (``failure_message``: killed by a signal, exit code) instead of
+torchrun's ChildFailedError traceback. Inside torchrun ``worker_main`` trains on every rank. A
+one-process plan runs in the calling process (no torchrun, no process group).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +37,11 @@ CUDA_PRESETS = (("H200", "h200-sxm-141gb"), ("H100", "h100-sxm-80gb"), ("A100-SX
                 ("A100", "a100-sxm-80gb"), ("B200", "b200-sxm-192gb"), ("L40S", "l40s-48gb"),
                 ("V100", "v100-sxm-32gb"))
 """CUDA device-name fragments -> GPU presets for the estimate printed beside the measurement."""
+FAILURE_ENV = "MESHPLAN_TORCHRUN_FAILURE"
+"""Where the torchrun wrapper (``torchrun_main``) writes the failed ranks as JSON for the launcher."""
+CPU_ESTIMATE_BASIS = ("cost model for a `local-cpu` device; indicative only on CPU: gloo and Python overheads "
+                      "are not modelled")
+"""The label of the estimate printed beside a CPU measurement (text and summary record)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,12 +76,16 @@ class Job:
 
 
 def check_job(job: Job) -> None:
-    """Bad input, caught before anything starts: one-line MeshplanErrors."""
+    """Bad input, caught before anything starts: one-line MeshplanErrors. Ends with the memory
+    pre-flight check (preflight.check_memory: the cost model's estimate against host memory on
+    CPU, every process of the node counted, or against the GPU's memory)."""
     from meshplan.runtime import mesh as mesh_mod  # imports torch; only reached by `train`
-    mesh_mod.check_supported(job.model, job.plan, job.world_size, job.seq_len)
-    if job.seq_len > (job.model.max_position_embeddings or job.seq_len) and job.model.position == "learned":
-        raise MeshplanError(f"--seq-len {job.seq_len} exceeds the model's "
-                            f"{job.model.max_position_embeddings} positions")
+    from meshplan.runtime import preflight
+    preflight.check_lr(job.lr)
+    preflight.check_output_file("--metrics", job.metrics)
+    mesh_mod.check_supported(job.model, job.plan, job.world_size, job.seq_len,
+                             micro=job.global_batch // max(1, job.plan.dp * job.plan.micro_batch))
+    preflight.check_seq_len(job.model, job.seq_len)
     from meshplan.runtime.train import RunConfig, microbatches
     microbatches(RunConfig(model=job.model, plan=job.plan, global_batch=job.global_batch,
                            seq_len=job.seq_len, steps=job.steps))
@@ -78,13 +93,30 @@ def check_job(job: Job) -> None:
         if not job.checkpoint_dir:
             raise MeshplanError("--resume needs --checkpoint-dir")
         from meshplan.runtime.checkpoint import check_resumable
-        check_resumable(job.checkpoint_dir, job.model)
+        check_resumable(job.checkpoint_dir, job.model, steps=job.steps)
+    else:
+        preflight.check_output_dir("--checkpoint-dir", job.checkpoint_dir)
     if job.checkpoint_every and not job.checkpoint_dir:
         raise MeshplanError("--checkpoint-every needs --checkpoint-dir")
+    check_memory(job)
+
+
+def check_memory(job: Job) -> Any:
+    """preflight.check_memory for this job on this machine (CUDA: device 0's memory)."""
+    from meshplan.runtime import preflight
+    import torch
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return preflight.check_memory(job.model, job.plan, job.global_batch, job.seq_len,
+                                      nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, device_type="cuda",
+                                      available_gib=props.total_memory / 2**30, device_name=props.name)
+    return preflight.check_memory(job.model, job.plan, job.global_batch, job.seq_len,
+                                  nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, device_type="cpu")
 
 
 def torchrun_argv(job: Job, worker_argv: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={job.nproc_per_node}",
+    """torchrun's command line for the job, through ``torchrun_main`` (this module as a script)."""
+    cmd = [sys.executable, "-m", "meshplan.runtime.launch", f"--nproc-per-node={job.nproc_per_node}",
            f"--nnodes={job.nnodes}", f"--max-restarts={job.max_restarts}"]
     if job.nnodes == 1 and not job.rdzv_endpoint:
         cmd.append("--standalone")
@@ -98,18 +130,103 @@ def launch(job: Job, worker_argv: list[str]) -> int:
     check_job(job)
     if job.world_size == 1:
         return worker_main(job)
-    return run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s)
+    return run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s, memory=memory_context(job))
 
 
-def run_torchrun(argv: list[str], pg_timeout_s: float) -> int:
+def memory_context(job: Job) -> str:
+    """What a rank killed by SIGKILL is told about memory: the estimate beside what there is."""
+    from meshplan.runtime import preflight
+    try:
+        est = preflight.memory_estimate(job.model, job.plan, job.global_batch, job.seq_len)
+    except Exception:  # noqa: BLE001 - only words for an error message
+        est = None
+    avail = preflight.mem_available_gib()
+    parts = []
+    if est is not None:
+        parts.append(f"the cost model estimated {est.mean_gib * job.nproc_per_node:.1f} GiB for the "
+                     f"{job.nproc_per_node} processes of this node")
+    if avail is not None:
+        parts.append(f"{avail:.1f} GiB was available at launch")
+    return ", ".join(parts)
+
+
+def run_torchrun(argv: list[str], pg_timeout_s: float, *, memory: str = "") -> int:
     """Run a torchrun command line (one thread per process, the process-group timeout passed on);
-    a failure raises. Shared by this runtime and runtime.generic."""
+    a failure raises one line saying which rank failed and how (``failure_message``). ``argv``:
+    ``torchrun_argv`` (through ``torchrun_main``; a plain ``torch.distributed.run`` line is run
+    through it too). ``memory``: said when a rank was killed by SIGKILL. Shared by this runtime and
+    runtime.generic."""
+    if argv[1:3] == ["-m", "torch.distributed.run"]:
+        argv = [argv[0], "-m", "meshplan.runtime.launch", *argv[3:]]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["MESHPLAN_PG_TIMEOUT"] = str(pg_timeout_s)
-    rc = subprocess.call(argv, env=env)
+    with tempfile.TemporaryDirectory(prefix="meshplan-torchrun-") as tmp:
+        report = Path(tmp) / "failure.json"
+        env[FAILURE_ENV] = str(report)
+        rc = subprocess.call(argv, env=env)
+        failures = None
+        if rc != 0 and report.is_file():
+            try:
+                failures = json.loads(report.read_text())
+            except (OSError, ValueError):
+                failures = None
     if rc != 0:
-        raise MeshplanError(f"training failed (torchrun exit code {rc}); see the rank errors above")
+        raise MeshplanError(failure_message(failures, rc, memory))
+    return 0
+
+
+def signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def failure_message(failures: list[dict[str, Any]] | None, rc: int, memory: str = "") -> str:
+    """One line for a failed torchrun job. ``failures``: [{rank, exitcode, ...}], the first failure
+    first (torchrun_main); a negative exit code is the signal that killed the rank."""
+    if not failures:
+        if rc < 0:
+            return f"training failed: torchrun was killed ({signal_name(-rc)})"
+        return f"training failed (torchrun exit code {rc}); see the rank errors above"
+    first = failures[0]
+    rank, code = first.get("rank"), int(first.get("exitcode", 1))
+    others = len(failures) - 1
+    also = f"; {others} other rank{'s' if others > 1 else ''} stopped with it" if others else ""
+    if code < 0:
+        sig = signal_name(-code)
+        if -code == signal.SIGKILL:
+            why = ("most likely out of host memory (the kernel's OOM killer sends SIGKILL; "
+                   "`dmesg` or `journalctl -k` says so)")
+            more = f": {memory}" if memory else ""
+            return (f"training failed: rank {rank} was killed ({sig}{also}), {why}{more}; try fewer processes, "
+                    "a smaller model, a shorter --seq-len, a smaller micro_batch, zero=3 or recompute=full")
+        if -code in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            return f"training failed: rank {rank} was terminated from outside ({sig}{also})"
+        return f"training failed: rank {rank} crashed ({sig}{also}); see its output above"
+    return f"training failed: rank {rank} exited with code {code}{also}; see the rank errors above"
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """``python -m meshplan.runtime.launch TORCHRUN-ARGS``: torch.distributed.run with the same
+    arguments; a failed job writes its failed ranks to $MESHPLAN_TORCHRUN_FAILURE (JSON, the first
+    failure first) and exits 1 without torchrun's ChildFailedError traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        first, _ = e.get_first_failure()
+        ranks = [first] + sorted(r for r in e.failures if r != first)
+        failures = [{"rank": r, "local_rank": e.failures[r].local_rank, "exitcode": e.failures[r].exitcode,
+                     "pid": e.failures[r].pid} for r in ranks]
+        path = os.environ.get(FAILURE_ENV)
+        if path:
+            Path(path).write_text(json.dumps(failures))
+        else:  # run by hand: say it here
+            print(f"meshplan: error: {failure_message(failures, 1)}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -117,11 +234,34 @@ def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+"""gloo's words for a collective whose peer process is gone."""
+
+
+def lost_peer_message(e: BaseException) -> str | None:
+    """Inside torchrun: one line for a rank whose collective failed because another rank died (gloo:
+    connection closed/reset by peer), or that timed out waiting for the others; None for anything
+    else (a traceback is then the right report). The launcher says which rank died and why."""
+    if not in_torchrun() or "torch" not in sys.modules:
+        return None
+    import torch.distributed as dist
+    text = str(e).strip()
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(e).__name__)  # gloo's [file:line]
+    first = first.split(". ")[0]
+    rank = os.environ.get("RANK", "?")
+    if any(w in text for w in PEER_LOST):
+        return (f"rank {rank} stopped: another rank of the job is gone ({type(e).__name__}: "
+                f"{first[:200]})")
+    if isinstance(e, dist.DistError) and "timeout" in text.lower():
+        return (f"rank {rank} stopped: a collective timed out (--pg-timeout); another rank is stuck or gone "
+                f"({type(e).__name__}: {first[:200]})")
+    return None
+
+
 # ---- inside a rank ---------------------------------------------------------------------------
 def local_cluster(nproc: int, device_type: str) -> Any:
     """A ClusterSpec of this machine for the cost model: a GPU preset on CUDA, a measured CPU
     'GPU' (one process = one device) otherwise."""
-    from meshplan.spec.cluster import ClusterSpec, GPUSpec, default_links
     from meshplan.spec.io import parse_cluster_shorthand
     if device_type == "cuda":
         import torch
@@ -129,16 +269,8 @@ def local_cluster(nproc: int, device_type: str) -> Any:
         for frag, preset in CUDA_PRESETS:
             if frag in name:
                 return parse_cluster_shorthand(f"{preset}:1x{nproc}")
-    flops = cpu_tflops()
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    gpu = GPUSpec(name="local-cpu", vendor_name="this machine's CPU, one core per process",
-                  peak_tflops={"fp32": flops, "bf16": flops, "fp16": flops}, memory_gib=mem,
-                  hbm_bandwidth_gbps=CPU_MEMORY_BANDWIDTH_GBPS, intra_node_bandwidth_gbps=LOOPBACK_GBPS,
-                  intra_node_link="pcie", default_nic_gbps=LOOPBACK_GBPS, gemm_efficiency=1.0,
-                  source="measured fp32 matmul rate of one thread")
-    intra, inter = default_links(gpu)
-    return ClusterSpec(name=f"local-cpu:{nproc}", gpu=gpu, num_nodes=1, gpus_per_node=nproc,
-                       intra_node=intra, inter_node=inter)
+    from meshplan.runtime.preflight import cpu_cluster
+    return cpu_cluster(nproc, cpu_tflops())
 
 
 def cpu_tflops(seconds: float = 0.2) -> float:
@@ -152,6 +284,14 @@ def cpu_tflops(seconds: float = 0.2) -> float:
     return 2 * 256**3 * n / (time.perf_counter() - t0) / 1e12
 
 
+def estimate_basis(cluster_name: str) -> str:
+    """What the estimate beside a measurement is: on CPU, the cost model for a `local-cpu` device,
+    indicative only; on GPUs, the cost model for the device's GPU preset."""
+    if cluster_name.startswith("local-cpu"):
+        return CPU_ESTIMATE_BASIS
+    return f"cost model for {cluster_name} (the GPU preset of this device)"
+
+
 def estimate_for(job: Job, device_type: str) -> dict[str, Any]:
     from meshplan.cost import estimate
     try:
@@ -159,8 +299,8 @@ def estimate_for(job: Job, device_type: str) -> dict[str, Any]:
         r = estimate(job.model, cluster, job.plan, Workload(global_batch=job.global_batch, seq_len=job.seq_len))
     except MeshplanError as e:
         return {"error": str(e)}
-    return {"cluster": cluster.name, "step_time_s": r.step_time_s, "peak_memory_gib": r.peak_memory_gib,
-            "tokens_per_s": r.tokens_per_s}
+    return {"cluster": cluster.name, "basis": estimate_basis(cluster.name), "step_time_s": r.step_time_s,
+            "peak_memory_gib": r.peak_memory_gib, "tokens_per_s": r.tokens_per_s}
 
 
 def _write(path: str | None, record: dict[str, Any]) -> None:
@@ -180,8 +320,11 @@ def summary_text(measured: dict[str, Any], est: dict[str, Any]) -> str:
         lines.append(f"{label:24}{fmt.format(m) if m is not None else '-':>14}"
                      f"{fmt.format(e) if e is not None else '-':>14}")
     if est.get("cluster"):
-        lines.append(f"(estimate on cluster {est['cluster']}; measured step time: median after the first step;"
-                     f" CPU memory is the process's peak RSS)")
+        basis = est.get("basis") or estimate_basis(est["cluster"])
+        lines.append(f"estimated: {basis} (cluster {est['cluster']})")
+        cpu = est["cluster"].startswith("local-cpu")
+        lines.append("measured: step time is the median after the first step"
+                     + ("; memory is each process's peak RSS" if cpu else ""))
     return "\n".join(lines)
 
 
@@ -260,6 +403,10 @@ def worker_main(job: Job) -> int:
 
 
 def metrics_path(path: str | None) -> str | None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return path
+    """--metrics, checked: a file in an existing, writable directory (no directory is created)."""
+    from meshplan.runtime.preflight import check_output_file
+    return check_output_file("--metrics", path)
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main(sys.argv[1:]))

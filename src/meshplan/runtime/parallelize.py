@@ -276,7 +276,21 @@ def apply_data_parallel(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh,
         return parts, "manual"                            # asserts on stages with few parameters (torch 2.13)
     from torch.nn.parallel import DistributedDataParallel as DDP
     # no buffer broadcast: the rotary tables are the same on every rank (or per cp rank, by design)
-    return [DDP(p, process_group=mesh.dp_group, broadcast_buffers=False) for p in parts], "ddp"
+    return [DDP(p, process_group=mesh.dp_group, **ddp_no_buffer_sync()) for p in parts], "ddp"
+
+
+def ddp_no_buffer_sync() -> dict[str, bool]:
+    """DDP's argument for 'do not broadcast buffers before each forward'. torch 2.13 deprecates
+    ``broadcast_buffers`` (a FutureWarning on every rank) for ``forward_sync_buffers``, which still
+    broadcasts them once at construction: harmless here, buffers are equal on every rank then (the
+    same seed; the per-cp-rank rotary tables are plain attributes, see context_parallel.apply_cp).
+    Older torch: ``broadcast_buffers=False``."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 # ---- features that need hardware this run may lack --------------------------------------------

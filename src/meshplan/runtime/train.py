@@ -349,13 +349,17 @@ def timed_step(trainer: Trainer) -> StepRecord:
 
 
 def maybe_fail(step: int) -> None:
-    """Test hook: MESHPLAN_FAIL_AT=RANK:STEP kills RANK once STEP steps are done, on the first attempt only."""
+    """Test hook: MESHPLAN_FAIL_AT=RANK:STEP kills RANK once STEP steps are done, on the first attempt only
+    (exit code 17; RANK:STEP:SIGKILL: that signal, as the kernel's OOM killer would)."""
     spec = os.environ.get(FAIL_ENV)
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    rank, at = (int(v) for v in spec.split(":"))
-    if dist.is_initialized() and dist.get_rank() == rank and step == at:
+    rank, at, *how = spec.split(":")
+    if dist.is_initialized() and dist.get_rank() == int(rank) and step == int(at):
         print(f"meshplan: fault injection: rank {rank} exits after {step} steps", file=sys.stderr, flush=True)
+        if how:
+            import signal
+            os.kill(os.getpid(), getattr(signal, how[0]))
         os._exit(17)
 
 
