@@ -32,6 +32,8 @@ LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
 FORCED = [("llama_pp", "llama", "pp=2,schedule=1f1b,micro_batch=1"),
           ("llama_tp", "llama", "tp=2,micro_batch=2"),
           ("llama_fsdp_ac", "llama", "dp=2,zero=3,micro_batch=1,recompute=full"),
+          ("llama_zero1_ga", "llama", "dp=2,zero=1,micro_batch=1"),  # 2 micro-batches: one reduce-scatter
+          ("vit_zero2_ga", "vit", "dp=2,zero=2,micro_batch=1"),  # 2 micro-batches: params kept gathered
           ("cnn_pp", "cnn", "pp=2,schedule=gpipe,micro_batch=1"),
           ("vit_pp_interleaved", "vit", "pp=2,virtual_stages=2,schedule=interleaved-1f1b,micro_batch=1"),
           ("vit_ddp", "vit", "dp=2,zero=0,micro_batch=1"),

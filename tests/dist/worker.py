@@ -1,25 +1,36 @@
 """Runs inside torchrun: several plans, one after another, each compared with the single-process
-reference on the same global batch (losses per step and final weights). Writes one JSON result
-per rank and case to OUT_DIR; the pytest side checks every rank's marker.
+runs on the same global batch (losses and gradient norms per step, final weights). Writes one JSON
+result per rank and case to OUT_DIR; the pytest side checks every rank's marker and the tolerances.
+
+Single-process references per model: the fp32 run on the whole batch (what the distributed run
+must reproduce), the same with gradient accumulation over 2 and over B micro-batches (the same sums
+in other orders: together they show how far correct fp32 arithmetic strays on this CPU), and the
+float64 run from the same fp32 initial weights (the exact result, to rounding far below fp32's).
+The distributed and the single-process errors are both measured against float64
+(test_parity.check_errors explains the bound).
 
 usage: torchrun --nproc-per-node N tests/dist/worker.py OUT_DIR CASES_JSON
 CASES_JSON: [{"name", "model", "overrides": {...}, "plan", "global_batch", "steps"}, ...]
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from worker_main import main
 
 from meshplan.runtime.mesh import build_mesh, check_supported
-from meshplan.runtime.train import RunConfig, Trainer, reference_run
+from meshplan.runtime.train import RunConfig, Trainer, clean_fqn
 from meshplan.spec.io import load_model, parse_plan
+from meshplan.spec.plan import Plan
 
-_REF_CACHE: dict[str, tuple[list[float], list[float], dict[str, torch.Tensor]]] = {}
+Ref = tuple[list[float], list[float], dict[str, torch.Tensor]]
+_REF_CACHE: dict[str, tuple[list[Ref], Ref]] = {}
 
 
 NOISE_ONLY = (".attention.wk.bias",)
@@ -29,7 +40,73 @@ so they are compared with an absolute tolerance instead."""
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def single_run(cfg: RunConfig, micro_batch: int, fp64: bool = False) -> Ref:
+    """One process, the whole global batch in micro-batches of ``micro_batch`` rows: losses,
+    gradient norms, final weights. ``fp64``: the fp32 initial weights cast exactly to float64 (the
+    same starting point), then every op, the loss (models.loss_fn keeps float64) and AdamW in
+    float64; the gradient norm goes through the trainer's fp32 accumulator (rounding 6e-8)."""
+    t = Trainer(dataclasses.replace(cfg, plan=Plan(micro_batch=micro_batch, precision="fp32")),
+                None, torch.device("cpu"))
+    if fp64:
+        for part in t.par.parts:
+            part.double()  # replaces param.data: the optimizer and the trainer keep the same Parameters
+    losses, norms = [], []
+    for _ in range(cfg.steps):
+        losses.append(t.train_step())
+        norms.append(float(t.grad_norm))  # type: ignore[arg-type]
+    weights = {clean_fqn(n): p.detach().clone() for part in t.par.parts for n, p in part.named_parameters()}
+    return losses, norms, weights
+
+
+def references(cfg: RunConfig) -> tuple[list[Ref], Ref]:
+    """fp32 runs with 1, 2 and B micro-batches (the first is ``train.reference_run``'s), float64."""
+    b = cfg.global_batch
+    return [single_run(cfg, mb) for mb in dict.fromkeys((b, max(b // 2, 1), 1))], single_run(cfg, b, fp64=True)
+
+
+class CommCounter:
+    """Counts FSDP2's collectives (it calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``
+    at run time) while the trainer's forward/backward runs: per step, [all-gathers, reduce-scatters]."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.steps: list[list[int]] = []
+        self._on = False
+        self._orig = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+        for i, name in enumerate(self._orig):
+            setattr(dist, name, self._wrap(self._orig[name], i))
+        fb = trainer._forward_backward
+
+        def counted(*args: Any) -> torch.Tensor:
+            self.steps.append([0, 0])
+            self._on = True
+            try:
+                return fb(*args)
+            finally:
+                self._on = False
+        trainer._forward_backward = counted  # type: ignore[method-assign]
+
+    def _wrap(self, fn: Any, i: int) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if self._on:
+                self.steps[-1][i] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    def close(self) -> None:
+        for name, fn in self._orig.items():
+            setattr(dist, name, fn)
+
+
+def fsdp_groups(trainer: Trainer) -> int:
+    """FSDP parameter groups of this rank that communicate (a one-rank shard group, as experts'
+    with ep = dp, all-gathers and reduce-scatters nothing): one all-gather / reduce-scatter each."""
+    from torch.distributed.fsdp import FSDPModule
+    return sum(g.mesh_info.shard_mesh_size > 1 for part in trainer.par.parts for m in part.modules()
+               if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups)
 
 
 def run_case(case: dict, device: torch.device) -> dict:
@@ -41,31 +118,44 @@ def run_case(case: dict, device: torch.device) -> dict:
     key = json.dumps([case["model"], case.get("overrides", {}), case["global_batch"], cfg.seq_len,
                       case["steps"], plan.precision, plan.recompute != "none"])
     if key not in _REF_CACHE:
-        _REF_CACHE[key] = reference_run(cfg, cfg.steps)
-    ref_losses, ref_norms, ref_w = _REF_CACHE[key]
+        _REF_CACHE[key] = references(cfg)
+    singles, (x_losses, x_norms, x_w) = _REF_CACHE[key]
+    ref_losses, ref_norms, ref_w = singles[0]
     mesh = build_mesh(plan, device.type)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, mesh, device)
+    counter = CommCounter(trainer)
     losses, norms = [], []
-    for _ in range(cfg.steps):
-        losses.append(trainer.train_step())
-        norms.append(float(trainer.grad_norm))
+    try:
+        for _ in range(cfg.steps):
+            losses.append(trainer.train_step())
+            norms.append(float(trainer.grad_norm))
+    finally:
+        counter.close()
     weights = trainer.full_weights()
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     norm_err = max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms))
-    w_err = max(rel(weights[k], ref_w[k]) for k in weights if not k.endswith(NOISE_ONLY))
+    dense = [k for k in weights if k in ref_w and not k.endswith(NOISE_ONLY)]
+    w_err = max(rel(weights[k], ref_w[k]) for k in dense)
     noise_err = max([float((weights[k] - ref_w[k]).abs().max()) for k in weights if k.endswith(NOISE_ONLY)],
                     default=0.0)
     missing = [k for k in weights if k not in ref_w]
-    per_param = {k: rel(weights[k], ref_w[k]) for k in weights if k in ref_w and not k.endswith(NOISE_ONLY)}
+    per_param = {k: rel(weights[k], ref_w[k]) for k in dense}
     worst = sorted(per_param, key=per_param.get)[-3:]
     return {"name": case["name"], "ok": True, "losses": losses, "ref_losses": ref_losses,
             "loss_rel_err": loss_err, "grad_norm_rel_err": norm_err, "norms": norms, "ref_norms": ref_norms,
             "weight_rel_err": w_err, "noise_param_abs_err": noise_err,
+            # against float64: the distributed run ("dist") and the single-process fp32 run ("single")
+            "exact_losses": x_losses, "exact_norms": x_norms,
+            "single_losses": [s[0] for s in singles], "single_norms": [s[1] for s in singles],
+            "w_err_dist": {k: rel(weights[k], x_w[k]) for k in dense},
+            "w_err_single": {k: max(rel(s[2][k], x_w[k]) for s in singles) for k in dense},
+            "w_numel": {k: weights[k].numel() for k in dense},
             "params": sorted(weights),
             "ref_params": sorted(ref_w), "unknown_params": missing,
             "worst": {k: per_param[k] for k in worst}, "notes": trainer.par.notes,
-            "seconds": time.perf_counter() - t0}
+            "comms": counter.steps, "fsdp_groups": fsdp_groups(trainer), "micro_batches": trainer.n_micro,
+            "dp_mode": trainer.par.dp_mode, "seconds": time.perf_counter() - t0}
 
 
 if __name__ == "__main__":

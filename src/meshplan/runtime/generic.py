@@ -23,7 +23,10 @@ head). The plan is applied in the order of the transformer runtime (parallelize.
 3. recompute        full: ``checkpoint_wrapper`` per block (the first ``recompute_layers`` of each stage);
 4. data parallel    zero=0: DDP (a flattened manual all-reduce under TP or PP); zero 1-3: FSDP2
                     ``fully_shard`` per block, then the model/stage, on the (replicate, shard) mesh for
-                    HSDP; zero=3 reshards after forward (not under PP);
+                    HSDP; zero=3 reshards after forward (not under PP); gradient accumulation per
+                    ZeRO level as in parallelize.py (zero=1: unsharded accumulation, one
+                    reduce-scatter per step; zero=2: parameters kept gathered, reduce-scatter per
+                    micro-batch);
 5. precision        FSDP2 MixedPrecisionPolicy, else autocast (fp32: nothing).
 
 Not run (one-line refusal before anything starts): cp > 1, ep > 1, sequence_parallel,
@@ -618,7 +621,7 @@ def parallelize_generic(built: Built, plan: Plan, mesh: RuntimeMesh | None, devi
     if dp_mode == "fsdp":
         autocast = None
     out = GenericParallel(parts=parts, run_modules=run, stage_ids=stage_ids, dp_mode=dp_mode, autocast=autocast,
-                          notes=notes)
+                          notes=notes, zero=plan.zero)
     if plan.pp > 1:
         for st in parts:
             assert isinstance(st, StageModule)
@@ -732,8 +735,8 @@ class GenericTrainer:
         mb = n // self.n_micro
         for i in range(self.n_micro):
             part = take(b, i * mb, (i + 1) * mb, n)
-            defer = self.par.dp_mode == "ddp" and i < self.n_micro - 1
-            with module.no_sync() if defer else contextlib.nullcontext():
+            # DDP: no_sync but on the last; FSDP: the ZeRO level's gather/reduce flags (parallelize.py)
+            with self.par.micro_batch(last=i == self.n_micro - 1):
                 with self._autocast():
                     loss = self.built.loss_fn(module(*part.args, **part.kwargs), part) / self.n_micro
                 loss.backward()

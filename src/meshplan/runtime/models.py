@@ -146,7 +146,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        fp64 = flat.dtype == torch.float64  # the tests' exact reference keeps float64
+        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float64 if fp64 else torch.float32)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
         choice = chosen.reshape(-1)  # copy a = token * top_k + slot
@@ -239,4 +240,5 @@ def build_model(spec: ModelSpec, seq_len: int | None = None, *, seed: int = 0) -
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over all tokens (fp32)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    flat = logits.reshape(-1, logits.shape[-1])  # float64 stays float64 (the tests' exact reference)
+    return F.cross_entropy(flat if flat.dtype == torch.float64 else flat.float(), targets.reshape(-1))

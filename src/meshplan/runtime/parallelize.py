@@ -19,13 +19,37 @@
 8. precision        FSDP2 MixedPrecisionPolicy (bf16/fp16 params, fp32 reduce), else autocast;
                     fp8: torchao float8 linears where the GPU and torchao allow, else bf16 (noted).
 
-FSDP2 has no ZeRO-1/2 switch: zero=3 reshards the blocks' parameters after forward (not the last
-block's nor the root's, whose backward comes first; not under PP, where it would all-gather once
-per micro-batch), zero=1 and zero=2 keep them unsharded from forward to backward. Gradients are
-reduce-scattered and optimizer states sharded in all three.
+ZeRO levels (what the cost model charges; pp = 1, m micro-batches per step, ``micro_batch``):
+
+=====  ===========================================================================================
+zero   what runs
+=====  ===========================================================================================
+0      DDP: gradients all-reduced once per step (``no_sync`` on the first m-1 micro-batches; the
+       manual all-reduce runs once, after the last)
+1      Megatron's distributed optimizer: parameters all-gathered once per step and kept gathered
+       over the micro-batches (``reshard_after_forward=False``; ``set_reshard_after_backward(False)``
+       on the first m-1), gradients accumulated unsharded (fp32: FSDP2 keeps the accumulation in
+       its ``reduce_dtype``) with ``set_requires_gradient_sync(False)`` and reduce-scattered once, in
+       the last micro-batch's backward (both flags True again); AdamW states sharded
+2      DeepSpeed ZeRO-2: parameters gathered once per step and kept (as zero=1), gradients
+       reduce-scattered in every micro-batch's backward (sync stays on): they stay sharded
+3      FSDP: blocks reshard after forward (not the last block nor the root, whose backward comes
+       first) and all-gather again in backward, reduce-scatter every micro-batch
+=====  ===========================================================================================
+
+The flags are set on every FSDP module of the parts (``set_*`` recurse from the root: blocks,
+experts on their own mesh, the root); with HSDP ``set_requires_gradient_sync`` switches the
+reduce-scatter and the all-reduce over replicas together. zero=0 with offload on a GPU (FSDP2's
+CPUOffloadPolicy) runs as zero=1: one gradient reduction per step, as DDP. Under pipeline
+parallelism the schedule does this itself (torch 2.13 ``PipelineStage.backward_maybe_with_nosync``
+turns sync and reshard-after-backward off for every backward of an FSDP stage, and the
+REDUCE_GRAD action after a stage's last backward turns them on and runs FSDP's post-backward
+once): zero 1, 2 and 3 all run as "gathered once, unsharded accumulation, reduce-scatter once"
+(blocks do not reshard after forward under PP; the planner refuses zero=2 with pp > 1).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -62,6 +86,18 @@ class Parallelized:
     autocast: torch.dtype | None = None
     notes: list[str] = field(default_factory=list)
     """Plan fields this hardware cannot honour, and what runs instead (one line each)."""
+    zero: int = 0
+    """The plan's ZeRO level: what ``micro_batch`` does between micro-batches under FSDP."""
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """The context of one micro-batch's forward and backward without a pipeline schedule
+        (which does its own): DDP's ``no_sync`` on all but the last; under FSDP the ZeRO level's
+        flags (``set_fsdp_accumulation``). Gradient sync is on again for the last micro-batch."""
+        if self.dp_mode == "ddp" and not last:
+            return self.run_modules[0].no_sync()  # type: ignore[operator]
+        if self.dp_mode == "fsdp":
+            set_fsdp_accumulation(self.parts, self.zero, last)
+        return contextlib.nullcontext()
 
     @property
     def has_first(self) -> bool:
@@ -257,6 +293,20 @@ def apply_fsdp(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh, device: to
         fully_shard(part, mesh=dp_mesh, reshard_after_forward=False, **kw)
 
 
+def set_fsdp_accumulation(parts: list[nn.Module], zero: int, last: bool) -> None:
+    """FSDP2 flags for the next micro-batch (pp = 1): zero 0/1 accumulate unsharded and
+    reduce-scatter in the last micro-batch only, zero 1/2 keep the parameters gathered until the
+    last backward, zero 3 keeps FSDP's defaults (reshard after backward, reduce every micro-batch).
+    Called on the root of each part: ``set_*`` recurse into every FSDP module under it (blocks,
+    experts on their own mesh); for HSDP the sync flag covers the all-reduce over replicas too."""
+    if zero >= 3:
+        return
+    for part in parts:
+        part.set_reshard_after_backward(last)  # type: ignore[operator]
+        if zero <= 1:
+            part.set_requires_gradient_sync(last)  # type: ignore[operator]
+
+
 def _has_dtensor(parts: list[nn.Module]) -> bool:
     from torch.distributed.tensor import DTensor
     return any(isinstance(p, DTensor) for part in parts for p in part.parameters())
@@ -387,7 +437,7 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
     run_modules, dp_mode = apply_data_parallel(parts, plan, mesh, device)
     autocast = None if plan.precision == "fp32" or dp_mode == "fsdp" else DTYPES[plan.precision]
     out = Parallelized(parts=parts, run_modules=run_modules, stage_ids=stage_ids, dp_mode=dp_mode,
-                       autocast=autocast, notes=notes)
+                       autocast=autocast, notes=notes, zero=plan.zero)
     if plan.pp > 1:
         out.schedule = build_schedule(run_modules, stage_ids, plan, mesh, device, microbatches)
     return out

@@ -127,9 +127,8 @@ class Trainer:
         module = self.par.run_modules[0]
         total = torch.zeros((), device=self.device)
         for i, (xm, ym) in enumerate(zip(x.chunk(self.n_micro), y.chunk(self.n_micro))):
-            last = i == self.n_micro - 1
-            defer = self.par.dp_mode == "ddp" and not last  # DDP reduces on the last micro-batch
-            with module.no_sync() if defer else contextlib.nullcontext():
+            # DDP: no_sync but on the last; FSDP: the ZeRO level's gather/reduce flags (parallelize.py)
+            with self.par.micro_batch(last=i == self.n_micro - 1):
                 with self._autocast():
                     loss = loss_fn(module(xm), ym) / self.n_micro
                 loss.backward()
