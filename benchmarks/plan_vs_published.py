@@ -54,7 +54,10 @@ def space_for(case) -> tuple[SearchSpace, str]:
                    if hasattr(case.plan, f)})
     if hasattr(case.plan, "grad_sync"):  # newer Plan field: the framework's gradient collective
         base = base.replace(grad_sync=case.plan.grad_sync)
-    space = SearchSpace(base=base, uneven_stages=True)
+    # The row's framework settings (e.g. Megatron's unfused attention or scatter-gather sends)
+    # may be ones meshplan's own runtime does not run: plans are compared in the framework's
+    # space (export-only plans allowed, marked), with meshplan's memory headroom.
+    space = SearchSpace(base=base, uneven_stages=True, allow_export_only=True)
     from meshplan.search.space import enumerate_space
     n = enumerate_space(case.model, case.cluster, case.work, space).num_rows
     if n <= LARGE_SPACE:
@@ -89,6 +92,8 @@ def run_row(case, evaluator: str = "vectorised") -> dict:
     row |= {"meshplan_plan": b.plan.short(), "meshplan_pred_s": b.report.step_time_s,
             "meshplan_fits": b.report.fits, "meshplan_peak_gib": b.report.peak_memory_gib,
             "meshplan_mfu": b.report.mfu, "speedup": pub.step_time_s / b.report.step_time_s,
+            "meshplan_export_only": None if b.export_only is None else list(b.export_only),
+            "published_at_risk": pub.at_risk,
             "same_plan": b.plan == case.plan,
             "why": _why(b, case.plan, pub)}
     return row
@@ -112,6 +117,7 @@ def to_markdown(rows: list[dict]) -> str:
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "n/a"
         mp = f"{r['meshplan_pred_s']:.2f}" if r.get("meshplan_pred_s") else "n/a"
         pub_fit = "" if r["published_fits"] else " (OOM)"
+        pub_fit += " (at risk)" if r.get("published_at_risk") else ""
         lines.append(f"| {r['row_id']} | {r['source']} | {r['model']} | {r['gpus']} | "
                      f"{r['global_batch']} x {r['seq_len']} | `{r['published_plan']}` | "
                      f"{r['published_pred_s']:.2f}{pub_fit} | `{r['meshplan_plan']}` | {mp} | {sp} | "
