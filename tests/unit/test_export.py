@@ -356,7 +356,11 @@ def test_cli_reads_model_and_batch_from_a_plan_file(capsys, tmp_path):
     assert flags["--global-batch-size"] == ["64"] and flags["--seq-length"] == ["2048"]
     assert flags["--num-layers"] == ["32"] and flags["--micro-batch-size"] == ["2"]
     code, out, err = run(capsys, "export", "--plan", str(f), "--to", "deepspeed", "--global-batch", "128")
+    assert code == 2 and "--global-batch 128 disagrees with the plan file's 64" in err  # cli/planfile.py
+    code, out, err = run(capsys, "export", "--plan", str(f), "--to", "deepspeed", "--global-batch", "128",
+                         "--override")
     assert code == 0 and json.loads(out)["train_batch_size"] == 128
+    assert "--global-batch 128 replaces the plan file's 64" in err
 
 
 def test_cli_plan_out_then_export(capsys, tmp_path):

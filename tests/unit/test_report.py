@@ -250,7 +250,7 @@ def test_cli_takes_the_search_options_of_plan():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     opts = {name: {s for a in sub.choices[name]._actions for s in a.option_strings} for name in ("plan", "report")}
-    assert opts["report"] == opts["plan"] - {"--json", "--plot"}
+    assert opts["report"] - {"--plan", "--override"} == opts["plan"] - {"--json", "--plot"}  # + a plan file's problem
     args = parser.parse_args(["report", *FEASIBLE, "--gpus", "8..16", "--objective", "cost", "--uneven-stages",
                               "--out", "x.html"])
     assert args.fix == "pp=4" and args.objective == "cost" and args.uneven_stages and args.top == 5

@@ -1,7 +1,8 @@
 """`meshplan export`: a plan as torchtitan / Megatron-LM / DeepSpeed settings (issue 6).
 
 The plan is a plan string or a plan file; a file written by `meshplan plan --out` also carries the
-model, global batch and sequence length, which --model/--global-batch/--seq-len override. The
+model, global batch and sequence length (cli.planfile): --model/--global-batch/--seq-len must agree
+with it, or replace it with --override. The
 settings go to --out (or stdout); what the tool cannot express is listed on stderr and in the file.
 Importing this module is cheap (argparse only).
 """
@@ -34,32 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="sequences per step (default: the plan file's)")
     p.add_argument("--seq-len", type=positive_int("--seq-len"),
                    help="tokens per sequence (default: the plan file's, else the model's)")
-
-
-def _plan_file_context(arg: str) -> dict[str, Any]:
-    """model / global_batch / seq_len recorded in a plan document (None where absent)."""
-    from meshplan.spec.io import read_data_file
-    if not arg.endswith((".toml", ".json")):
-        return {}
-    data = read_data_file(arg)
-    if "plan" not in data:
-        return {}
-    out: dict[str, Any] = {}
-    model = data.get("model")
-    if model is not None:
-        if not isinstance(model, str) or not model.strip():
-            raise MeshplanError(f"{arg}: 'model' must be a model name; got {model!r}",
-                                hint="fix the file or give --model")
-        out["model"] = model
-    for key in ("global_batch", "seq_len"):
-        v = data.get(key)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise MeshplanError(f"{arg}: '{key}' must be a positive integer; got {v!r}",
-                                hint=f"fix the file or give --{key.replace('_', '-')}")
-        out[key] = v
-    return out
+    from meshplan.cli.planfile import add_override
+    add_override(p)
 
 
 def _load_model(name: str, *, from_file: str | None) -> Any:
@@ -88,23 +65,28 @@ def _load_model(name: str, *, from_file: str | None) -> Any:
 
 
 def build_input(args: argparse.Namespace) -> Any:
+    from meshplan.cli.planfile import resolve
     from meshplan.export import ExportInput
-    from meshplan.spec.io import load_plan
+    from meshplan.spec.model import ModelSpec
     from meshplan.spec.plan import Workload
-    plan = load_plan(args.plan)
-    ctx = _plan_file_context(args.plan)
+    inputs = resolve(args, fields=("model", "global_batch", "seq_len"))
+    plan = inputs.plan
     model = None
-    if args.model is not None:
-        model = _load_model(args.model, from_file=None)
-    elif "model" in ctx:
+    if inputs.model_arg is not None and not inputs.from_file("model"):
+        model = _load_model(inputs.model_arg, from_file=None)
+    elif inputs.model_arg is not None:
+        assert inputs.file is not None
         try:
-            model = _load_model(ctx["model"], from_file=args.plan)
+            spec = inputs.file.model_spec
+            if spec is not None and not isinstance(spec.get("layers"), list):
+                model = inputs.model()  # the ModelSpec recorded in the file
+            else:
+                model = _load_model(inputs.model_arg, from_file=inputs.file.path)
         except MeshplanError:
             if args.to != "deepspeed":  # the DeepSpeed config takes no model shape
                 raise
-    gb = args.global_batch if args.global_batch is not None else ctx.get("global_batch")
-    seq = args.seq_len if args.seq_len is not None else ctx.get("seq_len")
-    if seq is None and model is not None:
+    gb, seq = inputs.global_batch, inputs.seq_len
+    if seq is None and isinstance(model, ModelSpec):
         seq = model.seq_len
     Workload(global_batch=gb or 1, seq_len=seq or 1)  # the bounds every command applies
     return ExportInput(plan=plan, model=model, global_batch=gb, seq_len=seq)

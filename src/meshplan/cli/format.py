@@ -1,8 +1,13 @@
 """Plain-text tables for the terminal."""
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import TextIO
 
 from meshplan.spec.base import json_safe
 
@@ -47,3 +52,45 @@ def json_text(obj: object) -> str:
     """Strict JSON (RFC 8259): a non-finite number (an overflow) is written as null, never as
     NaN or Infinity; numpy scalars and arrays as plain numbers and lists."""
     return json.dumps(json_safe(obj), indent=2, allow_nan=False)
+
+
+@contextlib.contextmanager
+def slow_step(what: str, *, after_s: float = 2.0, stream: TextIO | None = None) -> Iterator[None]:
+    """Progress on stderr for a step that runs longer than ``after_s``: one line
+    ``meshplan: WHAT ...`` (on a terminal with the seconds so far, updated), finished with the
+    time it took. Quick steps print nothing."""
+    out = sys.stderr if stream is None else stream
+    tty = hasattr(out, "isatty") and out.isatty()
+    t0 = time.perf_counter()
+    done = threading.Event()
+    shown = threading.Event()
+    lock = threading.Lock()
+
+    def show() -> None:
+        if done.wait(after_s):
+            return
+        while True:
+            with lock:
+                if done.is_set():
+                    return
+                if tty:
+                    out.write(f"\rmeshplan: {what} ... {time.perf_counter() - t0:.0f} s")
+                elif not shown.is_set():
+                    out.write(f"meshplan: {what} ...")
+                out.flush()
+                shown.set()
+            if not tty or done.wait(0.5):
+                return
+
+    thread = threading.Thread(target=show, name="meshplan-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        with lock:
+            done.set()
+            if shown.is_set():
+                took = time.perf_counter() - t0
+                out.write((f"\rmeshplan: {what} ... " if tty else " ") + f"done in {took:.1f} s\n")
+                out.flush()
+        thread.join()

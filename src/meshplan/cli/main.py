@@ -5,18 +5,20 @@ Every user error is a MeshplanError printed as one line `meshplan: error: ...` w
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 from meshplan.cli.args import positive_int
+from meshplan.cli.planfile import FROM_FILE, add_override
 from meshplan.errors import MeshplanError
 
 EPILOG = """examples:
   meshplan presets
   meshplan estimate --model llama3-8b --cluster h100-sxm-80gb:8 \\
       --plan dp=8,zero=3,micro_batch=1,recompute=op --global-batch 16 --seq-len 8192
+  meshplan plan --model llama3-8b --cluster h100-sxm-80gb:8 --global-batch 16 --out plan.json
+  meshplan estimate --plan plan.json          # simulate, report, train, export too: the file's problem
   meshplan validate --report validation.md
 """
 
@@ -36,17 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
 
-    pr = sub.add_parser("presets", help="list built-in models, GPUs and clusters")
+    pr = sub.add_parser("presets", help="list built-in models, GPUs and clusters with their specs",
+                        description="Built-in models (parameters, layers, hidden size, heads, sequence length), "
+                                    "GPUs (memory, peak TFLOP/s, HBM bandwidth, price, node size) and clusters "
+                                    "(GPU, count, links, price). --json: every field of every preset.")
     pr.add_argument("kind", nargs="?", choices=["models", "gpus", "clusters"], help="only this kind")
     pr.add_argument("--json", action="store_true")
 
     es = sub.add_parser("estimate", help="predict step time, throughput and memory of one plan")
-    es.add_argument("--model", required=True, help=MODEL_HELP)
-    es.add_argument("--cluster", required=True,
-                    help="GPU:COUNT (e.g. h100-sxm-80gb:64), GPU:NODESxPER_NODE, or a cluster .toml")
-    es.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,micro_batch=..,... or a plan .json")
-    es.add_argument("--global-batch", type=positive_int("--global-batch"), required=True, help="sequences per step")
-    es.add_argument("--seq-len", type=positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
+    es.add_argument("--model", help=MODEL_HELP + FROM_FILE)
+    es.add_argument("--cluster",
+                    help="GPU:COUNT (e.g. h100-sxm-80gb:64), GPU:NODESxPER_NODE, a cluster preset or .toml"
+                         + FROM_FILE)
+    es.add_argument("--plan", required=True,
+                    help="tp=..,pp=..,dp=..,micro_batch=..,... or a plan file from `meshplan plan --out`, which "
+                         "also gives the model, cluster, global batch and seq len")
+    es.add_argument("--global-batch", type=positive_int("--global-batch"), help="sequences per step" + FROM_FILE)
+    es.add_argument("--seq-len", type=positive_int("--seq-len"),
+                    help="tokens per sequence (default: the plan file's, else the model's)")
+    add_override(es)
     es.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     from meshplan.cli import export_cmd, plan_cmd, report_cmd, simulate_cmd, train_cmd
@@ -74,35 +84,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from meshplan.spec.io import KINDS, preset_names
+    from meshplan.cli.views import presets_data, presets_text
+    from meshplan.spec.io import KINDS
     kinds = [args.kind] if args.kind else list(KINDS)
-    data = {k: preset_names(k) for k in kinds}
+    data = presets_data(kinds)
     if args.json:
-        print(json.dumps(data, indent=2))
+        from meshplan.cli.format import json_text
+        print(json_text(data))
         return 0
-    for k, names in data.items():
-        print(f"{k} ({len(names)}):")
-        print("  " + "\n  ".join(names) if names else "  (none)")
+    print(presets_text(data))
     return 0
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from meshplan.cli.format import json_text
-    from meshplan.cli.model_arg import load_model_arg
+    from meshplan.cli.planfile import resolve
     from meshplan.cli.views import estimate_text
     from meshplan.cost import estimate
     from meshplan.spec.graph import LayerGraph
-    from meshplan.spec.io import load_cluster, load_plan
     from meshplan.spec.plan import Workload
-    model = load_model_arg(args.model, seq_len=args.seq_len)
-    cluster = load_cluster(args.cluster)
-    plan = load_plan(args.plan)
+    inputs = resolve(args, required=("model", "cluster", "global_batch"))
+    model, cluster, plan = inputs.model(), inputs.cluster(), inputs.plan
     if isinstance(model, LayerGraph):
         from meshplan.cost.graph import estimate_graph, graph_workload
-        work = graph_workload(model, args.global_batch)
+        work = graph_workload(model, inputs.global_batch)
         report = estimate_graph(model, cluster, plan, work)
     else:
-        work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+        work = Workload(global_batch=inputs.global_batch, seq_len=inputs.seq_len or model.seq_len)
         report = estimate(model, cluster, plan, work)
     if args.json:
         out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),

@@ -26,7 +26,13 @@ def _graph_file(arg: str) -> dict[str, Any] | None:
 
 
 def load_model_arg(arg: str, *, seq_len: int | None = None) -> ModelSpec | LayerGraph:
-    """A ModelSpec for presets and ModelSpec files; a LayerGraph for ingested models and graph files."""
+    """A ModelSpec for presets and ModelSpec files; a LayerGraph for ingested models and graph files
+    (a cli.planfile.Loaded name carries one already: a plan file's model)."""
+    loaded = getattr(arg, "loaded", None)
+    if isinstance(loaded, ModelSpec):  # the workload carries seq_len, as for presets below
+        return loaded
+    if isinstance(loaded, LayerGraph) and (seq_len is None or seq_len == loaded.sample_tokens):
+        return loaded
     if is_ingested(arg):
         from meshplan.ingest import ingest  # imports torch (and transformers for hf:)
         return ingest(arg, seq_len=seq_len)

@@ -11,6 +11,7 @@ this module is cheap; the search, the simulator and the page are imported when i
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import shlex
 import sys
@@ -21,6 +22,8 @@ from meshplan.errors import MeshplanError
 
 NOT_FROM_PLAN = frozenset({"help", "json", "out", "plot"})
 """`meshplan plan` options that make no sense here (--out is redefined: the HTML file)."""
+FROM_PLAN_FILE = ("model", "cluster", "global_batch", "seq_len")
+"""Options that ``--plan FILE`` gives (required without it)."""
 
 
 def _search_actions() -> list[argparse.Action]:
@@ -42,8 +45,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                     "self-contained HTML page (no network needed): the problem, the top plans, the Pareto "
                     "front, time and memory breakdowns, the winner's timeline and the explanation. When no "
                     "plan fits, the page says what would make the problem feasible.")
+    from meshplan.cli.planfile import FROM_FILE, add_override
     for action in _search_actions():
+        if action.dest in FROM_PLAN_FILE:  # given by --plan FILE too: checked once the file is read
+            action = copy.copy(action)
+            action.required = False
+            action.help = (action.help or "") + FROM_FILE
         p._add_action(action)  # what ArgumentParser(parents=...) does, less the options above
+    p.add_argument("--plan", help="a plan file from `meshplan plan --out`: the model, cluster, global batch and "
+                                  "seq len it was planned for (the report searches that problem again)")
+    add_override(p)
     p.add_argument("--out", required=True, help="the HTML file to write (e.g. report.html)")
     return p
 
@@ -59,8 +70,11 @@ def _command(args: argparse.Namespace) -> str:
             words.append(a.option_strings[0])
         else:
             words += [a.option_strings[0], str(value)]
+    if getattr(args, "plan", None) is not None:
+        words += ["--plan", args.plan] + (["--override"] if getattr(args, "override", False) else [])
     words += ["--out", args.out]
     return " ".join(shlex.quote(w) for w in words)
+
 
 
 def _check_out(path: str) -> None:
@@ -79,14 +93,20 @@ def _check_out(path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshplan.cli.plan_cmd import Progress, problem, train_cost
+    from meshplan.cli.planfile import is_file_arg, resolved_args
     from meshplan.report import build_report, write_html
     t0 = time.perf_counter()
     _check_out(args.out)
+    if args.plan is not None and not is_file_arg(args.plan):
+        raise MeshplanError(f"--plan {args.plan}: report takes a plan file written by `meshplan plan --out`",
+                            hint="the report searches every plan; drop --plan, or give a plan .json")
+    command = _command(args)  # as typed (the plan file, not what it records)
+    args = resolved_args(args, required=("model", "cluster", "global_batch"))  # --plan FILE's problem
     model, clusters, tokens, space, work = problem(args)  # a layer graph gets a GraphSpace (search_graph)
     bar = Progress(sys.stderr) if sys.stderr.isatty() else None
     try:
         report = build_report(model, clusters, work, space, objective=args.objective, top=args.top,
-                              progress=bar, command=_command(args), model_name=args.model)
+                              progress=bar, command=command, model_name=str(args.model))
     finally:
         if bar is not None:
             bar.close()

@@ -12,6 +12,8 @@ import json
 from typing import Any
 
 from meshplan.cli.args import positive_int
+from meshplan.cli.format import slow_step
+from meshplan.cli.planfile import FROM_FILE, add_override
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -20,45 +22,56 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        description="Discrete-event simulation of one step on every pipeline rank: "
                                    "compute, TP/CP/EP, data-parallel and pipeline-send streams, the "
                                    "schedule micro-batch by micro-batch. Durations from the cost model.")
-    p.add_argument("--model", required=True,
+    p.add_argument("--model",
                    help="preset name, ModelSpec .toml/.json, hf:CONFIG.json, module:pkg.mod:factory, "
-                        "or a layer graph .json from `meshplan ingest --out`")
-    p.add_argument("--cluster", required=True, help="GPU:COUNT, GPU:NODESxPER_NODE or a cluster .toml")
-    p.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,... or a plan .json")
-    p.add_argument("--global-batch", type=positive_int("--global-batch"), required=True,
-                   help="sequences (samples, for an ingested model) per step")
+                        "or a layer graph .json from `meshplan ingest --out`" + FROM_FILE)
+    p.add_argument("--cluster", help="GPU:COUNT, GPU:NODESxPER_NODE, a cluster preset or .toml" + FROM_FILE)
+    p.add_argument("--plan", required=True,
+                   help="tp=..,pp=..,dp=..,... or a plan file from `meshplan plan --out`, which also gives "
+                        "the model, cluster, global batch and seq len")
+    p.add_argument("--global-batch", type=positive_int("--global-batch"),
+                   help="sequences (samples, for an ingested model) per step" + FROM_FILE)
     p.add_argument("--seq-len", type=positive_int("--seq-len"),
-                   help="tokens per sequence (default: the model's; an ingested model is traced at it)")
+                   help="tokens per sequence (default: the plan file's, else the model's; an ingested model "
+                        "is traced at it)")
+    add_override(p)
     p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) to this file")
-    p.add_argument("--plot", help="write a Gantt chart per pipeline rank to this image (needs matplotlib)")
+    p.add_argument("--plot", help="write a Gantt chart per pipeline rank to this image (png, svg, pdf, ...; "
+                                  "needs matplotlib)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshplan.cli.model_arg import load_model_arg
+    from meshplan.cli.planfile import resolve
     from meshplan.sim import write_plot, write_trace
+    from meshplan.sim.output import check_plot_path
     from meshplan.spec.graph import LayerGraph
-    from meshplan.spec.io import load_cluster, load_plan
     from meshplan.spec.plan import Workload
-    model = load_model_arg(args.model, seq_len=args.seq_len)
-    cluster, plan = load_cluster(args.cluster), load_plan(args.plan)
+    if args.plot:
+        check_plot_path(args.plot)  # before any work: matplotlib is there and can write this format
+    inputs = resolve(args, required=("model", "cluster", "global_batch"))
+    model, cluster, plan = inputs.model(), inputs.cluster(), inputs.plan
     if isinstance(model, LayerGraph):  # an ingested model or a layer graph file: the graph cost model
         from meshplan.cost.graph import check_graph, graph_workload
         from meshplan.sim import simulate_graph_plan
-        work = graph_workload(model, args.global_batch)
+        work = graph_workload(model, inputs.global_batch)
         check_graph(model, cluster, plan, work)
-        res, sim_summary = simulate_graph_plan(model, cluster, plan, work)
+        with slow_step("simulating the step"):
+            res, sim_summary = simulate_graph_plan(model, cluster, plan, work)
     else:
         from meshplan.cost import check
         from meshplan.sim import simulate_plan
-        work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+        work = Workload(global_batch=inputs.global_batch, seq_len=inputs.seq_len or model.seq_len)
         check(model, cluster, plan, work)
-        res, sim_summary = simulate_plan(model, cluster, plan, work)
+        with slow_step("simulating the step"):
+            res, sim_summary = simulate_plan(model, cluster, plan, work)
     if args.trace:
-        write_trace(res, args.trace)
+        with slow_step(f"writing the trace ({len(res.events):,} events)"):
+            write_trace(res, args.trace)
     if args.plot:
-        write_plot(res, args.plot, title=f"{model.name} on {cluster.name}: {plan.short()}")
+        with slow_step(f"drawing the plot ({len(res.events):,} events)"):
+            write_plot(res, args.plot, title=f"{model.name} on {cluster.name}: {plan.short()}")
     summary: dict[str, Any] = {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
                "global_batch": work.global_batch, "seq_len": work.seq_len} | sim_summary
     if args.json:

@@ -40,15 +40,19 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `train` sub-command to an argparse sub-parsers object."""
     t = subparsers.add_parser("train", help="run a plan with torch.distributed and compare with the estimate",
                               epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--model", required=True, help="preset (tiny-llama, tiny-gpt2, tiny-moe, ...), ModelSpec file, "
+    t.add_argument("--model", help="preset (tiny-llama, tiny-gpt2, tiny-moe, ...), ModelSpec file, "
                    "hf:CONFIG.json or module:package.module:factory (an ingested model: random weights, synthetic "
-                   "batches of its example inputs)")
-    t.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,... or a plan .json/.toml")
-    t.add_argument("--global-batch", type=_positive("--global-batch"), required=True, help="sequences per step")
+                   "batches of its example inputs; default with --plan FILE: the plan file's)")
+    t.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,... or a plan file from `meshplan plan --out` "
+                   "(which also gives the model, global batch and seq len)")
+    t.add_argument("--global-batch", type=_positive("--global-batch"),
+                   help="sequences per step (default with --plan FILE: the plan file's)")
+    from meshplan.cli.planfile import add_override
+    add_override(t)
     t.add_argument("--steps", type=_positive("--steps"), required=True,
                    help="optimizer steps (in total, when resuming)")
-    t.add_argument("--seq-len", type=_positive("--seq-len"), help="tokens per sequence (default: the model's; "
-                   "ingested models: ingestion's default)")
+    t.add_argument("--seq-len", type=_positive("--seq-len"), help="tokens per sequence (default: the plan file's, "
+                   "else the model's; ingested models: ingestion's default)")
     t.add_argument("--nproc-per-node", type=_positive("--nproc-per-node"),
                    help="processes on this node (default: the plan's GPU count / --nnodes)")
     t.add_argument("--nnodes", type=_positive("--nnodes"), default=1)
@@ -122,13 +126,18 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
                       ("--metrics", args.metrics)):
         if val is not None:
             out += [flag, str(val)]
+    out += ["--override"] if getattr(args, "override", False) else []  # the plan file's values were replaced
     return out + (["--resume"] if args.resume else [])
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run `meshplan train` (launcher, or one rank when started by torchrun)."""
     from meshplan.cli.model_arg import is_ingested
+    from meshplan.cli.planfile import resolve_into
     from meshplan.runtime import launch
+    # --plan FILE: model, global batch and seq len from the file (written back into args for the workers)
+    resolve_into(args, fields=("model", "global_batch", "seq_len"), required=("model", "global_batch"),
+                 quiet=launch.in_torchrun())
     if is_ingested(args.model):
         from meshplan.runtime import generic
         job = _ingested_job(args)

@@ -79,3 +79,91 @@ def fit_hint(plan: Plan, r: CostReport) -> str:
     tips.append("more tp or pp, or more GPUs, or GPUs with more memory")
     return (f"does not fit: {over:.1f} GiB over the usable {r.usable_memory_gib:.1f} GiB; "
             f"try {', '.join(tips)} (or `meshplan plan` to search)")
+
+
+# ---- meshplan presets ------------------------------------------------------------------------
+
+def presets_data(kinds: list[str]) -> dict[str, dict[str, dict[str, object]]]:
+    """Every preset of ``kinds`` by name: its full spec plus what the listing shows (parameter
+    counts; the price a preset sets itself or inherits; GPU counts)."""
+    from meshplan.spec.base import to_dict
+    from meshplan.spec.io import cluster_from_dict, gpu_from_dict, load_preset_data, model_from_dict, preset_names
+    out: dict[str, dict[str, dict[str, object]]] = {}
+    for kind in kinds:
+        out[kind] = {}
+        for name in preset_names(kind):
+            raw = load_preset_data(kind, name)
+            meta = raw.get("meta") or {}
+            where = f"preset {kind}/{name}"
+            if kind == "models":
+                m = model_from_dict(raw, where=where)
+                entry = to_dict(m) | {"params": m.num_params()}
+                if m.is_moe:
+                    entry["active_params"] = m.num_active_params()
+            elif kind == "gpus":
+                g = gpu_from_dict(raw, where=where)
+                entry = to_dict(g) | {"price_in_preset": "price_per_hour_usd" in raw}
+            else:
+                c = cluster_from_dict(raw, where=where)
+                entry = to_dict(c) | {"num_gpus": c.num_gpus, "price_per_hour_usd": c.price_per_hour,
+                                      "price_in_preset": c.price_per_gpu_hour_usd is not None}
+            if meta:
+                entry["meta"] = meta
+            out[kind][name] = entry
+    return out
+
+
+def _tflops(peaks: dict[str, float], *dtypes: str) -> str:
+    for d in dtypes:
+        if d in peaks:
+            return f"{peaks[d]:,.0f}" + ("" if d == dtypes[0] else f" ({d})")
+    return "-"
+
+
+def _link(t: dict[str, object] | None) -> str:
+    if not t:
+        return "-"
+    kind = f"{t.get('kind')} " if t.get("kind") else ""
+    return f"{kind}{t['bandwidth_gbps']:g} GB/s"
+
+
+def presets_text(data: dict[str, dict[str, dict[str, object]]]) -> str:
+    """The preset listing: one table per kind with the numbers that tell presets apart."""
+    parts = []
+    for kind, items in data.items():
+        parts.append(f"{kind} ({len(items)}):")
+        if not items:
+            parts += ["  (none)", ""]
+            continue
+        rows: list[list[object]] = []
+        if kind == "models":
+            head = ["name", "params", "layers", "hidden", "heads", "kv heads", "seq len", "experts"]
+            for name, m in items.items():
+                experts = (f"{m['num_experts']} x top-{m['experts_per_token']} "
+                           f"({human_count(m['active_params'])} active)" if m.get("active_params") else "-")
+                rows.append([name, human_count(m["params"]), m["num_layers"], m["hidden_size"],
+                             m["num_attention_heads"], m["num_kv_heads"] or m["num_attention_heads"],
+                             m["seq_len"], experts])
+            align = "lrrrrrrl"
+        elif kind == "gpus":
+            head = ["name", "HBM GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "$/GPU-h", "GPUs/node",
+                    "node link"]
+            for name, g in items.items():
+                peaks = g["peak_tflops"]
+                rows.append([name, f"{g['memory_gib']:g}", _tflops(peaks, "bf16", "fp16"), _tflops(peaks, "fp8"),
+                             f"{g['hbm_bandwidth_gbps']:,.0f}",
+                             f"{g['price_per_hour_usd']:.2f}" if g["price_in_preset"] else "-",
+                             g["gpus_per_node"], f"{g['intra_node_link']} {g['intra_node_bandwidth_gbps']:g} GB/s"])
+            align = "lrrrrrrl"
+        else:
+            head = ["name", "GPU", "GPUs", "intra-node", "inter-node", "inter-DC", "$/GPU-h"]
+            for name, c in items.items():
+                price = f"{c['price_per_hour_usd']:.2f}" + ("" if c["price_in_preset"] else " (GPU's)")
+                rows.append([name, c["gpu"]["name"], f"{c['num_gpus']} ({c['num_nodes']} x {c['gpus_per_node']})",
+                             _link(c["intra_node"]), _link(c["inter_node"]),
+                             _link(c.get("inter_dc"))
+                             + (f", {c['nodes_per_dc']} nodes/DC" if c.get("inter_dc") else ""),
+                             price])
+            align = "llrlllr"
+        parts += ["  " + line for line in table(head, rows, align).splitlines()] + [""]
+    return "\n".join(parts).rstrip()

@@ -92,12 +92,25 @@ def _check_finite(value: Any, where: str) -> None:
             _check_finite(v, f"{where}[{i}]")
 
 
+def suggest(name: str, names: list[str], n: int = 4) -> list[str]:
+    """Known names close to ``name``: those it begins (``h100`` -> every h100 part, shortest
+    first), then the closest spellings (``dgx-a10`` -> ``dgx-a100``)."""
+    key = name.strip().lower()
+    if not key:
+        return []
+    out = sorted((x for x in names if x.startswith(key) and x != key), key=lambda x: (len(x), x))[:n]
+    for x in difflib.get_close_matches(key, names, n=n, cutoff=0.6):
+        if x not in out and len(out) < n:
+            out.append(x)
+    return out
+
+
 def load_preset_data(kind: str, name: str) -> dict[str, Any]:
     """Raw dict of one preset, or a MeshplanError listing the known ones."""
     names = preset_names(kind)
     key = name.strip().lower()
     if key not in names:
-        close = difflib.get_close_matches(key, names, n=3)
+        close = suggest(key, names)
         sugg = f" Did you mean {', '.join(close)}?" if close else ""
         raise MeshplanError(f"unknown {kind[:-1]} {name!r}.{sugg}",
                             hint=f"known {kind}: {', '.join(names)}")
@@ -154,6 +167,8 @@ def parse_cluster_shorthand(arg: str) -> ClusterSpec:
     """'h100-sxm-80gb:64' (the GPU's typical node size, 8 for HGX/DGX parts), 'a100-sxm-80gb:4x8'
     (nodes x per node), or 'gpu' (one node)."""
     name, _, count = arg.partition(":")
+    if not name.endswith((".toml", ".json")) and name.strip().lower() not in preset_names("gpus"):
+        raise _unknown_cluster(arg, name, count, colon=":" in arg)
     gpu = load_gpu(name)
     per_node = gpu.gpus_per_node
     try:
@@ -188,6 +203,26 @@ def parse_cluster_shorthand(arg: str) -> ClusterSpec:
                        intra_node=intra, inter_node=inter)
 
 
+def _unknown_cluster(arg: str, name: str, count: str, *, colon: bool) -> MeshplanError:
+    """--cluster names no GPU preset (nor, without a count, a cluster preset): say which names
+    are close, in the form given (``h100:8`` -> ``h100-sxm-80gb:8``; ``dgx-a10`` -> ``dgx-a100``)."""
+    gpus, clusters = preset_names("gpus"), preset_names("clusters")
+    key = name.strip().lower()
+    tail = f":{count}" if colon else ""
+    if colon and key in clusters:  # a cluster preset with a count: its GPU at that count
+        gpu = cluster_from_dict(load_preset_data("clusters", key), where=f"cluster {key}").gpu.name
+        return MeshplanError(f"--cluster {arg}: {key} is a cluster preset of fixed size, not a GPU; "
+                             f"did you mean {gpu}{tail}?",
+                             hint=f"GPU:COUNT takes a GPU preset (known gpus: {', '.join(gpus)}); "
+                                  f"or --cluster {key} alone")
+    close = [g + tail for g in suggest(key, gpus)] if colon else suggest(key, clusters + gpus)
+    what = "gpu" if colon else "cluster or gpu"
+    sugg = f"; did you mean {', '.join(close)}?" if close else ""
+    known = f"known gpus: {', '.join(gpus)}" + ("" if colon else f"; known clusters: {', '.join(clusters)}")
+    return MeshplanError(f"--cluster {arg}: unknown {what} {name!r}{sugg}",
+                         hint=f"{known}; or GPU:COUNT like h100-sxm-80gb:64, or a cluster .toml")
+
+
 def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> ClusterSpec:
     d, _ = _strip_meta(data, where)
     d = dict(d)
@@ -216,7 +251,10 @@ def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> ClusterSp
 
 
 def load_cluster(arg: str) -> ClusterSpec:
-    """--cluster: shorthand GPU:COUNT, a cluster preset, or a .toml/.json file."""
+    """--cluster: shorthand GPU:COUNT, a cluster preset, or a .toml/.json file (or a name that
+    carries its loaded spec, cli.planfile.Loaded: a plan file's cluster)."""
+    if isinstance(getattr(arg, "loaded", None), ClusterSpec):
+        return arg.loaded  # type: ignore[attr-defined]
     if not isinstance(arg, str) or not arg.strip():
         raise MeshplanError("empty --cluster", hint="e.g. --cluster h100-sxm-80gb:64")
     if arg.endswith((".toml", ".json")):

@@ -1,0 +1,372 @@
+"""Plan files as the source of truth: what `meshplan plan --out p.json` records, and how
+estimate, simulate, report, train and export read it back.
+
+A plan file holds the plan plus the problem it was planned for: ``model`` and ``cluster`` (the
+names shown to people), ``model_spec`` and ``cluster_spec`` (the full specs, so a model or
+cluster from a file, or a layer graph, reloads exactly and without torch), ``global_batch`` and
+``seq_len``. Given ``--plan p.json`` a command takes each of these from the file; a
+command-line value that disagrees with the file is an error naming both values, unless
+``--override`` is given: then the command-line value wins and one note on stderr says so.
+Importing this module is cheap (no numpy, no torch).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from meshplan.errors import MeshplanError
+
+CONTEXT = ("model", "cluster", "global_batch", "seq_len")
+"""What a plan file records besides the plan (the Namespace attribute of each flag)."""
+
+FLAGS = {"model": "--model", "cluster": "--cluster", "global_batch": "--global-batch", "seq_len": "--seq-len"}
+WHAT = {"model": "model", "cluster": "cluster", "global_batch": "global batch", "seq_len": "sequence length"}
+
+OVERRIDE_HELP = ("with --plan FILE: let --model/--cluster/--global-batch/--seq-len replace the plan file's "
+                 "values (without it, a value that disagrees with the file is an error)")
+FROM_FILE = " (default with --plan FILE: the plan file's)"
+
+
+def add_override(parser: argparse.ArgumentParser) -> None:
+    """The ``--override`` flag of every command that reads plan files."""
+    parser.add_argument("--override", action="store_true", help=OVERRIDE_HELP)
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+def spec_fields(model: Any, cluster: Any) -> dict[str, Any]:
+    """``model_spec`` and ``cluster_spec`` of a plan document: the full specs planned with
+    (a ModelSpec or a LayerGraph; a ClusterSpec), so the file reloads them exactly."""
+    from meshplan.spec.base import to_dict
+    out: dict[str, Any] = {}
+    if model is not None:
+        out["model_spec"] = to_dict(model)
+    if cluster is not None:
+        out["cluster_spec"] = to_dict(cluster)
+    return out
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+def is_file_arg(arg: Any) -> bool:
+    return isinstance(arg, str) and arg.lower().endswith((".json", ".toml"))
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """The context a plan document records (only the keys it has)."""
+
+    path: str
+    values: dict[str, Any]
+    """model, cluster (names), global_batch, seq_len (positive ints)."""
+    model_spec: dict[str, Any] | None = None
+    cluster_spec: dict[str, Any] | None = None
+
+
+def read_plan_file(arg: Any, fields: tuple[str, ...] = CONTEXT) -> PlanFile | None:
+    """The context of a plan document written by `meshplan plan --out` (None for a plan string,
+    or a file holding only plan fields). Only ``fields`` are read and checked."""
+    if not is_file_arg(arg):
+        return None
+    from meshplan.spec.io import read_data_file
+    data = read_data_file(arg)
+    if "plan" not in data:
+        return None
+    values: dict[str, Any] = {}
+    for key in fields:
+        v = data.get(key)
+        if v is None:
+            continue
+        flag = FLAGS[key]
+        if key in ("model", "cluster"):
+            if not isinstance(v, str) or not v.strip():
+                raise MeshplanError(f"{arg}: '{key}' must be a {WHAT[key]} name; got {v!r}",
+                                    hint=f"fix the file or give {flag}")
+            values[key] = v.strip()
+        else:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise MeshplanError(f"{arg}: '{key}' must be a positive integer; got {v!r}",
+                                    hint=f"fix the file or give {flag}")
+            values[key] = v
+    specs: dict[str, dict[str, Any] | None] = {}
+    for key in ("model", "cluster"):
+        spec = data.get(f"{key}_spec") if key in fields else None
+        if spec is not None and not isinstance(spec, dict):
+            raise MeshplanError(f"{arg}: '{key}_spec' must be an object/table of {WHAT[key]} fields; "
+                                f"got {type(spec).__name__}", hint=f"fix the file or give {FLAGS[key]}")
+        specs[key] = spec
+    return PlanFile(path=arg, values=values, model_spec=specs["model"], cluster_spec=specs["cluster"])
+
+
+# ---- resolving the command line against the file ----------------------------------------------
+
+@dataclass
+class Inputs:
+    """The resolved problem of one command: each of model / cluster / global batch / seq len from
+    the command line or from the plan file (``source``), loaded on demand."""
+
+    plan: Any
+    """The Plan (None when the command was given no --plan)."""
+    file: PlanFile | None
+    values: dict[str, Any]
+    source: dict[str, str]
+    """field -> 'cli' or 'file' for every field that has a value."""
+    _loaded: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_arg(self) -> str | None:
+        return self.values.get("model")
+
+    @property
+    def cluster_arg(self) -> str | None:
+        return self.values.get("cluster")
+
+    @property
+    def global_batch(self) -> int | None:
+        return self.values.get("global_batch")
+
+    @property
+    def seq_len(self) -> int | None:
+        return self.values.get("seq_len")
+
+    def from_file(self, key: str) -> bool:
+        return self.source.get(key) == "file"
+
+    def model(self) -> Any:
+        """The ModelSpec or LayerGraph (the plan file's own spec when it comes from the file)."""
+        if "model" not in self._loaded:
+            self._loaded["model"] = self._load_model()
+        return self._loaded["model"]
+
+    def cluster(self) -> Any:
+        if "cluster" not in self._loaded:
+            self._loaded["cluster"] = self._load_cluster()
+        return self._loaded["cluster"]
+
+    def _load_model(self) -> Any:
+        from meshplan.cli.model_arg import load_model_arg
+        arg, seq = self.model_arg, self.seq_len
+        if arg is None:  # pragma: no cover - resolve() requires it where a command needs it
+            raise MeshplanError("no --model given", hint="give --model, or --plan a plan file that records it")
+        if not self.from_file("model"):
+            return load_model_arg(arg, seq_len=seq)
+        assert self.file is not None
+        spec = self.file.model_spec
+        if spec is not None:
+            loaded = _model_from_spec(spec, self.file.path, seq)
+            if loaded is not None:
+                return loaded
+        try:
+            return load_model_arg(_near(arg, self.file.path), seq_len=seq)
+        except MeshplanError as e:
+            raise MeshplanError(f"{self.file.path}: the plan file's model {arg!r} cannot be loaded ({e.message})",
+                                hint="give --model with the preset or file it was planned with") from None
+
+    def _load_cluster(self) -> Any:
+        from meshplan.spec.io import cluster_from_dict, load_cluster
+        arg = self.cluster_arg
+        if arg is None:  # pragma: no cover - resolve() requires it where a command needs it
+            raise MeshplanError("no --cluster given", hint="give --cluster, or --plan a plan file that records it")
+        if not self.from_file("cluster"):
+            return _cli_loaded(self, "cluster") or load_cluster(arg)
+        assert self.file is not None
+        if self.file.cluster_spec is not None:
+            return cluster_from_dict(self.file.cluster_spec, where=f"{self.file.path}: cluster_spec")
+        try:
+            return load_cluster(_near(arg, self.file.path))
+        except MeshplanError as e:
+            raise MeshplanError(f"{self.file.path}: the plan file's cluster {arg!r} cannot be loaded "
+                                f"({e.message})", hint="give --cluster with the one it was planned for") from None
+
+
+def _cli_loaded(inputs: Inputs, key: str) -> Any:
+    """The command-line cluster if comparing it with the file loaded it already."""
+    return inputs._loaded.pop(f"cli_{key}", None)
+
+
+def _near(arg: str, plan_path: str) -> str:
+    """A file named in a plan file: as written, else next to the plan file."""
+    if is_file_arg(arg) and not os.path.isabs(arg) and not os.path.exists(arg):
+        beside = os.path.join(os.path.dirname(plan_path), arg)
+        if os.path.exists(beside):
+            return beside
+    return arg
+
+
+def _model_from_spec(spec: dict[str, Any], path: str, seq_len: int | None) -> Any:
+    """The plan file's model_spec: a ModelSpec (like load_model_arg, whatever ``seq_len``: the
+    workload carries it), or a LayerGraph (it has 'layers'); None when a graph was traced at
+    another sequence length than asked (then it is ingested again)."""
+    from meshplan.spec.base import from_dict
+    from meshplan.spec.graph import LayerGraph
+    from meshplan.spec.io import model_from_dict
+    where = f"{path}: model_spec"
+    if isinstance(spec.get("layers"), list):
+        data = {k: v for k, v in spec.items() if k not in ("schema_version", "kind", "meta")}
+        graph = from_dict(LayerGraph, data, where=where)
+        return graph if seq_len is None or seq_len == graph.sample_tokens else None
+    return model_from_dict(spec, where=where)  # as planned: the workload carries the seq len
+
+
+def _same_model(cli: str, pf: PlanFile, inputs: Inputs) -> bool:
+    from meshplan.cli.model_arg import is_ingested, load_model_arg
+    from meshplan.spec.base import to_dict
+    from meshplan.spec.graph import LayerGraph
+    theirs = pf.values["model"]
+    if cli.strip() == theirs or (cli.strip().lower() == theirs.lower() and not is_file_arg(cli)):
+        return True
+    if is_ingested(cli):  # comparing would trace the model: the names decide
+        return False
+    mine = load_model_arg(cli)  # a typo gets its "did you mean" here
+    if isinstance(mine, LayerGraph):
+        if mine.source == theirs:
+            return True
+        spec = pf.model_spec
+        return spec is not None and _shape(to_dict(mine)) == _shape(spec)
+    spec = pf.model_spec
+    if spec is None:
+        try:
+            spec = to_dict(load_model_arg(_near(theirs, pf.path)))
+        except MeshplanError:
+            return False
+    return _shape(to_dict(mine)) == _shape(spec)
+
+
+def _shape(d: dict[str, Any]) -> dict[str, Any]:
+    """A spec without what does not change it: its name, a ModelSpec's seq_len (the workload's)."""
+    return {k: v for k, v in d.items() if k not in ("name", "seq_len", "schema_version", "kind", "meta")}
+
+
+def _same_cluster(cli: str, pf: PlanFile, inputs: Inputs) -> bool:
+    from meshplan.spec.base import to_dict
+    from meshplan.spec.io import load_cluster
+    theirs = pf.values["cluster"]
+    if cli.strip().lower() == theirs.lower() and not is_file_arg(cli):
+        return True
+    mine = load_cluster(cli)  # a typo gets its "did you mean" here
+    inputs._loaded["cli_cluster"] = mine
+    spec = pf.cluster_spec
+    if spec is None:
+        try:
+            spec = to_dict(load_cluster(_near(theirs, pf.path)))
+        except MeshplanError:
+            return False
+    mine_d = to_dict(mine)
+    if _shape(mine_d) == _shape(spec):
+        return True
+    from meshplan.spec.io import cluster_from_dict  # a hand-written spec: compare it loaded (defaults filled)
+    try:
+        return _shape(to_dict(cluster_from_dict(spec, where=pf.path))) == _shape(mine_d)
+    except MeshplanError:
+        return False
+
+
+def resolve(args: argparse.Namespace, *, fields: tuple[str, ...] = CONTEXT, required: tuple[str, ...] = (),
+            quiet: bool = False, stream: TextIO | None = None) -> Inputs:
+    """Model / cluster / global batch / seq len of a command from its flags and its --plan FILE.
+
+    A flag the command line leaves out comes from the plan file; one given on both must agree
+    (the same string, or a spec that loads to the same thing) unless --override, which lets the
+    command line win and prints one note (not when ``quiet``). ``required`` fields missing from
+    both are an error."""
+    from meshplan.spec.io import load_plan
+    plan_arg = getattr(args, "plan", None)
+    plan = load_plan(plan_arg) if plan_arg is not None else None
+    pf = read_plan_file(plan_arg, fields) if plan_arg is not None else None
+    override = bool(getattr(args, "override", False))
+    inputs = Inputs(plan=plan, file=pf, values={}, source={})
+    clashes: list[tuple[str, Any, Any]] = []
+    for key in fields:
+        cli = getattr(args, key, None)
+        theirs = pf.values.get(key) if pf is not None else None
+        if cli is None and theirs is None:
+            continue
+        if theirs is None:
+            inputs.values[key], inputs.source[key] = cli, "cli"
+        elif cli is None:
+            inputs.values[key], inputs.source[key] = theirs, "file"
+        else:
+            assert pf is not None
+            same = (_same_model(cli, pf, inputs) if key == "model" else
+                    _same_cluster(cli, pf, inputs) if key == "cluster" else cli == theirs)
+            if same:
+                inputs.values[key], inputs.source[key] = theirs, "file"
+                inputs._loaded.pop(f"cli_{key}", None)
+            else:
+                clashes.append((key, cli, theirs))
+                inputs.values[key], inputs.source[key] = cli, "cli"
+    if clashes and not override:
+        raise MeshplanError(_clash_text(clashes) + "; drop " + " and ".join(FLAGS[k] for k, _, _ in clashes)
+                            + " or pass --override",
+                            hint=f"{pf.path if pf else 'the plan file'} records the problem it was planned for")
+    if clashes and not quiet:
+        print("meshplan: note: --override: " + ", ".join(f"{FLAGS[k]} {cli} replaces the plan file's {theirs}"
+                                                        for k, cli, theirs in clashes),
+              file=stream if stream is not None else sys.stderr)
+    missing = [k for k in required if k not in inputs.values]
+    if missing:
+        flags = ", ".join(FLAGS[k] for k in missing)
+        if pf is not None:
+            raise MeshplanError(f"{flags} {'is' if len(missing) == 1 else 'are'} required: the plan file "
+                                f"{pf.path} does not record the {' or '.join(WHAT[k] for k in missing)}",
+                                hint=f"give {flags}")
+        raise MeshplanError(f"{flags} {'is' if len(missing) == 1 else 'are'} required",
+                            hint=f"give {flags}, or --plan a plan file written by `meshplan plan --out`, "
+                                 "which records them")
+    return inputs
+
+
+def _clash_text(clashes: list[tuple[str, Any, Any]]) -> str:
+    first, *rest = clashes
+    text = f"{FLAGS[first[0]]} {first[1]} disagrees with the plan file's {first[2]}"
+    for k, cli, theirs in rest:
+        text += f", {FLAGS[k]} {cli} with its {theirs}"
+    return text
+
+
+def resolve_into(args: argparse.Namespace, *, fields: tuple[str, ...], required: tuple[str, ...],
+                 quiet: bool = False) -> Inputs:
+    """resolve(), then write the resolved values back into ``args`` (for commands that pass
+    their arguments on, like `meshplan train` to its torchrun workers)."""
+    inputs = resolve(args, fields=fields, required=required, quiet=quiet)
+    for key in fields:
+        if key in inputs.values:
+            value = inputs.values[key]
+            if inputs.from_file(key) and inputs.file is not None and isinstance(value, str):
+                value = _near(value, inputs.file.path)  # a file named in the plan file, from here
+            setattr(args, key, value)
+    return inputs
+
+
+class Loaded(str):
+    """A --model/--cluster value already loaded: the name it is shown by, carrying the spec, which
+    ``load_model_arg`` and ``load_cluster`` return as is. It lets code written for command-line
+    strings (plan_cmd.problem) run on what a plan file records."""
+
+    loaded: Any
+
+    def __new__(cls, text: str, loaded: Any) -> Loaded:
+        obj = super().__new__(cls, text)
+        obj.loaded = loaded
+        return obj
+
+
+def resolved_args(args: argparse.Namespace, *, fields: tuple[str, ...] = CONTEXT,
+                  required: tuple[str, ...] = ()) -> argparse.Namespace:
+    """A copy of ``args`` with model / cluster / global batch / seq len resolved against --plan FILE
+    (model and cluster as ``Loaded`` names carrying their specs)."""
+    inputs = resolve(args, fields=fields, required=required)
+    out = argparse.Namespace(**vars(args))
+    for key in fields:
+        if key not in inputs.values:
+            continue
+        value = inputs.values[key]
+        if key == "model":
+            value = Loaded(value, inputs.model())
+        elif key == "cluster":
+            value = Loaded(value, inputs.cluster())
+        setattr(out, key, value)
+    return out
