@@ -21,7 +21,7 @@ from meshplan.spec.graph import LayerGraph
 from meshplan.spec.io import load_cluster, load_model, load_plan
 from meshplan.spec.plan import Plan, Workload
 
-FEASIBLE = ["--model", "gpt3-1.3b", "--cluster", "a100-sxm-80gb:16", "--global-batch", "64", "--fix", "pp=4"]
+FEASIBLE = ["--model", "llama2-7b", "--cluster", "a100-sxm-80gb:16", "--global-batch", "64", "--fix", "pp=4"]
 INFEASIBLE = ["--model", "llama3.1-405b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16"]
 PLOTS = {"pareto-memory", "pareto-dollars", "time-breakdown", "memory-breakdown", "gantt", "sim-memory",
          "rejections"}
@@ -103,7 +103,7 @@ def test_feasible_page_has_every_section_and_figure(feasible):
 def test_page_data_block_matches_the_search(feasible):
     html, _ = feasible
     doc = data_block(html)
-    assert doc["model"] == "gpt3-1.3b" and doc["global_batch"] == 64
+    assert doc["model"] == "llama2-7b" and doc["global_batch"] == 64
     assert len(doc["plans"]) == 4 and doc["plans"][0]["rank"] == 1
     assert doc["plans"][0]["plan"]["pp"] == 4
     assert doc["considered"] == doc["feasible"] + sum(doc["rejected"].values())
@@ -143,7 +143,7 @@ def test_render_is_deterministic_and_escapes_names():
 
 
 def test_report_without_simulation_says_why():
-    model, cluster = load_model("gpt3-125m"), load_cluster("a100-sxm-80gb:8")
+    model, cluster = load_model("llama2-7b"), load_cluster("a100-sxm-80gb:8")
     rep = build_report(model, cluster, Workload(global_batch=16, seq_len=512), SearchSpace(pp=(1,)), top=2,
                        simulate=False)
     html = Report(rep.result, rep.usable_gib, sim_error="the simulator does not model schedule 'x' yet").html()
@@ -165,12 +165,12 @@ def test_simulate_winner_reports_simulator_errors(monkeypatch):
 
 
 def test_a_long_step_is_not_simulated_but_the_page_says_how():
-    model, cluster = load_model("gpt3-125m"), load_cluster("a100-sxm-80gb:8")
+    model, cluster = load_model("llama2-7b"), load_cluster("a100-sxm-80gb:8")
     rep = build_report(model, cluster, Workload(global_batch=16, seq_len=512), SearchSpace(pp=(2,)), top=1,
                        simulate=False)
     sim, _, err = simulate_winner(rep.result, max_passes=1)
     assert sim is None and "over the report's limit of 1" in err
-    assert f"meshplan simulate --model gpt3-125m --cluster {cluster.name}" in err
+    assert f"meshplan simulate --model llama2-7b --cluster {cluster.name}" in err
     assert f"--plan {rep.result.best.plan.short()}" in err
 
 
