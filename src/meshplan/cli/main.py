@@ -113,8 +113,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         work = Workload(global_batch=inputs.global_batch, seq_len=inputs.seq_len or model.seq_len)
         report = estimate(model, cluster, plan, work)
     if args.json:
+        from meshplan.cli.views import runtime_status
         out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
-                                  "global_batch": work.global_batch, "seq_len": work.seq_len}
+                                  "global_batch": work.global_batch, "seq_len": work.seq_len,
+                                  "runtime": runtime_status(model, plan, work)}
         print(json_text(out))
     else:
         print(estimate_text(model, cluster, plan, work, report))

@@ -39,7 +39,8 @@ def estimate_text(model: ModelSpec | LayerGraph, cluster: ClusterSpec, plan: Pla
         f"throughput     {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s / r.num_gpus:,.0f} per GPU)",
         f"model TFLOP/s  {r.tflops_per_gpu:.1f} per GPU   MFU {r.mfu * 100:.1f}%   HFU {r.hfu * 100:.1f}%",
         f"peak memory    {r.peak_memory_gib:.1f} GiB per GPU of {cluster.gpu.memory_gib:.0f} "
-        f"(usable {r.usable_memory_gib:.1f}): {'fits' if r.fits else 'DOES NOT FIT'}",
+        f"(usable {r.usable_memory_gib:.1f}): {fit_word(r)}",
+        *runtime_lines(model, plan, work),
         "",
     ]
     trows = []
@@ -57,6 +58,43 @@ def estimate_text(model: ModelSpec | LayerGraph, cluster: ClusterSpec, plan: Pla
     if not r.fits:
         out.append("\n" + fit_hint(plan, r))
     return "\n".join(out)
+
+
+def fit_word(r: CostReport) -> str:
+    """fits / at risk / DOES NOT FIT, with the headroom the memory model's error asks for."""
+    if not r.fits:
+        return "DOES NOT FIT"
+    if r.at_risk:
+        from meshplan.cost.params import DEFAULT_PARAMS
+        err = DEFAULT_PARAMS.memory_error
+        return (f"fits, but AT RISK: within the memory model's demonstrated error ({100 * err:.1f}%) of the "
+                f"limit; plans with headroom need at most {r.usable_memory_gib / (1 + err):.1f} GiB")
+    return "fits"
+
+
+def runtime_status(model: ModelSpec | LayerGraph, plan: Plan, work: Workload) -> dict[str, object]:
+    """Whether meshplan's runtime runs ``plan`` as planned (spec.support), for the JSON output."""
+    from meshplan.spec.support import export_targets, microbatches, runtime_violations
+    spec = None if isinstance(model, LayerGraph) else model
+    micro = microbatches(plan, work.global_batch)
+    bad = runtime_violations(plan, micro, spec)
+    targets = export_targets(plan, micro, spec)
+    return {"runs_as_planned": not bad, "issues": [{"rule": rule.name, "kind": rule.kind, "reason": why}
+                                                   for rule, why in bad],
+            "export_targets": None if targets is None else list(targets)}
+
+
+def runtime_lines(model: ModelSpec | LayerGraph, plan: Plan, work: Workload) -> list[str]:
+    """'meshplan train' lines: refused or run as something else (spec.support), else nothing."""
+    st = runtime_status(model, plan, work)
+    if st["runs_as_planned"]:
+        return []
+    out = [f"runtime        meshplan train {'refuses' if i['kind'] == 'refused' else 'runs it otherwise'}: "
+           f"{i['reason']}" for i in st["issues"]]  # type: ignore[union-attr]
+    targets = st["export_targets"]
+    out.append("               as planned by: " + (", ".join(targets) if targets else "no export target")  # type: ignore[arg-type]
+               + " (meshplan export --to ...)")
+    return out
 
 
 def fit_hint(plan: Plan, r: CostReport) -> str:
