@@ -15,9 +15,8 @@ echo "== meshplan plan: Llama 3 8B on 8 x H100, global batch 64 x 8192 tokens"
 $mp plan --model llama3-8b --cluster h100-sxm-80gb:8 --global-batch 64 --seq-len 8192 --top 5 \
   --out "$out/plan.json"
 echo
-echo "== meshplan estimate --plan $out/plan.json"
-$mp estimate --model llama3-8b --cluster h100-sxm-80gb:8 --plan "$out/plan.json" \
-  --global-batch 64 --seq-len 8192 | head -n 9
+echo "== meshplan estimate --plan $out/plan.json (model, cluster, batch and sequence from the file)"
+$mp estimate --plan "$out/plan.json" | head -n 9
 echo
 echo "== meshplan train: tiny-llama, FSDP (zero=3) on 2 local CPU processes, 5 steps"
 $mp train --model tiny-llama --plan dp=2,zero=3,precision=fp32 --global-batch 8 --seq-len 64 \
