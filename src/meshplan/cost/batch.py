@@ -212,6 +212,41 @@ def stage_sends(two_v: np.ndarray, pp: np.ndarray, zbv: np.ndarray, j: np.ndarra
     return np.where(ends, 2 * np.asarray(one)[:, None], np.asarray(two_v)[:, None] + 0 * j)
 
 
+def _stage_forward(cols: Mapping[str, np.ndarray], p: CostParams, blk: _Block, c: _Comm, layers: np.ndarray,
+                   first: np.ndarray, last: np.ndarray, p2p: np.ndarray, offload: np.ndarray) -> np.ndarray:
+    """(rows, stages) forward seconds per micro-batch of each rank as the simulator runs them
+    (cost.durations): the blocks, the embedding / output layer, the exposed TP/CP/EP and FSDP
+    communication of the forward, half the offload copies and half the sends."""
+    def col(x: Any) -> np.ndarray:
+        return np.asarray(x, dtype=float)[:, None]
+
+    async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
+    share_f = blk.f / np.maximum(1e-30, blk.f + blk.b)
+    fwd_x = first * col(blk.emb_f) + last * col(blk.out_f)
+    comm_f = layers * (col(2 * c.tp_one) * async_f + col(c.cp_exposed * share_f + c.ep / 2 + c.fwd_exposed)) \
+        + offload / 2
+    return layers * col(blk.f) + fwd_x + comm_f + p2p / 2
+
+
+def _drain(cols: Mapping[str, np.ndarray], p: CostParams, blk: _Block, c: _Comm, layers: np.ndarray,
+           valid: np.ndarray, first: np.ndarray, last: np.ndarray, totals: np.ndarray, p2p: np.ndarray,
+           offload: np.ndarray, split: np.ndarray) -> np.ndarray:
+    """(rows, stages) seconds between each rank's last backward and the end of the pipeline
+    (rank 0's). The last backward passes drain from the last rank down to rank 0, one (chunk of
+    a) rank's backward and one send each, so rank r ends sum_{j<r} (b_j + send) - send earlier
+    (GPipe, 1F1B, interleaved 1F1B with b_j per chunk). A rank's end-of-step gradient sync and
+    optimizer start there (the simulator runs the same). Split-backward schedules end with W
+    passes that do not chain: 0 (the step's end is then every rank's)."""
+    pp, v = np.asarray(cols["pp"]), np.asarray(cols["virtual_stages"]).astype(float)
+    fwd = _stage_forward(cols, p, blk, c, layers, first, last, p2p, offload)
+    per = np.where(valid, np.where(np.isfinite(totals), totals, 0.0) - fwd, 0.0) / v[:, None]
+    before = np.cumsum(per, axis=1) - per  # sum over j < r
+    send = np.where(pp > 1, c.send * p.pp_p2p_exposed, 0.0)[:, None]
+    j = np.arange(per.shape[1])[None, :]
+    out = np.maximum(0.0, before - np.where(j >= 1, send, 0.0))
+    return np.where(split[:, None] | ~valid, 0.0, out)
+
+
 def _rank_passes(cols: Mapping[str, np.ndarray], p: CostParams, blk: _Block, c: _Comm, layers: np.ndarray,
                  valid: np.ndarray, first: np.ndarray, last: np.ndarray, zbv: np.ndarray, totals: np.ndarray,
                  p2p: np.ndarray, offload: np.ndarray, j: np.ndarray) -> RankPasses:
@@ -223,13 +258,9 @@ def _rank_passes(cols: Mapping[str, np.ndarray], p: CostParams, blk: _Block, c: 
     def col(x: Any) -> np.ndarray:
         return np.asarray(x, dtype=float)[:, None]
 
-    async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
-    share_f = blk.f / np.maximum(1e-30, blk.f + blk.b)
     fwd_x, bin_x, w_x = (first * col(e) + last * col(o) for e, o in
                          ((blk.emb_f, blk.out_f), (blk.emb_bi, blk.out_bi), (blk.emb_w, blk.out_w)))
-    comm_f = layers * (col(2 * c.tp_one) * async_f + col(c.cp_exposed * share_f + c.ep / 2 + c.fwd_exposed)) \
-        + offload / 2
-    fwd = layers * col(blk.f) + fwd_x + comm_f + p2p / 2
+    fwd = _stage_forward(cols, p, blk, c, layers, first, last, p2p, offload)
     wgt = layers * col(blk.bw) + w_x
     bwd = np.where(valid, totals, 0.0) - fwd - wgt
     chunk1 = None
@@ -338,10 +369,19 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
         if split.any() else None
     bubble = bubble_array(tsum, tmax, pp, v, sched, w_frac, micro, passes)
 
-    pmax = plocal.max(axis=1)
-    dp_exp, dp_ovl = _dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, pmax, compute[:, 0] / 2, micro)
+    # End of step, per rank: gradient sync / ZeRO gathers of the rank's own parameters (+ the tied
+    # weights' all-reduce on the first and last ranks; zbv: both on rank 0), then the optimizer,
+    # from the rank's last backward on (the drain ends the ranks one after another).
+    c2 = {k: np.asarray(cols[k])[:, None] for k in ("zero", "pp", "grad_sync")}
+    e_r, o_r = _dp_end_of_step(cluster, c2, p, tp[:, None], dp[:, None], cp[:, None], shard[:, None], lp[:, None],
+                               plocal, (compute[:, 0] / 2)[:, None], micro[:, None])
     tied = Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)
-    dp_exp = dp_exp + np.where((pp > 1) & m_.tied_embeddings & ~zbv, tied, 0)  # zbv: both on rank 0
+    ends = first | (j == (pp[:, None] - 1))
+    tie = ((pp > 1) & m_.tied_embeddings & ~zbv)[:, None]
+    e_r = e_r + np.where(ends & tie, col(tied), 0)
+    drain = _drain(cols, p, blk, c, layers, valid, first, last, totals, p2p, offload, split)
+    fullest = np.argmax(np.where(valid, plocal, -1.0), axis=1)
+    dp_exp, dp_ovl = np.zeros(len(rows)), o_r[rows, fullest]
     # FSDP under a pipeline gathers the stage's parameters once, during the first micro-batch's
     # forward, and reduce-scatters the gradients once, during the last one's backward: only that
     # one micro-batch's compute can hide each (torch.distributed.pipelining, torchtitan PP+FSDP).
@@ -355,17 +395,18 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     dp_ovl = dp_ovl + np.where(staged, staged_fsdp_overlapped(ag_s, n_blk * blk.f, rs_s, hide_rs), 0)
     # FSDP's root unit (embedding, final norm, output layer) is gathered and reduce-scattered too:
     # per micro-batch without a pipeline (FSDP2 reshards it after each backward), once per step
-    # under one. Counted as hidden under the blocks' compute (only a step's first gather is
-    # exposed, in _dp_end_of_step), so that the memory ZeRO-3 saves on it carries its traffic.
-    root = np.maximum(0.0, plocal[rows, crit] - n_blk * lp)
-    root_g = Group.of(cluster, shard, tp)
-    root_t = root_g.all_gather(2.0 * root) + root_g.reduce_scatter(p.fsdp_reduce_bytes * root)
-    dp_ovl = dp_ovl + np.where(fsdp, np.where(per_step, 1.0, micro) * root_t, 0)
+    # under one, under the blocks' compute (only a step's first gather is exposed, in
+    # _dp_end_of_step), which it slows like any collective (exposed_under), so that the memory
+    # ZeRO-3 saves on it carries its time.
+    root_x, root_o = root_fsdp(cluster, p, plocal[rows, crit] - n_blk * lp, shard, tp, tmax, micro, fsdp, per_step)
+    dp_exp, dp_ovl = dp_exp + root_x, dp_ovl + root_o
     n_opt = plocal / col(np.where(zero >= 1, shard, 1))
     host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
     hbm = n_opt * p.optimizer_bytes_per_param / (gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
     opt_t = np.where(np.asarray(cols["offload_optimizer"], dtype=bool)[:, None], host, hbm)
-    opt = np.where(valid, opt_t, 0).max(axis=1)
+    end = np.where(valid, e_r + opt_t - drain, -np.inf).max(axis=1)
+    opt = np.minimum(np.where(valid, opt_t, 0).max(axis=1), end)  # >= 0: rank 0 has no drain
+    dp_exp = dp_exp + end - opt
     step = busy + bubble + dp_exp + opt + p.step_overhead_s
 
     out: dict[str, np.ndarray] = {f"time.{k}": micro * t[rows, crit] for k, t in terms.items()}
@@ -376,6 +417,20 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     mem = _memory(model, work, cols, p, layers, valid, first, last, plocal, lp, shard, tokens, blk, micro)
     out |= _summary(model, cluster, work, cols, p, step, blk, mem, micro)
     return out
+
+
+def root_fsdp(cluster: ClusterSpec, p: CostParams, root: np.ndarray, shard: np.ndarray, tp: np.ndarray,
+              hide: np.ndarray, micro: Any, fsdp: np.ndarray, per_step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(exposed, overlapped) seconds per step of FSDP's root unit (``root`` parameters on the GPU
+    before sharding: embedding, final norm, output layer): gathered and reduce-scattered per
+    micro-batch without a pipeline (FSDP2 reshards it after each backward), once per step under
+    one, under ``hide`` seconds of compute, which it slows like any collective (exposed_under)."""
+    root = np.maximum(0.0, root)
+    g = Group.of(cluster, shard, tp)
+    t = g.all_gather(2.0 * root) + g.reduce_scatter(p.fsdp_reduce_bytes * root)
+    times = np.where(per_step, 1.0, np.asarray(micro, dtype=float))
+    x = exposed_under(t, hide, p.overlap_slowdown)
+    return np.where(fsdp, times * x, 0.0), np.where(fsdp, times * (t - np.minimum(t, x)), 0.0)
 
 
 def _dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: CostParams,
@@ -401,7 +456,8 @@ def _dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cos
     gs = cols["grad_sync"]
     allreduce = (gs == "all-reduce") | ((gs == "auto") & (zero == 0))
     sync = np.where(allreduce, g.all_reduce(grads), g.reduce_scatter(grads))
-    bucket = g.all_reduce(np.minimum(grads, p.dp_bucket_mib * 2**20))
+    last = np.minimum(grads, p.dp_bucket_mib * 2**20)  # the last bucket, by the same collective
+    bucket = np.where(allreduce, g.all_reduce(last), g.reduce_scatter(last))
     # With a pipeline the sync starts after the stage's last backward: nothing to overlap.
     exposed = np.where(pp > 1, sync, np.maximum(bucket, exposed_under(sync, last_bwd, p.overlap_slowdown)))
     syncs = np.where(zero == 2, np.asarray(micro, dtype=float), 1.0)  # ZeRO-2: one per micro-batch

@@ -148,7 +148,12 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
     for r in range(width):
         ea, oa = _b._dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, plocal[:, r],
                                     (fwd[:, 0] + b_in[:, 0] + b_w[:, 0]) / 2, micro)
-        e, o = float(ea[0]), float(oa[0])
+        rt = (fwd[:, r] + b_in[:, r] + b_w[:, r] + recompute[:, r] + tp_f_exp[:, r] + tp_b_exp[:, r]
+              + dp_f_exp[:, r] + dp_b_exp[:, r])  # the rank's exposed time per micro-batch
+        # FSDP's root unit: its exposed part ends the step (its hidden traffic runs between the
+        # blocks' gathers; the simulator's data-parallel stream does not draw it)
+        rx, _ = _b.root_fsdp(cluster, p, plocal[:, r] - layers[:, r] * lp, shard, tp, rt, micro, fsdp, per_step)
+        e, o = float(ea[0] + rx[0]), float(oa[0])
         if plan.pp > 1 and m_.tied_embeddings and not zbv and r in (0, width - 1):  # zbv: one rank holds both
             e += float(Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)[0])
         end_exp.append(e)
