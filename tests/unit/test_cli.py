@@ -8,15 +8,11 @@ import sys
 import pytest
 
 from meshplan.cli.main import main
+from clirun import run
 
 GOOD = ["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8",
         "--plan", "dp=8,zero=3,micro_batch=1,recompute=op", "--global-batch", "16", "--seq-len", "8192"]
 
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def test_estimate_json_has_the_documented_fields(capsys):

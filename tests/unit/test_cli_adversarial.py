@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from meshplan.cli.main import main
+from clirun import one_line_error, run
 
 EST = ["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8",
        "--plan", "dp=8,zero=3", "--global-batch", "16"]
@@ -19,17 +19,6 @@ PLAN = ["plan", "--model", "tiny-llama", "--cluster", "h100-sxm-80gb:8", "--glob
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def one_line_error(rc, err, *words):
-    assert rc == 2, err
-    assert err.startswith("meshplan: error: ") and err.count("\n") == 1, err
-    for w in words:
-        assert w in err, (w, err)
 
 
 def strict_json(text):

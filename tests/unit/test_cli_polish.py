@@ -13,6 +13,7 @@ import pytest
 from meshplan.cli.main import main
 from meshplan.errors import MeshplanError
 from meshplan.spec.io import load_cluster, suggest
+from clirun import one_line_error, run
 
 EST = ["estimate", "--model", "llama3-8b", "--plan", "dp=8,zero=3", "--global-batch", "16"]
 SIM_70B = ["simulate", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb:64", "--plan",
@@ -20,18 +21,6 @@ SIM_70B = ["simulate", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb:64",
            "--seq-len", "8192"]
 
 
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def one_line_error(rc: int, err: str, *needles: str) -> None:
-    assert rc == 2, err
-    assert err.startswith("meshplan: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err
-    for n in needles:
-        assert n in err, err
 
 
 # ---- did you mean ------------------------------------------------------------------------------

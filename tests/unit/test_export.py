@@ -20,17 +20,13 @@ from meshplan.export.megatron import layout
 from meshplan.export.torchtitan import flavor
 from meshplan.spec.io import load_model, plan_document
 from meshplan.spec.plan import Plan, parse_plan
+from clirun import run
 
 TARGETS = ("torchtitan", "megatron", "deepspeed")
 LLAMA = load_model("llama3-8b")
 GPT = load_model("gpt3-1.3b")
 MIXTRAL = load_model("mixtral-8x7b")
 
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def inp(plan: str, model=LLAMA, gb: int = 64, seq: int | None = 4096) -> ExportInput:

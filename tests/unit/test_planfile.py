@@ -18,24 +18,13 @@ from meshplan.errors import MeshplanError
 from meshplan.spec.graph import LayerGraph, LayerSpec
 from meshplan.spec.io import dump_json, plan_document
 from meshplan.spec.plan import parse_plan
+from clirun import one_line_error, run
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN_8B = ["plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16",
            "--seq-len", "2048"]
 
 
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def one_line_error(rc: int, err: str, *needles: str) -> None:
-    assert rc == 2, err
-    assert err.startswith("meshplan: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err
-    for n in needles:
-        assert n in err, err
 
 
 @pytest.fixture(scope="module")

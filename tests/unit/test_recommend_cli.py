@@ -7,19 +7,14 @@ import json
 
 import pytest
 
-from meshplan.cli.main import main
 from meshplan.cost import estimate
 from meshplan.spec.io import load_cluster, load_model
 from meshplan.spec.plan import Plan, Workload
+from clirun import run
 
 L8B = ["--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "64", "--seq-len", "8192"]
 AT_RISK = "tp=1,pp=1,dp=8,zero=1,micro_batch=1,recompute=full"  # 73.8 GiB of 75.6 usable
 
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def test_estimate_marks_a_plan_within_the_memory_error_as_at_risk(capsys):

@@ -6,17 +6,12 @@ import json
 
 import pytest
 
-from meshplan.cli.main import main
 from meshplan.cli.plan_cmd import Progress
+from clirun import run
 
 SMALL = ["plan", "--model", "tiny-llama", "--cluster", "h100-sxm-80gb:4", "--global-batch", "8",
          "--seq-len", "64"]
 
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_table_explanation_and_histogram(capsys):
