@@ -16,9 +16,19 @@ from conftest import torchrun_worker
 L4 = {"num_layers": 4}
 
 
-def case(name: str, model: str, plan: str, overrides: dict | None = None, batch: int = 8) -> dict:
-    return {"name": name, "model": model, "plan": plan + ",precision=fp32", "overrides": overrides or {},
-            "global_batch": batch, "steps": 5}
+V257 = {"vocab_size": 257}
+"""A vocabulary tp=2 and tp=4 do not divide (padded to 258 / 260; GPT-3's 50257 under tp=8)."""
+GPT_L4_V257 = {**L4, **V257}
+
+
+def case(name: str, model: str, plan: str, overrides: dict | None = None, batch: int = 8,
+         resume: tuple[str, int] | None = None) -> dict:
+    """``resume``: (plan, steps) the first steps run under, then a checkpoint, then ``plan``."""
+    out = {"name": name, "model": model, "plan": plan + ",precision=fp32", "overrides": overrides or {},
+           "global_batch": batch, "steps": 5}
+    if resume is not None:
+        out["resume"] = {"plan": resume[0] + ",precision=fp32", "steps": resume[1]}
+    return out
 
 
 CASES = {  # global batch 8: micro-batches per step = 8 / (dp x micro_batch)
@@ -44,7 +54,13 @@ CASES = {  # global batch 8: micro-batches per step = 8 / (dp x micro_batch)
         case("cp_fsdp_gpt2", "tiny-gpt2", "cp=2,zero=3,micro_batch=2"),
         case("ep", "tiny-moe", "dp=2,ep=2,micro_batch=2"),
         case("ep_cp_fsdp", "tiny-moe", "cp=2,ep=2,zero=3,micro_batch=4,recompute=full"),
-        case("compile_cp", "tiny-llama", "cp=2,zero=2,micro_batch=4,compile=1")],
+        case("compile_cp", "tiny-llama", "cp=2,zero=2,micro_batch=4,compile=1"),
+        # tied embeddings under a pipeline (tiny-gpt2: tied, learned positions); odd vocabularies
+        case("pp_1f1b_gpt2", "tiny-gpt2", "pp=2,schedule=1f1b,micro_batch=2", L4),
+        case("pp_interleaved_gpt2", "tiny-gpt2", "pp=2,virtual_stages=2,schedule=interleaved-1f1b,micro_batch=2", L4),
+        case("pp_zbv_gpt2", "tiny-gpt2", "pp=2,virtual_stages=2,schedule=zbv,micro_batch=2", L4),  # both ends on rank 0
+        case("tp_v257_gpt2", "tiny-gpt2", "tp=2,sequence_parallel=1,micro_batch=2", V257),  # 4 micro-batches
+        case("tp_v257", "tiny-llama", "tp=2,micro_batch=4", V257)],  # untied, 2 micro-batches
     4: [case("hsdp", "tiny-gpt2", "dp=4,zero=3,shard_group=2,micro_batch=1"),
         case("zero1_hsdp", "tiny-llama", "dp=4,zero=1,shard_group=2,micro_batch=1"),  # 2 micro-batches
         case("zero2_tp", "tiny-llama", "tp=2,dp=2,zero=2,micro_batch=1"),  # 4 micro-batches, FSDP x TP
@@ -57,13 +73,25 @@ CASES = {  # global batch 8: micro-batches per step = 8 / (dp x micro_batch)
         case("ep_fsdp", "tiny-moe", "dp=4,ep=2,zero=3,micro_batch=1"),
         case("ep_hsdp", "tiny-moe", "dp=4,ep=2,zero=3,shard_group=2,micro_batch=1"),
         case("ep_tp_fsdp", "tiny-moe", "dp=2,ep=2,tp=2,zero=3,micro_batch=2"),
-        case("ep_pp_ddp", "tiny-moe", "pp=2,dp=2,ep=2,schedule=1f1b,micro_batch=2")],
-    8: [case("pp_tp_fsdp", "tiny-llama", "pp=2,tp=2,dp=2,zero=3,sequence_parallel=1,schedule=1f1b,micro_batch=1", L4)],
+        case("ep_pp_ddp", "tiny-moe", "pp=2,dp=2,ep=2,schedule=1f1b,micro_batch=2"),
+        case("pp_tp_v257_gpt2", "tiny-gpt2", "pp=2,tp=2,virtual_stages=2,schedule=interleaved-1f1b,micro_batch=2",
+             GPT_L4_V257),
+        case("pp_fsdp_gpt2", "tiny-gpt2", "pp=2,dp=2,zero=1,schedule=1f1b,micro_batch=1", L4),
+        case("pp_ddp_gpt2", "tiny-gpt2", "pp=2,dp=2,virtual_stages=2,schedule=interleaved-1f1b,micro_batch=2", L4),
+        case("tp_fsdp_v257_gpt2", "tiny-gpt2", "tp=2,dp=2,zero=3,micro_batch=1", V257),  # FSDP x TP on padded rows
+        # a checkpoint resumed under another plan: tied copies and padded rows saved as one unpadded tensor
+        case("resume_pp_tp_to_tp4", "tiny-gpt2", "tp=4,micro_batch=2", GPT_L4_V257,
+             resume=("pp=2,tp=2,schedule=1f1b,micro_batch=2", 3)),
+        case("resume_pp_fsdp_to_tp_fsdp", "tiny-gpt2", "tp=2,dp=2,zero=3,micro_batch=2", GPT_L4_V257,
+             resume=("pp=2,dp=2,zero=3,virtual_stages=2,schedule=interleaved-1f1b,micro_batch=1", 3))],
+    8: [case("pp_tp_fsdp", "tiny-llama", "pp=2,tp=2,dp=2,zero=3,sequence_parallel=1,schedule=1f1b,micro_batch=1", L4),
+        case("pp_tp_fsdp_v257_gpt2", "tiny-gpt2", "pp=2,tp=2,dp=2,zero=3,schedule=1f1b,micro_batch=1", GPT_L4_V257)],
 }
 ALL = [(n, c["name"]) for n, cs in CASES.items() for c in cs]
 NOTES_CASES = [(4, "cp_fsdp"), (2, "compile_cp")]
 ZERO_CASES = {"zero1": 1, "zero1_llama": 1, "zero1_ep": 1, "zero1_hsdp": 1, "zero2": 2, "zero2_moe": 2,
-              "zero2_tp": 2, "fsdp": 3, "hsdp": 3, "pp_fsdp": "pp", "pp_tp_fsdp": "pp"}
+              "zero2_tp": 2, "fsdp": 3, "hsdp": 3, "pp_fsdp": "pp", "pp_tp_fsdp": "pp", "pp_fsdp_gpt2": "pp",
+              "pp_tp_fsdp_v257_gpt2": "pp"}
 """FSDP plans with several micro-batches whose collectives per step are checked: the ZeRO level
 (pp = 1), or "pp" (the pipeline schedule's own accumulation, whatever the level)."""
 
@@ -176,8 +204,15 @@ def test_matches_single_process(results: Launches, nproc: int, name: str) -> Non
         check_weights(r)
         assert r["noise_param_abs_err"] < 1e-2, r["rank"]
         assert not r["unknown_params"], r["unknown_params"]
+        assert r["padding_abs_max"] == 0.0, (r["rank"], r["padding_abs_max"])  # padded rows: no gradient, no value
+        assert r["tied_copies_diff"] == 0.0, (r["rank"], r["tied_copies_diff"])  # both ends: the same update
     held = set().union(*(r["params"] for r in ranks))  # pipeline stages (experts) together hold every parameter
     assert held == set(ranks[0]["ref_params"])
+    case_ = next(c for c in CASES[nproc] if c["name"] == name)
+    if case_["overrides"].get("vocab_size") == 257:  # the padding is exercised: 258 (tp=2) or 260 (tp=4)
+        assert max(r["padded_vocab"] for r in ranks) in (258, 260), [r["padded_vocab"] for r in ranks]
+    if case_["model"] == "tiny-gpt2" and "pp=2" in case_["plan"]:  # pp=2: every rank holds one end (zbv: rank 0 both)
+        assert sum(r["tied_ends"] for r in ranks) == nproc, [r["tied_ends"] for r in ranks]
 
 
 @pytest.mark.parametrize("name", sorted(ZERO_CASES))

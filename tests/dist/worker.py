@@ -9,8 +9,16 @@ float64 run from the same fp32 initial weights (the exact result, to rounding fa
 The distributed and the single-process errors are both measured against float64
 (test_parity.check_errors explains the bound).
 
+A case with ``"resume": {"plan", "steps"}`` trains its first steps under that plan, saves a
+checkpoint (runtime.checkpoint), and the rest under ``plan`` from that checkpoint (same process
+count): the whole must still equal the single-process run.
+
+Also recorded: the largest magnitude of padded vocabulary rows (weights and gradients; tp not
+dividing the vocabulary) and the largest difference between the two copies of tied embeddings
+under a pipeline, gathered on the first pipeline rank (both must be 0).
+
 usage: torchrun --nproc-per-node N tests/dist/worker.py OUT_DIR CASES_JSON
-CASES_JSON: [{"name", "model", "overrides": {...}, "plan", "global_batch", "steps"}, ...]
+CASES_JSON: [{"name", "model", "overrides": {...}, "plan", "global_batch", "steps", "resume"?}, ...]
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import torch.distributed as dist
 from worker_main import main
 
 from meshplan.runtime.mesh import build_mesh, check_supported
+from meshplan.runtime.parallelize import VOCAB_PARAMS
 from meshplan.runtime.train import RunConfig, Trainer, clean_fqn
 from meshplan.spec.io import load_model, parse_plan
 from meshplan.spec.plan import Plan
@@ -109,6 +118,77 @@ def fsdp_groups(trainer: Trainer) -> int:
                if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups)
 
 
+def padding_abs_max(trainer: Trainer) -> float:
+    """Largest |value| of padded vocabulary rows, weights and gradients (collective over dp/tp)."""
+    from torch.distributed.tensor import DTensor
+    vocab, worst = trainer.cfg.model.vocab_size, 0.0
+    for part in trainer.par.parts:
+        for name, p in part.named_parameters():
+            if clean_fqn(name) not in VOCAB_PARAMS:
+                continue
+            for t in (p, p.grad):
+                if t is None:
+                    continue
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                if full.shape[0] > vocab:
+                    worst = max(worst, float(full[vocab:].abs().max()))
+    return worst
+
+
+def tied_copies_diff(trainer: Trainer) -> float:
+    """Largest |difference| between the two copies of tied embeddings under a pipeline (0 on ranks
+    holding neither). Collective over the ranks of a stage's meshes and the tied pair."""
+    from torch.distributed.tensor import DTensor
+    par = trainer.par
+    if not par.tied:  # the same on every rank of this pipeline rank's dp/tp meshes
+        return 0.0
+    full = [(t.full_tensor() if isinstance(t, DTensor) else t).detach() for t in par.tied]
+    if len(full) == 1:  # one end here, the other on the paired pipeline rank
+        mine = full[0].contiguous()
+        full = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(full, mine, group=par.tied_group)
+    return float((full[0] - full[1]).abs().max())
+
+
+def train(cfg: RunConfig, steps: int, device: torch.device, resume: dict | None) -> tuple[Trainer, Any, list, list,
+                                                                                      CommCounter]:
+    """``steps`` steps of ``cfg`` (with ``resume``: the first under its plan, then a checkpoint,
+    then the rest under ``cfg.plan`` from it); the trainer and mesh of the last part."""
+    losses: list[float] = []
+    norms: list[float] = []
+    if resume is not None:
+        import tempfile
+
+        from meshplan.runtime import checkpoint
+        first = dataclasses.replace(cfg, plan=parse_plan(resume["plan"]))
+        check_supported(first.model, first.plan, dist.get_world_size(), cfg.seq_len)
+        t = Trainer(first, build_mesh(first.plan, device.type), device)
+        for _ in range(resume["steps"]):
+            losses.append(t.train_step())
+            norms.append(float(t.grad_norm))  # type: ignore[arg-type]
+        where = [tempfile.mkdtemp(prefix="meshplan-resume-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(where)
+        checkpoint.save(t, where[0])
+        del t
+    mesh = build_mesh(cfg.plan, device.type)
+    trainer = Trainer(cfg, mesh, device)
+    if resume is not None:
+        from meshplan.runtime import checkpoint
+        assert checkpoint.load(trainer, where[0]) == len(losses)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            import shutil
+            shutil.rmtree(where[0], ignore_errors=True)
+    counter = CommCounter(trainer)
+    try:
+        while len(losses) < steps:
+            losses.append(trainer.train_step())
+            norms.append(float(trainer.grad_norm))  # type: ignore[arg-type]
+    finally:
+        counter.close()
+    return trainer, mesh, losses, norms, counter
+
+
 def run_case(case: dict, device: torch.device) -> dict:
     model = load_model(case["model"]).replace(**case.get("overrides", {}))
     plan = parse_plan(case["plan"])
@@ -121,17 +201,8 @@ def run_case(case: dict, device: torch.device) -> dict:
         _REF_CACHE[key] = references(cfg)
     singles, (x_losses, x_norms, x_w) = _REF_CACHE[key]
     ref_losses, ref_norms, ref_w = singles[0]
-    mesh = build_mesh(plan, device.type)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, mesh, device)
-    counter = CommCounter(trainer)
-    losses, norms = [], []
-    try:
-        for _ in range(cfg.steps):
-            losses.append(trainer.train_step())
-            norms.append(float(trainer.grad_norm))
-    finally:
-        counter.close()
+    trainer, mesh, losses, norms, counter = train(cfg, cfg.steps, device, case.get("resume"))
     weights = trainer.full_weights()
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     norm_err = max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms))
@@ -155,7 +226,10 @@ def run_case(case: dict, device: torch.device) -> dict:
             "ref_params": sorted(ref_w), "unknown_params": missing,
             "worst": {k: per_param[k] for k in worst}, "notes": trainer.par.notes,
             "comms": counter.steps, "fsdp_groups": fsdp_groups(trainer), "micro_batches": trainer.n_micro,
-            "dp_mode": trainer.par.dp_mode, "seconds": time.perf_counter() - t0}
+            "dp_mode": trainer.par.dp_mode, "padding_abs_max": padding_abs_max(trainer),
+            "tied_copies_diff": tied_copies_diff(trainer), "tied_ends": len(trainer.par.tied),
+            "padded_vocab": max([p.padded_vocab for p in trainer.par.parts], default=0),
+            "seconds": time.perf_counter() - t0}
 
 
 if __name__ == "__main__":

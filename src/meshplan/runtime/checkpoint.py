@@ -6,6 +6,17 @@ parameter names (no wrapper prefixes) with a flattened optimizer state, so DCP r
 load: a run saved under one plan resumes under another (other world size, TP, PP, FSDP).
 Saved: model, optimizer, data position (the step: batches are a pure function of it) and the
 torch RNG state of rank 0 (restored on every rank; ranks are seeded alike).
+
+The checkpoint holds the single-process model's logical tensors, whatever the plan:
+
+- tied embeddings are one tensor, ``embed.tok.weight`` (and its AdamW state): under a pipeline
+  the last stage's output copy is saved and loaded under that name (both ends write the same
+  shards, which DCP deduplicates; under zbv rank 0 loads it into both of its parts), and with
+  pp = 1 the tied ``output.weight`` alias is not saved (loaded through the embedding);
+- a vocabulary padded for tp (``Transformer.pad_vocab``) is saved unpadded: each rank writes the
+  rows of its shard below ``vocab_size`` (a shard of padding only writes nothing) as chunks of
+  the [vocab_size, hidden] tensor, and reads them back the same way, the padded rows keeping
+  their zeros. So a run resumes under any tp (any padding), pp and data parallelism.
 """
 from __future__ import annotations
 
@@ -28,15 +39,115 @@ def _options() -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _state(trainer: Any) -> dict[str, Any]:
+Entry = tuple[str, str, Any]
+"""(key in the part's state dict, key in the checkpoint, the part's own value)."""
+
+
+def _param_of(key: str, optim: bool) -> tuple[str, str, str]:
+    """(prefix, parameter name, suffix) of a state-dict key: model keys are parameter names;
+    flattened optimizer keys are ``state.<param>.<name>`` / ``param_groups.<param>.<name>``."""
+    if not optim:
+        return "", key, ""
+    prefix, rest = key.split(".", 1)
+    param, _, suffix = rest.rpartition(".")
+    return prefix + ".", param, "." + suffix
+
+
+def _logical(part: Any, sd: dict[str, Any], vocab: int, optim: bool) -> list[Entry]:
+    """The entries of one part's state dict under their checkpoint keys (see the module doc)."""
+    from meshplan.runtime.parallelize import VOCAB_PARAMS, logical_name
+    shared = part.embed is not None and part.output is not None and part.output.weight is part.embed.tok.weight
+    out = []
+    for key, value in sd.items():
+        prefix, param, suffix = _param_of(key, optim)
+        if shared and param == "output.weight":  # pp = 1 tied: the alias of embed.tok.weight
+            continue
+        logical = prefix + logical_name(part, param) + suffix
+        if param in VOCAB_PARAMS and isinstance(value, torch.Tensor) and value.dim() >= 1 \
+                and value.shape[0] > vocab:
+            value = _rows_below(value, vocab)
+        out.append((key, logical, value))
+    return out
+
+
+def _rows_below(value: torch.Tensor, rows: int) -> torch.Tensor:
+    """A stand-in for ``value`` (a tensor or DTensor whose dim 0 is padded past ``rows``) that DCP
+    saves and loads as the [rows, ...] tensor: this rank's shard cut at ``rows``, a view of the
+    same memory (loading writes into ``value``). DCP's protocol for objects that place their own
+    chunks (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``, the
+    global ``size()``), set on an alias of the view; ``_original`` is ``value``."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.tensor import DTensor
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        local = value.to_local()
+        if list(local.shape) != list(shape) or any(offset[1:]):
+            raise RuntimeError(f"checkpoint: unexpected shard {list(local.shape)} at {list(offset)} of a "
+                               f"padded vocabulary tensor {list(value.shape)}")
+        start = offset[0]
+    else:
+        local, start = value, 0
+    keep = max(0, min(local.shape[0], rows - start))
+    view = local[:keep]
+    size = torch.Size([rows, *value.shape[1:]])
+    offsets = torch.Size([start, *([0] * (value.dim() - 1))])
+    chunk = ChunkStorageMetadata(offsets=offsets, sizes=view.shape)
+
+    def write_items(fqn: str, obj: Any) -> list[Any]:
+        if keep == 0:
+            return []
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(view),
+                                                      size=size))]
+    shell = view.view(view.shape)
+    shell.__create_write_items__ = write_items  # type: ignore[attr-defined]
+    shell.__create_chunk_list__ = lambda: [chunk] if keep else []  # type: ignore[attr-defined]
+    shell.__get_tensor_shard__ = lambda index: view  # type: ignore[attr-defined]
+    shell.size = lambda *dim: size if not dim else size[dim[0]]  # type: ignore[method-assign]
+    shell._original = value  # type: ignore[attr-defined]
+    return shell
+
+
+def _entries(trainer: Any) -> list[tuple[list[Entry], list[Entry]]]:
+    """Per part: (model entries, optimizer entries) under their checkpoint keys."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    vocab = trainer.cfg.model.vocab_size
+    return [(_logical(part, get_model_state_dict(part, options=_options()), vocab, False),
+             _logical(part, get_optimizer_state_dict(part, opt, options=_options()), vocab, True))
+            for part, opt in zip(trainer.par.parts, trainer.optimizers)]
+
+
+def _state(trainer: Any, entries: list[tuple[list[Entry], list[Entry]]] | None = None) -> dict[str, Any]:
     model: dict[str, Any] = {}
     optim: dict[str, Any] = {}
-    for part, opt in zip(trainer.par.parts, trainer.optimizers):
-        model.update(get_model_state_dict(part, options=_options()))
-        optim.update(get_optimizer_state_dict(part, opt, options=_options()))
+    for m, o in entries if entries is not None else _entries(trainer):
+        model.update({logical: value for _, logical, value in m})  # a tied copy under zbv: one of
+        optim.update({logical: value for _, logical, value in o})  # the two ends (equal), loaded into both
     extra = {"step": torch.tensor(trainer.step), "rng": torch.get_rng_state()}
     return {"model": model, "optim": optim, "extra": extra}
+
+
+def _part_state(entries: list[Entry], loaded: dict[str, Any]) -> dict[str, Any]:
+    """One part's state dict after a load: its own tensors, holding what was loaded (copied when
+    the loaded one is another part's: the other end of a tie on the same rank)."""
+    out = {}
+    for key, logical, own in entries:
+        got = loaded[logical]
+        if not isinstance(own, torch.Tensor):
+            out[key] = got
+            continue
+        own, got = getattr(own, "_original", own), getattr(got, "_original", got)
+        if got is not own:
+            with torch.no_grad():
+                own.copy_(got)
+        out[key] = own
+    return out
 
 
 def _init_optimizer_state(trainer: Any) -> None:
@@ -123,11 +234,12 @@ def load(trainer: Any, directory: str | Path) -> int:
     step = check_resumable(directory, trainer.cfg.model)
     meta = read_meta(directory) or {}
     _init_optimizer_state(trainer)
-    state = _state(trainer)
+    entries = _entries(trainer)
+    state = _state(trainer, entries)
     dcp.load(state, checkpoint_id=str(Path(directory) / meta.get("path", f"step-{step:08d}")))
-    for part, opt in zip(trainer.par.parts, trainer.optimizers):
-        set_model_state_dict(part, state["model"], options=_options().__class__(strict=False))
-        set_optimizer_state_dict(part, opt, state["optim"], options=_options())
+    for part, opt, (m, o) in zip(trainer.par.parts, trainer.optimizers, entries):
+        set_model_state_dict(part, _part_state(m, state["model"]), options=_options().__class__(strict=False))
+        set_optimizer_state_dict(part, opt, _part_state(o, state["optim"]), options=_options())
     trainer.step = int(state["extra"]["step"])
     torch.set_rng_state(state["extra"]["rng"])
     return trainer.step

@@ -70,17 +70,14 @@ def check_supported(model: ModelSpec, plan: Plan, world_size: int, seq_len: int 
     if plan.zero and plan.shard_group and n % plan.effective_shard:
         raise MeshplanError(f"plan: shard_group={plan.shard_group} does not divide dp*cp={n}")
     if plan.tp > 1:
+        # the vocabulary needs not divide: the runtime pads it (parallelize.py, Transformer.pad_vocab)
         sizes = [("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.kv_heads),
-                 ("ffn_hidden_size", model.ffn_hidden_size), ("vocab_size", model.vocab_size)]
+                 ("ffn_hidden_size", model.ffn_hidden_size)]
         if model.is_moe:
             sizes.append(("expert_ffn_hidden_size", model.expert_ffn))
         for name, size in sizes:
             if size % plan.tp:
                 raise MeshplanError(f"plan: tp={plan.tp} does not divide the model's {name}={size}")
-    if plan.pp > 1 and model.tied_embeddings:
-        raise MeshplanError(f"model {model.name}: tied embeddings with pp>1 are not supported yet "
-                            "(the embedding and the output projection live on different stages)",
-                            hint="use pp=1 or a model with tied_embeddings=false")
     refused = [why for rule, why in runtime_violations(plan, micro, model) if rule.kind == "refused"] \
         if micro is not None else []
     if refused:  # the runtime's rules, shared with the search (spec.support)
@@ -143,6 +140,22 @@ class RuntimeMesh:
     def ep_group(self) -> dist.ProcessGroup:
         assert self.experts is not None
         return self.experts.get_group("ep")
+
+    def end_stage_group(self) -> dist.ProcessGroup | None:
+        """The group of pipeline ranks 0 and pp-1 at this rank's (dp, cp, tp) coordinate, where the
+        two copies of tied embeddings live; None on the ranks in between. Collective: every rank
+        creates every pair's group (dp*cp*tp of them), in the same order; cached."""
+        cache = self.__dict__.setdefault("_end_stage_groups", {})
+        if "group" not in cache:
+            ranks = self.world.mesh  # (pp, dp, cp, tp)
+            first, last = ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()
+            me, mine = dist.get_rank(), None
+            for a, b in zip(first, last):
+                group = dist.new_group([a, b])
+                if me in (a, b):
+                    mine = group
+            cache["group"] = mine
+        return cache["group"]
 
     def fsdp_mesh(self) -> DeviceMesh:
         rep = self.fsdp.size(self.fsdp.mesh_dim_names.index("dp_replicate"))

@@ -12,6 +12,11 @@ parallelism; the pieces are named so that ``parallelize`` can act on them from o
 
 Any of ``embed``, ``norm`` and ``output`` may be None (a pipeline stage keeps only its part);
 ``layers`` is a ModuleDict so that deleting blocks keeps the names of the others (torchtitan).
+
+``pad_vocab`` appends zero rows to the token embedding and the output projection (Megatron's
+make-vocab-size-divisible-by, used when tp does not divide the vocabulary); the logits are then
+cut back to ``vocab_size`` columns, so the padded rows get no gradient and the loss is the
+unpadded model's.
 """
 from __future__ import annotations
 
@@ -195,6 +200,8 @@ class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec, seq_len: int | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.vocab_size = spec.vocab_size
+        """The logical vocabulary: the logits' width (the weights may hold more rows: pad_vocab)."""
         seq_len = seq_len or spec.seq_len
         self.embed: Embeddings | None = Embeddings(spec, seq_len)
         self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_layers)})
@@ -212,7 +219,39 @@ class Transformer(nn.Module):
             h = layer(h, self.rope_cos, self.rope_sin)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        return logits[..., :self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding / output matrices (vocab_size unless pad_vocab added some)."""
+        w = self.embed.tok.weight if self.embed is not None else self.output.weight if self.output is not None \
+            else None
+        return self.vocab_size if w is None else w.shape[0]
+
+    def pad_vocab(self, multiple: int) -> None:
+        """Append zero rows to the token embedding and the output projection up to a multiple of
+        ``multiple`` (tied: one matrix, still tied). Call on the full model, before it is split
+        into stages (so that a tied copy is padded alike). Tokens never index the padded rows and
+        ``forward`` cuts the logits back to ``vocab_size`` columns, so the padded rows get zero
+        gradients (and AdamW keeps them zero: decoupled decay of zero, zero update)."""
+        rows = -(-self.vocab_size // multiple) * multiple
+        if rows == self.vocab_size:
+            return
+        tied = self.embed is not None and self.output is not None and self.output.weight is self.embed.tok.weight
+
+        def padded(w: nn.Parameter) -> nn.Parameter:
+            extra = w.new_zeros(rows - w.shape[0], *w.shape[1:])
+            return nn.Parameter(torch.cat([w.detach(), extra]), requires_grad=w.requires_grad)
+        if self.embed is not None:
+            self.embed.tok.weight = padded(self.embed.tok.weight)
+            self.embed.tok.num_embeddings = rows
+        if self.output is not None:
+            self.output.weight = self.embed.tok.weight if tied else padded(  # type: ignore[union-attr]
+                self.output.weight)
+            self.output.out_features = rows
 
 
 def init_weights(model: nn.Module, seed: int) -> None:

@@ -1,7 +1,18 @@
 """Apply a Plan to a model from outside, in one fixed order (torchtitan's parallelize_llama):
 
+0. vocab padding    tp not dividing the vocabulary: the embedding and output projection get zero
+                    rows up to a multiple of tp (Megatron's make-vocab-size-divisible-by); the
+                    logits are cut back to the vocabulary, so padded rows get no gradient
+                    (``Transformer.pad_vocab``; checkpoints and ``full_weights`` hold the
+                    unpadded rows);
 1. pipeline split   the full model is built (same seed on every rank), then each pipeline
                     stage keeps its blocks (plan.stage_layers, virtual stages) and drops the rest;
+                    tied embeddings (Megatron's way): the first stage keeps the input embedding,
+                    the last the output projection, a copy initialised identically; after each
+                    step's backward the trainer sums the two copies' gradients (``sync_tied``:
+                    an all-reduce between pipeline ranks 0 and pp-1 of each (dp, cp, tp)
+                    coordinate, or a local sum under zbv, whose V puts both ends on rank 0), so
+                    both get the same update; the gradient norm counts the tied one once;
 2. EP               ep > 1: each MoE layer keeps this rank's experts and dispatches tokens to the
                     others with all-to-all (``expert_parallel``);
 3. TP / SP          DTensor parallelize_module: Megatron column/row split of attention and MLP
@@ -46,6 +57,14 @@ turns sync and reshard-after-backward off for every backward of an FSDP stage, a
 REDUCE_GRAD action after a stage's last backward turns them on and runs FSDP's post-backward
 once): zero 1, 2 and 3 all run as "gathered once, unsharded accumulation, reduce-scatter once"
 (blocks do not reshard after forward under PP; the planner refuses zero=2 with pp > 1).
+
+Tied copies under every data-parallel mode: the embedding (first stage) and its copy (last stage)
+have the same shape and are parallelised alike (TP: both vocab-sharded, ``Shard(0)``; FSDP/HSDP:
+both in their stage's root group on the same (replicate, shard) mesh, sharded on dim 0), so the
+gradient shards of the two ranks of a pair cover the same rows (checked once, on the first sync)
+and summing them is summing the full gradients. The sum comes after the data-parallel reduction
+(FSDP's reduce-scatter, the manual all-reduce): both are linear, so the result is the
+single-process gradient averaged over dp x cp.
 """
 from __future__ import annotations
 
@@ -88,6 +107,15 @@ class Parallelized:
     """Plan fields this hardware cannot honour, and what runs instead (one line each)."""
     zero: int = 0
     """The plan's ZeRO level: what ``micro_batch`` does between micro-batches under FSDP."""
+    tied: list[nn.Parameter] = field(default_factory=list)
+    """Tied embeddings under a pipeline: this rank's ends of the tie (the first stage's input
+    embedding and/or the last stage's output copy), after TP/FSDP replaced the parameters."""
+    tied_copies: list[nn.Parameter] = field(default_factory=list)
+    """The last stage's copies among ``tied``: left out of the gradient norm (counted once)."""
+    tied_group: Any = None
+    """The process group of pipeline ranks 0 and pp-1 of this rank's (dp, cp, tp) coordinate (None
+    under zbv, where both ends are on this rank, and on ranks holding neither end)."""
+    _tied_checked: bool = False
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         """The context of one micro-batch's forward and backward without a pipeline schedule
@@ -99,6 +127,51 @@ class Parallelized:
             set_fsdp_accumulation(self.parts, self.zero, last)
         return contextlib.nullcontext()
 
+    def sync_tied(self) -> None:
+        """Sum the gradients of the two copies of tied embeddings (both get the sum), after the
+        data-parallel reduction; a no-op without tied embeddings under a pipeline."""
+        if not self.tied:
+            return
+        if any(p.grad is None for p in self.tied):
+            raise RuntimeError("tied embeddings: a copy has no gradient after backward")
+        for p in self.tied:  # DTensor's embedding backward leaves a replicated gradient of a vocab-
+            g = p.grad       # sharded table under TP alone; as the parameter's placements, both ends align
+            if hasattr(g, "placements") and g.placements != p.placements:  # type: ignore[union-attr]
+                p.grad = g.redistribute(g.device_mesh, p.placements)  # type: ignore[union-attr]
+        grads = [p.grad for p in self.tied]
+        local = [_local(g) for g in grads]  # type: ignore[arg-type]
+        if not self._tied_checked:
+            self._check_tied_layout(grads)  # type: ignore[arg-type]
+            self._tied_checked = True
+        if self.tied_group is None:  # zbv: both ends on this rank
+            total = local[0] + local[1]
+            for t in local:
+                t.copy_(total)
+            return
+        import torch.distributed as dist
+        for t in local:  # one tensor per end (one end per rank here)
+            dev = _device_of(t)
+            buf = t if t.device == dev else t.to(dev)  # offloaded gradients: reduce on the device
+            dist.all_reduce(buf, group=self.tied_group)
+            if buf is not t:
+                t.copy_(buf)
+
+    def _check_tied_layout(self, grads: list[torch.Tensor]) -> None:
+        """Both ends' local gradients must cover the same rows of the same global shape (the
+        sum is elementwise on the shards); raise if not."""
+        rows = [_chunk(g) for g in grads]
+        if self.tied_group is None:
+            same = rows[0] == rows[1]
+        else:
+            import torch.distributed as dist
+            mine = torch.tensor(rows[0], dtype=torch.int64, device=_device_of(_local(grads[0])))
+            both = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(both, mine, group=self.tied_group)
+            same = bool(torch.equal(both[0], both[1]))
+        if not same:
+            raise RuntimeError("tied embeddings: the two copies are sharded differently; their gradient "
+                               f"shards cannot be summed elementwise (shape, offset, local shape: {rows[0]})")
+
     @property
     def has_first(self) -> bool:
         return any(p.embed is not None for p in self.parts)  # type: ignore[union-attr]
@@ -106,6 +179,45 @@ class Parallelized:
     @property
     def has_last(self) -> bool:
         return any(p.output is not None for p in self.parts)  # type: ignore[union-attr]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _device_of(t: torch.Tensor) -> torch.device:
+    """Where collectives on ``t`` run: its device, or the current CUDA device for host tensors
+    when CUDA is used (NCCL groups; FSDP offload keeps gradients in host memory)."""
+    if t.device.type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device
+
+
+def _chunk(t: torch.Tensor) -> list[int]:
+    """[global shape..., offset..., local shape...] of this rank's shard of ``t``."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return [*t.shape, *offset, *shape]
+    return [*t.shape, *([0] * t.dim()), *t.shape]
+
+
+VOCAB_PARAMS = ("embed.tok.weight", "output.weight")
+"""Parameters (clean names) with one row per vocabulary entry: padded by ``pad_vocab``."""
+
+
+def is_tied_copy(part: nn.Module) -> bool:
+    """A pipeline stage's output projection that is the copy of a tied embedding held elsewhere."""
+    return bool(getattr(part, "spec", None) is not None and part.spec.tied_embeddings  # type: ignore[union-attr]
+                and part.embed is None and part.output is not None)
+
+
+def logical_name(part: nn.Module, name: str) -> str:
+    """The name of a parameter (clean name) in the single-process model: a stage's tied output
+    copy is the embedding (``embed.tok.weight``), what checkpoints and comparisons key it by."""
+    return "embed.tok.weight" if name == "output.weight" and is_tied_copy(part) else name
 
 
 # ---- 1. pipeline split -----------------------------------------------------------------------
@@ -417,6 +529,11 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
             apply_compile(model, plan)
         autocast = None if plan.precision == "fp32" else DTYPES[plan.precision]
         return Parallelized(parts=[model], run_modules=[model], autocast=autocast, notes=notes)
+    if plan.tp > 1 and model.spec.vocab_size % plan.tp:  # before the split: both tied copies alike
+        model.pad_vocab(plan.tp)
+    tied = plan.pp > 1 and model.spec.tied_embeddings
+    # collective on every rank, before anything rank-dependent: the groups of the tied pairs
+    tied_group = mesh.end_stage_group() if tied and plan.schedule != "zbv" else None
     counts = stage_layer_counts(model.spec.num_layers, plan)
     stage_ids = stage_ids_for_rank(mesh.pp_rank, plan) if plan.pp > 1 else [0]
     parts = [split_stage(model, s, counts) if plan.pp > 1 else model for s in stage_ids]
@@ -438,6 +555,14 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
     autocast = None if plan.precision == "fp32" or dp_mode == "fsdp" else DTYPES[plan.precision]
     out = Parallelized(parts=parts, run_modules=run_modules, stage_ids=stage_ids, dp_mode=dp_mode,
                        autocast=autocast, notes=notes, zero=plan.zero)
+    if tied:  # the parameters as TP / FSDP left them (FSDP2 registers new sharded Parameters)
+        out.tied = [p.embed.tok.weight for p in parts if p.embed is not None] \
+            + [p.output.weight for p in parts if is_tied_copy(p)]
+        out.tied_copies = [p.output.weight for p in parts if is_tied_copy(p)]
+        out.tied_group = tied_group if out.tied else None
+        if out.tied and tied_group is None and len(out.tied) != 2:
+            raise MeshplanError(f"plan: tied embeddings under zbv expect both ends on pipeline rank 0, "
+                                f"got {len(out.tied)} on rank {mesh.pp_rank}")
     if plan.pp > 1:
         out.schedule = build_schedule(run_modules, stage_ids, plan, mesh, device, microbatches)
     return out

@@ -28,7 +28,7 @@ from meshplan.runtime.context_parallel import shard_sequence
 from meshplan.runtime.expert_parallel import is_expert_param
 from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.models import build_model, loss_fn
-from meshplan.runtime.parallelize import Parallelized, parallelize
+from meshplan.runtime.parallelize import VOCAB_PARAMS, Parallelized, logical_name, parallelize
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
 
@@ -141,8 +141,12 @@ class Trainer:
         norms reduced once here (not in every AdamW op, nor wrongly in the norm)."""
         if self.par.dp_mode == "manual":
             self._manual_dp_sync()
-        if self._grads_final:
-            return
+        if not self._grads_final:
+            self._finish_placements()
+        self.par.sync_tied()  # tied embeddings under a pipeline: both copies get the summed gradient
+
+    def _finish_placements(self) -> None:
+        """Partial sums reduced, experts divided by ep (see ``_finish_grads``)."""
         fsdp = self.par.dp_mode == "fsdp"
         experts: list[torch.Tensor] = []
         partial = False
@@ -191,18 +195,24 @@ class Trainer:
         Per group of gradients with the same mesh and placements: the local sum of squares,
         summed over the mesh dims they are sharded on (this is what DTensor's full_tensor does,
         also for gradients FSDP offloads to host memory); experts summed over the ep group;
-        stages summed over pipeline ranks. The grouping is worked out once."""
+        stages summed over pipeline ranks. The last stage's copy of tied embeddings is left out of
+        the norm (its gradient equals the first stage's after ``sync_tied``: the single-process
+        model counts the one tensor once) but clipped like the rest. The grouping is worked out
+        once."""
         mesh = self.mesh
-        params = [p for p, _ in self._params if p.grad is not None]
+        copies = {id(p) for p in self.par.tied_copies}
+        params = [p for p, _ in self._params if p.grad is not None and id(p) not in copies]
         if self._clip_groups is None or sum(len(g[2]) for g in self._clip_groups) != len(params):
             by_key: dict[tuple[bool, Any], list[torch.Tensor]] = {}
             for p, expert in self._params:
                 g = p.grad
-                if g is not None:
+                if g is not None and id(p) not in copies:
                     by_key.setdefault((expert, (g.device_mesh, g.placements) if _is_dtensor(g) else None), []).append(p)
             self._clip_groups = [(expert, key, ps) for (expert, key), ps in by_key.items()]
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         local: list[torch.Tensor] = []  # every gradient's local tensor: clipped without DTensor dispatch
+        local += [p.grad.to_local() if _is_dtensor(p.grad) else p.grad for p in self.par.tied_copies
+                  if p.grad is not None]
         for expert, key, ps in self._clip_groups:
             grads = [p.grad.to_local() if key is not None else p.grad for p in ps]
             local += grads
@@ -268,12 +278,18 @@ class Trainer:
 
     # ---- inspection ----------------------------------------------------------------------------
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters this rank's stages hold, by clean name (collective over dp/tp)."""
+        """Unsharded parameters this rank's stages hold, by their names in the single-process model
+        (collective over dp/tp): a tied output copy as ``embed.tok.weight``, padded vocabulary
+        rows cut off."""
         out: dict[str, torch.Tensor] = {}
+        vocab = self.cfg.model.vocab_size
         for part in self.par.parts:
             for name, p in part.named_parameters():
                 t = p.full_tensor() if _is_dtensor(p) else p
-                out[clean_fqn(name)] = t.detach().float().cpu().clone()
+                key = clean_fqn(name)
+                if key in VOCAB_PARAMS:
+                    t = t[:vocab]
+                out[logical_name(part, key)] = t.detach().float().cpu().clone()
         return out
 
 

@@ -172,15 +172,6 @@ def few_microbatches(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumn
     return (pp > 1) & sched & (_micro(w, cols) < pp)
 
 
-def tied_pipeline(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return m.tied_embeddings & (_i64(cols, "pp") > 1) & (cols["schedule"] != _code("schedule", "zbv"))
-
-
-def tp_vocab(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    tp = _i64(cols, "tp")
-    return (tp > 1) & (m.vocab_size % tp != 0)
-
-
 def offload_optimizer_only(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     return cols["offload_optimizer"] & ~cols["offload_params"]
 

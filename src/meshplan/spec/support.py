@@ -39,7 +39,9 @@ class Rule:
     """Export targets that run such a plan as planned (empty: none)."""
     why: Callable[[Plan, int, ModelSpec | None], str | None]
     """(plan, micro-batches per step, model or None) -> None, or the one-line reason (rules on
-    the model's shape fire only when it is given)."""
+    the model's shape fire only when it is given; none at present: tied embeddings under a
+    pipeline and tp not dividing the vocabulary, the two there were, run since the runtime keeps
+    the tied copies in sync and pads the vocabulary, docs/runtime.md)."""
 
 
 def _zero_bubble_dp(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
@@ -102,26 +104,10 @@ def _async_tp_eager(p: Plan, micro: int, m: ModelSpec | None = None) -> str | No
     return None
 
 
-def _tied_pipeline(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
-    if m is not None and m.tied_embeddings and p.pp > 1 and p.schedule != "zbv":
-        return (f"model {m.name} ties its embedding to the output layer, which pp={p.pp} puts on different "
-                "stages: the runtime does not yet keep the two copies in sync (Megatron and DeepSpeed do)")
-    return None
-
-
-def _tp_vocab(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
-    if m is not None and p.tp > 1 and m.vocab_size % p.tp:
-        return (f"tp={p.tp} does not divide the vocabulary ({m.vocab_size}): the runtime shards the embedding and "
-                "the output layer evenly (Megatron pads the vocabulary)")
-    return None
-
-
 RULES: dict[str, Rule] = {r.name: r for r in (
     Rule("zero-bubble schedule with data parallel gives wrong gradients in torch 2.13", "refused", (),
          _zero_bubble_dp),
     Rule("too few micro-batches for the schedule", "refused", (), _few_microbatches),
-    Rule("tied embeddings under a pipeline", "refused", ("megatron", "deepspeed"), _tied_pipeline),
-    Rule("tp does not divide the vocabulary", "refused", ("megatron",), _tp_vocab),
     Rule("fp8 with tensor parallel", "runs-as", ("torchtitan", "megatron"), _fp8_tp),
     Rule("all-reduce gradient sync with sharding", "runs-as", ("deepspeed",), _allreduce_sharded),
     Rule("unfused attention", "runs-as", ("megatron",), _unfused_attention),
