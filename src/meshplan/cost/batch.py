@@ -189,11 +189,13 @@ def _shard(cols: Mapping[str, np.ndarray]) -> np.ndarray:
 def _stage_params(model: ModelSpec, layers: np.ndarray, valid: np.ndarray, first: np.ndarray,
                   last: np.ndarray, tp: np.ndarray, lp: np.ndarray) -> np.ndarray:
     """(rows, stages) parameters per GPU before sharding: blocks, embedding on the first stage,
-    final norm + output projection on the last (a tied copy included when pp > 1)."""
+    final norm + output projection on the last (a tied copy included when pp > 1, also under
+    ZBV, where rank 0 holds both ends as two model parts, as the runtime does)."""
     vh = model.vocab_size * model.hidden_size
+    single = valid.sum(axis=1, keepdims=True) == 1  # pp = 1: one module, one shared matrix
     return np.where(valid, layers * lp[:, None] + first * (model.embedding_params() / tp)[:, None]
                     + last * ((model.norm_params() + vh) / tp)[:, None]
-                    - (first & last) * (model.tied_embeddings * vh / tp)[:, None], 0)
+                    - (first & last & single) * (model.tied_embeddings * vh / tp)[:, None], 0)
 
 
 def output_stage(pp: np.ndarray, zbv: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -375,7 +377,7 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     c2 = {k: np.asarray(cols[k])[:, None] for k in ("zero", "pp", "grad_sync")}
     e_r, o_r = _dp_end_of_step(cluster, c2, p, tp[:, None], dp[:, None], cp[:, None], shard[:, None], lp[:, None],
                                plocal, (compute[:, 0] / 2)[:, None], micro[:, None])
-    tied = Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)
+    tied = tied_sync(cluster, m_, tp, cp, dp, shard, p)
     ends = first | (j == (pp[:, None] - 1))
     tie = ((pp > 1) & m_.tied_embeddings & ~zbv)[:, None]
     e_r = e_r + np.where(ends & tie, col(tied), 0)
@@ -417,6 +419,15 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     mem = _memory(model, work, cols, p, layers, valid, first, last, plocal, lp, shard, tokens, blk, micro)
     out |= _summary(model, cluster, work, cols, p, step, blk, mem, micro)
     return out
+
+
+def tied_sync(cluster: ClusterSpec, model: ModelSpec, tp: Any, cp: Any, dp: Any, shard: Any,
+              p: CostParams) -> Any:
+    """Seconds of the all-reduce that sums a tied embedding's gradient between the first and
+    the last pipeline rank (fp32 gradients; under ZeRO/FSDP only the local shard, as the runtime
+    sums them after the data-parallel reduction)."""
+    size = p.fsdp_reduce_bytes * model.vocab_size * model.hidden_size / tp / shard
+    return Group.of(cluster, 2, tp * cp * dp).all_reduce(size)
 
 
 def root_fsdp(cluster: ClusterSpec, p: CostParams, root: np.ndarray, shard: np.ndarray, tp: np.ndarray,

@@ -155,7 +155,7 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
         rx, _ = _b.root_fsdp(cluster, p, plocal[:, r] - layers[:, r] * lp, shard, tp, rt, micro, fsdp, per_step)
         e, o = float(ea[0] + rx[0]), float(oa[0])
         if plan.pp > 1 and m_.tied_embeddings and not zbv and r in (0, width - 1):  # zbv: one rank holds both
-            e += float(Group.of(cluster, 2, tp * cp * dp).all_reduce(2.0 * m_.vocab_size * m_.hidden_size / tp)[0])
+            e += float(_b.tied_sync(cluster, m_, tp, cp, dp, shard, p)[0])
         end_exp.append(e)
         end_ovl.append(o)
     n_opt = plocal / col(np.where(zero >= 1, shard, 1))

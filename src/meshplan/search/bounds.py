@@ -69,8 +69,8 @@ def _stage_states(model: ModelSpec, plan: Plan, p: CostParams) -> float:
     tied = m.vocab_size * m.hidden_size / t if m.tied_embeddings else 0.0
     if plan.pp == 1:
         first = last = first + last - n_last * lp - tied
-    elif plan.schedule == "zbv":  # the V: output layer on rank 0 with the embedding, no tied copy
-        first, last = first + last - n_last * lp - tied, n_last * lp
+    elif plan.schedule == "zbv":  # the V: output layer (and a tied copy) on rank 0 with the embedding
+        first, last = first + last - n_last * lp, n_last * lp
     best = 0.0
     for params in (first, last):
         w, g, o, _ = model_state_bytes(params, lp, plan, p)
