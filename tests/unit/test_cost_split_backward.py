@@ -71,7 +71,8 @@ def test_estimate_agrees_with_the_simulation(model, cluster, plan, gb, seq):
 def test_zbv_sends_and_tied_weights():
     """Under the V, ranks 0 and pp - 1 send one activation and one gradient per micro-batch (2,
     not 2 v = 4: no neighbour outside the first and last stage, the turn stays on rank pp - 1),
-    and the embedding and output layer share rank 0: no tied copy, no tied all-reduce."""
+    and the embedding and output layer share rank 0: the tied copy is summed there, no tied
+    all-reduce. Interleaved, the last rank (critical: the output layer) sends 2 v - 1 = 3."""
     m, c, w = _m("gpt3-13b"), _c("a100-sxm-80gb:32"), Workload(global_batch=32, seq_len=2048)
     zbv = load_plan("tp=4,pp=4,dp=2,schedule=zbv,virtual_stages=2")
     inter = zbv.replace(schedule="interleaved-1f1b")
@@ -79,7 +80,7 @@ def test_zbv_sends_and_tied_weights():
     send = d.p2p_send_s * d.p2p_exposed
     r, ri = estimate(m, c, zbv, w), estimate(m, c, inter, w)
     assert r.time["pp_comm"] == pytest.approx(d.microbatches * 2 * send, rel=1e-12)  # critical rank 0
-    assert ri.time["pp_comm"] == pytest.approx(d.microbatches * 4 * send, rel=1e-12)
+    assert ri.time["pp_comm"] == pytest.approx(d.microbatches * 3 * send, rel=1e-12)
     assert m.tied_embeddings
     assert d.end_dp_exposed_s[0] < di.end_dp_exposed_s[0]  # no tied all-reduce
     assert d.end_dp_exposed_s[0] > d.end_dp_exposed_s[1]  # ... but rank 0 syncs the output layer's gradients
@@ -87,7 +88,9 @@ def test_zbv_sends_and_tied_weights():
     vh = m.vocab_size * m.hidden_size / zbv.tp
     lb_zbv = states_lower_bound_gib(m, PlanColumns.from_plans([zbv]))[0]
     lb_int = states_lower_bound_gib(m, PlanColumns.from_plans([inter]))[0]
-    assert lb_zbv < lb_int + 16 * vh / 2**30  # rank 0 holds one vocabulary matrix, not two
+    # rank 0 under the V holds what interleaving's last rank holds (its blocks, the output layer and
+    # the tied copy) plus the embedding's vocabulary matrix: 16 bytes (ZeRO-0 states) per parameter
+    assert lb_zbv == pytest.approx(lb_int + 16 * vh / 2**30, rel=1e-4)
 
 
 @pytest.mark.parametrize("plan", ["tp=2,pp=4,schedule=zbv,virtual_stages=2",

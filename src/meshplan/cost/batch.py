@@ -207,11 +207,15 @@ def output_stage(pp: np.ndarray, zbv: np.ndarray, j: np.ndarray) -> np.ndarray:
 
 
 def stage_sends(two_v: np.ndarray, pp: np.ndarray, zbv: np.ndarray, j: np.ndarray, one: np.ndarray) -> np.ndarray:
-    """(rows, stages) seconds of pipeline sends per micro-batch: ``two_v`` (2 v sends) on every
-    stage, except under ZBV, where ranks 0 and pp - 1 send 2 (``one``: one send): the first
-    and the last virtual stage have no neighbour outside, and the V turns on rank pp - 1."""
-    ends = np.asarray(zbv)[:, None] & ((j == 0) | (j == np.asarray(pp)[:, None] - 1))
-    return np.where(ends, 2 * np.asarray(one)[:, None], np.asarray(two_v)[:, None] + 0 * j)
+    """(rows, stages) seconds of pipeline sends per micro-batch: ``two_v`` (2 v sends: each chunk's
+    activations forward and gradients backward) on every stage, less one (``one``) on ranks 0
+    and pp - 1, whose first and last virtual stage have no neighbour outside (rank 0 sends no
+    gradient from its first chunk, rank pp - 1 no activation from its last); under ZBV ranks 0
+    and pp - 1 send 2 (the V also turns on rank pp - 1, without a send)."""
+    pp_, one_ = np.asarray(pp)[:, None], np.asarray(one)[:, None]
+    ends = (j == 0) | (j == pp_ - 1)
+    zbv_ends = np.asarray(zbv)[:, None] & ends
+    return np.where(zbv_ends, 2 * one_, np.asarray(two_v)[:, None] - np.where(ends, one_, 0.0) + 0 * j)
 
 
 def _stage_forward(cols: Mapping[str, np.ndarray], p: CostParams, blk: _Block, c: _Comm, layers: np.ndarray,

@@ -200,7 +200,8 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
 
 def stage_totals(d: StageDurations) -> list[float]:
     """Exposed seconds of one micro-batch on each rank, as the cost model sums them (2 v sends
-    per rank; under ZBV the output layer on rank 0, and 2 sends on ranks 0 and pp - 1)."""
+    per rank, one less on ranks 0 and pp - 1; under ZBV the output layer on rank 0, and 2 sends
+    on ranks 0 and pp - 1)."""
     out = [d.fwd_s[r] + d.bwd_input_s[r] + d.bwd_weight_s[r] + d.recompute_s[r]
            + d.tp_fwd_exposed_s[r] + d.tp_bwd_exposed_s[r] + d.dp_fwd_exposed_s[r] + d.dp_bwd_exposed_s[r]
            + (2 * d.virtual_stages * d.p2p_send_s * d.p2p_exposed if d.pp > 1 else 0.0)
@@ -212,4 +213,7 @@ def stage_totals(d: StageDurations) -> list[float]:
         out[last] -= extra
         for r in (0, last):
             out[r] -= (2 * d.virtual_stages - 2) * d.p2p_send_s * d.p2p_exposed
+    elif d.pp > 1:
+        for r in (0, d.pp - 1):
+            out[r] -= d.p2p_send_s * d.p2p_exposed
     return out
