@@ -1,7 +1,9 @@
 """`meshplan train` pre-flight checks and one-line failure reports, without starting any process:
 learning rate, --metrics / --checkpoint-dir paths, the memory estimate against what there is,
 positions, resuming past --steps, ranks killed by a signal, the label of the CPU estimate, the DDP
-deprecation warning."""
+deprecation warning; ingested models (hf:/module:) through the same checks, once, in the launcher
+(the graph cost model on the traced LayerGraph), and DDP's find_unused_parameters only where a
+parameter gets no gradient."""
 from __future__ import annotations
 
 import json
@@ -16,6 +18,7 @@ import pytest
 from meshplan.cli.main import main
 from meshplan.errors import MeshplanError
 from meshplan.runtime import preflight
+from meshplan.spec.graph import LayerGraph, LayerSpec
 from meshplan.spec.io import load_model, load_plan
 
 TRAIN = ["train", "--model", "tiny-llama", "--global-batch", "8", "--seq-len", "32", "--steps", "2"]
@@ -257,3 +260,209 @@ def test_preflight_does_not_import_torch() -> None:
     code = ("import sys, meshplan.runtime.preflight as p; from meshplan.spec.io import load_model, load_plan; "
             "p.memory_estimate(load_model('tiny-llama'), load_plan('dp=2'), 8, 32); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---- 8. ingested models: the same pre-flight, on the traced LayerGraph ------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+HF = ROOT / "tests" / "data" / "hf"
+
+
+def toy_graph(seq: int, hidden: int = 512, vocab: int = 32000, blocks: int = 4) -> LayerGraph:
+    """A transformer-like LayerGraph traced at ``seq`` tokens (fp32): what ingest returns, without torch."""
+    def layer(name: str, kind: str, params: int, saved: float, out: float) -> LayerSpec:
+        return LayerSpec(name=name, kind=kind, block=kind, params=params, fwd_flops=2.0 * seq * params,
+                         bwd_flops=4.0 * seq * params, saved_bytes=saved, output_bytes=out,
+                         extra={"gemm_dim": float(hidden)})
+    h = 4.0 * seq * hidden
+    return LayerGraph(name="toy", source="module:toy:make", sample_tokens=seq, layers=(
+        layer("embed", "embedding", vocab * hidden, 0.0, h),
+        *(layer(f"layers.{i}", "block", 12 * hidden * hidden, 16 * h, h) for i in range(blocks)),
+        layer("head", "head", vocab * hidden, h, 4.0 * seq * vocab)))
+
+
+def test_graph_memory_estimate_is_the_graph_cost_model_with_the_cpu_corrections() -> None:
+    from meshplan.cost.graph import estimate_graph, graph_workload
+    g, plan = toy_graph(2048), load_plan("dp=2,micro_batch=2,precision=fp32")
+    est = preflight.graph_memory_estimate(g, plan, 8, "cpu", preflight.HF_PROCESS_GIB)
+    r = estimate_graph(g, preflight.cpu_cluster(2), plan, graph_workload(g, 8))
+    assert est is not None and est.parts["overhead"] == preflight.HF_PROCESS_GIB
+    # activations as the graph model counts them (already 4-byte for fp32: no x 2 as for presets)
+    assert est.parts["activations"] == pytest.approx(r.memory["activations"])
+    assert est.per_process_gib == pytest.approx(r.peak_memory_gib - r.memory["overhead"] + preflight.HF_PROCESS_GIB)
+    bf16 = preflight.graph_memory_estimate(g, plan.replace(precision="bf16"), 8)
+    assert bf16.parts["activations"] == pytest.approx(est.parts["activations"] / 2)
+    # offload is a no-op on CPU: estimated as the plan without it
+    off = preflight.graph_memory_estimate(g, plan.replace(zero=3, offload_params=True), 8)
+    assert off == preflight.graph_memory_estimate(g, plan.replace(zero=3), 8)
+    assert preflight.graph_memory_estimate(g, load_plan("cp=2"), 8) is None  # not priced: the runtime refuses
+
+
+def test_graph_memory_counts_every_process_and_offers_a_shorter_sequence() -> None:
+    g, plan = toy_graph(8192), load_plan("dp=2,precision=fp32")
+    est = preflight.graph_memory_estimate(g, plan, 4)
+    need = 2 * est.mean_gib
+    traced: list[int] = []
+
+    def retrace(s: int) -> LayerGraph:
+        traced.append(s)
+        return toy_graph(s)
+    kw = {"nproc_per_node": 2, "seq_len": 8192, "retrace": retrace}
+    assert preflight.check_graph_memory(g, plan, 4, available_gib=need * 1.01, **kw) == est
+    assert traced == []  # a run that fits is never traced again
+    with pytest.raises(MeshplanError) as e:
+        preflight.check_graph_memory(g, plan, 4, available_gib=need * 0.6, name="llama-tiny", **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("not enough host memory for llama-tiny with dp=2")
+    assert "x 2 processes" in msg and "a micro-batch of 1 x 8192 tokens" in msg
+    assert "would fit: " in msg and "--seq-len 4096" in msg and "one process" in msg
+    assert traced == [4096]  # the longest shorter length first (then bisection), not one trace per length
+    traced.clear()
+    with pytest.raises(MeshplanError) as e:
+        preflight.check_graph_memory(g, plan, 4, available_gib=sum(
+            2 * preflight.graph_memory_estimate(toy_graph(s), plan, 4).mean_gib for s in (512, 1024)) / 2, **kw)
+    assert "--seq-len 512 " in str(e.value) and 2 < len(traced) <= 6, traced
+    # no sequence (images, a module: source without --seq-len): no --seq-len to offer
+    with pytest.raises(MeshplanError) as e:
+        preflight.check_graph_memory(g, plan, 4, nproc_per_node=2, available_gib=0.01)
+    assert "--seq-len" not in str(e.value) and "a micro-batch of 1 sample" in str(e.value)
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Nothing may start: the launcher's torchrun and the in-process worker fail the test if called."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from meshplan.runtime import generic, launch
+    calls: list = []
+
+    def refuse(*a: object, **k: object) -> int:
+        calls.append(a)
+        raise AssertionError("a process was started")
+    monkeypatch.setattr(launch, "run_torchrun", refuse)
+    monkeypatch.setattr(generic, "worker_main", refuse)
+    return calls
+
+
+def test_ingested_dp_only_bad_seq_len_is_refused_once_before_launch(
+        capsys: pytest.CaptureFixture[str], no_launch: list) -> None:
+    """dp-only plans used to skip the launcher's build: each rank said it. Now the launcher does."""
+    line = error_line(capsys, ["train", "--model", f"hf:{HF / 'gpt2-tiny.json'}", "--plan", "dp=2",
+                               "--global-batch", "4", "--steps", "1", "--seq-len", "256"])
+    assert "seq_len 256 exceeds the model's 128 positions (n_positions)" in line and "--seq-len <= 128" in line
+    assert no_launch == []
+
+
+def test_ingested_bad_config_is_refused_before_launch(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                      no_launch: list) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
+                               "num_attention_heads": 7, "vocab_size": 1000}))
+    line = error_line(capsys, ["train", "--model", f"hf:{bad}", "--plan", "dp=2", "--global-batch", "4",
+                               "--steps", "1"])
+    assert str(bad) in line or "config" in line
+    assert no_launch == []
+
+
+def test_ingested_run_that_cannot_fit_is_refused_before_launch(
+        capsys: pytest.CaptureFixture[str], host_24gib: None, no_launch: list) -> None:
+    line = error_line(capsys, ["train", "--model", f"hf:{HF / 'llama-tiny.json'}", "--plan", "dp=2",
+                               "--global-batch", "2", "--steps", "1", "--seq-len", "100000000"])
+    assert "not enough host memory for llama-tiny with dp=2" in line and "x 2 processes" in line
+    assert "a micro-batch of 1 x 100000000 tokens" in line and "24.0 GiB is available (MemAvailable)" in line
+    assert "would fit: --seq-len " in line
+    assert no_launch == []
+
+
+def test_ingested_check_job(monkeypatch: pytest.MonkeyPatch, host_24gib: None) -> None:
+    """Programmatic jobs get the lr check; a run that fits returns the estimate (hf: an idle rank
+    with transformers imported)."""
+    pytest.importorskip("transformers")
+    from meshplan.runtime.generic import GenericJob, check_job
+    job = GenericJob(source=f"hf:{HF / 'llama-tiny.json'}", plan=load_plan("dp=2,precision=fp32"),
+                     global_batch=4, steps=1, seq_len=32, nproc_per_node=2)
+    est = check_job(job)
+    assert est is not None and est.parts["overhead"] == preflight.HF_PROCESS_GIB
+    assert 0.35 < est.per_process_gib < 1.0
+    with pytest.raises(MeshplanError, match="--lr"):
+        check_job(GenericJob(**{**job.__dict__, "lr": math.inf}))
+
+
+UNUSED_MODULES = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, spare: bool, value_read: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+        self.spare = nn.Linear(8, 8) if spare else None  # built, never called
+        self.value_read = value_read
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        if self.value_read and x.sum().item() > 0:  # a value read: not traceable on the meta device
+            x = x * 1.0
+        return self.head(x)
+
+
+def example_inputs(batch_size, seq_len):
+    return torch.randn(batch_size, 8)
+
+
+def plain():
+    return Net(spare=False)
+
+
+def with_spare():
+    return Net(spare=True)
+
+
+def reads_values():
+    return Net(spare=False, value_read=True)
+'''
+
+
+@pytest.fixture
+def nets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    pytest.importorskip("torch")
+    name = "preflight_nets"
+    (tmp_path / f"{name}.py").write_text(UNUSED_MODULES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_ddp_looks_for_unused_parameters_only_where_there_are_some(nets: str) -> None:
+    """find_unused_parameters=True made DDP walk the graph every step and warn that it found
+    nothing; it is now set from the meta-device trace."""
+    from meshplan.ingest import build
+    from meshplan.runtime.generic import unused_parameters
+    assert unused_parameters(build(f"module:{nets}:plain", device="cpu")) is None
+    why = unused_parameters(build(f"module:{nets}:with_spare", device="cpu"))
+    assert why is not None and why.startswith("spare.weight and 1 more get no gradient")
+    why = unused_parameters(build(f"module:{nets}:reads_values", device="cpu"))
+    assert why is not None and "unknown" in why  # not traceable: the safe setting
+
+
+def test_ddp_unused_parameters_of_hf_models() -> None:
+    pytest.importorskip("transformers")
+    import torch
+
+    from meshplan.ingest import build
+    from meshplan.runtime.generic import unused_parameters
+    state = torch.random.get_rng_state()
+    for name in ("llama-tiny", "vit-tiny", "bert-tiny"):
+        assert unused_parameters(build(f"hf:{HF / (name + '.json')}", device="meta", seq_len=16)) is None, name
+    assert torch.equal(state, torch.random.get_rng_state())  # the trace leaves the global RNG alone
+
+
+def test_untraceable_model_is_launched_without_a_memory_check(nets: str, capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshplan.runtime.generic import GenericJob, check_job
+    job = GenericJob(source=f"module:{nets}:reads_values", plan=load_plan("dp=2,precision=fp32"),
+                     global_batch=4, steps=1, seq_len=None, nproc_per_node=2)
+    assert check_job(job) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("meshplan: warning: no memory check before launch: cannot trace"), err

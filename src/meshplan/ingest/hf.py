@@ -257,12 +257,16 @@ def make_batch_fn(config: Any, task: str, cls: type, seq_len: int, device: str, 
             kw["pixel_values"] = torch.randn(batch_size, c, *hw, generator=g).to(device=device, dtype=dtype)
             labels = torch.randint(0, int(getattr(config, "num_labels", 2)), (batch_size,), generator=g)
         else:
-            ids = torch.randint(0, vocab_size(config), (batch_size, seq_len), generator=g)
+            def tokens() -> torch.Tensor:  # on the meta device: shapes only, no host memory for long sequences
+                if str(device) == "meta":
+                    return torch.empty((batch_size, seq_len), dtype=torch.long, device="meta")
+                return torch.randint(0, vocab_size(config), (batch_size, seq_len), generator=g)
+            ids = tokens()
             kw["input_ids"] = ids.to(device)
             if task == "seq2seq-lm":
-                labels = torch.randint(0, vocab_size(config), (batch_size, seq_len), generator=g)
+                labels = tokens()
                 start = getattr(config, "decoder_start_token_id", None) or 0
-                dec = torch.cat([torch.full((batch_size, 1), int(start)), labels[:, :-1]], dim=1)
+                dec = torch.cat([torch.full((batch_size, 1), int(start), device=labels.device), labels[:, :-1]], dim=1)
                 kw["decoder_input_ids"] = dec.to(device)
             elif task == "classification":
                 labels = torch.randint(0, int(getattr(config, "num_labels", 2)), (batch_size,), generator=g)

@@ -21,7 +21,9 @@ head). The plan is applied in the order of the transformer runtime (parallelize.
                     gate_up, MoE experts' 3-D parameters, GPT-2's Conv1D) and everything outside the
                     blocks stay replicated. Checked on one sample against the unsplit model (pp = 1);
 3. recompute        full: ``checkpoint_wrapper`` per block (the first ``recompute_layers`` of each stage);
-4. data parallel    zero=0: DDP (a flattened manual all-reduce under TP or PP); zero 1-3: FSDP2
+4. data parallel    zero=0: DDP (``find_unused_parameters`` only for a model with parameters that
+                    get no gradient: ``unused_parameters``; a flattened manual all-reduce under TP or
+                    PP); zero 1-3: FSDP2
                     ``fully_shard`` per block, then the model/stage, on the (replicate, shard) mesh for
                     HSDP; zero=3 reshards after forward (not under PP); gradient accumulation per
                     ZeRO level as in parallelize.py (zero=1: unsharded accumulation, one
@@ -530,6 +532,37 @@ def apply_fsdp(parts: list[nn.Module], blocks: list[list[str]], plan: Plan, mesh
         fully_shard(part, mesh=dp_mesh, **kw)
 
 
+def unused_parameters(built: Built) -> str | None:
+    """Why DDP must look for parameters without a gradient after every backward
+    (``find_unused_parameters``), None when every parameter gets one in every step.
+
+    DDP's reducer waits for a gradient of every parameter; with ``find_unused_parameters=True`` it
+    walks the autograd graph after each forward to mark the missing ones ready (and warns when it
+    finds none: the walk was for nothing). Which parameters get no gradient is a property of the
+    model, seen without running it: the model is built again on the meta device and one forward,
+    loss and backward run there (ingest's trace, every block traced); parameters left without a
+    gradient are unused (a pooler a task's head skips, a branch a config turns off). Routing that
+    depends on the data cannot be seen there: MoE layers with one module per expert (an expert may
+    get no token in a step) count as unused parameters. A model that cannot be traced on the meta
+    device keeps the safe setting."""
+    from meshplan.ingest import moe
+    from meshplan.ingest.measure import measure
+    routed = next((n for n, m in built.module.named_modules() if moe._is_list(m)), None)
+    if routed is not None:
+        return f"the experts of {routed} are chosen per token (an expert may get no token in a step)"
+    try:
+        with torch.random.fork_rng(devices=[]):  # a module: source's example inputs may draw from it
+            meta = build(built.source, device="meta", seq_len=built.seq_len, dtype=built.dtype)
+            measure(meta, copy_blocks=False)
+    except MeshplanError as e:
+        return f"whether every parameter gets a gradient is unknown ({e.message})"
+    unused = [n for n, p in meta.module.named_parameters() if p.requires_grad and p.grad is None]
+    if unused:
+        more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+        return f"{unused[0]}{more} get no gradient"
+    return None
+
+
 def _has_dtensor(parts: list[nn.Module]) -> bool:
     from torch.distributed.tensor import DTensor
     return any(isinstance(p, DTensor) for part in parts for p in part.parameters())
@@ -615,7 +648,10 @@ def parallelize_generic(built: Built, plan: Plan, mesh: RuntimeMesh | None, devi
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
             from meshplan.runtime.parallelize import ddp_no_buffer_sync  # forward_sync_buffers on torch >= 2.13
-            run = [DDP(p, process_group=mesh.dp_group, find_unused_parameters=True, **ddp_no_buffer_sync())
+            why = unused_parameters(built)
+            if why:
+                notes.append(f"DDP with find_unused_parameters=True: {why}")
+            run = [DDP(p, process_group=mesh.dp_group, find_unused_parameters=why is not None, **ddp_no_buffer_sync())
                    for p in parts]
             dp_mode = "ddp"
     if dp_mode == "fsdp":
@@ -864,8 +900,15 @@ class GenericJob:
                              seq_len=self.seq_len, lr=self.lr, seed=self.seed)
 
 
-def check_job(job: GenericJob) -> None:
-    """Bad input, caught before any process starts (the model is built on the meta device)."""
+def check_job(job: GenericJob) -> Any:
+    """Bad input, caught once, in the launcher, before any process starts: learning rate, --metrics,
+    the plan's process count and what the runtime runs, then the model built on the meta device (its
+    config, --seq-len against its positions: ingest.hf.check_seq_len), pipeline and TP structure, and
+    last the memory pre-flight check on the traced LayerGraph (``check_memory``). Returns the memory
+    estimate (preflight.MemoryEstimate; None: not priced or not traceable)."""
+    from meshplan.runtime import preflight
+    preflight.check_lr(job.lr)
+    preflight.check_output_file("--metrics", job.metrics)
     plan = job.plan
     if plan.num_gpus != job.world_size:
         raise MeshplanError(f"plan needs {plan.num_gpus} processes (tp={plan.tp} x pp={plan.pp} x dp={plan.dp} x "
@@ -877,8 +920,6 @@ def check_job(job: GenericJob) -> None:
     microbatches(plan, job.global_batch)
     if plan.zero and plan.shard_group and (plan.dp * plan.cp) % plan.effective_shard:
         raise MeshplanError(f"plan: shard_group={plan.shard_group} does not divide dp={plan.dp}")
-    if plan.pp == 1 and plan.tp == 1:
-        return
     built = build(job.source, device="meta", seq_len=job.seq_len)
     units, blocks = unit_paths(built.module)
     if plan.pp > 1:
@@ -895,6 +936,32 @@ def check_job(job: GenericJob) -> None:
         if bad is not None:
             raise MeshplanError(f"plan: tp={plan.tp} does not divide the model's attention heads / widths "
                                 f"(tp_max={bad.tp_max})", hint="use a tp that divides it")
+    return check_memory(job, built)
+
+
+def check_memory(job: GenericJob, built: Built) -> Any:
+    """preflight.check_graph_memory for this job on this machine: the graph cost model on ``built``
+    (a meta model) traced at the run's sequence length, against host memory (every process of the
+    node counted) or device 0's memory. A model that cannot be traced on the meta device (value reads
+    in its forward) may still train: said once as a warning, no memory check."""
+    from meshplan.ingest import ingest
+    from meshplan.ingest.measure import measure
+    from meshplan.ingest.source import parse_source
+    from meshplan.runtime import preflight
+    try:
+        graph = measure(built)
+    except MeshplanError as e:
+        print(f"meshplan: warning: no memory check before launch: {e.message}", file=sys.stderr, flush=True)
+        return None
+    process_gib = preflight.HF_PROCESS_GIB if parse_source(job.source).kind == "hf" else preflight.CPU_PROCESS_GIB
+    kw: dict[str, Any] = {"nproc_per_node": job.nproc_per_node, "nnodes": job.nnodes, "name": built.name,
+                          "seq_len": built.seq_len, "process_gib": process_gib,
+                          "retrace": lambda s: ingest(job.source, seq_len=s)}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return preflight.check_graph_memory(graph, job.plan, job.global_batch, device_type="cuda",
+                                            available_gib=props.total_memory / 2**30, device_name=props.name, **kw)
+    return preflight.check_graph_memory(graph, job.plan, job.global_batch, device_type="cpu", **kw)
 
 
 def estimate_for(job: GenericJob, device_type: str) -> dict[str, Any]:
@@ -916,11 +983,12 @@ def estimate_for(job: GenericJob, device_type: str) -> dict[str, Any]:
 
 def launch(job: GenericJob, worker_argv: list[str]) -> int:
     """Run the job: in this process for one process, else under torchrun."""
-    from meshplan.runtime.launch import run_torchrun, torchrun_argv
-    check_job(job)
+    from meshplan.runtime.launch import memory_context, run_torchrun, torchrun_argv
+    est = check_job(job)
     if job.world_size == 1:
         return worker_main(job)
-    return run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s)  # type: ignore[arg-type]
+    return run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s,  # type: ignore[arg-type]
+                        memory=memory_context(job, est))
 
 
 def worker_main(job: GenericJob) -> int:

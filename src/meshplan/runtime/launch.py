@@ -5,7 +5,9 @@ rate, output paths, positions, memory) and runs ``python -m meshplan.runtime.lau
 meshplan.cli.train_cmd ARGS``: torchrun's own launcher (``torch.distributed.run``), in a process that
 reports a failed rank in one line (``failure_message``: killed by a signal, exit code) instead of
 torchrun's ChildFailedError traceback. Inside torchrun ``worker_main`` trains on every rank. A
-one-process plan runs in the calling process (no torchrun, no process group).
+one-process plan runs in the calling process (no torchrun, no process group). Ingested models
+(``runtime.generic.launch``) go through the same pre-flight checks (on their traced LayerGraph) and
+the same torchrun wrapper.
 """
 from __future__ import annotations
 
@@ -75,10 +77,11 @@ class Job:
         return self.nproc_per_node * self.nnodes
 
 
-def check_job(job: Job) -> None:
+def check_job(job: Job) -> Any:
     """Bad input, caught before anything starts: one-line MeshplanErrors. Ends with the memory
     pre-flight check (preflight.check_memory: the cost model's estimate against host memory on
-    CPU, every process of the node counted, or against the GPU's memory)."""
+    CPU, every process of the node counted, or against the GPU's memory); returns its estimate
+    (None: not priced). Ingested models: runtime.generic.check_job, the same checks."""
     from meshplan.runtime import mesh as mesh_mod  # imports torch; only reached by `train`
     from meshplan.runtime import preflight
     preflight.check_lr(job.lr)
@@ -98,7 +101,7 @@ def check_job(job: Job) -> None:
         preflight.check_output_dir("--checkpoint-dir", job.checkpoint_dir)
     if job.checkpoint_every and not job.checkpoint_dir:
         raise MeshplanError("--checkpoint-every needs --checkpoint-dir")
-    check_memory(job)
+    return check_memory(job)
 
 
 def check_memory(job: Job) -> Any:
@@ -127,27 +130,23 @@ def torchrun_argv(job: Job, worker_argv: list[str]) -> list[str]:
 
 def launch(job: Job, worker_argv: list[str]) -> int:
     """Run the job: in this process for one process, else under torchrun. Returns an exit code."""
-    check_job(job)
+    est = check_job(job)
     if job.world_size == 1:
         return worker_main(job)
-    return run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s, memory=memory_context(job))
+    return run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s,
+                        memory=memory_context(job, est))
 
 
-def memory_context(job: Job) -> str:
-    """What a rank killed by SIGKILL is told about memory: the estimate beside what there is."""
+def memory_context(job: Any, est: Any = None) -> str:
+    """What a rank killed by SIGKILL is told about memory: the pre-flight estimate (``est``, else
+    the preset cost model's) beside what there is (preflight.memory_text)."""
     from meshplan.runtime import preflight
-    try:
-        est = preflight.memory_estimate(job.model, job.plan, job.global_batch, job.seq_len)
-    except Exception:  # noqa: BLE001 - only words for an error message
-        est = None
-    avail = preflight.mem_available_gib()
-    parts = []
-    if est is not None:
-        parts.append(f"the cost model estimated {est.mean_gib * job.nproc_per_node:.1f} GiB for the "
-                     f"{job.nproc_per_node} processes of this node")
-    if avail is not None:
-        parts.append(f"{avail:.1f} GiB was available at launch")
-    return ", ".join(parts)
+    if est is None and isinstance(job, Job):
+        try:
+            est = preflight.memory_estimate(job.model, job.plan, job.global_batch, job.seq_len)
+        except Exception:  # noqa: BLE001 - only words for an error message
+            est = None
+    return preflight.memory_text(est, job.nproc_per_node)
 
 
 def run_torchrun(argv: list[str], pg_timeout_s: float, *, memory: str = "") -> int:

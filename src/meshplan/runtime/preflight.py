@@ -1,25 +1,34 @@
 """Pre-flight checks of `meshplan train`: requests that cannot run, refused in one line before any
 process starts (a bad learning rate, an output path in a missing directory, a sequence longer than
-the model's positions, a run that would not fit in memory).
+the model's positions, a run that would not fit in memory). Presets (``check_memory``) and ingested
+models (``check_graph_memory``: hf:/module: sources, the traced LayerGraph) go through the same
+checks, once, in the launcher.
 
-No torch here (the CLI imports this module before it launches anything); the cost model is numpy.
+No torch here (the CLI imports this module before it launches anything); the cost models are numpy.
 
-Memory. The estimate is meshplan's own cost model (``meshplan.cost.estimate``) for the plan, per
-process: weights, gradients and AdamW states (16 bytes per parameter held, in fp32 or the mixed-
-precision equivalent, sharded by ZeRO), the activations of a micro-batch at that sequence length,
-and the transients (logits at the loss, FSDP's gathered layers, DDP buckets). Two corrections for
-what this runtime does differently from the GPU training the cost model was fitted on:
+Memory (presets). The estimate is meshplan's own cost model (``meshplan.cost.estimate``) for the
+plan, per process: weights, gradients and AdamW states (16 bytes per parameter held, in fp32 or the
+mixed-precision equivalent, sharded by ZeRO), the activations of a micro-batch at that sequence
+length, and the transients (logits at the loss, FSDP's gathered layers, DDP buckets). Two
+corrections for what this runtime does differently from the GPU training the cost model was fitted
+on:
 
 - precision=fp32: activations are 4-byte, the cost model counts 16-bit ones (x 2);
 - on CPU, the cost model's framework overhead (CUDA context, NCCL buffers: 1 GiB) is replaced by
   the host memory of one idle rank (``CPU_PROCESS_GIB``); offload flags are no-ops (host memory
   is the device memory) and fp8 runs as bf16, so the estimate is of the plan without them.
 
+Memory (ingested models). The graph cost model (``meshplan.cost.graph.estimate_graph``) on the
+LayerGraph traced on the meta device at the run's sequence length: the same parts, from the bytes
+the trace saw autograd keep (already at the plan's activation width: no fp32 correction); the same
+CPU corrections, with ``HF_PROCESS_GIB`` for an idle rank of an hf: source (transformers imported).
+
 On CPU all the ranks of a node share its memory: the need is the sum over this node's processes,
 compared with ``MemAvailable`` of /proc/meminfo. On GPUs each rank's estimate is compared with its
 device's memory. Checked against measurements on this runtime (CPU, fp32, peak RSS): tiny-llama at
-32k tokens 0.82 GiB measured vs 0.64 estimated; GPT-3 125M, micro-batch 4 x 512: 4.3 vs 4.8. It
-is an order-of-magnitude guard: only runs the estimate puts above what is there are refused.
+32k tokens 0.82 GiB measured vs 0.64 estimated; GPT-3 125M, micro-batch 4 x 512: 4.3 vs 4.8 (the
+ingested figures: docs/runtime.md). It is an order-of-magnitude guard: only runs the estimate puts
+above what is there are refused.
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from meshplan.errors import MeshplanError
@@ -37,6 +47,9 @@ from meshplan.spec.plan import Plan, Workload
 CPU_PROCESS_GIB = 0.25
 """Host memory of one rank before training (Python, torch, torch.distributed, meshplan): peak RSS
 0.22-0.31 GiB measured on torch 2.13 / Linux. Replaces the cost model's GPU framework overhead."""
+HF_PROCESS_GIB = 0.35
+"""Host memory of one idle rank of an ingested hf: model (CPU_PROCESS_GIB plus transformers and the
+model class): peak RSS 0.34 GiB measured on torch 2.13 / transformers 5.24, before the weights."""
 FP32_ACTIVATION_SCALE = 2.0
 """fp32 activations over the cost model's 16-bit ones."""
 MEMINFO = "/proc/meminfo"
@@ -147,33 +160,59 @@ class MemoryEstimate:
     """The fullest rank by part: weights, grads, optimizer, activations, transient, overhead."""
 
 
-def memory_estimate(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int,
-                    device_type: str = "cpu") -> MemoryEstimate | None:
-    """Memory per process of ``plan`` on this runtime (see the module docstring); None when the
-    cost model does not price the plan (the runtime's own checks speak for it)."""
-    from meshplan.cost import estimate
-    run_plan = plan
-    if device_type != "cuda":  # offload: no-op on CPU; fp8: bf16 on CPU (parallelize.hardware_notes)
-        run_plan = plan.replace(offload_optimizer=False, offload_params=False,
-                                precision="bf16" if plan.precision == "fp8" else plan.precision)
-    try:
-        r = estimate(model, cpu_cluster(plan.num_gpus), run_plan, Workload(global_batch=global_batch, seq_len=seq_len))
-    except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
-        return None
+def _run_plan(plan: Plan, device_type: str) -> Plan:
+    """The plan as this runtime runs it: on CPU offload flags are no-ops and fp8 runs as bf16
+    (parallelize.hardware_notes), so the estimate is of the plan without them."""
+    if device_type == "cuda":
+        return plan
+    return plan.replace(offload_optimizer=False, offload_params=False,
+                        precision="bf16" if plan.precision == "fp8" else plan.precision)
+
+
+def _corrected(r: Any, *, activation_scale: float, device_type: str, process_gib: float) -> MemoryEstimate | None:
+    """A CostReport's memory with this runtime's corrections (module docstring): activations x
+    ``activation_scale``; on CPU the framework overhead replaced by ``process_gib``."""
     parts = {k: v for k, v in r.memory.items() if k != "total"}
-    extra = 0.0
-    if run_plan.precision == "fp32":
-        extra += (FP32_ACTIVATION_SCALE - 1.0) * parts.get("activations", 0.0)
-        parts["activations"] = parts.get("activations", 0.0) * FP32_ACTIVATION_SCALE
+    extra = (activation_scale - 1.0) * parts.get("activations", 0.0)
+    parts["activations"] = parts.get("activations", 0.0) * activation_scale
     if device_type != "cuda":
-        extra += CPU_PROCESS_GIB - parts.get("overhead", 0.0)
-        parts["overhead"] = CPU_PROCESS_GIB
+        extra += process_gib - parts.get("overhead", 0.0)
+        parts["overhead"] = process_gib
     stages = r.memory_per_stage or [r.peak_memory_gib]
     peak = r.peak_memory_gib + extra
     mean = sum(stages) / len(stages) + extra
     if not all(math.isfinite(x) for x in (peak, mean)):
         return None
     return MemoryEstimate(per_process_gib=peak, mean_gib=min(mean, peak), parts=parts)
+
+
+def memory_estimate(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int,
+                    device_type: str = "cpu") -> MemoryEstimate | None:
+    """Memory per process of ``plan`` on this runtime (see the module docstring); None when the
+    cost model does not price the plan (the runtime's own checks speak for it)."""
+    from meshplan.cost import estimate
+    run_plan = _run_plan(plan, device_type)
+    try:
+        r = estimate(model, cpu_cluster(plan.num_gpus), run_plan, Workload(global_batch=global_batch, seq_len=seq_len))
+    except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
+        return None
+    scale = FP32_ACTIVATION_SCALE if run_plan.precision == "fp32" else 1.0
+    return _corrected(r, activation_scale=scale, device_type=device_type, process_gib=CPU_PROCESS_GIB)
+
+
+def graph_memory_estimate(graph: Any, plan: Plan, global_batch: int, device_type: str = "cpu",
+                          process_gib: float = CPU_PROCESS_GIB) -> MemoryEstimate | None:
+    """Memory per process of ``plan`` on an ingested model's LayerGraph (traced at the run's sequence
+    length): ``estimate_graph`` with this runtime's CPU corrections (module docstring). None when
+    the graph cost model does not price the plan (the runtime's own checks speak for it)."""
+    from meshplan.cost.graph import estimate_graph, graph_workload
+    run_plan = _run_plan(plan, device_type)
+    try:
+        r = estimate_graph(graph, cpu_cluster(plan.num_gpus), run_plan, graph_workload(graph, global_batch))
+    except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
+        return None
+    # the graph model already counts activations at the plan's width (cost.graph.act_bytes)
+    return _corrected(r, activation_scale=1.0, device_type=device_type, process_gib=process_gib)
 
 
 def _fmt(gib: float) -> str:
@@ -206,17 +245,22 @@ def _plan_text(plan: Plan) -> str:
     return ",".join(keep) if keep else "one process"
 
 
-def fit_options(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, nproc_per_node: int,
-                nnodes: int, device_type: str, available_gib: float) -> list[tuple[str, float, bool]]:
-    """(change, estimated need in GiB, fits) for single changes that shrink the need: zero=3,
-    full recomputation, micro_batch=1, a shorter --seq-len (the longest that fits), one process
-    (CPU: ranks share host memory)."""
-    def need(change: Any, s: int = seq_len, nproc: int = nproc_per_node, nodes: int = nnodes) -> float | None:
+Estimator = Callable[[Plan, int], "MemoryEstimate | None"]
+"""(plan, seq_len) -> the memory estimate of one run of the same model and batch (None: not priced)."""
+
+
+def _options(estimator: Estimator, plan: Plan, seq_len: int | None, nproc_per_node: int, nnodes: int,
+             device_type: str, available_gib: float) -> list[tuple[str, float, bool]]:
+    """fit_options for any model: ``estimator`` prices a changed plan or sequence length; no
+    sequence options when ``seq_len`` is None (a model without one: images, a module: source
+    without --seq-len). The sequence options assume the need grows with the length (bisection:
+    a few estimates, which matters where each one traces the model again)."""
+    def need(change: Any, s: int | None = seq_len, nproc: int = nproc_per_node, nodes: int = nnodes) -> float | None:
         try:
             p = change() if callable(change) else change
         except MeshplanError:  # the change makes no valid plan
             return None
-        e = memory_estimate(model, p, global_batch, s, device_type)
+        e = estimator(p, s)  # type: ignore[arg-type]
         return None if e is None else _node_need(e, nproc, nodes, device_type)
 
     out: list[tuple[str, float, bool]] = []
@@ -232,12 +276,31 @@ def fit_options(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, n
         add("recompute=full", need(lambda: plan.replace(recompute="full", recompute_layers=None)))
     if plan.micro_batch > 1:
         add("micro_batch=1", need(lambda: plan.replace(micro_batch=1)))
-    shorter = [(s, need(plan, s)) for s in _seq_options(seq_len, plan.cp)]
-    fitting = [(s, g) for s, g in shorter if g is not None and g <= available_gib]
-    if fitting:
-        add(f"--seq-len {fitting[0][0]}", fitting[0][1])
-    elif shorter and shorter[-1][1] is not None:
-        add(f"--seq-len {shorter[-1][0]}", shorter[-1][1])
+    shorter = _seq_options(seq_len, plan.cp) if seq_len else []
+    if shorter:
+        known: dict[int, float | None] = {}
+
+        def at(i: int) -> float | None:
+            if i not in known:
+                known[i] = need(plan, shorter[i])
+            return known[i]
+
+        def fits(i: int) -> bool:
+            g = at(i)
+            return g is not None and g <= available_gib
+
+        lo, hi = 0, len(shorter) - 1  # longest first: the longest that fits
+        if fits(lo) or fits(hi):
+            while not fits(lo) and hi - lo > 1:  # lo does not fit, hi does
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    hi = mid
+                else:
+                    lo = mid
+            best = lo if fits(lo) else hi
+            add(f"--seq-len {shorter[best]}", at(best))
+        elif at(hi) is not None:
+            add(f"--seq-len {shorter[hi]}", at(hi))
     if device_type != "cuda" and plan.num_gpus > 1:
         def one() -> Plan:
             return Plan(micro_batch=plan.micro_batch, precision=plan.precision, recompute=plan.recompute,
@@ -245,6 +308,16 @@ def fit_options(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, n
                         fused_loss=plan.fused_loss, compile=plan.compile)
         add("one process", need(one, nproc=1, nodes=1))
     return out
+
+
+def fit_options(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, nproc_per_node: int,
+                nnodes: int, device_type: str, available_gib: float) -> list[tuple[str, float, bool]]:
+    """(change, estimated need in GiB, fits) for single changes that shrink the need: zero=3,
+    full recomputation, micro_batch=1, a shorter --seq-len (the longest that fits), one process
+    (CPU: ranks share host memory)."""
+    def estimator(p: Plan, s: int) -> MemoryEstimate | None:
+        return memory_estimate(model, p, global_batch, s, device_type)
+    return _options(estimator, plan, seq_len, nproc_per_node, nnodes, device_type, available_gib)
 
 
 def state_gib(model: ModelSpec) -> float:
@@ -259,7 +332,46 @@ def check_memory(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, 
     (``available_gib``, default MemAvailable; every process of the node counted), the device's
     memory on GPUs (``available_gib`` must be given). Returns the estimate (None: not priced, or
     nothing known of the memory available)."""
-    est = memory_estimate(model, plan, global_batch, seq_len, device_type)
+    def estimator(p: Plan, s: int) -> MemoryEstimate | None:
+        return memory_estimate(model, p, global_batch, s, device_type)
+    return _check(model.name, estimator, plan, seq_len, f"{plan.micro_batch} x {seq_len} tokens", state_gib(model),
+                  nproc_per_node=nproc_per_node, nnodes=nnodes, device_type=device_type,
+                  available_gib=available_gib, device_name=device_name)
+
+
+def check_graph_memory(graph: Any, plan: Plan, global_batch: int, *, nproc_per_node: int, nnodes: int = 1,
+                       device_type: str = "cpu", available_gib: float | None = None, device_name: str = "",
+                       name: str | None = None, seq_len: int | None = None,
+                       retrace: Callable[[int], Any] | None = None,
+                       process_gib: float = CPU_PROCESS_GIB) -> MemoryEstimate | None:
+    """check_memory for an ingested model: ``graph`` is its LayerGraph traced at the run's sequence
+    length ``seq_len`` (None: the model has none, e.g. images); ``retrace(s)`` traces it at another
+    length, for the "would fit: --seq-len" hint (only called when the run does not fit). Returns the
+    estimate (None: not priced, or nothing known of the memory available)."""
+    graphs: dict[int | None, Any] = {seq_len: graph}
+
+    def estimator(p: Plan, s: int | None) -> MemoryEstimate | None:
+        if s not in graphs:
+            try:
+                graphs[s] = retrace(s) if retrace is not None and s is not None else None
+            except MeshplanError:
+                graphs[s] = None
+        g = graphs[s]
+        return None if g is None else graph_memory_estimate(g, p, global_batch, device_type, process_gib)
+
+    tokens = f"{plan.micro_batch} x {graph.sample_tokens} tokens" if seq_len else \
+        f"{plan.micro_batch} sample{'s' if plan.micro_batch > 1 else ''}"
+    return _check(name or graph.name, estimator, plan, seq_len if retrace is not None else None, tokens,
+                  16.0 * graph.params / GiB, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                  device_type=device_type, available_gib=available_gib, device_name=device_name)
+
+
+def _check(name: str, estimator: Estimator, plan: Plan, seq_len: int | None, tokens: str, whole: float, *,
+           nproc_per_node: int, nnodes: int, device_type: str, available_gib: float | None,
+           device_name: str) -> MemoryEstimate | None:
+    """The memory check of check_memory / check_graph_memory; ``tokens``: what a micro-batch is
+    ('8 x 4096 tokens'), ``whole``: the model's fp32 states in GiB."""
+    est = estimator(plan, seq_len)  # type: ignore[arg-type]
     if device_type != "cuda" and available_gib is None:
         available_gib = mem_available_gib()
     if est is None or available_gib is None:
@@ -270,9 +382,9 @@ def check_memory(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, 
     p = est.parts
     states = p.get("weights", 0) + p.get("grads", 0) + p.get("optimizer", 0)
     what = (f"weights, gradients and AdamW states {_fmt(states)}"
-            f", activations {_fmt(p.get('activations', 0))} for a micro-batch of {plan.micro_batch} x {seq_len} tokens"
+            f", activations {_fmt(p.get('activations', 0))} for a micro-batch of {tokens}"
             f", transients {_fmt(p.get('transient', 0))}")
-    subject = f"{model.name} with {_plan_text(plan)}"
+    subject = f"{name} with {_plan_text(plan)}"
     if device_type == "cuda":
         head = (f"not enough GPU memory for {subject}: the cost model estimates {_fmt(need)} per GPU ({what}), "
                 f"but {device_name or 'the GPU'} has {_fmt(available_gib)}")
@@ -282,20 +394,33 @@ def check_memory(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, 
                  if nproc_per_node > 1 else "")
         head = (f"not enough host memory for {subject}: the cost model estimates {_fmt(per)} per process "
                 f"({what}){procs}, but {_fmt(available_gib)} is available (MemAvailable)")
-    options = fit_options(model, plan, global_batch, seq_len, nproc_per_node, nnodes, device_type, available_gib)
+    options = _options(estimator, plan, seq_len, nproc_per_node, nnodes, device_type, available_gib)
     fits = [f"{label} ({_fmt(g)})" for label, g, ok in options if ok]
-    whole = state_gib(model)
     if fits:
         hint = "would fit: " + ", ".join(fits)
     else:
         tried = ", ".join(f"{label} {_fmt(g)}" for label, g, _ in options)
         hint = "a smaller model"
         if whole > available_gib:
-            hint += f" ({model.name}'s fp32 weights, gradients and AdamW states alone are {_fmt(whole)})"
+            hint += f" ({name}'s fp32 weights, gradients and AdamW states alone are {_fmt(whole)})"
+        shorter = ", a shorter --seq-len" if seq_len else ""
         if device_type == "cuda":
-            hint += "; or more GPUs with zero=3, a shorter --seq-len, recompute=full together"
+            hint += f"; or more GPUs with zero=3{shorter}, recompute=full together"
         else:
-            hint += "; or fewer processes, a shorter --seq-len, zero=3, recompute=full together"
+            hint += f"; or fewer processes{shorter}, zero=3, recompute=full together"
         if tried:
             hint += f" (alone, none fits: {tried})"
     raise MeshplanError(head, hint=hint)
+
+
+def memory_text(est: MemoryEstimate | None, nproc_per_node: int) -> str:
+    """What a rank killed by SIGKILL is told about memory: the pre-flight estimate for this node's
+    processes beside what was available at launch ('' when neither is known)."""
+    parts = []
+    if est is not None:
+        parts.append(f"the cost model estimated {est.mean_gib * nproc_per_node:.1f} GiB for the "
+                     f"{nproc_per_node} processes of this node")
+    avail = mem_available_gib()
+    if avail is not None:
+        parts.append(f"{avail:.1f} GiB was available at launch")
+    return ", ".join(parts)
