@@ -6,8 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
-from meshplan.cli.main import main
 from clirun import run
 
 GOOD = ["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8",

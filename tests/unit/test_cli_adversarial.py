@@ -10,7 +10,6 @@ import json
 import math
 
 import pytest
-
 from clirun import one_line_error, run
 
 EST = ["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8",

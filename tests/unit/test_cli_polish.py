@@ -9,11 +9,10 @@ import sys
 import time
 
 import pytest
+from clirun import one_line_error, run
 
-from meshplan.cli.main import main
 from meshplan.errors import MeshplanError
 from meshplan.spec.io import load_cluster, suggest
-from clirun import one_line_error, run
 
 EST = ["estimate", "--model", "llama3-8b", "--plan", "dp=8,zero=3", "--global-batch", "16"]
 SIM_70B = ["simulate", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb:64", "--plan",

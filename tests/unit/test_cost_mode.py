@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from clirun import run
 
 from meshplan.cli.model_arg import load_model_arg
 from meshplan.search.driver import search
@@ -13,7 +14,6 @@ from meshplan.search.result import OVER_DEADLINE, apply_deadline, merge, train_d
 from meshplan.search.sizes import resized
 from meshplan.spec.io import load_cluster
 from meshplan.spec.plan import Workload
-from clirun import run
 
 TOKENS = "1000T"  # tiny-llama steps take microseconds: a long run gives days worth comparing
 N_TOKENS = 1e15

@@ -9,10 +9,10 @@ import sys
 import tomllib
 
 import pytest
+from clirun import run
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from meshplan.cli.main import main
 from meshplan.errors import MeshplanError
 from meshplan.export import ExportInput, export, render
 from meshplan.export.common import stage_layer_counts, toml_text
@@ -20,7 +20,6 @@ from meshplan.export.megatron import layout
 from meshplan.export.torchtitan import flavor
 from meshplan.spec.io import load_model, plan_document
 from meshplan.spec.plan import Plan, parse_plan
-from clirun import run
 
 TARGETS = ("torchtitan", "megatron", "deepspeed")
 LLAMA = load_model("llama3-8b")

@@ -13,8 +13,7 @@ from meshplan.cli.plan_cmd import _text
 from meshplan.cost.graph import estimate_graph, graph_arrays, graph_violations, graph_workload, layer_costs
 from meshplan.cost.params import DEFAULT_PARAMS
 from meshplan.errors import MeshplanError
-from meshplan.search.constraints import AT_RISK, OUT_OF_MEMORY, ZERO_BUBBLE_DP
-from meshplan.spec.support import RULES, microbatches, runtime_violations
+from meshplan.search.constraints import AT_RISK, OUT_OF_MEMORY
 from meshplan.search.explain import explain
 from meshplan.search.graph import REASONS, GraphSpace, _scan, balanced_split, row_plan, search_graph
 from meshplan.search.stages import stage_cost_max
@@ -22,6 +21,7 @@ from meshplan.spec.cluster import ClusterSpec, LinkTier
 from meshplan.spec.graph import LayerGraph, LayerSpec
 from meshplan.spec.io import load_cluster, load_gpu
 from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.support import RULES, microbatches, runtime_violations
 
 S = 512
 

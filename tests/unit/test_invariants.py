@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from meshplan.cost import estimate
 from meshplan.search.driver import search
 from meshplan.sim import simulate_plan
-from meshplan.spec.io import load_cluster, load_model, load_plan, parse_cluster_shorthand, plan_document
 from meshplan.spec.constraints import violations
+from meshplan.spec.io import load_cluster, load_model, load_plan, parse_cluster_shorthand, plan_document
 from meshplan.spec.plan import Plan, Workload, parse_plan
 from meshplan.spec.support import microbatches, runtime_violations
 

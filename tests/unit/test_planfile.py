@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from clirun import one_line_error, run
 
 from meshplan.cli.main import main
 from meshplan.cli.planfile import Loaded, resolve, resolve_into, resolved_args
@@ -18,7 +19,6 @@ from meshplan.errors import MeshplanError
 from meshplan.spec.graph import LayerGraph, LayerSpec
 from meshplan.spec.io import dump_json, plan_document
 from meshplan.spec.plan import parse_plan
-from clirun import one_line_error, run
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN_8B = ["plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16",

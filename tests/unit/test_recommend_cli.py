@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from clirun import run
 
 from meshplan.cost import estimate
 from meshplan.spec.io import load_cluster, load_model
 from meshplan.spec.plan import Plan, Workload
-from clirun import run
 
 L8B = ["--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "64", "--seq-len", "8192"]
 AT_RISK = "tp=1,pp=1,dp=8,zero=1,micro_batch=1,recompute=full"  # 73.8 GiB of 75.6 usable
@@ -71,7 +71,8 @@ def test_uneven_stages_are_searched_by_default_where_the_layers_do_not_divide(ca
     plans = json.loads(out)["plans"]
     assert plans and plans[0]["plan"]["stage_layers"] is not None
     # Llama 3.1 405B (126 layers) on 16,384 H100s: the default search finds the uneven split
-    m, c, w = load_model("llama3.1-405b"), load_cluster("h100-sxm-80gb:16384"), Workload(global_batch=2048, seq_len=8192)
+    m, c = load_model("llama3.1-405b"), load_cluster("h100-sxm-80gb:16384")
+    w = Workload(global_batch=2048, seq_len=8192)
     from meshplan.search import SearchSpace, search
     default, even = search(m, c, w, top=1), search(m, c, w, SearchSpace(uneven_stages=False), top=1)
     assert default.best.report.mfu > 1.5 * even.best.report.mfu

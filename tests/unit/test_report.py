@@ -257,7 +257,7 @@ def test_cli_takes_the_search_options_of_plan():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--out", "/nonexistent-dir/r.html"], "directory /nonexistent-dir does not exist"),
+    (["--out", "/nonexistent-dir/r.html"], "the directory /nonexistent-dir does not exist"),
     (["--out", "."], "is a directory"),
     (["--out", ""], "--out is empty"),
     (["--out", "r.html", "--fix", "bogus=1"], "unknown key 'bogus'"),

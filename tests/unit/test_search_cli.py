@@ -5,9 +5,9 @@ import importlib.util
 import json
 
 import pytest
+from clirun import run
 
 from meshplan.cli.plan_cmd import Progress
-from clirun import run
 
 SMALL = ["plan", "--model", "tiny-llama", "--cluster", "h100-sxm-80gb:4", "--global-batch", "8",
          "--seq-len", "64"]

@@ -21,11 +21,11 @@ from meshplan.search.constraints import (
     reason_names,
     violation_masks,
 )
-from meshplan.spec.support import RULES, runtime_violations
 from meshplan.search.evaluate import COLUMNS, evaluate, evaluate_loop
 from meshplan.spec.constraints import CHECKS, violations
 from meshplan.spec.io import load_cluster, load_model
 from meshplan.spec.plan import PRECISIONS, RECOMPUTE, SCHEDULES, Plan, Workload
+from meshplan.spec.support import RULES, runtime_violations
 
 
 @functools.cache

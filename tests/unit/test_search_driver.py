@@ -13,9 +13,9 @@ from meshplan.errors import MeshplanError
 from meshplan.search import SearchSpace, enumerate_space, search
 from meshplan.search.sizes import nice_sizes, parse_gpus, resized
 from meshplan.spec.constraints import violations
-from meshplan.spec.support import microbatches, runtime_violations
 from meshplan.spec.io import load_cluster, load_model
 from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.support import microbatches, runtime_violations
 
 
 @functools.cache

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import shlex
 import sys
 import time
@@ -79,16 +78,8 @@ def _command(args: argparse.Namespace) -> str:
 
 def _check_out(path: str) -> None:
     """Fail before the search if --out cannot be written."""
-    if not path:
-        raise MeshplanError("--out is empty", hint="give the HTML file to write, e.g. --out report.html")
-    if os.path.isdir(path):
-        raise MeshplanError(f"--out {path} is a directory", hint="give a file name, e.g. report.html")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise MeshplanError(f"cannot write --out {path}: directory {parent} does not exist",
-                            hint="create it first or write somewhere else")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise MeshplanError(f"cannot write --out {path}: permission denied", hint="write somewhere else")
+    from meshplan.paths import check_output_file
+    check_output_file("--out", path, "report.html")
 
 
 def run(args: argparse.Namespace) -> int:

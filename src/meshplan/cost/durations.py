@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meshplan.cost import batch as _b
-from meshplan.cost.comm import Group
 from meshplan.cost.compute import embedding_times, output_layer_times
 from meshplan.cost.memory import output_layer_static_bytes
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams

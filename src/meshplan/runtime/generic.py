@@ -647,6 +647,7 @@ def parallelize_generic(built: Built, plan: Plan, mesh: RuntimeMesh | None, devi
             dp_mode = "manual"
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
+
             from meshplan.runtime.parallelize import ddp_no_buffer_sync  # forward_sync_buffers on torch >= 2.13
             why = unused_parameters(built)
             if why:

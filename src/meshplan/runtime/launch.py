@@ -106,8 +106,9 @@ def check_job(job: Job) -> Any:
 
 def check_memory(job: Job) -> Any:
     """preflight.check_memory for this job on this machine (CUDA: device 0's memory)."""
-    from meshplan.runtime import preflight
     import torch
+
+    from meshplan.runtime import preflight
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return preflight.check_memory(job.model, job.plan, job.global_batch, job.seq_len,

@@ -35,11 +35,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
+from meshplan import paths
 from meshplan.errors import MeshplanError
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
@@ -77,22 +78,9 @@ def learning_rate(text: str) -> float:
 
 
 def check_output_file(flag: str, path: str | None) -> str | None:
-    """A file to write (--metrics): its directory must exist (nothing is created but the file) and
-    the path must not be a directory. Returns the path."""
-    if not path:
-        return path
-    p = Path(path).expanduser()
-    if p.is_dir():
-        raise MeshplanError(f"{flag} {path} is a directory", hint=f"give a file, e.g. {flag} {p / 'metrics.jsonl'}")
-    parent = p.parent
-    if not parent.is_dir():
-        what = "is not a directory" if parent.exists() else "does not exist"
-        raise MeshplanError(f"{flag} {path}: the directory {parent} {what}",
-                            hint=f"create it first, or give a {flag} path in an existing directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise MeshplanError(f"{flag} {path}: the directory {parent} is not writable",
-                            hint=f"give a {flag} path in a directory you can write")
-    return path
+    """A file to write (--metrics): meshplan.paths.check_output_file (its directory must exist:
+    nothing is created but the file; not a directory). Returns the path."""
+    return paths.check_output_file(flag, path or None, "metrics.jsonl") if path else path
 
 
 def check_output_dir(flag: str, path: str | None) -> str | None:
@@ -134,8 +122,8 @@ def mem_available_gib(path: str = MEMINFO) -> float | None:
 def cpu_cluster(nproc: int, tflops: float = 1.0, memory_gib: float | None = None) -> Any:
     """A ClusterSpec of this machine's CPU as ``nproc`` 'GPUs' (one process each) for the cost
     model: fp32 matmul rate ``tflops`` (memory estimates do not depend on it), host memory."""
-    from meshplan.spec.cluster import ClusterSpec, GPUSpec, default_links
     from meshplan.runtime.launch import CPU_MEMORY_BANDWIDTH_GBPS, LOOPBACK_GBPS
+    from meshplan.spec.cluster import ClusterSpec, GPUSpec, default_links
     if memory_gib is None:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     gpu = GPUSpec(name="local-cpu", vendor_name="this machine's CPU, one core per process",

@@ -239,14 +239,6 @@ def violation_masks(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols
     return out
 
 
-def runtime_mask(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanColumns) -> np.ndarray:
-    """Rows that violate any of the runtime's rules (the export-only plans, once the rest are out)."""
-    out = np.zeros(cols.num_rows, dtype=bool)
-    for fn in RUNTIME_CHECKS.values():
-        out |= fn(model, cluster, work, cols)
-    return out
-
-
 def first_violation(masks: dict[str, np.ndarray], n: int) -> np.ndarray:
     """Per row, the index (into the order of ``masks``) of the first violated rule; -1 if none."""
     first = np.full(n, -1, dtype=np.int32)

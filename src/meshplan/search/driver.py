@@ -34,7 +34,6 @@ from meshplan.search.constraints import (
     RUNTIME_CHECKS,
     first_violation,
     reason_names,
-    runtime_mask,
     violation_masks,
 )
 from meshplan.search.evaluate import evaluate
@@ -44,9 +43,9 @@ from meshplan.search.sizes import MAX_GPUS
 from meshplan.search.space import SearchSpace, enumerate_space
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import violations
-from meshplan.spec.support import RULES, export_targets, microbatches
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.support import RULES, export_targets, microbatches
 
 Progress = Callable[[int, int], None]
 Evaluator = Callable[[ModelSpec, ClusterSpec, Workload, PlanColumns, CostParams],

@@ -69,12 +69,8 @@ def check_plot_path(path: str | Path) -> str:
         if shutil.which(tex) is None:
             raise MeshplanError(f"--plot {text}: a .pgf image needs {tex}, which is not installed",
                                 hint="use .pdf or .svg for a vector image")
-    if os.path.isdir(text):
-        raise MeshplanError(f"--plot {text} is a directory", hint="give an image file name, e.g. step.png")
-    parent = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(parent):
-        raise MeshplanError(f"cannot write --plot {text}: directory {parent} does not exist",
-                            hint="create it first or write somewhere else")
+    from meshplan.paths import check_output_file
+    check_output_file("--plot", text, "step.png")
     return ext or "png"
 
 
