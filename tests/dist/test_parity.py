@@ -79,6 +79,10 @@ CASES = {  # global batch 8: micro-batches per step = 8 / (dp x micro_batch)
         case("pp_fsdp_gpt2", "tiny-gpt2", "pp=2,dp=2,zero=1,schedule=1f1b,micro_batch=1", L4),
         case("pp_ddp_gpt2", "tiny-gpt2", "pp=2,dp=2,virtual_stages=2,schedule=interleaved-1f1b,micro_batch=2", L4),
         case("tp_fsdp_v257_gpt2", "tiny-gpt2", "tp=2,dp=2,zero=3,micro_batch=1", V257),  # FSDP x TP on padded rows
+        # the loss on vocabulary-sharded logits under a split backward (zbv: input then weight
+        # gradients; both tied ends on pipeline rank 0) with padded columns masked in the shard
+        case("pp_zbv_tp_v257_gpt2", "tiny-gpt2", "pp=2,tp=2,virtual_stages=2,schedule=zbv,micro_batch=2",
+             GPT_L4_V257),
         # a checkpoint resumed under another plan: tied copies and padded rows saved as one unpadded tensor
         case("resume_pp_tp_to_tp4", "tiny-gpt2", "tp=4,micro_batch=2", GPT_L4_V257,
              resume=("pp=2,tp=2,schedule=1f1b,micro_batch=2", 3)),
@@ -195,6 +199,23 @@ def ranks_of(results: Mapping, nproc: int, name: str) -> list[dict]:
     return ranks
 
 
+def check_loss_layout(r: dict) -> None:
+    """tp > 1: the last stage's logits are a DTensor sharded on the vocabulary (padded vocab / tp
+    columns per rank) and the loss's log-softmax ran on that local shard (loss_parallel), as the
+    cost model charges; no rank holds the full logits. tp = 1: whole logits, no sharded softmax."""
+    loss = r["loss"]
+    if not r["has_last"]:
+        assert loss["logits"] is None and loss["softmax_widths"] == [], (r["rank"], loss)
+        return
+    lg = loss["logits"]
+    if r["tp"] == 1:
+        assert not lg["dtensor"] and loss["softmax_widths"] == [], (r["rank"], loss)
+        return
+    assert lg["dtensor"] and lg["placements"] == ["Shard(2)"], (r["rank"], lg)
+    assert lg["vocab"] == r["padded_vocab"] and lg["local_vocab"] * r["tp"] == lg["vocab"], (r["rank"], lg)
+    assert loss["softmax_widths"] == [lg["local_vocab"]], (r["rank"], loss)
+
+
 @pytest.mark.parametrize("nproc,name", ALL, ids=[f"{n}p-{c}" for n, c in ALL])
 def test_matches_single_process(results: Launches, nproc: int, name: str) -> None:
     ranks = ranks_of(results, nproc, name)
@@ -206,6 +227,10 @@ def test_matches_single_process(results: Launches, nproc: int, name: str) -> Non
         assert not r["unknown_params"], r["unknown_params"]
         assert r["padding_abs_max"] == 0.0, (r["rank"], r["padding_abs_max"])  # padded rows: no gradient, no value
         assert r["tied_copies_diff"] == 0.0, (r["rank"], r["tied_copies_diff"])  # both ends: the same update
+        # every gradient laid out like its parameter (a vocabulary-sharded embedding's too: DTensor's own
+        # backward leaves it replicated, full-size, under TP without FSDP)
+        assert not r["grad_layout_mismatch"], (r["rank"], r["grad_layout_mismatch"])
+        check_loss_layout(r)
     held = set().union(*(r["params"] for r in ranks))  # pipeline stages (experts) together hold every parameter
     assert held == set(ranks[0]["ref_params"])
     case_ = next(c for c in CASES[nproc] if c["name"] == name)

@@ -110,6 +110,62 @@ class CommCounter:
             setattr(dist, name, fn)
 
 
+class LossProbe:
+    """How the loss meets the logits on this rank: the layout of the last stage's logits (the
+    output projection's forward output: a DTensor sharded on the vocabulary under tp > 1) and the
+    widths of the local logits that loss_parallel's sharded log-softmax reduced (none when the loss
+    ran on whole logits)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        from torch.distributed.tensor.parallel import loss as lp
+        self.logits: list[dict] = []
+        self.softmax_widths: set[int] = set()
+        self._lp, self._orig = lp, lp._log_softmax
+
+        def log_softmax(x: torch.Tensor, *args: Any) -> torch.Tensor:
+            self.softmax_widths.add(int(x.shape[-1]))
+            return self._orig(x, *args)
+        lp._log_softmax = log_softmax
+        self._handles = [part.output.register_forward_hook(self._hook) for part in trainer.par.parts
+                         if getattr(part, "output", None) is not None]
+
+    def _hook(self, module: Any, args: Any, out: torch.Tensor) -> None:
+        from torch.distributed.tensor import DTensor
+        if not self.logits:
+            dt = isinstance(out, DTensor)
+            norm = [f"Shard({p.dim % out.dim()})" if p.is_shard() else str(p) for p in out.placements] if dt else []
+            self.logits.append({"dtensor": dt, "placements": norm,
+                                "local_vocab": int((out.to_local() if dt else out).shape[-1]),
+                                "vocab": int(out.shape[-1])})
+
+    def close(self) -> dict:
+        self._lp._log_softmax = self._orig
+        for h in self._handles:
+            h.remove()
+        return {"logits": self.logits[0] if self.logits else None, "softmax_widths": sorted(self.softmax_widths)}
+
+
+def grad_layout_mismatch(trainer: Trainer) -> dict[str, str]:
+    """Parameters whose gradient (after the step) is not laid out like the parameter: another
+    local shape or other placements (DTensor's vocabulary-sharded embedding left a replicated,
+    full-size gradient under TP without FSDP; the manual data-parallel all-reduce moves the local
+    gradients)."""
+    from torch.distributed.tensor import DTensor
+    bad = {}
+    for part in trainer.par.parts:
+        for name, p in part.named_parameters():
+            g = p.grad
+            if g is None:
+                continue
+            pl = list(p.placements) if isinstance(p, DTensor) else None
+            gl = list(g.placements) if isinstance(g, DTensor) else None
+            ps = (p.to_local() if isinstance(p, DTensor) else p).shape
+            gs = (g.to_local() if isinstance(g, DTensor) else g).shape
+            if pl != gl or ps != gs:
+                bad[clean_fqn(name)] = f"param {pl} {list(ps)}, grad {gl} {list(gs)}"
+    return bad
+
+
 def fsdp_groups(trainer: Trainer) -> int:
     """FSDP parameter groups of this rank that communicate (a one-rank shard group, as experts'
     with ep = dp, all-gathers and reduce-scatters nothing): one all-gather / reduce-scatter each."""
@@ -180,12 +236,14 @@ def train(cfg: RunConfig, steps: int, device: torch.device, resume: dict | None)
             import shutil
             shutil.rmtree(where[0], ignore_errors=True)
     counter = CommCounter(trainer)
+    probe = LossProbe(trainer)
     try:
         while len(losses) < steps:
             losses.append(trainer.train_step())
             norms.append(float(trainer.grad_norm))  # type: ignore[arg-type]
     finally:
         counter.close()
+        counter.loss = probe.close()  # type: ignore[attr-defined]
     return trainer, mesh, losses, norms, counter
 
 
@@ -229,6 +287,8 @@ def run_case(case: dict, device: torch.device) -> dict:
             "dp_mode": trainer.par.dp_mode, "padding_abs_max": padding_abs_max(trainer),
             "tied_copies_diff": tied_copies_diff(trainer), "tied_ends": len(trainer.par.tied),
             "padded_vocab": max([p.padded_vocab for p in trainer.par.parts], default=0),
+            "has_last": trainer.par.has_last, "tp": cfg.plan.tp, "loss": counter.loss,
+            "grad_layout_mismatch": grad_layout_mismatch(trainer),
             "seconds": time.perf_counter() - t0}
 
 

@@ -14,9 +14,11 @@ Any of ``embed``, ``norm`` and ``output`` may be None (a pipeline stage keeps on
 ``layers`` is a ModuleDict so that deleting blocks keeps the names of the others (torchtitan).
 
 ``pad_vocab`` appends zero rows to the token embedding and the output projection (Megatron's
-make-vocab-size-divisible-by, used when tp does not divide the vocabulary); the logits are then
-cut back to ``vocab_size`` columns, so the padded rows get no gradient and the loss is the
-unpadded model's.
+make-vocab-size-divisible-by, used when tp does not divide the vocabulary); the padded logit
+columns are then left out of the loss: cut off when the logits are a whole tensor, set to -inf in
+the local shard when they are a vocabulary-sharded DTensor (tensor parallelism computes the loss
+on sharded logits, ``loss_fn``). Either way the padded rows get exactly zero gradient and the
+loss is the unpadded model's.
 """
 from __future__ import annotations
 
@@ -222,7 +224,7 @@ class Transformer(nn.Module):
         if self.output is None:
             return h
         logits = self.output(h)
-        return logits[..., :self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
+        return logits if logits.shape[-1] == self.vocab_size else drop_padded_columns(logits, self.vocab_size)
 
     @property
     def padded_vocab(self) -> int:
@@ -235,8 +237,9 @@ class Transformer(nn.Module):
         """Append zero rows to the token embedding and the output projection up to a multiple of
         ``multiple`` (tied: one matrix, still tied). Call on the full model, before it is split
         into stages (so that a tied copy is padded alike). Tokens never index the padded rows and
-        ``forward`` cuts the logits back to ``vocab_size`` columns, so the padded rows get zero
-        gradients (and AdamW keeps them zero: decoupled decay of zero, zero update)."""
+        ``forward`` leaves the padded logit columns out of the loss (``drop_padded_columns``), so
+        the padded rows get zero gradients (and AdamW keeps them zero: decoupled decay of zero,
+        zero update)."""
         rows = -(-self.vocab_size // multiple) * multiple
         if rows == self.vocab_size:
             return
@@ -277,7 +280,59 @@ def build_model(spec: ModelSpec, seq_len: int | None = None, *, seed: int = 0) -
     return model
 
 
+def _vocab_sharded(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` is a DTensor whose last (vocabulary) dim is sharded on one mesh dim."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(logits, DTensor):
+        return False
+    last = logits.dim() - 1
+    return sum(p.is_shard() and p.dim % logits.dim() == last for p in logits.placements) == 1  # type: ignore[attr-defined]
+
+
+def drop_padded_columns(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Logits without their padded vocabulary columns (``Transformer.pad_vocab``), as the loss must
+    see them. A whole tensor (or a replicated DTensor): cut to ``vocab`` columns. Vocabulary-sharded
+    logits (tensor parallelism, the loss on sharded logits): the same global shape, the padded
+    columns of the local shard set to -inf (``masked_fill``: their gradient is exactly zero, and
+    exp(-inf) = 0 leaves them out of the softmax's sum exactly), so no rank gathers anything."""
+    if not _vocab_sharded(logits):
+        return logits[..., :vocab]
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    assert isinstance(logits, DTensor)
+    local = logits.to_local()
+    _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
+    start = offset[-1]
+    if start + local.shape[-1] <= vocab:  # no padded column in this shard
+        return logits
+    cols = torch.arange(start, start + local.shape[-1], device=local.device)
+    local = local.masked_fill(cols >= vocab, float("-inf"))
+    return DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False,
+                              shape=logits.shape, stride=logits.stride())
+
+
+def loss_parallel_active() -> bool:
+    """Whether ``torch.distributed.tensor.parallel.loss_parallel()`` is entered (its cross-entropy
+    handlers are installed on DTensor's dispatcher)."""
+    from torch.distributed.tensor import DTensor
+    return torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over all tokens (fp32)."""
-    flat = logits.reshape(-1, logits.shape[-1])  # float64 stays float64 (the tests' exact reference)
-    return F.cross_entropy(flat if flat.dtype == torch.float64 else flat.float(), targets.reshape(-1))
+    """Mean next-token cross-entropy over all tokens (fp32).
+
+    Vocabulary-sharded logits (a DTensor sharded on its last dim: tensor parallelism) are reduced
+    where they lie, as torchtitan and Megatron do: under ``loss_parallel()``, which the caller
+    enters around the forward *and* the backward, each rank takes the log-softmax of its shard with
+    all-reduces of one number per token (the max, the sum of exponentials, the target's logit) and
+    the logits' gradient stays sharded. Outside ``loss_parallel`` DTensor would gather the full
+    logits on every rank, so that is refused. The result is a plain tensor (the global mean, the
+    same on every tensor-parallel rank; its backward re-enters the DTensor graph)."""
+    sharded = _vocab_sharded(logits)
+    if sharded and not loss_parallel_active():
+        raise RuntimeError("loss_fn: vocabulary-sharded logits outside loss_parallel() (the cross-entropy "
+                           "would all-gather the full logits on every tensor-parallel rank)")
+    flat = logits.flatten(0, -2)  # float64 stays float64 (the tests' exact reference)
+    loss = F.cross_entropy(flat if flat.dtype == torch.float64 else flat.float(), targets.reshape(-1))
+    # not a view (to_local's is): the zero-bubble schedules detach_() the loss after its input backward
+    return loss.to_local().clone() if sharded else loss  # type: ignore[attr-defined]

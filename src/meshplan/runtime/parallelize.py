@@ -2,9 +2,10 @@
 
 0. vocab padding    tp not dividing the vocabulary: the embedding and output projection get zero
                     rows up to a multiple of tp (Megatron's make-vocab-size-divisible-by); the
-                    logits are cut back to the vocabulary, so padded rows get no gradient
-                    (``Transformer.pad_vocab``; checkpoints and ``full_weights`` hold the
-                    unpadded rows);
+                    padded logit columns are set to -inf in each rank's shard of the logits
+                    (``models.drop_padded_columns``), so they are out of the loss exactly and
+                    padded rows get no gradient (``Transformer.pad_vocab``; checkpoints and
+                    ``full_weights`` hold the unpadded rows);
 1. pipeline split   the full model is built (same seed on every rank), then each pipeline
                     stage keeps its blocks (plan.stage_layers, virtual stages) and drops the rest;
                     tied embeddings (Megatron's way): the first stage keeps the input embedding,
@@ -17,6 +18,11 @@
                     others with all-to-all (``expert_parallel``);
 3. TP / SP          DTensor parallelize_module: Megatron column/row split of attention and MLP
                     (and of every local expert), sequence-sharded norms with sequence_parallel;
+                    vocabulary-parallel embedding (``VocabParallelEmbedding``: its gradient is
+                    sharded like the table, [vocab/tp, hidden]) and output projection, whose
+                    logits stay sharded on the vocabulary: the loss runs under
+                    ``loss_parallel()`` (torchtitan's; ``Parallelized.loss_context``, the whole
+                    pipeline schedule step under PP), never gathering the logits;
 4. CP               cp > 1: global positions and all-gather attention (``context_parallel``);
 5. recompute        checkpoint_wrapper per block (full, first recompute_layers of each stage),
                     around the core attention (selective), or op-level SAC (op); it wraps the
@@ -70,11 +76,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import types
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshplan.errors import MeshplanError
@@ -115,7 +124,16 @@ class Parallelized:
     tied_group: Any = None
     """The process group of pipeline ranks 0 and pp-1 of this rank's (dp, cp, tp) coordinate (None
     under zbv, where both ends are on this rank, and on ranks holding neither end)."""
+    vocab_parallel: bool = False
+    """The logits are vocabulary-sharded DTensors (tp > 1): forward and backward of a step run
+    under ``loss_context``."""
     _tied_checked: bool = False
+
+    def loss_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Where a step's forward and backward run (the pipeline schedule's step as a whole):
+        ``loss_parallel()`` when the logits are vocabulary-sharded (``models.loss_fn``), else
+        nothing."""
+        return _loss_parallel() if self.vocab_parallel else contextlib.nullcontext()
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         """The context of one micro-batch's forward and backward without a pipeline schedule
@@ -134,8 +152,8 @@ class Parallelized:
             return
         if any(p.grad is None for p in self.tied):
             raise RuntimeError("tied embeddings: a copy has no gradient after backward")
-        for p in self.tied:  # DTensor's embedding backward leaves a replicated gradient of a vocab-
-            g = p.grad       # sharded table under TP alone; as the parameter's placements, both ends align
+        for p in self.tied:  # both ends' gradients in their parameter's placements (they are, with
+            g = p.grad       # VocabParallelEmbedding; a safeguard: the shards of both ends must align)
             if hasattr(g, "placements") and g.placements != p.placements:  # type: ignore[union-attr]
                 p.grad = g.redistribute(g.device_mesh, p.placements)  # type: ignore[union-attr]
         grads = [p.grad for p in self.tied]
@@ -179,6 +197,19 @@ class Parallelized:
     @property
     def has_last(self) -> bool:
         return any(p.output is not None for p in self.parts)  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def _loss_parallel() -> Any:
+    """torch's ``loss_parallel()``, left also when the body raises (torch 2.13's leaves its
+    cross-entropy handlers installed then)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    cm = loss_parallel()
+    cm.__enter__()
+    try:
+        yield
+    finally:
+        cm.__exit__(None, None, None)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -240,6 +271,61 @@ def split_stage(model: Transformer, stage: int, counts: list[int]) -> Transforme
 
 
 # ---- 2. tensor + sequence parallel -------------------------------------------------------------
+def vocab_parallel_output(input_layout: Any) -> Any:
+    """The output projection's style: column-wise (vocabulary-sharded weight) with the logits left
+    a DTensor sharded on the vocabulary (torchtitan's loss_parallel layout), for ``models.loss_fn``
+    under ``loss_parallel()``: no rank ever holds the full logits."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    return ColwiseParallel(input_layouts=input_layout, output_layouts=Shard(-1), use_local_output=False)
+
+
+def _vocab_parallel_lookup(self: nn.Embedding, tokens: Any) -> Any:
+    """``VocabParallelEmbedding``'s forward: tokens (a replicated DTensor) looked up in this rank's
+    rows of the table (Megatron's VocabParallelEmbedding): tokens outside the rows read row 0 and
+    are zeroed, the output is a Partial sum over the ranks (reduced by the style's output hook).
+    Autograd sees the local lookup, so the table's gradient is this rank's rows only (``to_local``'s
+    backward makes it a DTensor in the parameter's placement, ``Shard(0)``)."""
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    w = self.weight
+    mesh = w.device_mesh  # type: ignore[attr-defined]
+    local = w.to_local()  # type: ignore[attr-defined]
+    _, offset = compute_local_shape_and_global_offset(w.shape, mesh, w.placements)  # type: ignore[attr-defined]
+    start, rows = offset[0], local.shape[0]
+    tok = tokens.to_local() if isinstance(tokens, DTensor) else tokens
+    outside = (tok < start) | (tok >= start + rows)
+    out = F.embedding((tok - start).masked_fill(outside, 0), local)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return DTensor.from_local(out, mesh, [Partial()], run_check=False)
+
+
+@functools.cache
+def _vocab_parallel_embedding_style() -> type:
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class VocabParallelEmbedding(RowwiseParallel):
+        """RowwiseParallel for ``nn.Embedding`` (table sharded on the vocabulary, ``Shard(0)``;
+        the output reduced to ``output_layouts``) whose backward leaves the gradient sharded like
+        the table. DTensor's own embedding backward (torch 2.13) has no vocabulary-sharded strategy:
+        it computes the full [vocab, hidden] gradient, replicated, on every tensor-parallel rank
+        (tp x the gradient memory, and with a manual data-parallel all-reduce tp x its traffic).
+        Here the lookup runs on the local rows (``_vocab_parallel_lookup``): the gradient is
+        [vocab/tp, hidden] from the start. Same forward, to the bit."""
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            module = super()._apply(module, device_mesh)
+            module.forward = types.MethodType(_vocab_parallel_lookup, module)  # type: ignore[method-assign]
+            return module
+    return VocabParallelEmbedding
+
+
+def vocab_parallel_embedding(**kwargs: Any) -> Any:
+    """A ``VocabParallelEmbedding`` style (``_vocab_parallel_embedding_style``: the class is made
+    on first use, as torch.distributed is imported only inside functions here)."""
+    return _vocab_parallel_embedding_style()(**kwargs)
+
+
 def apply_tp(part: Transformer, tp_mesh: Any, sp: bool) -> None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -253,19 +339,19 @@ def apply_tp(part: Transformer, tp_mesh: Any, sp: bool) -> None:
     resid = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
     top: dict[str, Any] = {}
     if part.embed is not None:
-        top["embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        top["embed.tok"] = vocab_parallel_embedding(input_layouts=Replicate(), output_layouts=Replicate())
         if sp:
             top["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     if part.output is not None:
         if sp:
             top["norm"] = SequenceParallel()
-        top["output"] = ColwiseParallel(input_layouts=resid, output_layouts=Replicate())
+        top["output"] = vocab_parallel_output(resid)
     tied = part.embed is not None and part.output is not None and part.output.weight is part.embed.tok.weight
     if tied:  # both shard the vocab dim of the one matrix: parallelize the output, then re-tie
         top.pop("output")
     parallelize_module(part, tp_mesh, top)
     if tied:
-        parallelize_module(part.output, tp_mesh, ColwiseParallel(input_layouts=resid, output_layouts=Replicate()))
+        parallelize_module(part.output, tp_mesh, vocab_parallel_output(resid))
         part.output.weight = part.embed.tok.weight
     for block in part.layers.values():
         plan: dict[str, Any] = {
@@ -554,7 +640,7 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
     run_modules, dp_mode = apply_data_parallel(parts, plan, mesh, device)
     autocast = None if plan.precision == "fp32" or dp_mode == "fsdp" else DTYPES[plan.precision]
     out = Parallelized(parts=parts, run_modules=run_modules, stage_ids=stage_ids, dp_mode=dp_mode,
-                       autocast=autocast, notes=notes, zero=plan.zero)
+                       autocast=autocast, notes=notes, zero=plan.zero, vocab_parallel=plan.tp > 1)
     if tied:  # the parameters as TP / FSDP left them (FSDP2 registers new sharded Parameters)
         out.tied = [p.embed.tok.weight for p in parts if p.embed is not None] \
             + [p.output.weight for p in parts if is_tied_copy(p)]

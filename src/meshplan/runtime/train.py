@@ -121,15 +121,15 @@ class Trainer:
             kwargs: dict[str, Any] = {}
             if self.par.has_last:
                 kwargs = {"target": y, "losses": losses}
-            with self._autocast():
+            with self._autocast(), self.par.loss_context():  # the last stage's loss and its backward
                 self.par.schedule.step(*((x,) if self.par.has_first else ()), **kwargs)
             return torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
         module = self.par.run_modules[0]
         total = torch.zeros((), device=self.device)
         for i, (xm, ym) in enumerate(zip(x.chunk(self.n_micro), y.chunk(self.n_micro))):
             # DDP: no_sync but on the last; FSDP: the ZeRO level's gather/reduce flags (parallelize.py)
-            with self.par.micro_batch(last=i == self.n_micro - 1):
-                with self._autocast():
+            with self.par.micro_batch(last=i == self.n_micro - 1), self.par.loss_context():
+                with self._autocast():  # tp > 1: the loss on vocabulary-sharded logits (loss_parallel)
                     loss = loss_fn(module(xm), ym) / self.n_micro
                 loss.backward()
             total += loss.detach()
