@@ -378,7 +378,7 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     # End of step, per rank: gradient sync / ZeRO gathers of the rank's own parameters (+ the tied
     # weights' all-reduce on the first and last ranks; zbv: both on rank 0), then the optimizer,
     # from the rank's last backward on (the drain ends the ranks one after another).
-    c2 = {k: np.asarray(cols[k])[:, None] for k in ("zero", "pp", "grad_sync")}
+    c2 = {k: np.asarray(cols[k])[:, None] for k in ("zero", "pp", "grad_sync", "precision")}
     e_r, o_r = _dp_end_of_step(cluster, c2, p, tp[:, None], dp[:, None], cp[:, None], shard[:, None], lp[:, None],
                                plocal, (compute[:, 0] / 2)[:, None], micro[:, None])
     tied = tied_sync(cluster, m_, tp, cp, dp, shard, p)
@@ -465,9 +465,14 @@ def _dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cos
     z3 = Group.of(cluster, shard, tp).all_gather(2.0 * lp)
     rep = Group.of(cluster, np.maximum(1, n_dp // shard), tp * shard)
     z3 = z3 + np.where(shard < n_dp, rep.all_reduce(p.fsdp_reduce_bytes * params_local / shard), 0)
-    # DDP / ZeRO-1/2: fp32 main grads with a distributed optimizer, 16-bit for plain DDP.
+    # DDP / ZeRO-1/2: gradients are reduced in fp32: Megatron accumulates and all-reduces fp32
+    # main grads with bf16 (accumulate_allreduce_grads_in_fp32) and with its distributed
+    # optimizer; torch DDP under autocast (meshplan's runtime) holds fp32 parameters, so fp32
+    # gradients. Megatron's DDP with --fp16 reduces fp16 main grads (2 bytes).
     g = Group.of(cluster, n_dp, tp)
-    grads = np.where(zero >= 1, 4.0, 2.0) * params_local
+    prec = cols.get("precision")
+    fp16_ddp = (zero == 0) & (np.asarray(prec) == "fp16") if prec is not None else zero < 0
+    grads = np.where(fp16_ddp, 2.0, 4.0) * params_local
     gs = cols["grad_sync"]
     allreduce = (gs == "all-reduce") | ((gs == "auto") & (zero == 0))
     sync = np.where(allreduce, g.all_reduce(grads), g.reduce_scatter(grads))
