@@ -117,3 +117,14 @@ def test_headline_winners_fit_with_headroom_and_the_runtime_accepts_them(case):
     for p in r.plans:
         assert p.report.fits and not p.report.at_risk and p.export_only is None
         check_supported(m, p.plan, p.plan.num_gpus, w.seq_len, micro=microbatches(p.plan, w.global_batch))
+
+
+def test_report_refuses_an_out_file_that_is_not_html(capsys, tmp_path):
+    rc, _, err = run(capsys, "report", *L8B, "--out", str(tmp_path / "rep.pdf"))
+    assert rc == 2 and "give a .html file" in err and not (tmp_path / "rep.pdf").exists()
+
+
+def test_simulate_says_what_its_idle_fraction_is(capsys):
+    rc, out, _ = run(capsys, "simulate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--plan",
+                     "tp=2,pp=2,dp=2,micro_batch=1,sequence_parallel=1", "--global-batch", "16", "--seq-len", "4096")
+    assert rc == 0 and "ranks idle waiting on the pipeline" in out and "critical rank's bubble" in out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import shlex
 import sys
 import time
@@ -80,6 +81,9 @@ def _check_out(path: str) -> None:
     """Fail before the search if --out cannot be written."""
     from meshplan.paths import check_output_file
     check_output_file("--out", path, "report.html")
+    if os.path.splitext(path)[1].lower() not in (".html", ".htm"):
+        raise MeshplanError(f"--out {path}: the report is an HTML page; give a .html file",
+                            hint="e.g. --out report.html (open it in a browser and print it to PDF if needed)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -81,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"simulated step: {seconds(summary['step_time_s'])}   analytical estimate: "
           f"{seconds(summary['analytic_step_time_s'])} ({summary['sim_vs_analytic_pct']:+.2f}%)")
     print(f"schedule {summary['schedule']}, {summary['microbatches']} micro-batches, "
-          f"bubble {100 * summary['bubble_fraction']:.1f}% of compute time")
+          f"ranks idle waiting on the pipeline {100 * summary['bubble_fraction']:.1f}% of the step "
+          f"(averaged over ranks, the drain included; `estimate`'s 'pipeline bubble' is the critical "
+          f"rank's bubble time)")
     print(f"{'rank':>4}  " + "  ".join(f"{s + ' busy':>13}" for s in ("compute", "tp", "dp", "pp"))
           + f"  {'peak GiB':>9}")
     for r in summary["ranks"]:
