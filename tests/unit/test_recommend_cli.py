@@ -128,3 +128,16 @@ def test_simulate_says_what_its_idle_fraction_is(capsys):
     rc, out, _ = run(capsys, "simulate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--plan",
                      "tp=2,pp=2,dp=2,micro_batch=1,sequence_parallel=1", "--global-batch", "16", "--seq-len", "4096")
     assert rc == 0 and "ranks idle waiting on the pipeline" in out and "critical rank's bubble" in out
+
+
+def test_offload_plans_are_checked_against_host_memory(capsys):
+    # Llama 3 70B fully offloaded over 8 GPUs: 131 GiB of host memory per GPU, over the 128 assumed
+    plan = "tp=1,dp=8,zero=3,offload_params=1,offload_optimizer=1,recompute=full"
+    args = ["--model", "llama3-70b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "8", "--seq-len", "8192"]
+    rc, out, _ = run(capsys, "estimate", *args, "--plan", plan)
+    assert rc == 0 and "host memory    131.4 GiB per GPU offloaded" in out and "DOES NOT FIT" in out
+    rc, out, _ = run(capsys, "estimate", *args, "--plan", plan, "--json")
+    doc = json.loads(out)
+    assert doc["fits"] and not doc["host_fits"] and doc["host_memory_gib"] > 128
+    rc, out, err = run(capsys, "plan", *args)
+    assert rc == 2 and "of host memory per GPU (of 128)" in err and "at least 16 x h100-sxm-80gb" in err

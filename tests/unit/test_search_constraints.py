@@ -13,6 +13,7 @@ from meshplan.search.bounds import states_lower_bound_gib, usable_gib
 from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import (
     AT_RISK,
+    HOST_OOM,
     RUNTIME_CHECKS,
     SEARCH_CHECKS,
     VECTOR_CHECKS,
@@ -99,7 +100,7 @@ def test_vectorised_masks_equal_scalar_predicates(case):
 
 def test_every_scalar_check_has_a_vectorised_twin():
     assert set(VECTOR_CHECKS) == set(CHECKS)
-    assert reason_names()[-2:] == ["out of memory", AT_RISK] and set(SEARCH_CHECKS) <= set(reason_names())
+    assert reason_names()[-3:] == ["out of memory", HOST_OOM, AT_RISK] and set(SEARCH_CHECKS) <= set(reason_names())
     assert set(RUNTIME_CHECKS) == set(RULES)
 
 

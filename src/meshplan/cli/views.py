@@ -40,6 +40,7 @@ def estimate_text(model: ModelSpec | LayerGraph, cluster: ClusterSpec, plan: Pla
         f"model TFLOP/s  {r.tflops_per_gpu:.1f} per GPU   MFU {r.mfu * 100:.1f}%   HFU {r.hfu * 100:.1f}%",
         f"peak memory    {r.peak_memory_gib:.1f} GiB per GPU of {cluster.gpu.memory_gib:.0f} "
         f"(usable {r.usable_memory_gib:.1f}): {fit_word(r)}",
+        *host_lines(r),
         *runtime_lines(model, plan, work),
         "",
     ]
@@ -70,6 +71,16 @@ def fit_word(r: CostReport) -> str:
         return (f"fits, but AT RISK: within the memory model's demonstrated error ({100 * err:.1f}%) of the "
                 f"limit; plans with headroom need at most {r.usable_memory_gib / (1 + err):.1f} GiB")
     return "fits"
+
+
+def host_lines(r: CostReport) -> list[str]:
+    """The host memory an offload takes, when the plan offloads anything."""
+    if r.host_memory_gib <= 0:
+        return []
+    from meshplan.cost.params import DEFAULT_PARAMS
+    have = DEFAULT_PARAMS.host_memory_per_gpu_gib
+    return [f"host memory    {r.host_memory_gib:.1f} GiB per GPU offloaded, of {have:.0f} assumed per GPU: "
+            + ("fits" if r.host_fits else "DOES NOT FIT (offload less, or shard more: zero=3, more GPUs)")]
 
 
 def runtime_status(model: ModelSpec | LayerGraph, plan: Plan, work: Workload) -> dict[str, object]:

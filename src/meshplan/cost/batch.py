@@ -519,6 +519,12 @@ def _memory(model: ModelSpec, work: Workload, cols: Mapping[str, np.ndarray], p:
     transient = transient + p.allocator_fragmentation * (acts + transient)
     parts = {"weights": w, "grads": g, "optimizer": o, "activations": acts, "transient": transient,
              "overhead": np.broadcast_to(p.framework_overhead_gib * GiB, layers.shape)}
+    # Host memory the offload takes per GPU: the optimizer states it moves (Adam's fp32 m, v, and
+    # the master copy but with ZeRO-3), and with parameter offload FSDP's fp32 parameter and
+    # gradient shards (FSDP2's CPUOffloadPolicy keeps both on the host).
+    offo, offp = flag(cols["offload_optimizer"]), flag(cols["offload_params"])
+    opt_host = np.where(zero == 3, 8.0, 12.0) * plocal / np.where(zero >= 1, col(shard), 1.0)
+    parts["host"] = np.where(offo, opt_host, 0.0) + np.where(offp & (zero == 3), 8.0 * plocal / col(shard), 0.0)
     return {k: np.where(valid, v, np.nan) for k, v in parts.items()}
 
 
@@ -547,4 +553,6 @@ def _summary(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: Mappi
            "microbatches": micro,
            "num_gpus": n, "stage_memory_gib": total / GiB}
     out |= {f"memory.{k}": mem[k][rows, worst] / GiB for k in MEMORY_KEYS}
+    host = np.nanmax(mem["host"], axis=1) / GiB
+    out |= {"host_memory_gib": host, "host_fits": host <= p.host_memory_per_gpu_gib}
     return out

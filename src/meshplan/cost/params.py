@@ -91,6 +91,9 @@ class CostParams:
     measured peak (`meshplan validate`: row 94, Llama 3.1 405B, -9.2%; a test checks this
     bound still holds). A plan that fits, but whose peak x (1 + memory_error) exceeds the usable
     memory, is 'at risk' of running out of memory and is not recommended by default."""
+    host_memory_per_gpu_gib: float = 128.0
+    """Host memory an offloading plan may use per GPU, GiB: a DGX A100 node's 1 TiB over its 8
+    GPUs (a DGX H100 has 2 TiB). Plans that offload more are 'out of host memory'."""
     step_overhead_s: float = 0.0
     """Fixed per-step host overhead (data loading, logging, launch), seconds."""
 
@@ -112,7 +115,7 @@ PARAM_KINDS: dict[str, str] = {
     "fsdp_reduce_bytes": "derived",
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
     "pp_p2p_exposed": "derived", "allocator_fragmentation": "fitted",
-    "framework_overhead_gib": "measured", "memory_margin": "derived", "memory_error": "measured",
+    "framework_overhead_gib": "measured", "memory_margin": "derived", "memory_error": "measured", "host_memory_per_gpu_gib": "derived",
     "step_overhead_s": "derived",
 }
 #: Per-GPU numbers in the GPU data files that are fitted (the rest are datasheet values).

@@ -22,6 +22,10 @@ class CostReport:
     fits: bool
     """peak_memory_gib <= usable memory (HBM less the stated safety margin)."""
     usable_memory_gib: float
+    host_memory_gib: float = 0.0
+    """Host memory per GPU the offload takes (optimizer states, FSDP's offloaded shards)."""
+    host_fits: bool = True
+    """host_memory_gib <= CostParams.host_memory_per_gpu_gib."""
     at_risk: bool = False
     """Fits, but within the memory model's demonstrated error (CostParams.memory_error) of
     the usable memory: peak_memory_gib x (1 + memory_error) > usable_memory_gib."""

@@ -44,6 +44,7 @@ def report_from_row(model: ModelSpec, cluster: ClusterSpec, r: dict[str, np.ndar
         step_time_s=float(r["step_time_s"][i]), tokens_per_s=float(r["tokens_per_s"][i]),
         tflops_per_gpu=float(r["tflops_per_gpu"][i]), mfu=float(r["mfu"][i]), hfu=float(r["hfu"][i]),
         peak_memory_gib=float(r["peak_memory_gib"][i]), fits=bool(r["fits"][i]), at_risk=bool(r["at_risk"][i]),
+        host_memory_gib=float(r["host_memory_gib"][i]), host_fits=bool(r["host_fits"][i]),
         usable_memory_gib=cluster.gpu.memory_gib * (1 - params.memory_margin),
         params=model.num_params(), num_gpus=int(r["num_gpus"][i]),
         microbatches=int(r["microbatches"][i]), memory=memory,

@@ -14,7 +14,7 @@ reject (the plan is marked instead: `search.driver`).
 
 Each rejected plan is counted once, under the first name it violates in the order of
 `reason_names()` (the constraints, the runtime rules, COST_MODEL_REFUSED, OUT_OF_MEMORY,
-AT_RISK).
+HOST_OOM, AT_RISK).
 """
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 ZERO_BUBBLE_DP = "zero-bubble schedule with data parallel gives wrong gradients in torch 2.13"
 OUT_OF_MEMORY = "out of memory"
+HOST_OOM = "out of host memory"
+"""Fits on the GPU, but the offload needs more host memory than a GPU has its share of
+(CostParams.host_memory_per_gpu_gib)."""
 AT_RISK = "at risk of running out of memory"
 """Fits by the estimate, but within the cost model's demonstrated memory error of the limit
 (CostParams.memory_error): not recommended by default (``SearchSpace.headroom``)."""
@@ -210,7 +213,7 @@ SEARCH_CHECKS = RUNTIME_CHECKS  # the search-only rules are the runtime's
 
 def reason_names() -> list[str]:
     """Every rejection reason, in counting order."""
-    return list(CHECKS) + list(RUNTIME_CHECKS) + [COST_MODEL_REFUSED, OUT_OF_MEMORY, AT_RISK]
+    return list(CHECKS) + list(RUNTIME_CHECKS) + [COST_MODEL_REFUSED, OUT_OF_MEMORY, HOST_OOM, AT_RISK]
 
 
 def _scalar_mask(name: str, model: ModelSpec, cluster: ClusterSpec, work: Workload,

@@ -30,6 +30,7 @@ from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import (
     AT_RISK,
     COST_MODEL_REFUSED,
+    HOST_OOM,
     OUT_OF_MEMORY,
     RUNTIME_CHECKS,
     first_violation,
@@ -100,7 +101,7 @@ def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostPa
     that do not fit, end the larger micro-batches of the same plan, whose memory is no less)."""
     names = reason_names()
     oom_idx, refused_idx = names.index(OUT_OF_MEMORY), names.index(COST_MODEL_REFUSED)
-    risk_idx = names.index(AT_RISK)
+    risk_idx, host_idx = names.index(AT_RISK), names.index(HOST_OOM)
     group, rank = scan.cols.meta.get("group"), scan.cols.meta.get("mb_rank")
     if not prune or group is None or rank is None:
         group, rank = np.arange(scan.cols.num_rows), np.zeros(scan.cols.num_rows, dtype=np.int64)
@@ -119,8 +120,10 @@ def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostPa
             priced = np.isfinite(out["step_time_s"])
             fits = out["fits"] & priced
             risky = fits & np.asarray(out.get("at_risk", np.zeros(len(part), dtype=bool))) & headroom
-            scan.reason[part] = np.where(risky, risk_idx, np.where(fits, -1, np.where(priced, oom_idx, refused_idx)))
-            dead[group[part[priced & (~fits | risky)]]] = True
+            host = fits & ~np.asarray(out.get("host_fits", np.ones(len(part), dtype=bool)))
+            reason = np.where(risky, risk_idx, np.where(fits, -1, np.where(priced, oom_idx, refused_idx)))
+            scan.reason[part] = np.where(host, host_idx, reason)
+            dead[group[part[priced & (~fits | risky | host)]]] = True
             scan.evaluated += len(part)
             tick(len(part))
 
@@ -283,6 +286,12 @@ def _examples(model: ModelSpec, work: Workload, scans: list[_Scan], names: list[
                 out[name] = _oom_example(s, hit, params)
             elif name == AT_RISK:
                 out[name] = _at_risk_example(s, hit, params)
+            elif name == HOST_OOM:
+                plan = s.cols.plan(int(hit[0]))
+                r = estimate(model, s.cluster, plan, work, params)
+                out[name] = (f"{plan.short()}: its offload needs {r.host_memory_gib:.0f} GiB of host memory per GPU, "
+                             f"over the {params.host_memory_per_gpu_gib:.0f} GiB assumed (a DGX A100's 1 TiB over "
+                             "8 GPUs); offload less, or shard more (zero=3, more GPUs)")
             elif name == COST_MODEL_REFUSED:
                 out[name] = _refused_example(model, s, int(hit[0]), work, params)
             else:

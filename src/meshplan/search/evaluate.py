@@ -13,6 +13,7 @@ per row of ``cols``, in the same order:
   peak_memory_gib  float64  predicted peak memory of the fullest GPU, GiB
   fits             bool     peak_memory_gib <= usable memory (HBM less the cost model's margin)
   at_risk          bool     fits, but within the memory model's demonstrated error of the limit
+  host_fits        bool     the host memory an offload takes fits (CostParams.host_memory_per_gpu_gib)
   dominant         str      the largest exposed time term (CostReport.dominant: compute,
                             recompute, tp_comm, cp_comm, ep_comm, dp_comm, pp_comm, bubble,
                             optimizer, overhead; the first in that order on ties)
@@ -39,14 +40,15 @@ from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Workload
 
 FLOAT_COLUMNS = ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib")
-COLUMNS = (*FLOAT_COLUMNS, "fits", "at_risk", "dominant")
+COLUMNS = (*FLOAT_COLUMNS, "fits", "at_risk", "host_fits", "dominant")
 EXPOSED_TERMS = tuple(k for k in TIME_KEYS if not k.endswith("_overlapped"))
 """Time terms that add up to the step time, in CostReport.time order."""
 
 
 def _empty() -> dict[str, np.ndarray]:
     return {k: np.zeros(0) for k in FLOAT_COLUMNS} | {
-        "fits": np.zeros(0, dtype=bool), "at_risk": np.zeros(0, dtype=bool), "dominant": np.zeros(0, dtype=str)}
+        "fits": np.zeros(0, dtype=bool), "at_risk": np.zeros(0, dtype=bool), "host_fits": np.zeros(0, dtype=bool),
+        "dominant": np.zeros(0, dtype=str)}
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanColumns,
@@ -58,7 +60,15 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanC
     terms = np.stack([np.asarray(r[f"time.{k}"], dtype=float) for k in EXPOSED_TERMS])
     out = {k: np.asarray(r[k], dtype=float) for k in FLOAT_COLUMNS}
     return out | {"fits": np.asarray(r["fits"], dtype=bool), "at_risk": np.asarray(r["at_risk"], dtype=bool),
+                  "host_fits": np.asarray(r["host_fits"], dtype=bool),
                   "dominant": np.asarray(EXPOSED_TERMS)[np.argmax(terms, axis=0)]}
+
+
+def recommendable(res: dict[str, np.ndarray], headroom: bool = True) -> np.ndarray:
+    """Rows of an evaluate() result the search may recommend: they fit on the GPU and on the
+    host, and (with ``headroom``) not within the memory model's error of the limit."""
+    ok = np.asarray(res["fits"], dtype=bool) & np.asarray(res.get("host_fits", True), dtype=bool)
+    return ok & ~np.asarray(res.get("at_risk", False), dtype=bool) if headroom else ok
 
 
 def evaluate_loop(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanColumns,
@@ -70,6 +80,7 @@ def evaluate_loop(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: 
     out = {k: np.full(n, np.nan) for k in FLOAT_COLUMNS}
     fits = np.zeros(n, dtype=bool)
     at_risk = np.zeros(n, dtype=bool)
+    host_fits = np.ones(n, dtype=bool)
     dominant = np.full(n, "invalid", dtype=object)
     for i, plan in enumerate(cols.plans()):
         try:
@@ -81,5 +92,6 @@ def evaluate_loop(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: 
             out[k][i] = getattr(r, k)
         fits[i] = r.fits
         at_risk[i] = r.at_risk
+        host_fits[i] = r.host_fits
         dominant[i] = r.dominant
-    return out | {"fits": fits, "at_risk": at_risk, "dominant": dominant.astype(str)}
+    return out | {"fits": fits, "at_risk": at_risk, "host_fits": host_fits, "dominant": dominant.astype(str)}

@@ -23,7 +23,7 @@ from meshplan.errors import MeshplanError
 from meshplan.search.bounds import usable_gib
 from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import first_violation, violation_masks
-from meshplan.search.evaluate import evaluate
+from meshplan.search.evaluate import evaluate, recommendable
 from meshplan.search.sizes import MAX_GPUS, nice_sizes, node_size, resized
 from meshplan.search.space import SearchSpace, enumerate_space
 from meshplan.spec.cluster import ClusterSpec, GPUSpec
@@ -82,10 +82,11 @@ def memory_corner(model: ModelSpec, cluster: ClusterSpec, work: Workload, space:
     if sub.num_rows == 0:
         return Corner(cluster, None, float("inf"), False, float("inf"))
     res = evaluate(model, cluster, work, sub, params)
-    fits = np.nonzero(res["fits"])[0]
+    usable = recommendable(res, getattr(space, "headroom", True))
+    fits = np.nonzero(usable)[0]
     j = (int(fits[np.argmin(res["step_time_s"][fits])]) if len(fits)  # fastest that fits
          else int(np.argmin(res["peak_memory_gib"])))  # else the least memory
-    return Corner(cluster, sub.plan(j), float(res["peak_memory_gib"][j]), bool(res["fits"][j]),
+    return Corner(cluster, sub.plan(j), float(res["peak_memory_gib"][j]), bool(usable[j]),
                   float(res["step_time_s"][j]))
 
 
@@ -183,7 +184,7 @@ def refine(model: ModelSpec, corner: Corner, work: Workload, space: SearchSpace,
     ok = first_violation(violation_masks(model, corner.cluster, work, cols), cols.num_rows) < 0
     cols = cols.take(np.nonzero(ok)[0])
     res = evaluate(model, corner.cluster, work, cols, params)
-    fits = np.nonzero(res["fits"])[0]
+    fits = np.nonzero(recommendable(res, getattr(space, "headroom", True)))[0]
     if len(fits) == 0:  # pragma: no cover - the corner itself is in this sub-space
         return corner
     j = int(fits[np.lexsort((res["peak_memory_gib"][fits], res["step_time_s"][fits]))[0]])
@@ -203,8 +204,14 @@ def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, spac
     here = memory_corner(model, cluster, work, space, params)
     gpu = cluster.gpu.name
     if here.plan is not None and not here.fits:
-        out.append(f"on {cluster.num_gpus} x {gpu} the most memory-saving plan ({here.plan.short()}) "
-                   f"needs {here.peak_memory_gib:.1f} GiB per GPU of {usable:.1f} usable")
+        why = f"needs {here.peak_memory_gib:.1f} GiB per GPU of {usable:.1f} usable"
+        if here.peak_memory_gib <= usable:  # it fits the GPU: the host, or the headroom, rules it out
+            from meshplan.cost import estimate
+            r = estimate(model, cluster, here.plan, work, params)
+            why += (f", but its offload needs {r.host_memory_gib:.0f} GiB of host memory per GPU (of "
+                    f"{params.host_memory_per_gpu_gib:.0f})" if not r.host_fits else
+                    f", within the memory model's {100 * params.memory_error:.1f}% error of the limit")
+        out.append(f"on {cluster.num_gpus} x {gpu} the most memory-saving plan ({here.plan.short()}) {why}")
     open_space = SearchSpace(base=space.base, uneven_stages=space.uneven_stages)
     if space != open_space:
         free = memory_corner(model, cluster, work, open_space, params)
