@@ -35,3 +35,17 @@ def parse_count(text: str) -> float:
     if t and t[-1].lower() in mult:
         return float(t[:-1]) * mult[t[-1].lower()]
     return float(t)
+
+
+def gib_need(need: float, usable: float) -> str:
+    """'NEED GiB per GPU of USABLE usable', with as many decimals (1 to 3) as it takes for a need
+    over the limit not to read as equal to it (75.6 of 75.6), and ' (over by X GiB)' when over."""
+    for d in (1, 2, 3):
+        a, b = f"{need:.{d}f}", f"{usable:.{d}f}"
+        if a != b:
+            break
+    text = f"{a} GiB per GPU of {b} usable"
+    over = need - usable
+    if over > 0:
+        text += f" (over by {over:.1f} GiB)" if over >= 0.1 else f" (over by {over:.2g} GiB)"
+    return text

@@ -206,7 +206,7 @@ def test_constraint_and_mesh_failures_per_size(capsys):
                               "--gpus", "1..4", "--global-batch", "8", "--seq-len", "64", "--fix", "tp=2")
     assert code == 0, err
     reasons = {c["num_gpus"]: c["reason"] for c in doc["per_cluster"]}
-    assert "no mesh" in reasons[1] and reasons[2] is None
+    assert "tp=2 is more than the 1 GPU" in reasons[1] and reasons[2] is None
 
 
 def test_size_reason_names_the_deadline_first():

@@ -376,7 +376,7 @@ def test_cli_plan_out_then_export(capsys, tmp_path):
     (["--plan", "dp=8", "--to", "megatron", "--global-batch", "8"], "needs the model"),
     (["--plan", "dp=8", "--to", "torchtitan", "--global-batch", "8"], "needs the model"),
     (["--plan", "dp=8,micro_batch=3", "--to", "deepspeed", "--global-batch", "8"], "cannot run"),
-    (["--plan", "dp=8", "--to", "deepspeed", "--global-batch", "0"], "--global-batch must be a positive integer"),
+    (["--plan", "dp=8", "--to", "deepspeed", "--global-batch", "0"], "argument --global-batch: must be a positive integer"),
     (["--plan", "dp=8", "--to", "megatron", "--global-batch", "8", "--model", "llama9"], "unknown model"),
     (["--plan", "dp=8,bogus=1", "--to", "deepspeed", "--global-batch", "8"], "unknown key 'bogus'"),
     (["--plan", "dp=8", "--to", "deepspeed", "--global-batch", "8", "--out", "/nonexistent/dir/x.json"],

@@ -262,7 +262,7 @@ def test_cli_takes_the_search_options_of_plan():
     (["--out", ""], "--out is empty"),
     (["--out", "r.html", "--fix", "bogus=1"], "unknown key 'bogus'"),
     (["--out", "r.html", "--json"], "unrecognized arguments: --json"),
-    (["--out", "r.html", "--top", "0"], "--top must be a positive integer"),
+    (["--out", "r.html", "--top", "0"], "argument --top: must be a positive integer"),
 ])
 def test_cli_errors_are_one_line(capsys, tmp_path, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)

@@ -57,7 +57,7 @@ def test_cluster_range_and_objective(capsys):
 @pytest.mark.parametrize("argv, words", [
     (["--model", "no-such-model"], "unknown model"),
     (["--gpus", "10..5"], "range is empty"),
-    (["--global-batch", "0"], "--global-batch must be a positive integer"),
+    (["--global-batch", "0"], "argument --global-batch: must be a positive integer"),
     (["--precision", "fp8", "--cluster", "a100-sxm-80gb:4"], "no fp8"),
     (["--fix", "dp=2"], "cannot be fixed"),
     (["--fix", "bogus=1"], "unknown key"),

@@ -94,8 +94,8 @@ def test_cluster_shorthand(arg, nodes, per_node):
 
 @pytest.mark.parametrize("arg, words", [
     ("h100-sxm-80gb:12", ["not a whole number of 8-GPU nodes", "h100-sxm-80gb:16", "2x6"]),
-    ("h100-sxm-80gb:0", ["cannot read GPU count"]),
-    ("h100-sxm-80gb:-8", ["cannot read GPU count"]),
+    ("h100-sxm-80gb:0", ["GPU count must be a positive integer"]),
+    ("h100-sxm-80gb:-8", ["GPU count must be a positive integer"]),
     ("h100-sxm-80gb:lots", ["cannot read GPU count", "GPU:COUNT"]),
     ("h100-sxm-80gb:0x8", ["must be positive"]),
     ("h100-sxm-80gb:2x", ["cannot read GPU count"]),

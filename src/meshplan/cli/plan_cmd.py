@@ -27,58 +27,90 @@ SEARCHABLE_FIX = ("tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "re
 
 
 def add_parser(sub: Any, positive_int: Any) -> None:
-    """The `plan` subcommand's arguments (called from meshplan.cli.main.build_parser)."""
+    """The `plan` subcommand's arguments (called from meshplan.cli.main.build_parser). A
+    single-valued option given twice with different values, and --uneven-stages with
+    --even-stages-only, are errors (`cli.args.Once`, `cli.args.ExclusiveTrue`)."""
+    from meshplan.cli.args import ExclusiveFalse, ExclusiveTrue, Once, accept_negative_values
     pl = sub.add_parser(
         "plan", help="search for the fastest plan that fits, rank and explain it",
         description="Search every parallel plan for the model on the cluster, rank the feasible "
                     "ones (fastest first, or cheapest with --objective cost; ties: fewer GPUs, "
                     "less memory, then the plan string), explain the winner and every rejection.")
-    pl.add_argument("--model", required=True,
+    accept_negative_values(pl)  # --train-tokens -5T: "must be positive", not "expected one argument"
+    pl.add_argument("--model", required=True, action=Once,
                     help="preset name, ModelSpec .toml/.json, hf:CONFIG.json, module:pkg.mod:factory, "
                          "or a layer graph .json from `meshplan ingest --out`")
-    pl.add_argument("--cluster", required=True,
+    pl.add_argument("--cluster", required=True, action=Once,
                     help="GPU:COUNT, GPU:NODESxPER_NODE or a cluster .toml; with --gpus, the GPU type "
                          "and links (e.g. h100-sxm-80gb)")
-    pl.add_argument("--global-batch", type=positive_int("--global-batch"), required=True,
+    pl.add_argument("--global-batch", type=positive_int("--global-batch"), required=True, action=Once,
                     help="sequences per step")
-    pl.add_argument("--seq-len", type=positive_int("--seq-len"), help="tokens per sequence (default: the model's)")
-    pl.add_argument("--top", type=positive_int("--top"), default=5, help="plans to show (default 5)")
+    pl.add_argument("--seq-len", type=positive_int("--seq-len"), action=Once,
+                    help="tokens per sequence (default: the model's)")
+    pl.add_argument("--top", type=positive_int("--top"), default=5, action=Once, help="plans to show (default 5)")
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    pl.add_argument("--out", help="write the winning plan (with its predicted cost) to this .json file")
-    pl.add_argument("--plot", help="draw the Pareto front (step time vs memory) to this image (needs matplotlib)")
-    pl.add_argument("--gpus", help="search cluster sizes: LOW..HIGH (powers of two and 3x2^k in whole "
-                                   "nodes) or a list 64,128,256")
-    pl.add_argument("--objective", choices=["time", "cost"], default=None,
+    pl.add_argument("--out", action=Once, help="write the winning plan (with its predicted cost) to this .json file")
+    pl.add_argument("--plot", action=Once,
+                    help="draw the Pareto front (step time vs memory) to this image (needs matplotlib)")
+    pl.add_argument("--gpus", action=Once,
+                    help="search cluster sizes: LOW..HIGH (powers of two and 3x2^k in whole "
+                         "nodes) or a list 64,128,256")
+    pl.add_argument("--objective", choices=["time", "cost"], default=None, action=Once,
                     help="rank by step time (default), or by dollars (for the whole run with --train-tokens, "
                          "else per million tokens; the default with --deadline)")
-    pl.add_argument("--train-tokens", help="report days and dollars to train this many tokens (e.g. 2T, 300B)")
-    pl.add_argument("--deadline", metavar="DAYS",
+    pl.add_argument("--train-tokens", action=Once,
+                    help="report days and dollars to train this many tokens (e.g. 2T, 300B)")
+    pl.add_argument("--deadline", metavar="DAYS", action=Once,
                     help="with --train-tokens: reject plans that take longer than DAYS days to train; the "
                          "cheapest plan that meets it wins")
-    pl.add_argument("--price-per-gpu-hour", metavar="USD",
+    pl.add_argument("--price-per-gpu-hour", metavar="USD", action=Once,
                     help="US$ per GPU-hour for every dollar figure (default: the cluster file's "
                          "price_per_gpu_hour_usd, else the GPU preset's price)")
-    pl.add_argument("--precision", choices=["bf16", "fp16", "fp8", "fp32"], default="bf16",
+    pl.add_argument("--precision", choices=["bf16", "fp16", "fp8", "fp32"], default="bf16", action=Once,
                     help="matmul precision (default bf16; fp8 only when asked)")
     pl.add_argument("--compile", action="store_true", help="plans use torch.compile (fused elementwise ops)")
-    pl.add_argument("--no-flash-attention", action="store_true", help="unfused attention (no FlashAttention)")
-    pl.add_argument("--fused-loss", action="store_true", help="fused cross-entropy")
-    pl.add_argument("--async-tp", action="store_true", help="overlap TP communication (AsyncTP)")
-    pl.add_argument("--uneven-stages", action="store_true", default=None,
+    pl.add_argument("--no-flash-attention", action="store_true",
+                    help="unfused attention (no FlashAttention; meshplan's runtime does not run it: "
+                         "needs --allow-export-only)")
+    pl.add_argument("--fused-loss", action="store_true",
+                    help="fused cross-entropy (meshplan's runtime does not run it: needs --allow-export-only)")
+    pl.add_argument("--async-tp", action="store_true",
+                    help="overlap TP communication (AsyncTP; an inductor pass, so it turns --compile on), "
+                         "on the plans with tp > 1")
+    pl.add_argument("--uneven-stages", action=ExclusiveTrue, default=None,
                     help="also try pipeline stages of unequal size where the layers do divide into the "
                          "stages (where they do not, uneven splits are always tried)")
-    pl.add_argument("--even-stages-only", dest="uneven_stages", action="store_false",
+    pl.add_argument("--even-stages-only", dest="uneven_stages", action=ExclusiveFalse,
                     help="never try uneven pipeline stages")
     pl.add_argument("--allow-export-only", action="store_true",
                     help="also list plans that meshplan's runtime would refuse or run differently but an "
                          "export target runs as planned, marked with the targets")
     pl.add_argument("--no-headroom", action="store_true",
-                    help="accept plans closer to the memory limit than the memory model's demonstrated error")
-    pl.add_argument("--fix", help="restrict the space: key=value[|value...],... over "
-                                  + ", ".join(SEARCHABLE_FIX) + ", offload (0/1) and any non-searched plan field")
+                    help="accept plans closer to the memory limit than the memory model's demonstrated error "
+                         "(they are marked at risk)")
+    pl.add_argument("--fix", action=Once,
+                    help="restrict the space: key=value[|value...],... over " + ", ".join(SEARCHABLE_FIX)
+                         + ", offload (1: only plans that offload the optimizer, and with zero=3 the parameters "
+                           "too; 0: none), sequence_parallel (0: off for every tp; 1: on where tp > 1, the "
+                           "default) and any plan field the search does not choose (e.g. grad_sync, "
+                           "p2p_sharded)")
 
 
 # ---- inputs --------------------------------------------------------------------------------
+
+def note(args: argparse.Namespace | None, text: str, stream: TextIO | None = None) -> None:
+    """One line ``meshplan: note: ...`` on stderr (once), kept on ``args`` (``plan_notes``) so that
+    the result's notes (`meshplan plan --json`) carry it too."""
+    if args is not None:
+        notes = getattr(args, "plan_notes", None)
+        if notes is None:
+            notes = []
+            args.plan_notes = notes
+        if text in notes:
+            return
+        notes.append(text)
+    print(f"meshplan: note: {text}", file=stream if stream is not None else sys.stderr)
+
 
 def search_space(args: argparse.Namespace, cluster: Any) -> Any:
     """The SearchSpace of the plan options (--fix, --precision, ...) on ``cluster``."""
@@ -90,16 +122,89 @@ def search_space(args: argparse.Namespace, cluster: Any) -> Any:
     changes: dict[str, Any] = {"uneven_stages": args.uneven_stages,
                                "allow_export_only": getattr(args, "allow_export_only", False),
                                "headroom": not getattr(args, "no_headroom", False)}
+    fixed: set[str] = set()
     if args.fix:
-        _apply_fix(args.fix, base, changes)
+        fixed = _apply_fix(args.fix, base, changes)
     if base["precision"] == "fp8" and "fp8" not in cluster.gpu.peak_tflops:
         raise MeshplanError(f"--precision fp8: {cluster.gpu.name} has no fp8 tensor cores",
                             hint="use --precision bf16, or an fp8 GPU such as h100-sxm-80gb")
+    if base["async_tp"] and not base["compile"]:
+        if "compile" in fixed:
+            raise MeshplanError("--async-tp with --fix compile=0: async TP's overlap is an inductor "
+                                "(torch.compile) pass, so it needs compile",
+                                hint="drop compile=0 from --fix, or drop --async-tp")
+        base["compile"] = True
+        note(args, "--async-tp turns --compile on: the overlap of TP communication is an inductor "
+                   "(torch.compile) pass, so every plan compiles its blocks")
     try:
         plan = Plan(**base)
     except TypeError as e:  # pragma: no cover - keys are checked in _apply_fix
         raise MeshplanError(f"--fix: {e}") from None
-    return SearchSpace(base=plan, **changes)
+    space = SearchSpace(base=plan, **changes)
+    check_runtime_runs(space)
+    return space
+
+
+RULE_FLAGS = {
+    "unfused attention": ("--no-flash-attention", "drop --no-flash-attention"),
+    "fused loss": ("--fused-loss", "drop --fused-loss"),
+    "async TP without compile": ("--async-tp without compile", "add --compile"),
+    "all-reduce gradient sync with sharding": ("--fix grad_sync=all-reduce", "fix zero=0 with it, or drop it"),
+    "pipeline sends not as planned": ("--fix p2p_sharded", "drop p2p_sharded from --fix"),
+    "optimizer offload without parameter offload": ("--fix offload=1 without zero=3", "fix zero=3 with offload=1"),
+    "fp8 with tensor parallel": ("--precision fp8 with tp > 1", "use --precision bf16, or fix tp=1"),
+}
+"""The option behind a runtime rule (spec.support.RULES) that every plan of a request may
+violate, and how to drop it."""
+
+
+def _probes(space: Any) -> list[Any]:
+    """Plans that stand for the space's corners as far as the runtime rules go (spec.support):
+    tp and pp 1 and 2 (or the fixed values), dp 1 and 2, every ZeRO level and schedule allowed,
+    sequence parallelism and async TP as the enumeration sets them, and offload as fixed."""
+    import itertools
+    tps = sorted(set(space.tp)) if space.tp else [1, 2]
+    pps = sorted(set(space.pp)) if space.pp else [1, 2]
+    out = []
+    for tp, pp, dp, z in itertools.product(tps, pps, (1, 2), space.zero):
+        scheds = ["1f1b"] if pp == 1 else list(space.schedules)
+        offs = ([(True, z == 3)] if z >= 1 or dp == 1 else []) if space.offload_only else [(False, False)]
+        for sched, (oo, op) in itertools.product(scheds, offs):
+            out.append(space.base.replace(
+                tp=tp, pp=pp, dp=dp, zero=z, schedule=sched, virtual_stages=2 if sched == "zbv" else 1,
+                sequence_parallel=space.sequence_parallel is not False and tp > 1,
+                async_tp=space.base.async_tp and tp > 1, offload_optimizer=oo, offload_params=op))
+    return out
+
+
+def check_runtime_runs(space: Any) -> None:
+    """Before the search: when the request's fixed options make every plan one that meshplan's
+    runtime refuses or runs as something else (spec.support.RULES: --fused-loss,
+    --no-flash-attention, ...), one line naming the option and the way out
+    (--allow-export-only, with the export targets that run it), rather than a search that
+    rejects everything."""
+    from meshplan.spec.support import RULES
+    probes = _probes(space)
+    if not probes:
+        return
+    micro = 1 << 20  # as many micro-batches as any schedule needs: the batch is not known here
+    for rule in RULES.values():
+        if space.allow_export_only and rule.targets:
+            continue
+        reasons = [rule.why(p, micro, None) for p in probes]
+        if not all(reasons):
+            continue
+        flag, remedy = RULE_FLAGS.get(rule.name, (f"the options given ({rule.name})", "relax them"))
+        if rule.name == "fp8 with tensor parallel" and space.tp:
+            flag = "--precision fp8 with --fix tp=" + "|".join(map(str, space.tp))
+        why = str(reasons[0]).split(": ", 1)[-1]
+        verb = "refuses it" if rule.kind == "refused" else "does not run it as planned"
+        if rule.targets:
+            hint = (f"--allow-export-only lists the plans an export target runs as planned: "
+                    f"{', '.join(rule.targets)}; or {remedy}")
+        else:
+            hint = f"no export target runs it either; {remedy}"
+        raise MeshplanError(f"{flag}: meshplan's runtime {verb}: {why}; every plan would be rejected", hint=hint)
 
 
 def graph_space(args: argparse.Namespace, cluster: Any) -> Any:
@@ -121,6 +226,7 @@ def graph_space(args: argparse.Namespace, cluster: Any) -> Any:
         fixed["recompute"] = tuple(space.recompute)
     if args.fix and "offload" in args.fix:
         fixed["offload"] = bool(space.offload)
+        fixed["offload_only"] = bool(space.offload_only)
     base = space.base
     if base.precision == "fp8":
         raise MeshplanError("--precision fp8 is not modelled on an ingested layer graph",
@@ -130,8 +236,8 @@ def graph_space(args: argparse.Namespace, cluster: Any) -> Any:
                       even_stages=not args.uneven_stages, **fixed)
 
 
-def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> None:
-    """Parse --fix into base plan fields and search-space restrictions."""
+def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[str]:
+    """Parse --fix into base plan fields and search-space restrictions; the keys given."""
     import dataclasses
     import typing
 
@@ -141,6 +247,8 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> None
     hints = typing.get_type_hints(Plan)
     fields = {f.name for f in dataclasses.fields(Plan)}
     seen: set[str] = set()
+    fixable = "fixable: " + ", ".join(SEARCHABLE_FIX) + ", offload, sequence_parallel, and the fields the search " \
+              "does not choose (precision, compile, flash_attention, fused_loss, grad_sync, p2p_sharded, async_tp)"
     for part in (p.strip() for p in text.split(",") if p.strip()):
         if "=" not in part:
             raise MeshplanError(f"--fix: {part!r} is not key=value", hint="e.g. --fix tp=8,zero=1|3")
@@ -159,14 +267,29 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> None
             changes["recompute"] = tuple(alts)
             changes["recompute_fractions"] = ()
         elif key == "offload":
-            changes["offload"] = bool(_coerce(alts[0], bool, "--fix offload"))
+            vals = {bool(_coerce(v, bool, "--fix offload")) for v in alts}
+            if vals == {True}:  # only the offload variants
+                changes["offload"], changes["offload_only"] = True, True
+            elif vals == {False}:
+                changes["offload"] = False
+        elif key == "sequence_parallel":
+            vals = {bool(_coerce(v, bool, "--fix sequence_parallel")) for v in alts}
+            if vals == {False}:
+                changes["sequence_parallel"] = False
         elif key in fields and key not in SEARCHED:
-            base[key] = _coerce(alts[0], hints[key], f"--fix {key}")
+            vals = [_coerce(v, hints[key], f"--fix {key}") for v in alts]
+            if len(set(vals)) > 1:
+                raise MeshplanError(f"--fix {key}: give one value ({key} is not searched, so there are no "
+                                    "alternatives to choose from)", hint=f"e.g. --fix {key}={alts[0]}")
+            base[key] = vals[0]
         elif key in fields:
-            raise MeshplanError(f"--fix: {key} cannot be fixed (it follows from the others)",
-                                hint="fixable: " + ", ".join(SEARCHABLE_FIX) + ", offload, and non-searched fields")
+            raise MeshplanError(f"--fix: {key} cannot be fixed (it follows from the others)", hint=fixable)
         else:
-            raise MeshplanError(f"--fix: unknown key {key!r}", hint="fixable: " + ", ".join(SEARCHABLE_FIX))
+            raise MeshplanError(f"--fix: unknown key {key!r}", hint=fixable)
+    if changes.get("sequence_parallel") is False and "p2p_sharded" not in seen:
+        # the runtime's pipeline sends carry the sequence-parallel shard exactly when sequence_parallel=1
+        base["p2p_sharded"] = False
+    return seen
 
 
 def cluster_sizes(args: argparse.Namespace) -> list[Any]:
@@ -179,7 +302,13 @@ def cluster_sizes(args: argparse.Namespace) -> list[Any]:
         cluster = cluster.replace(price_per_gpu_hour_usd=price)
     if args.gpus is None:
         return [cluster]
-    return [resized(cluster, n) for n in parse_gpus(args.gpus, node_size(cluster))]
+    sizes = parse_gpus(args.gpus, node_size(cluster))
+    text = str(args.cluster)
+    name, colon, count = text.partition(":")
+    if colon and count and not text.lower().endswith((".toml", ".json")):
+        note(args, f"--gpus {args.gpus} sets the cluster sizes: the count in --cluster {text} is not used "
+                   f"(give the GPU type alone, e.g. --cluster {name})")
+    return [resized(cluster, n) for n in sizes]
 
 
 def price_per_gpu_hour(text: str | None) -> float | None:
@@ -259,7 +388,52 @@ def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any
         from meshplan.cost.graph import graph_workload
         return model, clusters, tokens, graph_space(args, clusters[0]), graph_workload(model, args.global_batch)
     work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
+    check_positions(args, model, work.seq_len)
     return model, clusters, tokens, search_space(args, clusters[0]), work
+
+
+def check_positions(args: argparse.Namespace | None, model: Any, seq_len: int) -> None:
+    """A sequence longer than the model's positions: an error for a learned position table
+    (there is no row for position max_position_embeddings), a note for rotary and ALiBi
+    positions (they extend, but past the context the model was trained on)."""
+    if model.position == "learned" and model.max_position_embeddings is not None \
+            and seq_len > model.max_position_embeddings:
+        n = model.max_position_embeddings
+        raise MeshplanError(f"--seq-len {seq_len} exceeds the {n:,} positions of {model.name} (learned position "
+                            "embeddings have no row past them)",
+                            hint=f"use --seq-len <= {n}, or a model file with a larger max_position_embeddings")
+    trained = model.max_position_embeddings or model.seq_len
+    if model.position in ("rotary", "alibi") and seq_len > trained:
+        note(args, f"--seq-len {seq_len:,} exceeds {model.name}'s trained context ({trained:,} tokens); "
+                   f"the plans are for {seq_len:,}-token sequences as asked")
+
+
+def check_gpus(model: Any, cluster: Any, work: Any, space: Any) -> None:
+    """More GPUs than any plan can use (`search.space.most_gpus`): one line with the most the
+    global batch, heads, layers and sequence allow, and a size to try."""
+    from meshplan.search.sizes import nice_sizes, node_size
+    from meshplan.search.space import most_gpus
+    from meshplan.spec.model import ModelSpec
+    if not isinstance(model, ModelSpec):
+        return
+    most, d = most_gpus(model, cluster, work, space)
+    n = cluster.num_gpus
+    if n <= most:
+        return
+    per_seq = min(most, d["dp"] * d["tp"])
+    sizes = nice_sizes(1, per_seq, node_size(cluster)) or [per_seq]
+    try_n = sizes[-1]
+    shape = ""
+    if try_n % d["tp"] == 0 and d["dp"] % (try_n // d["tp"]) == 0:
+        k = d["dp"] // (try_n // d["tp"])
+        shape = f" (tp={d['tp']} x dp={try_n // d['tp']}, {k} sequence{'' if k == 1 else 's'} per replica)"
+    raise MeshplanError(
+        f"a global batch of {work.global_batch} cannot use {n:,} GPUs: with {model.name}'s "
+        f"{model.num_attention_heads} heads, {model.num_layers} layers and {work.seq_len:,}-token sequences a plan "
+        f"uses at most {most:,} (tp {d['tp']} x cp {d['cp']} x pp {d['pp']} x dp {d['dp']}, one sequence per "
+        "data-parallel replica)",
+        hint=f"use fewer GPUs, e.g. --cluster {cluster.gpu.name}:{try_n}{shape} or --gpus "
+             f"{min(try_n, node_size(cluster))}..{try_n}; or raise --global-batch")
 
 
 # ---- progress ------------------------------------------------------------------------------
@@ -392,6 +566,7 @@ def _searcher(model: Any, work: Any, space: Any, objective: str, top: int, token
     from meshplan.spec.graph import LayerGraph
 
     def one(cluster: Any) -> Any:
+        check_gpus(model, cluster, work, space)
         if isinstance(model, LayerGraph):
             from meshplan.search.graph import search_graph
             r = search_graph(model, [cluster], work, space, objective=objective, top=top)
@@ -489,12 +664,15 @@ def train_cost(tokens: float | None, plan: Any) -> dict[str, float] | None:
 def _table(result: Any, tokens: float | None) -> str:
     """The top plans; with the cost objective the dollars come first (the ranking's order)."""
     from meshplan.cli.format import seconds, table
+    from meshplan.search.explain import AT_RISK_MARK
     multi = len(result.clusters) > 1
+    risky = any(p.report.at_risk for p in result.plans)
     cols: list[tuple[str, str, Callable[[Any, Any], object]]] = [  # (head, align, cell)
         ("step time", "r", lambda p, t: seconds(p.report.step_time_s)),
         ("tokens/s", "r", lambda p, t: f"{p.report.tokens_per_s:,.0f}"),
         ("MFU", "r", lambda p, t: f"{100 * p.report.mfu:.1f}%"),
-        ("peak GiB", "r", lambda p, t: f"{p.report.peak_memory_gib:.1f}"),
+        ("peak GiB", "r", lambda p, t: f"{p.report.peak_memory_gib:.1f}"
+         + (AT_RISK_MARK if p.report.at_risk else " " if risky else "")),
         ("$/M tok", "r", lambda p, t: f"{p.usd_per_mtok:.3f}"),
         ("dominant", "l", lambda p, t: p.report.dominant)]
     if tokens is not None:
@@ -510,7 +688,11 @@ def _table(result: Any, tokens: float | None) -> str:
         name = p.plan.short() + ("" if p.export_only is None else
                                  f"  [export only: {', '.join(p.export_only)}]")
         rows.append([p.rank, name] + ([p.plan.num_gpus] if multi else []) + [c[2](p, t) for c in cols])
-    return table(head, rows, align)
+    text = table(head, rows, align)
+    if risky:
+        from meshplan.search.explain import at_risk_words
+        text += f"\n{AT_RISK_MARK} {at_risk_words()} (accepted by --no-headroom)"
+    return text
 
 
 def _per_size(result: Any, tokens: float | None) -> list[str]:
@@ -569,10 +751,16 @@ def _text(result: Any, tokens: float | None, price: dict[str, Any] | None = None
 
 def _pareto_lines(result: Any, tokens: float | None) -> list[str]:
     """The Pareto front; with the cost objective cheapest first, dollars first."""
-    from meshplan.search.explain import usd
+    from meshplan.cost.params import DEFAULT_PARAMS
+    from meshplan.search.explain import AT_RISK_MARK, usd
     from meshplan.search.result import train_days
     multi = len(result.clusters) > 1
     front = list(result.pareto)
+    usable = result.best.report.usable_memory_gib if result.best is not None else float("inf")
+
+    def gib(peak: float) -> str:  # at risk (listed with --no-headroom): marked as in the table
+        risky = peak <= usable < peak * (1 + DEFAULT_PARAMS.memory_error)
+        return f"{peak:6.1f}{AT_RISK_MARK if risky else ' '}GiB"
     if result.objective == "cost":
         front.sort(key=lambda p: (p.usd_per_mtok, p.step_time_s, p.peak_memory_gib))
         out = [f"Pareto front ($, step time, memory), cheapest first: {len(front)} plans"]
@@ -585,9 +773,9 @@ def _pareto_lines(result: Any, tokens: float | None) -> list[str]:
             if tokens is not None:
                 days = float(train_days(p.step_time_s, result.work.tokens, tokens))
                 money = f"{usd(p.usd_per_mtok * tokens / 1e6):>12}  {days:7,.1f} days  " + money
-            out.append(f"  {money}  {p.step_time_s:8.3f} s  {p.peak_memory_gib:6.1f} GiB  {p.plan.short()}{gpus}")
+            out.append(f"  {money}  {p.step_time_s:8.3f} s  {gib(p.peak_memory_gib)}  {p.plan.short()}{gpus}")
         else:
-            out.append(f"  {p.step_time_s:8.3f} s  {p.peak_memory_gib:6.1f} GiB  ${p.usd_per_mtok:.3f}/M  "
+            out.append(f"  {p.step_time_s:8.3f} s  {gib(p.peak_memory_gib)}  ${p.usd_per_mtok:.3f}/M  "
                        f"{p.plan.short()}{gpus}")
     if len(front) > 8:
         out.append(f"  ... {len(front) - 8} more in --json")
@@ -690,6 +878,7 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     price = {"usd_per_gpu_hour": clusters[0].price_per_hour, "source": price_source(args, clusters[0])}
+    result.notes += [n for n in getattr(args, "plan_notes", None) or () if n not in result.notes]
     if args.json:
         from meshplan.cli.format import json_text
         from meshplan.search.explain import explain

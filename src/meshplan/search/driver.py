@@ -47,6 +47,7 @@ from meshplan.spec.constraints import violations
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 from meshplan.spec.support import RULES, export_targets, microbatches
+from meshplan.units import gib_need
 
 Progress = Callable[[int, int], None]
 Evaluator = Callable[[ModelSpec, ClusterSpec, Workload, PlanColumns, CostParams],
@@ -315,7 +316,7 @@ def _oom_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
     if np.isfinite(peak).any():
         j = hit[np.nanargmin(np.where(np.isfinite(peak), peak, np.inf))]
         return (f"closest to fitting on {s.cluster.num_gpus} GPUs: {s.cols.plan(int(j)).short()} "
-                f"needs {s.res['peak_memory_gib'][j]:.1f} GiB per GPU of {usable:.1f} usable")
+                f"needs {gib_need(float(s.res['peak_memory_gib'][j]), usable)}")
     lb = s.lower_bound[hit]
     j = hit[np.nanargmin(lb)]
     return (f"{s.cols.plan(int(j)).short()}: model states alone need {s.lower_bound[j]:.1f} GiB "
@@ -326,9 +327,9 @@ def _at_risk_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
     usable = usable_gib(s.cluster, params)
     peak = s.res["peak_memory_gib"][hit]
     j = hit[np.nanargmin(np.where(np.isfinite(peak), peak, np.inf))]
-    return (f"{s.cols.plan(int(j)).short()} needs {s.res['peak_memory_gib'][j]:.1f} GiB per GPU of "
-            f"{usable:.1f} usable, closer to the limit than the memory model's demonstrated error "
-            f"({100 * params.memory_error:.1f}%); --no-headroom accepts such plans")
+    return (f"{s.cols.plan(int(j)).short()} needs {gib_need(float(s.res['peak_memory_gib'][j]), usable)}, "
+            f"closer to the limit than the memory model's demonstrated error ({100 * params.memory_error:.1f}%); "
+            "--no-headroom accepts such plans")
 
 
 def _refused_example(model: ModelSpec, s: _Scan, row: int, work: Workload,

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport
 from meshplan.search.constraints import AT_RISK, COST_MODEL_REFUSED, OUT_OF_MEMORY
 from meshplan.search.result import OVER_DEADLINE, RankedPlan, SearchResult, token_count, train_days
-from meshplan.spec.plan import Plan
+from meshplan.spec.plan import Plan, format_stage_layers
 
 TERM_LABELS = {
     "compute": "compute", "recompute": "recompute", "tp_comm": "TP communication",
@@ -22,6 +23,14 @@ TERM_LABELS = {
     "overhead": "fixed overhead", "memory_pressure": "allocator pressure",
 }
 
+
+
+AT_RISK_MARK = "!"
+"""Marks a plan at risk of running out of memory (listed only with --no-headroom)."""
+
+
+def at_risk_words(params: CostParams = DEFAULT_PARAMS) -> str:
+    return f"at risk: within the memory model's {100 * params.memory_error:.1f}% error of the limit"
 
 
 def usd(x: float, signed: bool = False) -> str:
@@ -57,16 +66,37 @@ def plan_differences(a: Plan, b: Plan) -> list[str]:
     for f in dataclasses.fields(Plan):
         va, vb = getattr(a, f.name), getattr(b, f.name)
         if va != vb:
-            out.append(f"{f.name} {_show(va)}->{_show(vb)}")
+            out.append(f"{f.name} {_show(va, f.name)}->{_show(vb, f.name)}")
     return out
 
 
-def _show(v: object) -> str:
+NONE_WORDS = {"stage_layers": "even", "recompute_layers": "all"}
+"""How a field's None reads in an explanation (an even split; every block of the stage)."""
+
+
+def _show(v: object, name: str = "") -> str:
+    if v is None:
+        return NONE_WORDS.get(name, "none")
     if isinstance(v, bool):
         return str(int(v))
     if isinstance(v, tuple):
-        return ":".join(map(str, v))
+        return format_stage_layers(v) if name == "stage_layers" else ":".join(map(str, v))
     return str(v)
+
+
+def zero_memory_note(a: Plan, ra: CostReport, b: Plan, rb: CostReport) -> str:
+    """Why the plan with zero=3 needs more memory than the one with zero 0/1 under the same
+    pipeline (docs/cost-model.md, "One accounting per plan field"): FSDP2 under
+    torch.distributed.pipelining keeps the stage gathered and accumulates unsharded fp32
+    gradients for the whole step, beside its sharded ones. '' where that is not the case."""
+    if a.zero == b.zero or a.pp <= 1 or b.pp <= 1:
+        return ""
+    (hi, rhi), (lo, rlo) = ((a, ra), (b, rb)) if a.zero > b.zero else ((b, rb), (a, ra))
+    more = rhi.peak_memory_gib - rlo.peak_memory_gib
+    if hi.zero != 3 or more <= 0.05:
+        return ""
+    return (f"zero=3 needs {more:.1f} GiB more than zero={lo.zero} here: under a pipeline FSDP keeps the stage "
+            "gathered and accumulates unsharded fp32 gradients for the whole step, beside its sharded ones")
 
 
 def _pct(x: float, ref: float) -> str:
@@ -86,7 +116,9 @@ def compare_line(win: RankedPlan | tuple[Plan, CostReport], other: RankedPlan | 
         head = f"{label} is {_pct(dt, wr.step_time_s)} ({_secs(dt, signed=True)} per step)"
     terms = "; ".join(f"{TERM_LABELS.get(k, k)} {_secs(d, signed=True)}" for k, d in term_differences(wr, orp))
     mem = orp.peak_memory_gib - wr.peak_memory_gib
-    return (f"{head}: {terms or 'no term differs'}; memory {mem:+.1f} GiB; differs in {settings}")
+    why = zero_memory_note(wp, wr, op, orp)
+    return (f"{head}: {terms or 'no term differs'}; memory {mem:+.1f} GiB; differs in {settings}"
+            + (f"; {why}" if why else ""))
 
 
 def term_cost_differences(a: RankedPlan, b: RankedPlan, scale: float, n: int = 3) -> list[tuple[str, float]]:
@@ -140,7 +172,9 @@ def cost_compare_line(win: RankedPlan, other: RankedPlan, label: str, train_toke
                       for k, d in term_cost_differences(win, other, scale))
     mem = other.report.peak_memory_gib - win.report.peak_memory_gib
     settings = ", ".join(plan_differences(win.plan, other.plan)[:5]) or "same settings"
-    return f"{head}: {terms or 'no term differs'}; memory {mem:+.1f} GiB; differs in {settings}"
+    why = zero_memory_note(win.plan, win.report, other.plan, other.report)
+    return (f"{head}: {terms or 'no term differs'}; memory {mem:+.1f} GiB; differs in {settings}"
+            + (f"; {why}" if why else ""))
 
 
 def _gpus(n: int) -> str:
@@ -161,7 +195,8 @@ def winner_line(result: SearchResult) -> str:
     b = result.best
     assert b is not None
     r = b.report
-    perf = (f"MFU {100 * r.mfu:.1f}%, peak {r.peak_memory_gib:.1f} of {r.usable_memory_gib:.1f} GiB usable; "
+    risk = f" ({at_risk_words()})" if r.at_risk else ""
+    perf = (f"MFU {100 * r.mfu:.1f}%, peak {r.peak_memory_gib:.1f} of {r.usable_memory_gib:.1f} GiB usable{risk}; "
             f"largest term: {TERM_LABELS.get(r.dominant, r.dominant)}")
     head = f"winner {b.plan.short()} on {_gpus(b.plan.num_gpus)}"
     tokens = result.train_tokens
@@ -195,6 +230,10 @@ def explain(result: SearchResult, runners_up: int = 3) -> list[str]:
     return lines
 
 
+NEED = r"needs ([\d.]+ GiB per GPU of [\d.]+ usable(?: \(over by [^)]*\))?)"
+"""The memory part of a rejection example (units.gib_need)."""
+
+
 def size_reason(result: SearchResult) -> str:
     """Why a result of one cluster size has no feasible plan, in a few words: the deadline
     when plans fit but are too slow, the memory headroom when plans fit but too tightly,
@@ -208,14 +247,14 @@ def size_reason(result: SearchResult) -> str:
             return f"no plan meets the {result.deadline_days:g}-day deadline (the fastest takes {d:,.1f} days)"
         return f"no plan meets the {result.deadline_days:g}-day deadline"
     if rej.get(AT_RISK):
-        m = re.search(r"needs ([\d.]+) GiB per GPU of ([\d.]+) usable", result.reject_examples.get(AT_RISK, ""))
-        return ("no plan fits with the memory model's headroom" + (f" (closest needs {m[1]} GiB per GPU of "
-                f"{m[2]} usable; --no-headroom accepts it)" if m else " (--no-headroom accepts such plans)"))
+        m = re.search(NEED, result.reject_examples.get(AT_RISK, ""))
+        return ("no plan fits with the memory model's headroom" + (f" (closest needs {m[1]}; --no-headroom "
+                "accepts it)" if m else " (--no-headroom accepts such plans)"))
     if rej.get(OUT_OF_MEMORY):
         ex = result.reject_examples.get(OUT_OF_MEMORY, "")
-        m = re.search(r"needs ([\d.]+) GiB per GPU of ([\d.]+) usable", ex)
+        m = re.search(NEED, ex)
         if m:
-            return f"no plan fits in memory (closest needs {m[1]} GiB per GPU of {m[2]} usable)"
+            return f"no plan fits in memory (closest needs {m[1]})"
         m = re.search(r"alone need ([\d.]+) GiB per GPU of ([\d.]+) usable", ex)
         if m:
             return (f"no plan fits in memory (model states alone need at least {m[1]} GiB per GPU "

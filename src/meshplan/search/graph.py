@@ -67,6 +67,7 @@ from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.plan import SCHEDULES, Plan, Workload
 from meshplan.spec.support import RULES, microbatches, runtime_violations
+from meshplan.units import gib_need
 
 GRAPH_RECOMPUTE = ("none", "full")
 REASONS = [*GRAPH_CHECKS, *RULES, OUT_OF_MEMORY, AT_RISK]
@@ -94,6 +95,8 @@ class GraphSpace:
     max_virtual_stages: int = 4
     hybrid_nodes: tuple[int, ...] = (1, 2, 4)
     offload: bool = True
+    offload_only: bool = False
+    """Only the offload variants (`search.space.zero_options`; ``offload`` must be True)."""
     even_stages: bool = False
     """Also try the even split by layer count (v = 1; the dynamic-programming split is always tried)."""
     headroom: bool = True
@@ -429,12 +432,12 @@ def _examples(graph: LayerGraph, work: Workload, scans: list[_Scan], space: Grap
                 j = int(hit[np.argmin(peak[hit])])
                 plan = row_plan(space.base, s.rows[j])
                 out[name] = (f"closest to fitting on {s.cluster.num_gpus} GPUs: {plan.short()} needs "
-                             f"{peak[j]:.1f} GiB per GPU of {usable_gib(s.cluster, params):.1f} usable")
+                             f"{gib_need(float(peak[j]), usable_gib(s.cluster, params))}")
             elif name == AT_RISK:
                 j = int(hit[np.argmin(peak[hit])])
                 plan = row_plan(space.base, s.rows[j])
-                out[name] = (f"{plan.short()} needs {peak[j]:.1f} GiB per GPU of {usable_gib(s.cluster, params):.1f} "
-                             f"usable, closer to the limit than the memory model's demonstrated error "
+                out[name] = (f"{plan.short()} needs {gib_need(float(peak[j]), usable_gib(s.cluster, params))}"
+                             f", closer to the limit than the memory model's demonstrated error "
                              f"({100 * params.memory_error:.1f}%)")
             elif name in RULES:
                 plan = row_plan(space.base, s.rows[int(hit[0])])
@@ -487,7 +490,7 @@ def nearest_graph(graph: LayerGraph, cluster: ClusterSpec, work: Workload, space
     here = _best(graph, ga, cluster, work, corner_space(space), params)
     if here.plan is not None and not here.fits:
         out.append(f"on {cluster.num_gpus} x {gpu} the most memory-saving plan ({here.plan.short()}) needs "
-                   f"{here.peak_memory_gib:.1f} GiB per GPU of {usable:.1f} usable")
+                   f"{gib_need(here.peak_memory_gib, usable)}")
     open_space = GraphSpace(base=space.base, even_stages=space.even_stages)
     if space != open_space:
         free = _corner(graph, ga, cluster, work, open_space, params)

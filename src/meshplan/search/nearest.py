@@ -29,6 +29,7 @@ from meshplan.search.space import SearchSpace, enumerate_space
 from meshplan.spec.cluster import ClusterSpec, GPUSpec
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import MAX_COUNT, Plan, Workload
+from meshplan.units import gib_need
 
 MAX_GROWTH = 64
 """Clusters up to this many times the given size (and at least 65,536 GPUs, at most
@@ -77,7 +78,8 @@ def memory_corner(model: ModelSpec, cluster: ClusterSpec, work: Workload, space:
     cspace = corner_space(space)
     cols = enumerate_space(model, cluster, work, cspace, params)
     sub = cols.take(corner_rows(cols, cspace))
-    ok = first_violation(violation_masks(model, cluster, work, sub), sub.num_rows) < 0
+    masks = violation_masks(model, cluster, work, sub, export_only=getattr(space, "allow_export_only", False))
+    ok = first_violation(masks, sub.num_rows) < 0
     sub = sub.take(np.nonzero(ok)[0])
     if sub.num_rows == 0:
         return Corner(cluster, None, float("inf"), False, float("inf"))
@@ -192,6 +194,24 @@ def refine(model: ModelSpec, corner: Corner, work: Workload, space: SearchSpace,
                   float(res["step_time_s"][j]))
 
 
+def corner_reason(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace) -> str:
+    """'; most often: NAME': the rule that rejects most of the memory-saving corner's candidates
+    ('' when none is rejected or the space has no mesh)."""
+    cspace = corner_space(space)
+    try:
+        cols = enumerate_space(model, cluster, work, cspace)
+    except MeshplanError:
+        return ""
+    sub = cols.take(corner_rows(cols, cspace))
+    masks = violation_masks(model, cluster, work, sub, export_only=getattr(space, "allow_export_only", False))
+    first = first_violation(masks, sub.num_rows)
+    first = first[first >= 0]
+    if len(first) == 0:
+        return ""
+    names = list(masks)
+    return f"; most often: {names[int(np.bincount(first).argmax())]}"
+
+
 def _short(c: Corner) -> str:
     return c.plan.short() if c.plan is not None else "(no plan)"
 
@@ -204,7 +224,7 @@ def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, spac
     here = memory_corner(model, cluster, work, space, params)
     gpu = cluster.gpu.name
     if here.plan is not None and not here.fits:
-        why = f"needs {here.peak_memory_gib:.1f} GiB per GPU of {usable:.1f} usable"
+        why = f"needs {gib_need(here.peak_memory_gib, usable)}"
         if here.peak_memory_gib <= usable:  # it fits the GPU: the host, or the headroom, rules it out
             from meshplan.cost import estimate
             r = estimate(model, cluster, here.plan, work, params)
@@ -249,7 +269,7 @@ def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, spac
         if here.plan is None:
             out.append(f"no candidate passes the constraints on {cluster.num_gpus} GPUs, nor a "
                        f"memory-saving one on larger clusters up to {limit} (see the rejection "
-                       "reasons: batch size, heads, layers and sequence length must divide)")
+                       f"reasons{corner_reason(model, cluster, work, space)})")
         else:
             out.append(f"no cluster of up to {limit} x {gpu} fits global batch {work.global_batch} "
                        f"x {work.seq_len} tokens; try a smaller sequence length or GPUs with more memory")

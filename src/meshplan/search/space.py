@@ -12,7 +12,7 @@ Every candidate is a full Plan for one cluster. The dimensions, and the values e
   zero            0..3; hybrid shard_group (zero >= 1): groups of dp ranks spanning 1, 2, 4 nodes
                   that are smaller than dp*cp and divide it
   offload         with full sharding only: optimizer (zero >= 1, or dp = 1), and optimizer +
-                  parameters (zero = 3)
+                  parameters (zero = 3); ``offload=False``: none; ``offload_only``: only these
   micro_batch     divisors of B/dp (just 1 when dp does not divide B: rejected, with its reason)
   schedule, v     pp = 1: none needed (1f1b, v = 1); pp > 1: gpipe, 1f1b, zero-bubble (v = 1),
                   zbv (v = 2), interleaved-1f1b with v = 2..max_virtual_stages
@@ -22,8 +22,13 @@ Every candidate is a full Plan for one cluster. The dimensions, and the values e
                   from the even one); with False never
   recompute       none, selective, op, full, and full on a fraction (1/4, 1/2, 3/4) of each
                   stage's blocks (recompute_layers)
-  sequence_parallel  on exactly when tp > 1 (it only saves memory and elementwise time)
-  precision, compile, flash_attention, fused_loss, p2p_sharded, async_tp
+  sequence_parallel  on exactly when tp > 1 (it only saves memory and elementwise time);
+                  ``sequence_parallel=False``: off for every tp
+  async_tp        the request's (``SearchSpace.base``) where tp > 1; off where tp = 1 (no TP
+                  communication to overlap: the same plan)
+  p2p_sharded     the request's where tp > 1 and pp > 1; on (the default) elsewhere (no pipeline
+                  sends, or sends of the whole activation either way: the same plan)
+  precision, compile, flash_attention, fused_loss
                   fixed by the request (``SearchSpace.base``)
 
 Combinations that are the same plan are enumerated once (e.g. schedules when pp = 1).
@@ -56,6 +61,11 @@ SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "micro_batch", 
             "offload_params", "stage_layers")
 """Plan fields the search chooses; every other field comes from ``SearchSpace.base``."""
 
+PER_TP = ("async_tp", "p2p_sharded")
+"""Fields of ``SearchSpace.base`` the enumeration normalises where they change nothing (async TP
+off where tp = 1; p2p_sharded at its default where tp = 1 or pp = 1), so that equal plans are
+written alike."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
@@ -79,6 +89,11 @@ class SearchSpace:
     hybrid_nodes: tuple[int, ...] = (1, 2, 4)
     """Hybrid sharding groups spanning this many nodes (empty: no hybrid sharding)."""
     offload: bool = True
+    offload_only: bool = False
+    """Only the offload variants (``offload`` must be True): optimizer offload, and with zero=3
+    parameter offload too (`zero_options`)."""
+    sequence_parallel: bool | None = None
+    """None: on exactly where tp > 1; False: off for every tp."""
     uneven_stages: bool | None = None
     """Uneven pipeline stage splits (the dynamic-programming balance of `search.stages`): None
     (default) where pp x virtual_stages does not divide the layers; True also where it does;
@@ -94,6 +109,10 @@ class SearchSpace:
         for r in self.recompute:
             if r not in RECOMPUTE:
                 raise MeshplanError(f"search space: unknown recompute {r!r}")
+        if self.offload_only and not self.offload:
+            raise MeshplanError("search space: offload_only needs offload=True")
+        if self.sequence_parallel is True:
+            raise MeshplanError("search space: sequence_parallel is None (on where tp > 1) or False (off)")
 
     def replace(self, **changes: object) -> SearchSpace:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -166,11 +185,13 @@ def zero_options(cluster: ClusterSpec, tp: int, dp: int, cp: int,
         g = k * cluster.gpus_per_node // tp
         if 1 < g < dpc and dpc % g == 0 and g * tp == k * cluster.gpus_per_node:
             groups.append(g)
+    only = getattr(space, "offload_only", False)  # a GraphSpace may not have it
     out = []
     for z in space.zero:
-        out.append((z, 0, False, False))
-        if z >= 1:
-            out += [(z, g, False, False) for g in sorted(set(groups))]
+        if not only:
+            out.append((z, 0, False, False))
+            if z >= 1:
+                out += [(z, g, False, False) for g in sorted(set(groups))]
         if space.offload and (z >= 1 or dp == 1):
             out.append((z, 0, True, False))
         if space.offload and z == 3:
@@ -296,21 +317,20 @@ def enumerate_space(model: ModelSpec, cluster: ClusterSpec, work: Workload,
     space = space or SearchSpace()
     splitter = (_StageSplitter(model, cluster, work, space.base, params)
                 if space.uneven_stages is not False else None)
-    base = {f: getattr(space.base, f) for f in FIELDS if f not in SEARCHED}
+    base = {f: getattr(space.base, f) for f in FIELDS if f not in SEARCHED and f not in PER_TP}
     parts: list[dict[str, np.ndarray]] = []
     next_group = 0
     meshes = _mesh_shapes(model, cluster, work, space)
     if not meshes:
-        raise MeshplanError(
-            f"no mesh tp x cp x pp x dp makes {cluster.num_gpus} GPUs with tp in "
-            f"{tp_values(cluster, space) or space.tp}, cp in {space.cp or 'powers of two'}, "
-            f"pp in {space.pp or 'divisors'} (pp <= {model.num_layers} layers)",
-            hint="relax --fix, or use a GPU count these degrees divide")
+        raise no_mesh_error(model, cluster, space)
+    sp_on = space.sequence_parallel is not False
     for tp, cp, pp, dp, ep in meshes:
         zopts = zero_options(cluster, tp, dp, cp, space)
         mbs = micro_batch_values(work, dp, space)
         sopts = _stage_options(model, tp, pp, space, splitter)
         na, nb, nc = len(zopts), len(mbs), len(sopts)
+        if na * nb * nc == 0:  # e.g. offload_only with zero=0 on dp > 1: no variant of this mesh
+            continue
         ia = np.repeat(np.arange(na), nb * nc)
         ib = np.tile(np.repeat(np.arange(nb), nc), na)
         ic = np.tile(np.arange(nc), na * nb)
@@ -326,11 +346,53 @@ def enumerate_space(model: ModelSpec, cluster: ClusterSpec, work: Workload,
                 "schedule": _codes("schedule", sc["schedule"])[ic], "virtual_stages": sc["v"][ic],
                 "stage_layers": sc["stage"][ic],
                 "recompute": _codes("recompute", sc["recompute"])[ic], "recompute_layers": sc["rcl"][ic],
-                "sequence_parallel": np.full(n, tp > 1),
+                "sequence_parallel": np.full(n, sp_on and tp > 1),
+                "async_tp": np.full(n, bool(space.base.async_tp) and tp > 1),
+                "p2p_sharded": np.full(n, bool(space.base.p2p_sharded) or tp == 1 or pp == 1),
                 "_group": next_group + ia * nc + ic, "_mb_rank": ib}
         next_group += na * nc
         parts.append(part)
     return _assemble(parts, base, splitter.table if splitter else [])
+
+
+def most_gpus(model: ModelSpec, cluster: ClusterSpec, work: Workload,
+              space: SearchSpace | None = None) -> tuple[int, dict[str, int]]:
+    """The most GPUs any plan can use for this model and workload (whatever the restrictions of
+    ``space``; its cp rule applies), with the degrees that reach it: tp (within a node, dividing
+    the heads and the MLP), cp (the enumeration's rule on the sequence), pp (one block per
+    stage) and dp (one sequence per replica) at their largest. A larger cluster has no plan."""
+    space = space or SearchSpace()
+    g = cluster.gpus_per_node
+    kv = model.kv_heads
+    ffn = model.expert_ffn if model.is_moe else model.ffn_hidden_size
+    tps = [t for t in divisors(g)
+           if model.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0) and ffn % t == 0]
+    s = work.seq_len
+    cps, c = [], 1
+    while c <= space.max_cp:
+        if c == 1 or (s // c >= space.min_cp_tokens and s % (2 * c) == 0):
+            cps.append(c)
+        c *= 2
+    deg = {"tp": max(tps, default=1), "cp": max(cps), "pp": model.num_layers, "dp": work.global_batch}
+    return deg["tp"] * deg["cp"] * deg["pp"] * deg["dp"], deg
+
+
+def no_mesh_error(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> MeshplanError:
+    """Why no mesh tp x cp x pp x dp of ``space`` makes the cluster's GPU count: the fixed tp
+    larger than a node (or the cluster), when that is why, else the degrees tried."""
+    n, g = cluster.num_gpus, cluster.gpus_per_node
+    if space.tp is not None and all(t > g for t in space.tp):
+        tps = "|".join(map(str, space.tp))
+        if n < cluster.gpu.gpus_per_node:  # one partial node: the cluster is the limit
+            return MeshplanError(f"--fix tp={tps} is more than the {n} GPU{'' if n == 1 else 's'} of the cluster",
+                                 hint=f"fix tp to a divisor of {n}, or search a larger cluster")
+        return MeshplanError(f"--fix tp={tps} is larger than a node ({g} GPUs): tensor parallelism stays "
+                             "within a node", hint=f"fix tp to a divisor of {g}, e.g. --fix tp={g}")
+    return MeshplanError(
+        f"no mesh tp x cp x pp x dp makes {n} GPUs with tp in "
+        f"{tp_values(cluster, space) or space.tp}, cp in {space.cp or 'powers of two'}, "
+        f"pp in {space.pp or 'divisors'} (pp <= {model.num_layers} layers)",
+        hint="relax --fix, or use a GPU count these degrees divide")
 
 
 def _codes(field_name: str, values: np.ndarray) -> np.ndarray:

@@ -77,8 +77,13 @@ def batch_divides(c: Context) -> str | None:
     p, B = c.plan, c.work.global_batch
     per = p.dp * p.micro_batch
     if B % per:
-        return (f"global batch {B} is not divisible by dp*micro_batch = {p.dp}*{p.micro_batch}; "
-                f"use a micro_batch dividing {B // p.dp if B % p.dp == 0 else B} and a dp dividing {B}")
+        head = f"global batch {B} is not divisible by dp*micro_batch = {p.dp}*{p.micro_batch}"
+        if B % p.dp:
+            return f"{head}: use a dp dividing {B}"
+        per = B // p.dp
+        must = "be 1" if per == 1 else f"divide {per}"
+        return (f"{head}: {B} over dp={p.dp} leaves {per} sequence{'' if per == 1 else 's'} per replica, "
+                f"so micro_batch must {must}")
     return None
 
 

@@ -157,10 +157,29 @@ def load_model(arg: str, *, seq_len: int | None = None) -> ModelSpec:
         raise MeshplanError(f"--model {arg}: Hugging Face and nn.Module ingestion is not available yet",
                             hint="use a preset or a ModelSpec .toml/.json file")
     if arg.endswith((".toml", ".json")):
-        m = model_from_dict(read_data_file(arg), where=arg)
+        data = read_data_file(arg)
+        _not_a_plan_file(arg, data, "--model")
+        m = model_from_dict(data, where=arg)
     else:
         m = model_from_dict(load_preset_data("models", arg), where=f"model {arg}")
     return m.replace(seq_len=seq_len) if seq_len else m
+
+
+def is_plan_document(data: dict[str, Any]) -> bool:
+    """A file written by `meshplan plan --out` (kind "plan", or a 'plan' table)."""
+    return data.get("kind") == "plan" or isinstance(data.get("plan"), dict)
+
+
+def _not_a_plan_file(arg: str, data: dict[str, Any], flag: str) -> None:
+    """--model/--cluster given a plan file: say so (it would fail as 'unknown field plan')."""
+    if not is_plan_document(data):
+        return
+    what = flag.lstrip("-")
+    recorded = data.get(what)
+    give = (f"give {flag} {recorded} (the {what} it was planned for); " if isinstance(recorded, str) and recorded
+            else "")
+    raise MeshplanError(f"{flag} {arg}: this is a plan file (from `meshplan plan --out`), not a {what} file",
+                        hint=f"{give}estimate, simulate, report, train and export take it as --plan {arg}")
 
 
 def parse_cluster_shorthand(arg: str) -> ClusterSpec:
@@ -180,7 +199,8 @@ def parse_cluster_shorthand(arg: str) -> ClusterSpec:
         else:
             n = int(count)
             if n <= 0:
-                raise ValueError
+                raise MeshplanError(f"--cluster {arg}: the GPU count must be a positive integer; got {count}",
+                                    hint=f"e.g. {name}:{per_node}")
             if n < per_node:
                 nodes, per_node = 1, n
             elif n % per_node:
@@ -197,7 +217,8 @@ def parse_cluster_shorthand(arg: str) -> ClusterSpec:
                             hint="use GPU:COUNT like h100-sxm-80gb:64, "
                                  "or GPU:NODESxPER_NODE like a100-sxm-80gb:4x8") from None
     if nodes <= 0 or per_node <= 0:
-        raise MeshplanError(f"--cluster {arg}: node and GPU counts must be positive")
+        raise MeshplanError(f"--cluster {arg}: the node and per-node GPU counts must be positive integers",
+                            hint=f"e.g. {name}:4x{gpu.gpus_per_node}")
     intra, inter = default_links(gpu)
     return ClusterSpec(name=arg, gpu=gpu, num_nodes=nodes, gpus_per_node=per_node,
                        intra_node=intra, inter_node=inter)
@@ -258,23 +279,84 @@ def load_cluster(arg: str) -> ClusterSpec:
     if not isinstance(arg, str) or not arg.strip():
         raise MeshplanError("empty --cluster", hint="e.g. --cluster h100-sxm-80gb:64")
     if arg.endswith((".toml", ".json")):
-        return cluster_from_dict(read_data_file(arg), where=arg)
+        data = read_data_file(arg)
+        _not_a_plan_file(arg, data, "--cluster")
+        return cluster_from_dict(data, where=arg)
     if ":" not in arg and arg.lower() in preset_names("clusters"):
         return cluster_from_dict(load_preset_data("clusters", arg), where=f"cluster {arg}")
     return parse_cluster_shorthand(arg)
 
 
+PLAN_HINT = "a plan string like tp=8,pp=4,dp=16,micro_batch=1, or a plan file from `meshplan plan --out`"
+
+
 def load_plan(arg: str) -> Plan:
     """--plan: 'tp=..,pp=..' or a plan file (.json/.toml, as written by `meshplan plan --out`)."""
-    if isinstance(arg, str) and arg.endswith((".toml", ".json")):
+    if isinstance(arg, str) and arg.lower().endswith((".toml", ".json")):
+        _check_not_empty(arg, "plan")
         data = read_data_file(arg)
         if "plan" in data:  # a document written by `meshplan plan --out`
             if not isinstance(data["plan"], dict):
                 raise MeshplanError(f"{arg}: 'plan' must be an object/table of plan fields; "
                                     f"got {type(data['plan']).__name__}")
             data = data["plan"]
+        else:
+            _check_holds_plan(arg, data)
+        if isinstance(data.get("stage_layers"), str):  # the plan string's form, e.g. "4x31:2"
+            from meshplan.spec.plan import parse_stage_layers
+            data = {**data, "stage_layers": parse_stage_layers(data["stage_layers"], f"{arg}.stage_layers")}
         return from_dict(Plan, data, where=arg)
+    if isinstance(arg, str) and "=" not in arg and _looks_like_path(arg):
+        import os
+        what = ("is a directory, not a plan file" if os.path.isdir(arg) else
+                "is not a plan file (plan files are .json or .toml, written by `meshplan plan --out`)"
+                if os.path.exists(arg) else "is no such file, nor a plan string (key=value,...)")
+        raise MeshplanError(f"--plan {arg} {what}", hint=f"give {PLAN_HINT}")
     return parse_plan(arg)
+
+
+def _looks_like_path(arg: str) -> bool:
+    """A --plan value meant as a file: it exists, or has a directory part or a file extension."""
+    import os
+    import re
+    try:
+        if os.path.exists(arg):
+            return True
+    except (OSError, ValueError):
+        return False
+    return "/" in arg or os.sep in arg or re.search(r"\.[A-Za-z][A-Za-z0-9]{0,4}$", arg.strip()) is not None
+
+
+def _check_not_empty(arg: str, what: str) -> None:
+    """An empty file (before it is parsed, which would only say "not valid JSON")."""
+    import os
+    try:
+        empty = os.path.isfile(arg) and os.path.getsize(arg) == 0
+    except OSError:
+        return  # read_data_file says why it cannot be read
+    if empty:
+        raise MeshplanError(f"{arg}: the file is empty: it holds no {what}",
+                            hint=f"give {PLAN_HINT}" if what == "plan" else None)
+
+
+def _check_holds_plan(arg: str, data: dict[str, Any]) -> None:
+    """A file without a 'plan' table must hold plan fields (a model or cluster file, or ``{}``, is
+    not a plan: it would load as the default plan)."""
+    import dataclasses
+
+    from meshplan.spec.plan import PLAN_KEY_ALIASES
+    fields = {f.name for f in dataclasses.fields(Plan)} | set(PLAN_KEY_ALIASES)
+    keys = {str(k).lower() for k in data} - {"schema_version", "kind", "meta"}
+    kind = data.get("kind")
+    if isinstance(kind, str) and kind not in ("plan", "plans"):
+        raise MeshplanError(f"{arg}: this is a {kind.rstrip('s')} file, not a plan file: it holds no plan",
+                            hint=f"give {PLAN_HINT}")
+    if not keys & fields:
+        what = ("a model file" if {"hidden_size", "num_layers"} <= keys else
+                "a layer graph" if "layers" in keys else
+                "a cluster file" if "gpu" in keys or "num_nodes" in keys else None)
+        raise MeshplanError(f"{arg}: the file holds no plan (no 'plan' table and no plan fields such as "
+                            "tp, pp, dp)" + (f"; it looks like {what}" if what else ""), hint=f"give {PLAN_HINT}")
 
 
 def plan_document(plan: Plan, **extra: Any) -> dict[str, Any]:

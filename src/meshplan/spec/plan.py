@@ -127,10 +127,56 @@ class Plan:
                 continue
             if isinstance(v, bool):
                 v = int(v)
-            if isinstance(v, (list, tuple)):
+            if k == "stage_layers":
+                v = format_stage_layers(v)
+            elif isinstance(v, (list, tuple)):
                 v = ":".join(str(x) for x in v)
             parts.append(f"{k}={v}")
         return ",".join(parts)
+
+
+def format_stage_layers(layers: tuple[int, ...] | list[int]) -> str:
+    """Stage sizes as written in plan strings: ``15:17``, with a run of three or more equal
+    sizes as ``SIZExCOUNT`` where that is shorter (``4x31:2`` is 31 stages of 4 layers and one of 2).
+    `parse_stage_layers` reads it back."""
+    out: list[str] = []
+    i, n = 0, len(layers)
+    while i < n:
+        j = i
+        while j < n and layers[j] == layers[i]:
+            j += 1
+        v, count = str(layers[i]), j - i
+        expanded = ":".join([v] * count)
+        compact = f"{v}x{count}"
+        out.append(compact if count >= 3 and len(compact) < len(expanded) else expanded)
+        i = j
+    return ":".join(out)
+
+
+def parse_stage_layers(text: str, where: str = "plan: stage_layers") -> tuple[int, ...]:
+    """``7:9:9:7`` (``;`` also separates) or the run-length form ``4x31:2`` (SIZExCOUNT: COUNT
+    stages of SIZE layers) as a tuple of layer counts."""
+    out: list[int] = []
+    for part in str(text).replace(";", ":").split(":"):
+        part = part.strip()
+        size, sep, count = part.lower().partition("x")
+        if not (sep and size.strip().lstrip("-").isdigit() and count.strip().lstrip("-").isdigit()):
+            size, sep = part, ""  # not SIZExCOUNT: one entry (an error names it as written)
+        n = _coerce(count.strip(), int, where) if sep else 1
+        if sep and n < 1:
+            raise MeshplanError(f"{where}: {part!r} repeats a stage size {n} times; the count after 'x' "
+                                "must be at least 1",
+                                hint="e.g. stage_layers=4x31:2 is 31 stages of 4 layers, then one of 2")
+        if n > MAX_STAGES:
+            raise MeshplanError(f"{where}: {part!r} makes more than {MAX_STAGES:,} stages")
+        out += [_coerce(size.strip(), int, where)] * n
+        if len(out) > MAX_STAGES:
+            raise MeshplanError(f"{where}: more than {MAX_STAGES:,} stages")
+    return tuple(out)
+
+
+MAX_STAGES = 1_000_000
+"""Most pipeline stages a stage_layers string may spell out (a run-length count is expanded)."""
 
 
 PLAN_KEY_ALIASES = {
@@ -169,7 +215,7 @@ def parse_plan(text: str) -> Plan:
         if key == "zero" and value.lower() in ("fsdp", "true", "yes"):
             value = "3"
         if key == "stage_layers":
-            kwargs[key] = tuple(_coerce(v, int, "plan.stage_layers") for v in value.replace(";", ":").split(":"))
+            kwargs[key] = parse_stage_layers(value, "plan.stage_layers")
             continue
         kwargs[key] = _coerce(value, hints[key], f"plan: {key}")
     return Plan(**kwargs)  # type: ignore[arg-type]
