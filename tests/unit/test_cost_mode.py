@@ -186,13 +186,14 @@ def test_apply_deadline_on_one_size_keeps_a_prefix():
 # ---- 3. a reason for every size without a plan ------------------------------------------------
 
 def test_sizes_without_a_plan_say_why(capsys):
-    code, out, err = run(capsys, "plan", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb", "--gpus", "1,4,8",
+    code, out, err = run(capsys, "plan", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb", "--gpus", "1,4,8,16",
                          "--global-batch", "8", "--seq-len", "8192")
     assert code == 0, err
     lines = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("   ")}
     assert "no plan fits in memory (model states alone need at least" in lines["1 GPU"]
     assert "no plan fits in memory (closest needs" in lines["4 GPUs"] and "GiB per GPU of" in lines["4 GPUs"]
-    assert "<- winner" in lines["8 GPUs"]
+    assert "need more host memory for their offload" in lines["8 GPUs"] and "of 128)" in lines["8 GPUs"]
+    assert "<- winner" in lines["16 GPUs"]
 
 
 def test_constraint_and_mesh_failures_per_size(capsys):

@@ -12,7 +12,7 @@ import re
 
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport
-from meshplan.search.constraints import AT_RISK, COST_MODEL_REFUSED, OUT_OF_MEMORY
+from meshplan.search.constraints import AT_RISK, COST_MODEL_REFUSED, HOST_OOM, OUT_OF_MEMORY
 from meshplan.search.result import OVER_DEADLINE, RankedPlan, SearchResult, token_count, train_days
 from meshplan.spec.plan import Plan, format_stage_layers
 
@@ -246,6 +246,11 @@ def size_reason(result: SearchResult) -> str:
             d = float(train_days(f.step_time_s, result.work.tokens, result.train_tokens))
             return f"no plan meets the {result.deadline_days:g}-day deadline (the fastest takes {d:,.1f} days)"
         return f"no plan meets the {result.deadline_days:g}-day deadline"
+    if rej.get(HOST_OOM):
+        m = re.search(r"needs (\d+) GiB of host memory per GPU, over the (\d+) GiB",
+                      result.reject_examples.get(HOST_OOM, ""))
+        return ("the plans that fit the GPU need more host memory for their offload than a GPU has"
+                + (f" (e.g. {m[1]} GiB per GPU of {m[2]})" if m else ""))
     if rej.get(AT_RISK):
         m = re.search(NEED, result.reject_examples.get(AT_RISK, ""))
         return ("no plan fits with the memory model's headroom" + (f" (closest needs {m[1]}; --no-headroom "
