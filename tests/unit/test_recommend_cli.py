@@ -141,3 +141,12 @@ def test_offload_plans_are_checked_against_host_memory(capsys):
     assert doc["fits"] and not doc["host_fits"] and doc["host_memory_gib"] > 128
     rc, out, err = run(capsys, "plan", *args)
     assert rc == 2 and "of host memory per GPU (of 128)" in err and "at least 16 x h100-sxm-80gb" in err
+
+
+@pytest.mark.parametrize("flag", ["--even-stages-only", "--uneven-stages"])
+def test_report_reproduces_the_stage_flags(flag):
+    from meshplan.cli.main import build_parser
+    from meshplan.cli.report_cmd import _command
+    args = build_parser().parse_args(["report", *L8B, flag, "--out", "r.html"])
+    cmd = _command(args)
+    assert flag in cmd and ({"--even-stages-only", "--uneven-stages"} - {flag}).pop() not in cmd

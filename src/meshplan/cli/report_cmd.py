@@ -66,8 +66,9 @@ def _command(args: argparse.Namespace) -> str:
         value = getattr(args, a.dest, None)
         if not a.option_strings or value is None or (value == a.default and not a.required):
             continue
-        if isinstance(a, argparse._StoreTrueAction):
-            words.append(a.option_strings[0])
+        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if value is (not isinstance(a, argparse._StoreFalseAction)):  # the flag that sets this value
+                words.append(a.option_strings[0])
         else:
             words += [a.option_strings[0], str(value)]
     if getattr(args, "plan", None) is not None:
