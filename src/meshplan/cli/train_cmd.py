@@ -64,6 +64,9 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=_positive("--checkpoint-every", True), default=0,
                    help="save every S steps (and at the end)")
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    t.add_argument("--overwrite", action="store_true",
+                   help="delete the checkpoint already in --checkpoint-dir (meta.json, step-* folders) and start "
+                        "again; without it (or --resume) a --checkpoint-dir holding a checkpoint is refused")
     t.add_argument("--metrics", help="append one JSON object per step (and a summary) to this file")
     from meshplan.runtime.preflight import learning_rate  # no torch
     t.add_argument("--lr", type=learning_rate, default=1e-3, help="AdamW learning rate, > 0 (default 1e-3)")
@@ -93,7 +96,8 @@ def _job(args: argparse.Namespace) -> Any:
                nproc_per_node=_procs_per_node(args, plan), nnodes=args.nnodes, node_rank=args.node_rank,
                rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-               resume=args.resume, metrics=metrics_path(args.metrics), lr=args.lr, seed=args.seed,
+               resume=args.resume, overwrite=getattr(args, "overwrite", False),
+               metrics=metrics_path(args.metrics), lr=args.lr, seed=args.seed,
                data=args.data or "corpus", pg_timeout_s=args.pg_timeout)
 
 
@@ -103,7 +107,8 @@ def _ingested_job(args: argparse.Namespace) -> Any:
     from meshplan.runtime.launch import metrics_path
     from meshplan.spec.io import load_plan
     for flag, given in (("--checkpoint-dir", args.checkpoint_dir), ("--resume", args.resume),
-                        ("--checkpoint-every", args.checkpoint_every), ("--data", args.data)):
+                        ("--checkpoint-every", args.checkpoint_every),
+                        ("--overwrite", getattr(args, "overwrite", False)), ("--data", args.data)):
         if given:
             what = ("train on synthetic batches of their example inputs" if flag == "--data"
                     else "are not checkpointed yet")
@@ -116,7 +121,8 @@ def _ingested_job(args: argparse.Namespace) -> Any:
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
-    """The same request as command-line arguments, for the processes torchrun starts."""
+    """The same request as command-line arguments, for the processes torchrun starts (not --overwrite:
+    the launcher deletes the old checkpoint once, before any rank starts)."""
     out = ["--model", args.model, "--plan", args.plan, "--global-batch", str(args.global_batch),
            "--steps", str(args.steps), "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank),
            "--max-restarts", str(args.max_restarts), "--checkpoint-every", str(args.checkpoint_every),

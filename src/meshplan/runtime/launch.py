@@ -1,7 +1,9 @@
 """`meshplan train`: start torchrun (or run inside it), train, checkpoint, measure, compare.
 
 ``launch`` checks the request (``check_job``, with the pre-flight checks of ``preflight``: learning
-rate, output paths, positions, memory) and runs ``python -m meshplan.runtime.launch ... -m
+rate, output paths, positions, the planner's constraints, the checkpoint directory, memory), says
+what it is about to run (``before_launch``: more processes than CPU cores, the cost model's step
+time; --overwrite deletes the old checkpoint) and runs ``python -m meshplan.runtime.launch ... -m
 meshplan.cli.train_cmd ARGS``: torchrun's own launcher (``torch.distributed.run``), in a process that
 reports a failed rank in one line (``failure_message``: killed by a signal, exit code) instead of
 torchrun's ChildFailedError traceback. Inside torchrun ``worker_main`` trains on every rank. A
@@ -44,6 +46,11 @@ FAILURE_ENV = "MESHPLAN_TORCHRUN_FAILURE"
 CPU_ESTIMATE_BASIS = ("cost model for a `local-cpu` device; indicative only on CPU: gloo and Python overheads "
                       "are not modelled")
 """The label of the estimate printed beside a CPU measurement (text and summary record)."""
+CPU_MEMORY_BASIS = ("the pre-flight check's CPU-corrected figure: the cost model's 1 GiB GPU framework overhead "
+                    "replaced by the host memory of an idle rank, fp32 activations counted at 4 bytes, offload "
+                    "and fp8 as run on CPU")
+"""The label of the estimated peak memory beside a CPU measurement (preflight.memory_estimate, not
+the cost model's raw GPU figure, which is kept as ``cost_model_peak_memory_gib``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +72,8 @@ class Job:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    overwrite: bool = False
+    """--overwrite: delete the checkpoint already in checkpoint_dir before launch (not with resume)."""
     metrics: str | None = None
     lr: float = 1e-3
     seed: int = 0
@@ -92,16 +101,53 @@ def check_job(job: Job) -> Any:
     from meshplan.runtime.train import RunConfig, microbatches
     microbatches(RunConfig(model=job.model, plan=job.plan, global_batch=job.global_batch,
                            seq_len=job.seq_len, steps=job.steps))
+    preflight.check_plan(job.model, job.plan, job.global_batch, job.seq_len)  # the planner's constraints
+    check_checkpoint_dir(job)
+    if job.checkpoint_every and not job.checkpoint_dir:
+        raise MeshplanError("--checkpoint-every needs --checkpoint-dir")
+    return check_memory(job)
+
+
+def check_checkpoint_dir(job: Any) -> int:
+    """--checkpoint-dir, --resume and --overwrite (any job with those fields): with --resume a
+    checkpoint of this model before --steps; without, a directory that holds no checkpoint yet (or
+    --overwrite). Returns the step the run starts from."""
+    from meshplan.runtime import preflight
+    if job.overwrite and job.resume:
+        raise MeshplanError("--overwrite and --resume contradict each other",
+                            hint="--resume continues the checkpoint, --overwrite deletes it; drop one")
+    if job.overwrite and not job.checkpoint_dir:
+        raise MeshplanError("--overwrite needs --checkpoint-dir", hint="drop --overwrite")
     if job.resume:
         if not job.checkpoint_dir:
             raise MeshplanError("--resume needs --checkpoint-dir")
         from meshplan.runtime.checkpoint import check_resumable
-        check_resumable(job.checkpoint_dir, job.model, steps=job.steps)
-    else:
-        preflight.check_output_dir("--checkpoint-dir", job.checkpoint_dir)
-    if job.checkpoint_every and not job.checkpoint_dir:
-        raise MeshplanError("--checkpoint-every needs --checkpoint-dir")
-    return check_memory(job)
+        return check_resumable(job.checkpoint_dir, job.model, steps=job.steps)
+    preflight.check_new_checkpoint_dir(job.checkpoint_dir, overwrite=job.overwrite)
+    return 0
+
+
+def before_launch(job: Any, est: dict[str, Any] | None, device_type: str, steps: int) -> None:
+    """What the launcher says (stderr) once the checks pass: more processes than CPU cores (a
+    warning), the cost model's step time for the run (``est``: estimate_for's dict), and, with
+    --overwrite, the old checkpoint deleted."""
+    from meshplan.runtime import preflight
+    warn = preflight.oversubscription_warning(job.nproc_per_node, device_type)
+    if warn:
+        print(f"meshplan: warning: {warn}", file=sys.stderr, flush=True)
+    note = preflight.step_time_note(est or {}, steps)
+    if note:
+        print(f"meshplan: note: {note}", file=sys.stderr, flush=True)
+    if getattr(job, "overwrite", False):
+        gone = preflight.clear_checkpoint_dir(job.checkpoint_dir)
+        if gone:
+            print(f"meshplan: note: --overwrite: deleted the checkpoint in {job.checkpoint_dir} "
+                  f"({', '.join(gone)})", file=sys.stderr, flush=True)
+
+
+def this_device_type() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check_memory(job: Job) -> Any:
@@ -132,6 +178,9 @@ def torchrun_argv(job: Job, worker_argv: list[str]) -> list[str]:
 def launch(job: Job, worker_argv: list[str]) -> int:
     """Run the job: in this process for one process, else under torchrun. Returns an exit code."""
     est = check_job(job)
+    dev = this_device_type()
+    start = check_checkpoint_dir(job)
+    before_launch(job, estimate_for(job, dev), dev, job.steps - start)
     if job.world_size == 1:
         return worker_main(job)
     return run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s,
@@ -274,14 +323,23 @@ def local_cluster(nproc: int, device_type: str) -> Any:
 
 
 def cpu_tflops(seconds: float = 0.2) -> float:
-    """fp32 matmul TFLOP/s of one thread (256x256), measured for ``seconds``."""
+    """fp32 matmul TFLOP/s of one thread (256x256), measured for ``seconds`` after a warm-up. One
+    thread whatever this process runs with (a rank runs one; the launcher, before any rank starts,
+    would otherwise measure torch's default thread pool, which on a loaded machine was 10-60x slower)."""
     import torch
-    a = torch.randn(256, 256)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ a
-        n += 1
-    return 2 * 256**3 * n / (time.perf_counter() - t0) / 1e12
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(256, 256)
+        for _ in range(3):
+            a @ a
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ a
+            n += 1
+        return 2 * 256**3 * n / (time.perf_counter() - t0) / 1e12
+    finally:
+        torch.set_num_threads(threads)
 
 
 def estimate_basis(cluster_name: str) -> str:
@@ -299,8 +357,23 @@ def estimate_for(job: Job, device_type: str) -> dict[str, Any]:
         r = estimate(job.model, cluster, job.plan, Workload(global_batch=job.global_batch, seq_len=job.seq_len))
     except MeshplanError as e:
         return {"error": str(e)}
-    return {"cluster": cluster.name, "basis": estimate_basis(cluster.name), "step_time_s": r.step_time_s,
-            "peak_memory_gib": r.peak_memory_gib, "tokens_per_s": r.tokens_per_s}
+    out = {"cluster": cluster.name, "basis": estimate_basis(cluster.name), "step_time_s": r.step_time_s,
+           "peak_memory_gib": r.peak_memory_gib, "tokens_per_s": r.tokens_per_s}
+    if device_type != "cuda":
+        from meshplan.runtime.preflight import memory_estimate
+        return cpu_memory(out, memory_estimate(job.model, job.plan, job.global_batch, job.seq_len, "cpu"))
+    return out
+
+
+def cpu_memory(est: dict[str, Any], mem: Any) -> dict[str, Any]:
+    """An estimate dict (``estimate_for``) with the pre-flight check's CPU-corrected peak memory per
+    process (``mem``: preflight.MemoryEstimate, the fullest rank) in place of the cost model's GPU
+    figure, labelled (``peak_memory_basis``); the raw figure is kept as
+    ``cost_model_peak_memory_gib``. Unchanged when ``mem`` is None (not priced)."""
+    if mem is None:
+        return est
+    return {**est, "peak_memory_gib": mem.per_process_gib, "peak_memory_basis": CPU_MEMORY_BASIS,
+            "cost_model_peak_memory_gib": est.get("peak_memory_gib")}
 
 
 def _write(path: str | None, record: dict[str, Any]) -> None:
@@ -322,6 +395,10 @@ def summary_text(measured: dict[str, Any], est: dict[str, Any]) -> str:
     if est.get("cluster"):
         basis = est.get("basis") or estimate_basis(est["cluster"])
         lines.append(f"estimated: {basis} (cluster {est['cluster']})")
+        if est.get("peak_memory_basis"):
+            raw = est.get("cost_model_peak_memory_gib")
+            lines.append(f"estimated memory: {est['peak_memory_basis']}"
+                         + (f" (the cost model's GPU figure: {raw:.3f} GiB)" if raw is not None else ""))
         cpu = est["cluster"].startswith("local-cpu")
         lines.append("measured: step time is the median after the first step"
                      + ("; memory is each process's peak RSS" if cpu else ""))
@@ -365,6 +442,8 @@ def worker_main(job: Job) -> int:
     if in_torchrun():
         device = init_distributed(float(os.environ.get("MESHPLAN_PG_TIMEOUT", job.pg_timeout_s)))
         check_supported(job.model, job.plan, dist.get_world_size(), job.seq_len)
+        from meshplan.runtime.preflight import check_plan  # started by torchrun by hand: no launcher checked it
+        check_plan(job.model, job.plan, job.global_batch, job.seq_len)
     else:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0

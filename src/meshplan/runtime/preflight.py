@@ -33,8 +33,11 @@ above what is there are refused.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +100,67 @@ def check_output_dir(flag: str, path: str | None) -> str | None:
     return path
 
 
+CHECKPOINT_META = "meta.json"
+"""What marks a meshplan checkpoint directory (runtime.checkpoint.META)."""
+STEP_DIR = re.compile(r"step-\d{8}")
+"""The DCP folders of a checkpoint directory (runtime.checkpoint.save)."""
+
+
+def checkpoint_contents(path: str | Path) -> tuple[str, list[Path]] | None:
+    """What a --checkpoint-dir already holds: (words for it, the checkpoint's own entries: meta.json
+    and the step-NNNNNNNN folders), or None when it holds no checkpoint."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        return None
+    steps = sorted(x for x in d.iterdir() if x.is_dir() and STEP_DIR.fullmatch(x.name))
+    meta_path = d / CHECKPOINT_META
+    if not meta_path.is_file():
+        if not steps:
+            return None
+        return (f"checkpoint folders ({', '.join(x.name for x in steps[:3])}{' ...' if len(steps) > 3 else ''}) "
+                f"but no {CHECKPOINT_META} (an unfinished save)", steps)
+    try:
+        meta = json.loads(meta_path.read_text())
+        step = int(meta["step"])
+        model = meta.get("model", {}).get("name")
+        plan = meta.get("plan")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"a {CHECKPOINT_META} that cannot be read", [meta_path, *steps]
+    what = f"a checkpoint at step {step}" + (f" of {model}" if model else "") + (f" (plan {plan})" if plan else "")
+    return what, [meta_path, *steps]
+
+
+def check_new_checkpoint_dir(path: str | None, *, overwrite: bool = False) -> None:
+    """Without --resume: --checkpoint-dir must be a directory or not exist yet (``check_output_dir``),
+    and hold no checkpoint (a new run would reset meta.json and mix its step folders with the old
+    ones), unless ``overwrite`` (--overwrite: ``clear_checkpoint_dir`` before launch)."""
+    check_output_dir("--checkpoint-dir", path)
+    if not path or overwrite:
+        return
+    found = checkpoint_contents(path)
+    if found is not None:
+        raise MeshplanError(f"--checkpoint-dir {path} already holds {found[0]}; a new run would overwrite it",
+                            hint="pass --resume to continue it, give a new --checkpoint-dir, or pass --overwrite "
+                                 "to delete it and start again")
+
+
+def clear_checkpoint_dir(path: str | None) -> list[str]:
+    """--overwrite: delete the checkpoint in ``path`` (meta.json and the step-NNNNNNNN folders; nothing
+    else in the directory is touched). Returns the names deleted."""
+    found = checkpoint_contents(path) if path else None
+    if found is None:
+        return []
+    gone = []
+    for entry in found[1]:
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+        gone.append(entry.name)
+    (Path(path).expanduser() / (CHECKPOINT_META + ".tmp")).unlink(missing_ok=True)  # type: ignore[arg-type]
+    return gone
+
+
 def check_seq_len(model: ModelSpec, seq_len: int) -> None:
     """The sequence against the model's maximum positions, where it has one (a learned position
     table: GPT-2/GPT-3 presets). Rotary models have no table to run out of."""
@@ -104,6 +168,53 @@ def check_seq_len(model: ModelSpec, seq_len: int) -> None:
     if model.position == "learned" and limit and seq_len > limit:
         raise MeshplanError(f"--seq-len {seq_len} exceeds the {limit} positions of {model.name} "
                             "(learned position table)", hint=f"use --seq-len <= {limit}")
+
+
+# ---- the planner's constraints ---------------------------------------------------------------------
+NOT_PLAN_CHECKS = ("gpu count mismatch", "tp larger than a node", "precision unsupported")
+"""spec.constraints checks the launcher does not run: the process count (mesh.check_supported says it
+in the runtime's words), tp across nodes (it runs, only slower) and fp8 without fp8 hardware (runs as
+bf16, noted). Every other constraint is a property of the plan on the model and batch."""
+GRAPH_PLAN_CHECKS = ("tp not allowed by the layers", "layers do not split into stages", "batch not divisible",
+                     "schedule incompatible", "invalid hybrid sharding", "invalid offload",
+                     "zero=2 under a pipeline")
+"""cost.graph's checks the launcher runs on an ingested model's LayerGraph (the others: the process
+count, the traced length, what the graph model cannot price, which generic.plan_refusal refuses in
+the runtime's words, tp across nodes and fp8 hardware, as above)."""
+MODEL_FREE_CHECKS = ("batch not divisible", "schedule incompatible", "invalid hybrid sharding", "invalid offload",
+                     "zero=2 under a pipeline")
+"""spec.constraints checks that read only the plan and the batch: what is left for an ingested model
+that cannot be traced on the meta device (no LayerGraph)."""
+
+
+def _refuse(bad: list[tuple[str, str]]) -> None:
+    if bad:
+        raise MeshplanError("plan cannot run: " + "; ".join(reason for _, reason in bad),
+                            hint="the planner's constraints: `meshplan estimate` refuses this plan too")
+
+
+def check_plan(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int) -> None:
+    """The planner's own constraints (spec.constraints, as `meshplan estimate` runs them) on a preset
+    model's plan, but for ``NOT_PLAN_CHECKS``: stages against the layers, batch, schedule, tp against
+    heads and ffn, cp against the sequence, ep, hybrid sharding, offload, zero=2 under a pipeline,
+    recompute_layers. One line naming every reason, or nothing."""
+    from meshplan.spec.constraints import violations
+    work = Workload(global_batch=global_batch, seq_len=seq_len)
+    _refuse(violations(model, cpu_cluster(plan.num_gpus, memory_gib=1.0), plan, work, skip=NOT_PLAN_CHECKS))
+
+
+def check_graph_plan(graph: Any, plan: Plan, global_batch: int) -> None:
+    """The graph cost model's constraints (``GRAPH_PLAN_CHECKS``) on an ingested model's LayerGraph;
+    ``graph`` None (not traceable): the constraints that read only the plan and the batch."""
+    from meshplan.spec import constraints
+    cluster = cpu_cluster(plan.num_gpus, memory_gib=1.0)
+    if graph is None:
+        ctx = constraints.Context(None, cluster, plan, Workload(global_batch=global_batch, seq_len=1))  # type: ignore[arg-type]
+        _refuse([(name, why) for name in MODEL_FREE_CHECKS if (why := constraints.CHECKS[name](ctx))])
+        return
+    from meshplan.cost.graph import GRAPH_CHECKS, GraphContext, graph_workload
+    ctx = GraphContext(graph, cluster, plan, graph_workload(graph, global_batch))
+    _refuse([(name, why) for name in GRAPH_PLAN_CHECKS if (why := GRAPH_CHECKS[name](ctx))])
 
 
 # ---- memory ------------------------------------------------------------------------------------
@@ -399,6 +510,53 @@ def _check(name: str, estimator: Estimator, plan: Plan, seq_len: int | None, tok
         if tried:
             hint += f" (alone, none fits: {tried})"
     raise MeshplanError(head, hint=hint)
+
+
+# ---- what the user is told before launch ---------------------------------------------------------
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; os.cpu_count() where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def oversubscription_warning(nproc_per_node: int, device_type: str, cores: int | None = None) -> str | None:
+    """A CPU run with more processes on this node than CPU cores: each rank runs one thread and
+    waits for the others at every collective, so ranks time-share the cores. A warning, not an
+    error: it runs, slowly. None when it fits (or on GPUs)."""
+    cores = cpu_cores() if cores is None else cores
+    if device_type == "cuda" or nproc_per_node <= cores:
+        return None
+    return (f"{nproc_per_node} processes on this node's {cores} CPU core{'s' if cores != 1 else ''}: the ranks "
+            "share the cores, so the run will be slow and its timings (step time, tokens/s) meaningless; "
+            f"use at most {cores} processes per node for measurements")
+
+
+def duration_text(seconds: float) -> str:
+    """'0.012 s', '3.4 s', '12 min', '5.2 h', '3.1 days'."""
+    if not math.isfinite(seconds):
+        return "unknown"
+    if seconds < 10:
+        return f"{seconds:.2g} s" if seconds < 0.1 else f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:,.1f} days"
+
+
+def step_time_note(est: dict[str, Any], steps: int) -> str | None:
+    """The cost model's step time before launch (``est``: launch.estimate_for's dict), with its
+    label: what a user is in for. None when the cost model did not price the run."""
+    st = est.get("step_time_s")
+    if st is None or not math.isfinite(st):
+        return None
+    basis = est.get("basis") or f"cost model for {est.get('cluster')}"
+    total = f", about {duration_text(st * steps)} for {steps} step{'s' if steps != 1 else ''}" if steps > 1 else ""
+    return f"the cost model estimates {duration_text(st)} a step{total} ({basis})"
 
 
 def memory_text(est: MemoryEstimate | None, nproc_per_node: int) -> str:
