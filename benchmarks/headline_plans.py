@@ -44,7 +44,10 @@ CASES = [
          "Megatron SC'21 (PTD-P)": "tp=8,pp=8,dp=16,micro_batch=1,virtual_stages=2,schedule=interleaved-1f1b,"
                                    "recompute=full",
          "Korthikanti et al. 2022": "tp=8,pp=8,dp=16,micro_batch=1,virtual_stages=3,schedule=interleaved-1f1b,"
-                                    "recompute=selective,sequence_parallel=1"}},
+                                    "recompute=selective,sequence_parallel=1",
+         "Korthikanti et al. 2022 + distributed optimizer": "tp=8,pp=8,dp=16,zero=1,micro_batch=1,virtual_stages=3,"
+                                                            "schedule=interleaved-1f1b,recompute=selective,"
+                                                            "sequence_parallel=1"}},
     {"name": "Llama 3 70B / 256 x H100-80GB", "model": "llama3-70b", "cluster": "h100-sxm-80gb:256",
      "global_batch": 512, "seq_len": 8192, "published": {
          "NeMo Llama 3 70B recipe": "tp=4,pp=4,dp=8,cp=2,zero=1,micro_batch=1,virtual_stages=5,"
