@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from clirun import error_line
 
 from meshplan.cli.main import main
 from meshplan.errors import MeshplanError
@@ -21,15 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 HF = ROOT / "tests" / "data" / "hf"
 TINY = ["train", "--model", "tiny-llama", "--global-batch", "8", "--seq-len", "32", "--steps", "3"]
 
-
-def error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    """Run the CLI: exit 2 and exactly one `meshplan: error:` line, no traceback."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("meshplan: error:"), err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 @pytest.fixture

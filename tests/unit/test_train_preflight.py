@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from clirun import error_line
 
-from meshplan.cli.main import main
 from meshplan.errors import MeshplanError
 from meshplan.runtime import preflight
 from meshplan.spec.graph import LayerGraph, LayerSpec
@@ -23,15 +23,6 @@ from meshplan.spec.io import load_model, load_plan
 
 TRAIN = ["train", "--model", "tiny-llama", "--global-batch", "8", "--seq-len", "32", "--steps", "2"]
 
-
-def error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    """Run the CLI; it must fail with exit 2 and exactly one `meshplan: error:` line, no traceback."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("meshplan: error:"), err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 # ---- 1. learning rate -----------------------------------------------------------------------------
