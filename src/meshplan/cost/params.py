@@ -115,7 +115,8 @@ PARAM_KINDS: dict[str, str] = {
     "fsdp_reduce_bytes": "derived",
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
     "pp_p2p_exposed": "derived", "allocator_fragmentation": "fitted",
-    "framework_overhead_gib": "measured", "memory_margin": "derived", "memory_error": "measured", "host_memory_per_gpu_gib": "derived",
+    "framework_overhead_gib": "measured", "memory_margin": "derived", "memory_error": "measured",
+    "host_memory_per_gpu_gib": "derived",
     "step_overhead_s": "derived",
 }
 #: Per-GPU numbers in the GPU data files that are fitted (the rest are datasheet values).
