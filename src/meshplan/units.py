@@ -15,11 +15,6 @@ DTYPE_BYTES: dict[str, float] = {
 }
 
 
-def gib(n_bytes: float) -> float:
-    """Bytes -> GiB."""
-    return n_bytes / GiB
-
-
 def human_count(n: float) -> str:
     """12_345_678_901 -> '12.3B' (the inverse of parse_count, to 3 significant digits)."""
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):

@@ -34,7 +34,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.schedule import RankPasses, bubble_array, in_flight_array, rank_passes
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.plan import Plan, Workload, microbatches
 from meshplan.units import GiB
 
 #: Plan fields that determine the per-block quantities.
@@ -328,7 +328,7 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     tp, pp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "pp", "dp", "cp", "ep"))
     zero, mb, v = cols["zero"], cols["micro_batch"].astype(float), cols["virtual_stages"].astype(float)
     shard = _shard(cols)
-    micro = work.global_batch // (cols["dp"] * cols["micro_batch"])
+    micro = microbatches(work.global_batch, cols["dp"], cols["micro_batch"])
     tokens = mb * work.seq_len / cp
     blk = _blocks(model, cluster, work, cols, p)
     layers = _stage_layers(model, cols)

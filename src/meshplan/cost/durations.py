@@ -28,7 +28,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.schedule import in_flight_array
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.plan import Plan, Workload, microbatches
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
     tp, pp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "pp", "dp", "cp", "ep"))
     zero = cols["zero"]
     shard = _b._shard(cols)
-    micro = work.global_batch // (cols["dp"] * cols["micro_batch"])
+    micro = microbatches(work.global_batch, cols["dp"], cols["micro_batch"])
     tokens = cols["micro_batch"].astype(float) * work.seq_len / cp
     blk = _b._blocks(model, cluster, work, cols, p)
     layers = _b._stage_layers(model, cols)

@@ -74,7 +74,7 @@ from meshplan.errors import MeshplanError
 from meshplan.spec import constraints as _c
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph, LayerSpec
-from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.plan import Plan, Workload, microbatches
 from meshplan.units import GiB
 
 TIME_KEYS = _b.TIME_KEYS
@@ -611,7 +611,7 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     offp, offo = np.asarray(offload_params, dtype=bool), np.asarray(offload_optimizer, dtype=bool)
     n = len(zero)
     rows = np.arange(n)
-    micro = work.global_batch // (dp * micro_batch)
+    micro = microbatches(work.global_batch, dp, micro_batch)
     full = np.ones(n)
 
     fsdp, per_step = (zero == 3) & (shard > 1), (zero == 3) & (pp > 1)

@@ -10,7 +10,7 @@ from typing import Any, cast
 from meshplan.errors import MeshplanError
 from meshplan.spec.io import toml_value
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.plan import Plan, Workload, microbatches
 from meshplan.spec.stages import stage_ids_for_rank as stage_ids_for_rank  # re-exported for the exporters
 from meshplan.spec.stages import stage_layer_counts as stage_layer_counts
 
@@ -32,7 +32,7 @@ class ExportInput:
         """Micro-batches per optimizer step per data-parallel rank (the gradient accumulation
         steps, or the pipeline's micro-batches under PP)."""
         p = self.plan
-        return cast(int, self.global_batch) // (p.dp * p.micro_batch)
+        return microbatches(cast(int, self.global_batch), p.dp, p.micro_batch)
 
 
 @dataclass

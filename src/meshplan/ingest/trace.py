@@ -542,7 +542,3 @@ def frontier(tracer: Tracer) -> list[float]:
         run_sum += diff[i]
         out.append(run_sum)
     return out
-
-
-def gcd_all(values: list[int]) -> int:
-    return math.gcd(*values) if values else 1

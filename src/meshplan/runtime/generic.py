@@ -55,7 +55,7 @@ from meshplan.ingest.builder import Built, build
 from meshplan.ingest.layers import Unit, find_units
 from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.parallelize import Parallelized
-from meshplan.spec.plan import Plan
+from meshplan.spec.plan import Plan, checked_microbatches
 from meshplan.spec.stages import stage_ids_for_rank
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -116,10 +116,7 @@ def plan_notes(plan: Plan, device: torch.device) -> list[str]:
 
 
 def microbatches(plan: Plan, global_batch: int) -> int:
-    if global_batch % (plan.dp * plan.micro_batch):
-        raise MeshplanError(f"--global-batch {global_batch} is not divisible by dp x micro_batch = "
-                            f"{plan.dp} x {plan.micro_batch}", hint="change the batch or the plan")
-    return global_batch // (plan.dp * plan.micro_batch)
+    return checked_microbatches(plan, global_batch)
 
 
 # ---- batches -----------------------------------------------------------------------------------

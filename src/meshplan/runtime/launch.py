@@ -29,7 +29,7 @@ from typing import Any
 
 from meshplan.errors import MeshplanError
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.plan import Plan, Workload, checked_microbatches, microbatches
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +96,9 @@ def check_job(job: Job) -> Any:
     preflight.check_lr(job.lr)
     preflight.check_output_file("--metrics", job.metrics)
     mesh_mod.check_supported(job.model, job.plan, job.world_size, job.seq_len,
-                             micro=job.global_batch // max(1, job.plan.dp * job.plan.micro_batch))
+                             micro=microbatches(job.global_batch, job.plan.dp, job.plan.micro_batch))
     preflight.check_seq_len(job.model, job.seq_len)
-    from meshplan.runtime.train import RunConfig, microbatches
-    microbatches(RunConfig(model=job.model, plan=job.plan, global_batch=job.global_batch,
-                           seq_len=job.seq_len, steps=job.steps))
+    checked_microbatches(job.plan, job.global_batch)
     preflight.check_plan(job.model, job.plan, job.global_batch, job.seq_len)  # the planner's constraints
     check_checkpoint_dir(job)
     if job.checkpoint_every and not job.checkpoint_dir:

@@ -20,9 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from meshplan.errors import MeshplanError
 from meshplan.runtime import data as data_mod
 from meshplan.runtime.context_parallel import shard_sequence
 from meshplan.runtime.expert_parallel import is_expert_param
@@ -30,7 +28,7 @@ from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.models import build_model, loss_fn
 from meshplan.runtime.parallelize import VOCAB_PARAMS, Parallelized, logical_name, parallelize
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan
+from meshplan.spec.plan import Plan, checked_microbatches
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +57,7 @@ class RunConfig:
 
 def microbatches(cfg: RunConfig) -> int:
     """Micro-batches per data-parallel rank per step."""
-    p = cfg.plan
-    if cfg.global_batch % (p.dp * p.micro_batch):
-        raise MeshplanError(f"--global-batch {cfg.global_batch} is not divisible by dp x micro_batch = "
-                            f"{p.dp} x {p.micro_batch}", hint="change the batch or the plan")
-    return cfg.global_batch // (p.dp * p.micro_batch)
+    return checked_microbatches(cfg.plan, cfg.global_batch)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -404,7 +398,3 @@ def init_distributed(timeout_s: float) -> torch.device:
     dist.init_process_group(backend=backend, store=dist.PrefixStore(f"meshplan-attempt-{attempt}", base),
                             rank=rank, world_size=world, timeout=timeout)
     return device
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    return getattr(module, "module", module)

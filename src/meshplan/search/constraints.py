@@ -27,7 +27,7 @@ from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import CHECKS, Context
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Workload
+from meshplan.spec.plan import Workload, microbatches
 from meshplan.spec.support import RULES
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def batch_divides(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) 
 def schedule_fits(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     s, v, pp = cols["schedule"], _i64(cols, "virtual_stages"), _i64(cols, "pp")
     inter, zbv = s == _code("schedule", "interleaved-1f1b"), s == _code("schedule", "zbv")
-    micro = w.global_batch // np.maximum(1, _i64(cols, "dp") * _i64(cols, "micro_batch"))
+    micro = microbatches(w.global_batch, _i64(cols, "dp"), _i64(cols, "micro_batch"))
     return (((v > 1) & ~inter & ~zbv)
             | (inter & (pp > 1) & (v > 1) & (micro % pp != 0))
             | (zbv & (v != 2)))
@@ -162,7 +162,7 @@ def _split_backward(cols: PlanColumns) -> np.ndarray:
 
 
 def _micro(w: Workload, cols: PlanColumns) -> np.ndarray:
-    return w.global_batch // np.maximum(1, _i64(cols, "dp") * _i64(cols, "micro_batch"))
+    return microbatches(w.global_batch, _i64(cols, "dp"), _i64(cols, "micro_batch"))
 
 
 def zero_bubble_dp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:

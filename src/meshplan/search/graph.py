@@ -65,8 +65,8 @@ from meshplan.search.space import check_space, divisors, micro_batch_values, sch
 from meshplan.search.stages import split_layers
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
-from meshplan.spec.plan import SCHEDULES, Plan, Workload
-from meshplan.spec.support import RULES, microbatches, runtime_violations
+from meshplan.spec.plan import SCHEDULES, Plan, Workload, microbatches
+from meshplan.spec.support import RULES, runtime_violations
 from meshplan.units import gib_need
 
 GRAPH_RECOMPUTE = ("none", "full")
@@ -283,7 +283,7 @@ def _price(scan: _Scan, pricer: _Pricer, work: Workload, space: GraphSpace, chec
         if z[0] == 2 and pp > 1:
             reasons[i] = _ZERO2_PP
         elif z[2] or z[3]:
-            bad = runtime_violations(row_plan(base, rows[i]), work.global_batch // (dp * mb))
+            bad = runtime_violations(row_plan(base, rows[i]), microbatches(work.global_batch, dp, mb))
             if bad:
                 reasons[i] = REASONS.index(bad[0][0].name)
     _record(scan, rows, reasons.tolist(), r["step_time_s"], r["peak_memory_gib"])
@@ -309,7 +309,7 @@ def _first_reason(graph: LayerGraph, cluster: ClusterSpec, work: Workload, plan:
     bad = graph_violations(graph, cluster, plan, work)
     if bad:
         return REASONS.index(bad[0][0])
-    bad = runtime_violations(plan, microbatches(plan, work.global_batch))
+    bad = runtime_violations(plan, microbatches(work.global_batch, plan.dp, plan.micro_batch))
     return REASONS.index(bad[0][0].name) if bad else -1
 
 
@@ -441,7 +441,8 @@ def _examples(graph: LayerGraph, work: Workload, scans: list[_Scan], space: Grap
                              f"({100 * params.memory_error:.1f}%)")
             elif name in RULES:
                 plan = row_plan(space.base, s.rows[int(hit[0])])
-                out[name] = f"{plan.short()}: {RULES[name].why(plan, microbatches(plan, work.global_batch)) or name}"
+                m = microbatches(work.global_batch, plan.dp, plan.micro_batch)
+                out[name] = f"{plan.short()}: {RULES[name].why(plan, m) or name}"
             else:
                 plan = row_plan(space.base, s.rows[int(hit[0])])
                 why = dict(graph_violations(graph, s.cluster, plan, work))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.plan import Plan, Workload, microbatches
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def schedule_fits(c: Context) -> str | None:
     if p.virtual_stages > 1 and p.schedule not in ("interleaved-1f1b", "zbv"):
         return f"virtual_stages={p.virtual_stages} needs schedule=interleaved-1f1b (got {p.schedule})"
     if p.schedule == "interleaved-1f1b" and p.pp > 1:
-        m = c.work.global_batch // max(1, p.dp * p.micro_batch)
+        m = microbatches(c.work.global_batch, p.dp, p.micro_batch)
         if p.virtual_stages > 1 and m % p.pp:
             return (f"interleaved 1F1B needs micro-batches per step ({m}) divisible by pp={p.pp} "
                     "(Megatron's requirement)")

@@ -221,6 +221,21 @@ def parse_plan(text: str) -> Plan:
     return Plan(**kwargs)  # type: ignore[arg-type]
 
 
+def microbatches(global_batch, dp, micro_batch):  # type: ignore[no-untyped-def]
+    """Micro-batches per optimizer step on each data-parallel replica (the gradient accumulation
+    steps, or the pipeline's micro-batches): global_batch // (dp x micro_batch). Ints or numpy
+    arrays (one row per plan); the one definition every module uses."""
+    return global_batch // (dp * micro_batch)
+
+
+def checked_microbatches(plan: Plan, global_batch: int) -> int:
+    """microbatches() of a run, refusing a global batch that dp x micro_batch does not divide."""
+    if global_batch % (plan.dp * plan.micro_batch):
+        raise MeshplanError(f"--global-batch {global_batch} is not divisible by dp x micro_batch = "
+                            f"{plan.dp} x {plan.micro_batch}", hint="change the batch or the plan")
+    return microbatches(global_batch, plan.dp, plan.micro_batch)
+
+
 MAX_COUNT = 2**31 - 1
 """Largest global batch and sequence length: the cost model and the search hold them (and
 products with plan degrees) in fixed-width numpy integers."""

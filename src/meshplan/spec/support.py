@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
+from meshplan.spec.plan import microbatches as plan_microbatches
 
 TARGETS = ("torchtitan", "megatron", "deepspeed")
 SPLIT_BACKWARD = ("zero-bubble", "zbv")
@@ -122,7 +123,7 @@ RULES: dict[str, Rule] = {r.name: r for r in (
 
 def microbatches(plan: Plan, global_batch: int) -> int:
     """Micro-batches per step on each data-parallel replica."""
-    return global_batch // max(1, plan.dp * plan.micro_batch)
+    return plan_microbatches(global_batch, plan.dp, plan.micro_batch)
 
 
 def runtime_violations(plan: Plan, micro: int, model: ModelSpec | None = None) -> list[tuple[Rule, str]]:
