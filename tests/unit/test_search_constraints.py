@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from meshplan.cost import estimate
-from meshplan.search.bounds import states_lower_bound_gib, usable_gib
+from meshplan.cost.memory import usable_gib
+from meshplan.search.bounds import states_lower_bound_gib
 from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import (
     AT_RISK,

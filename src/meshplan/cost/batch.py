@@ -26,9 +26,11 @@ from meshplan.cost.memory import (
     LOGITS_BYTES_PER_ELEM,
     VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
     activation_bytes_per_token,
+    fit_verdicts,
     kept_activation_bytes,
     model_state_arrays,
     op_sac_bytes_per_token,
+    usable_gib,
 )
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.schedule import RankPasses, bubble_array, in_flight_array, rank_passes
@@ -324,7 +326,7 @@ def estimate_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload,
 
 def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
               params: CostParams) -> dict[str, np.ndarray]:
-    p, m_, gpu = params, model, cluster.gpu
+    p, m_ = params, model
     tp, pp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "pp", "dp", "cp", "ep"))
     zero, mb, v = cols["zero"], cols["micro_batch"].astype(float), cols["virtual_stages"].astype(float)
     shard = _shard(cols)
@@ -406,10 +408,7 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     # ZeRO-3 saves on it carries its time.
     root_x, root_o = root_fsdp(cluster, p, plocal[rows, crit] - n_blk * lp, shard, tp, tmax, micro, fsdp, per_step)
     dp_exp, dp_ovl = dp_exp + root_x, dp_ovl + root_o
-    n_opt = plocal / col(np.where(zero >= 1, shard, 1))
-    host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
-    hbm = n_opt * p.optimizer_bytes_per_param / (gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
-    opt_t = np.where(np.asarray(cols["offload_optimizer"], dtype=bool)[:, None], host, hbm)
+    opt_t = optimizer_seconds(cluster, plocal, zero, shard, np.asarray(cols["offload_optimizer"], dtype=bool), p)
     end = np.where(valid, e_r + opt_t - drain, -np.inf).max(axis=1)
     opt = np.minimum(np.where(valid, opt_t, 0).max(axis=1), end)  # >= 0: rank 0 has no drain
     dp_exp = dp_exp + end - opt
@@ -423,6 +422,16 @@ def _estimate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict
     mem = _memory(model, work, cols, p, layers, valid, first, last, plocal, lp, shard, tokens, blk, micro)
     out |= _summary(model, cluster, work, cols, p, step, blk, mem, micro)
     return out
+
+
+def optimizer_seconds(cluster: ClusterSpec, plocal: np.ndarray, zero: np.ndarray, shard: np.ndarray,
+                      offload_optimizer: np.ndarray, params: CostParams = DEFAULT_PARAMS) -> np.ndarray:
+    """(rows, pp) seconds of each rank's optimizer step (on the host with optimizer offload)."""
+    p = params
+    n_opt = plocal / np.where(zero >= 1, shard, 1.0)[:, None]
+    host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
+    hbm = n_opt * p.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
+    return np.where(offload_optimizer[:, None], host, hbm)
 
 
 def tied_sync(cluster: ClusterSpec, model: ModelSpec, tp: Any, cp: Any, dp: Any, shard: Any,
@@ -470,8 +479,7 @@ def _dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cos
     # optimizer; torch DDP under autocast (meshplan's runtime) holds fp32 parameters, so fp32
     # gradients. Megatron's DDP with --fp16 reduces fp16 main grads (2 bytes).
     g = Group.of(cluster, n_dp, tp)
-    prec = cols.get("precision")
-    fp16_ddp = (zero == 0) & (np.asarray(prec) == "fp16") if prec is not None else zero < 0
+    fp16_ddp = (zero == 0) & (np.asarray(cols.get("precision", "bf16")) == "fp16")
     grads = np.where(fp16_ddp, 2.0, 4.0) * params_local
     gs = cols["grad_sync"]
     allreduce = (gs == "all-reduce") | ((gs == "auto") & (zero == 0))
@@ -545,12 +553,11 @@ def _summary(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: Mappi
     worst = np.nanargmax(total, axis=1)
     rows = np.arange(len(worst))
     peak_gib = total[rows, worst] / GiB
-    usable = gpu.memory_gib * (1 - p.memory_margin)
+    fits, at_risk = fit_verdicts(peak_gib, usable_gib(cluster, p), p)
     out = {"step_time_s": step, "tokens_per_s": work.tokens / step,
            "tflops_per_gpu": model_flops / step / n / 1e12, "mfu": model_flops / step / n / peak,
            "hfu": (model_flops + rc_flops) / step / n / peak, "peak_memory_gib": peak_gib,
-           "fits": peak_gib <= usable, "at_risk": (peak_gib <= usable) & (peak_gib * (1 + p.memory_error) > usable),
-           "microbatches": micro,
+           "fits": fits, "at_risk": at_risk, "microbatches": micro,
            "num_gpus": n, "stage_memory_gib": total / GiB}
     out |= {f"memory.{k}": mem[k][rows, worst] / GiB for k in MEMORY_KEYS}
     host = np.nanmax(mem["host"], axis=1) / GiB

@@ -157,10 +157,7 @@ def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wo
             e += float(_b.tied_sync(cluster, m_, tp, cp, dp, shard, p)[0])
         end_exp.append(e)
         end_ovl.append(o)
-    n_opt = plocal / col(np.where(zero >= 1, shard, 1))
-    host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
-    hbm = n_opt * p.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
-    opt_t = np.where(np.asarray(cols["offload_optimizer"], dtype=bool)[:, None], host, hbm)
+    opt_t = _b.optimizer_seconds(cluster, plocal, zero, shard, np.asarray(cols["offload_optimizer"], dtype=bool), p)
 
     mem = _b._memory(model, work, cols, p, layers, valid, first, held, plocal, lp, shard, tokens, blk, micro)
     inflight = in_flight_array(col(cols["pp"]), col(cols["virtual_stages"]), cols["schedule"][:, None],

@@ -36,7 +36,7 @@ Per layer, per micro-batch of b samples, on one GPU (docs/graph-cost.md has the 
 Activation bytes are traced at graph.trace_dtype and rescaled to the plan's precision (2 bytes
 for bf16/fp16, 4 for fp32). ``cost.graph_durations`` keeps the same terms apart by pass, stream,
 chunk and rank for the simulator (``sim.simulate_graph_plan``), from the pieces ``finish`` is
-built from (boundary_sends, fsdp_layer_traffic/_exposed, optimizer_seconds, tied_sync_seconds,
+built from (boundary_sends, fsdp_layer_traffic/_exposed, batch.optimizer_seconds, tied_sync_seconds,
 memory_parts).
 
 Not modelled, refused with a one-line reason (`graph_violations`): cp > 1 and ep > 1 (a graph
@@ -65,7 +65,9 @@ from meshplan.cost.memory import (
     FUSED_LOGITS_BYTES_PER_ELEM,
     LOGITS_BYTES_PER_ELEM,
     VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
+    fit_verdicts,
     model_state_arrays,
+    usable_gib,
 )
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport
@@ -542,16 +544,6 @@ def fsdp_layer_exposed(ag: np.ndarray, rs: np.ndarray, s: StageSums,
     return exposed_under(ag, s.f, a), exposed_under(ag + rs, s.b_rc, a)
 
 
-def optimizer_seconds(cluster: ClusterSpec, plocal: np.ndarray, zero: np.ndarray, shard: np.ndarray,
-                      offload_optimizer: np.ndarray, params: CostParams = DEFAULT_PARAMS) -> np.ndarray:
-    """(rows, pp) seconds of each rank's optimizer step (on the host with optimizer offload)."""
-    p = params
-    n_opt = plocal / np.where(zero >= 1, shard, 1.0)[:, None]
-    host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
-    hbm = n_opt * p.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
-    return np.where(offload_optimizer[:, None], host, hbm)
-
-
 def tied_sync_seconds(cluster: ClusterSpec, s: StageSums, *, tp: int, cp: int, dp: int) -> float:
     """The all-reduce of the tied parameters' 16-bit gradients between the first rank and the
     rank holding their copy (0 when there is no copy)."""
@@ -656,7 +648,7 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
         exp_s = staged_fsdp_exposed(ag_s, f_c, rs_s, b_c, pp, split, p.overlap_slowdown)
         dp_exp = dp_exp + np.where(staged, exp_s, 0)
         dp_ovl = dp_ovl + np.where(staged, staged_fsdp_overlapped(ag_s, f_c, rs_s, b_c), 0)
-    opt = optimizer_seconds(cluster, plocal, zero, shard, offo, p).max(axis=1)
+    opt = _b.optimizer_seconds(cluster, plocal, zero, shard, offo, p).max(axis=1)
     step = micro * tmax + bubble + dp_exp + opt + p.step_overhead_s
 
     per_rank = {"compute": s.compute, "recompute": s.recompute, "tp_comm": s.tp_exp,
@@ -676,14 +668,13 @@ def finish(cluster: ClusterSpec, work: Workload, s: StageSums, *, tp: int, dp: i
     total = w + g + o + acts + transient + overhead
     worst = np.argmax(total, axis=1)
     peak = total[rows, worst] / GiB
-    usable = cluster.gpu.memory_gib * (1 - p.memory_margin)
+    fits, at_risk = fit_verdicts(peak, usable_gib(cluster, p), p)
     out |= {f"memory.{k}": np.broadcast_to(x, (n, pp))[rows, worst] / GiB for k, x in
             (("weights", w), ("grads", g), ("optimizer", o), ("transient", transient))}
     out["memory.activations"] = acts[worst] / GiB
     out["memory.overhead"] = np.full(n, overhead / GiB)
     out |= {"step_time_s": step, "peak_memory_gib": peak, "stage_memory_gib": total / GiB,
-            "fits": peak <= usable, "at_risk": (peak <= usable) & (peak * (1 + p.memory_error) > usable),
-            "microbatches": np.full(n, micro)}
+            "fits": fits, "at_risk": at_risk, "microbatches": np.full(n, micro)}
     return out
 
 
@@ -704,7 +695,7 @@ def to_report(graph: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Workloa
         step_time_s=step, tokens_per_s=work.tokens / step, tflops_per_gpu=model_flops / step / n / 1e12,
         mfu=model_flops / step / n / peak, hfu=(model_flops + rc_flops) / step / n / peak,
         peak_memory_gib=float(r["peak_memory_gib"][i]), fits=bool(r["fits"][i]), at_risk=bool(r["at_risk"][i]),
-        usable_memory_gib=gpu.memory_gib * (1 - params.memory_margin), params=graph.params, num_gpus=n,
+        usable_memory_gib=usable_gib(cluster, params), params=graph.params, num_gpus=n,
         microbatches=int(r["microbatches"][i]), memory=memory,
         memory_per_stage=[float(x) for x in r["stage_memory_gib"][i]], time=time,
         dominant=max(exposed, key=exposed.__getitem__), notes=list(notes or []))

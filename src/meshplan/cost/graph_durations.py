@@ -40,7 +40,6 @@ from meshplan.cost.graph import (
     layer_costs,
     make_layout,
     memory_parts,
-    optimizer_seconds,
     plan_sums,
     recompute_mask,
     tied_sync_seconds,
@@ -182,7 +181,7 @@ def graph_stage_durations(graph: LayerGraph, cluster: ClusterSpec, plan: Plan, w
                                   s.plocal[k] * one, s.compute[0] / 2 * one, micro)
         end_exp.append(float(e[0]) + (tied if k in tied_ranks else 0.0))
         end_ovl.append(float(o[0]))
-    opt = optimizer_seconds(cluster, plocal, zero, shard, np.array([plan.offload_optimizer]), p)[0]
+    opt = _b.optimizer_seconds(cluster, plocal, zero, shard, np.array([plan.offload_optimizer]), p)[0]
 
     chunks = tuple(ChunkDurations(
         rank=int(lay.chunk_rank[c]), first_layer=int(lay.chunk_end[c] - lay.stage_layers[c]),

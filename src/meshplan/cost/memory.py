@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.params import CostParams
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
@@ -32,6 +33,18 @@ log-softmax is decomposed into separate ops (max-subtract, exp, sum, log), each 
 full-size fp32 tensor for a while (~1.5 more than the single-kernel path)."""
 FUSED_LOGITS_BYTES_PER_ELEM = 4.0
 """The same with a fused cross-entropy: bf16 logits 2 + their gradient written in place 2."""
+
+
+def usable_gib(cluster: ClusterSpec, p: CostParams = DEFAULT_PARAMS) -> float:
+    """Memory a plan may use to 'fit' (the cost model's definition): HBM less the margin."""
+    return cluster.gpu.memory_gib * (1 - p.memory_margin)
+
+
+def fit_verdicts(peak_gib: Num, usable: float, p: CostParams) -> tuple[Num, Num]:
+    """(fits, at_risk): the peak fits the usable memory; it fits, but within the memory model's
+    demonstrated error (CostParams.memory_error) of it."""
+    fits = peak_gib <= usable
+    return fits, fits & (peak_gib * (1 + p.memory_error) > usable)
 
 
 def activation_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> tuple[float, float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.cost.batch import MEMORY_KEYS, TIME_KEYS, estimate_batch
+from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport
 from meshplan.errors import MeshplanError
@@ -45,7 +46,7 @@ def report_from_row(model: ModelSpec, cluster: ClusterSpec, r: dict[str, np.ndar
         tflops_per_gpu=float(r["tflops_per_gpu"][i]), mfu=float(r["mfu"][i]), hfu=float(r["hfu"][i]),
         peak_memory_gib=float(r["peak_memory_gib"][i]), fits=bool(r["fits"][i]), at_risk=bool(r["at_risk"][i]),
         host_memory_gib=float(r["host_memory_gib"][i]), host_fits=bool(r["host_fits"][i]),
-        usable_memory_gib=cluster.gpu.memory_gib * (1 - params.memory_margin),
+        usable_memory_gib=usable_gib(cluster, params),
         params=model.num_params(), num_gpus=int(r["num_gpus"][i]),
         microbatches=int(r["microbatches"][i]), memory=memory,
         memory_per_stage=[float(x) for x in stages[~np.isnan(stages)]], time=time,

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
-from meshplan.search.bounds import usable_gib
 from meshplan.search.driver import search
 from meshplan.search.result import SearchResult
 from meshplan.search.space import SearchSpace

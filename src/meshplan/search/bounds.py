@@ -29,7 +29,6 @@ import numpy as np
 from meshplan.cost.memory import model_state_bytes
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
-from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
 from meshplan.units import GiB
@@ -37,11 +36,6 @@ from meshplan.units import GiB
 _STATE_KEYS = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "offload_optimizer",
                "offload_params", "stage_layers")
 _ZBV = CATEGORIES["schedule"].index("zbv")
-
-
-def usable_gib(cluster: ClusterSpec, params: CostParams = DEFAULT_PARAMS) -> float:
-    """Memory a plan may use to 'fit' (the cost model's definition)."""
-    return cluster.gpu.memory_gib * (1 - params.memory_margin)
 
 
 def layer_params_local(model: ModelSpec, tp: int, ep: int) -> float:

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.cost import estimate
+from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
-from meshplan.search.bounds import states_lower_bound_gib, usable_gib
+from meshplan.search.bounds import states_lower_bound_gib
 from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import (
     AT_RISK,

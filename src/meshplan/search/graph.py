@@ -52,9 +52,9 @@ from meshplan.cost.graph import (
     stage_sums,
     unsupported_reason,
 )
+from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
-from meshplan.search.bounds import usable_gib
 from meshplan.search.constraints import AT_RISK, OUT_OF_MEMORY
 from meshplan.search.driver import checked_request
 from meshplan.search.nearest import Corner, growth_limit, larger_memory_gpus, next_size

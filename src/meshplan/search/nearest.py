@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
-from meshplan.search.bounds import usable_gib
 from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import first_violation, violation_masks
 from meshplan.search.evaluate import evaluate, recommendable
