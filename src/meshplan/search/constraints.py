@@ -101,7 +101,7 @@ def batch_divides(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) 
 def schedule_fits(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     s, v, pp = cols["schedule"], _i64(cols, "virtual_stages"), _i64(cols, "pp")
     inter, zbv = s == _code("schedule", "interleaved-1f1b"), s == _code("schedule", "zbv")
-    micro = microbatches(w.global_batch, _i64(cols, "dp"), _i64(cols, "micro_batch"))
+    micro = _micro(w, cols)
     return (((v > 1) & ~inter & ~zbv)
             | (inter & (pp > 1) & (v > 1) & (micro % pp != 0))
             | (zbv & (v != 2)))
