@@ -30,3 +30,27 @@ def stage_layer_counts(num_layers: int, plan: Plan) -> list[int]:
         for i, c in zip(stage_ids_for_rank(r, plan), _even(n, v)):
             counts[i] = c
     return counts
+
+
+def stage_layer_ranges(kinds: list[str] | tuple[str, ...], plan: Plan) -> list[tuple[int, int]]:
+    """[start, end) layer indices of each global pipeline stage (pp * virtual_stages of them,
+    model order) of a model whose layers have the given kinds (LayerGraph layer kinds).
+
+    ``stage_layers`` and the even split count the layers of kind ``block`` only (a transformer's
+    decoder layers, a ResNet's bottlenecks). The other layers go with their neighbours: those
+    before the first block with the first stage, one between blocks with the block before it,
+    and those after the last block (final norm, head, loss) with the last stage."""
+    blocks = [i for i, k in enumerate(kinds) if k == "block"]
+    counts = stage_layer_counts(len(blocks), plan)
+    n = len(kinds)
+    after_last = blocks[-1] + 1 if blocks else n
+
+    def start(k: int) -> int:
+        return blocks[k] if k < len(blocks) else after_last
+
+    starts, done = [0], 0
+    for c in counts[:-1]:
+        done += c
+        starts.append(start(done))
+    ends = starts[1:] + [n]
+    return list(zip(starts, ends))
