@@ -11,9 +11,11 @@ Backward = input gradients (same FLOPs as forward) + weight gradients (same agai
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from meshplan.cost.params import CostParams
 from meshplan.spec.cluster import GPUSpec
+from meshplan.spec.graph import Attention
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
 
@@ -54,8 +56,37 @@ def gemm_time(m: float, n: float, k: float, peak: float, gpu: GPUSpec, p: CostPa
     return 2.0 * m * n * k / (peak * gemm_efficiency(m, n, k, gpu, p))
 
 
-def _mem_time(nbytes: float, gpu: GPUSpec, p: CostParams) -> float:
+def mem_time(nbytes: float, gpu: GPUSpec, p: CostParams) -> float:
+    """Seconds to move ``nbytes`` through HBM at the achieved bandwidth."""
     return nbytes / (gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
+
+
+_mem_time = mem_time
+
+
+def attention_seconds(att: Attention, plan: Any, b: int, s: int, gpu: GPUSpec, p: CostParams,
+                      peak: float) -> tuple[float, float, float]:
+    """(fwd seconds, bwd seconds, fwd model FLOPs) of an attention core (QK^T, softmax, AV) for
+    b samples of s tokens on one GPU (``plan``: tp, cp, flash_attention)."""
+    heads_q = att.q_dim / plan.tp
+    causal = 0.5 if (att.causal and plan.flash_attention) else 1.0
+    flops = 4.0 * b * s * s * heads_q * causal / plan.cp
+    # Model FLOPs follow the PaLM/Megatron convention (12 l h s per token: no causal halving).
+    model_flops = 4.0 * b * s * s * heads_q / plan.cp
+    if plan.flash_attention:
+        d, d0 = att.head_dim, p.attn_headdim_half
+        kv = s / plan.cp  # keys per kernel call (a ring step of context parallel sees s/cp)
+        shape = (d / (d + d0)) / (128 / (128 + d0)) * kv / (kv + p.attn_half_seq)
+        eff = shape * (gpu.attention_efficiency or gpu.gemm_efficiency * p.flash_fwd_efficiency)
+        fwd = flops / (peak * eff)
+        bwd = p.flash_bwd_flop_ratio * flops / (peak * eff * p.flash_bwd_efficiency)
+        return fwd, bwd, model_flops
+    # Unfused: batched GEMMs at full s x s, plus softmax/dropout over b*heads*s^2 elements.
+    eff = gemm_efficiency(s, s, att.head_dim, gpu, p)
+    elems = b * (att.heads / plan.tp) * s * s / plan.cp
+    fwd = flops / (peak * eff) + mem_time(elems * (2 + 2 + 2 + 2 + 1), gpu, p)
+    bwd = 2 * flops / (peak * eff) + mem_time(elems * (2 + 2 + 2 + 2 + 1 + 2), gpu, p)
+    return fwd, bwd, model_flops
 
 
 def _linear_shapes(model: ModelSpec, plan: Plan, tokens: float) -> list[tuple[float, float, float]]:

@@ -22,13 +22,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meshplan.cost import batch as _b
-from meshplan.cost.compute import embedding_times, output_layer_times
-from meshplan.cost.memory import output_layer_static_bytes
+from meshplan.cost.memory import (
+    FUSED_LOGITS_BYTES_PER_ELEM,
+    LOGITS_BYTES_PER_ELEM,
+    VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
+    model_state_arrays,
+)
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.parts import optimizer_seconds, root_fsdp
 from meshplan.cost.schedule import in_flight_array
 from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload, microbatches
+from meshplan.spec.plan import Plan, Workload
 
 
 @dataclass(frozen=True)
@@ -72,126 +78,117 @@ class StageDurations:
     act_bytes_per_microbatch: list[float]  # activations one micro-batch leaves on a rank (+ fragmentation)
     analytic: dict[str, float] = field(default_factory=dict)
     """The cost model's own per-step terms (time.* of estimate_batch, step_time_s)."""
+    output_static_bytes: float = 0.0
+    """Under ZBV: the static bytes of the output layer (output_static_bytes) listed at rank
+    pp - 1, which sim.build moves to rank 0 with the V's last stage."""
     overlap_slowdown: float = 0.0
     """CostParams.overlap_slowdown: the compute a pipelined FSDP gather or reduce-scatter runs
     under is slowed by this fraction of the time they share (the per-block and end-of-step
     terms above already include it)."""
 
 
-def stage_durations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
                     params: CostParams = DEFAULT_PARAMS) -> StageDurations:
-    """The cost model's durations of ``plan``, kept apart by pass, stream and rank."""
-    p, m_ = params, model
+    """The cost model's durations of ``plan``, kept apart by pass, stream and rank: the pieces of
+    cost.batch.assemble for its one row."""
+    p = params
+    graph = as_graph(model, work.seq_len)
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in _b.plans_to_columns([plan]).items()}
-    tp, pp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "pp", "dp", "cp", "ep"))
-    zero = cols["zero"]
-    shard = _b._shard(cols)
-    micro = microbatches(work.global_batch, cols["dp"], cols["micro_batch"])
-    tokens = cols["micro_batch"].astype(float) * work.seq_len / cp
-    blk = _b._blocks(model, cluster, work, cols, p)
-    layers = _b._stage_layers(model, cols)
-    width = layers.shape[1]
-    j = np.arange(width)[None, :]
-    valid, first, last = j < pp[:, None], j == 0, j == (pp[:, None] - 1)
+    a = _b.assemble(graph, cluster, work, cols, p)
+    width = a.valid.shape[1]
     zbv = plan.schedule == "zbv" and plan.pp > 1
-    held = _b.output_stage(pp, cols["schedule"] == "zbv", j)  # the output layer's parameters: rank 0 under ZBV
-    emb = embedding_times(model, plan, work.seq_len, cluster.gpu, p)
-    out = output_layer_times(model, plan, work.seq_len, cluster.gpu, p)
-
-    def col(x: object) -> np.ndarray:
-        return np.asarray(x, dtype=float)[:, None]
-
-    full_rc = cols["recompute"] == "full"
-    rl = cols["recompute_layers"]
-    rc_layers = np.where(full_rc[:, None] & (rl[:, None] >= 0), np.minimum(layers, rl[:, None]), layers)
-    bw = col(blk.bw)
-    bin_ = col(blk.b) - bw
-    fwd_x = first * emb.fwd_s + last * out.fwd_s
-    bin_x = first * emb.bwd_input_s + last * out.bwd_input_s
-    bw_x = first * emb.bwd_weight_s + last * out.bwd_weight_s
-    fwd = layers * col(blk.f) + fwd_x
-    b_in = layers * bin_ + bin_x
-    b_w = layers * bw + bw_x
-    recompute = rc_layers * col(blk.rc)
-
-    async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
-    c = _b._comm(m_, cluster, cols, p, blk, tokens, shard)
-    tp_fwd = layers * col(2 * c.tp_one)
-    tp_bwd = (layers - rc_layers) * col(2 * c.tp_one) + rc_layers * col(np.where(full_rc, 4, 2) * c.tp_one)
-    cp_t, cp_exp, ep_t = c.cp, c.cp_exposed, c.ep
-    share_f = blk.f / np.maximum(1e-30, blk.f + blk.b)
-    tp_f_exp = tp_fwd * async_f + layers * col(cp_exp * share_f + ep_t / 2)
-    tp_b_exp = tp_bwd * async_f + layers * col(cp_exp * (1 - share_f) + ep_t / 2)
-    tp_f_ovl = tp_fwd * (1 - async_f) + layers * col((cp_t - cp_exp) * share_f)
-    tp_b_ovl = tp_bwd * (1 - async_f) + layers * col((cp_t - cp_exp) * (1 - share_f))
-
-    lp, ag, rs, fsdp, per_step = c.lp, c.ag, c.rs, c.fsdp, c.per_step
-    f_exp, b_exp = c.fwd_exposed, c.bwd_exposed
-    blocked = fsdp & ~per_step
-    f_ovl = np.where(blocked, ag - f_exp, 0)
-    b_ovl = np.where(blocked, ag + rs - b_exp, 0)
-
-    plocal = _b._stage_params(m_, layers, valid, first, held, tp, lp)
-    offload = _b._offload(cols, plocal, shard, p)
-    dp_f_exp = layers * col(f_exp) + offload / 2
-    dp_b_exp = layers * col(b_exp) + offload / 2
-
-    send = float(np.where(pp > 1, c.send, 0)[0])
-
-    staged = fsdp & per_step
-    ag_s = np.where(staged[:, None], layers * col(ag), 0)
-    rs_s = np.where(staged[:, None], layers * col(rs), 0)
-
-    # End of step, per rank with the rank's own parameters (the cost model takes the fullest).
+    micro = a.micro
+    end_x, end_o = _b.end_of_step(a, cluster, p)
+    # FSDP's root unit: its exposed part ends the step (its hidden traffic runs between the
+    # blocks' gathers; the simulator's data-parallel stream does not draw it)
+    tp = cols["tp"].astype(float)
     end_exp, end_ovl = [], []
     for r in range(width):
-        ea, oa = _b._dp_end_of_step(cluster, cols, p, tp, dp, cp, shard, lp, plocal[:, r],
-                                    (fwd[:, 0] + b_in[:, 0] + b_w[:, 0]) / 2, micro)
-        rt = (fwd[:, r] + b_in[:, r] + b_w[:, r] + recompute[:, r] + tp_f_exp[:, r] + tp_b_exp[:, r]
-              + dp_f_exp[:, r] + dp_b_exp[:, r])  # the rank's exposed time per micro-batch
-        # FSDP's root unit: its exposed part ends the step (its hidden traffic runs between the
-        # blocks' gathers; the simulator's data-parallel stream does not draw it)
-        rx, _ = _b.root_fsdp(cluster, p, plocal[:, r] - layers[:, r] * lp, shard, tp, rt, micro, fsdp, per_step)
-        e, o = float(ea[0] + rx[0]), float(oa[0])
-        if plan.pp > 1 and m_.tied_embeddings and not zbv and r in (0, width - 1):  # zbv: one rank holds both
-            e += float(_b.tied_sync(cluster, m_, tp, cp, dp, shard, p)[0])
-        end_exp.append(e)
-        end_ovl.append(o)
-    opt_t = _b.optimizer_seconds(cluster, plocal, zero, shard, np.asarray(cols["offload_optimizer"], dtype=bool), p)
+        rt = (a.fwd[:, r] + a.b_in[:, r] + a.b_w[:, r] + a.terms["recompute"][:, r] + a.tp_f[:, r] + a.tp_b[:, r]
+              + a.dp_f[:, r] + a.dp_b[:, r])  # the rank's exposed time per micro-batch
+        rx, _ = root_fsdp(cluster, p, a.plocal[:, r] - a.blk_params[:, r], a.shard, tp, rt, micro, a.fsdp, a.per_step)
+        end_exp.append(float(end_x[0, r] + rx[0]))
+        end_ovl.append(float(end_o[0, r]))
+    opt_t = optimizer_seconds(cluster, a.plocal, cols["zero"], a.shard, np.asarray(cols["offload_optimizer"], dtype=bool), p)
+    blk = a.counts * a.lay.is_block[None, None, :]
+    staged = (a.fsdp & a.per_step)[:, None]
+    ag_s = np.where(staged, _b._sum(blk, a.ag), 0)
+    rs_s = np.where(staged, _b._sum(blk, a.rs), 0)
 
-    mem = _b._memory(model, work, cols, p, layers, valid, first, held, plocal, lp, shard, tokens, blk, micro)
-    inflight = in_flight_array(col(cols["pp"]), col(cols["virtual_stages"]), cols["schedule"][:, None],
+    mem = _b.memory_parts(a, p)
+    inflight = in_flight_array(cols["pp"][:, None], cols["virtual_stages"][:, None], cols["schedule"][:, None],
                                np.arange(width)[None, :], micro[:, None])
     acts = mem["activations"][0]
     per_mb = acts / inflight[0]
     frag = p.allocator_fragmentation
     static = sum(mem[k][0] for k in ("weights", "grads", "optimizer", "overhead", "transient")) - frag * acts
+    moved = output_static_bytes(a, mem, p) if zbv else 0.0
     if zbv:  # listed as if on rank pp - 1, where sim.build takes them from (module docstring)
-        moved = output_layer_static_bytes(model, plan, work, p)
         static[0] -= moved
         static[plan.pp - 1] += moved
+    # the output layer's pass pieces at rank pp - 1 (the simulator moves them with the V's last stage)
+    fwd_x, bin_x, bw_x = a.fwd_x.copy(), a.bin_x.copy(), a.bw_x.copy()
+    fwd, b_in, b_w = a.fwd.copy(), a.b_in.copy(), a.b_w.copy()
+    if zbv:
+        last = plan.pp - 1
+        for arr, x in ((fwd, fwd_x), (b_in, bin_x), (b_w, bw_x)):
+            out = x[0, 0] - _first_part(a, arr is fwd, arr is b_in)
+            arr[0, 0] -= out
+            arr[0, last] += out
+            x[0, 0] -= out
+            x[0, last] += out
 
-    est = _b.estimate_batch(model, cluster, work, [plan], p)
+    est = _b.estimate_batch(graph, cluster, work, [plan], p)
     analytic = {k[5:]: float(v[0]) for k, v in est.items() if k.startswith("time.")}
     analytic["step_time_s"] = float(est["step_time_s"][0])
 
-    def row(a: np.ndarray) -> list[float]:
-        return [float(x) for x in np.broadcast_to(a, layers.shape)[0]]
+    def row(x: np.ndarray) -> list[float]:
+        return [float(v) for v in np.broadcast_to(x, a.valid.shape)[0]]
 
     return StageDurations(
         pp=plan.pp, virtual_stages=plan.virtual_stages, microbatches=int(micro[0]), schedule=plan.schedule,
-        fwd_s=row(fwd), bwd_input_s=row(b_in), bwd_weight_s=row(b_w), recompute_s=row(recompute),
+        fwd_s=row(fwd), bwd_input_s=row(b_in), bwd_weight_s=row(b_w), recompute_s=row(a.terms["recompute"]),
         fwd_extra_s=row(fwd_x), bwd_input_extra_s=row(bin_x), bwd_weight_extra_s=row(bw_x),
-        tp_fwd_exposed_s=row(tp_f_exp), tp_fwd_overlapped_s=row(tp_f_ovl),
-        tp_bwd_exposed_s=row(tp_b_exp), tp_bwd_overlapped_s=row(tp_b_ovl),
-        dp_fwd_exposed_s=row(dp_f_exp), dp_fwd_overlapped_s=row(layers * col(f_ovl)),
-        dp_bwd_exposed_s=row(dp_b_exp), dp_bwd_overlapped_s=row(layers * col(b_ovl)),
-        p2p_send_s=send, p2p_exposed=p.pp_p2p_exposed,
+        tp_fwd_exposed_s=row(a.tp_f), tp_fwd_overlapped_s=row(a.tp_f_ovl),
+        tp_bwd_exposed_s=row(a.tp_b), tp_bwd_overlapped_s=row(a.tp_b_ovl),
+        dp_fwd_exposed_s=row(a.dp_f), dp_fwd_overlapped_s=row(a.dp_f_ovl),
+        dp_bwd_exposed_s=row(a.dp_b), dp_bwd_overlapped_s=row(a.dp_b_ovl),
+        p2p_send_s=float(np.where(cols["pp"] > 1, a.send, 0)[0]), p2p_exposed=p.pp_p2p_exposed,
         staged_gather_s=row(ag_s), staged_reduce_s=row(rs_s),
         end_dp_exposed_s=end_exp, end_dp_overlapped_s=end_ovl, optimizer_s=row(opt_t),
         overhead_s=p.step_overhead_s, static_bytes=[float(x) for x in static],
-        overlap_slowdown=p.overlap_slowdown,
+        overlap_slowdown=p.overlap_slowdown, output_static_bytes=float(moved),
         act_bytes_per_microbatch=[float(x) * (1 + frag) for x in per_mb], analytic=analytic)
+
+
+def _first_part(a: _b.Assembly, fwd: bool, b_in: bool) -> float:
+    """Rank 0's share of its extra pieces that belongs to the layers before the first block."""
+    key = "f" if fwd else ("bi" if b_in else "bw")
+    return float((a.q[key] * a.lay.prefix[None, :]).sum(1)[0])
+
+
+def output_static_bytes(a: _b.Assembly, mem: dict, p: CostParams) -> float:
+    """Bytes a pipeline rank's memory carries for holding the layers after the last block (final
+    norm, output projection, loss) when pp > 1: their model states (a separate copy when
+    weights are tied), pipelined FSDP's copies, and the logits' transient beyond a block's,
+    times (1 + fragmentation)."""
+    cols = a.cols
+    lp = (a.lay.params - a.lay.params_split)[None, :] + a.lay.params_split[None, :] / cols["tp"][:, None]
+    n = float((lp * a.lay.suffix[None, :]).sum(1)[0])
+    plan_z, shard = int(cols["zero"][0]), float(a.shard[0])
+    w, g, o, _ = model_state_arrays(n, 0.0, plan_z, shard, bool(cols["offload_params"][0]),
+                                    bool(cols["offload_optimizer"][0]), float(cols["dp"][0] * cols["cp"][0]), p)
+    states = float(w + g + o) + (6.0 * n if plan_z == 3 and int(cols["pp"][0]) > 1 else 0.0)
+    t = float(a.tokens[0])
+    vocab = float((a.lay.vocab * a.lay.loss).max())
+    tp = float(cols["tp"][0])
+    split = bool(a.lay.loss_split[a.lay.loss].any()) if a.lay.loss.any() else True
+    per = (FUSED_LOGITS_BYTES_PER_ELEM if bool(cols["fused_loss"][0]) else
+           VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM if tp > 1 and split else LOGITS_BYTES_PER_ELEM)
+    logits = t * vocab / (tp if split else 1.0) * per
+    rec = str(cols["recompute"][0])
+    block = t * float(np.max(np.where(a.lay.is_block, a.q["full"][0], 0.0))) if rec in ("full", "op") else 0.0
+    return states + (1 + p.allocator_fragmentation) * max(0.0, logits - block)
 
 
 def stage_totals(d: StageDurations) -> list[float]:

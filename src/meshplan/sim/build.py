@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any
 
 from meshplan.cost.durations import StageDurations, stage_durations
-from meshplan.cost.memory import output_layer_static_bytes
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.sim.engine import Pass, RankStep, SimResult, SimSpec, VStage, simulate
 from meshplan.sim.schedules import chunks_per_rank, rank_chunk
@@ -18,7 +17,7 @@ def spec_from_durations(d: StageDurations, output_static_bytes: float = 0.0) -> 
     the first virtual stage and the output layer + loss on the last one, where ``d`` lists
     their pass pieces (``*_extra_s``) at ranks 0 and pp - 1. Under ZBV the V puts the last
     stage on rank 0: the output layer's passes land there with that stage, and its static
-    memory, ``output_static_bytes`` (``cost.memory.output_layer_static_bytes``), which
+    memory, ``output_static_bytes`` (``cost.durations.output_static_bytes``), which
     ``cost.durations`` lists at rank pp - 1, moves to rank 0 here. The once-per-step work of
     each rank (gradient sync, optimizer, pipelined FSDP) and the parameter offload are taken
     as ``d`` places them (rank 0 holds the output layer's under ZBV): no move."""
@@ -58,8 +57,7 @@ def spec_from_plan(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Wor
                    params: CostParams = DEFAULT_PARAMS) -> tuple[SimSpec, StageDurations]:
     """The SimSpec of ``plan`` and the cost model's durations it is built from."""
     d = stage_durations(model, cluster, plan, work, params)
-    moved = output_layer_static_bytes(model, plan, work, params) if plan.schedule == "zbv" and plan.pp > 1 else 0.0
-    return spec_from_durations(d, moved), d
+    return spec_from_durations(d, d.output_static_bytes), d
 
 
 def run_and_summarise(spec: SimSpec, d: StageDurations) -> tuple[SimResult, dict[str, Any]]:

@@ -15,10 +15,12 @@ Units and conventions
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from meshplan.errors import MeshplanError
 from meshplan.spec.base import choice
+from meshplan.spec.model import ModelSpec
 
 LAYER_KINDS = ("embedding", "block", "head", "other")
 TP_STYLES = ("none", "megatron")
@@ -26,6 +28,126 @@ TP_STYLES = ("none", "megatron")
 megatron: column-parallel then row-parallel linear pairs (attention: q/k/v -> o; MLP: up/gate -> down),
 one all-reduce (or reduce-scatter + all-gather with SP) of the layer's output per pair, forward and backward."""
 TRACE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GEMM_SPLITS = ("column", "row", "none")
+
+
+# ---- the op-level description of one distinct layer (what the cost model prices) -------------
+
+@dataclass(frozen=True, kw_only=True)
+class Gemm:
+    """One matrix multiply of a layer, per token: (m x tokens) x k @ k x n."""
+
+    n: float
+    """Output width (features)."""
+    k: float
+    """Reduction width (input features; a convolution's in_channels x kernel area / groups)."""
+    m: float = 1.0
+    """GEMM rows per token (1 for a linear layer; a convolution: its output positions per token)."""
+    split: str = "none"
+    """How tensor parallelism splits it: column (n / tp), row (k / tp) or none (every TP rank runs
+    it whole; its model FLOPs count once per TP group)."""
+    expert: bool = False
+    """A GEMM of every expert of a MoE layer: it runs on the tokens routed to each expert, and
+    expert parallelism divides the experts (LayerOps.experts, top_k)."""
+
+    def __post_init__(self) -> None:
+        choice("gemm split", self.split, GEMM_SPLITS)
+        for f in ("n", "k", "m"):
+            if not getattr(self, f) >= 0:
+                raise MeshplanError(f"gemm: {f} must be >= 0, got {getattr(self, f)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attention:
+    """The attention core (scores, softmax, weighted sum) of a layer, over the sample's tokens."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool = True
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+Pair = tuple[float, float]
+"""(fused, eager): with torch.compile / fused kernels, and as separate PyTorch ops."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerOps:
+    """What one distinct layer computes, stores and sends, per token of a micro-batch, with
+    activations at 2 bytes (bf16/fp16; the cost model doubles them for fp32). The cost model
+    (cost.layer) prices every layer of every model from these fields alone.
+
+    Tensor parallelism splits the column/row GEMMs, the ``*_split`` bytes and ``params_split``;
+    sequence parallelism splits the ``*_rep`` bytes (the hidden state between TP GEMMs: norms,
+    residuals, dropout masks); context parallelism splits the tokens and gathers the attention's
+    keys and values; expert parallelism splits the experts."""
+
+    params: float
+    """Parameter elements the layer holds (a weight tied to another layer counted here too)."""
+    params_split: float = 0.0
+    """Of which tensor parallelism divides (weights of split GEMMs, vocabulary-parallel tables)."""
+    params_expert: float = 0.0
+    """Of params_split: the experts' (expert parallelism divides them too)."""
+    gemms: tuple[Gemm, ...] = ()
+    attention: Attention | None = None
+    experts: int = 0
+    top_k: int = 0
+    ew_rep: Pair = (0.0, 0.0)
+    """Forward HBM bytes per token of memory-bound ops on the replicated hidden state."""
+    ew_split: Pair = (0.0, 0.0)
+    """... on tensor-parallel-split tensors."""
+    ew_whole: float = 0.0
+    """... that no parallelism splits (an embedding's gather)."""
+    ew_bwd_input: float = 2.0
+    """Backward (input-gradient pass) memory-bound bytes per forward byte."""
+    ew_bwd_weight: float = 0.0
+    """Weight-gradient pass memory-bound bytes per forward byte (an embedding's scatter-add)."""
+    saved_rep: float = 0.0
+    """Bytes per token kept for the backward on the replicated hidden state."""
+    saved_split: Pair = (0.0, 0.0)
+    """... on tensor-parallel-split tensors."""
+    saved_whole: float = 0.0
+    """... split by no parallelism."""
+    saved_input: float = 0.0
+    """Bytes per token of the layer's input: what full recomputation keeps (SP splits it)."""
+    saved_op: Pair = (0.0, 0.0)
+    """(replicated, split) bytes per token kept under op-level selective checkpointing."""
+    hidden: float = 0.0
+    """Bytes per token of the layer's output: the size of each TP all-reduce."""
+    send: float = 0.0
+    """Bytes per token a pipeline cut after this layer sends onward (output + side inputs)."""
+    tp_allreduces: int = 0
+    """Column -> row GEMM pairs: one all-reduce of ``hidden`` each, forward and backward."""
+    loss_vocab: float = 0.0
+    """The layer ends in a cross-entropy over this many logits per token (0: no loss here)."""
+    loss_split: bool = True
+    """The logits are split over TP ranks (vocabulary-parallel head and loss)."""
+    fp8: bool = True
+    """With precision=fp8 the layer's split GEMMs run in fp8 (the output layer stays bf16)."""
+
+    def __post_init__(self) -> None:
+        for f in ("params", "params_split", "params_expert", "ew_whole", "saved_rep", "saved_whole",
+                  "saved_input", "hidden", "send", "loss_vocab"):
+            v = getattr(self, f)
+            if not (v >= 0 and math.isfinite(v)):
+                raise MeshplanError(f"layer ops: {f} must be a finite number >= 0, got {v}")
+        if self.params_split > self.params * (1 + 1e-9) or self.params_expert > self.params_split * (1 + 1e-9):
+            raise MeshplanError("layer ops: need params >= params_split >= params_expert")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise MeshplanError(f"layer ops: top_k={self.top_k} must be in 1..experts={self.experts}")
+
+    @property
+    def splits(self) -> bool:
+        """Tensor parallelism can split this layer."""
+        return any(g.split != "none" for g in self.gemms)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,8 +212,18 @@ class LayerGraph:
     layers: tuple[LayerSpec, ...]
     tied_params: int = 0
     """Elements of parameters shared between the first and last stage (tied embeddings): their
-    gradients are all-reduced across those stages when pp > 1."""
+    gradients are all-reduced across those stages when pp > 1. LayerOps count them at both
+    users; one copy is dropped when one rank holds both (pp = 1)."""
+    tied_split: bool = True
+    """Tensor parallelism splits the tied matrix (a vocabulary-parallel embedding and head)."""
     notes: tuple[str, ...] = ()
+    ops: dict[str, LayerOps] = field(default_factory=dict)
+    """Block id -> what the layer computes (stored once per distinct block). Empty for graphs
+    from older files: ``layer_ops`` derives them from the per-layer totals."""
+    model: ModelSpec | None = None
+    """The transformer description the graph was generated from (presets and model files,
+    spec.transformer); None for traced models. Only the runtime (to build the module) and the
+    exporters (to write a framework's model arguments) read it."""
 
     def __post_init__(self) -> None:
         choice("graph trace_dtype", self.trace_dtype, tuple(TRACE_DTYPES))
@@ -134,3 +266,71 @@ class LayerGraph:
         if not caps:
             return [1]
         return [d for d in range(1, limit + 1) if all(c % d == 0 for c in caps)]
+
+
+def as_graph(model: LayerGraph | ModelSpec, seq_len: int) -> LayerGraph:
+    """The one model representation: a LayerGraph as it is; a transformer ModelSpec generated at
+    ``seq_len`` tokens per sample (spec.transformer.transformer_graph, memoised)."""
+    if isinstance(model, LayerGraph):
+        return model
+    from meshplan.spec.transformer import transformer_graph
+    return transformer_graph(model, int(seq_len))
+
+
+def layer_ops(graph: LayerGraph) -> dict[str, LayerOps]:
+    """Block id -> LayerOps: the graph's own, else derived from each block's per-layer totals
+    (graphs written before ingestion recorded operations; see ``derived_ops``)."""
+    out = dict(graph.ops)
+    for layer in graph.layers:
+        if layer.block not in out:
+            out[layer.block] = derived_ops(graph, layer)
+    return out
+
+
+#: Parameters of a block per squared GEMM width (a transformer block: 12 h^2), for the GEMM
+#: shape of a layer whose width ingestion did not record.
+PARAMS_PER_SQUARED_WIDTH = 12.0
+
+
+def derived_ops(graph: LayerGraph, x: LayerSpec) -> LayerOps:
+    """LayerOps from a LayerSpec's per-sample totals: the GEMM FLOPs as one square GEMM of
+    extra['gemm_dim'] (else sqrt(params / 12)) split by tp_fraction, the attention from
+    extra['attention_flops'] and head_dim, memory-bound bytes extra['mem_bytes'] (else 3 x the
+    saved bytes), saved bytes split by extra['tp_saved_fraction'] (else tp_fraction)."""
+    s = graph.sample_tokens
+    to2 = 2.0 / graph.dtype_bytes / s  # per sample at trace dtype -> per token at 2 bytes
+    tp_able = x.tp_style != "none" and x.tp_fraction > 0
+    frac = x.tp_fraction if tp_able else 0.0
+    att_flops = float(x.extra.get("attention_flops", 0.0))
+    attention = None
+    if att_flops > 0:
+        hd = int(x.extra.get("head_dim", 64)) or 64
+        q_dim = att_flops / (4.0 * s * s)
+        heads = max(1, round(q_dim / hd))
+        attention = Attention(heads=heads, kv_heads=heads, head_dim=hd, causal=bool(x.extra.get("attention_causal", 0)))
+    lin = max(0.0, x.fwd_flops - att_flops) / s  # per token
+    d = float(x.extra.get("gemm_dim", 0.0)) or math.sqrt(max(x.params, 1) / PARAMS_PER_SQUARED_WIDTH)
+    rows = lin / (2.0 * d * d) if d > 0 else 0.0
+    gemms = []
+    if rows > 0:
+        if frac > 0:
+            gemms.append(Gemm(n=d, k=d, m=rows * frac, split="column"))
+        if frac < 1:
+            gemms.append(Gemm(n=d, k=d, m=rows * (1 - frac)))
+    mem = float(x.extra.get("mem_bytes", 3.0 * x.saved_bytes)) * to2
+    saved = x.saved_bytes * to2
+    sfrac = float(x.extra.get("tp_saved_fraction", frac)) if tp_able else 0.0
+    out = x.output_bytes * to2
+    vocab = 0.0
+    if x.kind == "head" and "loss_saved_bytes" in x.extra:
+        vocab = x.output_bytes / graph.dtype_bytes / s
+    split_params = x.params * float(x.extra.get("tp_param_fraction", frac)) if tp_able else 0.0
+    no_bwd_input = x.kind == "embedding" or x.fwd_flops == 0 and x.bwd_flops == 0
+    return LayerOps(
+        params=float(x.params), params_split=min(float(x.params), split_params), gemms=tuple(gemms),
+        attention=attention, ew_split=(mem * frac, mem * frac), ew_rep=(mem * (1 - frac), mem * (1 - frac)),
+        ew_bwd_input=0.0 if no_bwd_input else 2.0, ew_bwd_weight=2.0 if x.kind == "embedding" else 0.0,
+        saved_split=(saved * sfrac, saved * sfrac), saved_rep=saved * (1 - sfrac), saved_input=out,
+        saved_op=(saved * (1 - sfrac), saved * sfrac), hidden=out,
+        send=float(x.extra.get("send_bytes", x.output_bytes)) * to2, tp_allreduces=x.tp_allreduces if tp_able else 0,
+        loss_vocab=vocab, loss_split=False)

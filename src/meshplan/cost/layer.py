@@ -1,0 +1,135 @@
+"""Time, FLOPs and bytes of one layer for one micro-batch on one GPU, from its LayerOps.
+
+The one set of per-layer formulas of the cost model, for every model (a generated transformer,
+a traced Hugging Face model, a CNN, a GNN). For a micro-batch of b samples of s tokens, T = b s / cp
+tokens per GPU, tensor-parallel degree t:
+
+  GEMMs      each Gemm(n, k, m, split) runs as an (m T) x k @ k x n GEMM with n / t (column) or
+             k / t (row), at the GPU's peak for the plan's precision times gemm_efficiency of
+             the shape; a MoE layer's expert GEMMs run per local expert (E / ep of them) on the
+             T top_k / (E / ep) token-expert pairs each receives. Backward: input gradients and
+             weight gradients, each the forward's GEMMs again (Narayanan et al. 2021).
+  attention  4 b s^2 q / (t cp) FLOPs forward, halved for causal masks with FlashAttention's
+             block skipping; FlashAttention's efficiency from the head width and keys per call;
+             unfused: batched GEMMs at full s x s plus softmax/dropout bytes.
+  memory-bound  the fused or eager bytes per token (plan.compile), replicated ones divided by t
+             only with sequence parallelism, at the achieved HBM bandwidth; backward x ew_bwd_input.
+  loss       cross-entropy over the layer's logits: 14 B per logit forward and backward, 4 B and
+             0 fused (plan.fused_loss).
+  recompute  full: one more forward; op (torchtitan SAC): half the GEMMs + the memory-bound ops;
+             selective (Megatron): the attention core.
+  saved      bytes per token kept for the backward, with the same TP/SP splits; the unfused
+             attention's s x s scores (5 B per element) unless recomputed.
+Activations are 2 bytes in the LayerOps; fp32 plans hold 4.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.cost.compute import ELEMENTWISE_BWD_RATIO, attention_seconds, gemm_time, mem_time
+from meshplan.cost.params import CostParams
+from meshplan.spec.cluster import GPUSpec
+from meshplan.spec.graph import LayerOps
+
+#: Bytes per logit read/written by the cross-entropy (forward, backward): unfused and fused.
+CE_BYTES = {False: (14.0, 14.0), True: (4.0, 0.0)}
+#: Per-layer quantities, one column each (see LayerTable).
+QUANTITIES = ("f", "bi", "bw", "rc", "flops", "rc_flops", "full", "inp", "op", "loss_f", "loss_b")
+
+
+@dataclass(frozen=True)
+class Combo:
+    """The plan fields a layer's per-micro-batch quantities depend on."""
+
+    tp: int
+    cp: int
+    micro_batch: int
+    precision: str
+    recompute: str
+    sequence_parallel: bool
+    compile: bool
+    flash_attention: bool
+    ep: int
+    fused_loss: bool
+
+
+def act_scale(precision: str) -> float:
+    """Activation bytes relative to the LayerOps' 2-byte ones."""
+    return 2.0 if precision == "fp32" else 1.0
+
+
+def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostParams,
+                     recomputable: bool) -> tuple[float, ...]:
+    """QUANTITIES of one layer: seconds (forward, input-gradient, weight-gradient, recompute),
+    FLOPs per GPU (forward model FLOPs, recomputed), saved bytes per token (no recompute, the
+    input kept by full recompute, op-level SAC) and the loss's share of f and bi."""
+    b, s, t = c.micro_batch, seq_len, c.tp
+    tokens = b * s / c.cp
+    sp = t if c.sequence_parallel else 1
+    k = 0 if c.compile else 1
+    scale = act_scale(c.precision)
+    fp8 = c.precision == "fp8" and o.fp8
+    lin_peak = gpu.peak("fp8" if fp8 else ("bf16" if c.precision == "fp8" else c.precision))
+    peak = gpu.peak("bf16" if c.precision == "fp8" else c.precision)
+
+    lin_fwd = lin_flops = cast = 0.0
+    local = max(1, o.experts // c.ep) if o.experts else 1
+    cast_seen: set[int] = set()
+    for i, g in enumerate(o.gemms):
+        n = g.n / t if g.split == "column" else g.n
+        kk = g.k / t if g.split == "row" else g.k
+        if g.expert:
+            m, count = tokens * o.top_k / local, local
+        else:
+            m, count = tokens * g.m, 1
+        one = gemm_time(m, n, kk, lin_peak, gpu, p)
+        lin_fwd += count * one
+        fl = 2.0 * m * n * kk * count
+        lin_flops += fl if g.split != "none" else fl / t  # replicated work counts once per TP group
+        if fp8 and g.split != "none" and (not g.expert or i not in cast_seen):
+            cast += m * kk + kk * n
+            cast_seen.add(i)
+    att_f = att_b = att_flops = 0.0
+    if o.attention is not None:
+        att_f, att_b, att_flops = attention_seconds(o.attention, c, b, s, gpu, p, peak)
+    ew = tokens * (o.ew_rep[k] / sp + o.ew_split[k] / t + o.ew_whole) * scale
+    if fp8:
+        ew += p.fp8_cast_bytes_per_elem * cast
+    ew_f = mem_time(ew, gpu, p)
+    loss_f = loss_b = 0.0
+    if o.loss_vocab:
+        logits = tokens * o.loss_vocab / (t if o.loss_split else 1)
+        fb, bb = CE_BYTES[c.fused_loss]
+        loss_f, loss_b = mem_time(logits * fb, gpu, p), mem_time(logits * bb, gpu, p)
+    fwd = lin_fwd + att_f + ew_f + loss_f
+    bwd_w = lin_fwd + o.ew_bwd_weight * ew_f
+    bwd_in = lin_fwd + att_b + o.ew_bwd_input * ew_f + loss_b
+    rc = rc_flops = 0.0
+    if recomputable:
+        rc = {"full": fwd, "op": 0.5 * lin_fwd + ew_f, "selective": att_f}.get(c.recompute, 0.0)
+        rc_flops = {"full": lin_flops + att_flops, "op": lin_flops / 2,
+                    "selective": att_flops}.get(c.recompute, 0.0)
+    split = o.saved_split[k]
+    if o.attention is not None and not c.flash_attention and c.recompute not in ("selective", "full"):
+        split += 5 * o.attention.heads * s  # scores over all s keys: softmax, mask, dropout
+    full = (o.saved_rep / sp + split / t + o.saved_whole) * scale
+    inp = o.saved_input / sp * scale
+    op = (o.saved_op[0] / sp + o.saved_op[1] / t) * scale
+    return (fwd, bwd_in, bwd_w, rc, lin_flops + att_flops, rc_flops, full, inp, op, loss_f, loss_b)
+
+
+def ew_bwd_ratio() -> float:  # kept for callers that document the elementwise backward ratio
+    return ELEMENTWISE_BWD_RATIO
+
+
+def table(ops: list[LayerOps], recomputable: list[bool], combos: list[dict], seq_len: int, gpu: GPUSpec,
+          p: CostParams) -> np.ndarray:
+    """(combos, layers, QUANTITIES) for the distinct layers ``ops`` under each combo."""
+    out = np.empty((len(combos), len(ops), len(QUANTITIES)))
+    for i, combo in enumerate(combos):
+        c = Combo(**{f: combo[f] for f in Combo.__dataclass_fields__})
+        for j, (o, r) in enumerate(zip(ops, recomputable)):
+            out[i, j] = layer_quantities(o, c, seq_len, gpu, p, r)
+    return out

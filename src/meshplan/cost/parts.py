@@ -1,0 +1,143 @@
+"""Pieces of the step assembly shared by cost.batch (step time and memory of many plans) and
+cost.durations (the same terms kept apart for the simulator): ZeRO sharding, data-parallel
+gradient sync, FSDP's root unit, tied-weight sync, parameter offload, optimizer step, the
+placement of the output layer and the pipeline sends. numpy arrays, one row per plan (and a
+second axis per pipeline rank where stated).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from meshplan.cost.comm import Group, exposed_under
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.plan import Plan
+
+
+def plans_to_columns(plans: Sequence[Plan]) -> dict[str, np.ndarray]:
+    """Plans -> one array per Plan field (str fields as str arrays, None as -1 / object)."""
+    cols: dict[str, Any] = {}
+    for f in dataclasses.fields(Plan):
+        vals = [getattr(p, f.name) for p in plans]
+        if f.name == "stage_layers":
+            arr = np.empty(len(vals), dtype=object)
+            arr[:] = vals
+            cols[f.name] = arr
+        elif f.name == "recompute_layers":
+            cols[f.name] = np.array([-1 if v is None else v for v in vals], dtype=np.int64)
+        else:
+            cols[f.name] = np.array(vals)
+    return cols
+
+
+def shard_degree(cols: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Ranks ZeRO/FSDP state is sharded over (Plan.effective_shard, per row)."""
+    dp, cp = cols["dp"].astype(float), cols["cp"].astype(float)
+    sg = cols["shard_group"]
+    return np.where(cols["zero"] == 0, 1.0, np.where((sg > 0) & (sg < dp * cp), sg, dp * cp))
+
+
+def output_stage(pp: np.ndarray, zbv: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """(rows, stages) mask of the pipeline rank holding the final norm, output layer and loss:
+    the last rank, or rank 0 under ZBV (its V puts the last virtual stage there, as
+    torch.distributed.pipelining and spec.stages.stage_ids_for_rank do)."""
+    pp, zbv = np.asarray(pp)[:, None], np.asarray(zbv)[:, None]
+    return np.where(zbv & (pp > 1), j == 0, j == (pp - 1))
+
+
+def stage_sends(two_v: np.ndarray, pp: np.ndarray, zbv: np.ndarray, j: np.ndarray, one: np.ndarray) -> np.ndarray:
+    """(rows, stages) seconds of pipeline sends per micro-batch: ``two_v`` (2 v sends: each chunk's
+    activations forward and gradients backward) on every stage, less one (``one``) on ranks 0
+    and pp - 1, whose first and last virtual stage have no neighbour outside (rank 0 sends no
+    gradient from its first chunk, rank pp - 1 no activation from its last); under ZBV ranks 0
+    and pp - 1 send 2 (the V also turns on rank pp - 1, without a send)."""
+    pp_, one_ = np.asarray(pp)[:, None], np.asarray(one)[:, None]
+    ends = (j == 0) | (j == pp_ - 1)
+    zbv_ends = np.asarray(zbv)[:, None] & ends
+    return np.where(zbv_ends, 2 * one_, np.asarray(two_v)[:, None] - np.where(ends, one_, 0.0) + 0 * j)
+
+
+def offload_seconds(cols: Mapping[str, np.ndarray], plocal: np.ndarray, shard: np.ndarray,
+                    p: CostParams) -> np.ndarray:
+    """Parameter offload (FSDP CPU offload): each micro-batch copies the fp32 shard host->device
+    for the forward and again for the backward, over PCIe, not overlapped."""
+    offloaded = np.asarray(cols["offload_params"], dtype=bool)[:, None]
+    return np.where(offloaded, 8.0 * plocal / shard[:, None] / (p.pcie_gbps * 1e9), 0.0)
+
+
+def optimizer_seconds(cluster: ClusterSpec, plocal: np.ndarray, zero: np.ndarray, shard: np.ndarray,
+                      offload_optimizer: np.ndarray, params: CostParams = DEFAULT_PARAMS) -> np.ndarray:
+    """(rows, pp) seconds of each rank's optimizer step (on the host with optimizer offload)."""
+    p = params
+    n_opt = plocal / np.where(zero >= 1, shard, 1.0)[:, None]
+    host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
+    hbm = n_opt * p.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
+    return np.where(offload_optimizer[:, None], host, hbm)
+
+
+def tied_sync(cluster: ClusterSpec, tied_local: Any, cp: Any, dp: Any, shard: Any, tp: Any,
+              p: CostParams) -> Any:
+    """Seconds of the all-reduce that sums a tied weight's gradient between the first and the
+    last pipeline rank (``tied_local`` elements on one GPU after TP; fp32 gradients; under
+    ZeRO/FSDP only the local shard, as the runtime sums them after the data-parallel reduction)."""
+    size = p.fsdp_reduce_bytes * tied_local / shard
+    return Group.of(cluster, 2, tp * cp * dp).all_reduce(size)
+
+
+def root_fsdp(cluster: ClusterSpec, p: CostParams, root: np.ndarray, shard: np.ndarray, tp: np.ndarray,
+              hide: np.ndarray, micro: Any, fsdp: np.ndarray, per_step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(exposed, overlapped) seconds per step of FSDP's root unit (``root`` parameters on the GPU
+    before sharding: the layers that are not blocks: embedding, final norm, output layer):
+    gathered and reduce-scattered per micro-batch without a pipeline (FSDP2 reshards it after
+    each backward), once per step under one, under ``hide`` seconds of compute, which it slows
+    like any collective (exposed_under)."""
+    root = np.maximum(0.0, root)
+    g = Group.of(cluster, shard, tp)
+    t = g.all_gather(2.0 * root) + g.reduce_scatter(p.fsdp_reduce_bytes * root)
+    times = np.where(per_step, 1.0, np.asarray(micro, dtype=float))
+    x = exposed_under(t, hide, p.overlap_slowdown)
+    return np.where(fsdp, times * x, 0.0), np.where(fsdp, times * (t - np.minimum(t, x)), 0.0)
+
+
+def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: CostParams,
+                   tp: np.ndarray, dp: np.ndarray, cp: np.ndarray, shard: np.ndarray,
+                   lp: np.ndarray, params_local: np.ndarray,
+                   last_bwd: np.ndarray, micro: Any = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(exposed, overlapped) seconds of gradient sync / parameter gather ending a step.
+
+    ZeRO-0/1 accumulate unsharded gradients over the ``micro`` micro-batches and reduce them
+    once, under the last backward. ZeRO-2 keeps gradients sharded, which it can only do by
+    reduce-scattering every micro-batch's gradients under that micro-batch's backward
+    (DeepSpeed ZeRO-2; FSDP2 with gradient sync on): ``micro`` times the sync. (Under a
+    pipeline nothing keeps gradients sharded: spec.constraints refuses zero=2 with pp > 1.)
+    ``lp``: parameters of the first FSDP unit (its gather starts the step under ZeRO-3)."""
+    zero, pp = cols["zero"], cols["pp"]
+    n_dp = dp * cp
+    # ZeRO-3/FSDP: the first block's gather once, plus HSDP's all-reduce across replicas.
+    z3 = Group.of(cluster, shard, tp).all_gather(2.0 * lp)
+    rep = Group.of(cluster, np.maximum(1, n_dp // shard), tp * shard)
+    z3 = z3 + np.where(shard < n_dp, rep.all_reduce(p.fsdp_reduce_bytes * params_local / shard), 0)
+    # DDP / ZeRO-1/2: gradients are reduced in fp32: Megatron accumulates and all-reduces fp32
+    # main grads with bf16 (accumulate_allreduce_grads_in_fp32) and with its distributed
+    # optimizer; torch DDP under autocast (meshplan's runtime) holds fp32 parameters, so fp32
+    # gradients. Megatron's DDP with --fp16 reduces fp16 main grads (2 bytes).
+    g = Group.of(cluster, n_dp, tp)
+    fp16_ddp = (zero == 0) & (np.asarray(cols.get("precision", "bf16")) == "fp16")
+    grads = np.where(fp16_ddp, 2.0, 4.0) * params_local
+    gs = cols["grad_sync"]
+    allreduce = (gs == "all-reduce") | ((gs == "auto") & (zero == 0))
+    sync = np.where(allreduce, g.all_reduce(grads), g.reduce_scatter(grads))
+    last = np.minimum(grads, p.dp_bucket_mib * 2**20)  # the last bucket, by the same collective
+    bucket = np.where(allreduce, g.all_reduce(last), g.reduce_scatter(last))
+    # With a pipeline the sync starts after the stage's last backward: nothing to overlap.
+    exposed = np.where(pp > 1, sync, np.maximum(bucket, exposed_under(sync, last_bwd, p.overlap_slowdown)))
+    syncs = np.where(zero == 2, np.asarray(micro, dtype=float), 1.0)  # ZeRO-2: one per micro-batch
+    overlapped = syncs * (sync - np.minimum(sync, exposed))
+    exposed = syncs * exposed + np.where(zero >= 1, g.all_gather(2.0 * params_local), 0)
+    none = n_dp == 1
+    return (np.where(none, 0, np.where(zero == 3, z3, exposed)),
+            np.where(none | (zero == 3), 0, overlapped))
