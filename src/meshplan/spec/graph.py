@@ -132,6 +132,9 @@ class LayerOps:
     """The logits are split over TP ranks (vocabulary-parallel head and loss)."""
     fp8: bool = True
     """With precision=fp8 the layer's split GEMMs run in fp8 (the output layer stays bf16)."""
+    tp_divides: dict[str, int] = field(default_factory=dict)
+    """Widths every tensor-parallel degree must divide, by name (e.g. {'ffn_hidden_size': 11008});
+    with an attention, its heads too, and its kv heads or tp a multiple of them."""
 
     def __post_init__(self) -> None:
         for f in ("params", "params_split", "params_expert", "ew_whole", "saved_rep", "saved_whole",

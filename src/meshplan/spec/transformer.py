@@ -73,7 +73,8 @@ def block_ops(model: ModelSpec) -> LayerOps:
         saved_split=(saved_split + mlp[0], saved_split + rotary_eager + mlp[1]),
         saved_input=ACT_BYTES * h,
         saved_op=(ACT_BYTES * h, 2 * q + 2 * kv + 2 * f_tok + 2 * h + 2 * q),
-        hidden=ACT_BYTES * h, send=ACT_BYTES * h, tp_allreduces=2)
+        hidden=ACT_BYTES * h, send=ACT_BYTES * h, tp_allreduces=2,
+        tp_divides={"ffn_hidden_size": m.expert_ffn if m.is_moe else m.ffn_hidden_size})
 
 
 def embedding_ops(model: ModelSpec) -> LayerOps:
