@@ -286,8 +286,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     tp_b_ovl = tp_bwd * (1 - async_f) + cp_bo
 
     # Parameters and FSDP per layer (the blocks are FSDP units; the rest is the root unit).
-    lp = (lay.params - lay.params_split)[None, :] + (lay.params_split - lay.params_expert)[None, :] / tp[:, None] \
-        + lay.params_expert[None, :] / (tp * ep)[:, None]
+    lp = local_params(lay, tp, ep)
     shard_g = Group.of(cluster, shard[:, None], tp[:, None])
     ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(p.fsdp_reduce_bytes * lp)
     fsdp = (zero == 3) & (shard > 1)
@@ -296,9 +295,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     f_exp = np.where(blocked, exposed_under(ag, f, p.overlap_slowdown), 0.0)
     b_exp = np.where(blocked, exposed_under(ag + rs, bi + bw + rc, p.overlap_slowdown), 0.0)
     f_ovl, b_ovl = np.where(blocked, ag - f_exp, 0.0), np.where(blocked, ag + rs - b_exp, 0.0)
-    tied_local = lay.graph.tied_params / np.where(lay.graph.tied_split, tp, 1.0)
-    single = (pp == 1)[:, None]
-    plocal = np.where(valid, _sum(counts, lp) - (first & last & single) * tied_local[:, None], 0.0)
+    plocal, tied_local = _rank_params(lay, counts, lp, tp, pp, valid, first, last)
     blk_params = _sum(blk_counts, lp)
     lp_unit = np.max(np.where(lay.is_block[None, :], lp, 0.0), axis=1)
     offload = offload_seconds(cols, plocal, shard, p)
@@ -325,6 +322,37 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
         dp_f_ovl=_sum(blk_counts, f_ovl), dp_b_ovl=_sum(blk_counts, b_ovl), send=send, p2p=p2p,
         totals=totals, plocal=plocal, lp_unit=lp_unit, blk_params=blk_params, ag=ag, rs=rs, fsdp=fsdp,
         per_step=per_step, tied=tied * np.ones(n), tied_local=tied_local * np.ones(n))
+
+
+def local_params(lay: Layout, tp: np.ndarray, ep: np.ndarray) -> np.ndarray:
+    """(rows, B) parameters of each distinct layer on one GPU before ZeRO sharding (TP and EP)."""
+    return ((lay.params - lay.params_split)[None, :] + (lay.params_split - lay.params_expert)[None, :] / tp[:, None]
+            + lay.params_expert[None, :] / (tp * ep)[:, None])
+
+
+def _rank_params(lay: Layout, counts: np.ndarray, lp: np.ndarray, tp: np.ndarray, pp: np.ndarray,
+                 valid: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """((rows, ranks) parameters per GPU before sharding, (rows) tied parameters per GPU): a
+    tied weight counted at both users, once when one rank holds both (pp = 1)."""
+    tied_local = lay.graph.tied_params / np.where(lay.graph.tied_split, tp, 1.0)
+    single = (pp == 1)[:, None]
+    return np.where(valid, _sum(counts, lp) - (first & last & single) * tied_local[:, None], 0.0), tied_local
+
+
+def stage_params(graph: LayerGraph, cols: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """((rows, ranks) parameters per GPU before ZeRO sharding, (rows) parameters of the largest
+    block) for plain plan columns with tp, ep, pp, virtual_stages, schedule, stage_layers: the
+    placement of assemble, for the search's memory lower bound."""
+    lay = layout(graph)
+    tp, pp, ep = (np.asarray(cols[k]).astype(float) for k in ("tp", "pp", "ep"))
+    width = int(pp.max())
+    counts = _placement(lay, cols, width)
+    j = np.arange(width)[None, :]
+    valid, first = j < pp[:, None], j == 0
+    last = output_stage(pp, np.asarray(cols["schedule"]) == "zbv", j)
+    lp = local_params(lay, tp, ep)
+    plocal, _ = _rank_params(lay, counts, lp, tp, pp, valid, first, last)
+    return plocal, np.max(np.where(lay.is_block[None, :], lp, 0.0), axis=1)
 
 
 def stage_forward(a: Assembly) -> np.ndarray:

@@ -26,50 +26,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.cost.memory import model_state_bytes
+from meshplan.cost.batch import stage_params
+from meshplan.cost.memory import model_state_arrays
+from meshplan.cost.parts import plans_to_columns, shard_degree
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
+from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan
+from meshplan.spec.plan import Plan, Workload
 from meshplan.units import GiB
 
 _STATE_KEYS = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "offload_optimizer",
-               "offload_params", "stage_layers")
+               "offload_params", "stage_layers", "virtual_stages")
 _ZBV = CATEGORIES["schedule"].index("zbv")
-
-
-def layer_params_local(model: ModelSpec, tp: int, ep: int) -> float:
-    """Parameters of one block on one GPU before ZeRO sharding (TP and EP splits)."""
-    if model.is_moe:
-        experts = model.num_experts * model.mlp_params(model.expert_ffn)
-        return (model.layer_params() - experts + experts / ep) / tp
-    return model.layer_params() / tp
-
-
-def _first_last_layers(model: ModelSpec, pp: int, split: tuple[int, ...] | None) -> tuple[int, int]:
-    if split is not None:
-        return split[0], split[-1]
-    base, extra = divmod(model.num_layers, pp)  # meshplan.cost.schedule.stage_layers
-    return base + (1 if extra > 0 else 0), base + (1 if pp - 1 < extra else 0)
-
-
-def _stage_states(model: ModelSpec, plan: Plan, p: CostParams) -> float:
-    """max over the first and last stage of weights + grads + optimizer bytes."""
-    m, t = model, plan.tp
-    lp = layer_params_local(m, t, plan.ep)
-    n_first, n_last = _first_last_layers(m, plan.pp, plan.stage_layers)
-    first = n_first * lp + m.embedding_params() / t
-    last = n_last * lp + (m.norm_params() + m.vocab_size * m.hidden_size) / t
-    tied = m.vocab_size * m.hidden_size / t if m.tied_embeddings else 0.0
-    if plan.pp == 1:
-        first = last = first + last - n_last * lp - tied
-    elif plan.schedule == "zbv":  # the V: output layer (and a tied copy) on rank 0 with the embedding
-        first, last = first + last - n_last * lp, n_last * lp
-    best = 0.0
-    for params in (first, last):
-        w, g, o, _ = model_state_bytes(params, lp, plan, p)
-        best = max(best, w + g + o)
-    return best
 
 
 def unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -84,23 +53,35 @@ def unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return s[new], inverse
 
 
-def states_lower_bound_gib(model: ModelSpec, cols: PlanColumns,
+def states_lower_bound_gib(model: LayerGraph | ModelSpec, cols: PlanColumns, work: Workload,
                            params: CostParams = DEFAULT_PARAMS) -> np.ndarray:
     """Per row: a lower bound on the estimate's peak memory per GPU, GiB."""
     n = cols.num_rows
     if n == 0:
         return np.zeros(0)
+    graph = as_graph(model, work.seq_len)
     keys = np.stack([cols[k].astype(np.int64) for k in _STATE_KEYS] + [(cols["schedule"] == _ZBV).astype(np.int64)],
                     axis=1)
     uniq, inverse = unique_rows(keys)
-    out = np.empty(len(uniq))
-    for i, row in enumerate(uniq.tolist()):
+    plans = []
+    for row in uniq.tolist():
         d = dict(zip(_STATE_KEYS, row))
-        zbv = bool(row[-1])
         code = d["stage_layers"]
-        plan = Plan(tp=d["tp"], pp=d["pp"], dp=d["dp"], cp=d["cp"], ep=d["ep"], zero=d["zero"],
-                    shard_group=d["shard_group"], offload_optimizer=bool(d["offload_optimizer"]),
-                    offload_params=bool(d["offload_params"]), schedule="zbv" if zbv else "1f1b",
-                    stage_layers=None if code == NONE_CODE else cols.stage_table[code])
-        out[i] = _stage_states(model, plan, params)
+        plans.append(Plan(tp=d["tp"], pp=d["pp"], dp=d["dp"], cp=d["cp"], ep=d["ep"], zero=d["zero"],
+                          shard_group=d["shard_group"], offload_optimizer=bool(d["offload_optimizer"]),
+                          offload_params=bool(d["offload_params"]),
+                          schedule="zbv" if row[-1] else ("interleaved-1f1b" if d["virtual_stages"] > 1 else "1f1b"),
+                          virtual_stages=d["virtual_stages"],
+                          stage_layers=None if code == NONE_CODE else cols.stage_table[code]))
+    plain = plans_to_columns(plans)
+    plocal, lp = stage_params(graph, plain)
+    shard = shard_degree(plain)
+
+    def col(k: str) -> np.ndarray:
+        return np.asarray(plain[k])[:, None]
+
+    w, g, o, _ = model_state_arrays(plocal, lp[:, None], col("zero"), shard[:, None], col("offload_params"),
+                                    col("offload_optimizer"), col("dp") * col("cp"), params)
+    valid = np.arange(plocal.shape[1])[None, :] < col("pp")
+    out = np.where(valid, w + g + o, 0.0).max(axis=1)
     return out[inverse] / GiB + params.framework_overhead_gib

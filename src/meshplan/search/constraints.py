@@ -25,7 +25,9 @@ import numpy as np
 
 from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
 from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.constraints import CHECKS, Context
+from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Workload, microbatches
 from meshplan.spec.support import RULES
@@ -59,14 +61,40 @@ def gpus_match(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> 
     return _i64(cols, "tp") * _i64(cols, "pp") * _i64(cols, "dp") * _i64(cols, "cp") != c.num_gpus
 
 
+def _caps(m: LayerGraph | ModelSpec, w: Workload) -> Capabilities:
+    return capabilities(as_graph(m, w.seq_len))
+
+
 def tp_divides_heads(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     tp = _i64(cols, "tp")
-    return (m.num_attention_heads % tp != 0) | ((m.kv_heads % tp != 0) & (tp % m.kv_heads != 0))
+    bad = np.zeros(len(tp), dtype=bool)
+    for heads, kv in _caps(m, w).heads:
+        bad |= (heads % tp != 0) | ((kv % tp != 0) & (tp % kv != 0))
+    return bad
 
 
-def tp_divides_ffn(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    f = m.expert_ffn if m.is_moe else m.ffn_hidden_size
-    return f % _i64(cols, "tp") != 0
+def tp_divides_widths(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    tp = _i64(cols, "tp")
+    bad = np.zeros(len(tp), dtype=bool)
+    for _, width in _caps(m, w).widths:
+        bad |= width % tp != 0
+    return bad
+
+
+def tp_has_layers(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return (_i64(cols, "tp") > 1) & (not _caps(m, w).tp_layers)
+
+
+def cp_has_attention(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return (_i64(cols, "cp") > 1) & (not _caps(m, w).attention)
+
+
+def sp_has_activations(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return cols["sequence_parallel"] & (_i64(cols, "tp") > 1) & (not _caps(m, w).sequence_parallel)
+
+
+def pipeline_allowed(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return (_i64(cols, "pp") > 1) & (_caps(m, w).pipeline is not None)
 
 
 def tp_within_node(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
@@ -85,7 +113,7 @@ def _stage_stats(cols: PlanColumns) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def layers_split(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    L = m.num_layers
+    L = _caps(m, w).blocks
     v = _i64(cols, "virtual_stages")
     explicit, total, g = _stage_stats(cols)
     bad_explicit = (total != L) | ((v > 1) & (g % v != 0))
@@ -119,7 +147,11 @@ def sp_needs_tp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) ->
 def ep_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     ep = _i64(cols, "ep")
     dpc = _i64(cols, "dp") * _i64(cols, "cp")
-    bad = (m.num_experts % ep != 0) | (dpc % ep != 0) if m.is_moe else np.ones(len(ep), dtype=bool)
+    experts = _caps(m, w).experts
+    bad = np.zeros(len(ep), dtype=bool) if experts else np.ones(len(ep), dtype=bool)
+    for e in experts:
+        bad |= (e % ep != 0)
+    bad |= (dpc % ep != 0) & bool(experts)
     return (ep != 1) & bad
 
 
@@ -144,7 +176,7 @@ def recompute_layers_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: Plan
     rl = _i64(cols, "recompute_layers")
     code = _i64(cols, "stage_layers")
     most_table = np.asarray([max(s) if s else 0 for s in cols.stage_table] + [0], dtype=np.int64)
-    even = -(-m.num_layers // np.maximum(1, _i64(cols, "pp")))
+    even = -(-_caps(m, w).blocks // np.maximum(1, _i64(cols, "pp")))
     most = np.where(code != NONE_CODE, most_table[code], even)
     return (rl >= 0) & (rl > most)
 

@@ -45,6 +45,7 @@ from meshplan.search.sizes import MAX_GPUS
 from meshplan.search.space import SearchSpace, enumerate_space
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import violations
+from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 from meshplan.spec.support import RULES, export_targets, microbatches
@@ -84,7 +85,7 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: Sear
     ok = np.nonzero(reason == -2)[0]
     t2 = time.perf_counter()
     lb = np.full(n, np.nan)
-    lb[ok] = states_lower_bound_gib(model, cols.take(ok), params)
+    lb[ok] = states_lower_bound_gib(model, cols.take(ok), work, params)
     timings["enumerate_s"] += t1 - t0
     timings["constraints_s"] += t2 - t1
     timings["bounds_s"] += time.perf_counter() - t2
@@ -147,7 +148,7 @@ def checked_request(clusters: ClusterSpec | Sequence[ClusterSpec], objective: st
     return clusters
 
 
-def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work: Workload,
+def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work: Workload,
            space: SearchSpace | None = None, *, params: CostParams = DEFAULT_PARAMS,
            objective: str = "time", top: int = 10, prune: bool = True,
            progress: Progress | None = None, chunk: int = 32768,
@@ -159,6 +160,7 @@ def search(model: ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work
     t0 = time.perf_counter()
     clusters = checked_request(clusters, objective, top)
     space = space or SearchSpace()
+    model = as_graph(model, work.seq_len)
     timings = {"enumerate_s": 0.0, "constraints_s": 0.0, "bounds_s": 0.0}
     scans = [_prepare(model, c, work, space, params, timings) for c in clusters]
     total, done = sum(int(s.todo.sum()) for s in scans), 0

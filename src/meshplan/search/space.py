@@ -38,18 +38,20 @@ rejection is counted under its reason. ``considered`` is the number of rows.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from meshplan.cost.compute import block_times, embedding_times, output_layer_times
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.search.columns import CATEGORIES, FIELDS, NONE_CODE, PlanColumns
-from meshplan.search.stages import balanced_stage_layers
+from meshplan.search.stages import balanced_stage_layers, split_layers
 from meshplan.spec.base import _show
+from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import RECOMPUTE, SCHEDULES, Plan, Workload
 
@@ -145,7 +147,9 @@ def tp_values(cluster: ClusterSpec, space: SearchSpace) -> list[int]:
     return [t for t in vals if t >= 1 and n % t == 0]
 
 
-def cp_values(n_left: int, work: Workload, space: SearchSpace) -> list[int]:
+def cp_values(n_left: int, work: Workload, space: SearchSpace, attention: bool = True) -> list[int]:
+    if not attention:
+        return [1]
     if space.cp is not None:
         return [c for c in space.cp if c >= 1 and n_left % c == 0]
     out, c = [], 1
@@ -156,15 +160,16 @@ def cp_values(n_left: int, work: Workload, space: SearchSpace) -> list[int]:
     return out
 
 
-def pp_values(n_left: int, model: ModelSpec, space: SearchSpace) -> list[int]:
+def pp_values(n_left: int, caps: Capabilities, space: SearchSpace) -> list[int]:
     vals = space.pp if space.pp is not None else divisors(n_left)
-    return [p for p in vals if p >= 1 and n_left % p == 0 and p <= model.num_layers]
+    most = caps.blocks if caps.pipeline is None else 1
+    return [p for p in vals if p >= 1 and n_left % p == 0 and p <= max(1, most)]
 
 
-def ep_values(model: ModelSpec, space: SearchSpace) -> list[int]:
+def ep_values(caps: Capabilities, space: SearchSpace) -> list[int]:
     if space.ep is not None:
         return list(space.ep)
-    return divisors(model.num_experts) if model.is_moe else [1]
+    return divisors(math.gcd(*caps.experts)) if caps.experts else [1]
 
 
 def micro_batch_values(work: Workload, dp: int, space: SearchSpace) -> list[int]:
@@ -199,7 +204,7 @@ def zero_options(cluster: ClusterSpec, tp: int, dp: int, cp: int,
     return out
 
 
-def schedule_options(pp: int, model: ModelSpec, space: SearchSpace) -> list[tuple[str, int]]:
+def schedule_options(pp: int, blocks: int, space: SearchSpace) -> list[tuple[str, int]]:
     """(schedule, virtual_stages) pairs for a pipeline of ``pp`` stages."""
     if pp == 1:
         return [("1f1b", 1)]
@@ -209,7 +214,7 @@ def schedule_options(pp: int, model: ModelSpec, space: SearchSpace) -> list[tupl
         out.append(("zbv", 2))
     if "interleaved-1f1b" in space.schedules:
         out += [("interleaved-1f1b", v) for v in range(2, space.max_virtual_stages + 1)
-                if pp * v <= model.num_layers]
+                if pp * v <= blocks]
     return out
 
 
@@ -226,32 +231,47 @@ def recompute_options(stage_max_layers: int, space: SearchSpace) -> list[tuple[s
 
 @dataclass
 class _StageSplitter:
-    """Caches dynamic-programming splits; prices a block and the first/last extras with the
-    cost model's compute functions for the request's settings (micro-batch 1, no recompute)."""
+    """Caches dynamic-programming splits; prices each block and the layers before the first
+    block and after the last (the first/last extras) with the cost model's per-layer function
+    (cost.layer) for the request's settings (micro-batch 1, no recompute): pipeline stages
+    balanced by the layers' cost."""
 
-    model: ModelSpec
+    graph: LayerGraph
     cluster: ClusterSpec
     work: Workload
     base: Plan
     params: CostParams
     table: list[tuple[int, ...]] = field(default_factory=list)
     codes: dict[tuple[int, ...], int] = field(default_factory=dict)
-    _extras: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _costs: dict[int, tuple[np.ndarray, float, float]] = field(default_factory=dict)
     _splits: dict[tuple[int, int, int, bool], tuple[int, ...] | None] = field(default_factory=dict)
 
-    def extras(self, tp: int) -> tuple[float, float]:
-        """(embedding, output layer + loss) cost in units of one block, for this tp."""
-        if tp not in self._extras:
-            plan = self.base.replace(tp=tp, sequence_parallel=tp > 1, micro_batch=1, cp=1,
-                                     pp=1, dp=1, recompute="none", recompute_layers=None,
-                                     stage_layers=None, virtual_stages=1, schedule="1f1b")
-            gpu, s = self.cluster.gpu, self.work.seq_len
-            blk = block_times(self.model, plan, s, gpu, self.params)
-            emb = embedding_times(self.model, plan, s, gpu, self.params)
-            out = output_layer_times(self.model, plan, s, gpu, self.params)
-            unit = max(blk.fwd_s + blk.bwd_s, 1e-30)
-            self._extras[tp] = ((emb.fwd_s + emb.bwd_s) / unit, (out.fwd_s + out.bwd_s) / unit)
-        return self._extras[tp]
+    def costs(self, tp: int) -> tuple[np.ndarray, float, float]:
+        """(cost of each block with the non-block layers that follow it, layers before the
+        first block, layers after the last), in units of the mean block, for this tp."""
+        if tp not in self._costs:
+            from meshplan.cost.batch import layout
+            from meshplan.cost.layer import table
+            lay = layout(self.graph)
+            b = self.base
+            combo = {"tp": tp, "cp": 1, "micro_batch": 1, "precision": b.precision, "recompute": "none",
+                     "sequence_parallel": tp > 1 and b.sequence_parallel is not False, "compile": b.compile,
+                     "flash_attention": b.flash_attention, "ep": b.ep, "fused_loss": b.fused_loss}
+            q = table(list(lay.ops), [bool(x) for x in lay.is_block], [combo], self.work.seq_len,
+                      self.cluster.gpu, self.params)[0]
+            per_id = q[:, 0] + q[:, 1] + q[:, 2]  # f + bi + bw
+            per_layer = per_id[lay.layer_id]
+            kinds = lay.kinds
+            blocks = [i for i, k in enumerate(kinds) if k == "block"]
+            costs = np.zeros(len(blocks))
+            for n, i in enumerate(blocks):
+                end = blocks[n + 1] if n + 1 < len(blocks) else i + 1
+                costs[n] = per_layer[i:end].sum()
+            first = float(per_layer[:blocks[0]].sum()) if blocks else 0.0
+            last = float(per_layer[blocks[-1] + 1:].sum()) if blocks else 0.0
+            unit = max(float(costs.mean()) if len(costs) else 1.0, 1e-30)
+            self._costs[tp] = (costs / unit, first / unit, last / unit)
+        return self._costs[tp]
 
     def code(self, tp: int, pp: int, v: int, schedule: str = "1f1b") -> int | None:
         """Stage-table code of the balanced split, None when it equals the even split or
@@ -259,11 +279,18 @@ class _StageSplitter:
         zbv = schedule == "zbv"
         key = (tp, pp, v, zbv)
         if key not in self._splits:
-            first, last = self.extras(tp)
-            self._splits[key] = balanced_stage_layers(self.model.num_layers, pp, v, first_extra=first,
-                                                      last_extra=last, schedule="zbv" if zbv else "1f1b")
+            costs, first, last = self.costs(tp)
+            L = len(costs)
+            if np.allclose(costs, costs[0] if L else 0.0, rtol=1e-9, atol=0.0):
+                split = balanced_stage_layers(L, pp, v, first_extra=first, last_extra=last,
+                                              schedule="zbv" if zbv else "1f1b")
+            elif v == 1 and L >= pp:
+                split = split_layers(costs, pp, first, last)
+            else:
+                split = None  # blocks of unequal cost in chunks: the even split only
+            self._splits[key] = split
         split = self._splits[key]
-        L = self.model.num_layers
+        L = self.costs(tp)[0].size
         if split is None or (L % (pp * v) == 0 and len(set(split)) == 1):
             return None
         if split not in self.codes:
@@ -274,26 +301,26 @@ class _StageSplitter:
 
 # ---- enumeration ---------------------------------------------------------------------------
 
-def _mesh_shapes(model: ModelSpec, cluster: ClusterSpec, work: Workload,
+def _mesh_shapes(caps: Capabilities, cluster: ClusterSpec, work: Workload,
                  space: SearchSpace) -> list[tuple[int, int, int, int, int]]:
     """(tp, cp, pp, dp, ep) with tp*cp*pp*dp = N, in a fixed order."""
     n = cluster.num_gpus
     out = []
     for tp in tp_values(cluster, space):
-        for cp in cp_values(n // tp, work, space):
-            for pp in pp_values(n // (tp * cp), model, space):
+        for cp in cp_values(n // tp, work, space, caps.attention):
+            for pp in pp_values(n // (tp * cp), caps, space):
                 dp = n // (tp * cp * pp)
-                for ep in ep_values(model, space):
+                for ep in ep_values(caps, space):
                     out.append((tp, cp, pp, dp, ep))
     return out
 
 
-def _stage_options(model: ModelSpec, tp: int, pp: int, space: SearchSpace,
+def _stage_options(caps: Capabilities, tp: int, pp: int, space: SearchSpace,
                    splitter: _StageSplitter | None) -> list[tuple[str, int, int, str, int]]:
     """(schedule, v, stage code, recompute, recompute_layers) rows for one mesh."""
-    L = model.num_layers
+    L = caps.blocks
     out = []
-    for sched, v in schedule_options(pp, model, space):
+    for sched, v in schedule_options(pp, L, space):
         variants = [(NONE_CODE, -(-L // pp))]
         uneven_only = space.uneven_stages is None  # default: only where the even split does not exist
         if splitter is not None and pp > 1 and not (uneven_only and L % (pp * v) == 0):
@@ -306,7 +333,7 @@ def _stage_options(model: ModelSpec, tp: int, pp: int, space: SearchSpace,
     return out
 
 
-def enumerate_space(model: ModelSpec, cluster: ClusterSpec, work: Workload,
+def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload,
                     space: SearchSpace | None = None, params: CostParams = DEFAULT_PARAMS,
                     ) -> PlanColumns:
     """All candidate plans of ``space`` for this model, cluster and workload, as columns.
@@ -315,19 +342,21 @@ def enumerate_space(model: ModelSpec, cluster: ClusterSpec, work: Workload,
     rank of the row's micro_batch (ascending) within its group.
     """
     space = space or SearchSpace()
-    splitter = (_StageSplitter(model, cluster, work, space.base, params)
+    graph = as_graph(model, work.seq_len)
+    caps = capabilities(graph)
+    splitter = (_StageSplitter(graph, cluster, work, space.base, params)
                 if space.uneven_stages is not False else None)
     base = {f: getattr(space.base, f) for f in FIELDS if f not in SEARCHED and f not in PER_TP}
     parts: list[dict[str, np.ndarray]] = []
     next_group = 0
-    meshes = _mesh_shapes(model, cluster, work, space)
+    meshes = _mesh_shapes(caps, cluster, work, space)
     if not meshes:
-        raise no_mesh_error(model, cluster, space)
-    sp_on = space.sequence_parallel is not False
+        raise no_mesh_error(graph, cluster, space, work)
+    sp_on = space.sequence_parallel is not False and caps.sequence_parallel
     for tp, cp, pp, dp, ep in meshes:
         zopts = zero_options(cluster, tp, dp, cp, space)
         mbs = micro_batch_values(work, dp, space)
-        sopts = _stage_options(model, tp, pp, space, splitter)
+        sopts = _stage_options(caps, tp, pp, space, splitter)
         na, nb, nc = len(zopts), len(mbs), len(sopts)
         if na * nb * nc == 0:  # e.g. offload_only with zero=0 on dp > 1: no variant of this mesh
             continue
@@ -363,21 +392,21 @@ def most_gpus(model: ModelSpec, cluster: ClusterSpec, work: Workload,
     stage) and dp (one sequence per replica) at their largest. A larger cluster has no plan."""
     space = space or SearchSpace()
     g = cluster.gpus_per_node
-    kv = model.kv_heads
-    ffn = model.expert_ffn if model.is_moe else model.ffn_hidden_size
-    tps = [t for t in divisors(g)
-           if model.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0) and ffn % t == 0]
+    caps = capabilities(as_graph(model, work.seq_len))
+    tps = [t for t in divisors(g) if caps.tp_ok(t)]
     s = work.seq_len
     cps, c = [], 1
-    while c <= space.max_cp:
+    while c <= space.max_cp and caps.attention:
         if c == 1 or (s // c >= space.min_cp_tokens and s % (2 * c) == 0):
             cps.append(c)
         c *= 2
-    deg = {"tp": max(tps, default=1), "cp": max(cps), "pp": model.num_layers, "dp": work.global_batch}
+    pp = caps.blocks if caps.pipeline is None else 1
+    deg = {"tp": max(tps, default=1), "cp": max(cps, default=1), "pp": max(1, pp), "dp": work.global_batch}
     return deg["tp"] * deg["cp"] * deg["pp"] * deg["dp"], deg
 
 
-def no_mesh_error(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> MeshplanError:
+def no_mesh_error(model: LayerGraph | ModelSpec, cluster: ClusterSpec, space: SearchSpace,
+                  work: Workload | None = None) -> MeshplanError:
     """Why no mesh tp x cp x pp x dp of ``space`` makes the cluster's GPU count: the fixed tp
     larger than a node (or the cluster), when that is why, else the degrees tried."""
     n, g = cluster.num_gpus, cluster.gpus_per_node
@@ -391,8 +420,14 @@ def no_mesh_error(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) ->
     return MeshplanError(
         f"no mesh tp x cp x pp x dp makes {n} GPUs with tp in "
         f"{tp_values(cluster, space) or space.tp}, cp in {space.cp or 'powers of two'}, "
-        f"pp in {space.pp or 'divisors'} (pp <= {model.num_layers} layers)",
+        f"pp in {space.pp or 'divisors'} (pp <= {_blocks(model, work)} layers)",
         hint="relax --fix, or use a GPU count these degrees divide")
+
+
+def _blocks(model: LayerGraph | ModelSpec, work: Workload | None) -> int:
+    if isinstance(model, LayerGraph) or work is not None:
+        return capabilities(as_graph(model, work.seq_len if work else 0)).blocks
+    return model.num_layers
 
 
 def _codes(field_name: str, values: np.ndarray) -> np.ndarray:

@@ -8,17 +8,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload, microbatches
 
 
 @dataclass(frozen=True)
 class Context:
-    model: ModelSpec
+    model: LayerGraph | ModelSpec
     cluster: ClusterSpec
     plan: Plan
     work: Workload
+
+    @property
+    def caps(self) -> Capabilities:
+        """What the model's layers allow (spec.capabilities)."""
+        return capabilities(as_graph(self.model, self.work.seq_len))
 
 
 Check = Callable[[Context], "str | None"]
@@ -35,16 +42,38 @@ def gpus_match(c: Context) -> str | None:
 
 
 def tp_divides_heads(c: Context) -> str | None:
-    m, tp = c.model, c.plan.tp
-    if m.num_attention_heads % tp or m.kv_heads % tp and tp % m.kv_heads:
-        return (f"tp={tp} does not divide the {m.num_attention_heads} attention heads "
-                f"({m.kv_heads} kv heads); use a tp that divides both")
+    return c.caps.heads_reason(c.plan.tp)
+
+
+def tp_divides_widths(c: Context) -> str | None:
+    return c.caps.width_reason(c.plan.tp)
+
+
+def tp_has_layers(c: Context) -> str | None:
+    if c.plan.tp > 1 and not c.caps.tp_layers:
+        return (f"tp={c.plan.tp} but no layer of the model has linear layers tensor parallelism can split "
+                "(column -> row pairs); use tp=1")
     return None
 
 
-def tp_divides_ffn(c: Context) -> str | None:
-    f, tp = (c.model.expert_ffn if c.model.is_moe else c.model.ffn_hidden_size), c.plan.tp
-    return None if f % tp == 0 else f"tp={tp} does not divide ffn_hidden_size={f}"
+def cp_has_attention(c: Context) -> str | None:
+    if c.plan.cp > 1 and not c.caps.attention:
+        return f"cp={c.plan.cp} but the model has no attention layer to split the sequence of; use cp=1"
+    return None
+
+
+def sp_has_activations(c: Context) -> str | None:
+    if c.plan.sequence_parallel and c.plan.tp > 1 and not c.caps.sequence_parallel:
+        return ("sequence_parallel but no tensor-parallel layer of the model keeps a replicated hidden state "
+                "(norms, residuals) to split; use sequence_parallel=0")
+    return None
+
+
+def pipeline_allowed(c: Context) -> str | None:
+    why = c.caps.pipeline
+    if c.plan.pp > 1 and why:
+        return f"pp={c.plan.pp}: the model cannot be cut into pipeline stages ({why}); use pp=1"
+    return None
 
 
 def tp_within_node(c: Context) -> str | None:
@@ -57,7 +86,7 @@ def tp_within_node(c: Context) -> str | None:
 
 
 def layers_split(c: Context) -> str | None:
-    p, L = c.plan, c.model.num_layers
+    p, L = c.plan, c.caps.blocks
     if p.stage_layers is not None:
         if sum(p.stage_layers) != L:
             return f"stage_layers sum to {sum(p.stage_layers)} but the model has {L} layers"
@@ -113,13 +142,14 @@ def sp_needs_tp(c: Context) -> str | None:
 
 
 def ep_valid(c: Context) -> str | None:
-    p, m = c.plan, c.model
+    p, experts = c.plan, c.caps.experts
     if p.ep == 1:
         return None
-    if not m.is_moe:
+    if not experts:
         return f"ep={p.ep} but the model has no experts; use ep=1"
-    if m.num_experts % p.ep:
-        return f"ep={p.ep} does not divide num_experts={m.num_experts}"
+    bad = [e for e in experts if e % p.ep]
+    if bad:
+        return f"ep={p.ep} does not divide num_experts={bad[0]}"
     if (p.dp * p.cp) % p.ep:
         return f"ep={p.ep} must divide dp*cp = {p.dp * p.cp}"
     return None
@@ -153,7 +183,7 @@ def zero2_pipeline(c: Context) -> str | None:
 
 
 def recompute_layers_valid(c: Context) -> str | None:
-    p, L = c.plan, c.model.num_layers
+    p, L = c.plan, c.caps.blocks
     if p.recompute_layers is None:
         return None
     most = max(p.stage_layers) if p.stage_layers else -(-L // max(1, p.pp))
@@ -173,13 +203,17 @@ def precision_supported(c: Context) -> str | None:
 CHECKS: dict[str, Check] = {
     "gpu count mismatch": gpus_match,
     "tp does not divide heads": tp_divides_heads,
-    "tp does not divide ffn": tp_divides_ffn,
+    "tp does not divide layer widths": tp_divides_widths,
+    "no layer for tensor parallel": tp_has_layers,
     "tp larger than a node": tp_within_node,
+    "model cannot be pipelined": pipeline_allowed,
     "layers do not split into stages": layers_split,
     "batch not divisible": batch_divides,
     "schedule incompatible": schedule_fits,
     "cp does not divide sequence": cp_divides_seq,
     "sequence parallel without tp": sp_needs_tp,
+    "no replicated activations for sequence parallel": sp_has_activations,
+    "no attention for context parallel": cp_has_attention,
     "invalid expert parallel": ep_valid,
     "invalid hybrid sharding": hybrid_valid,
     "invalid offload": offload_valid,
@@ -189,7 +223,7 @@ CHECKS: dict[str, Check] = {
 }
 
 
-def violations(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+def violations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
                *, skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """All (name, reason) pairs this plan violates, in a fixed order."""
     ctx = Context(model, cluster, plan, work)

@@ -244,6 +244,15 @@ class LayerGraph:
     def params(self) -> int:
         return sum(layer.params for layer in self.layers)
 
+    def num_params(self) -> int:
+        """Trainable parameters (a tied weight counted once)."""
+        return self.params
+
+    @property
+    def num_blocks(self) -> int:
+        """Layers of kind block: what pipeline stages count."""
+        return sum(1 for layer in self.layers if layer.kind == "block")
+
     @property
     def fwd_flops(self) -> float:
         return sum(layer.fwd_flops for layer in self.layers)
@@ -328,9 +337,11 @@ def derived_ops(graph: LayerGraph, x: LayerSpec) -> LayerOps:
     if x.kind == "head" and "loss_saved_bytes" in x.extra:
         vocab = x.output_bytes / graph.dtype_bytes / s
     split_params = x.params * float(x.extra.get("tp_param_fraction", frac)) if tp_able else 0.0
+    heads = [la for la in graph.layers if la.kind == "head"]
+    tied = graph.tied_params if (heads[0] if heads else graph.layers[-1]).block == x.block else 0
     no_bwd_input = x.kind == "embedding" or x.fwd_flops == 0 and x.bwd_flops == 0
     return LayerOps(
-        params=float(x.params), params_split=min(float(x.params), split_params), gemms=tuple(gemms),
+        params=float(x.params + tied), params_split=min(float(x.params), split_params), gemms=tuple(gemms),
         attention=attention, ew_split=(mem * frac, mem * frac), ew_rep=(mem * (1 - frac), mem * (1 - frac)),
         ew_bwd_input=0.0 if no_bwd_input else 2.0, ew_bwd_weight=2.0 if x.kind == "embedding" else 0.0,
         saved_split=(saved * sfrac, saved * sfrac), saved_rep=saved * (1 - sfrac), saved_input=out,

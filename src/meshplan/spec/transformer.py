@@ -103,7 +103,8 @@ def transformer_graph(model: ModelSpec, seq_len: int) -> LayerGraph:
         o = ops[bid]
         lin = sum(2.0 * g.m * g.n * g.k for g in o.gemms)
         att = 4.0 * s * o.attention.q_dim if o.attention else 0.0
-        return LayerSpec(name=name, kind=kind, block=bid, params=int(o.params), fwd_flops=s * (lin + att),
+        params = model.output_params() if kind == "head" else int(o.params)  # a tied matrix counted once
+        return LayerSpec(name=name, kind=kind, block=bid, params=params, fwd_flops=s * (lin + att),
                          bwd_flops=s * (2 * lin + 2 * att), saved_bytes=s * (o.saved_rep + o.saved_split[0]
                                                                           + o.saved_whole),
                          output_bytes=s * o.hidden, tp_style="megatron" if o.splits and kind == "block" else "none",
@@ -117,7 +118,7 @@ def transformer_graph(model: ModelSpec, seq_len: int) -> LayerGraph:
     return LayerGraph(name=model.name, source=f"model:{model.name}", task="causal-lm" if model.causal else "masked-lm",
                       sample_tokens=s, trace_dtype="bfloat16", layers=tuple(layers),
                       tied_params=model.vocab_size * model.hidden_size if model.tied_embeddings else 0,
-                      ops=ops, model=model)
+                      tied_split=True, ops=ops, model=model)
 
 
 def _tp_max(model: ModelSpec) -> int:
