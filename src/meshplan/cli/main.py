@@ -98,20 +98,14 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from meshplan.cli.format import json_text
+    from meshplan.cli.model_arg import as_problem
     from meshplan.cli.planfile import resolve
     from meshplan.cli.views import estimate_text
     from meshplan.cost import estimate
-    from meshplan.spec.graph import LayerGraph
-    from meshplan.spec.plan import Workload
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
-    model, cluster, plan = inputs.model(), inputs.cluster(), inputs.plan
-    if isinstance(model, LayerGraph):
-        from meshplan.cost.graph import estimate_graph, graph_workload
-        work = graph_workload(model, inputs.global_batch)
-        report = estimate_graph(model, cluster, plan, work)
-    else:
-        work = Workload(global_batch=inputs.global_batch, seq_len=inputs.seq_len or model.seq_len)
-        report = estimate(model, cluster, plan, work)
+    cluster, plan = inputs.cluster(), inputs.plan
+    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len)
+    report = estimate(model, cluster, plan, work)
     if args.json:
         from meshplan.cli.views import runtime_status
         out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),

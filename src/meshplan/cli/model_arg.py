@@ -50,6 +50,16 @@ def load_model_arg(arg: str, *, seq_len: int | None = None) -> ModelSpec | Layer
     return load_model(arg)
 
 
+def as_problem(model: ModelSpec | LayerGraph, global_batch: int, seq_len: int | None = None) -> tuple[LayerGraph, Any]:
+    """(the model as a LayerGraph, the workload): the one representation every planning command
+    takes. A transformer description is generated at ``seq_len`` (default: its own seq_len); a
+    traced graph plans at the tokens per sample it was traced at."""
+    from meshplan.spec.graph import as_graph
+    from meshplan.spec.plan import Workload
+    s = model.sample_tokens if isinstance(model, LayerGraph) else (seq_len or model.seq_len)
+    return as_graph(model, s), Workload(global_batch=global_batch, seq_len=s)
+
+
 def graph_text(graph: LayerGraph) -> list[str]:
     """A summary of an ingested model: layers, distinct blocks, parameters, FLOPs, TP structure."""
     from meshplan.units import human_count

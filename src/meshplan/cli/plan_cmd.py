@@ -207,35 +207,6 @@ def check_runtime_runs(space: Any) -> None:
         raise MeshplanError(f"{flag}: meshplan's runtime {verb}: {why}; every plan would be rejected", hint=hint)
 
 
-def graph_space(args: argparse.Namespace, cluster: Any) -> Any:
-    """The search space on an ingested layer graph: the same options, mapped to GraphSpace."""
-    from meshplan.search.graph import GraphSpace
-    from meshplan.spec.plan import Plan
-    space = search_space(args, cluster)  # parses and checks --fix and the plan options once
-    for axis in ("cp", "ep"):
-        if getattr(space, axis, None) not in (None, (1,)):
-            raise MeshplanError(f"--fix {axis}: a layer graph has no {'sequence' if axis == 'cp' else 'expert'} "
-                                "axis to split", hint=f"drop {axis} from --fix (ingested models plan with "
-                                "tp, pp, dp/zero, micro_batch, schedule, recompute)")
-    fixed = {k: getattr(space, k) for k in ("tp", "pp", "micro_batch") if getattr(space, k, None)}
-    if getattr(space, "zero", None):
-        fixed["zero"] = tuple(space.zero)
-    if args.fix and "schedule" in args.fix:
-        fixed["schedules"] = tuple(space.schedules)
-    if args.fix and "recompute" in args.fix:
-        fixed["recompute"] = tuple(space.recompute)
-    if args.fix and "offload" in args.fix:
-        fixed["offload"] = bool(space.offload)
-        fixed["offload_only"] = bool(space.offload_only)
-    base = space.base
-    if base.precision == "fp8":
-        raise MeshplanError("--precision fp8 is not modelled on an ingested layer graph",
-                            hint="use --precision bf16")
-    return GraphSpace(base=Plan(precision=base.precision, fused_loss=base.fused_loss, async_tp=base.async_tp,
-                                compile=base.compile, flash_attention=base.flash_attention, p2p_sharded=False),
-                      even_stages=not args.uneven_stages, **fixed)
-
-
 def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[str]:
     """Parse --fix into base plan fields and search-space restrictions; the keys given."""
     import dataclasses
@@ -373,22 +344,17 @@ def train_tokens(text: str | None) -> float | None:
 
 def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any, Any]:
     """(model, clusters, train tokens, space, workload) of the search options (`meshplan plan` and
-    `meshplan report`): a layer graph (hf:, module:, graph .json) gets a GraphSpace and
-    graph_workload, a transformer a SearchSpace."""
-    from meshplan.cli.model_arg import load_model_arg
-    from meshplan.spec.graph import LayerGraph
-    from meshplan.spec.plan import Workload
+    `meshplan report`): the model as a LayerGraph (cli.model_arg.as_problem), whatever it was
+    given as."""
+    from meshplan.cli.model_arg import as_problem, load_model_arg
     clusters = cluster_sizes(args)
     tokens = train_tokens(args.train_tokens)
     deadline = deadline_days(args, tokens)
     if args.objective is None:  # the default: by time, or by dollars under a deadline
         args.objective = "cost" if deadline is not None else "time"
-    model = load_model_arg(args.model, seq_len=args.seq_len)
-    if isinstance(model, LayerGraph):
-        from meshplan.cost.graph import graph_workload
-        return model, clusters, tokens, graph_space(args, clusters[0]), graph_workload(model, args.global_batch)
-    work = Workload(global_batch=args.global_batch, seq_len=args.seq_len or model.seq_len)
-    check_positions(args, model, work.seq_len)
+    model, work = as_problem(load_model_arg(args.model, seq_len=args.seq_len), args.global_batch, args.seq_len)
+    if model.model is not None:
+        check_positions(args, model.model, work.seq_len)
     return model, clusters, tokens, search_space(args, clusters[0]), work
 
 
@@ -413,9 +379,6 @@ def check_gpus(model: Any, cluster: Any, work: Any, space: Any) -> None:
     global batch, heads, layers and sequence allow, and a size to try."""
     from meshplan.search.sizes import nice_sizes, node_size
     from meshplan.search.space import most_gpus
-    from meshplan.spec.model import ModelSpec
-    if not isinstance(model, ModelSpec):
-        return
     most, d = most_gpus(model, cluster, work, space)
     n = cluster.num_gpus
     if n <= most:
@@ -562,17 +525,12 @@ def search_sizes(model: Any, clusters: list[Any], work: Any, space: Any, *, obje
 def _searcher(model: Any, work: Any, space: Any, objective: str, top: int, tokens: float | None,
               deadline: float | None, progress: Progress | None) -> Callable[[Any], Any]:
     """cluster -> SearchResult of that one size (the deadline applied)."""
+    from meshplan.search.driver import search
     from meshplan.search.result import apply_deadline
-    from meshplan.spec.graph import LayerGraph
 
     def one(cluster: Any) -> Any:
         check_gpus(model, cluster, work, space)
-        if isinstance(model, LayerGraph):
-            from meshplan.search.graph import search_graph
-            r = search_graph(model, [cluster], work, space, objective=objective, top=top)
-        else:
-            from meshplan.search.driver import search
-            r = search(model, [cluster], work, space, objective=objective, top=top, progress=progress)
+        r = search(model, [cluster], work, space, objective=objective, top=top, progress=progress)
         r.train_tokens = tokens
         if deadline is not None and tokens is not None:
             apply_deadline(r, tokens, deadline)

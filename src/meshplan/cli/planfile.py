@@ -42,8 +42,8 @@ def spec_fields(model: Any, cluster: Any) -> dict[str, Any]:
     (a ModelSpec or a LayerGraph; a ClusterSpec), so the file reloads them exactly."""
     from meshplan.spec.base import to_dict
     out: dict[str, Any] = {}
-    if model is not None:
-        out["model_spec"] = to_dict(model)
+    if model is not None:  # a generated graph records the description it was generated from
+        out["model_spec"] = to_dict(getattr(model, "model", None) or model)
     if cluster is not None:
         out["cluster_spec"] = to_dict(cluster)
     return out

@@ -5,7 +5,6 @@ from meshplan.cli.format import seconds, table
 from meshplan.cost.report import CostReport
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
-from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 from meshplan.units import human_count
 
@@ -18,16 +17,18 @@ TIME_LABELS = {
 }
 
 
-def model_line(model: ModelSpec | LayerGraph, params: int) -> str:
-    if isinstance(model, LayerGraph):
-        return (f"model    {model.name} ({model.source}): {human_count(params)} parameters, {model.num_layers} layers "
-                f"({len(model.distinct_blocks())} distinct), ingested layer graph")
-    return f"model    {model.name}: {human_count(params)} parameters, {model.num_layers} layers, h={model.hidden_size}"
+def model_line(model: LayerGraph, params: int) -> str:
+    """The model in one line: a transformer description's shape, or the graph a trace gave."""
+    m = model.model
+    if m is not None:
+        return f"model    {model.name}: {human_count(params)} parameters, {m.num_layers} layers, h={m.hidden_size}"
+    return (f"model    {model.name} ({model.source}): {human_count(params)} parameters, {model.num_layers} layers "
+            f"({len(model.distinct_blocks())} distinct), ingested layer graph")
 
 
-def estimate_text(model: ModelSpec | LayerGraph, cluster: ClusterSpec, plan: Plan, work: Workload,
+def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Workload,
                   r: CostReport) -> str:
-    unit = "tokens" if not isinstance(model, LayerGraph) else f"tokens ({model.task} samples)"
+    unit = "tokens" if model.model is not None else f"tokens ({model.task} samples)"
     head = [
         model_line(model, r.params),
         f"cluster  {cluster.num_gpus} x {cluster.gpu.name} ({cluster.num_nodes} node(s) x {cluster.gpus_per_node})",
@@ -83,10 +84,10 @@ def host_lines(r: CostReport) -> list[str]:
             + ("fits" if r.host_fits else "DOES NOT FIT (offload less, or shard more: zero=3, more GPUs)")]
 
 
-def runtime_status(model: ModelSpec | LayerGraph, plan: Plan, work: Workload) -> dict[str, object]:
+def runtime_status(model: LayerGraph, plan: Plan, work: Workload) -> dict[str, object]:
     """Whether meshplan's runtime runs ``plan`` as planned (spec.support), for the JSON output."""
     from meshplan.spec.support import export_targets, microbatches, runtime_violations
-    spec = None if isinstance(model, LayerGraph) else model
+    spec = model.model
     micro = microbatches(plan, work.global_batch)
     bad = runtime_violations(plan, micro, spec)
     targets = export_targets(plan, micro, spec)
@@ -95,7 +96,7 @@ def runtime_status(model: ModelSpec | LayerGraph, plan: Plan, work: Workload) ->
             "export_targets": None if targets is None else list(targets)}
 
 
-def runtime_lines(model: ModelSpec | LayerGraph, plan: Plan, work: Workload) -> list[str]:
+def runtime_lines(model: LayerGraph, plan: Plan, work: Workload) -> list[str]:
     """'meshplan train' lines: refused or run as something else (spec.support), else nothing."""
     st = runtime_status(model, plan, work)
     if st["runs_as_planned"]:

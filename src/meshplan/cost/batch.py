@@ -271,7 +271,8 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     tp_fwd = _sum(counts, per_pass)
     tp_bwd = _sum(counts, per_pass) + _sum(rc_counts, per_pass * re)
     kv = (tokens * scale)[:, None] * 2 * lay.kv_dim[None, :] / tp[:, None] * 2.0
-    cp_t = np.where(lay.kv_dim[None, :] > 0, 3 * Group.of(cluster, cp[:, None], tp[:, None]).all_gather(kv * cp[:, None]), 0.0)
+    cp_g = Group.of(cluster, cp[:, None], tp[:, None])
+    cp_t = np.where(lay.kv_dim[None, :] > 0, 3 * cp_g.all_gather(kv * cp[:, None]), 0.0)
     cp_exp = np.maximum(0.0, cp_t - 0.5 * (f + bi + bw))
     ep_t = np.where(lay.a2a[None, :] > 0, 4 * Group.of(cluster, ep[:, None], tp[:, None]).all_to_all(
         (tokens * scale)[:, None] * lay.a2a[None, :]), 0.0)

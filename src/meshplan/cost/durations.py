@@ -109,7 +109,8 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         rx, _ = root_fsdp(cluster, p, a.plocal[:, r] - a.blk_params[:, r], a.shard, tp, rt, micro, a.fsdp, a.per_step)
         end_exp.append(float(end_x[0, r] + rx[0]))
         end_ovl.append(float(end_o[0, r]))
-    opt_t = optimizer_seconds(cluster, a.plocal, cols["zero"], a.shard, np.asarray(cols["offload_optimizer"], dtype=bool), p)
+    offo = np.asarray(cols["offload_optimizer"], dtype=bool)
+    opt_t = optimizer_seconds(cluster, a.plocal, cols["zero"], a.shard, offo, p)
     blk = a.counts * a.lay.is_block[None, None, :]
     staged = (a.fsdp & a.per_step)[:, None]
     ag_s = np.where(staged, _b._sum(blk, a.ag), 0)

@@ -9,9 +9,8 @@ and memory breakdowns, the winner's simulated timeline (meshplan.sim) and the se
 explanation; for an infeasible problem, what would make it feasible. Figures are inline SVG
 drawn here (report.svg, report.charts); numpy only: no torch, no matplotlib, no network.
 
-``model`` is a transformer ModelSpec (search.search, sim.simulate_plan) or a LayerGraph, any
-model through ingestion (search.graph.search_graph with a GraphSpace, sim.simulate_graph_plan);
-the page is the same, its problem section describes the graph.
+``model`` is a LayerGraph (any model: a transformer description generated into one, or a traced
+model), searched by search.search and simulated by sim.simulate_plan.
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.search.driver import search
 from meshplan.search.result import SearchResult
-from meshplan.search.space import SearchSpace
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
@@ -67,14 +65,13 @@ def sim_passes(plan: Any, microbatches: int) -> int:
 
 def model_arg(model: ModelSpec | LayerGraph) -> str:
     """What ``--model`` rebuilds ``model`` from: a preset's name, or an ingested graph's source."""
-    return model.source if isinstance(model, LayerGraph) else model.name
+    return getattr(model, "source", None) or model.name
 
 
 def simulate_winner(result: SearchResult, params: CostParams = DEFAULT_PARAMS, max_passes: int = MAX_SIM_PASSES,
                     model: str | None = None) -> tuple[Any, dict[str, Any] | None, str | None]:
     """(SimResult, summary, None), or (None, None, why) when there is no winner, its step is
-    too long to simulate quickly, or the simulator cannot run its plan. A layer graph's winner
-    is simulated with ``simulate_graph_plan``. ``model``: the --model of the command the page
+    too long to simulate quickly, or the simulator cannot run its plan. ``model``: the --model of the command the page
     suggests for a long step (default: ``model_arg`` of the result's model)."""
     import meshplan.sim as sim
     best = result.best
@@ -87,9 +84,8 @@ def simulate_winner(result: SearchResult, params: CostParams = DEFAULT_PARAMS, m
                             f"{max_passes:,} that keeps it fast; simulate it with: meshplan simulate --model "
                             f"{model or model_arg(result.model)} --cluster {best.cluster.name} --global-batch "
                             f"{w.global_batch} --seq-len {w.seq_len} --plan {best.plan.short()} --trace trace.json")
-    run = sim.simulate_graph_plan if isinstance(result.model, LayerGraph) else sim.simulate_plan
     try:
-        res, summary = run(result.model, best.cluster, best.plan, result.work, params)
+        res, summary = sim.simulate_plan(result.model, best.cluster, best.plan, result.work, params)
     except MeshplanError as e:
         return None, None, str(e)
     return res, summary, None
@@ -101,20 +97,11 @@ def build_report(model: ModelSpec | LayerGraph, clusters: ClusterSpec | list[Clu
                  command: str | None = None, model_name: str | None = None) -> Report:
     """Search, then simulate the winner: the inputs of the page.
 
-    ``space``: a SearchSpace for a ModelSpec, a search.graph.GraphSpace for a LayerGraph (None:
-    the default space). ``model_name``: the --model the page's commands use (default
-    ``model_arg(model)``). ``progress`` is called by the transformer search only."""
+    ``space``: a SearchSpace (None: the default space). ``model_name``: the --model the page's
+    commands use (default ``model_arg(model)``)."""
     clusters = [clusters] if isinstance(clusters, ClusterSpec) else list(clusters)
-    if isinstance(model, LayerGraph):
-        from meshplan.search.graph import search_graph
-        if space is not None and isinstance(space, SearchSpace):
-            raise MeshplanError("a layer graph is searched with a GraphSpace, not a SearchSpace",
-                                hint="use meshplan.search.graph.GraphSpace (cli.plan_cmd.graph_space maps "
-                                     "the plan options)")
-        result = search_graph(model, clusters, work, space, params=params, objective=objective, top=top)
-    else:
-        result = search(model, clusters, work, space, params=params, objective=objective, top=top,
-                        progress=progress)
+    result = search(model, clusters, work, space, params=params, objective=objective, top=top,
+                    progress=progress)
     sim, summary, err = (simulate_winner(result, params, model=model_name) if simulate
                          else (None, None, "simulation switched off"))
     ref = result.best.cluster if result.best is not None else clusters[-1]

@@ -28,8 +28,8 @@ import numpy as np
 
 from meshplan.cost.batch import stage_params
 from meshplan.cost.memory import model_state_arrays
-from meshplan.cost.parts import plans_to_columns, shard_degree
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.parts import plans_to_columns, shard_degree
 from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import numpy as np
 
 from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
-from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.capabilities import Capabilities, capabilities
+from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import CHECKS, Context
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec

@@ -284,7 +284,7 @@ class _StageSplitter:
             if np.allclose(costs, costs[0] if L else 0.0, rtol=1e-9, atol=0.0):
                 split = balanced_stage_layers(L, pp, v, first_extra=first, last_extra=last,
                                               schedule="zbv" if zbv else "1f1b")
-            elif v == 1 and L >= pp:
+            elif v == 1 and pp <= L:
                 split = split_layers(costs, pp, first, last)
             else:
                 split = None  # blocks of unequal cost in chunks: the even split only

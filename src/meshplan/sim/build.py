@@ -8,6 +8,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.sim.engine import Pass, RankStep, SimResult, SimSpec, VStage, simulate
 from meshplan.sim.schedules import chunks_per_rank, rank_chunk
 from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
@@ -53,7 +54,7 @@ def spec_from_durations(d: StageDurations, output_static_bytes: float = 0.0) -> 
                    overhead_s=d.overhead_s, overlap_slowdown=d.overlap_slowdown)
 
 
-def spec_from_plan(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+def spec_from_plan(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
                    params: CostParams = DEFAULT_PARAMS) -> tuple[SimSpec, StageDurations]:
     """The SimSpec of ``plan`` and the cost model's durations it is built from."""
     d = stage_durations(model, cluster, plan, work, params)

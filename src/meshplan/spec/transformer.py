@@ -115,7 +115,7 @@ def transformer_graph(model: ModelSpec, seq_len: int) -> LayerGraph:
     layers = ([layer("embedding", "embedding", "embedding")]
               + [layer(f"layers.{i}", "block", "block") for i in range(model.num_layers)]
               + [layer("output", "head", "head")])
-    return LayerGraph(name=model.name, source=f"model:{model.name}", task="causal-lm" if model.causal else "masked-lm",
+    return LayerGraph(name=model.name, source=model.name, task="causal-lm" if model.causal else "masked-lm",
                       sample_tokens=s, trace_dtype="bfloat16", layers=tuple(layers),
                       tied_params=model.vocab_size * model.hidden_size if model.tied_embeddings else 0,
                       tied_split=True, ops=ops, model=model)
