@@ -46,26 +46,17 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.cli.planfile import resolve
     from meshplan.sim import write_plot, write_trace
     from meshplan.sim.output import check_plot_path
-    from meshplan.spec.graph import LayerGraph
-    from meshplan.spec.plan import Workload
     if args.plot:
         check_plot_path(args.plot)  # before any work: matplotlib is there and can write this format
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
-    model, cluster, plan = inputs.model(), inputs.cluster(), inputs.plan
-    if isinstance(model, LayerGraph):  # an ingested model or a layer graph file: the graph cost model
-        from meshplan.cost.graph import check_graph, graph_workload
-        from meshplan.sim import simulate_graph_plan
-        work = graph_workload(model, inputs.global_batch)
-        check_graph(model, cluster, plan, work)
-        with slow_step("simulating the step"):
-            res, sim_summary = simulate_graph_plan(model, cluster, plan, work)
-    else:
-        from meshplan.cost import check
-        from meshplan.sim import simulate_plan
-        work = Workload(global_batch=inputs.global_batch, seq_len=inputs.seq_len or model.seq_len)
-        check(model, cluster, plan, work)
-        with slow_step("simulating the step"):
-            res, sim_summary = simulate_plan(model, cluster, plan, work)
+    from meshplan.cli.model_arg import as_problem
+    from meshplan.cost import check
+    from meshplan.sim import simulate_plan
+    cluster, plan = inputs.cluster(), inputs.plan
+    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len)
+    check(model, cluster, plan, work)
+    with slow_step("simulating the step"):
+        res, sim_summary = simulate_plan(model, cluster, plan, work)
     if args.trace:
         with slow_step(f"writing the trace ({len(res.events):,} events)"):
             write_trace(res, args.trace)
