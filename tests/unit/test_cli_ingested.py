@@ -52,16 +52,28 @@ def test_estimate_and_plan_accept_hf_sources_directly(capsys) -> None:
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["plan", "--cluster", "a100-sxm-80gb:8", "--global-batch", "8", "--fix", "cp=2"], "no sequence axis"),
     (["estimate", "--cluster", "a100-sxm-80gb:8", "--plan", "dp=8", "--global-batch", "8", "--seq-len", "7"],
      "traced at"),
-    (["estimate", "--cluster", "a100-sxm-80gb:8", "--plan", "dp=4,cp=2", "--global-batch", "8"], "cp"),
+    (["estimate", "--cluster", "a100-sxm-80gb:8", "--plan", "dp=4,ep=2", "--global-batch", "8"], "no experts"),
 ])
 def test_graph_errors_are_one_line(graph_file: Path, capsys, argv: list[str], needle: str) -> None:
     argv = argv[:1] + ["--model", str(graph_file)] + argv[1:]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("meshplan: error:") and needle in err and "\n" not in err
+
+
+def test_an_ingested_model_gets_the_whole_plan_space(graph_file: Path, capsys) -> None:
+    """Context and sequence parallelism on the attention and norms ingestion found (one cost
+    path: what the layers allow, spec.capabilities)."""
+    assert main(["plan", "--model", str(graph_file), "--cluster", "a100-sxm-80gb:8", "--global-batch", "8",
+                 "--fix", "cp=2", "--json", "--top", "3"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["plans"] and all(p["plan"]["cp"] == 2 for p in res["plans"])
+    assert main(["estimate", "--model", str(graph_file), "--cluster", "a100-sxm-80gb:8", "--plan",
+                 "tp=2,dp=2,cp=2,sequence_parallel=1", "--global-batch", "8", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["step_time_s"] > 0 and est["fits"]
 
 
 def test_ingest_rejects_presets_and_bad_sources(capsys) -> None:

@@ -3,7 +3,7 @@
 Measured: one forward of the real module (``ingest.build`` on CPU, fp32, train mode) on a micro-batch
 of B samples, counting every tensor autograd saves for backward once per storage (its full storage
 bytes), parameters and buffers excluded, up to the loss (the loss's own tensors apart, as ingest
-keeps them apart). Predicted: the LayerGraph's sum of ``saved_bytes`` x B, and ``estimate_graph``'s
+keeps them apart). Predicted: the LayerGraph's sum of ``saved_bytes`` x B, and ``cost.estimate``'s
 ``memory['activations']`` for the same micro-batch on one process (dp = pp = tp = 1, fp32,
 recompute none), which is the same sum. Agreement within 10% (measured: Llama, ViT, the CNN and
 Mixtral within 0.35%, T5 without dropout within 3.5% at B=2).
@@ -22,7 +22,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from meshplan.cost.graph import estimate_graph, graph_workload  # noqa: E402
+from meshplan.cost import estimate  # noqa: E402
+from meshplan.spec.plan import Workload  # noqa: E402
 from meshplan.ingest import build, ingest  # noqa: E402
 from meshplan.spec.plan import Plan  # noqa: E402
 from meshplan.units import GiB  # noqa: E402
@@ -86,7 +87,8 @@ def test_activation_memory_matches_cpu(name: str, cpu_cluster, monkeypatch: pyte
     measured, measured_loss = saved_bytes(source, B, seq)
     graph = ingest(source, seq_len=seq)
     predicted = sum(layer.saved_bytes for layer in graph.layers) * B
-    report = estimate_graph(graph, cpu_cluster, Plan(micro_batch=B, precision="fp32"), graph_workload(graph, B))
+    report = estimate(graph, cpu_cluster, Plan(micro_batch=B, precision="fp32"),
+                      Workload(global_batch=B, seq_len=graph.sample_tokens))
     estimated = report.memory["activations"] * GiB
     assert measured > 0
     assert abs(predicted - measured) / measured < TOL, (name, measured, predicted)

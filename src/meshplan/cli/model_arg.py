@@ -57,7 +57,8 @@ def as_problem(model: ModelSpec | LayerGraph, global_batch: int, seq_len: int | 
     from meshplan.spec.graph import as_graph
     from meshplan.spec.plan import Workload
     s = model.sample_tokens if isinstance(model, LayerGraph) else (seq_len or model.seq_len)
-    return as_graph(model, s), Workload(global_batch=global_batch, seq_len=s)
+    work = Workload(global_batch=global_batch, seq_len=s)  # its bounds checked before any arithmetic
+    return as_graph(model, s), work
 
 
 def graph_text(graph: LayerGraph) -> list[str]:

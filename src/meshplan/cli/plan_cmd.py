@@ -390,9 +390,12 @@ def check_gpus(model: Any, cluster: Any, work: Any, space: Any) -> None:
     if try_n % d["tp"] == 0 and d["dp"] % (try_n // d["tp"]) == 0:
         k = d["dp"] // (try_n // d["tp"])
         shape = f" (tp={d['tp']} x dp={try_n // d['tp']}, {k} sequence{'' if k == 1 else 's'} per replica)"
+    from meshplan.spec.capabilities import capabilities
+    caps = capabilities(model)
+    heads = f"{caps.heads[0][0]} heads, " if caps.heads else ""
     raise MeshplanError(
         f"a global batch of {work.global_batch} cannot use {n:,} GPUs: with {model.name}'s "
-        f"{model.num_attention_heads} heads, {model.num_layers} layers and {work.seq_len:,}-token sequences a plan "
+        f"{heads}{caps.blocks} layers and {work.seq_len:,}-token sequences a plan "
         f"uses at most {most:,} (tp {d['tp']} x cp {d['cp']} x pp {d['pp']} x dp {d['dp']}, one sequence per "
         "data-parallel replica)",
         hint=f"use fewer GPUs, e.g. --cluster {cluster.gpu.name}:{try_n}{shape} or --gpus "

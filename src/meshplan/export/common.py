@@ -81,7 +81,7 @@ def check_plan(inp: ExportInput) -> None:
                     work=Workload(global_batch=cast(int, inp.global_batch), seq_len=seq))
     checks = [c.batch_divides, c.schedule_fits, c.cp_divides_seq, c.sp_needs_tp, c.hybrid_valid, c.offload_valid]
     if m is not None:
-        checks += [c.tp_divides_heads, c.tp_divides_ffn, c.layers_split, c.ep_valid]
+        checks += [c.tp_divides_heads, c.tp_divides_widths, c.layers_split, c.ep_valid]
     for check in checks:
         reason = check(ctx)
         if reason:

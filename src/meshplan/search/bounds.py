@@ -53,13 +53,14 @@ def unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return s[new], inverse
 
 
-def states_lower_bound_gib(model: LayerGraph | ModelSpec, cols: PlanColumns, work: Workload,
+def states_lower_bound_gib(model: LayerGraph | ModelSpec, cols: PlanColumns, work: Workload | None = None,
                            params: CostParams = DEFAULT_PARAMS) -> np.ndarray:
-    """Per row: a lower bound on the estimate's peak memory per GPU, GiB."""
+    """Per row: a lower bound on the estimate's peak memory per GPU, GiB (``work``: the
+    sequence length a transformer description is generated at; default its own)."""
     n = cols.num_rows
     if n == 0:
         return np.zeros(0)
-    graph = as_graph(model, work.seq_len)
+    graph = as_graph(model, work.seq_len if work is not None else getattr(model, "seq_len", 0))
     keys = np.stack([cols[k].astype(np.int64) for k in _STATE_KEYS] + [(cols["schedule"] == _ZBV).astype(np.int64)],
                     axis=1)
     uniq, inverse = unique_rows(keys)
