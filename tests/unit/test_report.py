@@ -346,19 +346,15 @@ def test_graph_report_has_every_section_and_the_graphs_timeline(graph_page):
 
 
 def test_graph_report_matches_its_search_and_simulation():
-    from meshplan.cost.graph import graph_workload
-    from meshplan.search.graph import GraphSpace
-    from meshplan.sim import simulate_graph_plan
+    from meshplan.sim import simulate_plan
     g, cluster = toy_graph(), load_cluster("h100-sxm-80gb:8")
-    work = graph_workload(g, 32)
-    rep = build_report(g, cluster, work, GraphSpace(pp=(2,)), top=2)
+    work = Workload(global_batch=32, seq_len=g.sample_tokens)
+    rep = build_report(g, cluster, work, SearchSpace(pp=(2,)), top=2)
     best = rep.result.best
     assert rep.result.model is g and best.plan.pp == 2 and rep.sim_error is None
-    _, s = simulate_graph_plan(g, best.cluster, best.plan, work)
+    _, s = simulate_plan(g, best.cluster, best.plan, work)
     assert rep.sim_summary == s
     assert rep.html() == rep.html()  # deterministic
-    with pytest.raises(MeshplanError, match="GraphSpace"):
-        build_report(g, cluster, work, SearchSpace(pp=(2,)))
     sim, _, err = simulate_winner(rep.result, max_passes=1)
     assert sim is None and "meshplan simulate --model module:toy:decoder" in err
     _, _, err = simulate_winner(rep.result, max_passes=1, model="g.json")

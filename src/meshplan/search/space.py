@@ -273,6 +273,11 @@ class _StageSplitter:
             self._costs[tp] = (costs / unit, first / unit, last / unit)
         return self._costs[tp]
 
+    def uniform(self, tp: int) -> bool:
+        """The blocks cost the same (a transformer's): the even split by count is even in time."""
+        costs = self.costs(tp)[0]
+        return bool(np.allclose(costs, costs[0] if costs.size else 0.0, rtol=1e-9, atol=0.0))
+
     def code(self, tp: int, pp: int, v: int, schedule: str = "1f1b") -> int | None:
         """Stage-table code of the balanced split, None when it equals the even split or
         does not exist. Under zbv the output layer sits on rank 0 with the embedding."""
@@ -281,7 +286,7 @@ class _StageSplitter:
         if key not in self._splits:
             costs, first, last = self.costs(tp)
             L = len(costs)
-            if np.allclose(costs, costs[0] if L else 0.0, rtol=1e-9, atol=0.0):
+            if self.uniform(tp):
                 split = balanced_stage_layers(L, pp, v, first_extra=first, last_extra=last,
                                               schedule="zbv" if zbv else "1f1b")
             elif v == 1 and pp <= L:
@@ -322,8 +327,10 @@ def _stage_options(caps: Capabilities, tp: int, pp: int, space: SearchSpace,
     out = []
     for sched, v in schedule_options(pp, L, space):
         variants = [(NONE_CODE, -(-L // pp))]
-        uneven_only = space.uneven_stages is None  # default: only where the even split does not exist
-        if splitter is not None and pp > 1 and not (uneven_only and L % (pp * v) == 0):
+        # default: the balanced split where the even one does not exist, or where the blocks'
+        # costs differ (the even split by count is then not even in time)
+        uneven_only = space.uneven_stages is None
+        if splitter is not None and pp > 1 and not (uneven_only and L % (pp * v) == 0 and splitter.uniform(tp)):
             c = splitter.code(tp, pp, v, sched)
             if c is not None:
                 variants.append((c, max(splitter.table[c])))

@@ -210,10 +210,11 @@ CHECKS: dict[str, Check] = {
     "layers do not split into stages": layers_split,
     "batch not divisible": batch_divides,
     "schedule incompatible": schedule_fits,
+    "no attention for context parallel": cp_has_attention,
     "cp does not divide sequence": cp_divides_seq,
     "sequence parallel without tp": sp_needs_tp,
     "no replicated activations for sequence parallel": sp_has_activations,
-    "no attention for context parallel": cp_has_attention,
+
     "invalid expert parallel": ep_valid,
     "invalid hybrid sharding": hybrid_valid,
     "invalid offload": offload_valid,
