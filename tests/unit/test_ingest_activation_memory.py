@@ -23,9 +23,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from meshplan.cost import estimate  # noqa: E402
-from meshplan.spec.plan import Workload  # noqa: E402
 from meshplan.ingest import build, ingest  # noqa: E402
-from meshplan.spec.plan import Plan  # noqa: E402
+from meshplan.spec.plan import Plan, Workload  # noqa: E402
 from meshplan.units import GiB  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -152,7 +152,6 @@ def test_report_without_simulation_says_why():
 
 
 def test_simulate_winner_reports_simulator_errors(monkeypatch):
-    from meshplan.errors import MeshplanError
     model, cluster = load_model("gpt3-125m"), load_cluster("a100-sxm-80gb:8")
     rep = build_report(model, cluster, Workload(global_batch=16, seq_len=512), SearchSpace(pp=(1,)), top=1,
                        simulate=False)

@@ -29,10 +29,12 @@ GRAPH_ONLY_CHECKS = ("no layer for tensor parallel", "model cannot be pipelined"
 def _layer(name: str, kind: str, block: str, ops: LayerOps, s: int) -> LayerSpec:
     lin = sum(2.0 * g.m * g.n * g.k for g in ops.gemms) * s
     return LayerSpec(name=name, kind=kind, block=block, params=int(ops.params), fwd_flops=lin, bwd_flops=2 * lin,
-                     saved_bytes=s * (ops.saved_rep + ops.saved_split[0] + ops.saved_whole), output_bytes=s * ops.hidden)
+                     saved_bytes=s * (ops.saved_rep + ops.saved_split[0] + ops.saved_whole),
+                     output_bytes=s * ops.hidden)
 
 
-def cnn_like(widths: tuple[int, ...] = (64, 64, 128, 128, 256, 256, 512, 512), notes: tuple[str, ...] = ()) -> LayerGraph:
+def cnn_like(widths: tuple[int, ...] = (64, 64, 128, 128, 256, 256, 512, 512),
+             notes: tuple[str, ...] = ()) -> LayerGraph:
     """Blocks of unequal cost, no attention, no TP pairs: what a CNN looks like (one sample = one token)."""
     ops = {"stem": LayerOps(params=9408, gemms=(Gemm(n=64, k=147, m=12544),), saved_whole=64 * 12544 * 2,
                             hidden=64 * 3136 * 2, send=64 * 3136 * 2)}
@@ -40,7 +42,8 @@ def cnn_like(widths: tuple[int, ...] = (64, 64, 128, 128, 256, 256, 512, 512), n
     for i, w in enumerate(widths):
         pixels = 3136 * 64 // w
         bid = f"stage{w}"
-        ops[bid] = LayerOps(params=9 * w * w * 2, gemms=(Gemm(n=w, k=9 * w, m=pixels), Gemm(n=w, k=9 * w, m=pixels)),
+        conv = Gemm(n=w, k=9 * w, m=pixels)
+        ops[bid] = LayerOps(params=9 * w * w * 2, gemms=(conv, conv),
                             saved_rep=6 * w * pixels, saved_input=2 * w * pixels, hidden=2 * w * pixels,
                             send=2 * w * pixels, ew_rep=(8.0 * w * pixels, 8.0 * w * pixels))
         layers.append(_layer(f"layers.{i}", "block", bid, ops[bid], 1))
