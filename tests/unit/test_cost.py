@@ -12,13 +12,16 @@ import pytest
 
 from meshplan.cost import DEFAULT_PARAMS, estimate
 from meshplan.cost.comm import Group
-from meshplan.cost.compute import block_times, gemm_time
-from meshplan.cost.memory import activation_bytes_per_token, block_activation_bytes, model_state_bytes
+from meshplan.cost.compute import gemm_time
+from meshplan.cost.layer import quantities
+from meshplan.cost.memory import model_state_bytes
 from meshplan.cost.schedule import in_flight, pipeline_time
 from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import ClusterSpec, LinkTier
 from meshplan.spec.io import load_cluster, load_gpu, load_model
 from meshplan.spec.plan import Plan, Workload, parse_plan
+from meshplan.spec.transformer import block_ops
+from meshplan.units import GiB
 
 REL = 1e-12  # float-summation-order tolerance for identities that are exact on paper
 
@@ -119,6 +122,17 @@ def _linear_weights(m) -> int:
     return h * m.q_dim + 2 * h * m.kv_dim + m.q_dim * h + m.mlp_matrices * h * m.ffn_hidden_size
 
 
+def block_q(m, plan: Plan, s: int, gpu) -> dict[str, float]:
+    """One transformer block's per-micro-batch quantities (cost.layer on spec.transformer's ops)."""
+    return quantities(block_ops(m), plan, s, gpu, DEFAULT_PARAMS)
+
+
+def acts_per_token(m, plan: Plan, s: int) -> tuple[float, float]:
+    """(saved bytes per token of one block without recompute, of its input)."""
+    q = block_q(m, plan, s, load_gpu("h100-sxm-80gb"))
+    return q["full"], q["inp"]
+
+
 def _hand_linear_shapes(m, tp: int, tokens: float):
     h, f, mats_in = m.hidden_size, m.ffn_hidden_size, m.mlp_matrices - 1
     return [(tokens, (m.q_dim + 2 * m.kv_dim) / tp, h), (tokens, h, m.q_dim / tp),
@@ -136,13 +150,13 @@ def test_block_forward_flops(name, tp, cp, flash):
     m = model(name)
     b, s = 2, 2048
     plan = Plan(tp=tp, cp=cp, micro_batch=b, flash_attention=flash)
-    blk = block_times(m, plan, s, load_gpu("h100-sxm-80gb"), DEFAULT_PARAMS)
+    blk = block_q(m, plan, s, load_gpu("h100-sxm-80gb"))
     T = b * s / cp
     expected = 2 * T * _linear_weights(m) / tp + 4 * b * s * s * m.q_dim / (tp * cp)
-    assert blk.fwd_flops == pytest.approx(expected, rel=1e-12)
+    assert blk["flops"] == pytest.approx(expected, rel=1e-12)
     if m.num_attention_heads == m.kv_heads and m.mlp_matrices == 2:  # GPT: 24 h^2 + 4 s h per token
         h = m.hidden_size
-        assert blk.fwd_flops == pytest.approx(T * (24 * h * h + 4 * s * h) / tp, rel=1e-12)
+        assert blk["flops"] == pytest.approx(T * (24 * h * h + 4 * s * h) / tp, rel=1e-12)
 
 
 @pytest.mark.parametrize("name, tp, cp", BLOCK_CASES)
@@ -151,28 +165,26 @@ def test_backward_weight_pass_equals_linear_forward(name, tp, cp, precision):
     m, gpu = model(name), load_gpu("h100-sxm-80gb")
     b, s = 1, 4096
     plan = Plan(tp=tp, cp=cp, micro_batch=b, precision=precision)
-    blk = block_times(m, plan, s, gpu, DEFAULT_PARAMS)
+    blk = block_q(m, plan, s, gpu)
     peak = gpu.peak(precision)
     lin = sum(gemm_time(mm, n, k, peak, gpu, DEFAULT_PARAMS)
               for mm, n, k in _hand_linear_shapes(m, tp, b * s / cp))
-    assert blk.bwd_weight_s == pytest.approx(lin, rel=1e-12)
+    assert blk["bw"] == pytest.approx(lin, rel=1e-12)
     # input gradients redo the linear FLOPs plus attention/elementwise backward: strictly more
-    assert blk.bwd_input_s > blk.bwd_weight_s
-    assert blk.fwd_s > lin  # forward = linears + attention core + elementwise
-    assert blk.bwd_s == pytest.approx(blk.bwd_input_s + blk.bwd_weight_s, rel=REL)
+    assert blk["bi"] > blk["bw"]
+    assert blk["f"] > lin  # forward = linears + attention core + elementwise
 
 
 def test_recompute_extra_work_per_mode():
     m, gpu = model("llama3-8b"), load_gpu("h100-sxm-80gb")
     base = Plan(tp=2, micro_batch=1)
-    t = {r: block_times(m, base.replace(recompute=r), 8192, gpu, DEFAULT_PARAMS)
-         for r in ("none", "selective", "op", "full")}
-    assert t["none"].recompute_s == 0.0 and t["none"].recompute_flops == 0.0
-    assert t["full"].recompute_s == pytest.approx(t["full"].fwd_s, rel=REL)
-    assert t["full"].recompute_flops == pytest.approx(t["full"].fwd_flops, rel=REL)
-    assert 0 < t["selective"].recompute_s < t["op"].recompute_s < t["full"].recompute_s
+    t = {r: block_q(m, base.replace(recompute=r), 8192, gpu) for r in ("none", "selective", "op", "full")}
+    assert t["none"]["rc"] == 0.0 and t["none"]["rc_flops"] == 0.0
+    assert t["full"]["rc"] == pytest.approx(t["full"]["f"], rel=REL)
+    assert t["full"]["rc_flops"] == pytest.approx(t["full"]["flops"], rel=REL)
+    assert 0 < t["selective"]["rc"] < t["op"]["rc"] < t["full"]["rc"]
     for r in t.values():  # recompute never changes model FLOPs
-        assert r.fwd_flops == t["none"].fwd_flops
+        assert r["flops"] == t["none"]["flops"]
 
 
 # ======================================================================================
@@ -336,7 +348,7 @@ def test_activation_no_parallelism_korthikanti_eq1(name, s):
     """s b h (34 + 5 a s / h) per layer -> 34 h + 5 a s bytes per token."""
     m = model(name)
     assert m.dropout
-    full, inp = activation_bytes_per_token(m, Plan(flash_attention=False), s)
+    full, inp = acts_per_token(m, Plan(flash_attention=False), s)
     h, a = m.hidden_size, m.num_attention_heads
     assert full == pytest.approx(34 * h + 5 * a * s, rel=1e-12)
     assert inp == pytest.approx(2 * h, rel=1e-12)
@@ -348,47 +360,49 @@ def test_activation_tensor_parallel_korthikanti(name, t):
     m, s = model(name), 2048
     h, a = m.hidden_size, m.num_attention_heads
     # TP only (Eq. 2): s b h (10 + 24/t + 5 a s/(h t))
-    full, _ = activation_bytes_per_token(m, Plan(tp=t, flash_attention=False), s)
+    full, _ = acts_per_token(m, Plan(tp=t, flash_attention=False), s)
     assert full == pytest.approx(10 * h + 24 * h / t + 5 * a * s / t, rel=1e-12)
     # TP + SP (Eq. 4): s b h / t (34 + 5 a s / h)
-    full, inp = activation_bytes_per_token(
+    full, inp = acts_per_token(
         m, Plan(tp=t, sequence_parallel=True, flash_attention=False), s)
     assert full == pytest.approx(34 * h / t + 5 * a * s / t, rel=1e-12)
     assert inp == pytest.approx(2 * h / t, rel=1e-12)
     # TP + SP + selective recompute (Eq. 6): 34 s b h / t
-    full, _ = activation_bytes_per_token(
+    full, _ = acts_per_token(
         m, Plan(tp=t, sequence_parallel=True, flash_attention=False, recompute="selective"), s)
     assert full == pytest.approx(34 * h / t, rel=1e-12)
 
 
 @pytest.mark.parametrize("name", GPT_MODELS)
 def test_full_recompute_keeps_block_input(name):
-    m, s, b = model(name), 2048, 2
-    L = 6
-    tokens = b * s
-    h = m.hidden_size
-    plan = Plan(micro_batch=b, recompute="full", flash_attention=False)
-    kept, transient = block_activation_bytes(m, plan, s, L)
-    full, _ = activation_bytes_per_token(m, plan, s)
-    assert kept == pytest.approx(tokens * L * 2 * h, rel=1e-12)
-    assert transient == pytest.approx(tokens * full, rel=1e-12)  # one block being recomputed
-    # partial: r layers recomputed, L - r kept whole
-    kept_r, _ = block_activation_bytes(m, plan.replace(recompute_layers=2), s, L)
-    assert kept_r == pytest.approx(tokens * (2 * 2 * h + (L - 2) * full), rel=1e-12)
-    # SP shards the kept input too
-    kept_sp, _ = block_activation_bytes(
-        m, plan.replace(tp=8, sequence_parallel=True), s, L)
-    assert kept_sp == pytest.approx(tokens * L * 2 * h / 8, rel=1e-12)
-    # no recompute keeps everything, nothing transient
-    kept_none, tr_none = block_activation_bytes(m, plan.replace(recompute="none"), s, L)
-    full_none, _ = activation_bytes_per_token(m, plan.replace(recompute="none"), s)
-    assert kept_none == pytest.approx(tokens * L * full_none, rel=1e-12) and tr_none == 0.0
+    """The assembled activations of one rank (pp = 1: embedding output + every block): full
+    recompute keeps each block's input, recompute_layers=r keeps r inputs and L - r whole blocks,
+    SP shards the inputs; the recomputed block is the transient."""
+    m, s, b = model(name).replace(num_layers=6), 2048, 2
+    L, tokens, h = 6, b * s, m.hidden_size
+    cluster = load_cluster("h100-sxm-80gb:8")
+    work = Workload(global_batch=8 * b, seq_len=s)
+
+    def acts(plan: Plan) -> float:
+        return estimate(m, cluster, plan, work).memory["activations"] * GiB
+
+    emb = tokens * 2 * h  # the embedding's output, kept for its backward
+    plan = Plan(dp=8, micro_batch=b, recompute="full", flash_attention=False)
+    full, _ = acts_per_token(m, plan, s)
+    assert acts(plan) == pytest.approx(emb + tokens * L * 2 * h, rel=1e-12)
+    assert acts(plan.replace(recompute_layers=2)) == pytest.approx(emb + tokens * (2 * 2 * h + (L - 2) * full),
+                                                                   rel=1e-12)
+    sp = Plan(tp=8, micro_batch=b, recompute="full", flash_attention=False, sequence_parallel=True)
+    assert acts(sp) == pytest.approx(emb + tokens * L * 2 * h / 8, rel=1e-12)
+    none = plan.replace(recompute="none")
+    full_none, _ = acts_per_token(m, none, s)
+    assert acts(none) == pytest.approx(emb + tokens * L * full_none, rel=1e-12)
 
 
 def test_activation_scores_with_context_parallel_span_full_sequence():
     m, s, cp = model("gpt3-1.3b"), 2048, 2
     h, a = m.hidden_size, m.num_attention_heads
-    full, _ = activation_bytes_per_token(m, Plan(cp=cp, flash_attention=False), s)
+    full, _ = acts_per_token(m, Plan(cp=cp, flash_attention=False), s)
     assert full == pytest.approx(34 * h + 5 * a * s, rel=1e-12)
 
 

@@ -13,9 +13,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from meshplan.cost import DEFAULT_PARAMS, estimate
+from meshplan.cost import estimate
 from meshplan.cost.durations import stage_durations
-from meshplan.cost.memory import output_layer_static_bytes
 from meshplan.cost.schedule import bubble_array, in_flight_array, rank_passes
 from meshplan.sim import Pass, RankStep, SimSpec, VStage, simulate, simulate_plan
 from meshplan.sim.build import spec_from_plan
@@ -222,7 +221,7 @@ def test_zbv_plan_memory_and_output_layer_on_rank_0(mc, plan, gb):
     assert sum(st.fwd.compute for st in spec.stages) == pytest.approx(sum(d.fwd_s), rel=1e-12)
     # memory: the cost model's per-stage peaks, which hold the output layer on rank 0 like the
     # simulation (durations list its static bytes at rank pp - 1, where sim.build takes them from)
-    x = output_layer_static_bytes(model, p, w, DEFAULT_PARAMS)
+    x = d.output_static_bytes
     assert d.static_bytes[pp - 1] - d.static_bytes[1] == pytest.approx(x, rel=1e-9)
     _, s = simulate_plan(model, cluster, p, w)
     est = estimate(model, cluster, p, w).memory_per_stage

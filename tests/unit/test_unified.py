@@ -69,7 +69,7 @@ WORK = Workload(global_batch=512, seq_len=4096)
 
 def test_a_description_and_its_generated_graph_are_one_model(llama, h100x64):
     g = transformer_graph(llama, WORK.seq_len)
-    assert g.model is llama and g.num_blocks == llama.num_layers and g.num_params() == llama.num_params()
+    assert g.model == llama and g.num_blocks == llama.num_layers and g.num_params() == llama.num_params()
     assert len(g.ops) == 3  # the 32 blocks are stored once
     for plan in (Plan(dp=64, zero=1), Plan(tp=4, pp=2, dp=8, sequence_parallel=True, zero=1),
                  Plan(tp=2, pp=4, dp=8, virtual_stages=2, schedule="interleaved-1f1b", recompute="full")):

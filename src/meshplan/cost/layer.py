@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.cost.compute import ELEMENTWISE_BWD_RATIO, attention_seconds, gemm_time, mem_time
+from meshplan.cost.compute import attention_seconds, gemm_time, mem_time
 from meshplan.cost.params import CostParams
 from meshplan.spec.cluster import GPUSpec
 from meshplan.spec.graph import LayerOps
@@ -120,8 +120,11 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
     return (fwd, bwd_in, bwd_w, rc, lin_flops + att_flops, rc_flops, full, inp, op, loss_f, loss_b)
 
 
-def ew_bwd_ratio() -> float:  # kept for callers that document the elementwise backward ratio
-    return ELEMENTWISE_BWD_RATIO
+def quantities(o: LayerOps, plan: object, seq_len: int, gpu: GPUSpec, p: CostParams,
+               recomputable: bool = True) -> dict[str, float]:
+    """layer_quantities by name, for any object with the Combo fields (a Plan)."""
+    c = Combo(**{f: getattr(plan, f) for f in Combo.__dataclass_fields__})
+    return dict(zip(QUANTITIES, layer_quantities(o, c, seq_len, gpu, p, recomputable)))
 
 
 def table(ops: list[LayerOps], recomputable: list[bool], combos: list[dict], seq_len: int, gpu: GPUSpec,

@@ -5,8 +5,9 @@ Model states per parameter (mixed-precision Adam, Rajbhandari et al. 2020):
   distributed optimizer), fp32 master + Adam m, v 12 B; ZeRO-1 shards the 12 B, ZeRO-2 also
   the grads. ZeRO-3/FSDP: fp32 sharded params 4 B + fp32 grads 4 B + Adam 8 B, all sharded,
   plus the bf16 unsharded copies of the layers being computed.
-Activations per token per block follow Korthikanti et al. 2022 Eq. 2 (34 s b h for GPT
-with TP/SP splits), generalised to GQA, SwiGLU, rotary and FlashAttention (no s x s terms).
+Activations per token of each layer come from its LayerOps (cost.layer; a transformer block's
+follow Korthikanti et al. 2022 Eq. 2, 34 s b h for GPT with TP/SP splits, generalised to GQA,
+SwiGLU, rotary and FlashAttention: spec.transformer).
 """
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ import numpy as np
 
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.spec.cluster import ClusterSpec
-from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.plan import Plan
 
 Num = Any  # a float, or a numpy array of one value per plan (and per stage)
 
@@ -47,59 +47,6 @@ def fit_verdicts(peak_gib: Num, usable: float, p: CostParams) -> tuple[Num, Num]
     return fits, fits & (peak_gib * (1 + p.memory_error) > usable)
 
 
-def activation_bytes_per_token(model: ModelSpec, plan: Plan, seq_len: int) -> tuple[float, float]:
-    """(saved bytes per token of one block with no recompute, bytes of the block input).
-
-    Replicated parts (norm inputs/outputs, dropout masks) are split by TP only with sequence
-    parallel; the rest is split by TP."""
-    h, t = model.hidden_size, plan.tp
-    sp = t if plan.sequence_parallel else 1
-    dropout = 1 if model.dropout else 0  # 1-byte dropout masks
-    rep = 2 * h + 2 * h + dropout * h + 2 * h + 2 * h + dropout * h
-    f = (model.expert_ffn * model.experts_per_token) if model.is_moe else model.ffn_hidden_size
-    split = 2 * (model.q_dim + 2 * model.kv_dim) + 2 * model.q_dim
-    if model.position == "rotary" and not plan.compile:
-        split += 2 * (model.q_dim + model.kv_dim)
-    if model.mlp_type == "swiglu":
-        split += (6 if plan.compile else 8) * f
-    else:
-        split += 4 * f
-    if not plan.flash_attention and plan.recompute not in ("selective", "full"):
-        split += 5 * model.num_attention_heads * seq_len  # scores over all s keys: softmax, mask, dropout
-    layer_input = 2 * h / sp
-    return rep / sp + split / t, layer_input
-
-
-def op_sac_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
-    """Saved bytes per token under torchtitan op-level SAC: block input, every other matmul
-    output (wq, wv, w1, w2 for Llama order wq wk wv wo w1 w3 w2) and the attention output."""
-    h, t = model.hidden_size, plan.tp
-    sp = t if plan.sequence_parallel else 1
-    f = (model.expert_ffn * model.experts_per_token) if model.is_moe else model.ffn_hidden_size
-    return 2 * h / sp + (2 * model.q_dim + 2 * model.kv_dim + 2 * f + 2 * h + 2 * model.q_dim) / t
-
-
-def kept_activation_bytes(tokens: Num, layers: Num, recompute: Num, recompute_layers: Num,
-                          full: Num, inp: Num, op: Num) -> tuple[Num, Num]:
-    """(bytes kept per micro-batch for ``layers`` blocks, transient bytes of one block being
-    recomputed/back-propagated). Per-token block bytes ``full`` (no recompute), ``inp`` (the
-    block input) and ``op`` (op-level SAC); recompute_layers < 0 means all blocks."""
-    rec, opm = recompute == "full", recompute == "op"
-    r = np.where(recompute_layers >= 0, np.minimum(layers, recompute_layers), layers)
-    kept = tokens * np.where(rec, r * inp + (layers - r) * full, layers * np.where(opm, op, full))
-    return kept, np.where(rec | opm, tokens * full, 0.0)
-
-
-def block_activation_bytes(model: ModelSpec, plan: Plan, seq_len: int, layers: int) -> tuple[float, float]:
-    """kept_activation_bytes for one plan."""
-    full, inp = activation_bytes_per_token(model, plan, seq_len)
-    rl = -1 if plan.recompute_layers is None else plan.recompute_layers
-    kept, transient = kept_activation_bytes(plan.micro_batch * seq_len / plan.cp, layers,
-                                            np.asarray(plan.recompute), rl, full, inp,
-                                            op_sac_bytes_per_token(model, plan))
-    return float(kept), float(transient)
-
-
 def model_state_arrays(params: Num, layer_params: Num, zero: Num, shard: Num, offload_params: Num,
                        offload_optimizer: Num, dp_cp: Num, p: CostParams) -> tuple[Num, Num, Num, Num]:
     """(weights, grads, optimizer, transient) bytes for ``params`` parameters held by one GPU
@@ -111,22 +58,6 @@ def model_state_arrays(params: Num, layer_params: Num, zero: Num, shard: Num, of
     gathered = (1 + p.fsdp_prefetch_layers) * layer_params * 2.0 + layer_params * 4.0
     buckets = np.where(dp_cp > 1, 2 * p.dp_bucket_mib * 2**20, 0.0)
     return w, g, o, np.where(z3, gathered, buckets)
-
-
-def output_layer_static_bytes(model: ModelSpec, plan: Plan, work: Workload, p: CostParams) -> float:
-    """Bytes a pipeline stage's memory carries for holding the final norm and the output
-    projection (pp > 1): their model states (a separate copy when embeddings are tied), and
-    the logits' transient at the loss beyond a block's, times (1 + fragmentation). The same
-    pieces as cost.batch._memory; sim.build has the same function (a test checks they agree)."""
-    n = (model.norm_params() + model.vocab_size * model.hidden_size) / plan.tp
-    w, g, o, _ = model_state_bytes(n, 0.0, plan, p)
-    states = w + g + o + (6.0 * n if plan.zero == 3 and plan.pp > 1 else 0.0)  # pipelined FSDP's copies
-    tokens = plan.micro_batch * work.seq_len / plan.cp
-    _, block = block_activation_bytes(model, plan, work.seq_len, 1)
-    per = (FUSED_LOGITS_BYTES_PER_ELEM if plan.fused_loss else
-           VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM if plan.tp > 1 else LOGITS_BYTES_PER_ELEM)
-    logits = tokens * model.vocab_size / plan.tp * per
-    return states + (1 + p.allocator_fragmentation) * max(0.0, logits - block)
 
 
 def model_state_bytes(params: float, layer_params: float, plan: Plan,
