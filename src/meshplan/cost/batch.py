@@ -221,7 +221,13 @@ class Assembly:
 
 def _sum(counts: np.ndarray, x: np.ndarray) -> np.ndarray:
     """(rows, ranks): sum over the distinct layers of counts x per-layer value (rows, B)."""
-    return np.einsum("rsb,rb->rs", counts, x)
+    B = counts.shape[2]
+    if B > 6:
+        return np.einsum("rsb,rb->rs", counts, x)
+    out = counts[:, :, 0] * x[:, 0:1]
+    for b in range(1, B):
+        out += counts[:, :, b] * x[:, b:b + 1]
+    return out
 
 
 def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
