@@ -1,9 +1,9 @@
 """Ingestion of Hugging Face configs (issue 5): FLOPs and parameters against meshplan's analytical
 transformer model, the layer structure of each family, repeated blocks, TP structure.
 
-The analytical reference is cost/compute.py's per-block forward FLOPs (linear layers + attention
-core over the full s x s, no causal halving) and the output layer, backward = 2 x forward, and
-ModelSpec.num_params(); the HF configs are written from the ModelSpec presets here. Everything
+The analytical reference is the preset generated into a LayerGraph (spec/transformer.py: linear
+layers + attention core over the full s x s, no causal halving, and the output layer, backward = 2 x
+forward) and ModelSpec.num_params(); the HF configs are written from the ModelSpec presets here. Everything
 runs on the meta device: full-size models, no weights, no memory.
 """
 from __future__ import annotations
@@ -22,14 +22,11 @@ from meshplan.spec.io import load_model
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from meshplan.cost import DEFAULT_PARAMS  # noqa: E402
-from meshplan.cost.compute import block_times, output_layer_times  # noqa: E402
 from meshplan.ingest import build, ingest  # noqa: E402
-from meshplan.spec.io import load_gpu  # noqa: E402
-from meshplan.spec.plan import Plan  # noqa: E402
+from meshplan.spec.transformer import transformer_graph  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "hf"
-FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "gpt2", "bert", "t5", "vit"]
+FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "gpt2", "bert", "roberta", "t5", "vit"]
 
 
 def hf_config(spec) -> dict:
@@ -53,12 +50,17 @@ def hf_config(spec) -> dict:
     return cfg
 
 
+def ops_fwd_flops(ops, s: int) -> float:
+    """Forward FLOPs of one sample of s tokens through a layer's LayerOps (expert GEMMs: top_k per token)."""
+    lin = sum(2.0 * g.m * g.n * g.k * (ops.top_k if g.expert else 1) for g in ops.gemms)
+    return s * lin + (4.0 * s * s * ops.attention.q_dim if ops.attention else 0.0)
+
+
 def analytic_step_flops(spec, seq_len: int) -> float:
-    """Forward + backward FLOPs of one sample, meshplan's transformer model (backward = 2 x forward)."""
-    gpu, plan = load_gpu("h100-sxm-80gb"), Plan(micro_batch=1)
-    fwd = (spec.num_layers * block_times(spec, plan, seq_len, gpu, DEFAULT_PARAMS).fwd_flops
-           + output_layer_times(spec, plan, seq_len, gpu, DEFAULT_PARAMS).fwd_flops)
-    return 3.0 * fwd
+    """Forward + backward FLOPs of one sample, meshplan's transformer model (backward = 2 x forward),
+    from the LayerOps spec/transformer.py generates."""
+    g = transformer_graph(spec, seq_len)
+    return 3.0 * sum(ops_fwd_flops(g.ops[x.block], seq_len) for x in g.layers)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,8 @@ def test_layer_structure(graphs):
 def test_tasks_and_tokens(graphs):
     assert {f: g.task for f, g in graphs.items()} == {
         "llama": "causal-lm", "mistral": "causal-lm", "mixtral": "causal-lm", "qwen2": "causal-lm",
-        "gpt2": "causal-lm", "bert": "masked-lm", "t5": "seq2seq-lm", "vit": "classification"}
+        "gpt2": "causal-lm", "bert": "masked-lm", "roberta": "masked-lm", "t5": "seq2seq-lm",
+        "vit": "classification"}
     assert graphs["vit"].sample_tokens == (64 // 16) ** 2 + 1
     assert graphs["t5"].sample_tokens == 128  # source + target
     assert graphs["llama"].sample_tokens == 64

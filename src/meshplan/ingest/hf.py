@@ -148,21 +148,40 @@ def missing_arch_fields(config_cls: type, data: dict[str, Any]) -> list[str]:
     return missing
 
 
+PADDING_OFFSET_TYPES = frozenset({"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "roberta-prelayernorm",
+                                  "data2vec-text", "longformer"})
+"""Families whose position ids start after the padding token (``pad_token_id + 1``): that many
+rows of the position table are never a position."""
+
+
+def usable_positions(config: Any, table: int) -> int:
+    """Positions a sequence can use of a position table of ``table`` rows."""
+    if getattr(config, "model_type", None) in PADDING_OFFSET_TYPES:
+        pad = getattr(config, "pad_token_id", None)
+        return table - (int(pad) + 1 if isinstance(pad, int) and pad >= 0 else 0)
+    return table
+
+
 def check_seq_len(config: Any, seq_len: int, path: str = "") -> None:
     """``seq_len`` against the config's maximum positions, where the model has a table of them
-    (learned positions: GPT-2, BERT, BART, OPT; precomputed tables: GPT-J): a longer sequence would
-    index past it. Rotary models that compute their angles per position (``rope_parameters`` /
-    ``rope_theta``) have no such limit."""
+    (learned positions: GPT-2, BERT, RoBERTa, BART, OPT; precomputed tables: GPT-J): a longer
+    sequence would index past it (on the meta device nothing would notice: the runtime would fail
+    on the first batch). Rotary models that compute their angles per position (``rope_parameters``
+    / ``rope_theta``) have no such limit."""
     if getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None):
         return
     for key in _POSITION_KEYS:
         v = getattr(config, key, None)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            if seq_len > v:
+            usable = usable_positions(config, v)
+            if seq_len > usable:
                 where = f"{path!r}: " if path else ""
                 key = (getattr(config, "attribute_map", None) or {}).get(key, key)  # GPT-2: n_positions
-                raise MeshplanError(f"{where}seq_len {seq_len} exceeds the model's {v} positions ({key})",
-                                    hint=f"use --seq-len <= {v}, or raise {key} in the config")
+                of = (f"{key} = {v}, of which {v - usable} come before the first position "
+                      f"(pad_token_id + 1)") if usable != v else key
+                raise MeshplanError(f"{where}seq_len {seq_len} exceeds the model's {usable} positions ({of})",
+                                    hint=f"use --seq-len <= {usable}, or a config with more positions "
+                                         f"(a larger {key})")
             return
 
 
@@ -202,7 +221,7 @@ def default_seq_len(config: Any, task: str) -> int:
     for key in _POSITION_KEYS:
         v = getattr(config, key, None)
         if isinstance(v, int) and v > 0:
-            return min(v, MAX_DEFAULT_SEQ_LEN)
+            return min(usable_positions(config, v), MAX_DEFAULT_SEQ_LEN)
     return SEQ2SEQ_DEFAULT_SEQ_LEN if task == "seq2seq-lm" else DEFAULT_SEQ_LEN
 
 

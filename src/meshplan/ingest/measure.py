@@ -1,6 +1,7 @@
 """ingest(source) -> LayerGraph: build on the meta device, trace one step, assemble the layers."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -12,10 +13,14 @@ from torch.utils._pytree import tree_flatten
 from meshplan.errors import MeshplanError
 from meshplan.ingest import layers as _layers
 from meshplan.ingest import moe, tp
-from meshplan.ingest.builder import Built, build
+from meshplan.ingest import ops as _ops
+from meshplan.ingest.builder import DTYPES, Built, build
 from meshplan.ingest.source import parse_source
-from meshplan.ingest.trace import LayerRec, Tracer, frontier, run
-from meshplan.spec.graph import LayerGraph, LayerSpec
+from meshplan.ingest.trace import LayerRec, Tracer, frontier, run, storage_key
+from meshplan.spec.graph import LayerGraph, LayerOps, LayerSpec
+
+LM_TASKS = ("causal-lm", "masked-lm", "seq2seq-lm")
+"""Tasks whose head is a vocabulary projection: column-split (vocabulary-parallel) under TP."""
 
 
 def ingest(source: str, *, seq_len: int | None = None, dtype: str = "float32", batch_size: int = 1,
@@ -32,7 +37,29 @@ def ingest(source: str, *, seq_len: int | None = None, dtype: str = "float32", b
     src = parse_source(source)
     t0 = time.perf_counter()
     built = build(src, device="meta", seq_len=seq_len, dtype=dtype)
-    return measure(built, batch_size=batch_size, started=t0, copy_blocks=copy_blocks)
+    graph = measure(built, batch_size=batch_size, started=t0, copy_blocks=copy_blocks)
+    if dtype == OPS_DTYPE:
+        return graph
+    # LayerOps describe a bf16 step: take them from a bf16 trace, which sees what a float32 one
+    # cannot (a norm's or softmax's fp32 upcasts of bf16 activations)
+    try:
+        built16 = build(src, device="meta", seq_len=seq_len, dtype=OPS_DTYPE)
+        graph16 = measure(built16, batch_size=batch_size, copy_blocks=copy_blocks)
+    except MeshplanError as e:
+        return dataclasses.replace(graph, notes=(*graph.notes, f"layer ops from the {dtype} trace (a "
+                                                 f"{OPS_DTYPE} trace failed: {e.message})"))
+    same = [x.name for x in graph16.layers] == [x.name for x in graph.layers]
+    ids = {x.block: y.block for x, y in zip(graph.layers, graph16.layers)}
+    if not same or len(set(ids.values())) != len(ids):
+        return dataclasses.replace(graph, notes=(*graph.notes, f"layer ops from the {dtype} trace (the "
+                                                 f"{OPS_DTYPE} trace found other layers)"))
+    return dataclasses.replace(graph, ops={b: graph16.ops[b16] for b, b16 in ids.items()},
+                               tied_split=graph16.tied_split,
+                               notes=(*graph.notes, f"layer ops from a {OPS_DTYPE} trace"))
+
+
+OPS_DTYPE = "bfloat16"
+"""The trace dtype LayerOps come from (a float32 ingest traces a second time, for them)."""
 
 
 def _leaf_sig(x: Any) -> str:
@@ -63,6 +90,7 @@ def measure(built: Built, *, batch_size: int = 1, started: float | None = None,
 
     tracer = Tracer(model, units, regions)
     tracer.copy_blocks = copy_blocks
+    state = set(tracer.state_keys)
 
     def key(rec: LayerRec, args: tuple, kwargs: dict) -> str:
         leaves = ",".join(_leaf_sig(x) for x in tree_flatten((args, kwargs))[0])
@@ -71,13 +99,43 @@ def measure(built: Built, *, batch_size: int = 1, started: float | None = None,
     tracer.key_fn = key
     batch = built.make_inputs(batch_size)
     with moe.uniform_routing(model) as moe_layers, built.trace_patches():
+        tracer.rec = _ops.OpRecorder(DTYPES[built.dtype], param_info(units, tp_info, sigs, moe_layers), state)
         run(tracer, built.source, lambda: model(*batch.args, **batch.kwargs),
             lambda out: built.loss_fn(out, batch))
     return assemble(built, tracer, tp_info, sigs, batch_size, moe_layers, time.perf_counter() - t0)
 
 
+def param_info(units: list[_layers.Unit], tp_info: dict[str, tp.TPInfo], sigs: dict[int, str],
+               moe_layers: list[moe.MoeLayer]) -> dict[int, _ops.ParamInfo]:
+    """Storage of each parameter -> its TP role, name in its layer, and expert slot."""
+    experts: dict[int, str] = {}
+    for m in moe_layers:
+        for pname, p in m.module.named_parameters():
+            slot = m.expert_params.get(pname)
+            if slot is not None:
+                experts[id(p)] = f"{m.name}.{slot}"
+    out: dict[int, _ops.ParamInfo] = {}
+    for u in units:
+        t = tp_info.get(sigs[id(u)]) if u.in_container else None
+        for pname, p in u.module.named_parameters():
+            k = storage_key(p)
+            if k is None or k in out:
+                continue
+            name = pname[:-len(".weight")] if pname.endswith(".weight") else pname
+            slot = experts.get(id(p))
+            if slot is not None:
+                parts = name.split(".")
+                name = ".".join("*" if (i and parts[i - 1] == "experts" and x.isdigit()) else x
+                                for i, x in enumerate(parts))
+            out[k] = _ops.ParamInfo(role=t.roles.get(pname, "none") if t else "none", name=name,
+                                    slot=slot or name, expert=slot is not None,
+                                    attention=bool(t and pname in t.attention),
+                                    fused=_ops.FUSED_PROJECTIONS.get(name.rsplit(".", 1)[-1], 1))
+    return out
+
+
 def assemble(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: dict[int, str],
-             batch_size: int, moe_layers: list[str], seconds: float) -> LayerGraph:
+             batch_size: int, moe_layers: list[moe.MoeLayer], seconds: float) -> LayerGraph:
     recs = tracer.layers
     if not recs:
         raise MeshplanError(f"{built.source}: no layer ran in the forward pass",
@@ -145,6 +203,8 @@ def assemble(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: 
             extra["head_dim"] = float(a.head_dim)
         if a.loss_saved:
             extra["loss_saved_bytes"] = a.loss_saved / b
+        if a.loss_flops:
+            extra["loss_flops"] = a.loss_flops / b
         unfused += a.sdpa_unfused if r.copy_of is None else 0
         specs.append(LayerSpec(
             name=r.name or type(r.unit.module).__name__, kind=kind, block=ids[r.key], params=params[i],
@@ -166,6 +226,72 @@ def assemble(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: 
                      "(SDPA math path: the s x s scores are saved)")
     for info in tp_info.values():
         notes.extend(n for n in info.notes if n not in notes)
+    ops, lm_split, ops_notes = graph_ops(built, tracer, tp_info, sigs, batch_size, moe_layers, specs, params,
+                                         holders)
+    notes.extend(n for n in ops_notes if n not in notes)
     notes.append(f"traced at batch {batch_size}, {built.dtype}, in {seconds:.2f} s")
     return LayerGraph(name=built.name, source=built.source, task=built.task, sample_tokens=built.sample_tokens,
-                      trace_dtype=built.dtype, layers=tuple(specs), tied_params=tied, notes=tuple(notes))
+                      trace_dtype=built.dtype, layers=tuple(specs), tied_params=tied, notes=tuple(notes),
+                      ops=ops, tied_split=lm_split or not tied)
+
+
+def graph_ops(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: dict[int, str], batch_size: int,
+              moe_layers: list[moe.MoeLayer], specs: list[LayerSpec], params: list[int],
+              holders: dict[int, set[int]]) -> tuple[dict[str, LayerOps], bool, list[str]]:
+    """Block id -> LayerOps (ingest/ops.py) from each id's last measured call; whether the LM head
+    is vocabulary-parallel; notes."""
+    rr = tracer.rec
+    recs = tracer.layers
+    if rr is None:
+        return {}, False, []
+    tokens = float(batch_size * built.sample_tokens)
+    sends = frontier(tracer, tracer.nbytes2)
+    numel: dict[int, int] = {}
+    biases: dict[int, int] = {}
+    for m in built.module.modules():
+        for _n, p in m.named_parameters(recurse=False):
+            k = storage_key(p)
+            if k is not None:
+                numel[k] = p.numel()
+        w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+        if isinstance(w, torch.nn.Parameter) and isinstance(b, torch.nn.Parameter) and w.dim() >= 2:
+            biases[storage_key(w)] = b.numel()  # type: ignore[index]
+    last = len(recs) - 1
+    out_rec = rr.records.get(last, _ops.LayerRecord())
+    vocab = out_rec.out_elems / tokens if out_rec.out_elems else 1.0 / tokens
+    lm_head = None
+    if built.task in LM_TASKS:
+        lm_head = next((g.param for g in out_rec.gemms if g.param is not None and g.rows * g.n == out_rec.out_elems
+                        and g.n > 1), None)
+    vocab_rows = next((int(g.n) for g in out_rec.gemms if g.param == lm_head), 0) if lm_head is not None else 0
+    last_holder: dict[int, int] = {}  # a tied weight -> the last layer holding it (it counts it again)
+    for i, r in enumerate(recs):
+        if r.call == 0:
+            for p in r.unit.module.parameters():
+                if len(holders.get(id(p), ())) > 1:
+                    last_holder[id(p)] = i
+    rep: dict[str, int] = {}
+    for i, (r, x) in enumerate(zip(recs, specs)):
+        if r.copy_of is None:
+            rep[x.block] = i
+    ops: dict[str, LayerOps] = {}
+    notes: list[str] = []
+    for bid, i in rep.items():
+        r, x = recs[i], specs[i]
+        info = tp_info.get(sigs[id(r.unit)]) if r.unit.in_container else None
+        is_tp = info is not None and info.style == "megatron"
+        own = {id(p) for p in r.unit.module.parameters()}
+        tied_extra = sum(p.numel() for p in r.unit.module.parameters() if last_holder.get(id(p)) == i)
+        tables = sum(p.numel() for p in _ops.vocab_tables(r.unit.module, vocab_rows)) if r.call == 0 else 0
+        moes = [m for m in moe_layers if any(id(p) in own for p in m.module.parameters())]
+        ctx = _ops.LayerContext(
+            kind=x.kind, tp=is_tp, pairs=info.pairs if info else 0, params=float(params[i] + tied_extra),
+            param_numel=numel, biases=biases, vocab_tables=float(tables),
+            loss_vocab=vocab if i == last else 0.0, lm_head=lm_head if i == last else None,
+            send=sends[i], heads=built.heads, experts=moes[0].experts if moes else 0,
+            top_k=moes[0].top_k if moes else 0, gemm_dim=float(x.extra.get("gemm_dim", 1.0)))
+        o, n = _ops.layer_ops(rr.records.get(i, _ops.LayerRecord()), rr, ctx, tokens, built.sample_tokens,
+                              built.task == "causal-lm")
+        ops[bid] = o
+        notes.extend(f"{bid}: {t}" for t in n)
+    return ops, lm_head is not None, notes

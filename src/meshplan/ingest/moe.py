@@ -19,12 +19,28 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 _TOPK_ATTRS = ("top_k", "num_experts_per_tok", "experts_per_token", "k")
+
+
+@dataclass(eq=False)
+class MoeLayer:
+    """One patched MoE module: what ingest/ops.py needs to describe its expert GEMMs."""
+
+    name: str
+    """Module path in the model."""
+    module: nn.Module
+    experts: int
+    top_k: int = 0
+    """Experts per token (seen when the module runs; 0 before)."""
+    expert_params: dict[str, str] = field(default_factory=dict)
+    """Name inside the MoE module -> slot: the same matrix of every expert shares a slot
+    (``experts.3.w1.weight`` -> ``experts.*.w1.weight``; fused ``gate_up_proj`` is its own slot)."""
 
 
 def _counts(pairs: int, experts: int) -> list[int]:
@@ -42,6 +58,7 @@ def _uniform_fused(self: nn.Module, hidden_states: torch.Tensor, top_k_index: to
     h = hidden_states.shape[-1]
     flat = hidden_states.reshape(-1, h)
     k, n_exp = top_k_index.shape[-1], int(self.num_experts)
+    _seen(self, k)
     has_gate = bool(getattr(self, "has_gate", hasattr(self, "gate_up_proj")))
     has_bias = bool(getattr(self, "has_bias", False))
     transposed = bool(getattr(self, "is_transposed", False))
@@ -67,6 +84,7 @@ def _uniform_list(self: nn.Module, x: torch.Tensor, *args: object, **kwargs: obj
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     k = next(int(getattr(self, a)) for a in _TOPK_ATTRS if isinstance(getattr(self, a, None), int))
+    _seen(self, k)
     probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
     weights, _chosen = probs.topk(k, dim=-1)
     weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
@@ -76,6 +94,25 @@ def _uniform_list(self: nn.Module, x: torch.Tensor, *args: object, **kwargs: obj
             if chunk.shape[0]]
     y = torch.cat(outs) * weights.reshape(-1, 1)
     return y.view(flat.shape[0], k, -1).sum(dim=1).view(shape)
+
+
+_ACTIVE: dict[int, MoeLayer] = {}
+
+
+def _seen(m: nn.Module, k: int) -> None:
+    rec = _ACTIVE.get(id(m))
+    if rec is not None:
+        rec.top_k = int(k)
+
+
+def _expert_params(m: nn.Module, fused: bool) -> dict[str, str]:
+    if fused:
+        return {n: n for n, p in m.named_parameters(recurse=False) if p.dim() >= 2}
+    out = {}
+    for n, _p in m.experts.named_parameters():
+        parts = n.split(".", 1)
+        out[f"experts.{n}"] = f"experts.*.{parts[1]}" if len(parts) == 2 else f"experts.{n}"
+    return out
 
 
 def _is_fused(m: nn.Module) -> bool:
@@ -93,21 +130,27 @@ def _is_list(m: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def uniform_routing(model: nn.Module) -> Iterator[list[str]]:
-    """Patch every MoE layer of ``model`` for the duration; yields the patched module paths."""
+def uniform_routing(model: nn.Module) -> Iterator[list[MoeLayer]]:
+    """Patch every MoE layer of ``model`` for the duration; yields the patched layers."""
     patched: list[tuple[nn.Module, bool, object]] = []
-    names: list[str] = []
+    layers: list[MoeLayer] = []
     for name, m in model.named_modules():
-        fn = _uniform_fused if _is_fused(m) else _uniform_list if _is_list(m) else None
+        fused = _is_fused(m)
+        fn = _uniform_fused if fused else _uniform_list if _is_list(m) else None
         if fn is None:
             continue
         had = "forward" in vars(m)
         patched.append((m, had, vars(m).get("forward")))
         m.forward = types.MethodType(fn, m)
-        names.append(name)
+        n_exp = int(m.num_experts) if fused else len(m.experts)
+        rec = MoeLayer(name=name, module=m, experts=n_exp, expert_params=_expert_params(m, fused))
+        _ACTIVE[id(m)] = rec
+        layers.append(rec)
     try:
-        yield names
+        yield layers
     finally:
+        for rec in layers:
+            _ACTIVE.pop(id(rec.module), None)
         for m, had, old in patched:
             if had:
                 m.forward = old

@@ -41,6 +41,8 @@ class _Matrix:
     in_width: int
     out_width: int
     numel: int
+    param: str = ""
+    """The parameter's name inside the block (``mlp.up_proj.weight``, ``experts.gate_up_proj``)."""
 
     @property
     def scope(self) -> str:
@@ -60,6 +62,11 @@ class TPInfo:
     regions: list[str] = field(default_factory=list)
     """Module paths (inside the block) whose work TP divides."""
     notes: list[str] = field(default_factory=list)
+    roles: dict[str, str] = field(default_factory=dict)
+    """Parameter name inside the block -> column | row, for the matrices of the pairs (ingest/ops.py
+    splits their GEMMs; the biases of column matrices split with them)."""
+    attention: set[str] = field(default_factory=set)
+    """Of ``roles``: the matrices of attention pairs (their widths are the heads')."""
 
 
 def _role(owner: str, leaf: str) -> str | None:
@@ -96,7 +103,8 @@ def _matrices(block: nn.Module) -> list[_Matrix]:
             role = _role(mod_name, leaf)
             if role is not None:
                 w_in, w_out = _widths(mod, pname, tuple(p.shape))
-                out.append(_Matrix(mod_name, leaf, role, w_in, w_out, p.numel()))
+                out.append(_Matrix(mod_name, leaf, role, w_in, w_out, p.numel(),
+                                   f"{mod_name}.{pname}" if mod_name else pname))
     return out
 
 
@@ -201,7 +209,12 @@ def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (Non
     for pair in pairs:
         row = pair[-1]
         owners |= {m.module for m in pair}
-        if any(m.leaf.lower() in ATTENTION for m in pair[:-1]):
+        attn = any(m.leaf.lower() in ATTENTION for m in pair[:-1])
+        for m in pair:
+            info.roles[m.param] = m.role
+            if attn:
+                info.attention.add(m.param)
+        if attn:
             if heads:  # multi-query (one k/v head): the k/v head is replicated on every rank
                 caps += [heads] if kv == 1 else [heads, kv or heads]
             else:

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from meshplan.errors import MeshplanError
 from meshplan.ingest import flops as _flops
 from meshplan.ingest.layers import Unit
+from meshplan.ingest.ops import OpRecorder
 
 _ACCUMULATE = 2**63  # AccumulateGrad nodes have sequence number UINT64_MAX
 _META_QUERIES = {
@@ -115,6 +116,8 @@ class Acc:
     sdpa_unfused: int = 0
     out_bytes: float = 0.0
     """Bytes of the layer's primary output (its first floating tensor)."""
+    loss_flops: float = 0.0
+    """Of ``fwd``: the loss's FLOPs (a loss computed with matrix multiplies)."""
 
 
 @dataclass(eq=False)
@@ -210,6 +213,10 @@ class Tracer(TorchDispatchMode):
         self.copy_blocks = True
         self.tp_inputs: set[int] = set()
         self.key_fn: Callable[[LayerRec, tuple, dict], str] = lambda rec, a, k: ""
+        self.rec: OpRecorder | None = None
+        """Per-op records of the forward for LayerOps (ingest/ops.py), when set."""
+        self.nbytes2: dict[int, float] = {}
+        """Storage bytes at 2-byte activations (the recorder's scale), for the sends of LayerOps."""
         with torch.enable_grad():
             self._probe = torch.zeros(1, device="meta", requires_grad=True)
 
@@ -259,12 +266,16 @@ class Tracer(TorchDispatchMode):
             return out
         acc = self.acc()
         acc.fwd += n
+        if self.phase == "loss":
+            acc.loss_flops += n
         if self.tp_depth:
             acc.fwd_tp += n
         if packet in _flops.ATTENTION_FWD:
             acc.attn_fwd += n
         if self.phase == "fwd":
             self._track(args, kwargs, out)
+            if self.rec is not None:
+                self.rec.op(func, packet, args, kwargs, out, n, self.current)
             if n and packet in _GEMMS:
                 w = args[_GEMMS[packet]]
                 if isinstance(w, torch.Tensor) and w.dim() >= 2:
@@ -321,6 +332,8 @@ class Tracer(TorchDispatchMode):
                 if k is not None and k not in self.producer and k not in self.state_keys and k not in self.buffer_keys:
                     self.producer[k] = cur
                     self.nbytes[k] = storage_bytes(t)
+                    if self.rec is not None:
+                        self.nbytes2[k] = storage_bytes(t) * self.rec.scale(t)
                     self.keep.append(t.untyped_storage())
 
     # -- saved tensors ---------------------------------------------------------------------------
@@ -338,6 +351,8 @@ class Tracer(TorchDispatchMode):
             acc.loss_saved += b
             return t
         acc.saved += b
+        if self.rec is not None:
+            self.rec.saved(self.current, t, k)
         if self.tp_depth and k not in self.tp_inputs:
             acc.tp_saved += b
         return t
@@ -363,6 +378,8 @@ class Tracer(TorchDispatchMode):
                 rec.acc, self.pre = self.pre, Acc()
             self.stack.append(rec.index)
             self.current = rec.index
+            if self.rec is not None:
+                self.rec.layer_input(rec.index, args, kwargs)
             return None
         return hook
 
@@ -371,6 +388,8 @@ class Tracer(TorchDispatchMode):
             return None
         first = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
         self.layers[self.stack[-1]].out_bytes = 0.0 if first is None else float(first.numel() * first.element_size())
+        if self.rec is not None:
+            self.rec.layer_output(self.stack[-1], out)
         self.stack.pop()
         if self.stack:
             self.current = self.stack[-1]
@@ -528,15 +547,17 @@ def run(tracer: Tracer, source: str, forward: Callable[[], Any], loss_of: Callab
                 del m.forward
 
 
-def frontier(tracer: Tracer) -> list[float]:
-    """Bytes crossing the cut after each layer: storages made at or before it and read after it."""
+def frontier(tracer: Tracer, nbytes: dict[int, float] | None = None) -> list[float]:
+    """Bytes crossing the cut after each layer: storages made at or before it and read after it
+    (``nbytes``: each storage's bytes; default: as traced)."""
+    sizes = tracer.nbytes if nbytes is None else nbytes
     n = len(tracer.layers)
     diff = [0.0] * (n + 1)
     for k, p in tracer.producer.items():
         c = tracer.consumer.get(k)
         if c is not None and c > p:
-            diff[p] += tracer.nbytes[k]
-            diff[c] -= tracer.nbytes[k]
+            diff[p] += sizes.get(k, 0.0)
+            diff[c] -= sizes.get(k, 0.0)
     out, run_sum = [], 0.0
     for i in range(n):
         run_sum += diff[i]
