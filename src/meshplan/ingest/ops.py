@@ -410,7 +410,7 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
             continue
         # queries or keys other than the sample's tokens: QK^T and AV as GEMMs of their shapes
         split = "column" if a.split and ctx.tp else "none"
-        m = a.batch * a.heads * a.s_q * per
+        m = a.batch * a.heads * a.s_q / tokens
         if a.eager is not None:
             c = rr.candidates[a.eager]
             eager_gemms |= {c.qk.opid, c.av.opid}  # type: ignore[union-attr]
@@ -437,7 +437,7 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
     for key, gs in groups.items():
         g = gs[0]
         if key[0] == "act":
-            gemms.append(Gemm(n=g.n, k=g.k, m=g.rows * per, split="column" if g.split_in and ctx.tp else "none"))
+            gemms.append(Gemm(n=g.n, k=g.k, m=g.rows / tokens, split="column" if g.split_in and ctx.tp else "none"))
             continue
         info = rr.params.get(g.param, ParamInfo())
         role = info.role if ctx.tp else "none"
@@ -452,7 +452,7 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
             if same is not None:
                 merged[same] = len(gemms)
             gemms.append(Gemm(n=g.n, k=g.k, split=role, expert=True) if info.expert
-                         else Gemm(n=g.n, k=g.k, m=rows * per, split=role))
+                         else Gemm(n=g.n, k=g.k, m=rows / tokens, split=role))
         if role != "none":
             split_weights.add(g.param)  # type: ignore[arg-type]
             if g.param != ctx.lm_head and not (info.attention and found):
@@ -575,7 +575,7 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
         saved_input=rec.inp * per,
         saved_op=(op_rep * per, op_split * per),
         hidden=rec.out * per, send=ctx.send * per, tp_allreduces=ctx.pairs if tp else 0,
-        loss_vocab=ctx.loss_vocab, loss_split=ctx.lm_head is not None and ctx.loss_vocab > 0,
+        loss_vocab=ctx.loss_vocab, loss_split=ctx.lm_head is not None or not ctx.loss_vocab,
         fp8=ctx.kind != "head", tp_divides=divides)
     return ops, notes
 
