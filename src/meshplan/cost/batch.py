@@ -92,6 +92,10 @@ class Layout:
     vocab: np.ndarray           # (B,) logits per token at the loss
     loss_split: np.ndarray
 
+    def ids_where(self, mask: np.ndarray) -> list[int]:
+        """Indices of the distinct layers where ``mask`` (B,) holds."""
+        return [int(i) for i in np.nonzero(mask)[0]]
+
 
 def layout(graph: LayerGraph) -> Layout:
     """The graph's Layout, computed once per graph object."""
@@ -135,13 +139,27 @@ def _layout(graph: LayerGraph) -> Layout:
 def _group_rows(cols: Mapping[str, np.ndarray], keys: Sequence[str]) -> tuple[list[dict], np.ndarray]:
     """Distinct combinations of ``keys`` (as dicts of Python values) and each row's index."""
     arrays = [np.asarray(cols[k]) for k in keys]
-    if len(arrays[0]) <= 64 or any(a.dtype == object for a in arrays):
+    n = len(arrays[0])
+    if n <= 64 or any(a.dtype == object for a in arrays):
         index: dict[tuple, int] = {}
         inv = np.array([index.setdefault(t, len(index)) for t in zip(*(a.tolist() for a in arrays))])
         return [dict(zip(keys, t)) for t in index], inv
-    rec = np.rec.fromarrays(arrays, names=list(keys))  # type: ignore[call-overload]
-    uniq, inv = np.unique(rec, return_inverse=True)
-    return [{k: u[k].item() for k in keys} for u in uniq], inv.ravel()
+    # one int64 key per row from each column's codes (mixed radix), then one np.unique
+    key = np.zeros(n, dtype=np.int64)
+    uniques = []
+    for a in arrays:
+        u, code = np.unique(a, return_inverse=True)
+        uniques.append(u)
+        key = key * len(u) + code.ravel()
+    ukey, inv = np.unique(key, return_inverse=True)
+    combos = []
+    for k in ukey.tolist():
+        vals = []
+        for u in reversed(uniques):
+            k, c = divmod(k, len(u))
+            vals.append(u[c].item())
+        combos.append(dict(zip(keys, reversed(vals))))
+    return combos, inv.ravel()
 
 
 def _quantities(lay: Layout, cluster: ClusterSpec, work: Workload, cols: Mapping[str, np.ndarray],
@@ -154,16 +172,30 @@ def _quantities(lay: Layout, cluster: ClusterSpec, work: Workload, cols: Mapping
 
 def _placement(lay: Layout, cols: Mapping[str, np.ndarray], width: int) -> np.ndarray:
     """(rows, width, B): how many of each distinct layer each pipeline rank holds."""
-    keys = [np.asarray(cols[k]) for k in PLACE_KEY[:3]]
     sl = cols["stage_layers"]
+    explicit = np.array([x is not None for x in sl], dtype=bool) if len(sl) else np.zeros(0, dtype=bool)
+    pp, v = np.asarray(cols["pp"]).astype(np.int64), np.asarray(cols["virtual_stages"]).astype(np.int64)
+    zbv = (np.asarray(cols["schedule"]) == "zbv").astype(np.int64)
+    inter = (np.asarray(cols["schedule"]) == "interleaved-1f1b").astype(np.int64)
+    key = (pp * 1024 + v) * 4 + zbv * 2 + inter  # the placement depends on pp, v and the V shape only
     index: dict[tuple, int] = {}
-    inv = np.array([index.setdefault((int(a), int(b), str(c), None if s is None else tuple(s)), len(index))
-                    for a, b, c, s in zip(keys[0].tolist(), keys[1].tolist(), keys[2].tolist(), sl)])
+    inv = np.empty(len(pp), dtype=np.int64)
+    even = np.nonzero(~explicit)[0]
+    ukey, uinv = np.unique(key[even], return_inverse=True)
+    for i, k in enumerate(ukey.tolist()):
+        index[(k, None)] = i
+    inv[even] = uinv.ravel()
+    for r in np.nonzero(explicit)[0].tolist():
+        inv[r] = index.setdefault((int(key[r]), tuple(sl[r])), len(index))
     mats = np.zeros((len(index), width, len(lay.ids)))
-    for (pp, v, sched, stages), i in index.items():
-        plan = Plan(pp=pp, virtual_stages=v, schedule=sched, stage_layers=stages)
+    for (k, stages), i in index.items():
+        rest, inter_f = divmod(k, 2)
+        rest, zbv_f = divmod(rest, 2)
+        p_, v_ = divmod(rest, 1024)
+        sched = "zbv" if zbv_f else ("interleaved-1f1b" if inter_f else "1f1b")
+        plan = Plan(pp=p_, virtual_stages=v_, schedule=sched, stage_layers=stages)
         ranges = stage_layer_ranges(lay.kinds, plan)
-        for r in range(pp):
+        for r in range(p_):
             for sid in stage_ids_for_rank(r, plan):
                 a, b = ranges[sid]
                 mats[i, r] += np.bincount(lay.layer_id[a:b], minlength=len(lay.ids))
@@ -230,6 +262,25 @@ def _sum(counts: np.ndarray, x: np.ndarray) -> np.ndarray:
     return out
 
 
+class _Counts:
+    """A (rows, ranks, B) count tensor kept as one contiguous (rows, ranks) slice per distinct
+    layer, summed over the layers a term concerns only (a transformer's TP all-reduces are its
+    blocks': one slice, not three)."""
+
+    def __init__(self, counts: np.ndarray, scale: np.ndarray | None = None) -> None:
+        self.slices = [np.ascontiguousarray(counts[:, :, b]) * (1.0 if scale is None else scale)
+                       for b in range(counts.shape[2])]
+        self.shape = counts.shape[:2]
+
+    def sum(self, x: np.ndarray, ids: Any = None) -> np.ndarray:
+        """(rows, ranks) sum over ``ids`` (default all) of count x x[:, id]."""
+        ids = range(len(self.slices)) if ids is None else ids
+        out = np.zeros(self.shape)
+        for b in ids:
+            out += self.slices[b] * x[:, b:b + 1]
+        return out
+
+
 def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
              p: CostParams) -> Assembly:
     lay = layout(graph)
@@ -247,46 +298,55 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     j = np.arange(width)[None, :]
     zbv = np.asarray(cols["schedule"]) == "zbv"
     valid, first, last = j < pp[:, None], j == 0, output_stage(pp, zbv, j)
-    isb = lay.is_block[None, None, :]
+    blk_ids = lay.ids_where(lay.is_block)
 
     def col(x: Any) -> np.ndarray:
         return np.asarray(x, dtype=float)[:, None]
 
     # Recompute: blocks only; recompute_layers = the first N blocks of each rank.
-    blk_counts = counts * isb
-    nblk = blk_counts.sum(axis=2)
+    C = _Counts(counts)
+    nblk = sum((C.slices[b] for b in blk_ids), np.zeros(C.shape))
     full_rc = cols["recompute"] == "full"
     rl = cols["recompute_layers"]
     limited = full_rc[:, None] & (rl[:, None] >= 0)
     frac = np.where(limited, np.minimum(nblk, rl[:, None]) / np.maximum(nblk, 1), 1.0)
-    rc_counts = blk_counts * frac[:, :, None]
+    rc_counts = counts * lay.is_block[None, None, :] * frac[:, :, None]
+    R = _Counts(rc_counts)
 
     f, bi, bw, rc = q["f"], q["bi"], q["bw"], q["rc"]
-    fwd, b_in, b_w = _sum(counts, f), _sum(counts, bi), _sum(counts, bw)
+    fwd, b_in, b_w = C.sum(f), C.sum(bi), C.sum(bw)
     pre, suf = lay.prefix[None, :], lay.suffix[None, :]
     fwd_x = first * (f * pre).sum(1)[:, None] + last * (f * suf).sum(1)[:, None]
     bin_x = first * (bi * pre).sum(1)[:, None] + last * (bi * suf).sum(1)[:, None]
     bw_x = first * (bw * pre).sum(1)[:, None] + last * (bw * suf).sum(1)[:, None]
     compute = fwd + b_in + b_w
-    recompute = _sum(rc_counts, rc)
+    recompute = R.sum(rc, blk_ids)
 
-    # Tensor, context and expert parallel communication per layer.
+    # Tensor, context and expert parallel communication per layer (only the layers that have it).
+    zeros = np.zeros(C.shape)
+    tp_ids = lay.ids_where(lay.pairs > 0)
     tp_one = Group.of(cluster, tp[:, None], 1).all_reduce((tokens * scale)[:, None] * lay.hidden[None, :])
     per_pass = tp_one * lay.pairs[None, :]  # one direction (forward or backward)
     re = np.where(full_rc, 1.0, 0.0)[:, None]
-    tp_fwd = _sum(counts, per_pass)
-    tp_bwd = _sum(counts, per_pass) + _sum(rc_counts, per_pass * re)
-    kv = (tokens * scale)[:, None] * 2 * lay.kv_dim[None, :] / tp[:, None] * 2.0
-    cp_g = Group.of(cluster, cp[:, None], tp[:, None])
-    cp_t = np.where(lay.kv_dim[None, :] > 0, 3 * cp_g.all_gather(kv * cp[:, None]), 0.0)
-    cp_exp = np.maximum(0.0, cp_t - 0.5 * (f + bi + bw))
-    ep_t = np.where(lay.a2a[None, :] > 0, 4 * Group.of(cluster, ep[:, None], tp[:, None]).all_to_all(
-        (tokens * scale)[:, None] * lay.a2a[None, :]), 0.0)
-    share_f = f / np.maximum(1e-30, f + bi + bw)
+    tp_fwd = C.sum(per_pass, tp_ids)
+    tp_bwd = tp_fwd + R.sum(per_pass * re, tp_ids)
+    att_ids = lay.ids_where(lay.kv_dim > 0) if (cp > 1).any() else []
+    cp_f = cp_b = cp_fo = cp_bo = zeros
+    if att_ids:
+        kv = (tokens * scale)[:, None] * 2 * lay.kv_dim[None, :] / tp[:, None] * 2.0
+        cp_g = Group.of(cluster, cp[:, None], tp[:, None])
+        cp_t = np.where(lay.kv_dim[None, :] > 0, 3 * cp_g.all_gather(kv * cp[:, None]), 0.0)
+        cp_exp = np.maximum(0.0, cp_t - 0.5 * (f + bi + bw))
+        share_f = f / np.maximum(1e-30, f + bi + bw)
+        cp_f, cp_b = C.sum(cp_exp * share_f, att_ids), C.sum(cp_exp * (1 - share_f), att_ids)
+        cp_fo, cp_bo = C.sum((cp_t - cp_exp) * share_f, att_ids), C.sum((cp_t - cp_exp) * (1 - share_f), att_ids)
+    exp_ids = lay.ids_where(lay.a2a > 0) if (ep > 1).any() else []
+    ep_s = zeros
+    if exp_ids:
+        ep_t = np.where(lay.a2a[None, :] > 0, 4 * Group.of(cluster, ep[:, None], tp[:, None]).all_to_all(
+            (tokens * scale)[:, None] * lay.a2a[None, :]), 0.0)
+        ep_s = C.sum(ep_t, exp_ids)
     async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
-    cp_f, cp_b = _sum(counts, cp_exp * share_f), _sum(counts, cp_exp * (1 - share_f))
-    cp_fo, cp_bo = _sum(counts, (cp_t - cp_exp) * share_f), _sum(counts, (cp_t - cp_exp) * (1 - share_f))
-    ep_s = _sum(counts, ep_t)
     tp_f = tp_fwd * async_f + cp_f + ep_s / 2
     tp_b = tp_bwd * async_f + cp_b + ep_s / 2
     tp_f_ovl = tp_fwd * (1 - async_f) + cp_fo
@@ -294,20 +354,28 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
 
     # Parameters and FSDP per layer (the blocks are FSDP units; the rest is the root unit).
     lp = local_params(lay, tp, ep)
-    shard_g = Group.of(cluster, shard[:, None], tp[:, None])
-    ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(p.fsdp_reduce_bytes * lp)
     fsdp = (zero == 3) & (shard > 1)
     per_step = (zero == 3) & (pp > 1)
     blocked = (fsdp & ~per_step)[:, None]
-    f_exp = np.where(blocked, exposed_under(ag, f, p.overlap_slowdown), 0.0)
-    b_exp = np.where(blocked, exposed_under(ag + rs, bi + bw + rc, p.overlap_slowdown), 0.0)
-    f_ovl, b_ovl = np.where(blocked, ag - f_exp, 0.0), np.where(blocked, ag + rs - b_exp, 0.0)
-    plocal, tied_local = _rank_params(lay, counts, lp, tp, pp, valid, first, last)
-    blk_params = _sum(blk_counts, lp)
+    if (zero == 3).any():
+        shard_g = Group.of(cluster, shard[:, None], tp[:, None])
+        ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(p.fsdp_reduce_bytes * lp)
+    else:
+        ag = rs = np.zeros_like(lp)
+    if blocked.any():
+        f_exp = np.where(blocked, exposed_under(ag, f, p.overlap_slowdown), 0.0)
+        b_exp = np.where(blocked, exposed_under(ag + rs, bi + bw + rc, p.overlap_slowdown), 0.0)
+        f_ovl, b_ovl = np.where(blocked, ag - f_exp, 0.0), np.where(blocked, ag + rs - b_exp, 0.0)
+    else:
+        f_exp = b_exp = f_ovl = b_ovl = np.zeros_like(lp)
+    plocal, tied_local = _rank_params(lay, counts, lp, tp, pp, valid, first, last, C)
+    blk_params = C.sum(lp, blk_ids)
     lp_unit = np.max(np.where(lay.is_block[None, :], lp, 0.0), axis=1)
     offload = offload_seconds(cols, plocal, shard, p)
-    dp_f = _sum(blk_counts, f_exp) + offload / 2
-    dp_b = _sum(blk_counts, b_exp) + offload / 2
+    dp_f_blk, dp_b_blk = C.sum(f_exp, blk_ids), C.sum(b_exp, blk_ids)
+    dp_f = dp_f_blk + offload / 2
+    dp_b = dp_b_blk + offload / 2
+    dp_f_ovl, dp_b_ovl = C.sum(f_ovl, blk_ids), C.sum(b_ovl, blk_ids)
 
     send_bytes = tokens * scale * lay.send / np.where(cols["p2p_sharded"], tp, 1)
     send = Group.of(cluster, 2, tp * cp * dp).send_recv(send_bytes)
@@ -316,7 +384,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     tp_t = tp_fwd + tp_bwd
     terms = {"compute": compute, "recompute": recompute, "tp_comm": tp_t * async_f,
              "tp_comm_overlapped": tp_t * (1 - async_f), "cp_comm": cp_f + cp_b, "ep_comm": ep_s,
-             "dp_comm": _sum(blk_counts, f_exp + b_exp), "dp_comm_overlapped": _sum(blk_counts, f_ovl + b_ovl),
+             "dp_comm": dp_f_blk + dp_b_blk, "dp_comm_overlapped": dp_f_ovl + dp_b_ovl,
              "pp_comm": p2p, "offload": offload}
     exposed = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm", "offload")
     totals = np.where(valid, sum(terms[k] for k in exposed), -np.inf)
@@ -326,7 +394,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
         split=(((np.asarray(cols["schedule"]) == "zero-bubble") | zbv) & (pp > 1)), counts=counts,
         rc_counts=rc_counts, q=q, fwd=fwd, b_in=b_in, b_w=b_w, fwd_x=fwd_x, bin_x=bin_x, bw_x=bw_x, terms=terms,
         tp_f=tp_f, tp_b=tp_b, tp_f_ovl=tp_f_ovl, tp_b_ovl=tp_b_ovl, dp_f=dp_f, dp_b=dp_b,
-        dp_f_ovl=_sum(blk_counts, f_ovl), dp_b_ovl=_sum(blk_counts, b_ovl), send=send, p2p=p2p,
+        dp_f_ovl=dp_f_ovl, dp_b_ovl=dp_b_ovl, send=send, p2p=p2p,
         totals=totals, plocal=plocal, lp_unit=lp_unit, blk_params=blk_params, ag=ag, rs=rs, fsdp=fsdp,
         per_step=per_step, tied=tied * np.ones(n), tied_local=tied_local * np.ones(n))
 
@@ -338,12 +406,14 @@ def local_params(lay: Layout, tp: np.ndarray, ep: np.ndarray) -> np.ndarray:
 
 
 def _rank_params(lay: Layout, counts: np.ndarray, lp: np.ndarray, tp: np.ndarray, pp: np.ndarray,
-                 valid: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 valid: np.ndarray, first: np.ndarray, last: np.ndarray,
+                 C: _Counts | None = None) -> tuple[np.ndarray, np.ndarray]:
     """((rows, ranks) parameters per GPU before sharding, (rows) tied parameters per GPU): a
     tied weight counted at both users, once when one rank holds both (pp = 1)."""
     tied_local = lay.graph.tied_params / np.where(lay.graph.tied_split, tp, 1.0)
     single = (pp == 1)[:, None]
-    return np.where(valid, _sum(counts, lp) - (first & last & single) * tied_local[:, None], 0.0), tied_local
+    held = C.sum(lp) if C is not None else _sum(counts, lp)
+    return np.where(valid, held - (first & last & single) * tied_local[:, None], 0.0), tied_local
 
 
 def stage_params(graph: LayerGraph, cols: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -541,20 +611,26 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     rec = np.asarray(cols["recompute"])
     full_mode, op_mode = (rec == "full")[:, None], (rec == "op")[:, None]
     keep = np.where(full_mode, a.q["inp"], np.where(op_mode, a.q["op"], a.q["full"]))  # (rows, B)
-    kept = t * (_sum(a.rc_counts, keep) + _sum(a.counts - a.rc_counts, a.q["full"]))
-    present = (a.counts * a.lay.is_block[None, None, :]) > 0
-    one_block = np.max(np.where(present, a.q["full"][:, None, :], 0.0), axis=2)
+    C, R = _Counts(a.counts), _Counts(a.rc_counts)
+    blk_ids = a.lay.ids_where(a.lay.is_block)
+    kept = t * (R.sum(keep, blk_ids) + C.sum(a.q["full"]) - R.sum(a.q["full"], blk_ids))
+    one_block = np.zeros(C.shape)
+    for b in blk_ids:  # the largest block a rank holds: the one being recomputed
+        one_block = np.maximum(one_block, np.where(C.slices[b] > 0, a.q["full"][:, b:b + 1], 0.0))
     transient = np.where(full_mode | op_mode, t * one_block, 0.0)
     width = plocal.shape[1]
     inflight = in_flight_array(col(cols["pp"]), col(cols["virtual_stages"]), cols["schedule"][:, None],
                                np.arange(width)[None, :], a.micro[:, None])
     acts = kept * inflight
-    tp = col(cols["tp"])
-    unfused = np.where((tp[:, :, None] > 1) & a.lay.loss_split[None, None, :], VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
-                       LOGITS_BYTES_PER_ELEM)
-    per = np.where(flag(cols["fused_loss"])[:, :, None], FUSED_LOGITS_BYTES_PER_ELEM, unfused)
-    vocab = a.lay.vocab[None, None, :] / np.where(a.lay.loss_split[None, None, :], tp[:, :, None], 1.0)
-    logits = (t[:, :, None] * vocab * per * (a.counts > 0) * a.lay.loss[None, None, :]).max(axis=2)
+    tp = np.asarray(cols["tp"], dtype=float)
+    fused = np.asarray(cols["fused_loss"], dtype=bool)
+    logits = np.zeros(C.shape)
+    for b in a.lay.ids_where(a.lay.loss):
+        split = bool(a.lay.loss_split[b])
+        per = np.where(fused, FUSED_LOGITS_BYTES_PER_ELEM,
+                       np.where((tp > 1) & split, VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM, LOGITS_BYTES_PER_ELEM))
+        size = a.tokens * a.lay.vocab[b] / (tp if split else 1.0) * per
+        logits = np.maximum(logits, np.where(C.slices[b] > 0, size[:, None], 0.0))
     has_loss = logits > 0
     transient = np.where(has_loss, np.maximum(transient, logits), transient) + buffers
     transient = transient + p.allocator_fragmentation * (acts + transient)
