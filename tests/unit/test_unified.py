@@ -182,3 +182,15 @@ def test_as_graph_is_the_identity_on_graphs(llama):
     with pytest.raises(MeshplanError):
         LayerOps(params=1.0, params_split=2.0)
     assert Attention(heads=8, kv_heads=2, head_dim=64).kv_dim == 128
+
+
+def test_exports_take_the_graph_and_refuse_a_traced_one():
+    from meshplan.export import export
+    from meshplan.export.common import ExportInput
+    g = transformer_graph(load_model("llama3-8b"), 8192)
+    a = export("megatron", ExportInput(plan=Plan(tp=2, dp=4), model=g, global_batch=64))
+    b = export("megatron", ExportInput(plan=Plan(tp=2, dp=4), model=load_model("llama3-8b"), global_batch=64,
+                                       seq_len=8192))
+    assert a.config == b.config
+    with pytest.raises(MeshplanError, match="traced layer graph"):
+        ExportInput(plan=Plan(dp=8), model=cnn_like(), global_batch=64)

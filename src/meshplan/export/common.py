@@ -20,12 +20,28 @@ TARGETS = ("torchtitan", "megatron", "deepspeed")
 @dataclass(frozen=True)
 class ExportInput:
     """A plan and what it runs on. ``model``, ``global_batch`` and ``seq_len`` may be unknown
-    (None); each exporter says which it needs (``require``)."""
+    (None); each exporter says which it needs (``require``). ``model`` may be given as the
+    LayerGraph every other command takes: the exporters write the shape of the transformer
+    description it was generated from (``LayerGraph.model``); a traced model has none, and no
+    framework's settings can express it."""
 
     plan: Plan
     model: ModelSpec | None = None
     global_batch: int | None = None
     seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        from meshplan.spec.graph import LayerGraph
+        m = self.model
+        if isinstance(m, LayerGraph):
+            if m.model is None:
+                raise MeshplanError(f"model {m.name} ({m.source}) is a traced layer graph: the export targets take "
+                                    "a transformer's shape (layers, width, heads), which a traced model does not "
+                                    "have", hint="run it with `meshplan train`, or export with --model PRESET or a "
+                                    "ModelSpec .toml/.json of the same shape")
+            object.__setattr__(self, "model", m.model)
+            if self.seq_len is None:
+                object.__setattr__(self, "seq_len", m.sample_tokens)
 
     @property
     def microbatches(self) -> int:
