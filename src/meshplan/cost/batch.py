@@ -45,7 +45,7 @@ from meshplan.cost.parts import (
 )
 from meshplan.cost.schedule import RankPasses, bubble_array, in_flight_array, rank_passes
 from meshplan.spec.cluster import ClusterSpec
-from meshplan.spec.graph import LayerGraph, as_graph, layer_ops
+from meshplan.spec.graph import LayerGraph, as_graph, derived, layer_ops
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload, microbatches
 from meshplan.spec.stages import stage_ids_for_rank, stage_layer_ranges
@@ -99,11 +99,7 @@ class Layout:
 
 def layout(graph: LayerGraph) -> Layout:
     """The graph's Layout, computed once per graph object."""
-    cached = graph.__dict__.get("_layout")
-    if cached is None:
-        cached = _layout(graph)
-        object.__setattr__(graph, "_layout", cached)
-    return cached
+    return derived(graph, "layout", _layout)
 
 
 def _layout(graph: LayerGraph) -> Layout:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshplan.spec.graph import LayerGraph, layer_ops
+from meshplan.spec.graph import LayerGraph, derived, layer_ops
 
 PIPELINE_NOTE = "no pipeline:"
 """A LayerGraph note starting with this says why the model's forward cannot be cut into
@@ -78,11 +78,7 @@ class Capabilities:
 
 def capabilities(graph: LayerGraph) -> Capabilities:
     """The graph's Capabilities (computed once per graph object)."""
-    cached = graph.__dict__.get("_capabilities")
-    if cached is None:
-        cached = _capabilities(graph)
-        object.__setattr__(graph, "_capabilities", cached)
-    return cached
+    return derived(graph, "capabilities", _capabilities)
 
 
 def _capabilities(graph: LayerGraph) -> Capabilities:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshplan.errors import MeshplanError
 from meshplan.spec.base import choice
@@ -278,6 +279,17 @@ class LayerGraph:
         if not caps:
             return [1]
         return [d for d in range(1, limit + 1) if all(c % d == 0 for c in caps)]
+
+
+def derived(graph: LayerGraph, key: str, make: Any) -> Any:
+    """``make(graph)``, computed once per graph object and kept on it (a frozen graph's derived
+    views: cost.batch.layout, spec.capabilities)."""
+    attr = f"_derived_{key}"
+    value = graph.__dict__.get(attr)
+    if value is None:
+        value = make(graph)
+        object.__setattr__(graph, attr, value)
+    return value
 
 
 def as_graph(model: LayerGraph | ModelSpec, seq_len: int) -> LayerGraph:
