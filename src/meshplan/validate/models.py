@@ -91,19 +91,22 @@ def _llama_ffn(h: int, multiple_of: int = 256) -> int:
     return multiple_of * ((f + multiple_of - 1) // multiple_of)
 
 
-def build_model(row: Row, fw: str, assume: Callable[[str], None]) -> ModelSpec:
-    name = row.text("model") or f"row-{row.text('row_id') or '?'}"
-    arch_text = row.lower("arch_family")
-    if re.search(r"encoder[\s-]*decoder|\bt5\b", f"{arch_text} {name.lower()}"):
-        raise Unsupported("encoder-decoder models are not expressible as a ModelSpec")
-    fam = arch_family(row)
+_ARCH_KEYS = ("position", "norm", "bias", "tied_embeddings", "embedding_norm")
+_BOOL_ARCH_KEYS = ("bias", "tied_embeddings", "embedding_norm")
+_MLP_ALIASES = {"gelu": "gelu_4h", "relu": "relu_4h", "geglu": "swiglu", "silu": "swiglu",
+                "relu2": "squared_relu", "squared_relu_4h": "squared_relu"}
+
+
+def _architecture(row: Row, fam: str | None, arch_text: str,
+                  assume: Callable[[str], None]) -> tuple[dict[str, Any], str]:
+    """(ModelSpec architecture fields, the default mlp_type): the row's own columns, then facts
+    stated in arch_family, then the family's defaults (assumed, one line)."""
     explicit = _explicit_arch(arch_text)
-    for col, key in (("position", "position"), ("norm", "norm"), ("bias", "bias"),
-                     ("tied_embeddings", "tied_embeddings"), ("embedding_norm", "embedding_norm")):
-        v = row.text(col)
+    for key in _ARCH_KEYS:
+        v = row.text(key)
         if v is None:
             continue
-        if key in ("bias", "tied_embeddings", "embedding_norm"):
+        if key in _BOOL_ARCH_KEYS:
             b = bool_cell(v)
             if b is not None:
                 explicit[key] = b
@@ -112,7 +115,7 @@ def build_model(row: Row, fw: str, assume: Callable[[str], None]) -> ModelSpec:
     defaults = ARCH_DEFAULTS[fam or "gpt"]
     arch: dict[str, Any] = {}
     inferred = []
-    for key in ("position", "norm", "bias", "tied_embeddings", "embedding_norm"):
+    for key in _ARCH_KEYS:
         if key in explicit:
             arch[key] = explicit[key]
         else:
@@ -127,40 +130,50 @@ def build_model(row: Row, fw: str, assume: Callable[[str], None]) -> ModelSpec:
         else:
             assume(f"not stated in the row, assumed from the {FAMILY_LABEL[fam]} family: "
                    + ", ".join(inferred))
+    return arch, explicit.get("mlp_type", defaults["mlp_type"])
 
-    L = row.integer("num_layers")
-    h = row.integer("hidden_size")
-    if L is None or h is None:
-        raise Unsupported("num_layers and hidden_size are required")
+
+def _attention_heads(row: Row, h: int, assume: Callable[[str], None],
+                     ) -> tuple[int | None, int, int]:
+    """(head_dim or None, attention heads, key/value heads): heads of 128 and no GQA unless stated."""
     head_dim = row.integer("head_dim")
     heads = row.integer("num_attention_heads")
     if heads is None:
         hd = head_dim or 128
         if h % hd:
             raise Unsupported("num_attention_heads not stated and hidden_size is not a "
-                               "multiple of 128")
+                              "multiple of 128")
         heads = h // hd
         assume(f"num_attention_heads not stated: assumed hidden_size/{hd} = {heads}")
     kv = row.integer("num_kv_heads")
     if kv is None:
         kv = heads
         assume(f"num_kv_heads not stated: assumed equal to num_attention_heads ({heads}, no GQA)")
+    return head_dim, heads, kv
+
+
+def _mlp(row: Row, h: int, default: str, assume: Callable[[str], None]) -> tuple[str, int]:
+    """(mlp_type, ffn_hidden_size): Llama's 8h/3 rule for SwiGLU, else 4h, unless stated."""
     mlp = row.lower("mlp_type")
     if mlp:
         mlp = mlp.replace("-", "_").replace(" ", "_")
-        mlp = {"gelu": "gelu_4h", "relu": "relu_4h", "geglu": "swiglu", "silu": "swiglu",
-               "relu2": "squared_relu", "squared_relu_4h": "squared_relu"}.get(mlp, mlp)
+        mlp = _MLP_ALIASES.get(mlp, mlp)
         if mlp not in MLP_TYPES:
             raise Unsupported(f"mlp_type {row.text('mlp_type')!r} is not one of "
-                               f"{', '.join(MLP_TYPES)}")
+                              f"{', '.join(MLP_TYPES)}")
     else:
-        mlp = explicit.get("mlp_type", defaults["mlp_type"])
+        mlp = default
         assume(f"mlp_type not stated: assumed {mlp}")
     ffn = row.integer("ffn_hidden_size")
     if ffn is None:
         ffn = _llama_ffn(h) if mlp == "swiglu" else 4 * h
         assume(f"ffn_hidden_size not stated: assumed {ffn} "
                f"({'Llama rule 8h/3 rounded up to 256' if mlp == 'swiglu' else '4h'})")
+    return mlp, ffn
+
+
+def _vocab(row: Row, name: str, fam: str | None, assume: Callable[[str], None]) -> int:
+    """vocab_size, or the family's usual vocabulary (Llama 3's for a Llama 3 name)."""
     vocab = row.integer("vocab_size")
     if vocab is None:
         low = name.lower()
@@ -172,17 +185,15 @@ def build_model(row: Row, fw: str, assume: Callable[[str], None]) -> ModelSpec:
             raise Unsupported("vocab_size not stated and the model family is not recognised")
         label = FAMILY_LABEL.get(fam or "", "family")
         assume(f"vocab_size not stated: assumed {vocab} ({label} default)")
-    seq = row.integer("seq_len")
-    if seq is None:
-        seq = DEFAULT_SEQ_LEN[fw]
-        assume(f"seq_len not stated: assumed {seq} ({FRAMEWORK_LABEL[fw]} default)")
+    return vocab
 
-    # Mixture of experts (optional columns).
+
+def _experts(row: Row, moe_text: str, assume: Callable[[str], None]) -> dict[str, Any]:
+    """ModelSpec mixture-of-experts fields (optional columns; {} for a dense model)."""
     n_exp = row.integer("num_experts") or row.integer("experts") or row.integer("n_experts")
     top_k = (row.integer("experts_per_token") or row.integer("top_k") or row.integer("moe_top_k")
              or row.integer("topk"))
     exp_ffn = row.integer("expert_ffn_hidden_size") or row.integer("moe_ffn_hidden_size")
-    moe_text = f"{arch_text} {name.lower()}"
     if n_exp is None and re.search(r"\bmoe\b|mixture[\s-]*of[\s-]*experts|mixtral", moe_text):
         if "mixtral" in moe_text:
             n_exp, top_k = 8, top_k or 2
@@ -192,16 +203,36 @@ def build_model(row: Row, fw: str, assume: Callable[[str], None]) -> ModelSpec:
     if n_exp and n_exp > 1 and top_k is None:
         top_k = 2
         assume("experts_per_token not stated: assumed top-2")
-
-    kwargs: dict[str, Any] = dict(
-        name=name, num_layers=L, hidden_size=h, num_attention_heads=heads, num_kv_heads=kv,
-        head_dim=head_dim, ffn_hidden_size=ffn, mlp_type=mlp, vocab_size=vocab, seq_len=seq,
-        **arch)
     if n_exp and n_exp > 1:
-        kwargs.update(num_experts=n_exp, experts_per_token=top_k or 1,
-                      expert_ffn_hidden_size=exp_ffn)
+        return dict(num_experts=n_exp, experts_per_token=top_k or 1, expert_ffn_hidden_size=exp_ffn)
+    return {}
+
+
+def build_model(row: Row, fw: str, assume: Callable[[str], None]) -> ModelSpec:
+    """The row's ModelSpec: architecture, shapes, vocabulary, sequence length and experts, each
+    missing value assumed (in this order) from the family or the framework."""
+    name = row.text("model") or f"row-{row.text('row_id') or '?'}"
+    arch_text = row.lower("arch_family")
+    if re.search(r"encoder[\s-]*decoder|\bt5\b", f"{arch_text} {name.lower()}"):
+        raise Unsupported("encoder-decoder models are not expressible as a ModelSpec")
+    fam = arch_family(row)
+    arch, default_mlp = _architecture(row, fam, arch_text, assume)
+    L = row.integer("num_layers")
+    h = row.integer("hidden_size")
+    if L is None or h is None:
+        raise Unsupported("num_layers and hidden_size are required")
+    head_dim, heads, kv = _attention_heads(row, h, assume)
+    mlp, ffn = _mlp(row, h, default_mlp, assume)
+    vocab = _vocab(row, name, fam, assume)
+    seq = row.integer("seq_len")
+    if seq is None:
+        seq = DEFAULT_SEQ_LEN[fw]
+        assume(f"seq_len not stated: assumed {seq} ({FRAMEWORK_LABEL[fw]} default)")
+    experts = _experts(row, f"{arch_text} {name.lower()}", assume)
     try:
-        return ModelSpec(**kwargs)
+        return ModelSpec(name=name, num_layers=L, hidden_size=h, num_attention_heads=heads,
+                         num_kv_heads=kv, head_dim=head_dim, ffn_hidden_size=ffn, mlp_type=mlp,
+                         vocab_size=vocab, seq_len=seq, **arch, **experts)
     except MeshplanError as e:
         raise Unsupported(str(e)) from None
 
