@@ -12,14 +12,14 @@ import pytest
 from meshplan.cli.main import build_parser, main
 from meshplan.errors import MeshplanError
 from meshplan.report import Report, build_report, simulate_winner
-from meshplan.report.charts import _column_max, _runs, gantt, sim_memory
-from meshplan.report.svg import Scale, make_scale, nice_step, num, viridis
 from meshplan.search.space import SearchSpace
 from meshplan.sim import simulate_plan
 from meshplan.sim.engine import Event
+from meshplan.sim.output import _column_max, _runs, gantt, sim_memory
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.io import load_cluster, load_model, load_plan
 from meshplan.spec.plan import Plan, Workload
+from meshplan.svg import Scale, make_scale, nice_step, num, plot_css, viridis
 
 FEASIBLE = ["--model", "llama2-7b", "--cluster", "a100-sxm-80gb:16", "--global-batch", "64", "--fix", "pp=4"]
 INFEASIBLE = ["--model", "llama3.1-405b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16"]
@@ -98,6 +98,27 @@ def test_feasible_page_has_every_section_and_figure(feasible):
     assert "days" in html and "$ to train" in html  # --train-tokens
     assert "Discrete-event simulation" in html and "analytical estimate" in html
     assert "winner " in html and "rejected " in html  # the search's explanation
+
+
+def test_page_figures_use_the_one_set_of_styles_and_paint_as_images(feasible):
+    """The page's figure CSS is svg.plot_css(), and every figure is within the SVG subset
+    svg.paint draws (what `simulate --plot` relies on for png, pdf, ...)."""
+    html, _ = feasible
+    assert plot_css() in html
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from meshplan.svg import paint
+    figures = re.findall(r'<svg class="plot".*?</svg>', html, flags=re.S)
+    assert len(figures) == len(PLOTS)
+    for figure in figures:
+        fig, ax = plt.subplots()
+        try:
+            assert paint(figure, ax) == [], figure[:80]
+        finally:
+            plt.close(fig)
 
 
 def test_page_data_block_matches_the_search(feasible):

@@ -125,3 +125,75 @@ def test_peak_memory_over_time_matches_the_cost_model(cases, rid):
     _, s = simulate_plan(c.model, c.cluster, c.plan, c.work)
     est = estimate(c.model, c.cluster, c.plan, c.work)
     assert [r["peak_memory_gib"] for r in s["ranks"]] == pytest.approx(est.memory_per_stage, rel=1e-9)
+
+
+# ---- --plot: the report's timeline figures, as .svg or painted by matplotlib ---------------------
+
+def _interleaved_step():
+    from meshplan.spec.io import load_cluster, load_model, load_plan
+    from meshplan.spec.plan import Workload
+    plan = load_plan("tp=2,pp=4,dp=2,micro_batch=1,schedule=interleaved-1f1b,virtual_stages=2")
+    return simulate_plan(load_model("llama3-8b"), load_cluster("h100-sxm-80gb:16"), plan,
+                         Workload(global_batch=32, seq_len=2048))[0]
+
+
+@pytest.fixture(scope="module")
+def step():
+    return _interleaved_step()
+
+
+def test_plot_svg_is_the_reports_figures_without_matplotlib(step, tmp_path, monkeypatch):
+    import gzip
+    import sys
+    import xml.etree.ElementTree as ET
+
+    from meshplan.errors import MeshplanError
+    from meshplan.sim.output import check_plot_path, gantt, sim_memory, write_plot
+    for name in ("matplotlib", "matplotlib.backend_bases", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails
+    write_plot(step, tmp_path / "s.svg", title="a <title> & more")
+    text = (tmp_path / "s.svg").read_text()
+    assert text.startswith("<?xml")
+    root = ET.fromstring(text.split("\n", 1)[1])
+    plots = [e.get("data-plot") for e in root.iter("{http://www.w3.org/2000/svg}svg") if e.get("data-plot")]
+    assert plots == ["gantt", "sim-memory"]
+    assert gantt(step) in text and sim_memory(step) in text  # the very figures of the report
+    assert "a &lt;title&gt; &amp; more: simulated step" in text and "svg .grid{" in text
+    write_plot(step, tmp_path / "s.svgz")
+    assert gzip.decompress((tmp_path / "s.svgz").read_bytes()).decode().startswith("<?xml")
+    with pytest.raises(MeshplanError, match="needs matplotlib"):
+        check_plot_path(tmp_path / "s.png")
+
+
+def test_plot_image_paints_every_mark_of_the_figures(step):
+    pytest.importorskip("matplotlib")
+    import re
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from meshplan.sim.output import gantt, sim_memory
+    from meshplan.svg import paint
+    for figure in (gantt(step), sim_memory(step, 75.0)):
+        fig, ax = plt.subplots()
+        try:
+            assert paint(figure, ax) == []  # every element drawn
+            rects = sum(len(re.findall(r"M[\d.]+ [\d.]+h", d)) for d in re.findall(r' d="([^"]*)"', figure))
+            assert sum(len(c.get_paths()) for c in ax.collections) == rects
+            assert len(ax.collections) == (1 if rects else 0)
+            assert len(ax.lines) >= figure.count("<polyline")
+        finally:
+            plt.close(fig)
+
+
+def test_gantt_draws_a_ranks_later_chunks_lighter(step):
+    from meshplan.sim.output import COLORS, LATER_CHUNK, gantt
+    from meshplan.svg import esc, tint
+    g = gantt(step)
+    assert esc(LATER_CHUNK) in g
+    for kind in ("F", "B"):
+        assert f'data-mark="{kind}" fill="{COLORS[kind]}"' in g
+        assert f'data-mark="{kind}" fill="{tint(COLORS[kind])}"' in g
+    one_chunk = simulate(uniform("1f1b", 2, 4))
+    assert esc(LATER_CHUNK) not in gantt(one_chunk)

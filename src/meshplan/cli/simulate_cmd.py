@@ -1,9 +1,9 @@
 """`meshplan simulate`: a discrete-event simulation of one training step of a plan.
 
 Wire into meshplan.cli.main: ``simulate_cmd.add_parser(sub)`` in build_parser and
-``"simulate": simulate_cmd.run`` in COMMANDS. Numpy only (matplotlib for --plot). ``--model`` takes
-every kind ``meshplan estimate`` does: a transformer (preset/ModelSpec: ``sim.simulate_plan``) or a
-layer graph (``hf:``/``module:`` through ingestion, or a graph .json: ``sim.simulate_graph_plan``).
+``"simulate": simulate_cmd.run`` in COMMANDS. Numpy only (matplotlib for a --plot other than .svg).
+``--model`` takes every kind ``meshplan estimate`` does: a transformer (preset/ModelSpec) or a layer
+graph (``hf:``/``module:`` through ingestion, or a graph .json), both simulated by ``sim.simulate_plan``.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "is traced at it)")
     add_override(p)
     p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) to this file")
-    p.add_argument("--plot", help="write a Gantt chart per pipeline rank to this image (png, svg, pdf, ...; "
-                                  "needs matplotlib)")
+    p.add_argument("--plot", help="write the Gantt chart per pipeline rank and memory over time (the report's "
+                                  "timeline) to this image: .svg, or png, pdf, ... with matplotlib")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return p
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.sim import write_plot, write_trace
     from meshplan.sim.output import check_plot_path
     if args.plot:
-        check_plot_path(args.plot)  # before any work: matplotlib is there and can write this format
+        check_plot_path(args.plot)  # before any work: the format can be written (matplotlib if not .svg)
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     from meshplan.cli.model_arg import as_problem
     from meshplan.cost import check

@@ -1,4 +1,8 @@
-"""The report's figures as inline SVG strings (numpy for binning; no plotting library)."""
+"""The report's figures as inline SVG strings (numpy for binning; no plotting library).
+
+The simulated timeline (``gantt``, ``sim_memory``) is meshplan.sim.output's, the one drawing that
+`meshplan simulate --plot` writes too.
+"""
 from __future__ import annotations
 
 import math
@@ -6,9 +10,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshplan.report.svg import (
+from meshplan.search.explain import TERM_LABELS
+from meshplan.search.result import SearchResult
+from meshplan.sim.output import gantt, sim_memory
+from meshplan.svg import (
     PALETTE,
-    Scale,
     axes,
     color_bar,
     esc,
@@ -22,20 +28,15 @@ from meshplan.report.svg import (
     title,
     viridis,
 )
-from meshplan.search.explain import TERM_LABELS
-from meshplan.search.result import SearchResult
-from meshplan.sim.engine import STREAMS, SimResult
-from meshplan.sim.output import COLORS as SIM_COLORS
-from meshplan.sim.output import STREAM_NAMES
+
+__all__ = ["gantt", "memory_breakdown", "pareto_plot", "rejection_chart", "sim_memory", "stacked_bars",
+           "time_breakdown"]
 
 TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm", "offload",
               "bubble", "optimizer", "overhead", "memory_pressure")
 MEMORY_TERMS = ("weights", "grads", "optimizer", "activations", "transient", "overhead")
 MEMORY_LABELS = {"weights": "weights", "grads": "gradients", "optimizer": "optimizer states",
                  "activations": "activations", "transient": "transient buffers", "overhead": "runtime overhead"}
-GANTT_WIDTH = 1000.0
-"""Pixels of the timeline's time axis; events are merged to this resolution."""
-GANTT_LEFT = 108.0
 
 
 # ---- Pareto front --------------------------------------------------------------------------
@@ -256,153 +257,3 @@ def rejection_chart(result: SearchResult) -> str:
         body.append(f'<text class="tick" x="{f1(left + max(w, 1.0) + 5)}" y="{f1(y + 26)}">{n:,} '
                     f"({share:.1f}%)</text>")
     return svg("rejections", W, H, body, "candidate plans by outcome")
-
-
-# ---- simulated timeline --------------------------------------------------------------------
-
-def event_kind(stream: str, name: str) -> str:
-    """Colour key of a simulated event (as in meshplan.sim.output.write_plot)."""
-    if stream == "compute":
-        return name[0] if name[:1] in ("F", "B", "W") else "optimizer"
-    return stream
-
-
-KIND_LABELS = {"F": "forward", "B": "backward", "W": "weight gradients", "optimizer": "optimizer step",
-               "tp": STREAM_NAMES["tp"], "dp": STREAM_NAMES["dp"], "pp": STREAM_NAMES["pp"]}
-
-
-def _runs(events: list, sx, min_w: float = 0.5, gap: float = 1.0) -> list[tuple[str, float, float]]:
-    """Events of one lane merged at the pixel resolution: (kind, x0, x1). Events closer than
-    ``gap`` pixels join when they are of one kind, or when either is narrower than ``min_w``
-    (the run then takes the kind covering most of its width)."""
-    runs: list[list] = []
-    for e in sorted(events, key=lambda e: (e.start, e.end)):
-        k = event_kind(e.stream, e.name)
-        a, b = sx(e.start), sx(e.end)
-        if runs and a - runs[-1][2] < gap and (runs[-1][0] == k or b - a < min_w or runs[-1][2] - runs[-1][1] < min_w):
-            r = runs[-1]
-            r[2] = max(r[2], b)
-            r[3][k] = r[3].get(k, 0.0) + (b - a)
-            r[0] = max(r[3], key=lambda kk: (r[3][kk], kk))
-        else:
-            runs.append([k, a, b, {k: b - a}])
-    return [(r[0], r[1], r[2]) for r in runs]
-
-
-def time_scale(res: SimResult, left: float) -> Scale:
-    """Seconds [0, step time] onto the timeline's pixels (shared by the Gantt and memory plots)."""
-    return Scale(0.0, res.step_time_s if res.step_time_s > 0 else 1.0, left, left + GANTT_WIDTH)
-
-
-def gantt(res: SimResult) -> str:
-    """Per pipeline rank, one lane per stream (compute, TP/CP/EP, DP/FSDP, pipeline send). One
-    <path> per rank, stream and kind of work, its events merged at the pixel resolution (the
-    Perfetto trace of `meshplan simulate --trace` has every event)."""
-    left, right, top = GANTT_LEFT, 14.0, 30.0
-    W = left + GANTT_WIDTH + right
-    lanes = len(STREAMS)
-    lane = max(3.0, min(12.0, 640.0 / (res.pp * (lanes + 1))))
-    group = lane * (lanes + 1)
-    H = top + res.pp * group + 40
-    sx = time_scale(res, left)
-    kinds = [k for k in ("F", "B", "W", "optimizer", "tp", "dp", "pp")
-             if any(event_kind(e.stream, e.name) == k for e in res.events)]
-    key, _ = legend([(SIM_COLORS[k], KIND_LABELS[k]) for k in kinds], left, 6, GANTT_WIDTH)
-    body = list(key)
-    y_end = top + res.pp * group
-    for t in sx.ticks(8):
-        x = f1(sx(t))
-        body.append(f'<line class="grid" x1="{x}" x2="{x}" y1="{f1(top)}" y2="{f1(y_end)}"/>'
-                    f'<text class="tick" x="{x}" y="{f1(y_end + 14)}" text-anchor="middle">{esc(num(t))}</text>')
-    body.append(f'<text class="label" x="{f1(left + GANTT_WIDTH / 2)}" y="{f1(y_end + 32)}" '
-                f'text-anchor="middle">seconds into the step</text>')
-    by_lane: dict[tuple[int, str], list] = {}
-    for e in res.events:
-        by_lane.setdefault((e.rank, e.stream), []).append(e)
-    for r in range(res.pp):
-        y0 = top + r * group
-        if lane >= 7:
-            for i, s in enumerate(STREAMS):
-                body.append(f'<text class="lane" x="{f1(left - 6)}" y="{f1(y0 + i * lane + lane / 2)}" dy="0.32em" '
-                            f'text-anchor="end">r{r} {esc(STREAM_NAMES[s])}</text>')
-        else:
-            body.append(f'<text class="lane" x="{f1(left - 6)}" y="{f1(y0 + lanes * lane / 2)}" dy="0.32em" '
-                        f'text-anchor="end">pp rank {r}</text>')
-        for i, s in enumerate(STREAMS):
-            events = by_lane.get((r, s), [])
-            busy: dict[str, list[float]] = {}
-            for e in events:
-                b = busy.setdefault(event_kind(e.stream, e.name), [0, 0.0])
-                b[0] += 1
-                b[1] += e.end - e.start
-            paths: dict[str, list[str]] = {}
-            y, h = f1(y0 + i * lane + 0.5), f1(lane - 1)
-            for kind, a, b in _runs(events, sx):
-                w = f1(max(b - a, 0.4))
-                paths.setdefault(kind, []).append(f"M{f1(a)} {y}h{w}v{h}h-{w}z")
-            for kind in sorted(paths, key=lambda k: kinds.index(k)):
-                n, sec = busy.get(kind, [0, 0.0])
-                tip = f"rank {r} {KIND_LABELS[kind]}: {n:,} events, {sec:.4f} s busy"
-                body.append(f'<path data-mark="{kind}" fill="{SIM_COLORS[kind]}" d="{"".join(paths[kind])}">'
-                            f"{title(tip)}</path>")
-    body.append(f'<line class="cursor" x1="0" x2="0" y1="{f1(top)}" y2="{f1(y_end)}" visibility="hidden"/>'
-                f'<text class="cursor-label" x="0" y="{f1(top - 4)}" visibility="hidden"></text>')
-    return svg("gantt", W, H, body, "simulated timeline per pipeline rank",
-               {"data-x0": f1(sx.a), "data-x1": f1(sx.b), "data-t1": repr(float(sx.hi))})
-
-
-def sim_memory(res: SimResult, usable_gib: float | None = None) -> str:
-    """Memory per GPU over the step, one line per pipeline rank (max over each pixel column)."""
-    left, right, top, bottom = GANTT_LEFT, 14.0, 8.0, 46.0
-    W = left + GANTT_WIDTH + right
-    series = [[(t, b / 2**30) for t, b in s] for s in res.memory]
-    peak = max((v for s in series for _, v in s), default=0.0)
-    keyh = 0.0
-    names = [(PALETTE[r % len(PALETTE)], f"rank {r}") for r in range(res.pp)] if res.pp <= 16 else []
-    if names:
-        key, keyh = legend(names, left, top, GANTT_WIDTH)
-    H = top + keyh + 170 + bottom
-    sx = time_scale(res, left)
-    sy = make_scale([0.0, peak] + ([usable_gib] if usable_gib else []), H - bottom, top + keyh + 6, zero=True)
-    body = axes(sx, sy, "seconds into the step", "GiB per GPU")
-    if names:
-        body += key
-    if usable_gib:
-        yy = f1(sy(usable_gib))
-        body.append(f'<line class="limit" x1="{f1(sx.a)}" x2="{f1(sx.b)}" y1="{yy}" y2="{yy}"/>')
-    for r, s in enumerate(series):
-        cols = _column_max(s, res.step_time_s, int(GANTT_WIDTH))
-        pts, last = [], None
-        for c, v in enumerate(cols):
-            if v != last:
-                if last is not None:
-                    pts.append(f"{f1(left + c)},{f1(sy(last))}")
-                pts.append(f"{f1(left + c)},{f1(sy(v))}")
-                last = v
-        pts.append(f"{f1(left + len(cols))},{f1(sy(last if last is not None else 0.0))}")
-        body.append(f'<polyline data-mark="memory" class="series" points="{" ".join(pts)}" '
-                    f'stroke="{PALETTE[r % len(PALETTE)]}">'
-                    f"{title(f'rank {r}: peak {max(v for _, v in s):.1f} GiB')}</polyline>")
-    return svg("sim-memory", W, H, body, "simulated memory per GPU over the step")
-
-
-def _column_max(series: list[tuple[float, float]], end: float, n: int) -> list[float]:
-    """A step function (time, level) sampled as the max level in each of ``n`` columns."""
-    out = [-math.inf] * n
-    scale = n / end if end > 0 else 0.0
-    pts = list(series)  # in time order; equal times: the later entry is the level that holds
-    for k, (t, v) in enumerate(pts):
-        t_next = pts[k + 1][0] if k + 1 < len(pts) else end
-        if t_next <= t and k + 1 < len(pts):
-            continue  # a level held for no time
-        c0 = min(n - 1, max(0, int(t * scale)))
-        c1 = min(n - 1, max(c0, int(math.ceil(t_next * scale)) - 1))
-        for c in range(c0, c1 + 1):
-            if v > out[c]:
-                out[c] = v
-    fill = pts[0][1] if pts else 0.0
-    for c in range(n):  # columns no segment reached (cannot happen for a series from 0 to end)
-        if out[c] == -math.inf:
-            out[c] = fill
-        fill = out[c]
-    return [round(v, 2) for v in out]

@@ -13,11 +13,11 @@ from typing import Any
 
 from meshplan import __version__
 from meshplan.report import charts
-from meshplan.report.svg import esc, fixed3
 from meshplan.search.explain import TERM_LABELS, explain, rejection_lines
 from meshplan.search.result import SearchResult
 from meshplan.spec.base import json_safe
 from meshplan.spec.graph import LayerGraph
+from meshplan.svg import esc, fixed3, plot_css
 from meshplan.units import human_count
 
 CSS = """
@@ -45,13 +45,7 @@ td.l,th.l{text-align:left}td.plan{min-width:220px}.wide{overflow-x:auto}td code{
 tr.win td{background:#fff8dc}
 ul{margin:6px 0;padding-left:20px}li{margin:3px 0}
 svg.plot{display:block;max-width:100%;height:auto;margin:6px 0;font-family:inherit}
-svg .grid{stroke:#e8eaef;stroke-width:1}svg .frame{fill:none;stroke:#9aa1ad;stroke-width:1}
-svg .tick{font-size:11px;fill:#444}svg .label{font-size:12px;fill:#222}
-svg .lane{font-size:10px;fill:#444}svg .rank{font-size:10px;fill:#222;font-weight:600}
-svg .limit{stroke:var(--bad);stroke-width:1;stroke-dasharray:5 3}
-svg .front{fill:none;stroke:#c0392b;stroke-width:1.2;opacity:.7}
-svg .series{fill:none;stroke-width:1.4}
-svg .cursor{stroke:#222;stroke-width:1}svg .cursor-label{font-size:11px;fill:#222}
+""" + plot_css() + """
 .pair{display:flex;flex-wrap:wrap;gap:8px}.pair svg{flex:1 1 460px}
 details{margin:8px 0}summary{cursor:pointer;color:var(--acc)}
 footer{margin-top:40px;color:var(--mut);font-size:12px}
