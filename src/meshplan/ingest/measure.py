@@ -53,6 +53,8 @@ def ingest(source: str, *, seq_len: int | None = None, dtype: str = "float32", b
     if not same or len(set(ids.values())) != len(ids):
         return dataclasses.replace(graph, notes=(*graph.notes, f"layer ops from the {dtype} trace (the "
                                                  f"{OPS_DTYPE} trace found other layers)"))
+    for x, y in zip(graph.layers, graph16.layers):
+        x.extra.update({k: y.extra[k] for k in _ops.EAGER_EXTRAS if k in y.extra})
     return dataclasses.replace(graph, ops={b: graph16.ops[b16] for b, b16 in ids.items()},
                                tied_split=graph16.tied_split,
                                notes=(*graph.notes, f"layer ops from a {OPS_DTYPE} trace"))
@@ -226,9 +228,12 @@ def assemble(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: 
                      "(SDPA math path: the s x s scores are saved)")
     for info in tp_info.values():
         notes.extend(n for n in info.notes if n not in notes)
+    extras: dict[str, dict[str, float]] = {}
     ops, lm_split, ops_notes = graph_ops(built, tracer, tp_info, sigs, batch_size, moe_layers, specs, params,
-                                         holders)
+                                         holders, extras)
     notes.extend(n for n in ops_notes if n not in notes)
+    for x in specs:  # per token at 2-byte activations, like LayerOps (the same for every layer of an id)
+        x.extra.update(extras.get(x.block, {}))
     notes.append(f"traced at batch {batch_size}, {built.dtype}, in {seconds:.2f} s")
     return LayerGraph(name=built.name, source=built.source, task=built.task, sample_tokens=built.sample_tokens,
                       trace_dtype=built.dtype, layers=tuple(specs), tied_params=tied, notes=tuple(notes),
@@ -237,9 +242,11 @@ def assemble(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: 
 
 def graph_ops(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: dict[int, str], batch_size: int,
               moe_layers: list[moe.MoeLayer], specs: list[LayerSpec], params: list[int],
-              holders: dict[int, set[int]]) -> tuple[dict[str, LayerOps], bool, list[str]]:
+              holders: dict[int, set[int]], extras: dict[str, dict[str, float]],
+              ) -> tuple[dict[str, LayerOps], bool, list[str]]:
     """Block id -> LayerOps (ingest/ops.py) from each id's last measured call; whether the LM head
-    is vocabulary-parallel; notes."""
+    is vocabulary-parallel; notes. ``extras`` receives, per block id, the eager counts LayerOps
+    has no field for (ops.layer_ops)."""
     rr = tracer.rec
     recs = tracer.layers
     if rr is None:
@@ -290,8 +297,9 @@ def graph_ops(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs:
             loss_vocab=vocab if i == last else 0.0, lm_head=lm_head if i == last else None,
             send=sends[i], heads=built.heads, experts=moes[0].experts if moes else 0,
             top_k=moes[0].top_k if moes else 0, gemm_dim=float(x.extra.get("gemm_dim", 1.0)))
-        o, n = _ops.layer_ops(rr.records.get(i, _ops.LayerRecord()), rr, ctx, tokens, built.sample_tokens,
-                              built.task == "causal-lm")
+        o, eager, n = _ops.layer_ops(rr.records.get(i, _ops.LayerRecord()), rr, ctx, tokens, built.sample_tokens,
+                                     built.task == "causal-lm", i)
         ops[bid] = o
+        extras[bid] = eager
         notes.extend(f"{bid}: {t}" for t in n)
     return ops, lm_head is not None, notes

@@ -58,6 +58,9 @@ RANDOM_OPS = {aten.bernoulli, aten.bernoulli_, aten.rand, aten.rand_like, aten.r
 """Ops whose outputs a compiled kernel keeps rather than recomputes (dropout masks)."""
 """Matrix multiplies op-level SAC counts (torchtitan: every other one's output is kept)."""
 FUSED_PROJECTIONS = {"gate_up_proj": 2}
+EAGER_EXTRAS = ("saved_rep_eager", "saved_whole_eager")
+"""LayerSpec.extra keys: the eager counts of LayerOps' single-valued saved_rep / saved_whole
+(which hold the fused counts, as spec/transformer.py does), bytes per token at 2-byte activations."""
 """Column matrices holding several projections side by side, by how many (the width TP must
 divide is one projection's)."""
 
@@ -168,6 +171,7 @@ class LayerRecord:
     other_flops: float = 0.0
     """FLOPs of ops that are neither GEMMs nor attention (a fallback GEMM reproduces them)."""
     inp: float = 0.0
+    inp_key: int | None = None
     out: float = 0.0
     out_elems: float = 0.0
 
@@ -186,6 +190,9 @@ class OpRecorder:
         self.consumers: dict[int, set[int]] = {}
         self.candidates: list[_Candidate] = []
         self.records: dict[int, LayerRecord] = {}
+        self.made: dict[int, int] = {}
+        """Storage -> the layer whose op made it."""
+        self.layer_now = 0
         self.next_op = 0
 
     # -- helpers --------------------------------------------------------------------------------
@@ -207,7 +214,8 @@ class OpRecorder:
         first = next((t for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
         if first is not None:
-            self.record(layer).inp = self.nbytes(first)
+            r = self.record(layer)
+            r.inp, r.inp_key = self.nbytes(first), storage_key(first)
 
     def layer_output(self, layer: int, out: Any) -> None:
         first = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()),
@@ -238,6 +246,7 @@ class OpRecorder:
         score_in = next((self.score[k] for k in in_keys if k in self.score), None)
         level = max((self.level.get(k, 0) for k in in_keys), default=0)
         rec = self.record(layer)
+        self.layer_now = layer
         if packet in GEMM_OPS and flops:
             self._gemm(rec, layer, packet, args, outs, out_keys, flops, split_in, score_in, opid, level)
         elif packet in _flops.ATTENTION_FWD:
@@ -252,6 +261,7 @@ class OpRecorder:
         for k in keys:
             if k is None:
                 continue
+            self.made.setdefault(k, self.layer_now)
             if split:
                 self.split.add(k)
             else:
@@ -375,9 +385,11 @@ class LayerContext:
 
 
 def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float, sample_tokens: int,
-              causal_lm: bool) -> tuple[LayerOps, list[str]]:
-    """The LayerOps of one measured layer call; ``tokens`` = trace batch x sample_tokens. Also
-    notes on what could not be represented exactly."""
+              causal_lm: bool, layer: int) -> tuple[LayerOps, dict[str, float], list[str]]:
+    """The LayerOps of one measured layer call (``layer``: its index); ``tokens`` = trace batch x
+    sample_tokens. Also the eager counts of the single-valued saved bytes (LayerOps keeps the fused
+    ones: ``saved_rep_eager``, ``saved_whole_eager``) and notes on what could not be represented
+    exactly."""
     notes: list[str] = []
     per = 1.0 / tokens
     # -- attention: SDPA calls and eager candidates of this layer --------------------------------
@@ -508,8 +520,8 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
                     continue
                 seen.add(key)
                 total += b
-                if key not in rr.state:
-                    ext.append((key, b, sp))
+                if key not in rr.state and (key == rec.inp_key or rr.made.get(key) == layer):
+                    ext.append((key, b, sp))  # what the group recomputes from (not a side input)
             for key, b, _sp in e.outs:
                 if key in seen:
                     continue
@@ -577,7 +589,9 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
         hidden=rec.out * per, send=ctx.send * per, tp_allreduces=ctx.pairs if tp else 0,
         loss_vocab=ctx.loss_vocab, loss_split=ctx.lm_head is not None or not ctx.loss_vocab,
         fp8=ctx.kind != "head", tp_divides=divides)
-    return ops, notes
+    eager_rep = dict(zip(EAGER_EXTRAS, (s_eager["rep"] * per if tp else 0.0,
+                                        0.0 if tp else (s_eager["rep"] + s_eager["split"]) * per)))
+    return ops, eager_rep, notes
 
 
 def _regions(ews: list[_Ew]) -> dict[int, int]:
