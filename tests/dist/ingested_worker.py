@@ -28,8 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from worker_main import main
 
-from meshplan.runtime.generic import GenericConfig, GenericTrainer, clean_name
 from meshplan.runtime.mesh import build_mesh
+from meshplan.runtime.train import RunConfig, Trainer, clean_fqn
 from meshplan.spec.io import parse_plan
 from meshplan.spec.plan import Plan
 
@@ -89,13 +89,13 @@ class Float32Ops(TorchDispatchMode):
         return out
 
 
-def single_run(cfg: GenericConfig, micro_batch: int, fp64: bool = False) -> tuple[Ref, list[str]]:
+def single_run(cfg: RunConfig, micro_batch: int, fp64: bool = False) -> tuple[Ref, list[str]]:
     """One process, the whole global batch in micro-batches of ``micro_batch`` rows (the first is
-    ``generic.reference_run``'s): losses, gradient norms, final weights. ``fp64``: the fp32 initial
+    ``train.reference_run``'s): losses, gradient norms, final weights. ``fp64``: the fp32 initial
     weights cast exactly to float64, every op, the loss and AdamW in float64 (``Float64``); also
     returns the ops that still made float32 tensors."""
     plan = Plan(micro_batch=micro_batch, precision=cfg.plan.precision)
-    t = GenericTrainer(dataclasses.replace(cfg, plan=plan), None, torch.device("cpu"))
+    t = Trainer(dataclasses.replace(cfg, plan=plan), None, torch.device("cpu"))
     if fp64:
         for part in t.par.parts:
             part.double()  # replaces param.data: the optimizer and the trainer keep the same Parameters
@@ -109,7 +109,7 @@ def single_run(cfg: GenericConfig, micro_batch: int, fp64: bool = False) -> tupl
         for _ in range(cfg.steps):
             losses.append(t.train_step())
             norms.append(float(t.grad_norm))  # type: ignore[arg-type]
-    weights = {clean_name(n): p.detach().clone() for part in t.par.parts for n, p in part.named_parameters()}
+    weights = {clean_fqn(n): p.detach().clone() for part in t.par.parts for n, p in part.named_parameters()}
     return (losses, norms, weights), sorted(leaks.seen)
 
 
@@ -119,7 +119,7 @@ def _fp64(leaks: Float32Ops) -> Any:
         yield
 
 
-def references(cfg: GenericConfig) -> tuple[list[Ref], Ref, dict[str, Any]]:
+def references(cfg: RunConfig) -> tuple[list[Ref], Ref, dict[str, Any]]:
     """fp32 runs with B, B/2 and 1 micro-batches, the float64 run on B, and how exact it is: the
     float64 run on 1 micro-batch differs from it only by float64 rounding ("spread"), and no op of
     it made a float32 tensor ("fp32_ops")."""
@@ -135,7 +135,7 @@ def references(cfg: GenericConfig) -> tuple[list[Ref], Ref, dict[str, Any]]:
 
 def run_case(case: dict, device: torch.device) -> dict:
     plan = parse_plan(case["plan"])
-    cfg = GenericConfig(source=case["source"], plan=plan, global_batch=case["global_batch"], steps=case["steps"],
+    cfg = RunConfig(model=case["source"], plan=plan, global_batch=case["global_batch"], steps=case["steps"],
                         seq_len=case.get("seq_len"))
     key = json.dumps([case["source"], case["global_batch"], case["steps"], case.get("seq_len"), plan.precision])
     if key not in _REF:
@@ -143,7 +143,7 @@ def run_case(case: dict, device: torch.device) -> dict:
     singles, (x_losses, x_norms, x_w), exactness = _REF[key]
     ref_losses, ref_norms, ref_w = singles[0]
     t0 = time.perf_counter()
-    trainer = GenericTrainer(cfg, build_mesh(plan, device.type), device)
+    trainer = Trainer(cfg, build_mesh(plan, device.type), device)
     losses, norms = [], []
     for _ in range(cfg.steps):
         losses.append(trainer.train_step())

@@ -1,11 +1,11 @@
-"""Ingested models (issue 5) through the whole pipeline on CPU: ingest -> search_graph on a 2-"GPU"
+"""Ingested models (issue 5) through the whole pipeline on CPU: ingest -> search on a 2-"GPU"
 CPU cluster -> the winning plan trained on 2 processes (torchrun, gloo, fp32) -> per-step losses
 and gradient norms and final weights against a float64 run from the same initial weights, within
 8x the error of correct single-process fp32 runs (test_parity.check_errors: tolerances that hold
 on any CPU, while a wrong reduction fails by orders of magnitude). Families: HF Llama, ViT, T5,
 Mixtral (MoE) configs and a small CNN (tests/data/modules/small_cnn.py); plus forced plans:
-pipeline (Llama, CNN, ViT interleaved, Mixtral), TP (Llama, T5, ViT), FSDP + full recompute, and the
-refusals (T5 pp, CNN tp, checkpoints).
+pipeline (Llama, CNN, Llama interleaved, Mixtral), TP (Llama, T5, ViT), FSDP + full recompute, and the
+refusals (T5 pp, CNN tp, --data, stage_layers not counting blocks).
 
 One torchrun launch holds every parity case; `meshplan train` runs end to end (metrics and
 estimate; the pre-flight refusal before any rank starts; DDP without find_unused_parameters'
@@ -66,7 +66,8 @@ FORCED = [("llama_pp", "llama", "pp=2,schedule=1f1b,micro_batch=1"),
           ("llama_zero1_ga", "llama", "dp=2,zero=1,micro_batch=1"),  # 2 micro-batches: one reduce-scatter
           ("vit_zero2_ga", "vit", "dp=2,zero=2,micro_batch=1"),  # 2 micro-batches: params kept gathered
           ("cnn_pp", "cnn", "pp=2,schedule=gpipe,micro_batch=1"),
-          ("vit_pp_interleaved", "vit", "pp=2,virtual_stages=2,schedule=interleaved-1f1b,micro_batch=1"),
+          # interleaved: 4 chunks of llama-tiny's 4 blocks (vit-tiny has 3; stages count blocks)
+          ("llama_pp_interleaved", "llama", "pp=2,virtual_stages=2,schedule=interleaved-1f1b,micro_batch=1"),
           ("vit_ddp", "vit", "dp=2,zero=0,micro_batch=1"),
           ("t5_tp", "t5", "tp=2,micro_batch=2"),
           ("moe_pp", "moe", "pp=2,schedule=1f1b,micro_batch=1")]
@@ -81,12 +82,11 @@ def modules_env() -> dict[str, str]:
 def searched() -> dict[str, str]:
     """The best plan of each family on a 2-process CPU cluster (graph search, fp32, only what the
     runtime runs: runtime.generic.search_space)."""
-    from meshplan.cost.graph import graph_workload
     from meshplan.ingest import ingest
     from meshplan.runtime import launch
     from meshplan.runtime.generic import search_space
-    from meshplan.search.graph import search_graph
-    from meshplan.spec.plan import Plan
+    from meshplan.search import search
+    from meshplan.spec.plan import Plan, Workload
     sys.path.insert(0, str(MODULES))
     old = launch.cpu_tflops
     launch.cpu_tflops = lambda seconds=0.2: 0.05  # a fixed CPU rate: the same winner on every machine
@@ -96,7 +96,7 @@ def searched() -> dict[str, str]:
         for fam, src in SOURCES.items():
             graph = ingest(src, seq_len=SEQ.get(fam))
             space = search_space(src, seq_len=SEQ.get(fam), base=Plan(precision="fp32"))
-            result = search_graph(graph, cluster, graph_workload(graph, BATCH), space)
+            result = search(graph, cluster, Workload(global_batch=BATCH, seq_len=graph.sample_tokens), space)
             assert result.plans, (fam, result.rejected)
             out[fam] = result.plans[0].plan.short()
         return out
@@ -158,7 +158,7 @@ def test_matches_single_process(results: dict[str, list[dict]], name: str) -> No
 
 
 def test_pipeline_stages_split_the_model(results: dict[str, list[dict]]) -> None:
-    for name in ("llama_pp", "cnn_pp", "vit_pp_interleaved", "moe_pp"):
+    for name in ("llama_pp", "cnn_pp", "llama_pp_interleaved", "moe_pp"):
         a, b = (set(r["params"]) for r in results[name])
         assert a and b and not a & b, name  # each stage holds its own units only
     first = next(r for r in results["llama_pp"] if any("embed_tokens" in p for p in r["params"]))
@@ -224,7 +224,8 @@ def test_ddp_without_the_unused_parameters_warning_and_a_killed_rank() -> None:
 
 
 def test_units_in_execution_order_are_the_graph_layers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """stage_layers from the graph search count the runtime's units: the same number, in the same order."""
+    """The runtime's units in execution order are the graph's layers (the same number, in the same order):
+    spec.stages.stage_layer_ranges indexes both."""
     from meshplan.ingest import build, ingest
     from meshplan.runtime.generic import execution_order, make_batch, unit_paths
     monkeypatch.syspath_prepend(str(MODULES))
@@ -239,15 +240,18 @@ def test_pipeline_refuses_a_forward_that_is_not_a_sequence(monkeypatch: pytest.M
     """A skip connection over the blocks: cutting the forward at a stage boundary changes it."""
     from meshplan.errors import MeshplanError
     from meshplan.ingest import build
-    from meshplan.runtime.generic import check_sequence, chunk_bounds, execution_order, make_batch, unit_paths
+    from meshplan.runtime.generic import check_sequence, execution_order, make_batch, stage_bounds, unit_paths
     from meshplan.spec.plan import Plan
     monkeypatch.syspath_prepend(str(MODULES))
     built = build("module:skip_net:make_skip_net", device="cpu")
     sample = make_batch(built, 1, 0)
     order = execution_order(built.module, unit_paths(built.module)[0], sample)
     assert [u.name for u in order] == ["stem", "blocks.0", "blocks.1", "blocks.2", "head"]
+    # stages count blocks: the stem goes with the first, the head with the last
+    assert stage_bounds(order, Plan(pp=2)) == [(0, 3), (3, 5)]
+    assert stage_bounds(order, Plan(pp=3)) == [(0, 2), (2, 3), (3, 5)]
     with pytest.raises(MeshplanError, match="changes its output"):
-        check_sequence(built, order, chunk_bounds(len(order), Plan(pp=2)), sample)
+        check_sequence(built, order, stage_bounds(order, Plan(pp=2)), sample)
     llama = build(SOURCES["llama"], device="cpu", seq_len=8)  # and a sequence passes, at every cut
     sample = make_batch(llama, 1, 0)
     order = execution_order(llama.module, unit_paths(llama.module)[0], sample)
@@ -258,7 +262,8 @@ def test_pipeline_refuses_a_forward_that_is_not_a_sequence(monkeypatch: pytest.M
     (["--model", SOURCES["t5"], "--plan", "pp=2,precision=fp32"], "encoder-decoder"),
     (["--model", SOURCES["cnn"], "--plan", "tp=2,precision=fp32"], "no block of make_cnn"),
     (["--model", SOURCES["llama"], "--plan", "cp=2,precision=fp32"], "cp=2 is not run on ingested models"),
-    (["--model", SOURCES["llama"], "--plan", "dp=2,precision=fp32", "--checkpoint-dir", "x"], "not checkpointed"),
+    (["--model", SOURCES["llama"], "--plan", "dp=2,precision=fp32", "--data", "corpus"], "synthetic batches"),
+    (["--model", SOURCES["llama"], "--plan", "pp=2,stage_layers=1:2,precision=fp32"], "has 4 blocks"),
     (["--model", SOURCES["llama"], "--plan", "dp=2,micro_batch=3,precision=fp32"], "not divisible"),
 ])
 def test_refusals(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],

@@ -28,7 +28,7 @@ TINY = ["train", "--model", "tiny-llama", "--global-batch", "8", "--seq-len", "3
 def launched(monkeypatch: pytest.MonkeyPatch) -> list:
     """Nothing starts: torchrun and the in-process workers are replaced by a recorder (exit 0)."""
     pytest.importorskip("torch")
-    from meshplan.runtime import generic, launch
+    from meshplan.runtime import launch
     calls: list = []
 
     def record(*a: object, **k: object) -> int:
@@ -36,7 +36,6 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> list:
         return 0
     monkeypatch.setattr(launch, "run_torchrun", record)
     monkeypatch.setattr(launch, "worker_main", record)
-    monkeypatch.setattr(generic, "worker_main", record)
     return calls
 
 
@@ -118,7 +117,7 @@ def test_ingested_plans_the_planner_refuses_are_refused_before_launch(capsys: py
     line = error_line(capsys, ["train", "--model", f"hf:{HF / 'llama-tiny.json'}", "--plan",
                                "pp=4,virtual_stages=2,schedule=interleaved-1f1b,precision=fp32",
                                "--global-batch", "8", "--seq-len", "16", "--steps", "1"])
-    assert "pp*virtual_stages = 8 exceeds the 7 layers of graph llama-tiny" in line
+    assert "pp*virtual_stages = 8 exceeds the 4 blocks of llama-tiny" in line  # stages count blocks (issue 12)
     line = error_line(capsys, ["train", "--model", f"hf:{HF / 'llama-tiny.json'}", "--plan", "pp=2,dp=2,zero=2",
                                "--global-batch", "8", "--seq-len", "16", "--steps", "1"])
     assert "zero=2 with pp > 1" in line
@@ -176,10 +175,12 @@ def test_overwrite_deletes_the_old_checkpoint_and_nothing_else(capsys: pytest.Ca
     assert "--overwrite needs --checkpoint-dir" in line
 
 
-def test_overwrite_is_refused_for_ingested_models(capsys: pytest.CaptureFixture[str], launched: list) -> None:
+def test_overwrite_of_ingested_models_needs_a_checkpoint_dir(capsys: pytest.CaptureFixture[str],
+                                                             launched: list) -> None:
+    """Ingested models are checkpointed like presets (issue 12): the same --overwrite rules."""
     line = error_line(capsys, ["train", "--model", f"hf:{HF / 'llama-tiny.json'}", "--plan", "dp=2",
                                "--global-batch", "4", "--steps", "1", "--overwrite"])
-    assert "--overwrite" in line and "not checkpointed" in line
+    assert "--overwrite needs --checkpoint-dir" in line
 
 
 def test_checkpoint_contents() -> None:
@@ -209,9 +210,9 @@ def test_the_summary_memory_is_the_cpu_corrected_figure() -> None:
 def test_the_ingested_summary_memory_is_the_cpu_corrected_figure() -> None:
     pytest.importorskip("transformers")
     from meshplan.ingest import ingest
-    from meshplan.runtime.generic import GenericJob, estimate_for
+    from meshplan.runtime.launch import Job, estimate_for
     src, plan = f"hf:{HF / 'llama-tiny.json'}", load_plan("dp=2,precision=fp32")
-    job = GenericJob(source=src, plan=plan, global_batch=4, steps=1, seq_len=32, nproc_per_node=2)
+    job = Job(model=src, plan=plan, global_batch=4, steps=1, seq_len=32, nproc_per_node=2)
     g = ingest(src, seq_len=32)
     est = estimate_for(job, "cpu", g)
     pre = preflight.graph_memory_estimate(g, plan, 4, "cpu", preflight.HF_PROCESS_GIB)

@@ -323,14 +323,14 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> list:
     """Nothing may start: the launcher's torchrun and the in-process worker fail the test if called."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from meshplan.runtime import generic, launch
+    from meshplan.runtime import launch
     calls: list = []
 
     def refuse(*a: object, **k: object) -> int:
         calls.append(a)
         raise AssertionError("a process was started")
     monkeypatch.setattr(launch, "run_torchrun", refuse)
-    monkeypatch.setattr(generic, "worker_main", refuse)
+    monkeypatch.setattr(launch, "worker_main", refuse)
     return calls
 
 
@@ -368,14 +368,14 @@ def test_ingested_check_job(monkeypatch: pytest.MonkeyPatch, host_24gib: None) -
     """Programmatic jobs get the lr check; a run that fits returns the estimate (hf: an idle rank
     with transformers imported)."""
     pytest.importorskip("transformers")
-    from meshplan.runtime.generic import GenericJob, check_job
-    job = GenericJob(source=f"hf:{HF / 'llama-tiny.json'}", plan=load_plan("dp=2,precision=fp32"),
-                     global_batch=4, steps=1, seq_len=32, nproc_per_node=2)
+    from meshplan.runtime.launch import Job, check_job
+    job = Job(model=f"hf:{HF / 'llama-tiny.json'}", plan=load_plan("dp=2,precision=fp32"),
+              global_batch=4, steps=1, seq_len=32, nproc_per_node=2)
     est = check_job(job)
     assert est is not None and est.parts["overhead"] == preflight.HF_PROCESS_GIB
     assert 0.35 < est.per_process_gib < 1.0
     with pytest.raises(MeshplanError, match="--lr"):
-        check_job(GenericJob(**{**job.__dict__, "lr": math.inf}))
+        check_job(Job(**{**job.__dict__, "lr": math.inf}))
 
 
 UNUSED_MODULES = '''
@@ -451,9 +451,9 @@ def test_ddp_unused_parameters_of_hf_models() -> None:
 
 def test_untraceable_model_is_launched_without_a_memory_check(nets: str, capsys: pytest.CaptureFixture[str],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from meshplan.runtime.generic import GenericJob, check_job
-    job = GenericJob(source=f"module:{nets}:reads_values", plan=load_plan("dp=2,precision=fp32"),
-                     global_batch=4, steps=1, seq_len=None, nproc_per_node=2)
+    from meshplan.runtime.launch import Job, check_job
+    job = Job(model=f"module:{nets}:reads_values", plan=load_plan("dp=2,precision=fp32"),
+              global_batch=4, steps=1, seq_len=None, nproc_per_node=2)
     assert check_job(job) is None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("meshplan: warning: no memory check before launch: cannot trace"), err

@@ -1,7 +1,10 @@
 """Distributed checkpoints with torch.distributed.checkpoint (DCP).
 
 A checkpoint directory holds ``step-NNNNNNNN/`` DCP folders, ``meta.json`` (model, plan, last
-step; written by rank 0 after a save completes) and nothing else. State is keyed by clean
+step; written by rank 0 after a save completes) and nothing else. The same for every model: a
+preset (``model`` in meta.json is its ModelSpec) or an ingested one (``{"name", "source"}``: its
+``hf:``/``module:`` source); the model's own part is ``train.TrainModel.logical`` (names and values
+of its tensors in the single-process model). State is keyed by clean
 parameter names (no wrapper prefixes) with a flattened optimizer state, so DCP reshards it on
 load: a run saved under one plan resumes under another (other world size, TP, PP, FSDP).
 Saved: model, optimizer, data position (the step: batches are a pure function of it) and the
@@ -13,6 +16,9 @@ The checkpoint holds the single-process model's logical tensors, whatever the pl
   the last stage's output copy is saved and loaded under that name (both ends write the same
   shards, which DCP deduplicates; under zbv rank 0 loads it into both of its parts), and with
   pp = 1 the tied ``output.weight`` alias is not saved (loaded through the embedding);
+- a pipeline stage of an ingested model saves its parameters under their names in the whole
+  model (no ``inner.`` prefix) and only the parameters and buffers of its own units (the others are
+  stripped from the stage);
 - a vocabulary padded for tp (``Transformer.pad_vocab``) is saved unpadded: each rank writes the
   rows of its shard below ``vocab_size`` (a shard of padding only writes nothing) as chunks of
   the [vocab_size, hidden] tensor, and reads them back the same way, the padded rows keeping
@@ -53,20 +59,23 @@ def _param_of(key: str, optim: bool) -> tuple[str, str, str]:
     return prefix + ".", param, "." + suffix
 
 
-def _logical(part: Any, sd: dict[str, Any], vocab: int, optim: bool) -> list[Entry]:
-    """The entries of one part's state dict under their checkpoint keys (see the module doc)."""
-    from meshplan.runtime.parallelize import VOCAB_PARAMS, logical_name
-    shared = part.embed is not None and part.output is not None and part.output.weight is part.embed.tok.weight
+def _logical(model: Any, part: Any, sd: dict[str, Any], optim: bool) -> list[Entry]:
+    """The entries of one part's state dict under their checkpoint keys (see the module doc);
+    ``model``: the trainer's TrainModel."""
+    from meshplan.runtime.parallelize import VOCAB_PARAMS
+    from meshplan.runtime.train import clean_fqn
+    vocab = model.vocab_rows
     out = []
     for key, value in sd.items():
         prefix, param, suffix = _param_of(key, optim)
-        if shared and param == "output.weight":  # pp = 1 tied: the alias of embed.tok.weight
+        param = clean_fqn(param)
+        name, value = model.logical(part, param, value)
+        if name is None:  # an alias (pp = 1 tied output.weight: the embedding)
             continue
-        logical = prefix + logical_name(part, param) + suffix
-        if param in VOCAB_PARAMS and isinstance(value, torch.Tensor) and value.dim() >= 1 \
+        if vocab is not None and param in VOCAB_PARAMS and isinstance(value, torch.Tensor) and value.dim() >= 1 \
                 and value.shape[0] > vocab:
             value = _rows_below(value, vocab)
-        out.append((key, logical, value))
+        out.append((key, prefix + name + suffix, value))
     return out
 
 
@@ -117,9 +126,9 @@ def _rows_below(value: torch.Tensor, rows: int) -> torch.Tensor:
 def _entries(trainer: Any) -> list[tuple[list[Entry], list[Entry]]]:
     """Per part: (model entries, optimizer entries) under their checkpoint keys."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    vocab = trainer.cfg.model.vocab_size
-    return [(_logical(part, get_model_state_dict(part, options=_options()), vocab, False),
-             _logical(part, get_optimizer_state_dict(part, opt, options=_options()), vocab, True))
+    m = trainer.model
+    return [(_logical(m, part, get_model_state_dict(part, options=_options()), False),
+             _logical(m, part, get_optimizer_state_dict(part, opt, options=_options()), True))
             for part, opt in zip(trainer.par.parts, trainer.optimizers)]
 
 
@@ -179,9 +188,18 @@ def read_meta(directory: str | Path) -> dict[str, Any] | None:
         raise MeshplanError(f"checkpoint {directory}: cannot read {META}: {e}") from None
 
 
+def identity(model: Any) -> dict[str, Any]:
+    """What meta.json records of a run's model (RunConfig.model): a preset's ModelSpec, an ingested
+    model's source."""
+    if isinstance(model, str):
+        return {"name": model, "source": model}
+    return to_dict(model)
+
+
 def check_resumable(directory: str | Path, model_spec: Any, steps: int | None = None) -> int:
     """The step to resume from, or a one-line MeshplanError (missing dir, other model, and with
-    ``steps``, the run's --steps, a checkpoint already at or past them: nothing left to train)."""
+    ``steps``, the run's --steps, a checkpoint already at or past them: nothing left to train).
+    ``model_spec``: the run's model (a ModelSpec, or an ingested model's source)."""
     d = Path(directory)
     if not d.is_dir():
         raise MeshplanError(f"--resume: checkpoint directory {d} does not exist",
@@ -190,7 +208,7 @@ def check_resumable(directory: str | Path, model_spec: Any, steps: int | None = 
     if meta is None:
         raise MeshplanError(f"--resume: {d} holds no meshplan checkpoint (no {META})",
                             hint="give the --checkpoint-dir of an earlier run")
-    mine = to_dict(model_spec)
+    mine = identity(model_spec)
     theirs = meta.get("model", {})
     if theirs != mine:
         diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
@@ -219,11 +237,13 @@ def save(trainer: Any, directory: str | Path) -> Path:
     if dist.is_initialized():
         dist.barrier()
     if _rank0():
-        meta = {"schema_version": 1, "model": to_dict(trainer.cfg.model), "plan": trainer.cfg.plan.short(),
+        meta = {"schema_version": 1, "model": identity(trainer.cfg.model), "plan": trainer.cfg.plan.short(),
                 "step": trainer.step, "path": path.name}
         tmp = d / (META + ".tmp")
         tmp.write_text(json.dumps(meta, indent=2))
         os.replace(tmp, d / META)  # atomic: a crash mid-save leaves the previous checkpoint in force
+    if dist.is_initialized():
+        dist.barrier()  # every rank returns with meta.json written (a load may follow at once)
     return path
 
 

@@ -2,12 +2,14 @@
 
 Batches are a pure function of (seed, step): the data position of a run is its step number,
 so a resumed run (on any plan, any number of ranks) reads exactly the batches it would have
-read uninterrupted. Each data-parallel rank takes its rows of the global batch.
+read uninterrupted. Each data-parallel rank takes its rows of the global batch; ``take`` cuts rows
+(a rank's, a micro-batch's) out of any model's Batch (ingest.batch.Batch).
 """
 from __future__ import annotations
 
 import functools
 import random
+from typing import Any
 
 import torch
 
@@ -58,3 +60,17 @@ def rank_rows(tokens: torch.Tensor, dp_rank: int, dp_size: int) -> tuple[torch.T
     per = tokens.shape[0] // dp_size
     mine = tokens[dp_rank * per:(dp_rank + 1) * per]
     return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+
+def rows(x: Any, lo: int, hi: int, n: int) -> Any:
+    """Rows lo:hi of every tensor of ``x`` (any nesting) whose first dimension is the batch (``n``
+    rows); other values unchanged."""
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == n else t, x)
+
+
+def take(b: Any, lo: int, hi: int, n: int) -> Any:
+    """Rows lo:hi of a Batch of ``n`` rows (its arguments, targets and raw example inputs)."""
+    from meshplan.ingest.batch import Batch
+    return Batch(args=rows(b.args, lo, hi, n), kwargs=rows(b.kwargs, lo, hi, n), targets=rows(b.targets, lo, hi, n),
+                 raw=rows(b.raw, lo, hi, n))

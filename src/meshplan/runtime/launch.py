@@ -7,9 +7,9 @@ time; --overwrite deletes the old checkpoint) and runs ``python -m meshplan.runt
 meshplan.cli.train_cmd ARGS``: torchrun's own launcher (``torch.distributed.run``), in a process that
 reports a failed rank in one line (``failure_message``: killed by a signal, exit code) instead of
 torchrun's ChildFailedError traceback. Inside torchrun ``worker_main`` trains on every rank. A
-one-process plan runs in the calling process (no torchrun, no process group). Ingested models
-(``runtime.generic.launch``) go through the same pre-flight checks (on their traced LayerGraph) and
-the same torchrun wrapper.
+one-process plan runs in the calling process (no torchrun, no process group). One ``Job`` for
+every model: a preset (``model`` a ModelSpec) or an ingested model (``model`` its ``hf:``/``module:``
+source; the checks particular to it, on its traced LayerGraph, are ``generic.preflight``).
 """
 from __future__ import annotations
 
@@ -57,12 +57,12 @@ the cost model's raw GPU figure, which is kept as ``cost_model_peak_memory_gib``
 class Job:
     """Everything `meshplan train` was asked to do."""
 
-    model_arg: str
-    plan_arg: str
-    model: ModelSpec
+    model: ModelSpec | str
+    """A preset (ModelSpec) or an ingested model's source (``hf:config.json``, ``module:pkg.mod:factory``)."""
     plan: Plan
     global_batch: int
-    seq_len: int
+    seq_len: int | None
+    """Presets: the run's (the model's by default); ingested models: None for ingestion's default."""
     steps: int
     nproc_per_node: int
     nnodes: int = 1
@@ -79,22 +79,51 @@ class Job:
     seed: int = 0
     data: str = "corpus"
     pg_timeout_s: float = 300.0
+    model_arg: str = ""
+    """--model as given (a preset name, a file, a source)."""
+    plan_arg: str = ""
     extra_argv: list[str] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
+    @property
+    def ingested(self) -> bool:
+        return isinstance(self.model, str)
+
+    def config(self) -> Any:
+        """The RunConfig every rank trains."""
+        from meshplan.runtime.train import RunConfig
+        return RunConfig(model=self.model, plan=self.plan, global_batch=self.global_batch, seq_len=self.seq_len,
+                         steps=self.steps, lr=self.lr, seed=self.seed, data=self.data)
+
 
 def check_job(job: Job) -> Any:
     """Bad input, caught before anything starts: one-line MeshplanErrors. Ends with the memory
     pre-flight check (preflight.check_memory: the cost model's estimate against host memory on
     CPU, every process of the node counted, or against the GPU's memory); returns its estimate
-    (None: not priced). Ingested models: runtime.generic.check_job, the same checks."""
+    (None: not priced). Ingested models: ``generic.preflight`` in place of the preset checks."""
+    return _check_job(job)[0]
+
+
+def _check_job(job: Job) -> tuple[Any, Any]:
+    """``check_job``; also the traced LayerGraph of an ingested model (None: a preset, or a model
+    that cannot be traced on the meta device)."""
     from meshplan.runtime import mesh as mesh_mod  # imports torch; only reached by `train`
     from meshplan.runtime import preflight
     preflight.check_lr(job.lr)
     preflight.check_output_file("--metrics", job.metrics)
+    if job.ingested:
+        from meshplan.runtime import generic
+        if job.data != "corpus":
+            raise MeshplanError(generic.data_refusal(job.model), hint="drop --data")
+        est, graph = generic.preflight(job)
+        check_checkpoint_dir(job)
+        if job.checkpoint_every and not job.checkpoint_dir:
+            raise MeshplanError("--checkpoint-every needs --checkpoint-dir")
+        return est, graph
+    assert isinstance(job.model, ModelSpec) and job.seq_len is not None
     mesh_mod.check_supported(job.model, job.plan, job.world_size, job.seq_len,
                              micro=microbatches(job.global_batch, job.plan.dp, job.plan.micro_batch))
     preflight.check_seq_len(job.model, job.seq_len)
@@ -103,7 +132,7 @@ def check_job(job: Job) -> Any:
     check_checkpoint_dir(job)
     if job.checkpoint_every and not job.checkpoint_dir:
         raise MeshplanError("--checkpoint-every needs --checkpoint-dir")
-    return check_memory(job)
+    return check_memory(job), None
 
 
 def check_checkpoint_dir(job: Any) -> int:
@@ -149,7 +178,7 @@ def this_device_type() -> str:
 
 
 def check_memory(job: Job) -> Any:
-    """preflight.check_memory for this job on this machine (CUDA: device 0's memory)."""
+    """preflight.check_memory for this preset job on this machine (CUDA: device 0's memory)."""
     import torch
 
     from meshplan.runtime import preflight
@@ -175,10 +204,10 @@ def torchrun_argv(job: Job, worker_argv: list[str]) -> list[str]:
 
 def launch(job: Job, worker_argv: list[str]) -> int:
     """Run the job: in this process for one process, else under torchrun. Returns an exit code."""
-    est = check_job(job)
+    est, graph = _check_job(job)
     dev = this_device_type()
     start = check_checkpoint_dir(job)
-    before_launch(job, estimate_for(job, dev), dev, job.steps - start)
+    before_launch(job, estimate_for(job, dev, graph), dev, job.steps - start)
     if job.world_size == 1:
         return worker_main(job)
     return run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s,
@@ -189,7 +218,7 @@ def memory_context(job: Any, est: Any = None) -> str:
     """What a rank killed by SIGKILL is told about memory: the pre-flight estimate (``est``, else
     the preset cost model's) beside what there is (preflight.memory_text)."""
     from meshplan.runtime import preflight
-    if est is None and isinstance(job, Job):
+    if est is None and isinstance(job, Job) and not job.ingested:
         try:
             est = preflight.memory_estimate(job.model, job.plan, job.global_batch, job.seq_len)
         except Exception:  # noqa: BLE001 - only words for an error message
@@ -201,8 +230,7 @@ def run_torchrun(argv: list[str], pg_timeout_s: float, *, memory: str = "") -> i
     """Run a torchrun command line (one thread per process, the process-group timeout passed on);
     a failure raises one line saying which rank failed and how (``failure_message``). ``argv``:
     ``torchrun_argv`` (through ``torchrun_main``; a plain ``torch.distributed.run`` line is run
-    through it too). ``memory``: said when a rank was killed by SIGKILL. Shared by this runtime and
-    runtime.generic."""
+    through it too). ``memory``: said when a rank was killed by SIGKILL."""
     if argv[1:3] == ["-m", "torch.distributed.run"]:
         argv = [argv[0], "-m", "meshplan.runtime.launch", *argv[3:]]
     env = dict(os.environ)
@@ -348,7 +376,14 @@ def estimate_basis(cluster_name: str) -> str:
     return f"cost model for {cluster_name} (the GPU preset of this device)"
 
 
-def estimate_for(job: Job, device_type: str) -> dict[str, Any]:
+def estimate_for(job: Job, device_type: str, graph: Any = None) -> dict[str, Any]:
+    """The cost model's prediction of this run on this machine (``local_cluster``): presets'
+    ``cost.estimate`` on the ModelSpec; ingested models' on ``graph`` (their LayerGraph at the
+    run's sequence length; traced when None: generic.estimate). On CPU the peak memory is the
+    pre-flight check's CPU-corrected figure (``cpu_memory``)."""
+    if job.ingested:
+        from meshplan.runtime import generic
+        return generic.estimate(job, device_type, graph)
     from meshplan.cost import estimate
     try:
         cluster = local_cluster(job.world_size, device_type)
@@ -436,19 +471,25 @@ def worker_main(job: Job) -> int:
 
     from meshplan.runtime import checkpoint as ckpt
     from meshplan.runtime.mesh import build_mesh, check_supported
-    from meshplan.runtime.train import RunConfig, Trainer, init_distributed
+    from meshplan.runtime.train import Trainer, init_distributed
+    if job.ingested:
+        from meshplan.runtime.generic import quiet_false_positives
+        quiet_false_positives()
     if in_torchrun():
         device = init_distributed(float(os.environ.get("MESHPLAN_PG_TIMEOUT", job.pg_timeout_s)))
-        check_supported(job.model, job.plan, dist.get_world_size(), job.seq_len)
-        from meshplan.runtime.preflight import check_plan  # started by torchrun by hand: no launcher checked it
-        check_plan(job.model, job.plan, job.global_batch, job.seq_len)
+        if job.ingested:
+            if dist.get_world_size() != job.plan.num_gpus:
+                raise MeshplanError(f"plan needs {job.plan.num_gpus} processes but {dist.get_world_size()} were "
+                                    "started")
+        else:
+            check_supported(job.model, job.plan, dist.get_world_size(), job.seq_len)
+            from meshplan.runtime.preflight import check_plan  # started by torchrun by hand: no launcher checked it
+            check_plan(job.model, job.plan, job.global_batch, job.seq_len)
     else:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     mesh = build_mesh(job.plan, device.type) if dist.is_initialized() and dist.get_world_size() > 1 else None
-    cfg = RunConfig(model=job.model, plan=job.plan, global_batch=job.global_batch, seq_len=job.seq_len,
-                    steps=job.steps, lr=job.lr, seed=job.seed, data=job.data)
-    trainer = Trainer(cfg, mesh, device)
+    trainer = Trainer(job.config(), mesh, device)
     if rank0:  # plan fields this hardware cannot honour: said once, and kept with the metrics
         for note in trainer.par.notes:
             print(f"meshplan: warning: {note}", file=sys.stderr, flush=True)
@@ -466,13 +507,13 @@ def worker_main(job: Job) -> int:
             pass  # nothing new to save
         else:
             ckpt.save(trainer, job.checkpoint_dir)
-    measured = measured_summary(records, job.global_batch * job.seq_len)
+    measured = measured_summary(records, trainer.tokens_per_step)
     if rank0:
         est = estimate_for(job, device.type)
         print(summary_text(measured, est), flush=True)
-        _write(job.metrics, {"kind": "summary", "plan": job.plan.short(), "model": job.model.name,
-                             "world_size": job.world_size, "measured": measured, "estimate": est,
-                             "warnings": trainer.par.notes})
+        _write(job.metrics, {"kind": "summary", "plan": job.plan.short(), "model": trainer.model.name,
+                             "world_size": job.world_size, "sample_tokens": trainer.sample_tokens,
+                             "measured": measured, "estimate": est, "warnings": trainer.par.notes})
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -1,4 +1,12 @@
-"""Apply a Plan to a model from outside, in one fixed order (torchtitan's parallelize_llama):
+"""Apply a Plan to a model from outside, in one fixed order (torchtitan's parallelize_llama).
+
+The pieces every model shares (presets and ingested models alike: runtime/generic.py applies them
+to an ingested module in the same order) are here: the pipeline split (``split_pipeline``: which
+layers each stage holds, from ``spec.stages.stage_layer_ranges``; the model cuts itself), the
+schedule (``build_schedule``), recomputation (``apply_ac``), data parallelism (``apply_fsdp``,
+``apply_data_parallel``: DDP, FSDP2/HSDP or a manual all-reduce, the ZeRO levels below), precision
+(``DTYPES``, ``autocast_dtype``) and ``Parallelized``, what the trainer runs. The steps for a
+preset Transformer (``parallelize``):
 
 0. vocab padding    tp not dividing the vocabulary: the embedding and output projection get zero
                     rows up to a multiple of tp (Megatron's make-vocab-size-divisible-by); the
@@ -7,7 +15,8 @@
                     padded rows get no gradient (``Transformer.pad_vocab``; checkpoints and
                     ``full_weights`` hold the unpadded rows);
 1. pipeline split   the full model is built (same seed on every rank), then each pipeline
-                    stage keeps its blocks (plan.stage_layers, virtual stages) and drops the rest;
+                    stage keeps its blocks (plan.stage_layers, virtual stages; the embedding with
+                    the first stage, final norm and output with the last) and drops the rest;
                     tied embeddings (Megatron's way): the first stage keeps the input embedding,
                     the last the output projection, a copy initialised identically; after each
                     step's backward the trainer sums the two copies' gradients (``sync_tied``:
@@ -92,10 +101,16 @@ from meshplan.runtime.expert_parallel import shard_experts
 from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.models import Transformer, loss_fn
 from meshplan.spec.plan import Plan
-from meshplan.spec.stages import stage_ids_for_rank, stage_layer_counts
+from meshplan.spec.stages import stage_ids_for_rank, stage_layer_ranges
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "fp32": torch.float32}
 """Compute dtype per plan precision (fp8: the dtype around torchao's float8 linears, or the fallback)."""
+
+
+def autocast_dtype(plan: Plan, dp_mode: str) -> torch.dtype | None:
+    """The dtype forward runs under autocast: none for fp32, nor under FSDP (its
+    MixedPrecisionPolicy casts the parameters instead)."""
+    return None if plan.precision == "fp32" or dp_mode == "fsdp" else DTYPES[plan.precision]
 
 
 @dataclass
@@ -127,6 +142,10 @@ class Parallelized:
     vocab_parallel: bool = False
     """The logits are vocabulary-sharded DTensors (tp > 1): forward and backward of a step run
     under ``loss_context``."""
+    has_first: bool = True
+    """This rank holds the first pipeline stage (it feeds the schedule the inputs)."""
+    has_last: bool = True
+    """This rank holds the last pipeline stage (it computes the loss)."""
     _tied_checked: bool = False
 
     def loss_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -190,13 +209,6 @@ class Parallelized:
             raise RuntimeError("tied embeddings: the two copies are sharded differently; their gradient "
                                f"shards cannot be summed elementwise (shape, offset, local shape: {rows[0]})")
 
-    @property
-    def has_first(self) -> bool:
-        return any(p.embed is not None for p in self.parts)  # type: ignore[union-attr]
-
-    @property
-    def has_last(self) -> bool:
-        return any(p.output is not None for p in self.parts)  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager
@@ -251,23 +263,43 @@ def logical_name(part: nn.Module, name: str) -> str:
     return "embed.tok.weight" if name == "output.weight" and is_tied_copy(part) else name
 
 
-# ---- 1. pipeline split -----------------------------------------------------------------------
+# ---- 1. pipeline split (every model) ---------------------------------------------------------
+def split_pipeline(model: nn.Module, plan: Plan, pp_rank: int, kinds: list[str],
+                   cut: Any) -> tuple[list[nn.Module], list[int]]:
+    """This pipeline rank's stages of ``model`` (the full model, the same weights on every rank) and
+    their global stage ids. ``kinds`` are the model's layers in execution order (LayerGraph kinds:
+    ``block`` for the repeated blocks); ``spec.stages.stage_layer_ranges`` gives each stage's
+    [start, end) of them (``stage_layers`` and the even split count blocks; the layers around them
+    go with their neighbours). ``cut(module, start, end)`` makes a stage of a module (a copy of
+    ``model`` for every stage of the rank but the last, which gets ``model`` itself)."""
+    ranges = stage_layer_ranges(kinds, plan)
+    stage_ids = stage_ids_for_rank(pp_rank, plan)
+    parts = []
+    for k, s in enumerate(stage_ids):
+        m = model if k == len(stage_ids) - 1 else copy.deepcopy(model)
+        parts.append(cut(m, *ranges[s]))
+    return parts, stage_ids
 
 
-def split_stage(model: Transformer, stage: int, counts: list[int]) -> Transformer:
-    """A copy of ``model`` keeping only what stage ``stage`` computes."""
-    part = copy.deepcopy(model)
-    start = sum(counts[:stage])
-    keep = {str(i) for i in range(start, start + counts[stage])}
-    for name in list(part.layers.keys()):
+def transformer_kinds(model: Transformer) -> list[str]:
+    """A Transformer's layers in execution order: the embedding, the blocks, the final norm and the
+    output projection (the layers of its LayerGraph)."""
+    return ["embedding", *["block"] * len(model.layers), "head", "head"]
+
+
+def cut_transformer(model: Transformer, start: int, end: int) -> Transformer:
+    """``model`` keeping only layers [start, end) of ``transformer_kinds`` (blocks are layers 1..L)."""
+    n = len(model.layers)
+    keep = {str(i - 1) for i in range(max(start, 1), min(end, n + 1))}
+    for name in list(model.layers.keys()):
         if name not in keep:
-            del part.layers[name]
-    if stage > 0:
-        part.embed = None
-    if stage < len(counts) - 1:
-        part.norm = None
-        part.output = None
-    return part
+            del model.layers[name]
+    if start > 0:
+        model.embed = None
+    if end < n + 3:
+        model.norm = None
+        model.output = None
+    return model
 
 
 # ---- 2. tensor + sequence parallel -------------------------------------------------------------
@@ -403,23 +435,47 @@ def _op_sac_context() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_ac(part: Transformer, plan: Plan) -> None:
+def resolve(root: nn.Module, path: str) -> nn.Module:
+    """The sub-module at ``path`` ("" is the root)."""
+    return root.get_submodule(path) if path else root
+
+
+def replace(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Put ``module`` at ``path`` (an item of a ModuleList/ModuleDict/Sequential, or an attribute)."""
+    parent, _, leaf = path.rpartition(".")
+    holder = resolve(root, parent)
+    if isinstance(holder, (nn.ModuleList, nn.Sequential)) and leaf.isdigit():
+        holder[int(leaf)] = module
+    elif isinstance(holder, nn.ModuleDict):
+        holder[leaf] = module
+    else:
+        setattr(holder, leaf, module)
+
+
+def apply_ac(part: nn.Module, blocks: list[str], plan: Plan) -> list[str]:
+    """Activation recomputation of the blocks at ``blocks`` (paths in ``part``, model order): full,
+    a checkpoint_wrapper per block (the first ``recompute_layers`` of the stage); selective, around
+    each block's core attention (``attention.core``: preset Transformers); op, op-level SAC per
+    block. Returns the paths whose block was wrapped (the wrapper takes the block's place)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     if plan.recompute == "none":
-        return
-    names = list(part.layers.keys())
-    if plan.recompute == "full":
-        n = len(names) if plan.recompute_layers is None else min(plan.recompute_layers, len(names))
-        for name in names[:n]:
-            part.layers[name] = checkpoint_wrapper(part.layers[name], preserve_rng_state=False)
-    elif plan.recompute == "selective":
-        for name in names:
-            attn = part.layers[name].attention
+        return []
+    if plan.recompute == "selective":
+        for path in blocks:
+            attn = resolve(part, path).attention
             attn.core = checkpoint_wrapper(attn.core, preserve_rng_state=False)
-    else:  # op
-        for name in names:
-            part.layers[name] = checkpoint_wrapper(part.layers[name], preserve_rng_state=False,
-                                                   context_fn=_op_sac_context)
+        return []
+    n = len(blocks) if plan.recompute != "full" or plan.recompute_layers is None \
+        else min(plan.recompute_layers, len(blocks))
+    extra = {} if plan.recompute == "full" else {"context_fn": _op_sac_context}
+    for path in blocks[:n]:
+        replace(part, path, checkpoint_wrapper(resolve(part, path), preserve_rng_state=False, **extra))
+    return blocks[:n]
+
+
+def block_paths(part: Transformer) -> list[str]:
+    """The paths of a Transformer part's blocks."""
+    return [f"layers.{name}" for name in part.layers]
 
 
 # ---- 5. torch.compile --------------------------------------------------------------------------
@@ -466,7 +522,10 @@ def _offload_policy(plan: Plan, device: torch.device) -> Any:
     return CPUOffloadPolicy(pin_memory=True)
 
 
-def apply_fsdp(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh, device: torch.device) -> None:
+def apply_fsdp(parts: list[nn.Module], blocks: list[list[str]], plan: Plan, mesh: RuntimeMesh,
+               device: torch.device) -> None:
+    """FSDP2 ``fully_shard`` per block (``blocks``: paths in each part; blocks without parameters
+    are left to the root), then per part (the root: embeddings, norms, head)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
     dtype = DTYPES[plan.precision]
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
@@ -474,13 +533,13 @@ def apply_fsdp(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh, device: to
     kw = {"mp_policy": mp, "offload_policy": _offload_policy(plan, device) or OffloadPolicy()}
     reshard = plan.zero == 3 and plan.pp == 1
     dp_mesh = mesh.fsdp_mesh()
-    for part in parts:
-        blocks = list(part.layers.values())
-        for i, block in enumerate(blocks):
+    for part, paths in zip(parts, blocks):
+        mods = [m for m in (resolve(part, p) for p in paths) if next(m.parameters(), None) is not None]
+        for i, block in enumerate(mods):
             # zero=3: reshard after forward, but not the last block, whose backward comes first
             # (FSDP would gather it again at once: torchtitan's choice)
-            rs = reshard and i < len(blocks) - 1
-            ff = _inner(block).feed_forward
+            rs = reshard and i < len(mods) - 1
+            ff = getattr(_inner(block), "feed_forward", None)
             if plan.ep > 1 and hasattr(ff, "experts"):  # experts: over their replicas only; FSDP
                 fully_shard(ff.experts, mesh=mesh.expert_fsdp_mesh(), reshard_after_forward=rs, **kw)  # averages
                 # over those, the trainer divides by ep (not set_gradient_divide_factor: gloo has no
@@ -510,21 +569,29 @@ def _has_dtensor(parts: list[nn.Module]) -> bool:
     return any(isinstance(p, DTensor) for part in parts for p in part.parameters())
 
 
-def apply_data_parallel(parts: list[nn.Module], plan: Plan, mesh: RuntimeMesh,
-                        device: torch.device) -> tuple[list[nn.Module], str]:
-    """Gradient averaging over dp x cp: FSDP2 (zero >= 1, or offload on an accelerator), DDP,
-    or a manual all-reduce (DTensor parameters, pipeline stages, expert parallelism)."""
+def apply_data_parallel(parts: list[nn.Module], blocks: list[list[str]], plan: Plan, mesh: RuntimeMesh,
+                        device: torch.device, *, unused: Any = None,
+                        notes: list[str] | None = None) -> tuple[list[nn.Module], str]:
+    """Gradient averaging over dp x cp: FSDP2 (zero >= 1, or offload on an accelerator; ``blocks``:
+    the paths of each part's blocks), DDP, or a manual all-reduce (DTensor parameters, pipeline
+    stages, expert parallelism: ``Trainer._manual_dp_sync``). ``unused``: a callable saying why DDP
+    must look for parameters without a gradient (``find_unused_parameters``), None when none can
+    lack one; its answer goes to ``notes``."""
     offload = _offload_policy(plan, device) is not None
     if mesh.ndp == 1 and not offload:
         return parts, "none"
     if plan.zero > 0 or offload:  # offload: FSDP2 over dp x cp, one rank included
-        apply_fsdp(parts, plan, mesh, device)
+        apply_fsdp(parts, blocks, plan, mesh, device)
         return parts, "fsdp"
     if _has_dtensor(parts) or plan.pp > 1 or plan.ep > 1:  # DDP holds no DTensors; under PP its reducer
         return parts, "manual"                            # asserts on stages with few parameters (torch 2.13)
     from torch.nn.parallel import DistributedDataParallel as DDP
+    why = unused() if unused is not None else None
+    if why and notes is not None:
+        notes.append(f"DDP with find_unused_parameters=True: {why}")
     # no buffer broadcast: the rotary tables are the same on every rank (or per cp rank, by design)
-    return [DDP(p, process_group=mesh.dp_group, **ddp_no_buffer_sync()) for p in parts], "ddp"
+    return [DDP(p, process_group=mesh.dp_group, find_unused_parameters=why is not None, **ddp_no_buffer_sync())
+            for p in parts], "ddp"
 
 
 def ddp_no_buffer_sync() -> dict[str, bool]:
@@ -610,19 +677,19 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
             notes.append("offload: not applied to a one-process run (FSDP2's CPUOffloadPolicy needs a "
                          "process group)")
         model.to(device)
-        apply_ac(model, plan)
+        apply_ac(model, block_paths(model), plan)
         if compile_blocks:
             apply_compile(model, plan)
-        autocast = None if plan.precision == "fp32" else DTYPES[plan.precision]
-        return Parallelized(parts=[model], run_modules=[model], autocast=autocast, notes=notes)
+        return Parallelized(parts=[model], run_modules=[model], autocast=autocast_dtype(plan, "none"), notes=notes)
     if plan.tp > 1 and model.spec.vocab_size % plan.tp:  # before the split: both tied copies alike
         model.pad_vocab(plan.tp)
     tied = plan.pp > 1 and model.spec.tied_embeddings
     # collective on every rank, before anything rank-dependent: the groups of the tied pairs
     tied_group = mesh.end_stage_group() if tied and plan.schedule != "zbv" else None
-    counts = stage_layer_counts(model.spec.num_layers, plan)
-    stage_ids = stage_ids_for_rank(mesh.pp_rank, plan) if plan.pp > 1 else [0]
-    parts = [split_stage(model, s, counts) if plan.pp > 1 else model for s in stage_ids]
+    parts: list[nn.Module] = [model]
+    stage_ids = [0]
+    if plan.pp > 1:
+        parts, stage_ids = split_pipeline(model, plan, mesh.pp_rank, transformer_kinds(model), cut_transformer)
     if async_tp:
         enable_async_tp(mesh)
     for part in parts:
@@ -634,13 +701,14 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
             apply_tp(part, mesh.sub("tp"), plan.sequence_parallel)
         if plan.cp > 1:
             apply_cp(part, mesh.cp_group, plan.cp, mesh.cp_rank, seq_len or model.spec.seq_len, device)
-        apply_ac(part, plan)
+        apply_ac(part, block_paths(part), plan)
         if compile_blocks:
             apply_compile(part, plan)
-    run_modules, dp_mode = apply_data_parallel(parts, plan, mesh, device)
-    autocast = None if plan.precision == "fp32" or dp_mode == "fsdp" else DTYPES[plan.precision]
+    run_modules, dp_mode = apply_data_parallel(parts, [block_paths(p) for p in parts], plan, mesh, device)
     out = Parallelized(parts=parts, run_modules=run_modules, stage_ids=stage_ids, dp_mode=dp_mode,
-                       autocast=autocast, notes=notes, zero=plan.zero, vocab_parallel=plan.tp > 1)
+                       autocast=autocast_dtype(plan, dp_mode), notes=notes, zero=plan.zero,
+                       vocab_parallel=plan.tp > 1, has_first=any(p.embed is not None for p in parts),
+                       has_last=any(p.output is not None for p in parts))
     if tied:  # the parameters as TP / FSDP left them (FSDP2 registers new sharded Parameters)
         out.tied = [p.embed.tok.weight for p in parts if p.embed is not None] \
             + [p.output.weight for p in parts if is_tied_copy(p)]
@@ -650,7 +718,7 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
             raise MeshplanError(f"plan: tied embeddings under zbv expect both ends on pipeline rank 0, "
                                 f"got {len(out.tied)} on rank {mesh.pp_rank}")
     if plan.pp > 1:
-        out.schedule = build_schedule(run_modules, stage_ids, plan, mesh, device, microbatches)
+        out.schedule = build_schedule(run_modules, stage_ids, plan, mesh, device, microbatches, loss_fn)
     return out
 
 
@@ -659,7 +727,9 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b
 
 
 def build_schedule(modules: list[nn.Module], stage_ids: list[int], plan: Plan, mesh: RuntimeMesh,
-                   device: torch.device, microbatches: int) -> Any:
+                   device: torch.device, microbatches: int, loss: Any) -> Any:
+    """The torch.distributed.pipelining schedule of this rank's stages (``modules``, global ids
+    ``stage_ids``); ``loss(output, target)`` runs on the last stage's output of each micro-batch."""
     from torch.distributed import pipelining
     num_stages = plan.pp * plan.virtual_stages
     stages = [pipelining.PipelineStage(m, s, num_stages, device, group=mesh.pp_group)
@@ -670,8 +740,8 @@ def build_schedule(modules: list[nn.Module], stage_ids: list[int], plan: Plan, m
     cls = getattr(pipelining, name)
     single = name in ("ScheduleGPipe", "Schedule1F1B")
     if single:
-        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss)
     if microbatches < plan.pp and name != "ScheduleLoopedBFS":
         raise MeshplanError(f"plan: schedule={plan.schedule} needs at least pp={plan.pp} micro-batches "
                             f"per step, got {microbatches}", hint="raise --global-batch or lower micro_batch")
-    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    return cls(stages, n_microbatches=microbatches, loss_fn=loss)

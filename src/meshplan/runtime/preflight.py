@@ -54,8 +54,6 @@ CPU_PROCESS_GIB = 0.25
 HF_PROCESS_GIB = 0.35
 """Host memory of one idle rank of an ingested hf: model (CPU_PROCESS_GIB plus transformers and the
 model class): peak RSS 0.34 GiB measured on torch 2.13 / transformers 5.24, before the weights."""
-FP32_ACTIVATION_SCALE = 2.0
-"""fp32 activations over the cost model's 16-bit ones."""
 MEMINFO = "/proc/meminfo"
 GiB = 2.0**30
 
@@ -175,12 +173,6 @@ NOT_PLAN_CHECKS = ("gpu count mismatch", "tp larger than a node", "precision uns
 """spec.constraints checks the launcher does not run: the process count (mesh.check_supported says it
 in the runtime's words), tp across nodes (it runs, only slower) and fp8 without fp8 hardware (runs as
 bf16, noted). Every other constraint is a property of the plan on the model and batch."""
-GRAPH_PLAN_CHECKS = ("tp not allowed by the layers", "layers do not split into stages", "batch not divisible",
-                     "schedule incompatible", "invalid hybrid sharding", "invalid offload",
-                     "zero=2 under a pipeline")
-"""cost.graph's checks the launcher runs on an ingested model's LayerGraph (the others: the process
-count, the traced length, what the graph model cannot price, which generic.plan_refusal refuses in
-the runtime's words, tp across nodes and fp8 hardware, as above)."""
 MODEL_FREE_CHECKS = ("batch not divisible", "schedule incompatible", "invalid hybrid sharding", "invalid offload",
                      "zero=2 under a pipeline")
 """spec.constraints checks that read only the plan and the batch: what is left for an ingested model
@@ -204,7 +196,7 @@ def check_plan(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int) ->
 
 
 def check_graph_plan(graph: Any, plan: Plan, global_batch: int) -> None:
-    """The graph cost model's constraints (``GRAPH_PLAN_CHECKS``) on an ingested model's LayerGraph;
+    """The planner's constraints (spec.constraints, but NOT_PLAN_CHECKS) on an ingested model's LayerGraph;
     ``graph`` None (not traceable): the constraints that read only the plan and the batch."""
     from meshplan.spec import constraints
     cluster = cpu_cluster(plan.num_gpus, memory_gib=1.0)
@@ -212,9 +204,8 @@ def check_graph_plan(graph: Any, plan: Plan, global_batch: int) -> None:
         ctx = constraints.Context(None, cluster, plan, Workload(global_batch=global_batch, seq_len=1))  # type: ignore[arg-type]
         _refuse([(name, why) for name in MODEL_FREE_CHECKS if (why := constraints.CHECKS[name](ctx))])
         return
-    from meshplan.cost.graph import GRAPH_CHECKS, GraphContext, graph_workload
-    ctx = GraphContext(graph, cluster, plan, graph_workload(graph, global_batch))
-    _refuse([(name, why) for name in GRAPH_PLAN_CHECKS if (why := GRAPH_CHECKS[name](ctx))])
+    work = Workload(global_batch=global_batch, seq_len=graph.sample_tokens)
+    _refuse(constraints.violations(graph, cluster, plan, work, skip=NOT_PLAN_CHECKS))
 
 
 # ---- memory ------------------------------------------------------------------------------------
@@ -295,8 +286,8 @@ def memory_estimate(model: ModelSpec, plan: Plan, global_batch: int, seq_len: in
         r = estimate(model, cpu_cluster(plan.num_gpus), run_plan, Workload(global_batch=global_batch, seq_len=seq_len))
     except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
         return None
-    scale = FP32_ACTIVATION_SCALE if run_plan.precision == "fp32" else 1.0
-    return _corrected(r, activation_scale=scale, device_type=device_type, process_gib=CPU_PROCESS_GIB)
+    # the cost model counts fp32 activations at 4 bytes itself (cost.layer.act_scale)
+    return _corrected(r, activation_scale=1.0, device_type=device_type, process_gib=CPU_PROCESS_GIB)
 
 
 def graph_memory_estimate(graph: Any, plan: Plan, global_batch: int, device_type: str = "cpu",
@@ -304,13 +295,14 @@ def graph_memory_estimate(graph: Any, plan: Plan, global_batch: int, device_type
     """Memory per process of ``plan`` on an ingested model's LayerGraph (traced at the run's sequence
     length): ``estimate_graph`` with this runtime's CPU corrections (module docstring). None when
     the graph cost model does not price the plan (the runtime's own checks speak for it)."""
-    from meshplan.cost.graph import estimate_graph, graph_workload
+    from meshplan.cost import estimate
     run_plan = _run_plan(plan, device_type)
     try:
-        r = estimate_graph(graph, cpu_cluster(plan.num_gpus), run_plan, graph_workload(graph, global_batch))
+        r = estimate(graph, cpu_cluster(plan.num_gpus), run_plan,
+                     Workload(global_batch=global_batch, seq_len=graph.sample_tokens))
     except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
         return None
-    # the graph model already counts activations at the plan's width (cost.graph.act_bytes)
+    # the cost model counts activations at the plan's width (cost.layer.act_scale)
     return _corrected(r, activation_scale=1.0, device_type=device_type, process_gib=process_gib)
 
 
