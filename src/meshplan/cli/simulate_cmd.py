@@ -69,16 +69,17 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     from meshplan.cli.format import seconds
+    from meshplan.sim import STREAMS
     print(f"simulated step: {seconds(summary['step_time_s'])}   analytical estimate: "
           f"{seconds(summary['analytic_step_time_s'])} ({summary['sim_vs_analytic_pct']:+.2f}%)")
     print(f"schedule {summary['schedule']}, {summary['microbatches']} micro-batches, "
           f"ranks idle waiting on the pipeline {100 * summary['bubble_fraction']:.1f}% of the step "
           f"(averaged over ranks, the drain included; `estimate`'s 'pipeline bubble' is the critical "
           f"rank's bubble time)")
-    print(f"{'rank':>4}  " + "  ".join(f"{s + ' busy':>13}" for s in ("compute", "tp", "dp", "pp"))
+    print(f"{'rank':>4}  " + "  ".join(f"{s + ' busy':>13}" for s in STREAMS)
           + f"  {'peak GiB':>9}")
     for r in summary["ranks"]:
-        print(f"{r['rank']:>4}  " + "  ".join(f"{seconds(r['busy_s'][s]):>13}" for s in ("compute", "tp", "dp", "pp"))
+        print(f"{r['rank']:>4}  " + "  ".join(f"{seconds(r['busy_s'][s]):>13}" for s in STREAMS)
               + f"  {r['peak_memory_gib']:>9.1f}")
     for label, path in (("trace", args.trace), ("plot", args.plot)):
         if path:

@@ -15,6 +15,8 @@ from meshplan import __version__
 from meshplan.report import charts
 from meshplan.search.explain import TERM_LABELS, explain, rejection_lines
 from meshplan.search.result import SearchResult
+from meshplan.sim.engine import STREAMS
+from meshplan.sim.output import STREAM_NAMES
 from meshplan.spec.base import json_safe
 from meshplan.spec.graph import LayerGraph
 from meshplan.svg import esc, fixed3, plot_css
@@ -242,7 +244,7 @@ def _simulation(r: SearchResult, sim: Any, summary: dict[str, Any] | None, error
     g = charts.gantt(sim)
     rows = "".join(
         f"<tr><td>{k['rank']}</td>"
-        + "".join(f"<td>{fixed3(k['busy_s'][st])}</td>" for st in ("compute", "tp", "dp", "pp"))
+        + "".join(f"<td>{fixed3(k['busy_s'][st])}</td>" for st in STREAMS)
         + f"<td>{fixed3(k['pipeline_wait_s'])}</td><td>{k['peak_memory_gib']:.1f}</td></tr>"
         for k in s["ranks"][:64])
     more = f"<p class='mut'>first 64 of {len(s['ranks'])} ranks</p>" if len(s["ranks"]) > 64 else ""
@@ -257,9 +259,9 @@ def _simulation(r: SearchResult, sim: Any, summary: dict[str, Any] | None, error
             "the chart for the time.</p>" + g + "<h3>Memory per GPU during the step</h3>"
             + charts.sim_memory(sim, usable)
             + '<details><summary>busy seconds per rank and stream</summary><table class="sortable" id="ranks">'
-              '<thead><tr><th data-sort="num">rank</th><th data-sort="num">compute</th><th data-sort="num">TP/CP/EP'
-              '</th><th data-sort="num">DP/FSDP</th><th data-sort="num">pipeline send</th><th data-sort="num">'
-              'waiting</th><th data-sort="num">peak GiB</th></tr></thead>'
+              '<thead><tr><th data-sort="num">rank</th>'
+            + "".join(f'<th data-sort="num">{esc(STREAM_NAMES[st])}</th>' for st in STREAMS)
+            + '<th data-sort="num">waiting</th><th data-sort="num">peak GiB</th></tr></thead>'
             + f"<tbody>{rows}</tbody></table>{more}</details></section>")
 
 

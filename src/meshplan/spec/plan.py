@@ -12,6 +12,18 @@ from dataclasses import dataclass
 from meshplan.errors import MeshplanError
 from meshplan.spec.base import _closest, _coerce, _show, choice, positive
 
+AXES = ("pp", "dp", "cp", "tp")
+"""The mesh axes of a plan, outermost to innermost (the innermost gets the fastest links). Expert
+parallelism (ep) is not an axis of its own: it folds into dp x cp."""
+AXIS_DESCRIPTIONS = {
+    "pp": "pipeline parallel: stages of consecutive layers",
+    "dp": "data parallel: replicas, or ZeRO/FSDP shards",
+    "cp": "context parallel: the sequence split (ring attention)",
+    "tp": "tensor parallel: attention and MLP matmuls split (Megatron column/row)",
+    "ep": "expert parallel (MoE): the experts spread over dp x cp",
+}
+"""Every parallel degree of a Plan, described: the mesh axes in AXES order, then ep."""
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 RECOMPUTE = ("none", "selective", "op", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
