@@ -176,12 +176,6 @@ def make_scale(values: Iterable[float], a: float, b: float, *, zero: bool = Fals
 
 # ---- building blocks -----------------------------------------------------------------------
 
-def tag(name: str, attrs: dict[str, object] | None = None, body: str | None = None) -> str:
-    parts = [name] + [f'{k.replace("_", "-")}="{esc(v)}"' for k, v in (attrs or {}).items() if v is not None]
-    head = " ".join(parts)
-    return f"<{head}/>" if body is None else f"<{head}>{body}</{name}>"
-
-
 def title(text: str) -> str:
     """A native tooltip (a <title> child)."""
     return f"<title>{esc(text)}</title>"
@@ -346,9 +340,12 @@ def paint(figure: str, ax: Any) -> list[str]:
         if id(el) in hidden or el.get("visibility") == "hidden":
             hidden.update(id(c) for c in el.iter())
             continue
-        if tag in ("svg", "g", "title", "defs", "linearGradient", "stop", "style", "desc"):
-            if tag in ("defs", "title"):
-                hidden.update(id(c) for c in el.iter())
+        if tag in ("defs", "title", "desc", "style"):  # nothing to draw (a gradient is read as grey)
+            hidden.update(id(c) for c in el.iter())
+            continue
+        if tag in ("svg", "g"):
+            if el is not root and el.get("transform"):
+                skipped.append(f"{tag} transform")  # figures made here have none
             continue
         st = _style(el)
         z = 1 + i / n
@@ -359,7 +356,7 @@ def paint(figure: str, ax: Any) -> list[str]:
         line_kw: dict[str, Any] = {"linewidth": lw, "zorder": z}
         if dash:
             line_kw["dashes"] = [float(v) * PX_PT / max(lw, 1e-9) for v in re.split(r"[\s,]+", dash.strip())]
-        a = {k: _num(v) for k, v in el.attrib.items() if k in ("x", "y", "width", "height", "x1", "x2", "y1", "y2",
+        a = {k: float(v) for k, v in el.attrib.items() if k in ("x", "y", "width", "height", "x1", "x2", "y1", "y2",
                                                                 "cx", "cy", "r")}
         if tag == "rect":
             if fill is None and stroke is None:
@@ -424,10 +421,6 @@ def _color(value: str) -> tuple[float, float, float] | None:
 
 def _px(value: str) -> float:
     return float(value.strip().removesuffix("px"))
-
-
-def _num(value: str) -> float:
-    return float(value)
 
 
 def _points(text: str) -> list[tuple[float, float]]:

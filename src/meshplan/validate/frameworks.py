@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from meshplan.validate.rows import Row
 
-FRAMEWORKS = ("torchtitan", "llm-foundry", "deepspeed", "megatron", "unknown")
 _FRAMEWORK_KEYWORDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torchtitan", ("torchtitan", "f_tt")),
     ("llm-foundry", ("llm-foundry", "llmfoundry", "mosaicml", "mosaic", "composer", "f_mosaic")),
