@@ -322,3 +322,14 @@ def test_sequence_longer_than_the_positions_is_one_line():
                                             r"of which 2 come before the first position"):
         ingest(f"hf:{HF / 'roberta-tiny.json'}", seq_len=129)
     assert ingest(f"hf:{HF / 'roberta-tiny.json'}").sample_tokens == 128
+
+
+def test_image_models_take_their_tokens_from_the_config(tmp_path):
+    with pytest.raises(MeshplanError, match=r"--seq-len 2048 does not suit ViTForImageClassification: it takes "
+                                            r"64x64 images in 16x16 patches: 17 tokens per image"):
+        ingest(f"hf:{HF / 'vit-tiny.json'}", seq_len=2048)
+    assert ingest(f"hf:{HF / 'vit-tiny.json'}", seq_len=17).sample_tokens == 17  # what a plan file passes back
+    cfg = json.loads((HF / "vit-tiny.json").read_text()) | {"patch_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MeshplanError, match="patch_size 128 is larger than image_size 64"):
+        ingest(f"hf:{tmp_path}")

@@ -65,6 +65,7 @@ def build(source: str | Source, *, device: str | torch.device = "cpu", seq_len: 
         cls, task = hf.pick_class(config, str(src.path))
         notes = []
         if "pixel_values" in hf._forward_params(cls):
+            hf.check_patches(config, src.text)
             if seq_len is not None:
                 notes.append(f"seq_len={seq_len} ignored: the image size comes from the config")
             seq = None

@@ -322,6 +322,28 @@ def sample_tokens(config: Any, task: str, cls: type, seq_len: int) -> int:
     return 2 * seq_len if task == "seq2seq-lm" else seq_len
 
 
+def check_patches(config: Any, source: str) -> None:
+    """An image model's patches must fit in its images."""
+    size, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
+    if isinstance(size, int) and isinstance(patch, int) and patch > size:
+        raise MeshplanError(f"{source}: patch_size {patch} is larger than image_size {size}: no patch fits",
+                            hint="use a patch_size that divides image_size")
+
+
+def check_image_tokens(config: Any, cls: type, seq_len: int | None, source: str) -> None:
+    """An image model's tokens come from its config (image_size, patch_size): a ``seq_len`` other
+    than them, or patches larger than the image, do not suit it."""
+    check_patches(config, source)
+    size, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
+    tokens = sample_tokens(config, "classification", cls, 1)
+    if seq_len is not None and seq_len != tokens:
+        what = (f"{size}x{size} images in {patch}x{patch} patches: {tokens} tokens per image (patches + the "
+                f"class token)" if tokens > 1 else "whole images, not token sequences")
+        raise MeshplanError(f"{source}: --seq-len {seq_len} does not suit {cls.__name__}: it takes {what}",
+                            hint="drop --seq-len (the config's image_size and patch_size set the tokens), or "
+                                 "change them in the config")
+
+
 def head_counts(config: Any) -> tuple[int | None, int | None]:
     """(attention heads, key/value heads) from the config, None when not given."""
     heads = next((getattr(config, k) for k in ("num_attention_heads", "n_head", "num_heads", "n_heads")

@@ -37,6 +37,10 @@ def ingest(source: str, *, seq_len: int | None = None, dtype: str = "float32", b
     src = parse_source(source)
     t0 = time.perf_counter()
     built = build(src, device="meta", seq_len=seq_len, dtype=dtype)
+    if src.kind == "hf" and seq_len is not None and built.seq_len is None:  # an image model: planning at
+        from meshplan.ingest import hf  # a sequence length it does not have would mislead
+        config = hf.load_config(src)
+        hf.check_image_tokens(config, hf.pick_class(config, str(src.path))[0], seq_len, src.text)
     graph = measure(built, batch_size=batch_size, started=t0, copy_blocks=copy_blocks)
     if dtype == OPS_DTYPE:
         return graph
