@@ -104,7 +104,6 @@ class _Gemm:
     split_in: bool
     act: int | None = None
     """Storage of the activation operand (GEMMs of one input are one Gemm of their summed widths)."""
-    out: tuple[int, float, bool] | None = None
 
 
 @dataclass
@@ -317,8 +316,6 @@ class OpRecorder:
             rec.mm_count += 1
             if rec.mm_count % 2 == 1:
                 rec.sac.append((out_keys[0], self.nbytes(outs[0]), split))
-        if outs:
-            g.out = (out_keys[0], self.nbytes(outs[0]), split)
 
     def _attention(self, rec: LayerRecord, func: Any, args: tuple, kwargs: dict, outs: list, out_keys: list,
                    split_in: bool, level: int) -> None:
@@ -409,6 +406,8 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
     divides: dict[str, int] = {}
     eager_gemms: set[int] = set()
     for a in found:
+        if a.kv_heads == a.heads and ctx.heads[0] == a.heads and ctx.heads[1]:
+            a.kv_heads = ctx.heads[1]  # k/v repeated to every query head before the kernel (repeat_kv)
         whole = a.s_q == sample_tokens and a.s_k == sample_tokens and a.v_dim == a.head_dim
         causal = a.causal or (causal_lm and a.masked)
         if whole and (attention is None or (attention.head_dim == a.head_dim and attention.causal == causal)):
