@@ -790,11 +790,14 @@ def quiet_false_positives() -> None:
 
 
 def search_space(source: str, *, seq_len: int | None = None, base: Plan | None = None) -> Any:
-    """A ``search.space.SearchSpace`` holding only what this runtime runs on ``source``: pp=1 when the
-    model cannot be pipeline-split (pp_refusal), tp=1 when no block has matrices it can split."""
+    """A ``search.space.SearchSpace`` holding only what this runtime runs on ``source``: no cp, ep,
+    sequence parallelism nor selective/op recompute on any ingested model (``plan_refusal``); pp=1
+    when the model cannot be pipeline-split (pp_refusal), tp=1 when no block has matrices it can
+    split."""
     from meshplan.search.space import SearchSpace
     built = build(source, device="meta", seq_len=seq_len)
     units, blocks = unit_paths(built.module)
     pp = (1,) if pp_refusal(built, units) else None
     splittable = any(tp_plan(resolve(built.module, p), built.heads).styles for p in blocks)
-    return SearchSpace(base=base or Plan(), pp=pp, tp=None if splittable else (1,))
+    return SearchSpace(base=base or Plan(), pp=pp, tp=None if splittable else (1,), cp=(1,), ep=(1,),
+                       sequence_parallel=False, recompute=("none", "full"))
