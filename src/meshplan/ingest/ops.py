@@ -364,7 +364,7 @@ class LayerContext:
     """The layer is a block with column/row pairs (TP splits it)."""
     pairs: int
     params: float
-    """Parameter elements it holds (LayerSpec.params + tied weights counted at their first owner)."""
+    """Parameter elements it holds (LayerSpec.params + a tied weight again at the last layer holding it)."""
     param_numel: dict[int, int]
     """Storage -> elements of the parameters the layer's GEMMs use (params_split)."""
     biases: dict[int, int]
