@@ -146,7 +146,8 @@ def test_meshplan_train_resnet_pipeline(tmp_path: Path) -> None:
     assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]
     assert close(losses, ref, TOLERANCE["fp32"]), (losses, ref)
     summary = rows[-1]
-    assert summary["kind"] == "summary" and summary["model"] == "make_resnet50_tiny" and summary["sample_tokens"] == 1
+    assert summary["kind"] == "summary" and summary["model"] == "make_resnet50_tiny" and summary["source"] == RESNET
+    assert summary["sample_tokens"] == 1
     assert summary["estimate"]["step_time_s"] > 0, summary
     meta = json.loads((ck / "meta.json").read_text())
     assert meta["step"] == STEPS and meta["model"]["source"] == RESNET

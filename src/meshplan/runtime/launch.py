@@ -512,6 +512,7 @@ def worker_main(job: Job) -> int:
         est = estimate_for(job, device.type)
         print(summary_text(measured, est), flush=True)
         _write(job.metrics, {"kind": "summary", "plan": job.plan.short(), "model": trainer.model.name,
+                             **({"source": job.model} if job.ingested else {}),
                              "world_size": job.world_size, "sample_tokens": trainer.sample_tokens,
                              "measured": measured, "estimate": est, "warnings": trainer.par.notes})
     if dist.is_initialized():
