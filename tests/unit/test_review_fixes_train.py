@@ -97,9 +97,9 @@ def toy_graph(blocks: int = 2, seq: int = 16) -> LayerGraph:
 
 
 def test_graph_plans_get_the_graph_models_constraints() -> None:
-    g = toy_graph()  # 4 layers
+    g = toy_graph()  # 4 layers, 2 of them blocks (what pipeline stages count)
     preflight.check_graph_plan(g, load_plan("pp=2"), 4)
-    with pytest.raises(MeshplanError, match="pp\\*virtual_stages = 8 exceeds the 4 layers of graph toy"):
+    with pytest.raises(MeshplanError, match="pp\\*virtual_stages = 8 exceeds the 2 layers"):
         preflight.check_graph_plan(g, load_plan("pp=4,virtual_stages=2,schedule=interleaved-1f1b"), 8)
     with pytest.raises(MeshplanError, match="zero=2 with pp > 1"):
         preflight.check_graph_plan(g, load_plan("pp=2,dp=2,zero=2"), 4)

@@ -101,7 +101,7 @@ def transformer_graph(model: ModelSpec, seq_len: int) -> LayerGraph:
 
     def layer(name: str, kind: str, bid: str) -> LayerSpec:
         o = ops[bid]
-        lin = sum(2.0 * g.m * g.n * g.k for g in o.gemms)
+        lin = sum(2.0 * g.n * g.k * (o.top_k if g.expert else g.m) for g in o.gemms)  # per token
         att = 4.0 * s * o.attention.q_dim if o.attention else 0.0
         params = model.output_params() if kind == "head" else int(o.params)  # a tied matrix counted once
         return LayerSpec(name=name, kind=kind, block=bid, params=params, fwd_flops=s * (lin + att),
