@@ -51,7 +51,7 @@ def add_parser(sub: Any, positive_int: Any) -> None:
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
     pl.add_argument("--out", action=Once, help="write the winning plan (with its predicted cost) to this .json file")
     pl.add_argument("--plot", action=Once,
-                    help="draw the Pareto front (step time vs memory) to this image (needs matplotlib)")
+                    help="draw the Pareto front (step time vs memory) to this image (.svg; other formats need matplotlib)")
     pl.add_argument("--gpus", action=Once,
                     help="search cluster sizes: LOW..HIGH (powers of two and 3x2^k in whole "
                          "nodes) or a list 64,128,256")
@@ -766,67 +766,22 @@ def _write_out(path: str, result: Any) -> None:
         raise MeshplanError(f"cannot write --out {path}: {e.strerror or e}") from None
 
 
-def _plot_format(path: str) -> str:
-    """The image format of --plot PATH (from its extension; png without one), checked before
-    the search: matplotlib is installed and can write it."""
-    import os
-    try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
-        raise MeshplanError("--plot needs matplotlib, which is not installed",
-                            hint="pip install 'meshplan[plot]'") from None
-    ext = os.path.splitext(path)[1][1:].lower()
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if ext and ext not in formats:
-        raise MeshplanError(f"--plot {path}: cannot draw a .{ext} image",
-                            hint="use one of " + ", ".join(f".{f}" for f in sorted(formats)))
-    return ext or "png"
-
-
 def plot_pareto(path: str, result: Any) -> None:
-    """Scatter of every feasible plan (step time vs peak memory), the front and the winner,
-    written to exactly ``path``."""
-    fmt = _plot_format(path)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise MeshplanError("--plot needs matplotlib, which is not installed",
-                            hint="pip install 'meshplan[plot]'") from None
-    pts = result.points
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    multi = len(result.clusters) > 1
-    sc = ax.scatter(pts["step_time_s"], pts["peak_memory_gib"], s=4, alpha=0.3,
-                    c=pts["num_gpus"] if multi else "tab:gray", cmap="viridis" if multi else None,
-                    label="feasible plans")
-    if multi:
-        fig.colorbar(sc, ax=ax, label="GPUs")
-    if result.pareto:
-        # One size: the front is a staircase in (time, memory). Several sizes: it is 3-D
-        # (dollars too), so its points are shown without a connecting line.
-        ax.plot([p.step_time_s for p in result.pareto], [p.peak_memory_gib for p in result.pareto],
-                "o" if multi else "o-", color="tab:red", ms=4, mfc="none" if multi else None,
-                label="Pareto front (time, memory, $)" if multi else "Pareto front")
-    if result.best is not None:
-        r = result.best.report
-        ax.plot([r.step_time_s], [r.peak_memory_gib], "*", color="gold", mec="black", ms=14, label="winner")
-    ax.set_xlabel("step time (s)")
-    ax.set_ylabel("peak memory per GPU (GiB)")
-    ax.set_title(f"{result.model.name}: {result.feasible:,} feasible of {result.considered:,}")
-    ax.legend(loc="best", fontsize=8)
-    try:
-        with open(path, "wb") as f:  # a file object: matplotlib adds no extension to the name
-            fig.savefig(f, format=fmt, dpi=120, bbox_inches="tight")
-    except OSError as e:
-        raise MeshplanError(f"cannot write --plot {path}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    """The report's Pareto figure (every feasible plan, step time vs peak memory, the front and
+    the winner: report.charts.pareto_plot), written to exactly ``path`` as `simulate --plot`
+    writes its figures."""
+    from meshplan.cost.memory import usable_gib
+    from meshplan.report.charts import pareto_plot
+    from meshplan.sim.output import write_figures
+    ref = result.best.cluster if result.best is not None else result.clusters[-1]
+    heading = f"{result.model.name}: {result.feasible:,} feasible of {result.considered:,}"
+    write_figures([pareto_plot(result, "memory", usable_gib(ref))], path, heading)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
-        _plot_format(args.plot)
+        from meshplan.sim.output import check_plot_path
+        check_plot_path(args.plot)  # before the search: the format can be written
     bar = progress_bar()
     try:
         with _step(bar, f"loading {args.model}"):

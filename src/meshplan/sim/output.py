@@ -276,10 +276,14 @@ def check_plot_path(path: str | Path) -> str:
 def write_plot(res: SimResult, path: str | Path, title: str = "") -> None:
     """The step's Gantt chart and memory over time (the report's timeline figures, ``gantt`` and
     ``sim_memory``) under a heading, written to exactly ``path`` in the format of its extension."""
-    fmt = check_plot_path(path)
     step = f"simulated step {fixed3(res.step_time_s)} s"
-    heading = f"{title}: {step}" if title else step
-    figures = [gantt(res), sim_memory(res)]
+    write_figures([gantt(res), sim_memory(res)], path, f"{title}: {step}" if title else step)
+
+
+def write_figures(figures: list[str], path: str | Path, heading: str = "") -> None:
+    """SVG figures of this package (the report's) under a heading, written to exactly ``path``:
+    .svg/.svgz directly, any other format painted by matplotlib (``svg.save_image``)."""
+    fmt = check_plot_path(path)
     try:
         with open(path, "wb") as f:  # a file object: matplotlib adds no extension to the name
             if fmt in OWN_FORMATS:
