@@ -51,7 +51,7 @@ def add_parser(sub: Any, positive_int: Any) -> None:
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
     pl.add_argument("--out", action=Once, help="write the winning plan (with its predicted cost) to this .json file")
     pl.add_argument("--plot", action=Once,
-                    help="draw the Pareto front (step time vs memory) to this image (.svg; other formats need matplotlib)")
+                    help="draw the Pareto front (step time vs memory) to this image (.svg; others need matplotlib)")
     pl.add_argument("--gpus", action=Once,
                     help="search cluster sizes: LOW..HIGH (powers of two and 3x2^k in whole "
                          "nodes) or a list 64,128,256")
