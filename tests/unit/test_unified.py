@@ -194,3 +194,23 @@ def test_exports_take_the_graph_and_refuse_a_traced_one():
     assert a.config == b.config
     with pytest.raises(MeshplanError, match="traced layer graph"):
         ExportInput(plan=Plan(dp=8), model=cnn_like(), global_batch=64)
+
+
+def test_the_runtime_table_keeps_the_search_to_what_the_runtime_runs(h100x64):
+    """spec.support on the graph: kv heads are not replicated under TP, and sequence parallelism
+    runs on the transformers the runtime builds, not on traced models; the search enumerates
+    what it runs (and the runtime refuses the rest with the same reason)."""
+    from meshplan.spec.support import runtime_violations, sequence_parallel_runs
+    gqa = transformer_graph(load_model("llama3-8b"), 8192)  # 8 kv heads
+    traced = LayerGraph(name="t", source="module:x:y", sample_tokens=8192, trace_dtype="bfloat16",
+                        layers=gqa.layers, ops=gqa.ops)
+    assert sequence_parallel_runs(gqa) and not sequence_parallel_runs(traced)
+    sp = Plan(tp=4, dp=16, sequence_parallel=True)
+    assert not runtime_violations(sp, 8, gqa)
+    assert [r.name for r, _ in runtime_violations(sp, 8, traced)] == ["sequence parallel on a traced model"]
+    mqa = transformer_graph(load_model("llama3-8b").replace(num_kv_heads=2), 8192)
+    assert [r.name for r, _ in runtime_violations(Plan(tp=4, dp=16), 8, mqa)] == [
+        "kv heads replicated under tensor parallel"]
+    work = Workload(global_batch=64, seq_len=8192)
+    res = search(traced, load_cluster("h100-sxm-80gb:16"), work, SearchSpace(tp=(2,), offload=False))
+    assert res.plans and all(not p.plan.sequence_parallel for p in res.plans)

@@ -48,45 +48,24 @@ def expert_split(plan: Plan) -> tuple[int, int]:
 
 def check_supported(model: ModelSpec, plan: Plan, world_size: int, seq_len: int | None = None,
                     micro: int | None = None) -> None:
-    """Raise a one-line MeshplanError for a plan this runtime cannot execute (with ``micro``,
-    the micro-batches per step, also the "refused" rules of spec.support)."""
+    """Raise a one-line MeshplanError for a plan this runtime cannot execute: the process count,
+    the planner's constraints on the model (spec.constraints, one table with the search's: heads,
+    widths, experts, stages ...; the global batch is taken as ``micro`` micro-batches per
+    replica) and, with ``micro``, the "refused" rules of spec.support (shared with the search)."""
     if plan.num_gpus != world_size:
         raise MeshplanError(
             f"plan needs {plan.num_gpus} processes (tp={plan.tp} x pp={plan.pp} x dp={plan.dp} x "
             f"cp={plan.cp}) but {world_size} were started",
             hint=f"use --nproc-per-node {plan.num_gpus} (x --nnodes) or change the plan")
-    n = plan.dp * plan.cp
-    if plan.cp > 1 and seq_len is not None and seq_len % (2 * plan.cp):
-        raise MeshplanError(f"plan: cp={plan.cp} needs a sequence length divisible by 2*cp = {2 * plan.cp} "
-                            f"(load-balanced chunks), got {seq_len}", hint="change --seq-len or cp")
-    if plan.ep > 1:
-        if not model.is_moe:
-            raise MeshplanError(f"plan: ep={plan.ep} but model {model.name} has no experts", hint="use ep=1")
-        if model.num_experts % plan.ep:
-            raise MeshplanError(f"plan: ep={plan.ep} does not divide the model's {model.num_experts} experts")
-        if n % plan.ep:
-            raise MeshplanError(f"plan: ep={plan.ep} must divide dp*cp = {n} (expert parallelism is carved "
-                                "out of the data-parallel ranks)")
-    if plan.zero and plan.shard_group and n % plan.effective_shard:
-        raise MeshplanError(f"plan: shard_group={plan.shard_group} does not divide dp*cp={n}")
-    if plan.tp > 1:
-        # the vocabulary needs not divide: the runtime pads it (parallelize.py, Transformer.pad_vocab)
-        sizes = [("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.kv_heads),
-                 ("ffn_hidden_size", model.ffn_hidden_size)]
-        if model.is_moe:
-            sizes.append(("expert_ffn_hidden_size", model.expert_ffn))
-        for name, size in sizes:
-            if size % plan.tp:
-                raise MeshplanError(f"plan: tp={plan.tp} does not divide the model's {name}={size}")
+    from meshplan.runtime.preflight import NOT_PLAN_CHECKS, _refuse, cpu_cluster
+    from meshplan.spec.constraints import violations
+    from meshplan.spec.plan import Workload
+    work = Workload(global_batch=plan.dp * plan.micro_batch * (micro or 1), seq_len=seq_len or model.seq_len)
+    _refuse(violations(model, cpu_cluster(plan.num_gpus, memory_gib=1.0), plan, work, skip=NOT_PLAN_CHECKS))
     refused = [why for rule, why in runtime_violations(plan, micro, model) if rule.kind == "refused"] \
         if micro is not None else []
     if refused:  # the runtime's rules, shared with the search (spec.support)
         raise MeshplanError("plan: " + "; ".join(refused))
-    if plan.schedule == "zbv" and plan.pp > 1 and plan.virtual_stages != 2:
-        raise MeshplanError("plan: schedule=zbv needs virtual_stages=2")
-    if plan.stage_layers is not None and sum(plan.stage_layers) != model.num_layers:
-        raise MeshplanError(f"plan: stage_layers sum to {sum(plan.stage_layers)} but the model has "
-                            f"{model.num_layers} layers")
 
 
 @dataclass(frozen=True)

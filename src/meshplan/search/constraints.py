@@ -30,7 +30,7 @@ from meshplan.spec.constraints import CHECKS, Context
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Workload, microbatches
-from meshplan.spec.support import RULES
+from meshplan.spec.support import RULES, sequence_parallel_runs
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +234,19 @@ def p2p_sends(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> n
 
 def async_tp_eager(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     return np.asarray(cols["async_tp"], dtype=bool) & (_i64(cols, "tp") > 1) & ~np.asarray(cols["compile"], dtype=bool)
+
+
+def kv_replicated(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    tp = _i64(cols, "tp")
+    bad = np.zeros(len(tp), dtype=bool)
+    for _, kv in _caps(m, w).heads:
+        bad |= (tp > 1) & (kv % tp != 0) & (tp % kv == 0)
+    return bad
+
+
+def traced_sp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return (np.asarray(cols["sequence_parallel"], dtype=bool) & (_i64(cols, "tp") > 1)
+            & (not sequence_parallel_runs(as_graph(m, w.seq_len))))
 
 
 # The vectorised twin of each scalar predicate has the scalar one's function name (without "_").

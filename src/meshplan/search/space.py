@@ -54,6 +54,7 @@ from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import RECOMPUTE, SCHEDULES, Plan, Workload
+from meshplan.spec.support import sequence_parallel_runs
 
 MAX_DEGREE = 2**31 - 1
 """Largest value of a parallel degree or micro-batch (plan columns are int32)."""
@@ -359,7 +360,8 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     meshes = _mesh_shapes(caps, cluster, work, space)
     if not meshes:
         raise no_mesh_error(graph, cluster, space, work)
-    sp_on = space.sequence_parallel is not False and caps.sequence_parallel
+    # sequence parallel where the layers allow it and meshplan's runtime applies it (spec.support)
+    sp_on = space.sequence_parallel is not False and caps.sequence_parallel and sequence_parallel_runs(graph)
     for tp, cp, pp, dp, ep in meshes:
         zopts = zero_options(cluster, tp, dp, cp, space)
         mbs = micro_batch_values(work, dp, space)

@@ -23,9 +23,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
 from meshplan.spec.plan import microbatches as plan_microbatches
+
+Model = LayerGraph | ModelSpec | None
 
 TARGETS = ("torchtitan", "megatron", "deepspeed")
 SPLIT_BACKWARD = ("zero-bubble", "zbv")
@@ -38,28 +41,59 @@ class Rule:
     """'refused' or 'runs-as'."""
     targets: tuple[str, ...]
     """Export targets that run such a plan as planned (empty: none)."""
-    why: Callable[[Plan, int, ModelSpec | None], str | None]
+    why: Callable[[Plan, int, Model], str | None]
     """(plan, micro-batches per step, model or None) -> None, or the one-line reason (rules on
-    the model's shape fire only when it is given; none at present: tied embeddings under a
-    pipeline and tp not dividing the vocabulary, the two there were, run since the runtime keeps
-    the tied copies in sync and pads the vocabulary, docs/runtime.md)."""
+    the model fire only when it is given: kv heads under TP, sequence parallelism on a traced
+    model; tied embeddings under a pipeline and tp not dividing the vocabulary run, since the
+    runtime keeps the tied copies in sync and pads the vocabulary, docs/runtime.md)."""
 
 
-def _zero_bubble_dp(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
+def _graph(m: Model) -> LayerGraph | None:
+    return None if m is None else as_graph(m, getattr(m, "seq_len", 0) or getattr(m, "sample_tokens", 1))
+
+
+def sequence_parallel_runs(m: Model) -> bool:
+    """Whether meshplan's runtime applies sequence parallelism to this model: to the transformers
+    it builds from a description (runtime/parallelize.py), not to traced models (runtime/generic.py
+    keeps their norms replicated). The search enumerates sequence-parallel plans only where it does."""
+    g = _graph(m)
+    return g is None or g.model is not None
+
+
+def _kv_replicated(p: Plan, micro: int, m: Model = None) -> str | None:
+    g = _graph(m)
+    if g is None or p.tp == 1:
+        return None
+    from meshplan.spec.capabilities import capabilities
+    for _, kv in capabilities(g).heads:
+        if kv % p.tp and p.tp % kv == 0:
+            return (f"tp={p.tp} exceeds the {kv} kv heads: the runtime splits the kv heads over the TP ranks and does "
+                    f"not replicate them; use tp <= {kv} (Megatron replicates them)")
+    return None
+
+
+def _traced_sp(p: Plan, micro: int, m: Model = None) -> str | None:
+    if p.sequence_parallel and p.tp > 1 and not sequence_parallel_runs(m):
+        return ("sequence_parallel=1 on a traced model: the runtime applies sequence parallelism to the transformers "
+                "it builds (presets, model files) only; use sequence_parallel=0")
+    return None
+
+
+def _zero_bubble_dp(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.schedule in SPLIT_BACKWARD and p.pp > 1 and p.dp * p.cp > 1:
         return (f"schedule={p.schedule} with dp*cp={p.dp * p.cp}: zero-bubble schedules with FSDP2/DDP give "
                 "wrong gradients on torch 2.13; use 1f1b/interleaved-1f1b, or no data parallelism")
     return None
 
 
-def _few_microbatches(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
+def _few_microbatches(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.pp > 1 and p.schedule in ("interleaved-1f1b", *SPLIT_BACKWARD) and micro < p.pp:
         return (f"schedule={p.schedule} needs at least pp={p.pp} micro-batches per step, got {micro} "
                 "(torch.distributed.pipelining); raise the global batch, lower micro_batch, or use 1f1b/gpipe")
     return None
 
 
-def _offload_optimizer_only(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
+def _offload_optimizer_only(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.offload_optimizer and not p.offload_params:
         return ("offload_optimizer without offload_params: FSDP2 has no optimizer-only offload, so the runtime "
                 "offloads the parameters too (other time and memory); DeepSpeed and Megatron offload the "
@@ -67,38 +101,38 @@ def _offload_optimizer_only(p: Plan, micro: int, m: ModelSpec | None = None) -> 
     return None
 
 
-def _fp8_tp(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
+def _fp8_tp(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.precision == "fp8" and p.tp > 1:
         return "precision=fp8 with tp > 1: the runtime's fp8 linears do not compose with its TP; it runs bf16"
     return None
 
 
-def _allreduce_sharded(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
+def _allreduce_sharded(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.grad_sync == "all-reduce" and p.zero >= 1:
         return "grad_sync=all-reduce with zero >= 1: the runtime (FSDP2) always reduce-scatters gradients"
     return None
 
 
-def _unfused_attention(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
+def _unfused_attention(p: Plan, micro: int, m: Model = None) -> str | None:
     if not p.flash_attention:
         return "flash_attention=0: the runtime always runs fused attention (SDPA)"
     return None
 
 
-def _fused_loss(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
+def _fused_loss(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.fused_loss:
         return "fused_loss=1: the runtime computes an unfused cross-entropy (more memory at the loss)"
     return None
 
 
-def _p2p_sends(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
+def _p2p_sends(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.pp > 1 and p.tp > 1 and p.p2p_sharded != p.sequence_parallel:
         return (f"p2p_sharded={int(p.p2p_sharded)} with sequence_parallel={int(p.sequence_parallel)}: the "
                 "runtime's pipeline sends carry the sequence-parallel shard exactly when sequence_parallel=1")
     return None
 
 
-def _async_tp_eager(p: Plan, micro: int, m: ModelSpec | None = None) -> str | None:
+def _async_tp_eager(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.async_tp and p.tp > 1 and not p.compile:
         return ("async_tp without compile: the overlap is an inductor pass, so the runtime compiles the blocks "
                 "(compile=1 costs)")
@@ -117,6 +151,8 @@ RULES: dict[str, Rule] = {r.name: r for r in (
     Rule("async TP without compile", "runs-as", ("megatron",), _async_tp_eager),
     Rule("optimizer offload without parameter offload", "runs-as", ("megatron", "deepspeed"),
          _offload_optimizer_only),
+    Rule("kv heads replicated under tensor parallel", "refused", ("megatron",), _kv_replicated),
+    Rule("sequence parallel on a traced model", "refused", (), _traced_sp),
 )}
 """Every rule, in counting order (the search counts a rejected plan under its first)."""
 
@@ -126,7 +162,7 @@ def microbatches(plan: Plan, global_batch: int) -> int:
     return plan_microbatches(global_batch, plan.dp, plan.micro_batch)
 
 
-def runtime_violations(plan: Plan, micro: int, model: ModelSpec | None = None) -> list[tuple[Rule, str]]:
+def runtime_violations(plan: Plan, micro: int, model: Model = None) -> list[tuple[Rule, str]]:
     """Every (rule, reason) ``plan`` violates, in table order (with ``model``, also the rules on
     its shape)."""
     out = []
@@ -137,7 +173,7 @@ def runtime_violations(plan: Plan, micro: int, model: ModelSpec | None = None) -
     return out
 
 
-def export_targets(plan: Plan, micro: int, model: ModelSpec | None = None) -> tuple[str, ...] | None:
+def export_targets(plan: Plan, micro: int, model: Model = None) -> tuple[str, ...] | None:
     """None when the runtime runs ``plan`` as planned; else the export targets that run it as
     planned (those common to every violated rule; empty when none does)."""
     bad = runtime_violations(plan, micro, model)
