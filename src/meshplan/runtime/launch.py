@@ -482,7 +482,8 @@ def worker_main(job: Job) -> int:
                 raise MeshplanError(f"plan needs {job.plan.num_gpus} processes but {dist.get_world_size()} were "
                                     "started")
         else:
-            check_supported(job.model, job.plan, dist.get_world_size(), job.seq_len)
+            check_supported(job.model, job.plan, dist.get_world_size(), job.seq_len,
+                            micro=microbatches(job.global_batch, job.plan.dp, job.plan.micro_batch))
             from meshplan.runtime.preflight import check_plan  # started by torchrun by hand: no launcher checked it
             check_plan(job.model, job.plan, job.global_batch, job.seq_len)
     else:
