@@ -247,7 +247,7 @@ class Assembly:
     tied_local: np.ndarray      # (rows) tied parameters on one GPU
 
 
-def _sum(counts: np.ndarray, x: np.ndarray) -> np.ndarray:
+def stage_sum(counts: np.ndarray, x: np.ndarray) -> np.ndarray:
     """(rows, ranks): sum over the distinct layers of counts x per-layer value (rows, B)."""
     B = counts.shape[2]
     if B > 6:
@@ -408,7 +408,7 @@ def _rank_params(lay: Layout, counts: np.ndarray, lp: np.ndarray, tp: np.ndarray
     tied weight counted at both users, once when one rank holds both (pp = 1)."""
     tied_local = lay.graph.tied_params / np.where(lay.graph.tied_split, tp, 1.0)
     single = (pp == 1)[:, None]
-    held = C.sum(lp) if C is not None else _sum(counts, lp)
+    held = C.sum(lp) if C is not None else stage_sum(counts, lp)
     return np.where(valid, held - (first & last & single) * tied_local[:, None], 0.0), tied_local
 
 

@@ -113,8 +113,8 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
     opt_t = optimizer_seconds(cluster, a.plocal, cols["zero"], a.shard, offo, p)
     blk = a.counts * a.lay.is_block[None, None, :]
     staged = (a.fsdp & a.per_step)[:, None]
-    ag_s = np.where(staged, _b._sum(blk, a.ag), 0)
-    rs_s = np.where(staged, _b._sum(blk, a.rs), 0)
+    ag_s = np.where(staged, _b.stage_sum(blk, a.ag), 0)
+    rs_s = np.where(staged, _b.stage_sum(blk, a.rs), 0)
 
     mem = _b.memory_parts(a, p)
     inflight = in_flight_array(cols["pp"][:, None], cols["virtual_stages"][:, None], cols["schedule"][:, None],

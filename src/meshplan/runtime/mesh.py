@@ -22,8 +22,6 @@ from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
 from meshplan.spec.support import runtime_violations
 
-AXES = ("pp", "dp", "cp", "tp")
-
 
 def dp_split(plan: Plan) -> tuple[int, int]:
     """(replicate, shard) sizes of the dp x cp ranks: DDP replicates over all of them; FSDP
