@@ -107,3 +107,34 @@ def signature(m: nn.Module) -> str:
             if v is None or isinstance(v, (bool, int, float, str)):
                 parts.append(f"{name}.{k}={v!r}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
+def tied_units(units: list[Unit]) -> list[str]:
+    """Names of parameters held by more than one unit (tied embeddings)."""
+    owner: dict[int, str] = {}
+    out = []
+    for u in units:
+        for name, p in u.module.named_parameters():
+            if id(p) in owner and owner[id(p)] != u.name:
+                out.append(f"{u.name}.{name}")
+            owner.setdefault(id(p), u.name)
+    return out
+
+
+def pipeline_refusal(name: str, task: str, units: list[Unit], calls: list[Unit] | None = None) -> str | None:
+    """Why meshplan's runtime cannot cut ``name``'s forward into pipeline stages, known from its
+    structure (None: it tries, and checks the cut on one sample). Ingestion writes it into the
+    LayerGraph as a note ``no pipeline: <why>`` (spec.capabilities.PIPELINE_NOTE: the planner
+    offers no pp > 1 plan), and the runtime refuses pp > 1 with ``pp>1: <why>``: one function, so
+    the two say the same. ``calls``: the units in execution order, one entry per call."""
+    if task == "seq2seq-lm":
+        return (f"{name} is an encoder-decoder: every decoder block reads the encoder's output (and T5's first "
+                "block hands its position bias to the others), so the forward is not a sequence of units")
+    tied = tied_units(units)
+    if tied:
+        return (f"{name} ties weights across units ({tied[0]}): the embedding and the output projection would live "
+                "on different stages (untie them: tie_word_embeddings=false)")
+    if calls is not None and len({id(u) for u in calls}) != len(calls):
+        twice = next(u.name for i, u in enumerate(calls) if any(v is u for v in calls[:i]))
+        return f"{name} calls unit {twice} more than once"
+    return None

@@ -19,7 +19,7 @@ from meshplan.ingest.source import parse_source
 from meshplan.ingest.trace import LayerRec, Tracer, frontier, run, storage_key
 from meshplan.spec.graph import LayerGraph, LayerOps, LayerSpec
 
-LM_TASKS = ("causal-lm", "masked-lm", "seq2seq-lm")
+LM_TASKS = tp.LM_TASKS
 """Tasks whose head is a vocabulary projection: column-split (vocabulary-parallel) under TP."""
 
 
@@ -83,14 +83,14 @@ def measure(built: Built, *, batch_size: int = 1, started: float | None = None,
     model = built.module
     units = _layers.find_units(model)
     sigs = {id(u): _layers.signature(u.module) for u in units}
+    split = tp.model_tp(model, [(u.name, u.module) for u in units if u.in_container], built.heads, built.task,
+                        built.name)  # what the runtime splits (runtime.generic reads the same)
     tp_info: dict[str, tp.TPInfo] = {}
     regions: dict[int, list[nn.Module]] = {}
     for u in units:
         if not u.in_container:
             continue
-        info = tp_info.get(sigs[id(u)])
-        if info is None:
-            info = tp_info[sigs[id(u)]] = tp.analyse(u.module, built.heads)
+        info = tp_info.setdefault(sigs[id(u)], split.blocks[u.name])
         mods = dict(u.module.named_modules())
         regions[id(u)] = [mods[r] for r in info.regions if r in mods]
 
@@ -108,7 +108,7 @@ def measure(built: Built, *, batch_size: int = 1, started: float | None = None,
         tracer.rec = _ops.OpRecorder(DTYPES[built.dtype], param_info(units, tp_info, sigs, moe_layers), state)
         run(tracer, built.source, lambda: model(*batch.args, **batch.kwargs),
             lambda out: built.loss_fn(out, batch))
-    return assemble(built, tracer, tp_info, sigs, batch_size, moe_layers, time.perf_counter() - t0)
+    return assemble(built, tracer, tp_info, sigs, batch_size, moe_layers, time.perf_counter() - t0, split)
 
 
 def param_info(units: list[_layers.Unit], tp_info: dict[str, tp.TPInfo], sigs: dict[int, str],
@@ -141,7 +141,9 @@ def param_info(units: list[_layers.Unit], tp_info: dict[str, tp.TPInfo], sigs: d
 
 
 def assemble(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: dict[int, str],
-             batch_size: int, moe_layers: list[moe.MoeLayer], seconds: float) -> LayerGraph:
+             batch_size: int, moe_layers: list[moe.MoeLayer], seconds: float,
+             split: tp.ModelTP | None = None) -> LayerGraph:
+    split = split or tp.ModelTP()
     recs = tracer.layers
     if not recs:
         raise MeshplanError(f"{built.source}: no layer ran in the forward pass",
@@ -232,9 +234,16 @@ def assemble(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: 
                      "(SDPA math path: the s x s scores are saved)")
     for info in tp_info.values():
         notes.extend(n for n in info.notes if n not in notes)
+    notes.extend(f"tensor parallel: {n}" if not n.startswith("tensor parallel") else n
+                 for n in split.notes if n not in notes)
+    why = _layers.pipeline_refusal(built.name, built.task, _layers.find_units(built.module),
+                                   [r.unit for r in recs])
+    if why:
+        from meshplan.spec.capabilities import PIPELINE_NOTE
+        notes.append(f"{PIPELINE_NOTE} {why}")
     extras: dict[str, dict[str, float]] = {}
     ops, lm_split, ops_notes = graph_ops(built, tracer, tp_info, sigs, batch_size, moe_layers, specs, params,
-                                         holders, extras)
+                                         holders, extras, split)
     notes.extend(n for n in ops_notes if n not in notes)
     for x in specs:  # per token at 2-byte activations, like LayerOps (the same for every layer of an id)
         x.extra.update(extras.get(x.block, {}))
@@ -247,7 +256,7 @@ def assemble(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: 
 def graph_ops(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: dict[int, str], batch_size: int,
               moe_layers: list[moe.MoeLayer], specs: list[LayerSpec], params: list[int],
               holders: dict[int, set[int]], extras: dict[str, dict[str, float]],
-              ) -> tuple[dict[str, LayerOps], bool, list[str]]:
+              split: tp.ModelTP | None = None) -> tuple[dict[str, LayerOps], bool, list[str]]:
     """Block id -> LayerOps (ingest/ops.py) from each id's last measured call; whether the LM head
     is vocabulary-parallel; notes. ``extras`` receives, per block id, the eager counts LayerOps
     has no field for (ops.layer_ops)."""
@@ -270,11 +279,11 @@ def graph_ops(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs:
     last = len(recs) - 1
     out_rec = rr.records.get(last, _ops.LayerRecord())
     vocab = out_rec.out_elems / tokens if out_rec.out_elems else 1.0 / tokens
-    lm_head = None
-    if built.task in LM_TASKS:
-        lm_head = next((g.param for g in out_rec.gemms if g.param is not None and g.rows * g.n == out_rec.out_elems
-                        and g.n > 1), None)
-    vocab_rows = next((int(g.n) for g in out_rec.gemms if g.param == lm_head), 0) if lm_head is not None else 0
+    # the LM head and its vocabulary's tables are split exactly as the runtime splits them (tp.model_tp)
+    split = split or tp.ModelTP()
+    head = built.module.get_submodule(split.head) if split.head is not None else None
+    lm_head = storage_key(head.weight) if head is not None else None
+    tables = {id(built.module.get_submodule(t)) for t in split.tables}
     last_holder: dict[int, int] = {}  # a tied weight -> the last layer holding it (it counts it again)
     for i, r in enumerate(recs):
         if r.call == 0:
@@ -293,12 +302,12 @@ def graph_ops(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs:
         is_tp = info is not None and info.style == "megatron"
         own = {id(p) for p in r.unit.module.parameters()}
         tied_extra = sum(p.numel() for p in r.unit.module.parameters() if last_holder.get(id(p)) == i)
-        tables = sum(p.numel() for p in _ops.vocab_tables(r.unit.module, vocab_rows)) if r.call == 0 else 0
+        tables_here = sum(m.weight.numel() for m in r.unit.module.modules() if id(m) in tables) if r.call == 0 else 0
         moes = [m for m in moe_layers if any(id(p) in own for p in m.module.parameters())]
         ctx = _ops.LayerContext(
             kind=x.kind, tp=is_tp, pairs=info.pairs if info else 0, params=float(params[i] + tied_extra),
-            param_numel=numel, biases=biases, vocab_tables=float(tables),
-            loss_vocab=vocab if i == last else 0.0, lm_head=lm_head if i == last else None,
+            param_numel=numel, biases=biases, vocab_tables=float(tables_here),
+            loss_vocab=vocab if i == last else 0.0, lm_head=lm_head,
             send=sends[i], heads=built.heads, experts=moes[0].experts if moes else 0,
             top_k=moes[0].top_k if moes else 0, gemm_dim=float(x.extra.get("gemm_dim", 1.0)))
         o, eager, n = _ops.layer_ops(rr.records.get(i, _ops.LayerRecord()), rr, ctx, tokens, built.sample_tokens,
@@ -306,4 +315,4 @@ def graph_ops(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs:
         ops[bid] = o
         extras[bid] = eager
         notes.extend(f"{bid}: {t}" for t in n)
-    return ops, lm_head is not None, notes
+    return ops, lm_head is not None and split.tied, notes

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from meshplan.ingest import flops as _flops
@@ -373,7 +372,8 @@ class LayerContext:
     """Elements of vocabulary-parallel embedding tables in the layer."""
     loss_vocab: float
     lm_head: int | None
-    """Storage of the LM head's weight (column-split, vocabulary-parallel) when this layer has it."""
+    """Storage of the LM head's weight (column-split, vocabulary-parallel: ingest.tp.model_tp), None when
+    TP keeps it whole; the loss is vocabulary-parallel in the layer whose GEMMs use it."""
     send: float
     heads: tuple[int | None, int | None]
     experts: int = 0
@@ -474,8 +474,8 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
         if key_[0] == "slot":
             info = rr.params.get(gs[0].param, ParamInfo())
             numel = sum(n for k, n in ctx.param_numel.items() if rr.params.get(k, ParamInfo()).slot == info.slot)
-            params_expert += numel
-            if gs[0].param in split_weights:
+            if gs[0].param in split_weights:  # experts kept whole under TP (fused 3-D parameters) are
+                params_expert += numel        # neither TP- nor EP-divided (the runtime runs ep=1 on them)
                 params_split += numel
     for p in split_weights:
         if rr.params.get(p, ParamInfo()).expert:
@@ -586,7 +586,8 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
         saved_input=rec.inp * per,
         saved_op=(op_rep * per, op_split * per),
         hidden=rec.out * per, send=ctx.send * per, tp_allreduces=ctx.pairs if tp else 0,
-        loss_vocab=ctx.loss_vocab, loss_split=ctx.lm_head is not None or not ctx.loss_vocab,
+        loss_vocab=ctx.loss_vocab,
+        loss_split=not ctx.loss_vocab or (ctx.lm_head is not None and any(g.param == ctx.lm_head for g in rec.gemms)),
         fp8=ctx.kind != "head", tp_divides=divides)
     eager_rep = dict(zip(EAGER_EXTRAS, (s_eager["rep"] * per if tp else 0.0,
                                         0.0 if tp else (s_eager["rep"] + s_eager["split"]) * per)))
@@ -613,7 +614,3 @@ def _regions(ews: list[_Ew]) -> dict[int, int]:
                     parent[b] = a
     return {x: find(x) for x in parent}
 
-
-def vocab_tables(module: nn.Module, vocab: float) -> list[nn.Parameter]:
-    """Embedding tables of ``module`` with one row per vocabulary entry (vocabulary-parallel)."""
-    return [m.weight for m in module.modules() if isinstance(m, nn.Embedding) and vocab and m.num_embeddings == vocab]

@@ -8,11 +8,21 @@ forward and one backward. The experts of a MoE layer (pairs under one ModuleList
 fused ``gate_up_proj``/``down_proj`` module) share one all-reduce. Recognised names (case-insensitive, the module's name
 or, for fused parameters such as MoE experts' ``gate_up_proj``, the parameter's) are listed in
 COLUMN and ROW; a ``dense`` under a module named ``intermediate`` (BERT, ViT) is a column matrix.
+
+What is split is what meshplan's runtime splits (runtime/generic.py reads the same TPInfo, so the
+two cannot disagree): a pair only when all its matrices are ``nn.Linear`` weights that are not fused
+(FUSED: qkv_proj, c_attn, gate_up_proj ...; MoE experts' 3-D parameters; GPT-2's Conv1D); the
+others stay whole (``kept``). A block whose attention pair stays whole is not split at all (the cost
+model divides every attention's heads by tp), and then no layer of the model is (``model_tp``).
+Under TP the LM head and the embedding tables of its vocabulary are vocabulary-parallel
+(``model_tp``): the head a column-split nn.Linear whose logits stay sharded (the loss under
+``loss_parallel``), the tables (exactly ``nn.Embedding``) split by rows, a tied pair alike.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -31,6 +41,10 @@ ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "q", "k", "v", 
                        "q_b_proj", "kv_b_proj"})
 HEAD_ATTRS = ("num_attention_heads", "num_heads", "n_head", "n_heads")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads")
+FUSED = frozenset({"qkv_proj", "c_attn", "qkv", "wqkv", "query_key_value", "gate_up_proj", "in_proj"})
+"""Column matrices that hold several projections side by side: a column split would mix them (kept whole)."""
+LM_TASKS = ("causal-lm", "masked-lm", "seq2seq-lm")
+"""Tasks whose head is a vocabulary projection: vocabulary-parallel under TP."""
 
 
 @dataclass
@@ -67,6 +81,14 @@ class TPInfo:
     splits their GEMMs; the biases of column matrices split with them)."""
     attention: set[str] = field(default_factory=set)
     """Of ``roles``: the matrices of attention pairs (their widths are the heads')."""
+    modules: dict[str, str] = field(default_factory=dict)
+    """Module path (nn.Linear) -> column | row: what the runtime's ColwiseParallel/RowwiseParallel split."""
+    attention_scopes: list[str] = field(default_factory=list)
+    """Modules holding the split attention projections (their head counts are divided by tp)."""
+    kept: list[str] = field(default_factory=list)
+    """Recognised matrices kept whole, and why (one line each)."""
+    attention_kept: bool = False
+    """An attention pair is kept whole: TP cannot split this model's attention."""
 
 
 def _role(owner: str, leaf: str) -> str | None:
@@ -183,6 +205,19 @@ def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (Non
     mods = dict(block.named_modules())
     pairs = _pairs(_matrices(block))
     info = TPInfo()
+    kept = []
+    for pair in pairs:
+        bad = next((m for m in pair if _whole(m, mods)), None)
+        if bad is not None:
+            kept.append(pair)
+            why = "fused" if bad.leaf.lower() in FUSED or bad.leaf != bad.module.rsplit(".", 1)[-1] \
+                else f"a {type(mods.get(bad.module)).__name__}, not an nn.Linear"
+            info.kept.append(f"{bad.param} is {why}: kept whole")
+            if any(m.leaf.lower() in ATTENTION for m in pair[:-1]):
+                info.attention_kept = True
+    if info.attention_kept:  # the attention is not split: neither is the block
+        return info
+    pairs = [p for p in pairs if p not in kept]
     if not pairs:
         return info
     # one all-reduce per MoE layer: its experts (pairs under one ModuleList/ModuleDict, or fused
@@ -212,8 +247,12 @@ def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (Non
         attn = any(m.leaf.lower() in ATTENTION for m in pair[:-1])
         for m in pair:
             info.roles[m.param] = m.role
+            info.modules[m.module] = m.role
             if attn:
                 info.attention.add(m.param)
+                scope = m.module.rsplit(".", 1)[0] if "." in m.module else ""
+                if m.role == "column" and scope not in info.attention_scopes:
+                    info.attention_scopes.append(scope)
         if attn:
             if heads:  # multi-query (one k/v head): the k/v head is replicated on every rank
                 caps += [heads] if kv == 1 else [heads, kv or heads]
@@ -232,3 +271,94 @@ def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (Non
     total = sum(p.numel() for p in block.parameters())
     info.param_fraction = min(1.0, split / total) if total else 0.0
     return info
+
+
+def _whole(m: _Matrix, mods: dict[str, nn.Module]) -> bool:
+    """The runtime keeps this matrix whole: fused, a parameter of its own (MoE experts' 3-D
+    ``gate_up_proj``), or not an nn.Linear (GPT-2's Conv1D)."""
+    return (m.leaf.lower() in FUSED or m.leaf != m.module.rsplit(".", 1)[-1]
+            or not isinstance(mods.get(m.module), nn.Linear))
+
+
+@dataclass
+class ModelTP:
+    """What tensor parallelism splits in a whole model (ingest marks it, the runtime splits it)."""
+
+    blocks: dict[str, TPInfo] = field(default_factory=dict)
+    """Path of each repeated block -> its split (style "none": kept whole)."""
+    head: str | None = None
+    """Path of the LM head (an nn.Linear to the vocabulary), column-split with sharded logits."""
+    tables: list[str] = field(default_factory=list)
+    """Paths of the vocabulary-parallel embedding tables (nn.Embedding with the head's rows)."""
+    tied: bool = False
+    """The head's weight is one of the tables' (both split by vocabulary rows alike)."""
+    notes: list[str] = field(default_factory=list)
+    refusal: str | None = None
+    """Why tp > 1 cannot run on this model (None: it can)."""
+
+    @property
+    def splits(self) -> bool:
+        return self.refusal is None
+
+
+def lm_head(model: nn.Module, task: str) -> tuple[str, nn.Linear] | None:
+    """The LM head of a language model: ``get_output_embeddings()`` (Hugging Face), else a root
+    attribute ``lm_head``/``output``; an nn.Linear. None for other tasks (classification heads stay whole)."""
+    if task not in LM_TASKS:
+        return None
+    head: Any = None
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        try:
+            head = get()
+        except (AttributeError, NotImplementedError):
+            head = None
+    if head is None:
+        head = next((getattr(model, a) for a in ("lm_head", "output")
+                     if isinstance(getattr(model, a, None), nn.Module)), None)
+    if not isinstance(head, nn.Linear):
+        return None
+    path = next((n for n, m in model.named_modules() if m is head), None)
+    return (path, head) if path else None
+
+
+def model_tp(model: nn.Module, blocks: list[tuple[str, nn.Module]], heads: tuple[int | None, int | None],
+             task: str, name: str) -> ModelTP:
+    """The TP split of ``model`` whose repeated blocks are ``blocks`` (path, module): each block's
+    pairs the runtime splits (``analyse``); nothing when an attention stays whole (fused or Conv1D
+    q/k/v: GPT-2, Phi-3, Falcon ...); else the LM head and its vocabulary's embedding tables
+    (vocabulary-parallel). ``refusal`` when no block is split."""
+    out = ModelTP()
+    cache: dict[int, TPInfo] = {}
+    for _path, m in blocks:
+        if id(m) not in cache:
+            cache[id(m)] = analyse(m, heads)
+    by_path = {path: cache[id(m)] for path, m in blocks}
+    for info in cache.values():
+        for k in info.kept:
+            if k not in out.notes:
+                out.notes.append(k)
+    whole = next((i for i in cache.values() if i.attention_kept), None)
+    if whole is not None:
+        why = next(k for k in whole.kept)
+        out.blocks = {path: TPInfo() for path in by_path}
+        out.refusal = (f"tp>1: {name}'s attention projections cannot be split by this runtime ({why}), so "
+                       "no layer of it is; use tp=1")
+        out.notes.append("tensor parallel: none (an attention projection is kept whole)")
+        return out
+    out.blocks = by_path
+    if not any(i.style == "megatron" for i in cache.values()):
+        out.refusal = (f"tp>1: no block of {name} has attention/MLP matrices this runtime can split (nn.Linear "
+                       "q/k/v/o, gate/up/down, fc1/fc2 ...); use tp=1")
+        return out
+    found = lm_head(model, task)
+    if found is not None:
+        out.head, head = found
+        rows = head.out_features
+        seen: set[int] = set()
+        for path, m in model.named_modules():
+            if type(m) is nn.Embedding and m.num_embeddings == rows and id(m) not in seen:
+                seen.add(id(m))
+                out.tables.append(path)
+                out.tied = out.tied or m.weight is head.weight
+    return out

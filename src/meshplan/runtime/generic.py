@@ -50,7 +50,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from meshplan.errors import MeshplanError
 from meshplan.ingest.batch import Batch, class_logits
 from meshplan.ingest.builder import Built, build
-from meshplan.ingest.layers import Unit, find_units
+from meshplan.ingest.layers import Unit, find_units, pipeline_refusal
+from meshplan.ingest.tp import ModelTP, TPInfo, model_tp
 from meshplan.runtime.data import take
 from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.parallelize import (
@@ -67,8 +68,6 @@ from meshplan.runtime.train import RunConfig, TrainModel
 from meshplan.spec.plan import Plan
 from meshplan.spec.stages import stage_layer_counts, stage_layer_ranges
 
-FUSED = frozenset({"qkv_proj", "c_attn", "qkv", "wqkv", "query_key_value", "gate_up_proj", "in_proj"})
-"""Column matrices that hold several projections side by side: a column split would mix them."""
 SIZE_ATTRS = ("inner_dim", "all_head_size")
 """Attention attributes that are heads x head size (divided by tp with the head counts)."""
 STAGE = "inner"
@@ -191,30 +190,15 @@ def stage_bounds(order: list[Unit], plan: Plan) -> list[tuple[int, int]]:
     return stage_layer_ranges(unit_kinds(order), plan)
 
 
-def tied_units(units: list[Unit]) -> list[str]:
-    """Names of parameters held by more than one unit (tied embeddings)."""
-    owner: dict[int, str] = {}
-    out = []
-    for u in units:
-        for name, p in u.module.named_parameters():
-            if id(p) in owner and owner[id(p)] != u.name:
-                out.append(f"{u.name}.{name}")
-            owner.setdefault(id(p), u.name)
-    return out
-
-
-def pp_refusal(built: Built, units: list[Unit]) -> str | None:
-    """Why ``built`` cannot be pipeline-split, before any value is computed (None: try it)."""
-    name = built.name
-    if built.task == "seq2seq-lm":
-        return (f"pp>1: {name} is an encoder-decoder: every decoder block reads the encoder's output (and T5's "
-                "first block hands its position bias to the others), so the forward is not a sequence of units; "
-                "use pp=1 with dp/zero (FSDP) and tp")
-    tied = tied_units(units)
-    if tied:
-        return (f"pp>1: {name} ties weights across units ({tied[0]}): the embedding and the output projection "
-                "would live on different stages; use pp=1, or untie them (tie_word_embeddings=false)")
-    return None
+def pp_refusal(built: Built, units: list[Unit], calls: list[Unit] | None = None) -> str | None:
+    """Why ``built`` cannot be pipeline-split, before any value is computed (None: try it):
+    ``ingest.layers.pipeline_refusal``, the reason ingestion writes into the LayerGraph as its
+    ``no pipeline:`` note (so the planner and the runtime refuse with the same words)."""
+    why = pipeline_refusal(built.name, built.task, units, calls)
+    if why is None:
+        return None
+    hint = "use pp=1 with dp/zero (FSDP) and tp" if built.task == "seq2seq-lm" else "use pp=1"
+    return f"pp>1: {why}; {hint}"
 
 
 # ---- pipeline stages ------------------------------------------------------------------------------
@@ -385,6 +369,15 @@ def check_sequence(built: Built, order: list[Unit], bounds: list[tuple[int, int]
 
 
 # ---- tensor parallel ----------------------------------------------------------------------------
+def split_of(built: Built, model: nn.Module | None = None) -> ModelTP:
+    """What TP splits in ``built``: ``ingest.tp.model_tp``, the function ingestion marks the
+    LayerOps with (split GEMMs, tp_allreduces, the vocabulary-parallel head and tables), so the
+    graph cost model prices what runs here."""
+    model = model if model is not None else built.module
+    units, blocks = unit_paths(model)
+    return model_tp(model, [(p, resolve(model, p)) for p in blocks], built.heads, built.task, built.name)
+
+
 @dataclass
 class TPPlan:
     """What TP splits in one block (paths relative to the block)."""
@@ -398,38 +391,16 @@ class TPPlan:
     tp_max: int = 1
 
 
-def tp_plan(block: nn.Module, heads: tuple[int | None, int | None]) -> TPPlan:
-    """The split of one block: ingest/tp.py's pairs (regions), restricted to nn.Linear matrices."""
+def tp_plan(block: nn.Module, info: TPInfo, heads: tuple[int | None, int | None]) -> TPPlan:
+    """The split of one block: its nn.Linear pairs (``info``: ingest.tp.analyse), the head counts of
+    the attention modules, and a per-head table (T5's relative-position bias) split by heads."""
     from meshplan.ingest import tp as tpi
-    info = tpi.analyse(block, heads)
-    out = TPPlan(tp_max=info.tp_max)
+    out = TPPlan(styles=dict(info.modules), attention=list(info.attention_scopes), kept=list(info.kept),
+                 tp_max=info.tp_max)
     if info.style != "megatron":
+        out.styles = {}
         return out
     mods = dict(block.named_modules())
-    mats = tpi._matrices(block)
-
-    def inside(path: str, region: str) -> bool:
-        return not region or path == region or path.startswith(region + ".")
-
-    for region in info.regions:
-        mine = [m for m in mats if inside(m.module, region)]
-        bad = [m for m in mine if m.leaf.lower() in FUSED or m.leaf != m.module.rsplit(".", 1)[-1]
-               or not isinstance(mods.get(m.module), nn.Linear)]
-        if bad:
-            why = ("fused" if bad[0].leaf.lower() in FUSED or bad[0].leaf != bad[0].module.rsplit(".", 1)[-1]
-                   else type(mods.get(bad[0].module)).__name__)
-            out.kept.append(f"{region or type(block).__name__}: {bad[0].leaf} is {why}; kept whole")
-            continue
-        roles = {m.role for m in mine}
-        if roles != {"column", "row"}:
-            continue
-        for m in mine:
-            out.styles[m.module] = m.role
-        for m in mine:
-            if m.role == "column" and m.leaf.lower() in tpi.ATTENTION:
-                scope = m.module.rsplit(".", 1)[0] if "." in m.module else ""
-                if scope not in out.attention:
-                    out.attention.append(scope)
     for scope in out.attention:
         att = mods.get(scope)
         n = next((getattr(att, a) for a in tpi.HEAD_ATTRS if isinstance(getattr(att, a, None), int)), None) \
@@ -440,21 +411,21 @@ def tp_plan(block: nn.Module, heads: tuple[int | None, int | None]) -> TPPlan:
     return out
 
 
-def apply_tp(model: nn.Module, blocks: list[str], built: Built, tp_mesh: Any, tp: int, notes: list[str]) -> int:
-    """Split ``blocks`` (paths in ``model``) by tensor parallel; returns how many blocks were split."""
+def apply_tp(model: nn.Module, blocks: list[str], built: Built, tp_mesh: Any, tp: int, notes: list[str],
+             split: ModelTP) -> int:
+    """Split ``blocks`` (paths in ``model``) by tensor parallel as ``split`` says (ingest.tp.model_tp,
+    blocks by module identity); returns how many blocks were split."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from meshplan.ingest import tp as tpi
-    split = 0
-    seen_notes: set[str] = set()
+    n = 0
+    for k in split.notes:
+        if f"tp: {k}" not in notes:
+            notes.append(f"tp: {k}")
     for path in blocks:
         block = resolve(model, path)
-        plan = tp_plan(block, built.heads)
-        for k in plan.kept:
-            key = k.split(":", 1)[-1]
-            if key not in seen_notes:
-                seen_notes.add(key)
-                notes.append(f"tp: {k}")
+        info = split.blocks.get(path.removeprefix(f"{STAGE}."), TPInfo())
+        plan = tp_plan(block, info, built.heads)
         if not plan.styles:
             continue
         if plan.tp_max % tp:
@@ -470,8 +441,50 @@ def apply_tp(model: nn.Module, blocks: list[str], built: Built, tp_mesh: Any, tp
                     setattr(att, a, v // tp)
         styles = {p: RowwiseParallel() if s == "row" else ColwiseParallel() for p, s in plan.styles.items()}
         parallelize_module(block, tp_mesh, styles)
-        split += 1
-    return split
+        n += 1
+    return n
+
+
+def _owned(m: nn.Module) -> bool:
+    """This stage holds the module's weight (``StageModule`` strips the units of other stages)."""
+    return isinstance(getattr(m, "weight", None), nn.Parameter) and not m.weight.is_meta
+
+
+def apply_vocab_parallel(model: nn.Module, prefix: str, split: ModelTP, tp_mesh: Any) -> bool:
+    """The vocabulary-parallel LM head and embedding tables of ``split`` (paths under ``prefix`` in
+    ``model``), as for presets (parallelize.apply_tp): each table a ``VocabParallelEmbedding``
+    (rows sharded, ``Shard(0)``; its gradient sharded like it), the head column-wise with its logits
+    left a DTensor sharded on the vocabulary (``Shard(-1)``, the loss under ``loss_parallel``). A
+    tied head is parallelised like its table (both ``Shard(0)`` of the one matrix), then re-tied;
+    every other alias of their parameters (BERT's ``predictions.bias``, the decoder's bias) is
+    pointed at the new ones. Returns whether this part holds the head."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from meshplan.runtime.parallelize import vocab_parallel_embedding, vocab_parallel_output
+    mods = [resolve(model, prefix + p) for p in split.tables]
+    head = resolve(model, prefix + split.head) if split.head is not None else None
+    owned = [m for m in mods if _owned(m)] + ([head] if head is not None and _owned(head) else [])
+    if not owned:
+        return False
+    old = {id(p): (m, name) for m in owned for name, p in m._parameters.items() if p is not None}
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None and id(p) in old:
+                holders.setdefault(id(p), []).append((m, name))
+    for m in owned:
+        if m is head:
+            parallelize_module(m, tp_mesh, vocab_parallel_output(Replicate()))
+        else:
+            parallelize_module(m, tp_mesh, vocab_parallel_embedding(input_layouts=Replicate(),
+                                                                    output_layouts=Replicate()))
+    for pid, (first, name) in old.items():  # the first owner's new parameter replaces every alias
+        new = first._parameters[name]
+        for m, attr in holders.get(pid, []):
+            if m._parameters.get(attr) is not new:
+                m._parameters[attr] = new
+    return head is not None and _owned(head)
 
 
 def _compare_output(model: nn.Module, sample: Batch) -> torch.Tensor:
@@ -525,8 +538,16 @@ def pp_loss(built: Built) -> Any:
     """The schedule's loss(output, target): ``built.loss_fn`` on a Batch of the micro-batch's target
     (a module: source's own loss gets it as its inputs)."""
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return built.loss_fn(out, Batch(targets=target, raw=target))
+        return plain_loss(built.loss_fn(out, Batch(targets=target, raw=target)))
     return loss
+
+
+def plain_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor: on vocabulary-sharded logits (under ``loss_parallel``) the
+    cross-entropy is a replicated DTensor; its local value, a clone (as ``models.loss_fn``: the
+    zero-bubble schedules ``detach_()`` the loss, which a view refuses)."""
+    from torch.distributed.tensor import DTensor
+    return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
 def pp_target(built: Built, b: Batch) -> torch.Tensor:
@@ -583,7 +604,7 @@ class IngestedModel(TrainModel):
 
     def loss(self, module: nn.Module, b: Batch) -> torch.Tensor:
         assert self.built is not None
-        return self.built.loss_fn(module(*b.args, **b.kwargs), b)
+        return plain_loss(self.built.loss_fn(module(*b.args, **b.kwargs), b))
 
     def pp_inputs(self, par: Parallelized, b: Batch) -> tuple:
         first = next(p for p in par.parts if p.first)  # type: ignore[attr-defined]
@@ -610,14 +631,17 @@ def parallelize_ingested(built: Built, plan: Plan, mesh: RuntimeMesh | None, dev
     parts: list[nn.Module] = [model]
     part_blocks = [blocks]
     sample = make_batch(built, 1, 0)
+    split = split_of(built) if plan.tp > 1 else None  # on the whole model, before the pipeline split
+    if split is not None and split.refusal:
+        raise MeshplanError(split.refusal)
     if plan.pp > 1:
         why = pp_refusal(built, units)
         if why:
             raise MeshplanError(why)
         order = execution_order(model, units, sample)
-        if len({id(u) for u in order}) != len(order):
-            twice = next(u.name for i, u in enumerate(order) if any(v is u for v in order[:i]))
-            raise MeshplanError(f"pp>1: {built.name} calls unit {twice} more than once; use pp=1")
+        why = pp_refusal(built, units, order)
+        if why:
+            raise MeshplanError(why)
         why = stage_problem(unit_kinds(order), plan, built.name)
         if why:
             raise MeshplanError(why, hint="take stage_layers from `meshplan plan` on this model, or leave them unset")
@@ -629,15 +653,13 @@ def parallelize_ingested(built: Built, plan: Plan, mesh: RuntimeMesh | None, dev
             return StageModule(m, built, names, start, end, template)
         parts, stage_ids = split_pipeline(model, plan, mesh.pp_rank, unit_kinds(order), cut)
         part_blocks = [[f"{STAGE}.{p}" for p in names[st.start:st.end] if p in blocks] for st in parts]
-    if plan.tp > 1:
+    vocab_parallel = False
+    if split is not None:
         ref = _compare_output(model, sample) if plan.pp == 1 else None
-        n = 0
         for part, paths in zip(parts, part_blocks):
-            n += apply_tp(part, paths, built, mesh.sub("tp"), plan.tp, notes)
-        if n == 0 and any(part_blocks):
-            raise MeshplanError(f"plan: tp={plan.tp} but no block of {built.name} has attention/MLP matrices this "
-                                "runtime can split (nn.Linear q/k/v/o, gate/up/down, fc1/fc2 ...)",
-                                hint="use tp=1 for this model")
+            apply_tp(part, paths, built, mesh.sub("tp"), plan.tp, notes, split)
+            prefix = f"{STAGE}." if plan.pp > 1 else ""
+            vocab_parallel |= apply_vocab_parallel(part, prefix, split, mesh.sub("tp"))
         if ref is not None:
             got = _compare_output(model, sample)
             err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
@@ -650,7 +672,8 @@ def parallelize_ingested(built: Built, plan: Plan, mesh: RuntimeMesh | None, dev
     run, dp_mode = apply_data_parallel(parts, part_blocks, plan, mesh, device,
                                        unused=lambda: unused_parameters(built), notes=notes)
     out = Parallelized(parts=parts, run_modules=run, stage_ids=stage_ids, dp_mode=dp_mode,
-                       autocast=autocast_dtype(plan, dp_mode), notes=notes, zero=plan.zero)
+                       autocast=autocast_dtype(plan, dp_mode), notes=notes, zero=plan.zero,
+                       vocab_parallel=split is not None and split.head is not None)
     if plan.pp > 1:
         for st in parts:
             assert isinstance(st, StageModule)
@@ -691,12 +714,10 @@ def preflight(job: Any) -> tuple[Any, Any]:
         if why:
             raise MeshplanError(why)
     if plan.tp > 1:
-        plans = [tp_plan(resolve(built.module, p), built.heads) for p in blocks]
-        if not any(p.styles for p in plans):
-            raise MeshplanError(f"plan: tp={plan.tp} but no block of {built.name} has attention/MLP matrices this "
-                                "runtime can split (nn.Linear q/k/v/o, gate/up/down, fc1/fc2 ...)",
-                                hint="use tp=1 for this model")
-        bad = next((p for p in plans if p.styles and p.tp_max % plan.tp), None)
+        split = split_of(built)
+        if split.refusal:
+            raise MeshplanError(split.refusal)
+        bad = next((p for p in split.blocks.values() if p.style == "megatron" and p.tp_max % plan.tp), None)
         if bad is not None:
             raise MeshplanError(f"plan: tp={plan.tp} does not divide the model's attention heads / widths "
                                 f"(tp_max={bad.tp_max})", hint="use a tp that divides it")
@@ -798,6 +819,6 @@ def search_space(source: str, *, seq_len: int | None = None, base: Plan | None =
     built = build(source, device="meta", seq_len=seq_len)
     units, blocks = unit_paths(built.module)
     pp = (1,) if pp_refusal(built, units) else None
-    splittable = any(tp_plan(resolve(built.module, p), built.heads).styles for p in blocks)
+    splittable = split_of(built).refusal is None
     return SearchSpace(base=base or Plan(), pp=pp, tp=None if splittable else (1,), cp=(1,), ep=(1,),
                        sequence_parallel=False, recompute=("none", "full"))

@@ -327,7 +327,9 @@ def _vocab_parallel_lookup(self: nn.Embedding, tokens: Any) -> Any:
     start, rows = offset[0], local.shape[0]
     tok = tokens.to_local() if isinstance(tokens, DTensor) else tokens
     outside = (tok < start) | (tok >= start + rows)
-    out = F.embedding((tok - start).masked_fill(outside, 0), local)
+    pad = self.padding_idx  # its row gets no gradient (nn.Embedding's padding_idx; ingested models: BERT)
+    pad = pad - start if pad is not None and start <= pad < start + rows else None
+    out = F.embedding((tok - start).masked_fill(outside, 0), local, padding_idx=pad)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
     return DTensor.from_local(out, mesh, [Partial()], run_check=False)
 
