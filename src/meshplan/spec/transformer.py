@@ -9,7 +9,8 @@ and a head, each with the LayerOps the analytic formulas give (docs/cost-model.m
             (row); MoE: the experts' pair per expert plus the router (replicated); the attention
             core; elementwise HBM bytes per op (ELEMENTWISE_BYTES: two norms, two residual adds,
             dropout, the MLP activation, rotary); saved activations after Korthikanti et al. 2022
-            Eq. 2 generalised to GQA, SwiGLU, rotary and FlashAttention
+            Eq. 2 generalised to GQA (k and v kept repeated to the query heads), SwiGLU and
+            FlashAttention
   embedding a gather of 2 h bytes per token (read + write), its gradient a scatter-add
   head      final norm + logits GEMM (vocabulary-parallel) + cross-entropy
 
@@ -60,7 +61,11 @@ def block_ops(model: ModelSpec) -> LayerOps:
     rep_ops = [(2 * h, m.norm), (2 * h, "residual")] + ([(2 * h, "dropout")] if m.dropout else [])
     split_ops = [(f_tok, m.mlp_type)] + ([(q + kv, "rotary")] if m.position == "rotary" else [])
     saved_split = 2 * (q + 2 * kv) + 2 * q
-    rotary_eager = 2 * (q + kv) if m.position == "rotary" else 0
+    # SDPA keeps its inputs q, k, v; with grouped-query attention the k and v heads are repeated to
+    # the query heads first (torchtitan's and Hugging Face's repeat_kv, meshplan's runtime's
+    # repeat_interleave), so it keeps q-wide k and v: 4 (q - kv) bytes more per token. (Rotary
+    # embeddings keep nothing q-sized: the multiply saves only its cos/sin or complex table.)
+    gqa_repeat = 4 * (q - kv)
     mlp = (6 * f_tok, 8 * f_tok) if m.mlp_type == "swiglu" else (4 * f_tok, 4 * f_tok)
     dropout = 1 if m.dropout else 0
     return LayerOps(
@@ -70,7 +75,7 @@ def block_ops(model: ModelSpec) -> LayerOps:
         experts=m.num_experts if m.is_moe else 0, top_k=m.experts_per_token if m.is_moe else 0,
         ew_rep=_pair(*rep_ops), ew_split=_pair(*split_ops),
         saved_rep=(8 + 2 * dropout) * h,
-        saved_split=(saved_split + mlp[0], saved_split + rotary_eager + mlp[1]),
+        saved_split=(saved_split + gqa_repeat + mlp[0], saved_split + gqa_repeat + mlp[1]),
         saved_input=ACT_BYTES * h,
         saved_op=(ACT_BYTES * h, 2 * q + 2 * kv + 2 * f_tok + 2 * h + 2 * q),
         hidden=ACT_BYTES * h, send=ACT_BYTES * h, tp_allreduces=2,
