@@ -251,7 +251,10 @@ def test_tp_structure_of_hand_written_blocks():
 
     layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=96)
     info = tp.analyse(layer)
-    assert (info.style, info.pairs, info.tp_max) == ("megatron", 2, 4)  # in_proj->out_proj, linear1->linear2
+    # in_proj->out_proj, linear1->linear2; but MultiheadAttention's in_proj_weight is fused q/k/v, which
+    # the runtime keeps whole: an attention TP cannot split leaves the whole block whole
+    assert (info.style, info.pairs, info.tp_max) == ("none", 0, 1) and info.attention_kept
+    assert info.kept == ["self_attn.in_proj_weight is fused: kept whole"]
 
     class MLP(nn.Module):
         def __init__(self) -> None:
@@ -267,7 +270,19 @@ def test_tp_structure_of_hand_written_blocks():
             self.shared_expert = MLP()
 
     info = tp.analyse(MoEBlock())
+    assert info.pairs == 0 and info.attention_kept  # MultiheadAttention's fused in_proj: nothing split
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(16, 16) for _ in range(4))
+            self.num_heads = 8
+
+    block = MoEBlock()
+    block.attn = Attention()
+    info = tp.analyse(block)
     assert info.pairs == 2  # attention + one all-reduce for the experts and the shared expert
     assert info.tp_max == 8  # gcd(8 heads, 48)
     assert info.param_fraction < 1.0  # the router is replicated
+    assert info.modules["attn.q_proj"] == "column" and info.modules["experts.3.w2"] == "row"
     assert tp.analyse(nn.Sequential(nn.Linear(4, 4), nn.ReLU())).style == "none"

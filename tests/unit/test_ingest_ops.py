@@ -11,7 +11,6 @@ against hand counts.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -75,8 +74,8 @@ def test_llama2_layer_ops_block_by_block(llama2):
     assert (block.hidden, block.saved_input, block.saved_rep) == (ref.hidden, ref.saved_input, ref.saved_rep)
     lse = 4 * 32  # the flash kernel's float32 log-sum-exp per token (the preset leaves it out)
     assert block.saved_split[0] == ref.saved_split[0] + lse
-    # eager: HF's rotary (rotate_half) keeps no copies; the preset's (torchtitan's complex fp32) 2 (q + kv)
-    assert block.saved_split[1] == ref.saved_split[1] - 2 * (q + q) + lse
+    # eager: rotary keeps no q-sized copies (HF's rotate_half, like the preset since issue 12)
+    assert block.saved_split[1] == ref.saved_split[1] + lse
     # memory-bound bytes: eager RMSNorm/residual measured as the preset counts them (36 + 6 B per element)
     assert block.ew_rep[1] == pytest.approx(ref.ew_rep[1], rel=1e-3)
     cos_sin = 4 * 128 * 2  # q * cos, q' * sin, k * cos, k' * sin read a cos/sin row per token
@@ -103,18 +102,7 @@ def test_llama2_estimate_matches_the_preset(llama2, plan, recompute):
     pl = Plan(**plan, recompute=recompute)
     a, b = estimate(p, cluster, pl, work), estimate(g, cluster, pl, work)
     assert b.step_time_s == pytest.approx(a.step_time_s, rel=0.02)
-    if recompute == "full":
-        assert b.peak_memory_gib == pytest.approx(a.peak_memory_gib, rel=0.02)
-        return
-    # Selective recompute keeps the blocks' activations, where HF's rotary keeps 2 (q + kv) bytes per
-    # token less than the preset's (the only difference): 2% of the preset with HF's rotary
-    spec = load_model("llama2-7b")
-    ref = p.ops["block"]
-    hf_rotary = dataclasses.replace(ref, saved_split=(ref.saved_split[0],
-                                                      ref.saved_split[1] - 2 * (spec.q_dim + spec.kv_dim)))
-    c = estimate(dataclasses.replace(p, ops={**p.ops, "block": hf_rotary}), cluster, pl, work)
-    assert b.peak_memory_gib == pytest.approx(c.peak_memory_gib, rel=0.02)
-    assert b.peak_memory_gib < a.peak_memory_gib
+    assert b.peak_memory_gib == pytest.approx(a.peak_memory_gib, rel=0.02)
 
 
 def test_float32_ingest_takes_layer_ops_from_a_bf16_trace():
@@ -159,6 +147,10 @@ def test_families_estimate():
         stages = (blocks - blocks // 2, blocks // 2)
         for plan in (Plan(dp=8), Plan(tp=2, dp=4, zero=1),
                      Plan(tp=2, pp=2, dp=2, recompute="full", stage_layers=stages)):
+            if plan.pp > 1 and fam in ("bert", "roberta", "t5"):  # tied embeddings, an encoder-decoder:
+                with pytest.raises(MeshplanError, match="cannot be cut into pipeline stages"):  # the runtime's
+                    estimate(g, cluster, plan, work)  # refusal, from the graph's 'no pipeline:' note
+                continue
             r = estimate(g, cluster, plan, work)
             assert r.step_time_s > 0 and 0 < r.peak_memory_gib < 80, (fam, plan)
 
@@ -198,10 +190,12 @@ def test_moe_layer_ops():
     g = ingest(f"hf:{HF / 'mixtral-tiny.json'}", seq_len=64, dtype="bfloat16")
     o = g.ops["MixtralDecoderLayer"]
     assert (o.experts, o.top_k) == (4, 2)
-    assert [g_ for g_ in o.gemms if g_.expert] == [Gemm(n=512, k=128, split="column", expert=True),
-                                                  Gemm(n=128, k=256, split="row", expert=True)]
+    # the fused 3-D expert parameters stay whole under TP (the runtime does not split them): not split,
+    # neither TP- nor EP-divided parameters (the runtime runs ingested models at ep=1)
+    assert [g_ for g_ in o.gemms if g_.expert] == [Gemm(n=512, k=128, split="none", expert=True),
+                                                  Gemm(n=128, k=256, split="none", expert=True)]
     assert Gemm(n=4, k=128) in o.gemms  # the router, replicated
-    assert o.params_expert == 4 * 3 * 128 * 256 and o.params_split >= o.params_expert
+    assert o.params_expert == 0 and o.params_split == 128 * (128 + 2 * 64 + 128) and o.tp_allreduces == 1
 
 
 class EagerAttention(nn.Module):
@@ -243,8 +237,10 @@ def test_eager_attention_is_an_attention():
     g = ingest(f"module:{__name__}:eager_net", seq_len=16, dtype="bfloat16")
     o = g.ops["EagerAttention"]
     assert o.attention == Attention(heads=4, kv_heads=4, head_dim=8, causal=False)
-    assert o.gemms == (Gemm(n=96, k=32, split="column"), Gemm(n=32, k=32, split="row"))
-    assert o.saved_split == (2 * 3 * 32 + 2 * 32,) * 2  # q, k, v and the attention output; no 16 x 16 scores
+    # its qkv is fused (one nn.Linear): the runtime keeps it whole, so nothing of the layer is split
+    assert o.gemms == (Gemm(n=96, k=32), Gemm(n=32, k=32)) and not o.splits
+    assert o.saved_whole == 392  # x, the norm's statistics and output, q, k, v, the attention output ...;
+    # no 16 x 16 scores (4 heads x 16 keys x 2 B = 128 per token each)
     assert fwd_flops(g, "EagerAttention") == pytest.approx(g.layers[0].fwd_flops)
 
 
