@@ -214,3 +214,26 @@ def test_the_runtime_table_keeps_the_search_to_what_the_runtime_runs(h100x64):
     work = Workload(global_batch=64, seq_len=8192)
     res = search(traced, load_cluster("h100-sxm-80gb:16"), work, SearchSpace(tp=(2,), offload=False))
     assert res.plans and all(not p.plan.sequence_parallel for p in res.plans)
+
+
+@pytest.mark.parametrize("factory, tp_ok", [("resnet50:make_resnet50", False), ("vit:make_vit", True),
+                                            ("gnn:make_gnn", True)])
+def test_example_modules_plan_like_any_model(factory, tp_ok, monkeypatch):
+    """The CNN, the ViT and the GNN of tests/data/modules (trained on CPU in tests/dist/test_examples.py)
+    go through the same search: plans for 16 H100s, tensor parallelism only where the layers split."""
+    pytest.importorskip("torch")
+    from pathlib import Path
+
+    from meshplan.ingest import ingest
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "data" / "modules"))
+    g = ingest(f"module:{factory}")
+    work = Workload(global_batch=256, seq_len=g.sample_tokens)
+    cluster = load_cluster("h100-sxm-80gb:16")
+    res = search(g, cluster, work, SearchSpace(offload=False))
+    assert res.plans and res.best.report.fits
+    assert all(p.plan.cp == 1 and p.plan.ep == 1 for p in res.plans)
+    caps = capabilities(g)
+    assert caps.tp_layers == tp_ok and not caps.experts and caps.blocks >= 4
+    tp2 = violations(g, cluster, Plan(tp=2, dp=8), work)
+    assert (not tp2) == tp_ok, tp2
+    assert not violations(g, cluster, Plan(pp=2, dp=8), work)  # a pipeline of blocks
