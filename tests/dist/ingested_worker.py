@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from worker_main import main
 
 from meshplan.runtime.mesh import build_mesh
-from meshplan.runtime.train import RunConfig, Trainer, clean_fqn
+from meshplan.runtime.train import RunConfig, Trainer, clean_fqn, reference_run
 from meshplan.spec.io import parse_plan
 from meshplan.spec.plan import Plan
 
@@ -133,7 +133,37 @@ def references(cfg: RunConfig) -> tuple[list[Ref], Ref, dict[str, Any]]:
     return singles, exact, {"spread": spread, "fp32_ops": sorted(set(leaks) | set(leaks1))}
 
 
+def vocab_case(case: dict, device: torch.device) -> dict:
+    """tp under the vocabulary-parallel LM head and tables: per-step losses and gradient norms and
+    the final weights of the distributed run and of the single-process run on the same micro-batches
+    (``train.reference_run``), and how the head's and the input embedding's weights are held."""
+    from torch.distributed.tensor import DTensor
+    plan = parse_plan(case["plan"])
+    cfg = RunConfig(model=case["source"], plan=plan, global_batch=case["global_batch"], steps=case["steps"],
+                    seq_len=case.get("seq_len"))
+    trainer = Trainer(cfg, build_mesh(plan, device.type), device)
+    losses, norms = [], []
+    for _ in range(cfg.steps):
+        losses.append(trainer.train_step())
+        norms.append(float(trainer.grad_norm))
+    weights = trainer.full_weights()
+    module = trainer.model.built.module  # type: ignore[attr-defined]
+    head, table = module.get_output_embeddings(), module.get_input_embeddings()
+
+    def held(p: torch.Tensor) -> str:
+        return str(tuple(p.placements)) if isinstance(p, DTensor) else type(p).__name__
+    ref_losses, ref_norms, ref_w = reference_run(cfg, cfg.steps, plan.micro_batch)
+    return {"name": case["name"], "ok": True, "losses": losses, "ref_losses": ref_losses, "norms": norms,
+            "ref_norms": ref_norms,  # key biases: rounding noise Adam makes full-size (NOISE_ONLY)
+            "weights_err": {k: rel(weights[k], ref_w[k]) for k in ref_w if k in weights and not k.endswith(NOISE_ONLY)},
+            "missing": sorted(set(ref_w) ^ set(weights)), "head": held(head.weight), "table": held(table.weight),
+            "tied": head.weight is table.weight, "vocab_parallel": trainer.par.vocab_parallel,
+            "head_bias": held(head.bias) if head.bias is not None else None}
+
+
 def run_case(case: dict, device: torch.device) -> dict:
+    if case.get("kind") == "vocab":
+        return vocab_case(case, device)
     plan = parse_plan(case["plan"])
     cfg = RunConfig(model=case["source"], plan=plan, global_batch=case["global_batch"], steps=case["steps"],
                         seq_len=case.get("seq_len"))

@@ -83,7 +83,8 @@ def plan_refusal(plan: Plan) -> str | None:
     if plan.ep > 1:
         return f"plan: ep={plan.ep} is not run on ingested models (their experts are not split); use ep=1"
     if plan.sequence_parallel:
-        return "plan: sequence_parallel is not run on ingested models (which norms to shard is unknown); drop it"
+        return ("plan: sequence_parallel=1 is not run on ingested models (this runtime does not know which of their "
+                "norms and residuals to shard on the sequence); use sequence_parallel=0")
     if plan.recompute in ("selective", "op"):
         return (f"plan: recompute={plan.recompute} is not run on ingested models (a layer graph records whole "
                 "units); use recompute=full or none")
