@@ -18,15 +18,23 @@ presets' order with the shared pieces of parallelize.py:
                     parameters dropped; code between units runs on it, as it did on the unit's
                     output), and the forward stops after its last unit (that unit's output is sent
                     on). Refused, with the reason: encoder-decoders (T5: the decoder reads the
-                    encoder's output at every block), tied weights across units, a unit called twice,
-                    a forward whose result changes when cut at a stage boundary (side values passed
-                    between units);
-2. TP               tp > 1: DTensor ``parallelize_module`` on the blocks ingest/tp.py recognises:
-                    nn.Linear column matrices (q/k/v, gate/up, fc1 ...) column-wise, row matrices
-                    (o, down, fc2 ...) row-wise, head counts of the attention modules divided by tp
-                    (and a per-head relative-position table split by heads); fused matrices (qkv,
-                    gate_up, MoE experts' 3-D parameters, GPT-2's Conv1D) and everything outside the
-                    blocks stay replicated. Checked on one sample against the unsplit model (pp = 1);
+                    encoder's output at every block), tied weights across units, a unit called twice
+                    (``ingest.layers.pipeline_refusal``: the graph's ``no pipeline:`` note, the same
+                    words), a forward whose result changes when cut at a stage boundary (side values
+                    passed between units);
+2. TP               tp > 1: what ``ingest.tp.model_tp`` says (ingestion marks the LayerOps from the
+                    same function): in each block the column/row pairs whose matrices are all
+                    non-fused nn.Linear (q/k/v, gate/up, fc1 ... column-wise; o, down, fc2 ... row-wise),
+                    head counts of the attention modules divided by tp (a per-head relative-position
+                    table split by heads); fused matrices (gate_up, MoE experts' 3-D parameters) stay
+                    whole, and a model whose attention projections are fused or not nn.Linear (qkv_proj,
+                    GPT-2's Conv1D c_attn) is not split at all (refused). The LM head of a language
+                    model (``get_output_embeddings()``) is vocabulary-parallel: ColwiseParallel with its
+                    logits a DTensor sharded on the vocabulary, the loss under ``loss_parallel()``
+                    (``Parallelized.vocab_parallel``, as for presets), and the nn.Embedding tables of its
+                    vocabulary ``VocabParallelEmbedding`` (a tied head re-tied to its table: both
+                    ``Shard(0)``). Classification heads stay whole. Checked on one sample against the
+                    unsplit model (pp = 1);
 3. recompute        full: ``checkpoint_wrapper`` per block (the first ``recompute_layers`` of each stage);
 4. data parallel    parallelize.apply_data_parallel: DDP (``find_unused_parameters`` only for a model
                     with parameters that get no gradient: ``unused_parameters``), the manual
@@ -814,8 +822,8 @@ def quiet_false_positives() -> None:
 def search_space(source: str, *, seq_len: int | None = None, base: Plan | None = None) -> Any:
     """A ``search.space.SearchSpace`` holding only what this runtime runs on ``source``: no cp, ep,
     sequence parallelism nor selective/op recompute on any ingested model (``plan_refusal``); pp=1
-    when the model cannot be pipeline-split (pp_refusal), tp=1 when no block has matrices it can
-    split."""
+    when the model cannot be pipeline-split (pp_refusal), tp=1 when TP splits nothing of it
+    (``split_of``)."""
     from meshplan.search.space import SearchSpace
     built = build(source, device="meta", seq_len=seq_len)
     units, blocks = unit_paths(built.module)
