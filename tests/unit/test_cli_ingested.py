@@ -63,17 +63,24 @@ def test_graph_errors_are_one_line(graph_file: Path, capsys, argv: list[str], ne
     assert err.startswith("meshplan: error:") and needle in err and "\n" not in err
 
 
-def test_an_ingested_model_gets_the_whole_plan_space(graph_file: Path, capsys) -> None:
-    """Context and sequence parallelism on the attention and norms ingestion found (one cost
-    path: what the layers allow, spec.capabilities)."""
-    assert main(["plan", "--model", str(graph_file), "--cluster", "a100-sxm-80gb:8", "--global-batch", "8",
-                 "--fix", "cp=2", "--json", "--top", "3"]) == 0
-    res = json.loads(capsys.readouterr().out)
-    assert res["plans"] and all(p["plan"]["cp"] == 2 for p in res["plans"])
+def test_an_ingested_model_is_priced_over_the_whole_space_and_planned_for_its_runtime(graph_file: Path, capsys):
+    """The cost model prices context and sequence parallelism on the attention and norms ingestion
+    found; meshplan's runtime does not run them on a traced model, so the search does not
+    recommend them, and a request that fixes one says why in one line (spec.support)."""
     assert main(["estimate", "--model", str(graph_file), "--cluster", "a100-sxm-80gb:8", "--plan",
                  "tp=2,dp=2,cp=2,sequence_parallel=1", "--global-batch", "8", "--json"]) == 0
     est = json.loads(capsys.readouterr().out)
-    assert est["step_time_s"] > 0 and est["fits"]
+    assert est["step_time_s"] > 0 and est["fits"] and not est["runtime"]["runs_as_planned"]
+    assert {i["rule"] for i in est["runtime"]["issues"]} == {"context parallel on a traced model",
+                                                              "sequence parallel on a traced model"}
+    assert main(["plan", "--model", str(graph_file), "--cluster", "a100-sxm-80gb:8", "--global-batch", "8",
+                 "--fix", "cp=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--fix cp" in err and "context parallelism on the transformers it builds" in err and "\n" not in err
+    assert main(["plan", "--model", str(graph_file), "--cluster", "a100-sxm-80gb:8", "--global-batch", "8",
+                 "--fix", "tp=2", "--json", "--top", "3"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["plans"] and all(not p["plan"].get("sequence_parallel") for p in res["plans"])
 
 
 def test_ingest_rejects_presets_and_bad_sources(capsys) -> None:

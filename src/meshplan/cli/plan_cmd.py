@@ -112,7 +112,7 @@ def note(args: argparse.Namespace | None, text: str, stream: TextIO | None = Non
     print(f"meshplan: note: {text}", file=stream if stream is not None else sys.stderr)
 
 
-def search_space(args: argparse.Namespace, cluster: Any) -> Any:
+def search_space(args: argparse.Namespace, cluster: Any, model: Any = None) -> Any:
     """The SearchSpace of the plan options (--fix, --precision, ...) on ``cluster``."""
     from meshplan.search.space import SearchSpace
     from meshplan.spec.plan import Plan
@@ -141,7 +141,7 @@ def search_space(args: argparse.Namespace, cluster: Any) -> Any:
     except TypeError as e:  # pragma: no cover - keys are checked in _apply_fix
         raise MeshplanError(f"--fix: {e}") from None
     space = SearchSpace(base=plan, **changes)
-    check_runtime_runs(space)
+    check_runtime_runs(space, model)
     return space
 
 
@@ -153,16 +153,24 @@ RULE_FLAGS = {
     "pipeline sends not as planned": ("--fix p2p_sharded", "drop p2p_sharded from --fix"),
     "optimizer offload without parameter offload": ("--fix offload=1 without zero=3", "fix zero=3 with offload=1"),
     "fp8 with tensor parallel": ("--precision fp8 with tp > 1", "use --precision bf16, or fix tp=1"),
+    "context parallel on a traced model": ("--fix cp", "drop cp from --fix"),
+    "expert parallel on a traced model": ("--fix ep", "drop ep from --fix"),
+    "selective recompute on a traced model": ("--fix recompute", "fix recompute=none|full"),
+    "fp8 on a traced model": ("--precision fp8", "use --precision bf16"),
+    "sequence parallel on a traced model": ("--fix sequence_parallel=1", "drop it from --fix"),
 }
 """The option behind a runtime rule (spec.support.RULES) that every plan of a request may
 violate, and how to drop it."""
 
 
-def _probes(space: Any) -> list[Any]:
+def _probes(space: Any, model: Any = None) -> list[Any]:
     """Plans that stand for the space's corners as far as the runtime rules go (spec.support):
     tp and pp 1 and 2 (or the fixed values), dp 1 and 2, every ZeRO level and schedule allowed,
     sequence parallelism and async TP as the enumeration sets them, and offload as fixed."""
     import itertools
+
+    from meshplan.spec.support import sequence_parallel_runs
+    sp = space.sequence_parallel is not False and sequence_parallel_runs(model)  # as the enumeration sets it
     tps = sorted(set(space.tp)) if space.tp else [1, 2]
     pps = sorted(set(space.pp)) if space.pp else [1, 2]
     out = []
@@ -172,26 +180,29 @@ def _probes(space: Any) -> list[Any]:
         for sched, (oo, op) in itertools.product(scheds, offs):
             out.append(space.base.replace(
                 tp=tp, pp=pp, dp=dp, zero=z, schedule=sched, virtual_stages=2 if sched == "zbv" else 1,
-                sequence_parallel=space.sequence_parallel is not False and tp > 1,
+                sequence_parallel=sp and tp > 1,
                 async_tp=space.base.async_tp and tp > 1, offload_optimizer=oo, offload_params=op))
+    # the fixed cp, ep and recompute (else their neutral values)
+    out = [p.replace(cp=cp, ep=ep, recompute=rc) for p in out for cp in (space.cp or (1,))
+           for ep in (space.ep or (1,)) for rc in (space.recompute if len(space.recompute) < 4 else ("none",))]
     return out
 
 
-def check_runtime_runs(space: Any) -> None:
+def check_runtime_runs(space: Any, model: Any = None) -> None:
     """Before the search: when the request's fixed options make every plan one that meshplan's
     runtime refuses or runs as something else (spec.support.RULES: --fused-loss,
     --no-flash-attention, ...), one line naming the option and the way out
     (--allow-export-only, with the export targets that run it), rather than a search that
     rejects everything."""
     from meshplan.spec.support import RULES
-    probes = _probes(space)
+    probes = _probes(space, model)
     if not probes:
         return
     micro = 1 << 20  # as many micro-batches as any schedule needs: the batch is not known here
     for rule in RULES.values():
-        if space.allow_export_only and rule.targets:
-            continue
-        reasons = [rule.why(p, micro, None) for p in probes]
+        if space.allow_export_only and rule.targets or rule.name == "kv heads replicated under tensor parallel":
+            continue  # (a fixed tp beyond the kv heads: the search names it, after tp's own checks)
+        reasons = [rule.why(p, micro, model) for p in probes]
         if not all(reasons):
             continue
         flag, remedy = RULE_FLAGS.get(rule.name, (f"the options given ({rule.name})", "relax them"))
@@ -355,7 +366,7 @@ def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any
     model, work = as_problem(load_model_arg(args.model, seq_len=args.seq_len), args.global_batch, args.seq_len)
     if model.model is not None:
         check_positions(args, model.model, work.seq_len)
-    return model, clusters, tokens, search_space(args, clusters[0]), work
+    return model, clusters, tokens, search_space(args, clusters[0], model), work
 
 
 def check_positions(args: argparse.Namespace | None, model: Any, seq_len: int) -> None:

@@ -87,7 +87,7 @@ def host_lines(r: CostReport) -> list[str]:
 def runtime_status(model: LayerGraph, plan: Plan, work: Workload) -> dict[str, object]:
     """Whether meshplan's runtime runs ``plan`` as planned (spec.support), for the JSON output."""
     from meshplan.spec.support import export_targets, microbatches, runtime_violations
-    spec = model.model
+    spec = model
     micro = microbatches(plan, work.global_batch)
     bad = runtime_violations(plan, micro, spec)
     targets = export_targets(plan, micro, spec)

@@ -85,20 +85,12 @@ with ``inner.`` (train.clean_fqn removes it)."""
 
 # ---- what runs ---------------------------------------------------------------------------------
 def plan_refusal(plan: Plan) -> str | None:
-    """Why the runtime cannot run ``plan`` on any ingested model (None: it may, model permitting)."""
-    if plan.cp > 1:
-        return f"plan: cp={plan.cp} is not run on ingested models (no known attention sequence axis); use cp=1"
-    if plan.ep > 1:
-        return f"plan: ep={plan.ep} is not run on ingested models (their experts are not split); use ep=1"
-    if plan.sequence_parallel:
-        return ("plan: sequence_parallel=1 is not run on ingested models (this runtime does not know which of their "
-                "norms and residuals to shard on the sequence); use sequence_parallel=0")
-    if plan.recompute in ("selective", "op"):
-        return (f"plan: recompute={plan.recompute} is not run on ingested models (a layer graph records whole "
-                "units); use recompute=full or none")
-    if plan.precision == "fp8":
-        return ("plan: precision=fp8 is not run on ingested models (which matmuls are linear layers is unknown); "
-                "use bf16")
+    """Why the runtime cannot run ``plan`` on any ingested model (None: it may, model permitting):
+    the traced-model rules of spec.support (the table the search applies too), then the schedules."""
+    from meshplan.spec.support import traced_refusal
+    why = traced_refusal(plan)
+    if why:
+        return "plan: " + why
     if plan.schedule in ("zero-bubble", "zbv") and plan.pp > 1 and plan.dp > 1:
         return (f"plan: schedule={plan.schedule} with dp>1 gives wrong gradients on torch 2.13 (zero-bubble + "
                 "FSDP/DDP); use interleaved-1f1b or dp=1")

@@ -48,8 +48,7 @@ def check_supported(model: ModelSpec, plan: Plan, world_size: int, seq_len: int 
                     micro: int | None = None) -> None:
     """Raise a one-line MeshplanError for a plan this runtime cannot execute: the process count,
     the planner's constraints on the model (spec.constraints, one table with the search's: heads,
-    widths, experts, stages ...; the global batch is taken as ``micro`` micro-batches per
-    replica) and, with ``micro``, the "refused" rules of spec.support (shared with the search)."""
+    widths, experts, stages ...) and, with ``micro``, the "refused" rules of spec.support (shared with the search)."""
     if plan.num_gpus != world_size:
         raise MeshplanError(
             f"plan needs {plan.num_gpus} processes (tp={plan.tp} x pp={plan.pp} x dp={plan.dp} x "
@@ -58,7 +57,8 @@ def check_supported(model: ModelSpec, plan: Plan, world_size: int, seq_len: int 
     from meshplan.runtime.preflight import NOT_PLAN_CHECKS, _refuse, cpu_cluster
     from meshplan.spec.constraints import violations
     from meshplan.spec.plan import Workload
-    work = Workload(global_batch=plan.dp * plan.micro_batch * (micro or 1), seq_len=seq_len or model.seq_len)
+    # the batch: ``micro`` micro-batches per replica (unknown: pp of them, which every schedule takes)
+    work = Workload(global_batch=plan.dp * plan.micro_batch * (micro or plan.pp), seq_len=seq_len or model.seq_len)
     _refuse(violations(model, cpu_cluster(plan.num_gpus, memory_gib=1.0), plan, work, skip=NOT_PLAN_CHECKS))
     refused = [why for rule, why in runtime_violations(plan, micro, model) if rule.kind == "refused"] \
         if micro is not None else []

@@ -30,7 +30,7 @@ from meshplan.spec.constraints import CHECKS, Context
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Workload, microbatches
-from meshplan.spec.support import RULES, sequence_parallel_runs
+from meshplan.spec.support import RULES, runtime_runs, sequence_parallel_runs
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,27 @@ def kv_replicated(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) 
     for _, kv in _caps(m, w).heads:
         bad |= (tp > 1) & (kv % tp != 0) & (tp % kv == 0)
     return bad
+
+
+def _is_traced(m: LayerGraph | ModelSpec, w: Workload) -> bool:
+    return not runtime_runs(as_graph(m, w.seq_len))["cp"]
+
+
+def traced_cp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return (_i64(cols, "cp") > 1) & _is_traced(m, w)
+
+
+def traced_ep(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return (_i64(cols, "ep") > 1) & _is_traced(m, w)
+
+
+def traced_recompute(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    r = cols["recompute"]
+    return ((r == _code("recompute", "selective")) | (r == _code("recompute", "op"))) & _is_traced(m, w)
+
+
+def traced_fp8(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    return (cols["precision"] == _code("precision", "fp8")) & _is_traced(m, w)
 
 
 def traced_sp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:

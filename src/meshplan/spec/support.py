@@ -72,10 +72,57 @@ def _kv_replicated(p: Plan, micro: int, m: Model = None) -> str | None:
     return None
 
 
+def _traced(m: Model) -> bool:
+    """A model traced from a module (hf:, module:, a graph file): the runtime trains the module
+    itself (runtime/generic.py), not a transformer it builds from a description."""
+    g = _graph(m)
+    return g is not None and g.model is None
+
+
 def _traced_sp(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.sequence_parallel and p.tp > 1 and not sequence_parallel_runs(m):
         return ("sequence_parallel=1 on a traced model: the runtime applies sequence parallelism to the transformers "
                 "it builds (presets, model files) only; use sequence_parallel=0")
+    return None
+
+
+def _traced_cp(p: Plan, micro: int, m: Model = None) -> str | None:
+    if p.cp > 1 and _traced(m):
+        return (f"cp={p.cp} on a traced model: the runtime runs context parallelism on the transformers it builds "
+                "(presets, model files) only; use cp=1")
+    return None
+
+
+def _traced_ep(p: Plan, micro: int, m: Model = None) -> str | None:
+    if p.ep > 1 and _traced(m):
+        return f"ep={p.ep} on a traced model: the runtime does not split a traced model's experts; use ep=1"
+    return None
+
+
+def _traced_recompute(p: Plan, micro: int, m: Model = None) -> str | None:
+    if p.recompute in ("selective", "op") and _traced(m):
+        return (f"recompute={p.recompute} on a traced model: the runtime recomputes a traced model's blocks whole "
+                "(it does not know which ops are the attention core); use recompute=full or none")
+    return None
+
+
+def _traced_fp8(p: Plan, micro: int, m: Model = None) -> str | None:
+    if p.precision == "fp8" and _traced(m):
+        return "precision=fp8 on a traced model: the runtime's fp8 linears are the built transformers'; use bf16"
+    return None
+
+
+TRACED = ("sequence parallel on a traced model", "context parallel on a traced model",
+          "expert parallel on a traced model", "selective recompute on a traced model", "fp8 on a traced model")
+"""The rules that hold for traced models only: what runtime/generic.py does not run."""
+
+
+def traced_refusal(plan: Plan) -> str | None:
+    """The first TRACED rule ``plan`` breaks on any traced model (runtime/generic.py's refusal)."""
+    for name in TRACED:
+        why = RULES[name].why(plan, 1, _TRACED_PROBE)
+        if why:
+            return why
     return None
 
 
@@ -153,8 +200,32 @@ RULES: dict[str, Rule] = {r.name: r for r in (
          _offload_optimizer_only),
     Rule("kv heads replicated under tensor parallel", "refused", ("megatron",), _kv_replicated),
     Rule("sequence parallel on a traced model", "refused", (), _traced_sp),
+    Rule("context parallel on a traced model", "refused", (), _traced_cp),
+    Rule("expert parallel on a traced model", "refused", (), _traced_ep),
+    Rule("selective recompute on a traced model", "refused", (), _traced_recompute),
+    Rule("fp8 on a traced model", "refused", (), _traced_fp8),
 )}
 """Every rule, in counting order (the search counts a rejected plan under its first)."""
+
+
+def _probe() -> LayerGraph:
+    from meshplan.spec.graph import LayerOps, LayerSpec
+    return LayerGraph(name="traced", source="module:any", sample_tokens=1, layers=(
+        LayerSpec(name="l", block="b", params=1, fwd_flops=0, bwd_flops=0, saved_bytes=0, output_bytes=0),),
+        ops={"b": LayerOps(params=1.0)})
+
+
+_TRACED_PROBE = _probe()
+"""A traced graph with no layer of note: traced_refusal's model (the TRACED rules read only that
+the model is traced, and sequence_parallel_runs)."""
+
+
+def runtime_runs(m: Model) -> dict[str, object]:
+    """What the runtime runs on this model, for the search to enumerate: sequence parallelism,
+    context and expert parallelism, the recompute modes."""
+    traced = _traced(m)
+    return {"sequence_parallel": not traced, "cp": not traced, "ep": not traced,
+            "recompute": ("none", "full") if traced else ("none", "selective", "op", "full")}
 
 
 def microbatches(plan: Plan, global_batch: int) -> int:
