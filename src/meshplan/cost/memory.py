@@ -53,7 +53,9 @@ def model_state_arrays(params: Num, layer_params: Num, zero: Num, shard: Num, of
     before ZeRO sharding over ``shard`` ranks; ``layer_params`` for FSDP's gathered copies."""
     z3 = zero == 3
     w = np.where(z3, np.where(offload_params, 0, 4 * params / shard), 2 * params)
-    g = np.where(z3, 4 * params / shard, np.where(zero >= 1, 4, 2) * params / np.where(zero >= 2, shard, 1))
+    # FSDP2's CPUOffloadPolicy keeps the sharded gradients on the host too (the host part, cost.batch)
+    g = np.where(z3, np.where(offload_params, 0, 4 * params / shard),
+                 np.where(zero >= 1, 4, 2) * params / np.where(zero >= 2, shard, 1))
     o = np.where(offload_optimizer, 0, np.where(z3, 8 * params / shard, 12 * params / np.where(zero >= 1, shard, 1)))
     gathered = (1 + p.fsdp_prefetch_layers) * layer_params * 2.0 + layer_params * 4.0
     buckets = np.where(dp_cp > 1, 2 * p.dp_bucket_mib * 2**20, 0.0)

@@ -137,10 +137,32 @@ def task(src: Source, module: nn.Module, pymod: Any) -> str:
 def sample_tokens(src: Source, module: nn.Module, pymod: Any, seq_len: int | None) -> int:
     n = constant(module, pymod, "SAMPLE_TOKENS")
     if n is None:
+        if seq_len is not None and not _inputs_follow_seq_len(module, pymod, seq_len):
+            raise MeshplanError(f"--seq-len {seq_len}: {src.text}'s example inputs do not depend on the sequence "
+                                "length (its samples have a fixed size, e.g. images)",
+                                hint="drop --seq-len (or declare SAMPLE_TOKENS and take seq_len in example_inputs)")
         return seq_len or 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise MeshplanError(f"{src.text}: SAMPLE_TOKENS={n!r} must be a positive integer", hint="fix SAMPLE_TOKENS")
+    if seq_len is not None and seq_len != n and not _inputs_follow_seq_len(module, pymod, seq_len):
+        raise MeshplanError(f"--seq-len {seq_len}: {src.text}'s samples are {n} tokens each (its SAMPLE_TOKENS)",
+                            hint="drop --seq-len, or build the model for other samples")
     return n
+
+
+def _inputs_follow_seq_len(module: nn.Module, pymod: Any, seq_len: int) -> bool:
+    """Whether example_inputs(1, s) changes shape with s (on the meta device, no memory)."""
+    from torch.utils._pytree import tree_flatten
+    fn = hook(module, pymod, "example_inputs")
+    if fn is None:
+        return True
+    try:
+        with torch.device("meta"):
+            shapes = [tuple(tuple(t.shape) for t in tree_flatten(fn(1, s))[0] if isinstance(t, torch.Tensor))
+                      for s in (seq_len, seq_len + 1)]
+    except Exception:  # noqa: BLE001 - the real call reports what is wrong with example_inputs
+        return True
+    return shapes[0] != shapes[1]
 
 
 def _first(e: BaseException) -> str:

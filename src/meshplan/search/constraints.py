@@ -119,7 +119,8 @@ def layers_split(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -
     bad_explicit = (total != L) | ((v > 1) & (g % v != 0))
     chunks = _i64(cols, "pp") * v
     bad_even = (chunks > L) | (L % chunks != 0)
-    return np.where(explicit, bad_explicit, bad_even)
+    refused = (_i64(cols, "pp") > 1) & (_caps(m, w).pipeline is not None)  # pipeline_allowed says why
+    return np.where(explicit, bad_explicit, bad_even) & ~refused
 
 
 def batch_divides(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
@@ -137,7 +138,7 @@ def schedule_fits(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) 
 
 def cp_divides_seq(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     cp = _i64(cols, "cp")
-    return (cp > 1) & (w.seq_len % (2 * cp) != 0)
+    return (cp > 1) & (w.seq_len % (2 * cp) != 0) & _caps(m, w).attention
 
 
 def sp_needs_tp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:

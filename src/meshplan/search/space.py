@@ -387,7 +387,8 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
                 "recompute": _codes("recompute", sc["recompute"])[ic], "recompute_layers": sc["rcl"][ic],
                 "sequence_parallel": np.full(n, sp_on and tp > 1),
                 "async_tp": np.full(n, bool(space.base.async_tp) and tp > 1),
-                "p2p_sharded": np.full(n, bool(space.base.p2p_sharded) or tp == 1 or pp == 1),
+                # pipeline sends carry the SP shard exactly when sequence parallel is on (the runtime)
+                "p2p_sharded": np.full(n, bool(space.base.p2p_sharded) and (sp_on or tp == 1) or tp == 1 or pp == 1),
                 "_group": next_group + ia * nc + ic, "_mb_rank": ib}
         next_group += na * nc
         parts.append(part)

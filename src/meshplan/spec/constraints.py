@@ -87,6 +87,8 @@ def tp_within_node(c: Context) -> str | None:
 
 def layers_split(c: Context) -> str | None:
     p, L = c.plan, c.caps.blocks
+    if p.pp > 1 and c.caps.pipeline:  # pipeline_allowed says why there are no stages
+        return None
     if p.stage_layers is not None:
         if sum(p.stage_layers) != L:
             return f"stage_layers sum to {sum(p.stage_layers)} but the model has {L} layers"
@@ -132,7 +134,7 @@ def schedule_fits(c: Context) -> str | None:
 
 def cp_divides_seq(c: Context) -> str | None:
     cp, s = c.plan.cp, c.work.seq_len
-    if cp > 1 and s % (2 * cp):
+    if cp > 1 and s % (2 * cp) and c.caps.attention:  # (no attention: cp_has_attention says it)
         return f"seq_len {s} is not divisible by 2*cp = {2 * cp} (load-balanced ring attention)"
     return None
 

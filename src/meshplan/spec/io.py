@@ -159,10 +159,25 @@ def load_model(arg: str, *, seq_len: int | None = None) -> ModelSpec:
     if arg.endswith((".toml", ".json")):
         data = read_data_file(arg)
         _not_a_plan_file(arg, data, "--model")
+        _not_a_model_file(arg, data)
         m = model_from_dict(data, where=arg)
     else:
         m = model_from_dict(load_preset_data("models", arg), where=f"model {arg}")
     return m.replace(seq_len=seq_len) if seq_len else m
+
+
+def _not_a_model_file(arg: str, data: dict[str, Any]) -> None:
+    """--model given a Hugging Face config or a layer graph where a ModelSpec file is read: say
+    what it is and how to give it (it would fail as 'unknown field architectures/source')."""
+    if "architectures" in data or "model_type" in data:
+        raise MeshplanError(f"--model {arg}: this is a Hugging Face config, not a ModelSpec file",
+                            hint=f"give it as --model hf:{arg}")
+    if isinstance(data.get("layers"), list):
+        src = data.get("source")
+        raise MeshplanError(f"--model {arg}: this is a layer graph (from `meshplan ingest --out`): it plans, but "
+                            "training needs the model itself",
+                            hint=f"train with --model {src}" if isinstance(src, str) and src else
+                            "train with --model hf:CONFIG or module:pkg.mod:factory")
 
 
 def is_plan_document(data: dict[str, Any]) -> bool:
