@@ -710,6 +710,15 @@ def preflight(job: Any) -> tuple[Any, Any]:
         raise MeshplanError(f"plan: shard_group={plan.shard_group} does not divide dp={plan.dp}")
     built = build(job.model, device="meta", seq_len=job.seq_len)
     units, blocks = unit_paths(built.module)
+    graph = trace(built)
+    if graph is not None:  # the planner's tables on the traced graph first: their reasons are the search's
+        pre.check_graph_plan(graph, plan, job.global_batch)
+        from meshplan.spec.support import microbatches as micro_of
+        from meshplan.spec.support import runtime_violations
+        refused = [why for rule, why in runtime_violations(plan, micro_of(plan, job.global_batch), graph)
+                   if rule.kind == "refused"]
+        if refused:
+            raise MeshplanError("plan: " + "; ".join(refused))
     if plan.pp > 1:
         why = pp_refusal(built, units)
         if why:
@@ -722,7 +731,6 @@ def preflight(job: Any) -> tuple[Any, Any]:
         if bad is not None:
             raise MeshplanError(f"plan: tp={plan.tp} does not divide the model's attention heads / widths "
                                 f"(tp_max={bad.tp_max})", hint="use a tp that divides it")
-    graph = trace(built)
     if graph is not None:
         why = stage_problem([x.kind for x in graph.layers], plan, built.name)
         if why:
