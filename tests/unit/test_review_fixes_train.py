@@ -117,7 +117,7 @@ def test_ingested_plans_the_planner_refuses_are_refused_before_launch(capsys: py
     line = error_line(capsys, ["train", "--model", f"hf:{HF / 'llama-tiny.json'}", "--plan",
                                "pp=4,virtual_stages=2,schedule=interleaved-1f1b,precision=fp32",
                                "--global-batch", "8", "--seq-len", "16", "--steps", "1"])
-    assert "pp*virtual_stages = 8 exceeds the 4 blocks of llama-tiny" in line  # stages count blocks (issue 12)
+    assert "pp*virtual_stages = 8 exceeds the 4 layers" in line  # stages count blocks (issue 12), the planner's words
     line = error_line(capsys, ["train", "--model", f"hf:{HF / 'llama-tiny.json'}", "--plan", "pp=2,dp=2,zero=2",
                                "--global-batch", "8", "--seq-len", "16", "--steps", "1"])
     assert "zero=2 with pp > 1" in line
