@@ -163,9 +163,10 @@ def test_refusals(sources: dict[str, str], tmp_path: Path, capsys: pytest.Captur
     monkeypatch.syspath_prepend(str(MODULES))
     tied = tmp_path / "bert-tied.json"
     tied.write_text(json.dumps({**BERT, "tie_word_embeddings": True}))
-    for model, plan, needle in ((RESNET, "tp=2", "no block of make_resnet50_tiny"),
+    # (the planner's reasons, from the one table: spec.constraints on the traced graph)
+    for model, plan, needle in ((RESNET, "tp=2", "no layer of the model has linear layers tensor parallelism"),
                                 (f"hf:{tied}", "pp=2", "ties weights across units"),
-                                (RESNET, "pp=2,stage_layers=9:9", "has 16 blocks")):
+                                (RESNET, "pp=2,stage_layers=9:9", "stage_layers sum to 18 but the model has 16")):
         seq = ["--seq-len", "16"] if model.startswith("hf:") else []
         rc = main(["train", "--model", model, "--plan", plan + ",precision=fp32", "--global-batch", "4",
                    "--steps", "1", *seq])

@@ -319,13 +319,16 @@ def test_pipeline_refuses_a_forward_that_is_not_a_sequence(monkeypatch: pytest.M
 @pytest.mark.parametrize("argv,message", [
     (["--model", SOURCES["t5"], "--plan", "pp=2,precision=fp32"], "encoder-decoder"),
     (["--model", f"hf:{HF / 'gpt2-tiny.json'}", "--plan", "pp=2,precision=fp32"], "ties weights across units"),
-    (["--model", f"hf:{HF / 'gpt2-tiny.json'}", "--plan", "tp=2,precision=fp32"], "c_attn.weight is fused"),
+    (["--model", f"hf:{HF / 'gpt2-tiny.json'}", "--plan", "tp=2,precision=fp32"],  # its c_attn is fused
+     "no layer of the model has linear layers tensor parallelism can split"),
     (["--model", SOURCES["llama"], "--plan", "tp=2,sequence_parallel=1,precision=fp32"],
-     "sequence_parallel=1 is not run on ingested models"),
-    (["--model", SOURCES["cnn"], "--plan", "tp=2,precision=fp32"], "no block of make_cnn"),
-    (["--model", SOURCES["llama"], "--plan", "cp=2,precision=fp32"], "cp=2 is not run on ingested models"),
+     "sequence parallelism to the transformers it builds"),
+    (["--model", SOURCES["cnn"], "--plan", "tp=2,precision=fp32"],
+     "no layer of the model has linear layers tensor parallelism can split"),
+    (["--model", SOURCES["llama"], "--plan", "cp=2,precision=fp32"], "cp=2 on a traced model"),
     (["--model", SOURCES["llama"], "--plan", "dp=2,precision=fp32", "--data", "corpus"], "synthetic batches"),
-    (["--model", SOURCES["llama"], "--plan", "pp=2,stage_layers=1:2,precision=fp32"], "has 4 blocks"),
+    (["--model", SOURCES["llama"], "--plan", "pp=2,stage_layers=1:2,precision=fp32"],
+     "stage_layers sum to 3 but the model has 4"),
     (["--model", SOURCES["llama"], "--plan", "dp=2,micro_batch=3,precision=fp32"], "not divisible"),
 ])
 def test_refusals(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],

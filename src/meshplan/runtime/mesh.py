@@ -47,19 +47,22 @@ def expert_split(plan: Plan) -> tuple[int, int]:
 def check_supported(model: ModelSpec, plan: Plan, world_size: int, seq_len: int | None = None,
                     micro: int | None = None) -> None:
     """Raise a one-line MeshplanError for a plan this runtime cannot execute: the process count,
-    the planner's constraints on the model (spec.constraints, one table with the search's: heads,
-    widths, experts, stages ...) and, with ``micro``, the "refused" rules of spec.support (shared with the search)."""
+    the planner's rules on the model (spec.capabilities.MODEL_CHECKS of spec.constraints, one table
+    with the search's: heads, widths, experts, what the layers allow) and, with ``micro``, the
+    "refused" rules of spec.support (shared with the search)."""
     if plan.num_gpus != world_size:
         raise MeshplanError(
             f"plan needs {plan.num_gpus} processes (tp={plan.tp} x pp={plan.pp} x dp={plan.dp} x "
             f"cp={plan.cp}) but {world_size} were started",
             hint=f"use --nproc-per-node {plan.num_gpus} (x --nnodes) or change the plan")
-    from meshplan.runtime.preflight import NOT_PLAN_CHECKS, _refuse, cpu_cluster
-    from meshplan.spec.constraints import violations
+    from meshplan.runtime.preflight import _refuse, cpu_cluster
+    from meshplan.spec.capabilities import MODEL_CHECKS
+    from meshplan.spec.constraints import CHECKS, violations
     from meshplan.spec.plan import Workload
-    # the batch: ``micro`` micro-batches per replica (unknown: pp of them, which every schedule takes)
+    # the model's rules of the planner's table (the launcher's preflight.check_plan runs the rest)
     work = Workload(global_batch=plan.dp * plan.micro_batch * (micro or plan.pp), seq_len=seq_len or model.seq_len)
-    _refuse(violations(model, cpu_cluster(plan.num_gpus, memory_gib=1.0), plan, work, skip=NOT_PLAN_CHECKS))
+    skip = tuple(name for name in CHECKS if name not in MODEL_CHECKS)
+    _refuse(violations(model, cpu_cluster(plan.num_gpus, memory_gib=1.0), plan, work, skip=skip))
     refused = [why for rule, why in runtime_violations(plan, micro, model) if rule.kind == "refused"] \
         if micro is not None else []
     if refused:  # the runtime's rules, shared with the search (spec.support)

@@ -30,6 +30,12 @@ from dataclasses import dataclass
 
 from meshplan.spec.graph import LayerGraph, derived, layer_ops
 
+MODEL_CHECKS = ("tp does not divide heads", "tp does not divide layer widths", "no layer for tensor parallel",
+                "model cannot be pipelined", "no replicated activations for sequence parallel",
+                "no attention for context parallel", "invalid expert parallel")
+"""The spec.constraints rules of this table that depend on the model (the others, stages and
+recompute_layers against the blocks included, read the plan and the batch as well)."""
+
 PIPELINE_NOTE = "no pipeline:"
 """A LayerGraph note starting with this says why the model's forward cannot be cut into
 pipeline stages (e.g. an encoder-decoder whose decoder reads the encoder output everywhere)."""
