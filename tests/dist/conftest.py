@@ -27,12 +27,14 @@ def run_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun_worker(tmp: Path, nproc: int, cases: list[dict]) -> dict[str, list[dict]]:
-    """Run worker.py on ``nproc`` processes; returns {case name: [result of each rank]}."""
+def torchrun_worker(tmp: Path, nproc: int, cases: list[dict], worker: Path | None = None,
+                    env: dict[str, str] | None = None) -> dict[str, list[dict]]:
+    """Run ``worker`` (default worker.py) on ``nproc`` processes; returns {case name: [result of
+    each rank]} and, under "__log__", the launch's return code and the end of its stderr."""
     (tmp / "cases.json").write_text(json.dumps(cases))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKER), str(tmp), str(tmp / "cases.json")]
-    proc = subprocess.run(cmd, env=run_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+           str(worker or WORKER), str(tmp), str(tmp / "cases.json")]
+    proc = subprocess.run(cmd, env=env or run_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     out: dict[str, list[dict]] = {c["name"]: [] for c in cases}
     for f in sorted(tmp.glob("*.rank*.json")):
         res = json.loads(f.read_text())

@@ -20,7 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from worker_main import main
+from worker_main import main, resume_from, run_steps, save_first_part
 
 from meshplan.runtime.mesh import build_mesh
 from meshplan.runtime.train import RunConfig, Trainer, reference_run
@@ -42,29 +42,14 @@ def train(cfg: RunConfig, device: torch.device, resume: dict | None) -> tuple[Tr
     norms: list[float] = []
     where: list[str | None] = [None]
     if resume is not None:
-        import tempfile
-
-        from meshplan.runtime import checkpoint
         first = dataclasses.replace(cfg, plan=parse_plan(resume["plan"]))
         t = Trainer(first, build_mesh(first.plan, device.type), device)
-        for _ in range(resume["steps"]):
-            losses.append(t.train_step())
-            norms.append(float(t.grad_norm))  # type: ignore[arg-type]
-        where = [tempfile.mkdtemp(prefix="meshplan-resume-") if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(where)
-        checkpoint.save(t, where[0])  # type: ignore[arg-type]
+        where = [save_first_part(t, resume["steps"], losses, norms)]
         del t
     trainer = Trainer(cfg, build_mesh(cfg.plan, device.type), device)
     if resume is not None:
-        from meshplan.runtime import checkpoint
-        assert checkpoint.load(trainer, where[0]) == len(losses)  # type: ignore[arg-type]
-        dist.barrier()
-        if dist.get_rank() == 0:
-            import shutil
-            shutil.rmtree(where[0], ignore_errors=True)  # type: ignore[arg-type]
-    while len(losses) < cfg.steps:
-        losses.append(trainer.train_step())
-        norms.append(float(trainer.grad_norm))  # type: ignore[arg-type]
+        resume_from(trainer, where[0], len(losses))  # type: ignore[arg-type]
+    run_steps(trainer, cfg.steps, losses, norms)
     return trainer, losses, norms
 
 

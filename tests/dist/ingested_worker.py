@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from worker_main import main
+from worker_main import main, run_steps
 
 from meshplan.runtime.mesh import build_mesh
 from meshplan.runtime.train import RunConfig, Trainer, clean_fqn, reference_run
@@ -142,10 +142,9 @@ def vocab_case(case: dict, device: torch.device) -> dict:
     cfg = RunConfig(model=case["source"], plan=plan, global_batch=case["global_batch"], steps=case["steps"],
                     seq_len=case.get("seq_len"))
     trainer = Trainer(cfg, build_mesh(plan, device.type), device)
-    losses, norms = [], []
-    for _ in range(cfg.steps):
-        losses.append(trainer.train_step())
-        norms.append(float(trainer.grad_norm))
+    losses: list[float] = []
+    norms: list[float] = []
+    run_steps(trainer, cfg.steps, losses, norms)
     weights = trainer.full_weights()
     module = trainer.model.built.module  # type: ignore[attr-defined]
     head, table = module.get_output_embeddings(), module.get_input_embeddings()
@@ -174,10 +173,9 @@ def run_case(case: dict, device: torch.device) -> dict:
     ref_losses, ref_norms, ref_w = singles[0]
     t0 = time.perf_counter()
     trainer = Trainer(cfg, build_mesh(plan, device.type), device)
-    losses, norms = [], []
-    for _ in range(cfg.steps):
-        losses.append(trainer.train_step())
-        norms.append(float(trainer.grad_norm))
+    losses: list[float] = []
+    norms: list[float] = []
+    run_steps(trainer, cfg.steps, losses, norms)
     weights = trainer.full_weights()
     dense = [k for k in weights if k in ref_w and not k.endswith(NOISE_ONLY)]
     per = {k: rel(weights[k], ref_w[k]) for k in dense}

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH_TIMEOUT_S, ROOT, meshplan_train, run_env
+from conftest import LAUNCH_TIMEOUT_S, ROOT, meshplan_train, run_env, torchrun_worker
 
 pytest.importorskip("torch")
 
@@ -81,16 +81,7 @@ def results(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, str]) -
     tmp = tmp_path_factory.mktemp("examples")
     cases = [case(f"{m}_{p}", sources.get(src, src), PLANS[p]) for m, (src, plans) in MODELS.items() for p in plans]
     cases.append(case(RESUME[0], RESUME[1], RESUME[2], RESUME[3]))
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
-           str(tmp), str(tmp / "cases.json")]
-    proc = subprocess.run(cmd, env=modules_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    out: dict[str, list[dict]] = {c["name"]: [] for c in cases}
-    for f in sorted(tmp.glob("*.rank*.json")):
-        res = json.loads(f.read_text())
-        out.setdefault(res["name"], []).append(res)
-    out["__log__"] = [{"rc": proc.returncode, "stderr": proc.stderr[-4000:]}]
-    return out
+    return torchrun_worker(tmp, 2, cases, WORKER, modules_env())
 
 
 def close(got: list[float], ref: list[float], tol: float) -> bool:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH_TIMEOUT_S, ROOT, meshplan_train, run_env
+from conftest import LAUNCH_TIMEOUT_S, ROOT, meshplan_train, run_env, torchrun_worker
 from test_parity import EPS32, FACTOR, SANE, check_errors
 
 pytest.importorskip("torch")
@@ -117,15 +117,8 @@ def case(name: str, fam: str, plan: str) -> dict:
 def results(tmp_path_factory: pytest.TempPathFactory, searched: dict[str, str]) -> dict[str, list[dict]]:
     tmp = tmp_path_factory.mktemp("ingested")
     cases = [case(f"{f}_searched", f, p) for f, p in searched.items()] + [case(n, f, p) for n, f, p in FORCED]
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
-           str(tmp), str(tmp / "cases.json")]
-    proc = subprocess.run(cmd, env=modules_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    out: dict[str, list[dict]] = {c["name"]: [] for c in cases}
-    for f in sorted(tmp.glob("*.rank*.json")):
-        res = json.loads(f.read_text())
-        out.setdefault(res["name"], []).append(res)
-    out["__log__"] = [{"rc": proc.returncode, "stderr": proc.stderr[-4000:], "plans": searched}]
+    out = torchrun_worker(tmp, 2, cases, WORKER, modules_env())
+    out["__log__"][0]["plans"] = searched
     return out
 
 
@@ -155,16 +148,7 @@ def vocab_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[di
                                 attention_probs_dropout_prob=0.0)}
     cases = [{"name": f"vocab_{k}", "kind": "vocab", "source": v, "plan": "tp=2,micro_batch=2,precision=fp32",
               "global_batch": BATCH, "steps": STEPS, "seq_len": 16} for k, v in sources.items()]
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
-           str(tmp), str(tmp / "cases.json")]
-    proc = subprocess.run(cmd, env=modules_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    out: dict[str, list[dict]] = {c["name"]: [] for c in cases}
-    for f in sorted(tmp.glob("*.rank*.json")):
-        res = json.loads(f.read_text())
-        out.setdefault(res["name"], []).append(res)
-    out["__log__"] = [{"rc": proc.returncode, "stderr": proc.stderr[-4000:]}]
-    return out
+    return torchrun_worker(tmp, 2, cases, WORKER, modules_env())
 
 
 @pytest.mark.parametrize("name", ["vocab_llama", "vocab_llama_tied", "vocab_llama_tied_odd", "vocab_bert"])

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from worker_main import main
+from worker_main import main, resume_from, run_steps, save_first_part
 
 from meshplan.runtime.mesh import build_mesh, check_supported
 from meshplan.runtime.parallelize import VOCAB_PARAMS
@@ -213,34 +213,19 @@ def train(cfg: RunConfig, steps: int, device: torch.device, resume: dict | None)
     losses: list[float] = []
     norms: list[float] = []
     if resume is not None:
-        import tempfile
-
-        from meshplan.runtime import checkpoint
         first = dataclasses.replace(cfg, plan=parse_plan(resume["plan"]))
         check_supported(first.model, first.plan, dist.get_world_size(), cfg.seq_len)
         t = Trainer(first, build_mesh(first.plan, device.type), device)
-        for _ in range(resume["steps"]):
-            losses.append(t.train_step())
-            norms.append(float(t.grad_norm))  # type: ignore[arg-type]
-        where = [tempfile.mkdtemp(prefix="meshplan-resume-") if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(where)
-        checkpoint.save(t, where[0])
+        where = [save_first_part(t, resume["steps"], losses, norms)]
         del t
     mesh = build_mesh(cfg.plan, device.type)
     trainer = Trainer(cfg, mesh, device)
     if resume is not None:
-        from meshplan.runtime import checkpoint
-        assert checkpoint.load(trainer, where[0]) == len(losses)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            import shutil
-            shutil.rmtree(where[0], ignore_errors=True)
+        resume_from(trainer, where[0], len(losses))  # type: ignore[arg-type]
     counter = CommCounter(trainer)
     probe = LossProbe(trainer)
     try:
-        while len(losses) < steps:
-            losses.append(trainer.train_step())
-            norms.append(float(trainer.grad_norm))  # type: ignore[arg-type]
+        run_steps(trainer, steps, losses, norms)
     finally:
         counter.close()
         counter.loss = probe.close()  # type: ignore[attr-defined]

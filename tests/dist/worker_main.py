@@ -38,3 +38,33 @@ def main(run_case: Callable[[dict[str, Any], torch.device], dict[str, Any]]) -> 
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def run_steps(trainer: Any, steps: int, losses: list[float], norms: list[float]) -> None:
+    """Train until ``losses`` holds ``steps`` entries, recording each step's loss and gradient norm."""
+    while len(losses) < steps:
+        losses.append(trainer.train_step())
+        norms.append(float(trainer.grad_norm))
+
+
+def save_first_part(trainer: Any, steps: int, losses: list[float], norms: list[float]) -> str:
+    """Run ``steps`` steps of ``trainer`` (the first plan of a resume case), save a checkpoint to a
+    fresh directory every rank agrees on, and return it."""
+    import tempfile
+
+    from meshplan.runtime import checkpoint
+    run_steps(trainer, steps, losses, norms)
+    where = [tempfile.mkdtemp(prefix="meshplan-resume-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    checkpoint.save(trainer, where[0])
+    return str(where[0])
+
+
+def resume_from(trainer: Any, where: str, steps_done: int) -> None:
+    """Load the checkpoint ``save_first_part`` wrote into ``trainer`` (the second plan) and remove it."""
+    from meshplan.runtime import checkpoint
+    assert checkpoint.load(trainer, where) == steps_done
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+        shutil.rmtree(where, ignore_errors=True)

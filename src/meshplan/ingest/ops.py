@@ -44,6 +44,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from meshplan.ingest import flops as _flops
+from meshplan.ingest.trace import storage_bytes as _storage_bytes
+from meshplan.ingest.trace import storage_key
 from meshplan.spec.graph import Attention, Gemm, LayerOps
 
 aten = torch.ops.aten
@@ -62,20 +64,6 @@ EAGER_EXTRAS = ("saved_rep_eager", "saved_whole_eager")
 (which hold the fused counts, as spec/transformer.py does), bytes per token at 2-byte activations."""
 """Column matrices holding several projections side by side, by how many (the width TP must
 divide is one projection's)."""
-
-
-def storage_key(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return None
-
-
-def _storage_bytes(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return t.numel() * t.element_size()
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:  # the ViT's MLP (fc1 -> GELU -> fc2: a column/row pair tensor parallelism splits)
+    from .vit import Mlp
+except ImportError:  # loaded as a top-level module (the folder on sys.path, as the tests do)
+    from vit import Mlp
+
 TASK = "classification"
 SEED = 1234
 
@@ -47,16 +52,6 @@ def graph(nodes: int, degree: int = 4, seed: int = SEED) -> torch.Tensor:
     deg = [len(s) for s in nbrs]
     rows = [[(1.0 / (deg[i] * deg[j]) ** 0.5 if j in nbrs[i] else 0.0) for j in range(nodes)] for i in range(nodes)]
     return torch.tensor(rows, dtype=torch.float32, device="cpu")
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
 
 
 class GraphBlock(nn.Module):
