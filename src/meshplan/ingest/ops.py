@@ -44,8 +44,6 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from meshplan.ingest import flops as _flops
-from meshplan.ingest.trace import storage_bytes as _storage_bytes
-from meshplan.ingest.trace import storage_key
 from meshplan.spec.graph import Attention, Gemm, LayerOps
 
 aten = torch.ops.aten
@@ -162,6 +160,22 @@ class LayerRecord:
     out_elems: float = 0.0
 
 
+def storage_key(t: torch.Tensor) -> int | None:
+    """The identity of a tensor's storage (views share it); None where it has none."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's whole storage (a view holds all of it alive)."""
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return t.numel() * t.element_size()
+
+
 class OpRecorder:
     """Per-op records of the forward pass (see the module docstring); driven by trace.Tracer."""
 
@@ -211,7 +225,7 @@ class OpRecorder:
             r.out, r.out_elems = self.nbytes(first), float(first.numel())
 
     def saved(self, layer: int, t: torch.Tensor, key: int) -> None:
-        self.record(layer).saved.append(_Saved(key, _storage_bytes(t) * self.scale(t), key in self.split,
+        self.record(layer).saved.append(_Saved(key, storage_bytes(t) * self.scale(t), key in self.split,
                                                self.score.get(key)))
 
     # -- ops --------------------------------------------------------------------------------------
@@ -326,7 +340,7 @@ class OpRecorder:
         total_w = sum(b for _, b, _ in written)
         reads = []
         for t, k in zip(ins, in_keys):
-            b = min(t.numel() * t.element_size(), _storage_bytes(t)) * self.scale(t)
+            b = min(t.numel() * t.element_size(), storage_bytes(t)) * self.scale(t)
             if k in self.state:
                 b = min(b, total_w)
             reads.append((k, b, self.producer.get(k), k in self.split))

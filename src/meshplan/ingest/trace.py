@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from meshplan.errors import MeshplanError
 from meshplan.ingest import flops as _flops
 from meshplan.ingest.layers import Unit
-from meshplan.ingest.ops import OpRecorder
+from meshplan.ingest.ops import OpRecorder, storage_bytes, storage_key
 
 _ACCUMULATE = 2**63  # AccumulateGrad nodes have sequence number UINT64_MAX
 _META_QUERIES = {
@@ -79,20 +79,6 @@ def _asked_from(files: set[str]) -> bool:
             return True
         f = f.f_back
     return False
-
-
-def storage_key(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return None
-
-
-def storage_bytes(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return t.numel() * t.element_size()
 
 
 @dataclass
