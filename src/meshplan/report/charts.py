@@ -19,7 +19,6 @@ from meshplan.svg import (
     color_bar,
     esc,
     f1,
-    fixed3,
     legend,
     make_scale,
     num,
@@ -28,6 +27,7 @@ from meshplan.svg import (
     title,
     viridis,
 )
+from meshplan.svg import fixed3 as seconds3  # three significant figures, for tooltips
 
 __all__ = ["gantt", "memory_breakdown", "pareto_plot", "rejection_chart", "sim_memory", "stacked_bars",
            "time_breakdown"]
@@ -87,8 +87,8 @@ def pareto_plot(result: SearchResult, y: str, usable_gib: float | None = None) -
     for p in front:
         c = getattr(p, ckey)
         t = (c - clo) / (chi - clo) if chi > clo else 0.5
-        tip = (f"{p.plan.short()}\n{fixed3(p.step_time_s)} s, {p.peak_memory_gib:.1f} GiB, "
-               f"${fixed3(p.usd_per_mtok)}/M tokens" + ("" if single else f", {p.plan.num_gpus} GPUs"))
+        tip = (f"{p.plan.short()}\n{seconds3(p.step_time_s)} s, {p.peak_memory_gib:.1f} GiB, "
+               f"${seconds3(p.usd_per_mtok)}/M tokens" + ("" if single else f", {p.plan.num_gpus} GPUs"))
         body.append(f'<circle data-mark="front" cx="{f1(sx(p.step_time_s))}" cy="{f1(sy(getattr(p, ykey)))}" '
                     f'r="4" fill="{viridis(t)}" stroke="#222" stroke-width="0.5">{title(tip)}</circle>')
     body += _ranked_marks(result, sx, sy, ykey)
@@ -149,8 +149,8 @@ def _ranked_marks(result: SearchResult, sx, sy, ykey: str) -> list[str]:
     taken: list[tuple[float, float]] = []
     for p, x, yy in placed:
         r = p.report
-        tip = (f"#{p.rank} {p.plan.short()}\n{fixed3(r.step_time_s)} s, {r.peak_memory_gib:.1f} GiB, "
-               f"${fixed3(p.usd_per_mtok)}/M")
+        tip = (f"#{p.rank} {p.plan.short()}\n{seconds3(r.step_time_s)} s, {r.peak_memory_gib:.1f} GiB, "
+               f"${seconds3(p.usd_per_mtok)}/M")
         if p.rank == 1:
             star_mark.append(f'<polygon data-mark="winner" points="{star(x, yy)}" fill="#f5c518" stroke="#222" '
                              f'stroke-width="0.8">{title("winner " + tip)}</polygon>')
