@@ -214,6 +214,10 @@ def test_the_runtime_table_keeps_the_search_to_what_the_runtime_runs(h100x64):
     work = Workload(global_batch=64, seq_len=8192)
     res = search(traced, load_cluster("h100-sxm-80gb:16"), work, SearchSpace(tp=(2,), offload=False))
     assert res.plans and all(not p.plan.sequence_parallel for p in res.plans)
+    # priced and rejected under the runtime's rules, never recommended
+    assert all(p.plan.cp == 1 and p.plan.recompute in ("none", "full") for p in res.plans)
+    assert res.rejected["context parallel on a traced model"] > 0
+    assert res.rejected["selective recompute on a traced model"] > 0
 
 
 @pytest.mark.parametrize("factory, tp_ok", [("resnet50:make_resnet50", False), ("vit:make_vit", True),

@@ -54,7 +54,7 @@ from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import RECOMPUTE, SCHEDULES, Plan, Workload
-from meshplan.spec.support import runtime_runs, sequence_parallel_runs
+from meshplan.spec.support import sequence_parallel_runs
 
 MAX_DEGREE = 2**31 - 1
 """Largest value of a parallel degree or micro-batch (plan columns are int32)."""
@@ -352,7 +352,6 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     space = space or SearchSpace()
     graph = as_graph(model, work.seq_len)
     caps = capabilities(graph)
-    space = runtime_space(graph, space)
     splitter = (_StageSplitter(graph, cluster, work, space.base, params)
                 if space.uneven_stages is not False else None)
     base = {f: getattr(space.base, f) for f in FIELDS if f not in SEARCHED and f not in PER_TP}
@@ -393,22 +392,6 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
         next_group += na * nc
         parts.append(part)
     return _assemble(parts, base, splitter.table if splitter else [])
-
-
-def runtime_space(graph: LayerGraph, space: SearchSpace) -> SearchSpace:
-    """``space`` without what meshplan's runtime does not run on this model (spec.support.runtime_runs:
-    a traced model's cp, ep and selective/op recompute), unless the request fixed it (then the
-    plans are enumerated and rejected under the runtime's rule, with its reason)."""
-    runs = runtime_runs(graph)
-    changes: dict[str, object] = {}
-    if not runs["cp"] and space.cp is None:
-        changes["cp"] = (1,)
-    if not runs["ep"] and space.ep is None:
-        changes["ep"] = (1,)
-    kept = tuple(r for r in space.recompute if r in runs["recompute"])  # type: ignore[operator]
-    if kept and kept != tuple(space.recompute):
-        changes["recompute"] = kept
-    return space.replace(**changes) if changes else space
 
 
 def most_gpus(model: ModelSpec, cluster: ClusterSpec, work: Workload,
