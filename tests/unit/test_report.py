@@ -90,6 +90,7 @@ def test_feasible_page_has_every_section_and_figure(feasible):
     p = parse(html)
     assert p.bad == [] and p.stack == []
     assert set(p.plots) == PLOTS
+    assert "layers / hidden / heads" in html and "layer graph of" not in html  # a preset's own shape
     for name, a in p.plots.items():
         assert int(a["data-marks"]) > 0, name
     for anchor in ("verdict", "problem", "top-plans", "pareto", "breakdown", "timeline", "explanation"):

@@ -109,7 +109,10 @@ def _facts(items: list[tuple[str, str]]) -> str:
 # ---- sections ------------------------------------------------------------------------------
 
 def _model_facts(m: Any) -> list[tuple[str, str]]:
-    """The model's shape: a transformer ModelSpec's, or an ingested layer graph's."""
+    """The model's shape: the transformer description a graph was generated from (its
+    ``LayerGraph.model``), or a traced graph's layers."""
+    if isinstance(m, LayerGraph) and m.model is not None:
+        m = m.model
     if isinstance(m, LayerGraph):
         blocks = m.distinct_blocks()
         kinds = [x.kind for x in m.layers]
@@ -145,7 +148,7 @@ def _problem(r: SearchResult, command: str | None) -> str:
                ("links per GPU", f"{c0.intra_node.bandwidth_gbps:g} GB/s in a node, "
                                  f"{c0.inter_node.bandwidth_gbps:g} GB/s between nodes"),
                ("price", f"${c0.price_per_hour:g} per GPU-hour")]
-    unit = "samples" if isinstance(m, LayerGraph) else "sequences"
+    unit = "samples" if isinstance(m, LayerGraph) and m.model is None else "sequences"
     work = [("global batch", f"{w.global_batch:,} {unit} x {w.seq_len:,} tokens = {w.tokens:,} tokens per step"),
             ("objective", "fastest step" if r.objective == "time" else "fewest dollars per token"),
             ("searched", f"{r.considered:,} plans: {r.feasible:,} feasible, {r.evaluated:,} priced by the "
