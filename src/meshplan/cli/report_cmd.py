@@ -2,8 +2,8 @@
 
 Takes the search options of `meshplan plan` (the same argparse actions, taken from
 plan_cmd.add_parser, less --json, --out and --plot) and writes the page to --out. ``--model``
-takes every kind `meshplan plan` does: a preset or ModelSpec file (search.search), or through
-ingestion ``hf:``/``module:`` or a layer graph .json (search.graph.search_graph). Exit status
+takes every kind `meshplan plan` does: a preset or ModelSpec file, ``hf:``/``module:`` through
+ingestion, or a layer graph .json (all one LayerGraph, search.search). Exit status
 0 when the page is written, also when no plan fits (the page then says what would make the
 problem feasible); 2 with a one-line error on bad input or an unwritable --out. Importing
 this module is cheap; the search, the simulator and the page are imported when it runs.
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                             hint="the report searches every plan; drop --plan, or give a plan .json")
     command = _command(args)  # as typed (the plan file, not what it records)
     args = resolved_args(args, required=("model", "cluster", "global_batch"))  # --plan FILE's problem
-    model, clusters, tokens, space, work = problem(args)  # a layer graph gets a GraphSpace (search_graph)
+    model, clusters, tokens, space, work = problem(args)  # the model as a LayerGraph, any kind
     bar = Progress(sys.stderr) if sys.stderr.isatty() else None
     try:
         report = build_report(model, clusters, work, space, objective=args.objective, top=args.top,

@@ -18,9 +18,9 @@ on:
   the host memory of one idle rank (``CPU_PROCESS_GIB``); offload flags are no-ops (host memory
   is the device memory) and fp8 runs as bf16, so the estimate is of the plan without them.
 
-Memory (ingested models). The graph cost model (``meshplan.cost.graph.estimate_graph``) on the
+Memory (ingested models). The cost model (``meshplan.cost.estimate``, the one path) on the
 LayerGraph traced on the meta device at the run's sequence length: the same parts, from the bytes
-the trace saw autograd keep (already at the plan's activation width: no fp32 correction); the same
+the trace saw autograd keep (fp32 activations at 4 bytes, as for every model); the same
 CPU corrections, with ``HF_PROCESS_GIB`` for an idle rank of an hf: source (transformers imported).
 
 On CPU all the ranks of a node share its memory: the need is the sum over this node's processes,
@@ -293,8 +293,8 @@ def memory_estimate(model: ModelSpec, plan: Plan, global_batch: int, seq_len: in
 def graph_memory_estimate(graph: Any, plan: Plan, global_batch: int, device_type: str = "cpu",
                           process_gib: float = CPU_PROCESS_GIB) -> MemoryEstimate | None:
     """Memory per process of ``plan`` on an ingested model's LayerGraph (traced at the run's sequence
-    length): ``estimate_graph`` with this runtime's CPU corrections (module docstring). None when
-    the graph cost model does not price the plan (the runtime's own checks speak for it)."""
+    length): ``cost.estimate`` with this runtime's CPU corrections (module docstring). None when
+    the cost model does not price the plan (the runtime's own checks speak for it)."""
     from meshplan.cost import estimate
     run_plan = _run_plan(plan, device_type)
     try:

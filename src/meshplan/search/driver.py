@@ -132,8 +132,7 @@ def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostPa
 
 
 def checked_request(clusters: ClusterSpec | Sequence[ClusterSpec], objective: str, top: int) -> list[ClusterSpec]:
-    """The clusters of a search request as a list, after checking the request's options (also
-    used by search.graph.search_graph)."""
+    """The clusters of a search request as a list, after checking the request's options."""
     if objective not in OBJECTIVES:
         raise MeshplanError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
     if top < 1:

@@ -42,8 +42,7 @@ def growth_limit(cluster: ClusterSpec) -> int:
 
 @dataclass(frozen=True)
 class Corner:
-    """The most memory-saving plan of a space on one cluster (of a SearchSpace here, of a
-    GraphSpace in search.graph)."""
+    """The most memory-saving plan of a SearchSpace on one cluster."""
 
     cluster: ClusterSpec
     plan: Plan | None

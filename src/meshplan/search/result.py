@@ -5,7 +5,7 @@ Ranking (deterministic): the objective (step time, or dollars per million tokens
 then lower peak memory per GPU, then the plan's ``short()`` string in plain lexicographic
 (code point) order.
 
-Also here, on results of the search engines (`driver.search`, `graph.search_graph`):
+Also here, on results of the search (`driver.search`):
   * `apply_deadline`: reject the feasible plans that take longer than a deadline to train a
     number of tokens (reason `OVER_DEADLINE`);
   * `merge`: one result from the results of several cluster sizes searched one at a time.

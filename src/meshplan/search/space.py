@@ -122,7 +122,7 @@ class SearchSpace:
 
 
 def check_space(space: Any, where: str, degrees: tuple[str, ...]) -> None:
-    """The checks a SearchSpace and a search.graph.GraphSpace share: known schedules, ZeRO levels
+    """The checks of a SearchSpace: known schedules, ZeRO levels
     0..3, and each of ``degrees`` (tuples or None) between 1 and MAX_DEGREE (int32 plan columns)."""
     for s in space.schedules:
         if s not in SCHEDULES:
@@ -191,7 +191,7 @@ def zero_options(cluster: ClusterSpec, tp: int, dp: int, cp: int,
         g = k * cluster.gpus_per_node // tp
         if 1 < g < dpc and dpc % g == 0 and g * tp == k * cluster.gpus_per_node:
             groups.append(g)
-    only = getattr(space, "offload_only", False)  # a GraphSpace may not have it
+    only = space.offload_only
     out = []
     for z in space.zero:
         if not only:
