@@ -67,13 +67,8 @@ class Attention:
     head_dim: int
     causal: bool = True
 
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
+    q_dim = property(lambda self: self.heads * self.head_dim, doc="Width of all query heads together.")
+    kv_dim = property(lambda self: self.kv_heads * self.head_dim, doc="Width of the key (or value) heads.")
 
 
 Pair = tuple[float, float]
