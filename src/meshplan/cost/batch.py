@@ -58,8 +58,6 @@ BLOCK_KEY = ("tp", "cp", "micro_batch", "precision", "recompute", "sequence_para
 TIME_KEYS = ("compute", "recompute", "tp_comm", "tp_comm_overlapped", "cp_comm", "ep_comm",
              "dp_comm", "dp_comm_overlapped", "pp_comm", "offload", "bubble", "optimizer", "overhead")
 MEMORY_KEYS = ("weights", "grads", "optimizer", "activations", "transient", "overhead")
-#: Plan fields that place layers on pipeline ranks.
-PLACE_KEY = ("pp", "virtual_stages", "schedule", "stage_layers")
 
 __all__ = ["BLOCK_KEY", "MEMORY_KEYS", "TIME_KEYS", "Assembly", "Layout", "assemble", "estimate_batch",
            "layout", "plans_to_columns"]
@@ -216,7 +214,8 @@ class Assembly:
     zbv: np.ndarray
     split: np.ndarray           # split-backward schedule with pp > 1
     counts: np.ndarray          # (rows, ranks, B)
-    rc_counts: np.ndarray       # (rows, ranks, B) of which recomputed
+    C: Counts                   # counts, one (rows, ranks) slice per distinct layer
+    R: Counts                   # of which recomputed (blocks only)
     q: dict                     # QUANTITIES -> (rows, B)
     fwd: np.ndarray             # (rows, ranks) forward compute seconds per micro-batch
     b_in: np.ndarray            # input-gradient compute
@@ -247,25 +246,13 @@ class Assembly:
     tied_local: np.ndarray      # (rows) tied parameters on one GPU
 
 
-def stage_sum(counts: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """(rows, ranks): sum over the distinct layers of counts x per-layer value (rows, B)."""
-    B = counts.shape[2]
-    if B > 6:
-        return np.einsum("rsb,rb->rs", counts, x)
-    out = counts[:, :, 0] * x[:, 0:1]
-    for b in range(1, B):
-        out += counts[:, :, b] * x[:, b:b + 1]
-    return out
-
-
-class _Counts:
+class Counts:
     """A (rows, ranks, B) count tensor kept as one contiguous (rows, ranks) slice per distinct
     layer, summed over the layers a term concerns only (a transformer's TP all-reduces are its
     blocks': one slice, not three)."""
 
-    def __init__(self, counts: np.ndarray, scale: np.ndarray | None = None) -> None:
-        self.slices = [np.ascontiguousarray(counts[:, :, b]) * (1.0 if scale is None else scale)
-                       for b in range(counts.shape[2])]
+    def __init__(self, counts: np.ndarray) -> None:
+        self.slices = [np.ascontiguousarray(counts[:, :, b]) for b in range(counts.shape[2])]
         self.shape = counts.shape[:2]
 
     def sum(self, x: np.ndarray, ids: Any = None) -> np.ndarray:
@@ -286,7 +273,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     shard = shard_degree(cols)
     micro = microbatches(work.global_batch, cols["dp"], cols["micro_batch"])
     tokens = mb * work.seq_len / cp
-    scale = np.where(np.asarray(cols["precision"]) == "fp32", 2.0, 1.0)
+    scale = act_scale(cols["precision"])
     qa = _quantities(lay, cluster, work, cols, p)
     q = {k: qa[:, :, i] for i, k in enumerate(QUANTITIES)}
     width = int(pp.max())
@@ -300,14 +287,13 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
         return np.asarray(x, dtype=float)[:, None]
 
     # Recompute: blocks only; recompute_layers = the first N blocks of each rank.
-    C = _Counts(counts)
+    C = Counts(counts)
     nblk = sum((C.slices[b] for b in blk_ids), np.zeros(C.shape))
     full_rc = cols["recompute"] == "full"
     rl = cols["recompute_layers"]
     limited = full_rc[:, None] & (rl[:, None] >= 0)
     frac = np.where(limited, np.minimum(nblk, rl[:, None]) / np.maximum(nblk, 1), 1.0)
-    rc_counts = counts * lay.is_block[None, None, :] * frac[:, :, None]
-    R = _Counts(rc_counts)
+    R = Counts(counts * lay.is_block[None, None, :] * frac[:, :, None])
 
     f, bi, bw, rc = q["f"], q["bi"], q["bw"], q["rc"]
     fwd, b_in, b_w = C.sum(f), C.sum(bi), C.sum(bw)
@@ -364,7 +350,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
         f_ovl, b_ovl = np.where(blocked, ag - f_exp, 0.0), np.where(blocked, ag + rs - b_exp, 0.0)
     else:
         f_exp = b_exp = f_ovl = b_ovl = np.zeros_like(lp)
-    plocal, tied_local = _rank_params(lay, counts, lp, tp, pp, valid, first, last, C)
+    plocal, tied_local = _rank_params(lay, C, lp, tp, pp, valid, first, last)
     blk_params = C.sum(lp, blk_ids)
     lp_unit = np.max(np.where(lay.is_block[None, :], lp, 0.0), axis=1)
     offload = offload_seconds(cols, plocal, shard, p)
@@ -388,7 +374,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     return Assembly(
         lay=lay, cols=cols, micro=micro, tokens=tokens, shard=shard, valid=valid, first=first, last=last, zbv=zbv,
         split=(((np.asarray(cols["schedule"]) == "zero-bubble") | zbv) & (pp > 1)), counts=counts,
-        rc_counts=rc_counts, q=q, fwd=fwd, b_in=b_in, b_w=b_w, fwd_x=fwd_x, bin_x=bin_x, bw_x=bw_x, terms=terms,
+        C=C, R=R, q=q, fwd=fwd, b_in=b_in, b_w=b_w, fwd_x=fwd_x, bin_x=bin_x, bw_x=bw_x, terms=terms,
         tp_f=tp_f, tp_b=tp_b, tp_f_ovl=tp_f_ovl, tp_b_ovl=tp_b_ovl, dp_f=dp_f, dp_b=dp_b,
         dp_f_ovl=dp_f_ovl, dp_b_ovl=dp_b_ovl, send=send, p2p=p2p,
         totals=totals, plocal=plocal, lp_unit=lp_unit, blk_params=blk_params, ag=ag, rs=rs, fsdp=fsdp,
@@ -401,15 +387,13 @@ def local_params(lay: Layout, tp: np.ndarray, ep: np.ndarray) -> np.ndarray:
             + lay.params_expert[None, :] / (tp * ep)[:, None])
 
 
-def _rank_params(lay: Layout, counts: np.ndarray, lp: np.ndarray, tp: np.ndarray, pp: np.ndarray,
-                 valid: np.ndarray, first: np.ndarray, last: np.ndarray,
-                 C: _Counts | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _rank_params(lay: Layout, C: Counts, lp: np.ndarray, tp: np.ndarray, pp: np.ndarray,
+                 valid: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """((rows, ranks) parameters per GPU before sharding, (rows) tied parameters per GPU): a
     tied weight counted at both users, once when one rank holds both (pp = 1)."""
     tied_local = lay.graph.tied_params / np.where(lay.graph.tied_split, tp, 1.0)
     single = (pp == 1)[:, None]
-    held = C.sum(lp) if C is not None else stage_sum(counts, lp)
-    return np.where(valid, held - (first & last & single) * tied_local[:, None], 0.0), tied_local
+    return np.where(valid, C.sum(lp) - (first & last & single) * tied_local[:, None], 0.0), tied_local
 
 
 def stage_params(graph: LayerGraph, cols: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -424,7 +408,7 @@ def stage_params(graph: LayerGraph, cols: Mapping[str, Any]) -> tuple[np.ndarray
     valid, first = j < pp[:, None], j == 0
     last = output_stage(pp, np.asarray(cols["schedule"]) == "zbv", j)
     lp = local_params(lay, tp, ep)
-    plocal, _ = _rank_params(lay, counts, lp, tp, pp, valid, first, last)
+    plocal, _ = _rank_params(lay, Counts(counts), lp, tp, pp, valid, first, last)
     return plocal, np.max(np.where(lay.is_block[None, :], lp, 0.0), axis=1)
 
 
@@ -529,8 +513,12 @@ def end_of_step(a: Assembly, cluster: ClusterSpec, p: CostParams) -> tuple[np.nd
 
 def _estimate(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
               params: CostParams) -> dict[str, np.ndarray]:
-    p = params
-    a = assemble(graph, cluster, work, cols, p)
+    return estimate_assembly(assemble(graph, cluster, work, cols, params), cluster, work, params)
+
+
+def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params: CostParams) -> dict[str, np.ndarray]:
+    """estimate_batch's result from an Assembly (cost.durations reuses the one it lists)."""
+    p, cols = params, a.cols
     tp, pp, v = (cols[k].astype(float) for k in ("tp", "pp", "virtual_stages"))
     zero, micro, totals, valid = cols["zero"], a.micro, a.totals, a.valid
     crit = np.argmax(totals, axis=1)
@@ -607,7 +595,7 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     rec = np.asarray(cols["recompute"])
     full_mode, op_mode = (rec == "full")[:, None], (rec == "op")[:, None]
     keep = np.where(full_mode, a.q["inp"], np.where(op_mode, a.q["op"], a.q["full"]))  # (rows, B)
-    C, R = _Counts(a.counts), _Counts(a.rc_counts)
+    C, R = a.C, a.R
     blk_ids = a.lay.ids_where(a.lay.is_block)
     kept = t * (R.sum(keep, blk_ids) + C.sum(a.q["full"]) - R.sum(a.q["full"], blk_ids))
     one_block = np.zeros(C.shape)
@@ -618,15 +606,9 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     inflight = in_flight_array(col(cols["pp"]), col(cols["virtual_stages"]), cols["schedule"][:, None],
                                np.arange(width)[None, :], a.micro[:, None])
     acts = kept * inflight
-    tp = np.asarray(cols["tp"], dtype=float)
-    fused = np.asarray(cols["fused_loss"], dtype=bool)
     logits = np.zeros(C.shape)
     for b in a.lay.ids_where(a.lay.loss):
-        split = bool(a.lay.loss_split[b])
-        per = np.where(fused, FUSED_LOGITS_BYTES_PER_ELEM,
-                       np.where((tp > 1) & split, VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM, LOGITS_BYTES_PER_ELEM))
-        size = a.tokens * a.lay.vocab[b] / (tp if split else 1.0) * per
-        logits = np.maximum(logits, np.where(C.slices[b] > 0, size[:, None], 0.0))
+        logits = np.maximum(logits, np.where(C.slices[b] > 0, logit_bytes(a, b)[:, None], 0.0))
     has_loss = logits > 0
     transient = np.where(has_loss, np.maximum(transient, logits), transient) + buffers
     transient = transient + p.allocator_fragmentation * (acts + transient)
@@ -639,6 +621,16 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     opt_host = np.where(zero == 3, 8.0, 12.0) * plocal / np.where(zero >= 1, col(a.shard), 1.0)
     parts["host"] = np.where(offo, opt_host, 0.0) + np.where(offp & (zero == 3), 8.0 * plocal / col(a.shard), 0.0)
     return {k: np.where(a.valid, v, np.nan) for k, v in parts.items()}
+
+
+def logit_bytes(a: Assembly, b: int) -> np.ndarray:
+    """(rows) bytes alive at the cross-entropy of loss layer ``b`` for one micro-batch: its logits
+    (split over TP when vocabulary-parallel) at the bytes per element of the loss's kernels."""
+    tp = np.asarray(a.cols["tp"], dtype=float)
+    split = bool(a.lay.loss_split[b])
+    per = np.where(np.asarray(a.cols["fused_loss"], dtype=bool), FUSED_LOGITS_BYTES_PER_ELEM,
+                   np.where((tp > 1) & split, VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM, LOGITS_BYTES_PER_ELEM))
+    return a.tokens * a.lay.vocab[b] / (tp if split else 1.0) * per
 
 
 def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, step: np.ndarray,
@@ -663,16 +655,10 @@ def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, s
     out = {"step_time_s": step, "tokens_per_s": work.tokens / step,
            "tflops_per_gpu": model_flops / step / n / 1e12, "mfu": model_flops / step / n / peak,
            "hfu": (model_flops + rc_flops) / step / n / peak, "peak_memory_gib": peak_gib,
-           "fits": fits, "at_risk": at_risk, "microbatches": micro_of(a),
+           "fits": fits, "at_risk": at_risk, "microbatches": a.micro,
            "num_gpus": n, "stage_memory_gib": total_mem / GiB}
     out |= {f"memory.{k}": mem[k][rows, worst] / GiB for k in MEMORY_KEYS}
     host = np.nanmax(mem["host"], axis=1) / GiB
     out |= {"host_memory_gib": host, "host_fits": host <= p.host_memory_per_gpu_gib}
     return out
 
-
-def micro_of(a: Assembly) -> np.ndarray:
-    return a.micro
-
-
-_ = act_scale  # re-exported for callers of the per-layer scale

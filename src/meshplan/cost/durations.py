@@ -23,9 +23,6 @@ import numpy as np
 
 from meshplan.cost import batch as _b
 from meshplan.cost.memory import (
-    FUSED_LOGITS_BYTES_PER_ELEM,
-    LOGITS_BYTES_PER_ELEM,
-    VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
     model_state_arrays,
 )
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
@@ -111,10 +108,10 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         end_ovl.append(float(end_o[0, r]))
     offo = np.asarray(cols["offload_optimizer"], dtype=bool)
     opt_t = optimizer_seconds(cluster, a.plocal, cols["zero"], a.shard, offo, p)
-    blk = a.counts * a.lay.is_block[None, None, :]
+    blk = a.lay.ids_where(a.lay.is_block)
     staged = (a.fsdp & a.per_step)[:, None]
-    ag_s = np.where(staged, _b.stage_sum(blk, a.ag), 0)
-    rs_s = np.where(staged, _b.stage_sum(blk, a.rs), 0)
+    ag_s = np.where(staged, a.C.sum(a.ag, blk), 0)
+    rs_s = np.where(staged, a.C.sum(a.rs, blk), 0)
 
     mem = _b.memory_parts(a, p)
     inflight = in_flight_array(cols["pp"][:, None], cols["virtual_stages"][:, None], cols["schedule"][:, None],
@@ -123,7 +120,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
     per_mb = acts / inflight[0]
     frag = p.allocator_fragmentation
     static = sum(mem[k][0] for k in ("weights", "grads", "optimizer", "overhead", "transient")) - frag * acts
-    moved = output_static_bytes(a, mem, p) if zbv else 0.0
+    moved = output_static_bytes(a, p) if zbv else 0.0
     if zbv:  # listed as if on rank pp - 1, where sim.build takes them from (module docstring)
         static[0] -= moved
         static[plan.pp - 1] += moved
@@ -139,7 +136,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
             x[0, 0] -= out
             x[0, last] += out
 
-    est = _b.estimate_batch(graph, cluster, work, [plan], p)
+    est = _b.estimate_assembly(a, cluster, work, p)
     analytic = {k[5:]: float(v[0]) for k, v in est.items() if k.startswith("time.")}
     analytic["step_time_s"] = float(est["step_time_s"][0])
 
@@ -168,26 +165,21 @@ def _first_part(a: _b.Assembly, fwd: bool, b_in: bool) -> float:
     return float((a.q[key] * a.lay.prefix[None, :]).sum(1)[0])
 
 
-def output_static_bytes(a: _b.Assembly, mem: dict, p: CostParams) -> float:
+def output_static_bytes(a: _b.Assembly, p: CostParams) -> float:
     """Bytes a pipeline rank's memory carries for holding the layers after the last block (final
     norm, output projection, loss) when pp > 1: their model states (a separate copy when
     weights are tied), pipelined FSDP's copies, and the logits' transient beyond a block's,
     times (1 + fragmentation)."""
     cols = a.cols
-    lp = (a.lay.params - a.lay.params_split)[None, :] + a.lay.params_split[None, :] / cols["tp"][:, None]
+    lp = _b.local_params(a.lay, cols["tp"].astype(float), cols["ep"].astype(float))
     n = float((lp * a.lay.suffix[None, :]).sum(1)[0])
     plan_z, shard = int(cols["zero"][0]), float(a.shard[0])
     w, g, o, _ = model_state_arrays(n, 0.0, plan_z, shard, bool(cols["offload_params"][0]),
                                     bool(cols["offload_optimizer"][0]), float(cols["dp"][0] * cols["cp"][0]), p)
     states = float(w + g + o) + (6.0 * n if plan_z == 3 and int(cols["pp"][0]) > 1 else 0.0)
-    t = float(a.tokens[0])
-    vocab = float((a.lay.vocab * a.lay.loss).max())
-    tp = float(cols["tp"][0])
-    split = bool(a.lay.loss_split[a.lay.loss].any()) if a.lay.loss.any() else True
-    per = (FUSED_LOGITS_BYTES_PER_ELEM if bool(cols["fused_loss"][0]) else
-           VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM if tp > 1 and split else LOGITS_BYTES_PER_ELEM)
-    logits = t * vocab / (tp if split else 1.0) * per
+    logits = max((float(_b.logit_bytes(a, b)[0]) for b in a.lay.ids_where(a.lay.loss)), default=0.0)
     rec = str(cols["recompute"][0])
+    t = float(a.tokens[0])
     block = t * float(np.max(np.where(a.lay.is_block, a.q["full"][0], 0.0))) if rec in ("full", "op") else 0.0
     return states + (1 + p.allocator_fragmentation) * max(0.0, logits - block)
 

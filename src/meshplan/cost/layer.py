@@ -25,6 +25,7 @@ Activations are 2 bytes in the LayerOps; fp32 plans hold 4.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -55,9 +56,9 @@ class Combo:
     fused_loss: bool
 
 
-def act_scale(precision: str) -> float:
-    """Activation bytes relative to the LayerOps' 2-byte ones."""
-    return 2.0 if precision == "fp32" else 1.0
+def act_scale(precision: Any) -> Any:
+    """Activation bytes relative to the LayerOps' 2-byte ones (a precision, or an array of them)."""
+    return np.where(np.asarray(precision) == "fp32", 2.0, 1.0)
 
 
 def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostParams,

@@ -30,7 +30,7 @@ from meshplan.spec.constraints import CHECKS, Context
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Workload, microbatches
-from meshplan.spec.support import RULES, runtime_runs, sequence_parallel_runs
+from meshplan.spec.support import RULES, is_traced, sequence_parallel_runs
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ def kv_replicated(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) 
 
 
 def _is_traced(m: LayerGraph | ModelSpec, w: Workload) -> bool:
-    return not runtime_runs(as_graph(m, w.seq_len))["cp"]
+    return is_traced(as_graph(m, w.seq_len))
 
 
 def traced_cp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:

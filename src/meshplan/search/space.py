@@ -435,9 +435,9 @@ def no_mesh_error(model: LayerGraph | ModelSpec, cluster: ClusterSpec, space: Se
 
 
 def _blocks(model: LayerGraph | ModelSpec, work: Workload | None) -> int:
-    if isinstance(model, LayerGraph) or work is not None:
-        return capabilities(as_graph(model, work.seq_len if work else 0)).blocks
-    return model.num_layers
+    """Blocks of the model (what pipeline stages count)."""
+    seq = work.seq_len if work is not None else getattr(model, "seq_len", 1)
+    return capabilities(as_graph(model, seq)).blocks
 
 
 def _codes(field_name: str, values: np.ndarray) -> np.ndarray:

@@ -56,8 +56,7 @@ def sequence_parallel_runs(m: Model) -> bool:
     """Whether meshplan's runtime applies sequence parallelism to this model: to the transformers
     it builds from a description (runtime/parallelize.py), not to traced models (runtime/generic.py
     keeps their norms replicated). The search enumerates sequence-parallel plans only where it does."""
-    g = _graph(m)
-    return g is None or g.model is not None
+    return not is_traced(m)
 
 
 def _kv_replicated(p: Plan, micro: int, m: Model = None) -> str | None:
@@ -72,7 +71,7 @@ def _kv_replicated(p: Plan, micro: int, m: Model = None) -> str | None:
     return None
 
 
-def _traced(m: Model) -> bool:
+def is_traced(m: Model) -> bool:
     """A model traced from a module (hf:, module:, a graph file): the runtime trains the module
     itself (runtime/generic.py), not a transformer it builds from a description."""
     g = _graph(m)
@@ -87,27 +86,27 @@ def _traced_sp(p: Plan, micro: int, m: Model = None) -> str | None:
 
 
 def _traced_cp(p: Plan, micro: int, m: Model = None) -> str | None:
-    if p.cp > 1 and _traced(m):
+    if p.cp > 1 and is_traced(m):
         return (f"cp={p.cp} on a traced model: the runtime runs context parallelism on the transformers it builds "
                 "(presets, model files) only; use cp=1")
     return None
 
 
 def _traced_ep(p: Plan, micro: int, m: Model = None) -> str | None:
-    if p.ep > 1 and _traced(m):
+    if p.ep > 1 and is_traced(m):
         return f"ep={p.ep} on a traced model: the runtime does not split a traced model's experts; use ep=1"
     return None
 
 
 def _traced_recompute(p: Plan, micro: int, m: Model = None) -> str | None:
-    if p.recompute in ("selective", "op") and _traced(m):
+    if p.recompute in ("selective", "op") and is_traced(m):
         return (f"recompute={p.recompute} on a traced model: the runtime recomputes a traced model's blocks whole "
                 "(it does not know which ops are the attention core); use recompute=full or none")
     return None
 
 
 def _traced_fp8(p: Plan, micro: int, m: Model = None) -> str | None:
-    if p.precision == "fp8" and _traced(m):
+    if p.precision == "fp8" and is_traced(m):
         return "precision=fp8 on a traced model: the runtime's fp8 linears are the built transformers'; use bf16"
     return None
 
@@ -218,14 +217,6 @@ def _probe() -> LayerGraph:
 _TRACED_PROBE = _probe()
 """A traced graph with no layer of note: traced_refusal's model (the TRACED rules read only that
 the model is traced, and sequence_parallel_runs)."""
-
-
-def runtime_runs(m: Model) -> dict[str, object]:
-    """What the runtime runs on this model, for the search to enumerate: sequence parallelism,
-    context and expert parallelism, the recompute modes."""
-    traced = _traced(m)
-    return {"sequence_parallel": not traced, "cp": not traced, "ep": not traced,
-            "recompute": ("none", "full") if traced else ("none", "selective", "op", "full")}
 
 
 def microbatches(plan: Plan, global_batch: int) -> int:
