@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
@@ -119,7 +120,7 @@ TRACED = ("sequence parallel on a traced model", "context parallel on a traced m
 def traced_refusal(plan: Plan) -> str | None:
     """The first TRACED rule ``plan`` breaks on any traced model (runtime/generic.py's refusal)."""
     for name in TRACED:
-        why = RULES[name].why(plan, 1, _TRACED_PROBE)
+        why = RULES[name].why(plan, 1, _traced_probe())
         if why:
             return why
     return None
@@ -207,16 +208,16 @@ RULES: dict[str, Rule] = {r.name: r for r in (
 """Every rule, in counting order (the search counts a rejected plan under its first)."""
 
 
-def _probe() -> LayerGraph:
+@lru_cache(maxsize=1)
+def _traced_probe() -> LayerGraph:
+    """A traced graph with no layer of note: traced_refusal's model (the TRACED rules read only
+    that the model is traced), built once, when first needed."""
     from meshplan.spec.graph import LayerOps, LayerSpec
     return LayerGraph(name="traced", source="module:any", sample_tokens=1, layers=(
         LayerSpec(name="l", block="b", params=1, fwd_flops=0, bwd_flops=0, saved_bytes=0, output_bytes=0),),
         ops={"b": LayerOps(params=1.0)})
 
 
-_TRACED_PROBE = _probe()
-"""A traced graph with no layer of note: traced_refusal's model (the TRACED rules read only that
-the model is traced, and sequence_parallel_runs)."""
 
 
 def microbatches(plan: Plan, global_batch: int) -> int:
