@@ -13,6 +13,19 @@ from meshplan.cost.params import CostParams
 from meshplan.spec.cluster import GPUSpec
 from meshplan.spec.graph import Attention
 
+FLASH_KERNELS = ("flash1", "flash2", "flash3", "sdpa", "cudnn")
+UNFUSED_KERNELS = ("eager", "fused-softmax")
+ATTENTION_KERNELS = FLASH_KERNELS + UNFUSED_KERNELS
+
+
+def attention_kind(flash_attention: bool, p: CostParams) -> str:
+    """The attention kernel a plan runs: the profile's (``p.attention_kernel``); a plan without
+    ``flash_attention`` runs the eager one unless the profile's kernel is itself unfused."""
+    k = p.attention_kernel
+    if not flash_attention and k in FLASH_KERNELS:
+        return "eager"
+    return k
+
 
 def gemm_efficiency(m: float, n: float, k: float, gpu: GPUSpec, p: CostParams) -> float:
     """Achieved fraction of peak for an (m x k) @ (k x n) GEMM."""

@@ -96,6 +96,11 @@ class CostParams:
     GPUs (a DGX H100 has 2 TiB). Plans that offload more are 'out of host memory'."""
     step_overhead_s: float = 0.0
     """Fixed per-step host overhead (data loading, logging, launch), seconds."""
+    attention_kernel: str = "flash2"
+    """The attention kernel a plan with ``flash_attention`` runs (an implementation profile's
+    choice): flash1, flash2, flash3, sdpa, cudnn; or, regardless of the plan's flag, an unfused
+    kernel: eager (math: scores materialised, separate softmax) or fused-softmax (Megatron's
+    scaled-masked-softmax: scores materialised, softmax fused). See cost.compute.attention_kind."""
 
     def replace(self, **changes: object) -> CostParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -117,7 +122,7 @@ PARAM_KINDS: dict[str, str] = {
     "pp_p2p_exposed": "derived", "allocator_fragmentation": "fitted",
     "framework_overhead_gib": "measured", "memory_margin": "derived", "memory_error": "measured",
     "host_memory_per_gpu_gib": "derived",
-    "step_overhead_s": "derived",
+    "step_overhead_s": "derived", "attention_kernel": "derived",
 }
 #: Per-GPU numbers in the GPU data files that are fitted (the rest are datasheet values).
 GPU_FITTED_FIELDS = ("gemm_efficiency", "attention_efficiency")
