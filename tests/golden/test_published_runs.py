@@ -17,13 +17,20 @@ def cases():
     return {c.row_id: c for c in load_runs(default_runs_path())}
 
 
+SHARED_SOURCES = ("MEG_SC21_T1", "KOR22_T5", "TT_2024_A100", "TT_2412_H100", "MOSAIC_LLMFOUNDRY",
+                  "BLOOM176B")
+"""The sources of the shared/data copy (186 rows): the regression guards below are theirs; the
+rows added after it (src/meshplan/data/README.md) are reported by `meshplan validate`, not bounded."""
+
+
 @pytest.fixture(scope="module")
 def result(cases):
-    return validate(cases.values(), estimate)
+    return validate([c for c in cases.values() if c.source_id in SHARED_SOURCES], estimate)
 
 
-def test_every_dev_row_is_expressible(result):
+def test_every_dev_row_is_expressible(result, cases):
     assert result["summary"]["ok"] == 186 and result["summary"]["unsupported"] == 0
+    assert all(c.ok for c in cases.values()), [c.row_id for c in cases.values() if not c.ok]
 
 
 def test_step_time_accuracy(result):
