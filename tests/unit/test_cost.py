@@ -103,9 +103,10 @@ def test_group_partial_members_per_node():
 
 
 def test_preset_cluster_tiers():
-    """h100-sxm-80gb: NVSwitch 450 GB/s x NVLINK_EFFICIENCY; NDR 50 GB/s x NIC_EFFICIENCY."""
-    from meshplan.spec.cluster import NIC_EFFICIENCY as nic
-    from meshplan.spec.cluster import NVLINK_EFFICIENCY as nvl
+    """h100-sxm-80gb: NVSwitch 450 GB/s and NDR 50 GB/s, each x its link kind's calibrated efficiency."""
+    from meshplan.calibration.builtin import builtin_link_value
+    nvl = builtin_link_value("intra_node", "nvswitch")
+    nic = builtin_link_value("inter_node", "infiniband")
     c = cluster("h100-sxm-80gb:64")
     assert Group.of(c, 8, 1).bytes_per_s == pytest.approx(450e9 * nvl, rel=REL)
     assert Group.of(c, 8, 8).bytes_per_s == pytest.approx(50e9 * nic, rel=REL)

@@ -101,12 +101,62 @@ class CostParams:
     choice): flash1, flash2, flash3, sdpa, cudnn; or, regardless of the plan's flag, an unfused
     kernel: eager (math: scores materialised, separate softmax) or fused-softmax (Megatron's
     scaled-masked-softmax: scores materialised, softmax fused). See cost.compute.attention_kind."""
+    elementwise_kernels: str = "eager"
+    """The elementwise kernels (norms, activations, residual adds, rotary, dropout) of a plan
+    without ``compile`` (an implementation profile's choice): eager (one PyTorch kernel per op:
+    the eager bytes), hand-fused (Megatron/Transformer Engine/apex fused kernels: the fused
+    bytes without torch.compile) or compiled (the codebase compiles by default: the fused bytes).
+    A plan with ``compile`` always runs the fused bytes (inductor)."""
+    dp_overlap: bool = True
+    """Data-parallel gradient sync (DDP, ZeRO-1/2) overlapped with the last backward, bucket by
+    bucket, leaving the last bucket exposed (torch DDP; Megatron --overlap-grad-reduce). False:
+    the whole sync runs after the backward (Megatron-LM's default, DeepSpeed's overlap_comm=false)."""
+    dp_bucket_buffers: float = 2.0
+    """Gradient buckets of dp_bucket_mib alive at once for DDP / ZeRO-1/2 (memory): torch DDP
+    keeps its bucket copies (2: the one filling, the one reducing); Megatron's buckets are views
+    into the main-gradient buffer (0); DeepSpeed's ZeRO-1/2 IPG buffer is one bucket without
+    overlap_comm, two with it."""
+    main_grads: str = "auto"
+    """Gradient bytes per parameter held without ZeRO-3 (ZeRO-0/1/2; ZeRO-2 shards them): auto
+    (2 B for ZeRO-0, 4 B fp32 for ZeRO-1/2), fp32 (Megatron's main_grad buffer, also under DDP:
+    2 + 4 + 12 = 18 B/param), or bf16 (DeepSpeed ZeRO-1/2 with bf16/fp16: 16-bit gradients,
+    reduced in 16 bit). With fp32 or bf16 the data-parallel reduction moves those bytes."""
+    loss_kernel: str = "torch"
+    """The cross-entropy a plan without ``fused_loss`` runs: torch (F.cross_entropy on the full
+    logits), fused (an in-place fused CE: flash-attn's xentropy, llm-foundry's
+    fused_crossentropy) or chunked (a fused linear + CE over vocabulary-sized chunks: Liger's
+    FusedLinearCrossEntropy; the full logits never exist). A plan with ``fused_loss`` runs fused
+    unless the profile chunks."""
+    logits_fp32: bool = True
+    """The torch cross-entropy runs on logits upcast to fp32 (torchtitan, Hugging Face,
+    Megatron's default without --fp16-lm-cross-entropy): 14 B per logit alive at the loss;
+    False: on the 16-bit logits (6 B)."""
+    optimizer_temp_bytes: float = 0.0
+    """Bytes per (sharded) parameter of temporaries the optimizer step allocates: 0 for fused
+    Adam kernels (apex/TE FusedAdam, torch fused=True); 4 for torch's foreach AdamW (one fp32
+    tensor per parameter for sqrt(v) + eps). They live after the backward, so they count against
+    the activations and transients, not on top of them."""
+    cuda_context_gib: float = 0.0
+    """CUDA context and module images per GPU, GiB, counted in the overhead part. 0 by default:
+    the measured peaks (torch's max_reserved) exclude it, and memory_margin stands for it."""
+    nccl_buffer_gib: float = 0.0
+    """NCCL's communication buffers per GPU beyond framework_overhead_gib, GiB (outside torch's
+    allocator; e.g. Megatron's --tp-comm-overlap userbuffers). Counted in the overhead part."""
 
     def replace(self, **changes: object) -> CostParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-DEFAULT_PARAMS = CostParams()
+def _builtin_params() -> CostParams:
+    """CostParams with the built-in calibration's fitted values (meshplan/data/calibration.json):
+    the class defaults above are the priors, the calibration fitted to the development runs
+    replaces the fitted ones."""
+    from meshplan.calibration.builtin import builtin_values
+    vals = {k: v for k, v in builtin_values().items() if "@" not in k}
+    return CostParams().replace(**vals) if vals else CostParams()
+
+
+DEFAULT_PARAMS = _builtin_params()
 
 #: How each number was obtained: "fitted" to the published runs, "measured" (a constant
 #: measured or published elsewhere), or "derived" (first principles / framework defaults).
@@ -122,7 +172,10 @@ PARAM_KINDS: dict[str, str] = {
     "pp_p2p_exposed": "derived", "allocator_fragmentation": "fitted",
     "framework_overhead_gib": "measured", "memory_margin": "derived", "memory_error": "measured",
     "host_memory_per_gpu_gib": "derived",
-    "step_overhead_s": "derived", "attention_kernel": "derived",
+    "step_overhead_s": "derived", "attention_kernel": "derived", "elementwise_kernels": "derived",
+    "dp_overlap": "derived", "dp_bucket_buffers": "derived", "main_grads": "derived",
+    "loss_kernel": "derived", "logits_fp32": "derived", "optimizer_temp_bytes": "derived",
+    "cuda_context_gib": "derived", "nccl_buffer_gib": "derived",
 }
 #: Per-GPU numbers in the GPU data files that are fitted (the rest are datasheet values).
 GPU_FITTED_FIELDS = ("gemm_efficiency", "attention_efficiency")

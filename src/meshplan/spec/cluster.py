@@ -44,6 +44,12 @@ class GPUSpec:
     """Achieved fraction of the dense peak of FlashAttention's forward pass at long sequences;
     None = gemm_efficiency x the cost model's flash_fwd_efficiency (FA2 paper: ~0.7 on A100,
     ~0.35-0.45 on H100 before FA3)."""
+    clock_ratio: float = 1.0
+    """Sustained tensor-core clock relative to the family's reference part whose datasheet peak
+    this part also quotes (1 for most parts). A power-capped part runs slower at the same quoted
+    peak: dynamic power ~ f V^2 with V ~ f gives f ~ P^(1/3), so a 500 W H100 SXM runs at
+    (500/700)^(1/3) = 0.894 and a 300 W A100 PCIe at (300/400)^(1/3) = 0.909. A calibration's
+    family efficiencies are multiplied by it."""
     default_nic_gbps: float = 25.0
     """Per-GPU inter-node bandwidth of the typical system, GB/s (25 = 200 Gb/s HDR, 50 = 400 Gb/s NDR)."""
     gpus_per_node: int = 8
@@ -69,6 +75,8 @@ class GPUSpec:
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
                 or self.gpus_per_node <= 0:
             raise MeshplanError(f"{w}: gpus_per_node must be a positive whole number; got {self.gpus_per_node!r}")
+        if not 0 < self.clock_ratio <= 1:
+            raise MeshplanError(f"{w}: clock_ratio must be in (0, 1]; got {self.clock_ratio}")
         for f in ("gemm_efficiency", "attention_efficiency"):
             v = getattr(self, f)
             if v is not None and not 0 < v <= 1:
@@ -171,13 +179,10 @@ class ClusterSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-NVLINK_EFFICIENCY = 0.945
-"""FITTED (benchmarks/fit_cost_model.py, NVSwitch rows): achieved fraction of NVLink/NVSwitch
-bandwidth by NCCL ring collectives (bus bandwidth of nccl-tests on DGX A100: ~230-270 of 300 GB/s)."""
-NIC_EFFICIENCY = 0.319
-"""FITTED (InfiniBand/RoCE rows): achieved fraction of the NIC line rate by NCCL rings across
-nodes. Few dev rows are sensitive to it (FSDP on 16-128 A100s), so it is loosely determined
-(0.41 before overlap_slowdown was fitted with it: the two trade against each other)."""
+NVLINK_EFFICIENCY = 0.8
+"""Prior (and fallback) achieved fraction of a link's line rate by NCCL collectives; the fitted
+values per link kind come from the built-in calibration (meshplan/data/calibration.json)."""
+NIC_EFFICIENCY = 0.8
 
 
 def default_links(gpu: GPUSpec, *, nic_gbps: float | None = None) -> tuple[LinkTier, LinkTier]:
@@ -187,10 +192,13 @@ def default_links(gpu: GPUSpec, *, nic_gbps: float | None = None) -> tuple[LinkT
     50 GB/s = 400 Gb/s NDR (DGX H100). Latencies: NVLink ~3 us, InfiniBand ~8 us per hop
     (NCCL tests, typical ring latency per step).
     """
+    from meshplan.calibration.builtin import builtin_link_value
     nic_gbps = gpu.default_nic_gbps if nic_gbps is None else nic_gbps
+    e_intra = builtin_link_value("intra_node", gpu.intra_node_link) or NVLINK_EFFICIENCY
+    e_inter = builtin_link_value("inter_node", "infiniband") or NIC_EFFICIENCY
     intra = LinkTier(name="intra_node", bandwidth_gbps=gpu.intra_node_bandwidth_gbps,
-                     latency_us=3.0, efficiency=NVLINK_EFFICIENCY, kind=gpu.intra_node_link)
+                     latency_us=3.0, efficiency=e_intra, kind=gpu.intra_node_link)
     inter = LinkTier(name="inter_node", bandwidth_gbps=nic_gbps, latency_us=8.0,
-                     efficiency=NIC_EFFICIENCY, kind="infiniband")
+                     efficiency=e_inter, kind="infiniband")
     return intra, inter
 

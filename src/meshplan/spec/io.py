@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from meshplan.calibration.builtin import builtin_gpu_value, builtin_link_value
 from meshplan.errors import MeshplanError
 from meshplan.spec.base import SCHEMA_VERSION, _coerce, from_dict, positive, to_dict
 from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, default_links
@@ -138,7 +139,16 @@ def model_from_dict(data: dict[str, Any], where: str = "model") -> ModelSpec:
 
 
 def gpu_from_dict(data: dict[str, Any], where: str = "gpu") -> GPUSpec:
+    """A GPUSpec; efficiencies the file does not state come from the built-in calibration of its
+    family (times its clock_ratio), else the GPUSpec defaults (priors)."""
     d, _ = _strip_meta(data, where)
+    d = dict(d)
+    family, ratio = d.get("family"), d.get("clock_ratio", 1.0)
+    if isinstance(family, str) and isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
+        for f in ("gemm_efficiency", "attention_efficiency"):
+            v = builtin_gpu_value(f, family)
+            if f not in d and v is not None:
+                d[f] = min(1.0, v * ratio)
     return from_dict(GPUSpec, d, where=where)
 
 
@@ -282,6 +292,10 @@ def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> ClusterSp
         if isinstance(d.get(tier), dict):
             base = to_dict(intra if tier == "intra_node" else inter)
             base.update({"name": tier, **d[tier]})
+            kind = base.get("kind")
+            fitted = builtin_link_value(tier, kind) if isinstance(kind, str) else None
+            if "efficiency" not in d[tier] and fitted is not None:
+                base["efficiency"] = fitted  # the calibrated efficiency of this link kind
             d[tier] = from_dict(LinkTier, base, where=f"{where}.{tier}")
     return from_dict(ClusterSpec, d, where=where)
 

@@ -1,0 +1,352 @@
+"""Fit a calibration to measured runs, and leave-one-source-out cross-validation.
+
+The fit is maximum a posteriori over the named parameters of calibration.space:
+
+  time:    sum over runs of w_i soft_l1(log(predicted / measured step time)) / NOISE^2
+           + sum over parameters ((u - u_prior) / sigma)^2          (u = log value or value)
+  memory:  the same on measured peak memory, plus a hinge on out-of-memory outcomes (a run that
+           ran out of memory must be predicted above the usable memory, one that ran below it)
+
+Each source's rows together weigh sqrt(rows) (w_i = rows^-1/2), so that one big sweep does not
+decide every constant. Levenberg-Marquardt on the transformed parameters with a forward-difference
+Jacobian; each Jacobian column re-estimates only the runs that parameter can move (a GPU family's
+efficiency only its runs). Time and memory parameters are fitted separately: memory does not
+depend on the time parameters.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshplan.calibration.builtin import gpu_key, link_key
+from meshplan.calibration.space import GLOBAL, GPU_FIELDS, Fittable, by_name
+from meshplan.calibration.store import Calibration
+from meshplan.cost.batch import estimate_batch
+from meshplan.cost.memory import usable_gib
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.errors import MeshplanError
+
+NOISE = 0.05
+"""Per-run scatter the data term assumes (log units): the +-3% repeat noise of one vendor's
+measurements plus the model's own error on a run."""
+SOFT = 0.10
+"""Soft-L1 scale (log units): errors beyond ~10% count linearly, so a few odd runs do not
+drag the constants."""
+HINGE = 0.02
+"""Scale of the out-of-memory hinge (log units)."""
+
+
+def case_params(case: Any, base: CostParams = DEFAULT_PARAMS) -> CostParams:
+    """A run's CostParams: its codebase's profile and its own cells (e.g. its attention kernel)."""
+    from meshplan.cost.profile import get_profile
+    p = get_profile(getattr(case, "profile", None) or None).apply(base)
+    over = getattr(case, "overrides", None) or {}
+    return p.replace(**over) if over else p
+
+
+@dataclass
+class Runs:
+    """The runs a fit uses, with what each can say."""
+
+    cases: list[Any]
+    bases: list[CostParams]
+    step: np.ndarray
+    """measured step time (nan where none)"""
+    mem: np.ndarray
+    """measured peak memory, GiB (nan where none)"""
+    fits: np.ndarray
+    """+1 ran, -1 ran out of memory, 0 unknown"""
+    source: np.ndarray
+    family: np.ndarray
+    links: list[set[str]]
+
+    def __len__(self) -> int:
+        return len(self.cases)
+
+    def subset(self, idx: Sequence[int] | np.ndarray) -> Runs:
+        ix = list(np.asarray(idx, dtype=int))
+        return Runs([self.cases[i] for i in ix], [self.bases[i] for i in ix], self.step[ix], self.mem[ix],
+                    self.fits[ix], self.source[ix], self.family[ix], [self.links[i] for i in ix])
+
+    @property
+    def weights(self) -> np.ndarray:
+        n = {s: int((self.source == s).sum()) for s in set(self.source.tolist())}
+        return np.array([n[s] ** -0.5 for s in self.source])
+
+
+def _links(cluster: Any) -> set[str]:
+    out = set()
+    for tier in ("intra_node", "inter_node", "inter_dc"):
+        t = getattr(cluster, tier, None)
+        if t is not None:
+            out.add(link_key(t.name, t.kind))
+    return out
+
+
+def runs_from_cases(cases: Sequence[Any], base: CostParams = DEFAULT_PARAMS) -> Runs:
+    """The expressible runs with a measured step time, peak memory or fit outcome."""
+    from meshplan.spec.constraints import violations
+    keep = []
+    for c in cases:
+        if not getattr(c, "ok", False):
+            continue
+        if c.measured_step_time_s is None and c.measured_peak_mem_gib is None and c.measured_fits is None:
+            continue
+        if violations(c.model, c.cluster, c.plan, c.work):
+            continue
+        keep.append(c)
+    return Runs(
+        cases=keep, bases=[case_params(c, base) for c in keep],
+        step=np.array([c.measured_step_time_s or np.nan for c in keep], dtype=float),
+        mem=np.array([c.measured_peak_mem_gib or np.nan for c in keep], dtype=float),
+        fits=np.array([0 if c.measured_fits is None else (1 if c.measured_fits else -1) for c in keep]),
+        source=np.array([c.source_id for c in keep]),
+        family=np.array([c.cluster.gpu.family for c in keep]),
+        links=[_links(c.cluster) for c in keep])
+
+
+def predict(runs: Runs, values: dict[str, float], idx: Sequence[int] | None = None,
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step time s, peak memory GiB, usable GiB) of runs ``idx`` (all) under ``values``."""
+    cal = Calibration(values)
+    ix = range(len(runs)) if idx is None else idx
+    t, m, u = [], [], []
+    for i in ix:
+        c = runs.cases[i]
+        p = cal.apply_params(runs.bases[i])
+        cl = cal.apply_cluster(c.cluster)
+        r = estimate_batch(c.model, cl, c.work, [c.plan], p)
+        t.append(float(r["step_time_s"][0]))
+        m.append(float(r["peak_memory_gib"][0]))
+        u.append(usable_gib(cl, p))
+    return np.array(t), np.array(m), np.array(u)
+
+
+def default_names(runs: Runs, target: str) -> list[str]:
+    """Every parameter of ``target`` ('time' or 'memory') the runs can inform."""
+    if target == "memory":
+        return [f.name for f in GLOBAL if f.target == "memory"]
+    names = [f.name for f in GLOBAL if f.target == "time"]
+    timed = ~np.isnan(runs.step)
+    for fam in sorted({f for f, ok in zip(runs.family, timed) if ok and f}):
+        names += [gpu_key(k, fam) for k in GPU_FIELDS]
+    names += sorted({k for ls, ok in zip(runs.links, timed) if ok for k in ls})
+    return names
+
+
+def fittable(name: str) -> Fittable:
+    try:
+        return by_name(name)
+    except KeyError:
+        from meshplan.calibration.space import all_names_help
+        raise MeshplanError(f"--fit: unknown parameter {name!r}", hint=f"parameters: {all_names_help()}") from None
+
+
+def _affects(name: str, runs: Runs) -> np.ndarray:
+    """Which runs parameter ``name`` can move."""
+    if "@" not in name:
+        return np.ones(len(runs), dtype=bool)
+    field_, _, rest = name.partition("@")
+    if field_ in GPU_FIELDS:
+        return runs.family == rest
+    return np.array([name in ls for ls in runs.links])
+
+
+@dataclass
+class FitResult:
+    values: dict[str, float]
+    start: dict[str, float]
+    names: list[str]
+    iterations: int
+    seconds: float
+    cost: float
+    rows: int
+    history: list[float] = field(default_factory=list)
+
+
+def _soft(e: np.ndarray) -> np.ndarray:
+    """Signed square root of the soft-L1 loss: ~e for small e, ~sqrt(2 SOFT |e|) for large."""
+    rho = 2 * SOFT ** 2 * (np.sqrt(1 + (e / SOFT) ** 2) - 1)
+    return np.sign(e) * np.sqrt(rho)
+
+
+def _fit(runs: Runs, names: list[str], start: dict[str, float], target: str,
+         max_iter: int, progress: Callable[[str], None] | None) -> FitResult:
+    specs = [fittable(n) for n in names]
+    lo = np.array([math.log(f.low) if f.log else f.low for f in specs])
+    hi = np.array([math.log(f.high) if f.log else f.high for f in specs])
+    prior = np.array([math.log(f.prior) if f.log else f.prior for f in specs])
+    sig = np.array([f.sigma for f in specs])
+
+    def to_val(u: np.ndarray) -> dict[str, float]:
+        return {n: float(math.exp(x) if f.log else x) for n, f, x in zip(names, specs, u)}
+
+    if target == "time":
+        rows = np.nonzero(~np.isnan(runs.step))[0]
+    else:
+        rows = np.nonzero(~np.isnan(runs.mem) | (runs.fits != 0))[0]
+    w = runs.subset(rows).weights if len(rows) else np.zeros(0)
+    affects = [(_affects(n, runs)[rows]) for n in names]
+
+    def data_res(pred: tuple[np.ndarray, np.ndarray, np.ndarray], sel: np.ndarray) -> np.ndarray:
+        t, m, u = pred
+        r = rows[sel]
+        ws = np.sqrt(w[sel])
+        if target == "time":
+            return ws * _soft(np.log(t / runs.step[r])) / NOISE
+        out = np.zeros(len(r))
+        has = ~np.isnan(runs.mem[r])
+        out[has] = _soft(np.log(m[has] / runs.mem[r][has])) / NOISE
+        f = runs.fits[r]
+        over = np.log(np.maximum(m, 1e-9) / u)
+        miss = np.where(f < 0, np.maximum(0, -over), np.where((f > 0) & ~has, np.maximum(0, over), 0))
+        return ws * (out + miss / HINGE)
+
+    def evaluate(vals: dict[str, float], sel: np.ndarray) -> np.ndarray:
+        full = {**start, **vals}
+        return data_res(predict(runs, full, rows[sel]), sel)
+
+    u = np.clip(np.array([math.log(start[n]) if f.log else start[n] for n, f in zip(names, specs)]), lo, hi)
+    everything = np.ones(len(rows), dtype=bool)
+    t0 = time.perf_counter()
+    d = evaluate(to_val(u), everything)
+
+    def total(d: np.ndarray, u: np.ndarray) -> float:
+        return float(d @ d + (((u - prior) / sig) ** 2).sum())
+
+    cost, lam, it, hist = total(d, u), 1e-2, 0, []
+    hist.append(cost)
+    h = 1e-3
+    for it in range(1, max_iter + 1):
+        J = np.zeros((len(rows), len(names)))
+        for j in range(len(names)):
+            sel = affects[j]
+            if not sel.any():
+                continue
+            up = u.copy()
+            step = h if u[j] + h <= hi[j] else -h
+            up[j] += step
+            J[sel, j] = (evaluate(to_val(up), sel) - d[sel]) / step
+        P = np.diag(1 / sig ** 2)
+        g = J.T @ d + P @ (u - prior)
+        A = J.T @ J + P
+        improved = False
+        for _ in range(8):
+            delta = np.linalg.solve(A + lam * np.diag(np.diag(A)), -g)
+            un = np.clip(u + delta, lo, hi)
+            dn = evaluate(to_val(un), everything)
+            cn = total(dn, un)
+            if cn < cost:
+                rel = (cost - cn) / max(cost, 1e-12)
+                u, d, cost, lam, improved = un, dn, cn, max(lam / 3, 1e-6), True
+                break
+            lam *= 4
+        hist.append(cost)
+        if progress:
+            progress(f"  {target} iteration {it}: cost {cost:.4g}")
+        if not improved or rel < 1e-4:
+            break
+    return FitResult(to_val(u), {n: start[n] for n in names}, names, it, time.perf_counter() - t0, cost,
+                     len(rows), hist)
+
+
+def fit(runs: Runs, names: Sequence[str] | None = None, *, start: dict[str, float] | None = None,
+        from_prior: bool = True, max_iter: int = 25,
+        progress: Callable[[str], None] | None = None) -> tuple[dict[str, float], list[FitResult]]:
+    """Fit ``names`` (default: every parameter the runs inform) to ``runs``.
+
+    Parameters not fitted keep ``start`` (default: the built-in calibration). With ``from_prior``
+    the fitted ones start at their priors, so the result does not depend on the built-in values
+    (what cross-validation needs). Returns (all values, one FitResult per target fitted)."""
+    from meshplan.calibration.store import builtin
+    base = dict(builtin().values)
+    if start:
+        base.update(start)
+    results = []
+    for target in ("time", "memory"):
+        default = default_names(runs, target)
+        chosen = [n for n in (default if names is None else names) if fittable(n).target == target]
+        if not chosen:
+            continue
+        init = dict(base)
+        for n in chosen:
+            f = fittable(n)
+            init[n] = f.prior if from_prior or n not in init else init[n]
+        res = _fit(runs, chosen, init, target, max_iter, progress)
+        base.update(res.values)
+        results.append(res)
+    return base, results
+
+
+@dataclass
+class Fold:
+    source_id: str
+    n: int
+    errors_pct: list[float]
+    oom: list[tuple[bool, bool]]
+    """(measured fits, predicted fits) of the source's runs with a fit outcome."""
+    mem_errors_pct: list[float]
+    values: dict[str, float]
+    seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        e = np.abs(np.array(self.errors_pct)) if self.errors_pct else None
+        out: dict[str, Any] = {
+            "source_id": self.source_id, "n": self.n,
+            "step_rows": len(self.errors_pct),
+            "step_mape_pct": None if e is None else round(float(e.mean()), 2),
+            "max_abs_error_pct": None if e is None else round(float(e.max()), 2),
+            "step_bias_pct": None if e is None else round(float(np.mean(self.errors_pct)), 2),
+            "memory_mape_pct": (round(float(np.mean(np.abs(self.mem_errors_pct))), 2)
+                                if self.mem_errors_pct else None),
+            "seconds": round(self.seconds, 1)}
+        if any(not m for m, _ in self.oom):
+            ok = sum(m == p for m, p in self.oom)
+            out["oom_accuracy_pct"] = round(100 * ok / len(self.oom), 1)
+            out["oom_runs"] = sum(not m for m, _ in self.oom)
+            out["oom_predicted_to_fit"] = sum((not m) and p for m, p in self.oom)
+        return out
+
+
+def cross_validate(runs: Runs, names: Sequence[str] | None = None, *, max_iter: int = 25,
+                   progress: Callable[[str], None] | None = None) -> list[Fold]:
+    """Leave one source out: fit on the other sources (from the priors), predict the one left out."""
+    folds = []
+    for s in dict.fromkeys(runs.source.tolist()):
+        t0 = time.perf_counter()
+        test = np.nonzero(runs.source == s)[0]
+        train = runs.subset(np.nonzero(runs.source != s)[0])
+        vals, _ = fit(train, names, max_iter=max_iter)
+        t, m, u = predict(runs, vals, test)
+        step, mem, fits = runs.step[test], runs.mem[test], runs.fits[test]
+        has_t, has_m = ~np.isnan(step), ~np.isnan(mem)
+        err = ((t[has_t] / step[has_t] - 1) * 100).tolist()
+        merr = ((m[has_m] / mem[has_m] - 1) * 100).tolist()
+        oom = [(bool(f > 0), bool(mm <= uu)) for f, mm, uu in zip(fits, m, u) if f != 0]
+        fold = Fold(s, len(test), err, oom, merr, vals, time.perf_counter() - t0)
+        folds.append(fold)
+        if progress:
+            sm = fold.summary()
+            progress(f"  left out {s}: {len(test)} runs, step MAPE {sm['step_mape_pct']}%, "
+                     f"{fold.seconds:.1f} s")
+    return folds
+
+
+def pooled(folds: Sequence[Fold]) -> dict[str, Any]:
+    """Every run predicted by the fold that left its source out, pooled."""
+    e = np.abs(np.array([x for f in folds for x in f.errors_pct]))
+    oom = [x for f in folds for x in f.oom]
+    big = [f for f in folds if len(f.errors_pct) >= 3]
+    return {"step_mape_pct": round(float(e.mean()), 2) if len(e) else None,
+            "max_abs_error_pct": round(float(e.max()), 2) if len(e) else None,
+            "worst_source_mape_pct": (round(max(float(np.mean(np.abs(f.errors_pct))) for f in big), 2)
+                                      if big else None),
+            "mean_source_mape_pct": (round(float(np.mean([np.mean(np.abs(f.errors_pct)) for f in big])), 2)
+                                     if big else None),
+            "oom_accuracy_pct": (round(100 * sum(m == p for m, p in oom) / len(oom), 1) if oom else None),
+            "runs": int(sum(len(f.errors_pct) for f in folds))}

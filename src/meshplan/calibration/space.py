@@ -1,0 +1,109 @@
+"""The cost model's fittable parameters: named, bounded, physically meaningful, each with a prior.
+
+A calibration fits a handful of these to measured runs by maximum a posteriori: the runs' log
+errors against a Gaussian prior on each parameter (in log space for positive rates, linear for
+fractions that may be 0). A parameter the runs say nothing about stays at its prior, which is
+a first-principles or published value, never a value fitted to the same runs; that is what
+makes a leave-one-source-out fold honest (a GPU family no other source ran keeps its prior).
+
+Kinds:
+  param  a CostParams field (global: kernels, overlap, memory).
+  gpu    a GPU family's efficiency (gemm_efficiency@hopper); each part gets value x clock_ratio.
+  link   a link kind's achieved fraction of line rate (link_efficiency@inter_node:infiniband).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.calibration.builtin import gpu_key, link_key
+
+
+@dataclass(frozen=True)
+class Fittable:
+    """One parameter a calibration may fit."""
+
+    name: str
+    low: float
+    high: float
+    prior: float
+    sigma: float
+    """Prior standard deviation: of log(value) when ``log``, else of the value."""
+    log: bool
+    target: str
+    """'time' (fitted to step times) or 'memory' (to peak memory and out-of-memory outcomes)."""
+    meaning: str
+
+    @property
+    def kind(self) -> str:
+        return "gpu" if "@" in self.name and not self.name.startswith("link_") else (
+            "link" if self.name.startswith("link_") else "param")
+
+
+#: Global CostParams fields. Priors: published kernel and collective behaviour.
+GLOBAL: tuple[Fittable, ...] = (
+    Fittable("gemm_half_dim", 8.0, 1024.0, 128.0, 0.7, True, "time",
+             "GEMM weight dimension at which throughput halves (tile/wave quantisation; a 128-wide "
+             "tile is the usual cuBLAS/CUTLASS tile)"),
+    Fittable("gemm_half_tokens", 4.0, 1024.0, 128.0, 0.7, True, "time",
+             "GEMM token dimension at which throughput halves"),
+    Fittable("attn_half_seq", 16.0, 8192.0, 512.0, 0.7, True, "time",
+             "keys per attention call at which FlashAttention's throughput halves (FA2 paper: "
+             "~60% of the long-sequence rate at 512 keys)"),
+    Fittable("hbm_efficiency", 0.5, 0.95, 0.85, 0.1, True, "time",
+             "achieved fraction of HBM bandwidth by elementwise kernels (STREAM-like copies reach "
+             "85-90% on A100/H100)"),
+    Fittable("flash_bwd_efficiency", 0.5, 1.0, 0.8, 0.15, True, "time",
+             "FlashAttention backward throughput relative to forward (FA2 paper: bwd 50-60% of "
+             "peak where fwd reaches ~70%)"),
+    Fittable("overlap_slowdown", 0.0, 0.6, 0.15, 0.1, False, "time",
+             "slowdown of compute while a collective overlaps it (Rashidi et al. ISCA 2021: "
+             "1.1-1.4x)"),
+    Fittable("allocator_fragmentation", 0.0, 0.3, 0.05, 0.05, False, "memory",
+             "caching-allocator reserve over live activations and transients"),
+    Fittable("framework_overhead_gib", 0.2, 5.0, 1.0, 0.5, True, "memory",
+             "NCCL buffers, cuBLAS workspaces and framework state, GiB (0.5-1.5 GiB measured)"),
+)
+
+#: Per GPU family. Priors: large cuBLAS GEMMs reach 70-80% of the dense peak at sustained clocks
+#: (NVIDIA 'Matrix Multiplication Background' guide); FlashAttention-2's forward reaches about
+#: half the GEMM rate on A100 and a third on H100 (FA2 paper), before causal masking and short
+#: sequences (attn_half_seq).
+GPU_FIELDS: dict[str, tuple[float, float, float, float]] = {  # field: (low, high, prior, log sigma)
+    "gemm_efficiency": (0.3, 0.95, 0.75, 0.2),
+    "attention_efficiency": (0.1, 0.8, 0.4, 0.35),
+}
+
+#: Links. Prior: NCCL rings reach ~80% of line rate as bus bandwidth (nccl-tests on DGX A100/H100).
+LINK_BOUNDS = (0.15, 0.98)
+LINK_PRIOR = (0.8, 0.3)
+
+
+def gpu_param(field: str, family: str) -> Fittable:
+    lo, hi, prior, sigma = GPU_FIELDS[field]
+    return Fittable(gpu_key(field, family), lo, hi, prior, sigma, True, "time",
+                    f"{family} GPUs: {'large-GEMM' if field == 'gemm_efficiency' else 'FlashAttention forward'} "
+                    "fraction of the dense peak (each part: x its clock_ratio)")
+
+
+def link_param(tier: str, kind: str) -> Fittable:
+    return Fittable(link_key(tier, kind), *LINK_BOUNDS, *LINK_PRIOR, True, "time",
+                    f"achieved fraction of {kind} line rate ({tier}) by NCCL collectives")
+
+
+def by_name(name: str) -> Fittable:
+    """The Fittable called ``name`` (a global, gemm_efficiency@FAMILY or link_efficiency@TIER:KIND)."""
+    for f in GLOBAL:
+        if f.name == name:
+            return f
+    field, _, rest = name.partition("@")
+    if field in GPU_FIELDS and rest:
+        return gpu_param(field, rest)
+    if field == "link_efficiency" and ":" in rest:
+        tier, _, kind = rest.partition(":")
+        return link_param(tier, kind)
+    raise KeyError(name)
+
+
+def all_names_help() -> str:
+    return (", ".join(f.name for f in GLOBAL) + ", gemm_efficiency@FAMILY, attention_efficiency@FAMILY, "
+            "link_efficiency@TIER:KIND")

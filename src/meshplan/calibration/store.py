@@ -1,0 +1,126 @@
+"""A calibration: fitted parameter values, where they came from, and how to apply them.
+
+    cal = load_calibration("calibration.json")
+    params = cal.apply_params(params)       # CostParams fields
+    cluster = cal.apply_cluster(cluster)    # GPU family efficiencies and link efficiencies
+
+The file (JSON): {"schema_version": 1, "kind": "calibration", "values": {name: value},
+"fitted_from": {...}, "changes": {name: {"from": x, "to": y}}, ...}. Only the names in
+``values`` are applied; everything else keeps the built-in calibration's numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshplan.calibration.builtin import builtin_calibration, gpu_key, link_key
+from meshplan.calibration.space import GPU_FIELDS, all_names_help, by_name
+from meshplan.cost.params import CostParams
+from meshplan.errors import MeshplanError
+from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    values: dict[str, float]
+    source: str = "built-in"
+    """Where it was read from (a path, or 'built-in')."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """fitted_from, changes, fit statistics: whatever the file carries besides values."""
+
+    def apply_params(self, p: CostParams) -> CostParams:
+        changes = {k: v for k, v in self.values.items() if "@" not in k}
+        return p.replace(**changes) if changes else p
+
+    def apply_gpu(self, g: GPUSpec) -> GPUSpec:
+        ch = {f: self.values[gpu_key(f, g.family)] * g.clock_ratio
+              for f in GPU_FIELDS if gpu_key(f, g.family) in self.values}
+        return dataclasses.replace(g, **{k: min(1.0, v) for k, v in ch.items()}) if ch else g
+
+    def apply_link(self, t: LinkTier | None) -> LinkTier | None:
+        if t is None:
+            return None
+        v = self.values.get(link_key(t.name, t.kind))
+        return t if v is None else dataclasses.replace(t, efficiency=v)
+
+    def apply_cluster(self, c: ClusterSpec) -> ClusterSpec:
+        ch: dict[str, Any] = {"gpu": self.apply_gpu(c.gpu)}
+        for tier in ("intra_node", "inter_node", "inter_dc"):
+            t = getattr(c, tier, None)
+            if t is not None:
+                ch[tier] = self.apply_link(t)
+        return c.replace(**ch)
+
+    def describe(self) -> list[str]:
+        """One line per value: name = value (and what it was before, when the file says)."""
+        changes = self.info.get("changes", {})
+        out = []
+        for k, v in sorted(self.values.items()):
+            was = changes.get(k, {}).get("from")
+            out.append(f"{k} = {v:.4g}" + (f" (built-in {was:.4g})" if isinstance(was, (int, float)) else ""))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "kind": "calibration", **self.info,
+                "values": {k: float(v) for k, v in sorted(self.values.items())}}
+
+
+def _check_values(values: Any, where: str) -> dict[str, float]:
+    if not isinstance(values, dict):
+        raise MeshplanError(f"{where}: 'values' must be a table of parameter name -> number")
+    out: dict[str, float] = {}
+    for k, v in values.items():
+        try:
+            f = by_name(k)
+        except KeyError:
+            raise MeshplanError(f"{where}: unknown parameter {k!r}",
+                                hint=f"calibrated parameters: {all_names_help()}") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise MeshplanError(f"{where}: {k} must be a number; got {v!r}")
+        if not f.low <= v <= f.high:
+            raise MeshplanError(f"{where}: {k} = {v} is outside its physical range [{f.low:g}, {f.high:g}]",
+                                hint="refit with `meshplan calibrate`, or correct the value")
+        out[k] = float(v)
+    return out
+
+
+def calibration_from_dict(data: Any, where: str) -> Calibration:
+    if not isinstance(data, dict) or data.get("kind") not in (None, "calibration") or "values" not in data:
+        raise MeshplanError(f"{where}: not a calibration file (expected a JSON object with 'values')",
+                            hint="write one with `meshplan calibrate --runs RUNS.csv --out calibration.json`")
+    info = {k: v for k, v in data.items() if k not in ("values", "schema_version", "kind")}
+    return Calibration(_check_values(data["values"], where), where, info)
+
+
+def load_calibration(path: str) -> Calibration:
+    """A calibration file written by `meshplan calibrate` (clear errors, never a traceback)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise MeshplanError(f"cannot read --calibration {path}: {e.strerror or e}",
+                            hint="give the JSON file `meshplan calibrate --out` wrote") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise MeshplanError(f"--calibration {path}: not valid JSON ({e.msg}, line {e.lineno})",
+                            hint="give the JSON file `meshplan calibrate --out` wrote") from None
+    return calibration_from_dict(data, f"--calibration {path}")
+
+
+def save_calibration(cal: Calibration, path: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(json.dumps(cal.to_dict(), indent=1) + "\n")
+    except OSError as e:
+        raise MeshplanError(f"cannot write --out {path}: {e.strerror or e}") from None
+
+
+def builtin() -> Calibration:
+    data = builtin_calibration()
+    return calibration_from_dict(data, "built-in calibration") if data else Calibration({})
