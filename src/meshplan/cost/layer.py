@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from meshplan.cost.activations import attention_saved_bytes
 from meshplan.cost.compute import attention_seconds, gemm_time, mem_time
 from meshplan.cost.params import CostParams
 from meshplan.spec.cluster import GPUSpec
@@ -113,8 +114,7 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
         rc_flops = {"full": lin_flops + att_flops, "op": lin_flops / 2,
                     "selective": att_flops}.get(c.recompute, 0.0)
     split = o.saved_split[k]
-    if o.attention is not None and not c.flash_attention and c.recompute not in ("selective", "full"):
-        split += 5 * o.attention.heads * s  # scores over all s keys: softmax, mask, dropout
+    split += attention_saved_bytes(o.attention, c.flash_attention, p, s, c.recompute)  # unfused: s x s scores
     full = (o.saved_rep / sp + split / t + o.saved_whole) * scale
     inp = o.saved_input / sp * scale
     op = (o.saved_op[0] / sp + o.saved_op[1] / t) * scale
