@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 
 from meshplan.cost.comm import Group, exposed_under, staged_fsdp_exposed, staged_fsdp_overlapped
+from meshplan.cost.compute import loss_kind
 from meshplan.cost.layer import QUANTITIES, act_scale, table
 from meshplan.cost.memory import (
+    BF16_LOGITS_BYTES_PER_ELEM,
     FUSED_LOGITS_BYTES_PER_ELEM,
     LOGITS_BYTES_PER_ELEM,
     VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
@@ -587,7 +589,8 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     zero, pp = col(cols["zero"]), col(cols["pp"])
     plocal = a.plocal
     w, g, o, buffers = model_state_arrays(plocal, col(a.lp_unit), zero, col(a.shard), flag(cols["offload_params"]),
-                                          flag(cols["offload_optimizer"]), col(cols["dp"] * cols["cp"]), p)
+                                          flag(cols["offload_optimizer"]), col(cols["dp"] * cols["cp"]), p,
+                                          np.asarray(cols["precision"])[:, None])
     per_step = (zero == 3) & (pp > 1)  # pipelined FSDP keeps unsharded bf16 params + fp32 grads
     w, g = w + per_step * 2 * plocal, g + per_step * 4 * plocal
 
@@ -608,29 +611,50 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     acts = kept * inflight
     logits = np.zeros(C.shape)
     for b in a.lay.ids_where(a.lay.loss):
-        logits = np.maximum(logits, np.where(C.slices[b] > 0, logit_bytes(a, b)[:, None], 0.0))
+        logits = np.maximum(logits, np.where(C.slices[b] > 0, logit_bytes(a, b, p)[:, None], 0.0))
     has_loss = logits > 0
     transient = np.where(has_loss, np.maximum(transient, logits), transient) + buffers
     transient = transient + p.allocator_fragmentation * (acts + transient)
+    # The optimizer step's temporaries (torch's foreach AdamW: CostParams.optimizer_temp_bytes per
+    # parameter it updates) live after the backward, when the activations are freed: the peak is
+    # the larger of the two.
+    offo = flag(cols["offload_optimizer"])
+    opt_tmp = np.where(offo, 0.0, p.optimizer_temp_bytes * plocal / np.where(zero >= 1, col(a.shard), 1.0))
+    transient = np.maximum(transient, opt_tmp - acts)
+    overhead = (p.framework_overhead_gib + p.cuda_context_gib + p.nccl_buffer_gib) * GiB
     parts = {"weights": w, "grads": g, "optimizer": o, "activations": acts, "transient": transient,
-             "overhead": np.broadcast_to(p.framework_overhead_gib * GiB, plocal.shape)}
+             "overhead": np.broadcast_to(overhead, plocal.shape)}
     # Host memory the offload takes per GPU: the optimizer states it moves (Adam's fp32 m, v, and
     # the master copy but with ZeRO-3), and with parameter offload FSDP's fp32 parameter and
     # gradient shards (FSDP2's CPUOffloadPolicy keeps both on the host).
-    offo, offp = flag(cols["offload_optimizer"]), flag(cols["offload_params"])
+    offp = flag(cols["offload_params"])
     opt_host = np.where(zero == 3, 8.0, 12.0) * plocal / np.where(zero >= 1, col(a.shard), 1.0)
     parts["host"] = np.where(offo, opt_host, 0.0) + np.where(offp & (zero == 3), 8.0 * plocal / col(a.shard), 0.0)
     return {k: np.where(a.valid, v, np.nan) for k, v in parts.items()}
 
 
-def logit_bytes(a: Assembly, b: int) -> np.ndarray:
+def logit_bytes(a: Assembly, b: int, p: CostParams = DEFAULT_PARAMS) -> np.ndarray:
     """(rows) bytes alive at the cross-entropy of loss layer ``b`` for one micro-batch: its logits
-    (split over TP when vocabulary-parallel) at the bytes per element of the loss's kernels."""
+    (split over TP when vocabulary-parallel) at the bytes per element of the loss's kernels
+    (compute.loss_kind; fp32 upcast or not, CostParams.logits_fp32). A chunked loss (Liger's fused
+    linear cross-entropy) holds one chunk of ceil(vocab / hidden) at a time, at the fused bytes."""
     tp = np.asarray(a.cols["tp"], dtype=float)
     split = bool(a.lay.loss_split[b])
-    per = np.where(np.asarray(a.cols["fused_loss"], dtype=bool), FUSED_LOGITS_BYTES_PER_ELEM,
-                   np.where((tp > 1) & split, VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM, LOGITS_BYTES_PER_ELEM))
+    fused = np.asarray(a.cols["fused_loss"], dtype=bool)
+    kinds = {f: loss_kind(f, p) for f in (False, True)}
+    torch_per = np.where((tp > 1) & split, VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
+                         LOGITS_BYTES_PER_ELEM) if p.logits_fp32 else np.full(len(tp), BF16_LOGITS_BYTES_PER_ELEM)
+    chunks = max(1.0, float(np.ceil(a.lay.vocab[b] / max(1.0, _loss_hidden(a.lay.ops[b])))))
+    per_kind = {"torch": torch_per, "fused": np.full(len(tp), FUSED_LOGITS_BYTES_PER_ELEM),
+                "chunked": np.full(len(tp), FUSED_LOGITS_BYTES_PER_ELEM / chunks)}
+    per = np.where(fused, per_kind[kinds[True]], per_kind[kinds[False]])
     return a.tokens * a.lay.vocab[b] / (tp if split else 1.0) * per
+
+
+def _loss_hidden(o: Any) -> float:
+    """The input width of a loss layer's output GEMM (the hidden size; Liger chunks the logits
+    into ceil(vocab / hidden) pieces), or the vocabulary when it has none (one chunk)."""
+    return max((float(g.k) for g in o.gemms), default=float(o.loss_vocab))
 
 
 def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, step: np.ndarray,

@@ -175,9 +175,10 @@ def output_static_bytes(a: _b.Assembly, p: CostParams) -> float:
     n = float((lp * a.lay.suffix[None, :]).sum(1)[0])
     plan_z, shard = int(cols["zero"][0]), float(a.shard[0])
     w, g, o, _ = model_state_arrays(n, 0.0, plan_z, shard, bool(cols["offload_params"][0]),
-                                    bool(cols["offload_optimizer"][0]), float(cols["dp"][0] * cols["cp"][0]), p)
+                                    bool(cols["offload_optimizer"][0]), float(cols["dp"][0] * cols["cp"][0]), p,
+                                    str(cols["precision"][0]))
     states = float(w + g + o) + (6.0 * n if plan_z == 3 and int(cols["pp"][0]) > 1 else 0.0)
-    logits = max((float(_b.logit_bytes(a, b)[0]) for b in a.lay.ids_where(a.lay.loss)), default=0.0)
+    logits = max((float(_b.logit_bytes(a, b, p)[0]) for b in a.lay.ids_where(a.lay.loss)), default=0.0)
     rec = str(cols["recompute"][0])
     t = float(a.tokens[0])
     block = t * float(np.max(np.where(a.lay.is_block, a.q["full"][0], 0.0))) if rec in ("full", "op") else 0.0

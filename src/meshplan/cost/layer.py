@@ -10,12 +10,14 @@ tokens per GPU, tensor-parallel degree t:
              T top_k / (E / ep) token-expert pairs each receives. Backward: input gradients and
              weight gradients, each the forward's GEMMs again (Narayanan et al. 2021).
   attention  4 b s^2 q / (t cp) FLOPs forward, halved for causal masks with FlashAttention's
-             block skipping; FlashAttention's efficiency from the head width and keys per call;
-             unfused: batched GEMMs at full s x s plus softmax/dropout bytes.
-  memory-bound  the fused or eager bytes per token (plan.compile), replicated ones divided by t
+             block skipping; FlashAttention's efficiency from the head width and keys per call,
+             times the kernel's published speed relative to FA2 (compute.FLASH_SPEED); unfused
+             (eager, fused-softmax): batched GEMMs at full s x s plus softmax/dropout bytes.
+  memory-bound  the fused or eager bytes per token (plan.compile or the profile's hand-fused
+             kernels: compute.elementwise_fused), replicated ones divided by t
              only with sequence parallelism, at the achieved HBM bandwidth; backward x ew_bwd_input.
-  loss       cross-entropy over the layer's logits: 14 B per logit forward and backward, 4 B and
-             0 fused (plan.fused_loss).
+  loss       cross-entropy over the layer's logits: 14 B per logit forward and backward (6 without
+             the fp32 upcast), 4 B and 0 fused or chunked (plan.fused_loss, compute.loss_kind).
   recompute  full: one more forward; op (torchtitan SAC): half the GEMMs + the memory-bound ops;
              selective (Megatron): the attention core.
   saved      bytes per token kept for the backward, with the same TP/SP splits; the unfused
@@ -30,13 +32,17 @@ from typing import Any
 import numpy as np
 
 from meshplan.cost.activations import attention_saved_bytes
-from meshplan.cost.compute import attention_seconds, gemm_time, mem_time
+from meshplan.cost.compute import attention_seconds, elementwise_fused, gemm_time, loss_kind, mem_time
 from meshplan.cost.params import CostParams
 from meshplan.spec.cluster import GPUSpec
 from meshplan.spec.graph import LayerOps
 
-#: Bytes per logit read/written by the cross-entropy (forward, backward): unfused and fused.
-CE_BYTES = {False: (14.0, 14.0), True: (4.0, 0.0)}
+#: Bytes per logit read/written by the cross-entropy (forward, backward), by kernel
+#: (compute.loss_kind): torch's on fp32-upcast logits (read bf16 2, write fp32 4, log-softmax
+#: read 4 write 4; the backward the same), torch's on 16-bit logits (2 + 2 + 2 each way), a fused
+#: in-place CE (read 2, write the gradient in place 2; nothing more in the backward), a chunked
+#: fused linear + CE (Liger: the same bytes per chunk).
+CE_BYTES = {"torch": (14.0, 14.0), "torch-bf16": (6.0, 6.0), "fused": (4.0, 0.0), "chunked": (4.0, 0.0)}
 #: Per-layer quantities, one column each (see LayerTable).
 QUANTITIES = ("f", "bi", "bw", "rc", "flops", "rc_flops", "full", "inp", "op", "loss_f", "loss_b")
 
@@ -70,7 +76,7 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
     b, s, t = c.micro_batch, seq_len, c.tp
     tokens = b * s / c.cp
     sp = t if c.sequence_parallel else 1
-    k = 0 if c.compile else 1
+    k = 0 if elementwise_fused(c.compile, p) else 1
     scale = act_scale(c.precision)
     fp8 = c.precision == "fp8" and o.fp8
     lin_peak = gpu.peak("fp8" if fp8 else ("bf16" if c.precision == "fp8" else c.precision))
@@ -103,7 +109,8 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
     loss_f = loss_b = 0.0
     if o.loss_vocab:
         logits = tokens * o.loss_vocab / (t if o.loss_split else 1)
-        fb, bb = CE_BYTES[c.fused_loss]
+        kind = loss_kind(c.fused_loss, p)
+        fb, bb = CE_BYTES["torch-bf16" if kind == "torch" and not p.logits_fp32 else kind]
         loss_f, loss_b = mem_time(logits * fb, gpu, p), mem_time(logits * bb, gpu, p)
     fwd = lin_fwd + att_f + ew_f + loss_f
     bwd_w = lin_fwd + o.ew_bwd_weight * ew_f

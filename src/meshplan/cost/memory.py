@@ -2,7 +2,8 @@
 
 Model states per parameter (mixed-precision Adam, Rajbhandari et al. 2020):
   ZeRO 0-2 (Megatron/DeepSpeed style): bf16 weights 2 B, grads 2 B (fp32 4 B with a
-  distributed optimizer), fp32 master + Adam m, v 12 B; ZeRO-1 shards the 12 B, ZeRO-2 also
+  distributed optimizer; the profile's CostParams.main_grads: Megatron's fp32 main grads also
+  under DDP, 18 B/param in all), fp32 master + Adam m, v 12 B; ZeRO-1 shards the 12 B, ZeRO-2 also
   the grads. ZeRO-3/FSDP: fp32 sharded params 4 B + fp32 grads 4 B + Adam 8 B, all sharded,
   plus the bf16 unsharded copies of the layers being computed.
 Activations per token of each layer come from its LayerOps (cost.layer; a transformer block's
@@ -33,6 +34,25 @@ log-softmax is decomposed into separate ops (max-subtract, exp, sum, log), each 
 full-size fp32 tensor for a while (~1.5 more than the single-kernel path)."""
 FUSED_LOGITS_BYTES_PER_ELEM = 4.0
 """The same with a fused cross-entropy: bf16 logits 2 + their gradient written in place 2."""
+BF16_LOGITS_BYTES_PER_ELEM = 6.0
+"""The same for torch's cross-entropy on 16-bit logits (CostParams.logits_fp32 = False): bf16
+logits 2 + bf16 log-softmax 2 + its bf16 gradient 2."""
+#: Bytes per parameter of the gradients held without ZeRO-3 (CostParams.main_grads).
+MAIN_GRAD_BYTES = {"fp32": 4.0, "bf16": 2.0}
+
+
+def grad_bytes(zero: Num, p: CostParams, precision: Num = None) -> Num:
+    """Gradient bytes per parameter for ZeRO 0-2 (before ZeRO-2's sharding): auto: 16-bit for
+    ZeRO-0, fp32 with a distributed optimizer (ZeRO-1/2); or the profile's main_grads: bf16
+    (16-bit), fp32 (Megatron: fp32 main grads, but fp16 runs keep 16-bit ones, as Megatron turns
+    accumulate_allreduce_grads_in_fp32 on for bf16 only). ``precision`` None (not known: the
+    search's bounds) gives the smaller."""
+    auto = np.where(np.asarray(zero) >= 1, 4.0, 2.0)
+    if p.main_grads == "bf16":
+        return np.where(np.asarray(zero) >= 0, 2.0, 0.0)
+    if p.main_grads == "fp32":
+        return auto if precision is None else np.where(np.asarray(precision) == "fp16", auto, 4.0)
+    return auto
 
 
 def usable_gib(cluster: ClusterSpec, p: CostParams = DEFAULT_PARAMS) -> float:
@@ -48,17 +68,19 @@ def fit_verdicts(peak_gib: Num, usable: float, p: CostParams) -> tuple[Num, Num]
 
 
 def model_state_arrays(params: Num, layer_params: Num, zero: Num, shard: Num, offload_params: Num,
-                       offload_optimizer: Num, dp_cp: Num, p: CostParams) -> tuple[Num, Num, Num, Num]:
+                       offload_optimizer: Num, dp_cp: Num, p: CostParams,
+                       precision: Num = None) -> tuple[Num, Num, Num, Num]:
     """(weights, grads, optimizer, transient) bytes for ``params`` parameters held by one GPU
-    before ZeRO sharding over ``shard`` ranks; ``layer_params`` for FSDP's gathered copies."""
+    before ZeRO sharding over ``shard`` ranks; ``layer_params`` for FSDP's gathered copies
+    (``precision``: the plan's, for the profile's main_grads; None: a lower bound)."""
     z3 = zero == 3
     w = np.where(z3, np.where(offload_params, 0, 4 * params / shard), 2 * params)
     # FSDP2's CPUOffloadPolicy keeps the sharded gradients on the host too (the host part, cost.batch)
     g = np.where(z3, np.where(offload_params, 0, 4 * params / shard),
-                 np.where(zero >= 1, 4, 2) * params / np.where(zero >= 2, shard, 1))
+                 grad_bytes(zero, p, precision) * params / np.where(zero >= 2, shard, 1))
     o = np.where(offload_optimizer, 0, np.where(z3, 8 * params / shard, 12 * params / np.where(zero >= 1, shard, 1)))
     gathered = (1 + p.fsdp_prefetch_layers) * layer_params * 2.0 + layer_params * 4.0
-    buckets = np.where(dp_cp > 1, 2 * p.dp_bucket_mib * 2**20, 0.0)
+    buckets = np.where(dp_cp > 1, p.dp_bucket_buffers * p.dp_bucket_mib * 2**20, 0.0)
     return w, g, o, np.where(z3, gathered, buckets)
 
 
@@ -66,5 +88,5 @@ def model_state_bytes(params: float, layer_params: float, plan: Plan,
                       p: CostParams) -> tuple[float, float, float, float]:
     """model_state_arrays for one plan."""
     out = model_state_arrays(params, layer_params, plan.zero, plan.effective_shard, plan.offload_params,
-                             plan.offload_optimizer, plan.dp * plan.cp, p)
+                             plan.offload_optimizer, plan.dp * plan.cp, p, plan.precision)
     return tuple(float(x) for x in out)  # type: ignore[return-value]

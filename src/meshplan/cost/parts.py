@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from meshplan.cost.comm import Group, exposed_under
+from meshplan.cost.memory import MAIN_GRAD_BYTES
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.plan import Plan
@@ -128,13 +129,17 @@ def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cost
     g = Group.of(cluster, n_dp, tp)
     fp16_ddp = (zero == 0) & (np.asarray(cols.get("precision", "bf16")) == "fp16")
     grads = np.where(fp16_ddp, 2.0, 4.0) * params_local
+    if p.main_grads == "bf16":  # the profile's 16-bit gradient buffers are what is reduced
+        grads = np.where(zero == 3, grads, MAIN_GRAD_BYTES["bf16"] * params_local)
     gs = cols["grad_sync"]
     allreduce = (gs == "all-reduce") | ((gs == "auto") & (zero == 0))
     sync = np.where(allreduce, g.all_reduce(grads), g.reduce_scatter(grads))
     last = np.minimum(grads, p.dp_bucket_mib * 2**20)  # the last bucket, by the same collective
     bucket = np.where(allreduce, g.all_reduce(last), g.reduce_scatter(last))
-    # With a pipeline the sync starts after the stage's last backward: nothing to overlap.
-    exposed = np.where(pp > 1, sync, np.maximum(bucket, exposed_under(sync, last_bwd, p.overlap_slowdown)))
+    # With a pipeline the sync starts after the stage's last backward: nothing to overlap; nor
+    # without the profile's overlap (CostParams.dp_overlap).
+    overlapped_sync = np.maximum(bucket, exposed_under(sync, last_bwd, p.overlap_slowdown))
+    exposed = np.where((pp > 1) | (not p.dp_overlap), sync, overlapped_sync)
     syncs = np.where(zero == 2, np.asarray(micro, dtype=float), 1.0)  # ZeRO-2: one per micro-batch
     overlapped = syncs * (sync - np.minimum(sync, exposed))
     exposed = syncs * exposed + np.where(zero >= 1, g.all_gather(2.0 * params_local), 0)

@@ -11,7 +11,8 @@ framework's usual setting and recording it in the assumptions:
 4. ``sharding``: ZeRO stage and the hybrid shard group;
 5. ``parse_recompute``: activation recomputation (and how many blocks per stage);
 6. ``sequence_parallel``, ``parse_precision``, ``kernels`` (compile, async TP, offload,
-   FlashAttention, fused loss);
+   the attention kernel (``attention_kernel``: every common spelling of attention_impl, else the
+   profile's default, said in the assumptions), fused loss);
 7. ``stage_split``: blocks per pipeline stage when they do not divide evenly.
 
 The order of the steps is the order of the assumption lines (and of the first reason a row is
@@ -24,6 +25,9 @@ import re
 from collections.abc import Callable
 from typing import NamedTuple
 
+from meshplan.cost.compute import FLASH_KERNELS
+from meshplan.cost.params import DEFAULT_PARAMS
+from meshplan.cost.profile import DEFAULT_PROFILE, get_profile
 from meshplan.errors import MeshplanError
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
@@ -199,14 +203,49 @@ def split_layers(L: int, pp: int, vs: int, fw: str, notes: str) -> tuple[int, ..
     return tuple(vs * (base + (1 if i < extra else 0)) for i in range(pp))
 
 
-def attention_is_flash(text: str, assume: Assume) -> bool:
+#: attention_impl spellings -> the kernel (cost.compute.ATTENTION_KERNELS), first match wins;
+#: (pattern, kernel, note: an assumption line when the kernel is costed as another's).
+_ATTENTION_SPELLINGS: tuple[tuple[str, str, str], ...] = (
+    (r"fused[\s_-]*(scale[\s_-]*)?(masked[\s_-]*)?softmax|scaled[\s_-]*masked[\s_-]*softmax", "fused-softmax", ""),
+    (r"flash[\s_-]*(attn|attention)?[\s_-]*(v|version)?[\s_-]*3|\bfa[\s_-]*3\b|fav3", "flash3", ""),
+    (r"flash[\s_-]*(attn|attention)?[\s_-]*(v|version)?[\s_-]*2|\bfa[\s_-]*2\b|fav2", "flash2", ""),
+    (r"flash[\s_-]*(attn|attention)?[\s_-]*(v|version)?[\s_-]*1\b|\bfa[\s_-]*1\b|fav1", "flash1", ""),
+    (r"\bsdpa\b|scaled[\s_-]*dot[\s_-]*product|pytorch[\s_-]*(native[\s_-]*)?attention", "sdpa", ""),
+    # megatron-core's --attention-backend names: flash, fused (TE's cuDNN FusedAttention), unfused, local
+    (r"cudnn|fused[\s_-]*attn|fused[\s_-]*attention|^fused$", "cudnn", ""),
+    (r"triton", "flash2", "Triton FlashAttention kernel costed at FlashAttention-2's rate (no published ratio; the "
+                          "fitted attention efficiency includes these rows)"),
+    (r"xformers|memory[\s_-]*efficient|mem[\s_-]*eff", "flash2",
+     "memory-efficient attention (xformers) costed at FlashAttention-2's rate (no published ratio)"),
+    (r"\bflex", "flash2", "FlexAttention costed at FlashAttention-2's rate (no published ratio)"),
+    (r"transformer[\s_-]*engine|\bte\b", "flash2",
+     "Transformer Engine attention costed at FlashAttention-2's rate (TE picks flash or cuDNN)"),
+    (r"flash", "flash2", ""),  # unversioned flash-attn / flash_attention: the current major version, 2
+    (r"pre-flash|unfused|eager|\bmath\b|\btorch\b|naive|vanilla|standard|baseline|manual", "eager", ""),
+)
+
+
+def attention_kernel(text: str, default: str, assume: Assume) -> str:
+    """The attention kernel an ``attention_impl`` cell names (cost.compute.ATTENTION_KERNELS):
+    every common spelling (eager/math/torch, sdpa, fused softmax, flash v1/v2/v3, FA1-3,
+    flash_attention_2, flash-attn, triton, cudnn, xformers, ...); a blank cell gives the
+    profile's ``default``, said in the assumptions, and so does a cell not understood."""
+    t = " ".join(text.lower().split())
+    if not t:
+        assume(f"attention kernel not stated: assumed the profile's default {default}")
+        return default
+    for pattern, kernel, note in _ATTENTION_SPELLINGS:
+        if re.search(pattern, t):
+            if note:
+                assume(note)
+            return kernel
+    assume(f"attention_impl {text!r} not understood: assumed the profile's default {default}")
+    return default
+
+
+def attention_is_flash(text: str, assume: Assume, default: str = "flash2") -> bool:
     """FlashAttention-style kernel or the unfused softmax path (Megatron before 2022)."""
-    if re.search(r"fused softmax|pre-flash|unfused|eager|\bmath\b", text):
-        return False
-    if not re.search(r"flash|sdpa|triton|cudnn|memory[\s_-]*efficient|xformers|te\b", text):
-        assume("attention kernel not stated: assumed FlashAttention-style (fused, causal "
-               "blocks skipped)")
-    return True
+    return attention_kernel(text, default, assume) in FLASH_KERNELS
 
 
 # ======================================================================================
@@ -387,6 +426,8 @@ class Kernels(NamedTuple):
     offload_params: bool
     flash_attention: bool
     fused_loss: bool
+    attention_kernel: str = "flash2"
+    """The kernel attention_impl names (or the profile's default): the row's CostParams override."""
 
 
 def _compiled(row: Row, fw: str, other: str, assume: Assume) -> bool:
@@ -403,12 +444,13 @@ def _compiled(row: Row, fw: str, other: str, assume: Assume) -> bool:
             "source", "source_id", "model", "other_settings", "notes", "framework"))))
     if megatron_code and bool_cell(row.text("compile")) is None:
         assume(f"elementwise ops: {FRAMEWORK_LABEL[fw]}'s hand-fused kernels (fused norms, "
-               "bias-GeLU/SwiGLU, bias-dropout-add, RoPE), costed as compiled")
+               "bias-GeLU/SwiGLU, bias-dropout-add, RoPE): the fused bytes, as its profile's "
+               "elementwise_kernels='hand-fused'")
         return True  # the cost model's fused-elementwise path (Plan.compile)
     return False
 
 
-def kernels(row: Row, fw: str, zero: int, assume: Assume) -> Kernels:
+def kernels(row: Row, fw: str, zero: int, assume: Assume, profile: str = DEFAULT_PROFILE) -> Kernels:
     """compile, async TP, optimizer/parameter offload, FlashAttention and the fused loss, from
     the other_settings and sharding text and their own columns."""
     other = " ".join(row.lower(c) for c in ("other_settings", "sharding"))
@@ -423,12 +465,15 @@ def kernels(row: Row, fw: str, zero: int, assume: Assume) -> Kernels:
         if zero != 3:
             raise Unsupported("parameter offload needs FSDP/ZeRO-3 sharding")
         offload_opt = True
-    flash = attention_is_flash(row.lower("attention_impl"), assume)
+    default_kernel = get_profile(profile).apply(DEFAULT_PARAMS).attention_kernel
+    att = attention_kernel(row.text("attention_impl") or "", default_kernel, assume)
+    flash = att in FLASH_KERNELS
     fused_loss = fw == "llm-foundry" or bool(re.search(r"fused[\s_-]*(cross|ce\b|loss)|liger", other))
     if fw == "llm-foundry":
         assume("loss: llm-foundry's default fused_crossentropy (in-place logits gradient)")
     return Kernels(compile=compile_, async_tp=async_tp, offload_optimizer=offload_opt,
-                   offload_params=offload_par, flash_attention=flash, fused_loss=fused_loss)
+                   offload_params=offload_par, flash_attention=flash, fused_loss=fused_loss,
+                   attention_kernel=att)
 
 
 def stage_split(row: Row, fw: str, L: int, pp: int, vs: int, rec_layers: int | None,
@@ -445,10 +490,12 @@ def stage_split(row: Row, fw: str, L: int, pp: int, vs: int, rec_layers: int | N
     return stage_layers, rec_layers
 
 
-def plan_from_row(row: Row, fw: str, model: ModelSpec, assume: Assume,
-                  ) -> tuple[Plan, Workload, int]:
+def plan_from_row(row: Row, fw: str, model: ModelSpec, assume: Assume, profile: str = DEFAULT_PROFILE,
+                  overrides: dict | None = None) -> tuple[Plan, Workload, int]:
     """(plan, workload, number of GPUs); the caller builds the cluster. The steps run in the
-    module docstring's order."""
+    module docstring's order. ``profile``: the row's implementation profile (its defaults fill
+    the attention kernel); ``overrides`` (when given) receives the row's CostParams settings
+    beyond the profile (the attention kernel its attention_impl names)."""
     deg = parallel_degrees(row, assume)
     tp, pp, dp = deg.tp, deg.pp, deg.dp
     B, mb, ga = batch_sizes(row, fw, dp, assume)
@@ -460,7 +507,9 @@ def plan_from_row(row: Row, fw: str, model: ModelSpec, assume: Assume,
     recompute, rec_layers = parse_recompute(row.text("recompute"), fw, max(1, L // pp), assume)
     sp = sequence_parallel(row, fw, tp, assume)
     precision = parse_precision(row.text("precision"), fw, assume)
-    k = kernels(row, fw, zero, assume)
+    k = kernels(row, fw, zero, assume, profile)
+    if overrides is not None and k.attention_kernel != get_profile(profile).apply(DEFAULT_PARAMS).attention_kernel:
+        overrides["attention_kernel"] = k.attention_kernel
     stage_layers, rec_layers = stage_split(row, fw, L, pp, vs, rec_layers, assume)
     try:
         plan = Plan(tp=tp, pp=pp, dp=dp, cp=deg.cp, ep=deg.ep, zero=zero, shard_group=shard_group,

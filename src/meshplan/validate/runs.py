@@ -34,7 +34,7 @@ from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 from meshplan.validate.clusters import build_cluster, gpu_preset, gpu_preset_for, known_system, system_cluster
 from meshplan.validate.formulas import flops_kor22_hardware, flops_kor22_model, flops_meg21
-from meshplan.validate.frameworks import detect_framework
+from meshplan.validate.frameworks import detect_framework, profile_of
 from meshplan.validate.measured import default_peak_tflops, fit_from_status, measure_peak_mem, measure_step_time
 from meshplan.validate.models import build_model, check_params
 from meshplan.validate.plans import plan_from_row
@@ -76,6 +76,12 @@ class RunCase:
     """megatron, torchtitan, llm-foundry, deepspeed or unknown (drives the defaults)."""
     gpu_preset: str | None = None
     """The GPU preset name the row's gpu_type mapped to."""
+    profile: str = "meshplan"
+    """The implementation profile of the row's codebase (meshplan.cost.profile.get_profile):
+    from an explicit ``framework`` cell, else the detected framework."""
+    overrides: dict = field(default_factory=dict)
+    """The row's CostParams settings beyond its profile (e.g. {'attention_kernel': 'eager'} from
+    the attention_impl cell): params = get_profile(profile).apply(base).replace(**overrides)."""
 
     @property
     def ok(self) -> bool:
@@ -95,9 +101,14 @@ def case_from_row(raw: dict[str, Any], index: int = 0) -> RunCase:
     source_id = row.text("source_id") or "unknown"
     model_name = row.text("model") or f"row-{row_id}"
     run_status = (row.text("status") or "ok").strip().lower()
-    fw = detect_framework(row)
+    fw = detect_framework(row, assume)
+    profile = profile_of(row, fw)
+    overrides: dict[str, Any] = {}
+    if row.text("framework") or fw == "unknown":
+        assume(f"implementation profile: {profile}")
     out: dict[str, Any] = dict(row_id=row_id, source_id=source_id, model_name=model_name,
-                               raw=dict(row.cells), run_status=run_status, framework=fw)
+                               raw=dict(row.cells), run_status=run_status, framework=fw,
+                               profile=profile, overrides=overrides)
     model = cluster = plan = work = None
     n = None
     reasons: list[str] = []
@@ -114,7 +125,7 @@ def case_from_row(raw: dict[str, Any], index: int = 0) -> RunCase:
     model = attempt(lambda: build_model(row, fw, assume))
     if model is not None:
         attempt(lambda: check_params(row, model, assume))
-        got = attempt(lambda: plan_from_row(row, fw, model, assume))
+        got = attempt(lambda: plan_from_row(row, fw, model, assume, profile, overrides))
         if got is not None:
             plan, work, n = got
     gpu = attempt(lambda: gpu_preset(row, assume))
