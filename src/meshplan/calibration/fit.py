@@ -176,11 +176,13 @@ def _soft(e: np.ndarray) -> np.ndarray:
 
 
 def _fit(runs: Runs, names: list[str], start: dict[str, float], target: str,
-         max_iter: int, progress: Callable[[str], None] | None) -> FitResult:
+         max_iter: int, progress: Callable[[str], None] | None,
+         centre: dict[str, float] | None = None) -> FitResult:
     specs = [fittable(n) for n in names]
     lo = np.array([math.log(f.low) if f.log else f.low for f in specs])
     hi = np.array([math.log(f.high) if f.log else f.high for f in specs])
-    prior = np.array([math.log(f.prior) if f.log else f.prior for f in specs])
+    mid = [min(f.high, max(f.low, (centre or {}).get(f.name, f.prior))) for f in specs]
+    prior = np.array([math.log(m) if f.log else m for f, m in zip(specs, mid)])
     sig = np.array([f.sigma for f in specs])
 
     def to_val(u: np.ndarray) -> dict[str, float]:
@@ -256,13 +258,16 @@ def _fit(runs: Runs, names: list[str], start: dict[str, float], target: str,
 
 
 def fit(runs: Runs, names: Sequence[str] | None = None, *, start: dict[str, float] | None = None,
-        from_prior: bool = True, max_iter: int = 25,
+        from_prior: bool = True, prior: str = "physics", max_iter: int = 25,
         progress: Callable[[str], None] | None = None) -> tuple[dict[str, float], list[FitResult]]:
     """Fit ``names`` (default: every parameter the runs inform) to ``runs``.
 
-    Parameters not fitted keep ``start`` (default: the built-in calibration). With ``from_prior``
-    the fitted ones start at their priors, so the result does not depend on the built-in values
-    (what cross-validation needs). Returns (all values, one FitResult per target fitted)."""
+    Parameters not fitted keep ``start`` (default: the built-in calibration). ``prior``: 'physics'
+    centres each parameter's prior on its first-principles value (what the built-in calibration
+    and cross-validation use: nothing fitted leaks in); 'builtin' on the built-in calibration's
+    value (a few runs of one's own then refine what the development runs taught). With
+    ``from_prior`` the fitted ones start at the prior centre. Returns (all values, one FitResult
+    per target fitted)."""
     from meshplan.calibration.store import builtin
     base = dict(builtin().values)
     if start:
@@ -274,10 +279,11 @@ def fit(runs: Runs, names: Sequence[str] | None = None, *, start: dict[str, floa
         if not chosen:
             continue
         init = dict(base)
+        centre = dict(builtin().values) if prior == "builtin" else {}
         for n in chosen:
             f = fittable(n)
-            init[n] = f.prior if from_prior or n not in init else init[n]
-        res = _fit(runs, chosen, init, target, max_iter, progress)
+            init[n] = centre.get(n, f.prior) if from_prior or n not in init else init[n]
+        res = _fit(runs, chosen, init, target, max_iter, progress, centre)
         base.update(res.values)
         results.append(res)
     return base, results

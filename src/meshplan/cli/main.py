@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("kind", nargs="?", choices=["models", "gpus", "clusters"], help="only this kind")
     pr.add_argument("--json", action="store_true")
 
+    from meshplan.cli.costing import add_cost_flags
     es = sub.add_parser("estimate", help="predict step time, throughput and memory of one plan")
     es.add_argument("--model", help=MODEL_HELP + FROM_FILE)
     es.add_argument("--cluster",
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--seq-len", type=positive_int("--seq-len"),
                     help="tokens per sequence (default: the plan file's, else the model's)")
     add_override(es)
+    add_cost_flags(es)
     es.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     from meshplan.cli import export_cmd, plan_cmd, report_cmd, simulate_cmd, train_cmd
@@ -80,6 +82,27 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--runs", help="CSV in the format of published_runs_dev.csv (default: the shipped dev set)")
     va.add_argument("--json", action="store_true", help="one JSON object on stdout")
     va.add_argument("--report", help="also write a markdown report to this file")
+    add_cost_flags(va, profile=False)
+    va.add_argument("--cross-validate", action="store_true",
+                    help="leave one source out: for each source, fit the calibration on the other sources "
+                         "and predict the one left out (the out-of-sample accuracy)")
+
+    ca = sub.add_parser("calibrate", help="fit the cost model's named parameters to measured runs",
+                        description="Fit the cost model's named, bounded parameters (GPU family efficiencies, "
+                                    "kernel and link efficiencies, allocator overhead) to a runs CSV in the "
+                                    "format of published_runs_dev.csv, by maximum a posteriori against "
+                                    "first-principles priors. Writes a calibration file for --calibration.")
+    ca.add_argument("--runs", required=True, help="measured runs CSV (format of published_runs_dev.csv)")
+    ca.add_argument("--out", required=True, help="write the calibration (JSON) here")
+    ca.add_argument("--fit", metavar="NAME,...",
+                    help="fit only these parameters (default: every one the runs inform); names: "
+                         "gemm_half_dim, gemm_half_tokens, attn_half_seq, hbm_efficiency, flash_bwd_efficiency, "
+                         "overlap_slowdown, allocator_fragmentation, framework_overhead_gib, "
+                         "gemm_efficiency@FAMILY, attention_efficiency@FAMILY, link_efficiency@TIER:KIND")
+    ca.add_argument("--prior", choices=["builtin", "physics"], default="builtin",
+                    help="centre each parameter's prior on the built-in calibration (default: a few runs of your "
+                         "own refine it) or on its first-principles value (how the built-in one is fitted)")
+    ca.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return p
 
 
@@ -97,23 +120,25 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    from meshplan.cli.costing import costing
     from meshplan.cli.format import json_text
     from meshplan.cli.model_arg import as_problem
     from meshplan.cli.planfile import resolve
     from meshplan.cli.views import estimate_text
     from meshplan.cost import estimate
+    cost = costing(args)
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
-    cluster, plan = inputs.cluster(), inputs.plan
+    cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
     model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len)
-    report = estimate(model, cluster, plan, work)
+    report = estimate(model, cluster, plan, work, cost.params)
     if args.json:
         from meshplan.cli.views import runtime_status
         out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
                                   "global_batch": work.global_batch, "seq_len": work.seq_len,
-                                  "runtime": runtime_status(model, plan, work)}
+                                  "runtime": runtime_status(model, plan, work)} | cost.to_json()
         print(json_text(out))
     else:
-        print(estimate_text(model, cluster, plan, work, report))
+        print("\n".join(cost.lines() + [estimate_text(model, cluster, plan, work, report)]))
     return 0
 
 
@@ -148,27 +173,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from meshplan.cli.format import json_text
-    from meshplan.cost import estimate
-    from meshplan.validate.report import default_runs_path, to_markdown, to_text, validate
-    from meshplan.validate.runs import load_runs
-    path = default_runs_path() if args.runs is None else args.runs
-    try:
-        cases = load_runs(path)
-    except OSError as e:  # e.g. a name too long to stat
-        raise MeshplanError(f"cannot read --runs {path}: {e.strerror or e}") from None
-    if not cases:
-        raise MeshplanError(f"--runs {path}: no runs (the file has no data rows)",
-                            hint="use the format of published_runs_dev.csv: a header and one row per run")
-    result = validate(cases, estimate)
-    if args.report is not None:
-        try:
-            with open(args.report, "w") as f:
-                f.write(to_markdown(result))
-        except OSError as e:
-            raise MeshplanError(f"cannot write --report {args.report}: {e.strerror}") from None
-    print(json_text(result) if args.json else to_text(result))
-    return 0
+    from meshplan.cli.calibrate_cmd import run_validate
+    return run_validate(args)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from meshplan.cli.calibrate_cmd import run_calibrate
+    return run_calibrate(args)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -198,7 +209,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 COMMANDS = {"presets": cmd_presets, "ingest": cmd_ingest, "estimate": cmd_estimate, "validate": cmd_validate,
             "plan": cmd_plan, "train": cmd_train, "simulate": cmd_simulate,
-            "report": cmd_report, "export": cmd_export}
+            "report": cmd_report, "export": cmd_export, "calibrate": cmd_calibrate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

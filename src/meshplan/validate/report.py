@@ -1,7 +1,9 @@
 """Compare cost-model predictions with published runs, and render the comparison.
 
-``validate(cases, estimate_fn)`` calls ``estimate_fn(model, cluster, plan, work)`` (the real
-one is ``meshplan.cost.estimate``) on every supported case. The result must have attributes
+``validate(cases, estimate_fn)`` calls ``estimate_fn(model, cluster, plan, work)`` on every
+supported case; without ``estimate_fn`` it runs ``meshplan.cost.estimate`` with each case's own
+CostParams (its codebase's profile and its cells, calibration.fit.case_params) under the
+built-in calibration or the one given. The result must have attributes
 ``step_time_s``, ``peak_memory_gib`` and ``fits``. A :class:`MeshplanError` from the estimate
 turns that row unsupported with the error's message; any other exception is a bug and is
 raised.
@@ -68,20 +70,28 @@ def _max_abs(xs: list[float]) -> float | None:
     return max(abs(x) for x in xs) if xs else None
 
 
-def _default_estimate() -> Callable[..., Any]:
-    from meshplan.cost import estimate  # written separately; imported only when needed
+def case_estimate(calibration: Any = None) -> Callable[[RunCase], Any]:
+    """case -> CostReport with the case's own profile and cells, under ``calibration`` (a
+    calibration.store.Calibration; None: the built-in one)."""
+    from meshplan.calibration.fit import case_params
+    from meshplan.cost import estimate
+    from meshplan.cost.params import DEFAULT_PARAMS
+    base = calibration.apply_params(DEFAULT_PARAMS) if calibration is not None else DEFAULT_PARAMS
 
-    return estimate
+    def one(c: RunCase) -> Any:
+        cl = calibration.apply_cluster(c.cluster) if calibration is not None else c.cluster
+        return estimate(c.model, cl, c.plan, c.work, case_params(c, base))
+    return one
 
 
 def validate(cases: Iterable[RunCase],
-             estimate_fn: Callable[..., Any] | None = None) -> dict[str, Any]:
+             estimate_fn: Callable[..., Any] | None = None, *, calibration: Any = None) -> dict[str, Any]:
     """Predict every supported case and compare with its measurements.
 
     Returns {"rows": [...], "summary": {...}}; errors are signed, (pred - meas)/meas*100.
     """
-    if estimate_fn is None:
-        estimate_fn = _default_estimate()
+    per_case = case_estimate(calibration) if estimate_fn is None else (
+        lambda c: estimate_fn(c.model, c.cluster, c.plan, c.work))
     rows: list[dict[str, Any]] = []
     for c in cases:
         status, reason = c.status, c.reason
@@ -89,7 +99,7 @@ def validate(cases: Iterable[RunCase],
         fits = None
         if status == "ok":
             try:
-                est = estimate_fn(c.model, c.cluster, c.plan, c.work)
+                est = per_case(c)
             except MeshplanError as e:
                 status, reason = "unsupported", str(e)
             else:
@@ -258,14 +268,18 @@ def _constants_section() -> list[str]:
     from meshplan.cost.params import DEFAULT_PARAMS, GPU_FITTED_FIELDS, PARAM_KINDS
     from meshplan.spec.io import load_gpu, preset_names
     lines = ["## Cost-model constants", "",
-             "`fitted`: fitted to the published runs by benchmarks/fit_cost_model.py; "
+             "`fitted`: fitted to the published runs by `meshplan calibrate` (the built-in calibration, "
+             "meshplan/data/calibration.json); "
              "`measured`: a constant measured or published elsewhere; `derived`: first "
              "principles or framework defaults. Descriptions and sources: "
              "src/meshplan/cost/params.py and docs/cost-model.md.", ""]
-    body = [[f.name, f"{getattr(DEFAULT_PARAMS, f.name):g}", PARAM_KINDS.get(f.name, "?")]
+    def val(v: object) -> str:
+        return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+    body = [[f.name, val(getattr(DEFAULT_PARAMS, f.name)), PARAM_KINDS.get(f.name, "?")]
             for f in dataclasses.fields(DEFAULT_PARAMS)]
     lines += _md_table(["constant", "value", "kind"], body, numeric_from=1)
-    lines += ["", "Per-GPU fitted values (other GPU fields are datasheet numbers):", ""]
+    lines += ["", "Per-GPU fitted values (the calibration's family value x the part's clock_ratio; "
+              "other GPU fields are datasheet numbers):", ""]
     rows = []
     for name in preset_names("gpus"):
         g = load_gpu(name)

@@ -1,0 +1,139 @@
+"""`meshplan calibrate` and `meshplan validate` (with --calibration and --cross-validate)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+from typing import Any
+
+import numpy as np
+
+from meshplan.errors import MeshplanError
+
+
+def _cases(path: str) -> list[Any]:
+    from meshplan.validate.runs import load_runs
+    try:
+        cases = load_runs(path)
+    except OSError as e:  # e.g. a name too long to stat
+        raise MeshplanError(f"cannot read --runs {path}: {e.strerror or e}") from None
+    if not cases:
+        raise MeshplanError(f"--runs {path}: no runs (the file has no data rows)",
+                            hint="use the format of published_runs_dev.csv: a header and one row per run")
+    return cases
+
+
+def _mape(runs: Any, values: dict[str, float]) -> float | None:
+    from meshplan.calibration.fit import predict
+    has = ~np.isnan(runs.step)
+    if not has.any():
+        return None
+    t, _, _ = predict(runs, values, np.nonzero(has)[0])
+    return float(np.mean(np.abs(t / runs.step[has] - 1)) * 100)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from meshplan.calibration.fit import fit, fittable, runs_from_cases
+    from meshplan.calibration.store import Calibration, builtin, save_calibration
+    from meshplan.cli.format import json_text
+    cases = _cases(args.runs)
+    runs = runs_from_cases(cases)
+    if not len(runs):
+        raise MeshplanError(f"--runs {args.runs}: no run has a measured step time, peak memory or "
+                            "out-of-memory outcome that meshplan can express",
+                            hint="`meshplan validate --runs FILE` says why each row is unsupported")
+    names = None
+    if args.fit:
+        names = [n.strip() for n in args.fit.split(",") if n.strip()]
+        for n in names:
+            fittable(n)
+    before = builtin().values
+    t0 = time.perf_counter()
+    values, results = fit(runs, names, prior=args.prior, from_prior=args.prior == "physics")
+    took = time.perf_counter() - t0
+    fitted = [n for r in results for n in r.names]
+    changes = {n: {"from": before.get(n), "to": values[n]} for n in fitted}
+    m0, m1 = _mape(runs, before), _mape(runs, values)
+    info = {
+        "fitted_from": {"runs": args.runs, "rows": len(runs),
+                        "sources": {s: int((runs.source == s).sum()) for s in dict.fromkeys(runs.source.tolist())},
+                        "prior": args.prior, "date": datetime.date.today().isoformat()},
+        "changes": changes,
+        "fit": {"seconds": round(took, 1), "iterations": {t: r.iterations
+                                                          for t, r in zip(("time", "memory"), results)},
+                "step_mape_pct_before": None if m0 is None else round(m0, 2),
+                "step_mape_pct_after": None if m1 is None else round(m1, 2)},
+    }
+    cal = Calibration({n: values[n] for n in fitted}, args.out, info)
+    save_calibration(cal, args.out)
+    if args.json:
+        print(json_text(cal.to_dict()))
+        return 0
+    print(f"calibrated {len(fitted)} parameters on {len(runs)} runs from {len(info['fitted_from']['sources'])} "
+          f"sources in {took:.1f} s (prior: {args.prior})")
+    for n in fitted:
+        f = fittable(n)
+        was = before.get(n)
+        print(f"  {n:42s} {values[n]:9.4g}   built-in {was if was is None else f'{was:.4g}':>8}   "
+              f"range [{f.low:g}, {f.high:g}]")
+    if m0 is not None and m1 is not None:
+        print(f"step-time MAPE on these runs (in sample): {m0:.1f}% with the built-in calibration, "
+              f"{m1:.1f}% with this one")
+    print(f"wrote {args.out}: pass it to estimate/plan/simulate/report/validate with --calibration {args.out}")
+    return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from meshplan.cli.costing import costing
+    from meshplan.cli.format import json_text
+    from meshplan.validate.report import default_runs_path, to_markdown, to_text, validate
+    path = str(default_runs_path()) if args.runs is None else args.runs
+    cases = _cases(path)
+    cost = costing(args)
+    result = validate(cases, calibration=cost.calibration)
+    if cost.calibration is not None:
+        result["calibration"] = cost.to_json()["calibration"]
+    cv_text: list[str] = []
+    if args.cross_validate:
+        cv_text = _cross_validate(cases, result)
+    if args.report is not None:
+        try:
+            with open(args.report, "w") as f:
+                f.write(to_markdown(result))
+        except OSError as e:
+            raise MeshplanError(f"cannot write --report {args.report}: {e.strerror}") from None
+    if args.json:
+        print(json_text(result))
+    else:
+        print("\n".join(cost.lines() + cv_text + [to_text(result)]))
+    return 0
+
+
+def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
+    from meshplan.calibration.fit import cross_validate, pooled, runs_from_cases
+    t0 = time.perf_counter()
+    runs = runs_from_cases(cases)
+    folds = cross_validate(runs)
+    took = time.perf_counter() - t0
+    entries = [f.summary() for f in folds]
+    total = pooled(folds)
+    result["cross_validation"] = entries
+    result["cross_validation_summary"] = total | {"seconds": round(took, 1)}
+
+    def f(x: Any, fmt: str = ".1f") -> str:
+        return "-" if x is None else format(x, fmt)
+    lines = ["Out of sample (leave one source out: each source predicted by a calibration fitted to the "
+             "others)", "",
+             f"{'source':22s} {'runs':>5s} {'step MAPE %':>12s} {'max abs %':>10s} {'bias %':>8s} "
+             f"{'memory MAPE %':>14s} {'OOM accuracy %':>15s}"]
+    for e in entries:
+        oom = (f"{e['oom_accuracy_pct']:.0f} ({e['oom_runs']} OOM)" if "oom_accuracy_pct" in e else "-")
+        lines.append(f"{e['source_id']:22s} {e['n']:5d} {f(e['step_mape_pct']):>12s} "
+                     f"{f(e['max_abs_error_pct']):>10s} {f(e['step_bias_pct'], '+.1f'):>8s} "
+                     f"{f(e['memory_mape_pct']):>14s} {oom:>15s}")
+    lines += ["", f"out of sample: step MAPE {f(total['step_mape_pct'])}% over {total['runs']} runs "
+              f"(mean of the sources with 3+ runs {f(total['mean_source_mape_pct'])}%, worst "
+              f"{f(total['worst_source_mape_pct'])}%); OOM verdicts right {f(total['oom_accuracy_pct'])}%; "
+              f"{len(folds)} fits in {took:.0f} s", "", "In sample (the built-in calibration, fitted to every source):",
+              ""]
+    return lines

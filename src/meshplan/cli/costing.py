@@ -1,0 +1,72 @@
+"""--profile and --calibration: which cost model a planning command prices with, and saying so.
+
+    costing(args).params        CostParams: the profile's choices, then the calibration's values
+    costing(args).cluster(c)    the cluster with the calibration's GPU and link efficiencies
+    costing(args).lines()       what the output prints about both (nothing for the defaults)
+    costing(args).to_json()     the same for --json
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from meshplan.calibration.store import Calibration, load_calibration
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.profile import DEFAULT_PROFILE, PROFILES, Profile, get_profile
+
+CAL_HELP = ("a calibration file from `meshplan calibrate` (its fitted values replace the built-in ones; "
+            "the output lists them)")
+
+
+def add_cost_flags(p: argparse.ArgumentParser, *, profile: bool = True) -> None:
+    from meshplan.cli.args import Once
+    p.add_argument("--calibration", metavar="FILE", action=Once, help=CAL_HELP)
+    if profile:
+        p.add_argument("--profile", metavar="NAME|FILE", action=Once,
+                       help="the training codebase whose kernels and buffers to price: "
+                            f"{', '.join(PROFILES)}, or a profile .toml (default: {DEFAULT_PROFILE}, "
+                            "meshplan's own runtime)")
+
+
+@dataclass(frozen=True)
+class Costing:
+    params: CostParams
+    profile: Profile
+    calibration: Calibration | None
+
+    def cluster(self, c: Any) -> Any:
+        return self.calibration.apply_cluster(c) if self.calibration is not None else c
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.profile.name != DEFAULT_PROFILE:
+            out.append(f"profile      {self.profile.name}: {self.profile.label}")
+        if self.calibration is not None:
+            vals = self.calibration.describe()
+            out.append(f"calibration  {self.calibration.source}: {len(vals)} fitted values replace the built-in ones")
+            out += [f"             {v}" for v in vals]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"profile": self.profile.name}
+        if self.calibration is not None:
+            out["calibration"] = {"file": self.calibration.source, "values": dict(self.calibration.values),
+                                  "fitted_from": self.calibration.info.get("fitted_from")}
+        return out
+
+
+def costing(args: argparse.Namespace) -> Costing:
+    """The Costing of a command's --profile/--calibration (built once per command)."""
+    got = getattr(args, "_costing", None)
+    if got is not None:
+        return got
+    prof = get_profile(getattr(args, "profile", None))
+    path = getattr(args, "calibration", None)
+    cal = load_calibration(path) if path else None
+    params = prof.apply(DEFAULT_PARAMS)
+    if cal is not None:
+        params = cal.apply_params(params)
+    c = Costing(params, prof, cal)
+    args._costing = c
+    return c
