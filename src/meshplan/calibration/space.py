@@ -58,6 +58,10 @@ GLOBAL: tuple[Fittable, ...] = (
     Fittable("overlap_slowdown", 0.0, 0.6, 0.15, 0.1, False, "time",
              "slowdown of compute while a collective overlaps it (Rashidi et al. ISCA 2021: "
              "1.1-1.4x)"),
+    Fittable("tp_exposed_async", 0.05, 1.0, 0.35, 0.25, False, "time",
+             "fraction of tensor-parallel communication left exposed when it is overlapped with the "
+             "GEMMs (async TP, Transformer Engine userbuffers): the GEMMs are split into tp chunks "
+             "and only the first chunk's transfer and the slowdown of the rest stay exposed"),
     Fittable("allocator_fragmentation", 0.0, 0.3, 0.05, 0.05, False, "memory",
              "caching-allocator reserve over live activations and transients"),
     Fittable("framework_overhead_gib", 0.2, 5.0, 1.0, 0.5, True, "memory",

@@ -89,12 +89,12 @@ def _check_values(values: Any, where: str) -> dict[str, float]:
     return out
 
 
-def calibration_from_dict(data: Any, where: str) -> Calibration:
+def calibration_from_dict(data: Any, where: str, source: str | None = None) -> Calibration:
     if not isinstance(data, dict) or data.get("kind") not in (None, "calibration") or "values" not in data:
         raise MeshplanError(f"{where}: not a calibration file (expected a JSON object with 'values')",
                             hint="write one with `meshplan calibrate --runs RUNS.csv --out calibration.json`")
     info = {k: v for k, v in data.items() if k not in ("values", "schema_version", "kind")}
-    return Calibration(_check_values(data["values"], where), where, info)
+    return Calibration(_check_values(data["values"], where), source or where, info)
 
 
 def load_calibration(path: str) -> Calibration:
@@ -110,7 +110,7 @@ def load_calibration(path: str) -> Calibration:
     except json.JSONDecodeError as e:
         raise MeshplanError(f"--calibration {path}: not valid JSON ({e.msg}, line {e.lineno})",
                             hint="give the JSON file `meshplan calibrate --out` wrote") from None
-    return calibration_from_dict(data, f"--calibration {path}")
+    return calibration_from_dict(data, f"--calibration {path}", path)
 
 
 def save_calibration(cal: Calibration, path: str) -> None:
@@ -123,4 +123,4 @@ def save_calibration(cal: Calibration, path: str) -> None:
 
 def builtin() -> Calibration:
     data = builtin_calibration()
-    return calibration_from_dict(data, "built-in calibration") if data else Calibration({})
+    return calibration_from_dict(data, "built-in calibration", "built-in") if data else Calibration({})

@@ -49,6 +49,8 @@ def add_parser(sub: Any, positive_int: Any) -> None:
                     help="tokens per sequence (default: the model's)")
     pl.add_argument("--top", type=positive_int("--top"), default=5, action=Once, help="plans to show (default 5)")
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    from meshplan.cli.costing import add_cost_flags
+    add_cost_flags(pl)
     pl.add_argument("--out", action=Once, help="write the winning plan (with its predicted cost) to this .json file")
     pl.add_argument("--plot", action=Once,
                     help="draw the Pareto front (step time vs memory) to this image (.svg; others need matplotlib)")
@@ -357,8 +359,10 @@ def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any
     """(model, clusters, train tokens, space, workload) of the search options (`meshplan plan` and
     `meshplan report`): the model as a LayerGraph (cli.model_arg.as_problem), whatever it was
     given as."""
+    from meshplan.cli.costing import costing
     from meshplan.cli.model_arg import as_problem, load_model_arg
-    clusters = cluster_sizes(args)
+    cost = costing(args)
+    clusters = [cost.cluster(c) for c in cluster_sizes(args)]
     tokens = train_tokens(args.train_tokens)
     deadline = deadline_days(args, tokens)
     if args.objective is None:  # the default: by time, or by dollars under a deadline
@@ -506,14 +510,14 @@ def _step(progress: Progress | None, label: str) -> contextlib.AbstractContextMa
 
 def search_sizes(model: Any, clusters: list[Any], work: Any, space: Any, *, objective: str, top: int,
                  tokens: float | None = None, deadline: float | None = None,
-                 progress: Progress | None = None) -> Any:
+                 progress: Progress | None = None, params: Any = None) -> Any:
     """Search each cluster size alone (progress names it), reject the plans over ``deadline``
     days, give each size without a feasible plan its reason, and merge (`search.result`)."""
     import dataclasses
 
     from meshplan.search.explain import size_reason
     from meshplan.search.result import empty_result, merge
-    one = _searcher(model, work, space, objective, top, tokens, deadline, progress)
+    one = _searcher(model, work, space, objective, top, tokens, deadline, progress, params)
     results, errors = [], []
     for i, c in enumerate(clusters):
         label = (f"searching {c.num_gpus:,} GPU{'' if c.num_gpus == 1 else 's'}"
@@ -537,14 +541,16 @@ def search_sizes(model: Any, clusters: list[Any], work: Any, space: Any, *, obje
 
 
 def _searcher(model: Any, work: Any, space: Any, objective: str, top: int, tokens: float | None,
-              deadline: float | None, progress: Progress | None) -> Callable[[Any], Any]:
+              deadline: float | None, progress: Progress | None, params: Any = None) -> Callable[[Any], Any]:
     """cluster -> SearchResult of that one size (the deadline applied)."""
+    from meshplan.cost.params import DEFAULT_PARAMS
     from meshplan.search.driver import search
     from meshplan.search.result import apply_deadline
 
     def one(cluster: Any) -> Any:
         check_gpus(model, cluster, work, space)
-        r = search(model, [cluster], work, space, objective=objective, top=top, progress=progress)
+        r = search(model, [cluster], work, space, objective=objective, top=top, progress=progress,
+                   params=DEFAULT_PARAMS if params is None else params)
         r.train_tokens = tokens
         if deadline is not None and tokens is not None:
             apply_deadline(r, tokens, deadline)
@@ -557,7 +563,7 @@ MAX_DEADLINE_SIZES = 4
 
 
 def deadline_miss(result: Any, model: Any, work: Any, space: Any, *, objective: str,
-                  progress: Progress | None = None) -> dict[str, Any] | None:
+                  progress: Progress | None = None, params: Any = None) -> dict[str, Any] | None:
     """When plans fit but none meets the deadline: the fastest plan's days, and the smallest
     larger cluster (of the usual sizes, from the ideal-scaling estimate up) whose best plan
     meets it (None when something other than the deadline rules every plan out)."""
@@ -575,7 +581,7 @@ def deadline_miss(result: Any, model: Any, work: Any, space: Any, *, objective: 
     out["ideal_scaling_gpus"] = ideal
     hi = min(largest.num_gpus * 64, MAX_GPUS)
     sizes = nice_sizes(max(ideal, largest.num_gpus + 1), hi, node_size(largest))[:MAX_DEADLINE_SIZES]
-    one = _searcher(model, work, space, objective, 1, tokens, deadline, progress)
+    one = _searcher(model, work, space, objective, 1, tokens, deadline, progress, params)
     out["tried"] = []
     for n in sizes:
         with _step(progress, f"{deadline:g}-day deadline: trying {n:,} GPUs"):
@@ -790,6 +796,7 @@ def plot_pareto(path: str, result: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshplan.cli.costing import costing
     if args.plot is not None:
         from meshplan.sim.output import check_plot_path
         check_plot_path(args.plot)  # before the search: the format can be written
@@ -798,9 +805,11 @@ def run(args: argparse.Namespace) -> int:
         with _step(bar, f"loading {args.model}"):
             model, clusters, tokens, space, work = problem(args)
         deadline = deadline_days(args, tokens)
+        cost = costing(args)
         result = search_sizes(model, clusters, work, space, objective=args.objective, top=args.top,
-                              tokens=tokens, deadline=deadline, progress=bar)
-        miss = deadline_miss(result, model, work, space, objective=args.objective, progress=bar)
+                              tokens=tokens, deadline=deadline, progress=bar, params=cost.params)
+        miss = deadline_miss(result, model, work, space, objective=args.objective, progress=bar,
+                             params=cost.params)
     finally:
         if bar is not None:
             bar.close()
@@ -809,7 +818,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from meshplan.cli.format import json_text
         from meshplan.search.explain import explain
-        doc = result.to_json()
+        doc = result.to_json() | cost.to_json()
         doc["price"] = price
         doc["explanation"] = explain(result)
         if tokens is not None:
@@ -818,7 +827,7 @@ def run(args: argparse.Namespace) -> int:
             doc["deadline_miss"] = miss
         print(json_text(doc))
     else:
-        print(_text(result, tokens, price))
+        print("\n".join(cost.lines() + [_text(result, tokens, price)]))
     if not result.plans:
         if miss is not None:
             raise MeshplanError(deadline_message(result, miss))

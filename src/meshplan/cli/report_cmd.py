@@ -101,8 +101,11 @@ def run(args: argparse.Namespace) -> int:
     model, clusters, tokens, space, work = problem(args)  # the model as a LayerGraph, any kind
     bar = Progress(sys.stderr) if sys.stderr.isatty() else None
     try:
+        from meshplan.cli.costing import costing
+        cost = costing(args)
         report = build_report(model, clusters, work, space, objective=args.objective, top=args.top,
-                              progress=bar, command=command, model_name=str(args.model))
+                              progress=bar, command=command, model_name=str(args.model), params=cost.params)
+        report.result.notes += cost.lines()
     finally:
         if bar is not None:
             bar.close()

@@ -35,6 +35,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="tokens per sequence (default: the plan file's, else the model's; an ingested model "
                         "is traced at it)")
     add_override(p)
+    from meshplan.cli.costing import add_cost_flags
+    add_cost_flags(p)
     p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) to this file")
     p.add_argument("--plot", help="write the Gantt chart per pipeline rank and memory over time (the report's "
                                   "timeline) to this image: .svg, or png, pdf, ... with matplotlib")
@@ -49,14 +51,16 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         check_plot_path(args.plot)  # before any work: the format can be written (matplotlib if not .svg)
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
+    from meshplan.cli.costing import costing
     from meshplan.cli.model_arg import as_problem
     from meshplan.cost import check
     from meshplan.sim import simulate_plan
-    cluster, plan = inputs.cluster(), inputs.plan
+    cost = costing(args)
+    cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
     model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len)
     check(model, cluster, plan, work)
     with slow_step("simulating the step"):
-        res, sim_summary = simulate_plan(model, cluster, plan, work)
+        res, sim_summary = simulate_plan(model, cluster, plan, work, cost.params)
     if args.trace:
         with slow_step(f"writing the trace ({len(res.events):,} events)"):
             write_trace(res, args.trace)
@@ -64,10 +68,12 @@ def run(args: argparse.Namespace) -> int:
         with slow_step(f"drawing the plot ({len(res.events):,} events)"):
             write_plot(res, args.plot, title=f"{model.name} on {cluster.name}: {plan.short()}")
     summary: dict[str, Any] = {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
-               "global_batch": work.global_batch, "seq_len": work.seq_len} | sim_summary
+               "global_batch": work.global_batch, "seq_len": work.seq_len} | sim_summary | cost.to_json()
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
+    for line in cost.lines():
+        print(line)
     from meshplan.cli.format import seconds
     from meshplan.sim import STREAMS
     print(f"simulated step: {seconds(summary['step_time_s'])}   analytical estimate: "
