@@ -25,7 +25,7 @@ SOURCES = {"MEG_SC21_T1": 10, "KOR22_T5": 8, "TT_2024_A100": 8, "TT_2412_H100": 
            "MOSAIC_LLMFOUNDRY": 139, "BLOOM176B": 3,
            # added after the shared/data copy (row_ids from 2000, see src/meshplan/data/README.md)
            "BLOOM_PREQ_0228": 20, "BLOOM_PREQ_0225": 25, "NEMO_2407_H100": 12,
-           "NEMO_LONGSEQ_H100": 9, "LLAMA3_T4": 3}
+           "NEMO_LONGSEQ_H100": 9}
 N_SHARED = 186
 """Rows of the shared/data copy; the shipped file starts with them byte for byte."""
 
@@ -605,3 +605,34 @@ def test_gh200_rows_name_their_peak_and_memory() -> None:
     peak, how = default_peak_tflops("gh200-96gb", "GH200", "bf16", "megatron")
     assert peak == 989.0 and how.startswith("GH200")
     assert gpu_preset_for("GH200 HBM3e", None, lambda s: None) == "gh200-144gb"
+
+
+def test_named_settings_and_cost_overrides(dev_rows: list[dict[str, str]]) -> None:
+    """Cells naming framework settings reach the Plan (async_tp) and the case's CostParams overrides."""
+    from meshplan.validate.plans import named_setting
+
+    assert named_setting("overlap_p2p_comm=true", r"overlap[\s_-]*p2p[\s_-]*comm") is True
+    assert named_setting("overlap_p2p_comm: False", r"overlap[\s_-]*p2p[\s_-]*comm") is False
+    assert named_setting("no overlap_p2p_comm", r"overlap[\s_-]*p2p[\s_-]*comm") is False
+    assert named_setting("--overlap-p2p-comm", r"overlap[\s_-]*p2p[\s_-]*comm") is True
+    assert named_setting("batch_p2p_comm=True", r"overlap[\s_-]*p2p[\s_-]*comm") is None
+    nemo = next(r for r in dev_rows if r["source_id"] == "NEMO_2407_H100")
+    base = dict(nemo, tp="4", pp="4", cp="1", num_gpus="64", dp="4", virtual_stages="5",
+                pp_schedule="interleaved", global_batch_seqs="128", micro_batch="1", grad_accum="32",
+                num_layers="80", hidden_size="8192", num_attention_heads="64", num_kv_heads="8",
+                ffn_hidden_size="28672", mlp_type="swiglu")
+    on = case_from_row(dict(base, other_settings="NeMo; tp_comm_overlap=True; overlap_p2p_comm=True"))
+    assert on.ok and on.plan.async_tp and on.overrides.get("pp_p2p_exposed") == 0.0
+    off = case_from_row(dict(base, other_settings="NeMo; ub_tp_comm_overlap: False; overlap_p2p_comm=False"))
+    assert off.ok and not off.plan.async_tp and "pp_p2p_exposed" not in off.overrides
+    flat = case_from_row(dict(base, virtual_stages="1", pp_schedule="1F1B", other_settings="overlap_p2p_comm=True"))
+    assert "pp_p2p_exposed" not in flat.overrides  # only the interleaved schedule overlaps them
+    grad = case_from_row(dict(base, other_settings="NeMo; overlap_grad_reduce=False"))
+    assert grad.overrides.get("dp_overlap") is False
+    bloom = next(r for r in dev_rows if r["source_id"] == "BLOOM_PREQ_0225")
+    c = case_from_row(bloom)
+    assert c.ok and c.plan.precision == "fp16" and c.overrides["main_grads"] == "bf16"
+    assert abs(c.overrides["cuda_context_gib"] - 1573 / 1024) < 1e-3
+    assert c.plan.zero == 1 and c.plan.recompute == "full"
+    plain = case_from_row(dict(bloom, precision="fp16", other_settings="Megatron-DeepSpeed"))
+    assert "main_grads" not in plain.overrides and "cuda_context_gib" not in plain.overrides

@@ -12,7 +12,9 @@ framework's usual setting and recording it in the assumptions:
 5. ``parse_recompute``: activation recomputation (and how many blocks per stage);
 6. ``sequence_parallel``, ``parse_precision``, ``kernels`` (compile, async TP, offload,
    the attention kernel (``attention_kernel``: every common spelling of attention_impl, else the
-   profile's default, said in the assumptions), fused loss);
+   profile's default, said in the assumptions), fused loss); ``cost_settings``: the CostParams
+   settings the cells name (overlap_p2p_comm, overlap_grad_reduce, 16-bit/fp32 gradients, a
+   measured CUDA context), the case's overrides;
 7. ``stage_split``: blocks per pipeline stage when they do not divide evenly.
 
 The order of the steps is the order of the assumption lines (and of the first reason a row is
@@ -457,6 +459,8 @@ def kernels(row: Row, fw: str, zero: int, assume: Assume, profile: str = DEFAULT
     compile_ = _compiled(row, fw, other, assume)
     async_tp = bool(re.search(r"async[\s_-]*tp|tp[\s_-]*comm[\s_-]*overlap", other)) or \
         bool_cell(row.text("async_tp")) is True
+    if async_tp and named_setting(other, _TP_COMM_OVERLAP) is False:
+        async_tp = False  # 'tp_comm_overlap=False' names the setting, off
     offload_opt = bool(re.search(r"offload[\s_-]*(optim|opt\b)|optimizer[\s_-]*offload"
                                  r"|zero[\s_-]*offload|cpu[\s_-]*adam", other))
     offload_par = bool(re.search(r"param\w*[\s_-]*offload|offload[\s_-]*param|cpuoffload"
@@ -474,6 +478,73 @@ def kernels(row: Row, fw: str, zero: int, assume: Assume, profile: str = DEFAULT
     return Kernels(compile=compile_, async_tp=async_tp, offload_optimizer=offload_opt,
                    offload_params=offload_par, flash_attention=flash, fused_loss=fused_loss,
                    attention_kernel=att)
+
+
+_TP_COMM_OVERLAP = r"(?:ub[\s_-]*)?tp[\s_-]*comm[\s_-]*overlap"
+_P2P_OVERLAP = r"overlap[\s_-]*p2p[\s_-]*comm\w*"
+_GRAD_OVERLAP = r"overlap[\s_-]*grad[\s_-]*(?:reduce|sync)"
+
+
+def named_setting(text: str, name: str) -> bool | None:
+    """A boolean setting a cell names in a framework's own spelling (``name`` a regex):
+    'name=True', 'name: false', 'name on/off/yes/no', '--name' or a bare name (True); 'no name' /
+    'without name' (False); None when the cell does not name it."""
+    m = re.search(rf"(no[\s_-]+|without[\s_-]+|--no-)?(?:--)?\b{name}\b\s*(?:[=:]\s*)?(\w+)?", text)
+    if m is None:
+        return None
+    if m.group(1):
+        return False
+    v = bool_cell(m.group(2)) if m.group(2) else None
+    return True if v is None else v
+
+
+def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Assume) -> dict:
+    """CostParams settings beyond the profile that the row's cells name (the case's overrides),
+    each said in the assumptions:
+
+    * ``overlap_p2p_comm`` (Megatron-Core / NeMo): the interleaved schedule's pipeline sends and
+      receives run asynchronously under the next micro-batch's compute -> pp_p2p_exposed=0
+      (no effect without virtual stages: Megatron overlaps them only in the interleaved schedule);
+    * ``overlap_grad_reduce`` / ``overlap_grad_sync`` on or off -> dp_overlap;
+    * 16-bit gradient accumulation ('grads accumulated in fp16', 'fp16 gradients': DeepSpeed
+      ZeRO-1/2 with fp16) -> main_grads='bf16' (16-bit buffers); fp32 gradient accumulation
+      ('fp32 grad accumulation', 'fp32 main grads') -> main_grads='fp32';
+    * a measured CUDA context ('CUDA context 1573 MiB': the measured memory is nvidia-smi's, which
+      includes it) -> cuda_context_gib."""
+    other = " ".join(row.lower(c) for c in ("other_settings", "sharding", "precision"))
+    base = get_profile(profile).apply(DEFAULT_PARAMS)
+    out: dict = {}
+    p2p = named_setting(other, _P2P_OVERLAP)
+    if p2p is True and pp > 1 and vs > 1:
+        out["pp_p2p_exposed"] = 0.0
+        assume("overlap_p2p_comm: pipeline sends/receives overlapped with compute in the interleaved "
+               "schedule: costed as hidden (pp_p2p_exposed=0)")
+    elif p2p is True and pp > 1:
+        assume("overlap_p2p_comm acts only in the interleaved schedule (virtual stages > 1): ignored")
+    grad = named_setting(other, _GRAD_OVERLAP)
+    if grad is not None and grad != base.dp_overlap:
+        out["dp_overlap"] = grad
+        assume(f"data-parallel gradient reduction {'overlapped with' if grad else 'after'} the backward "
+               f"(the row's overlap_grad_reduce={grad}; the profile's default is {base.dp_overlap})")
+    if re.search(r"grad\w*\s+(?:accumulat\w*\s+)?in\s+(?:fp16|bf16|16[\s-]*bit)"
+                 r"|(?:fp16|bf16|16[\s-]*bit)\s+grad\w*\s+accumulat", other):
+        grads = "bf16"
+    elif re.search(r"grad\w*\s+(?:accumulat\w*\s+)?in\s+fp32|fp32\s+(?:main\s+)?grad\w*", other):
+        grads = "fp32"
+    else:
+        grads = None
+    if grads is not None and grads != base.main_grads:
+        out["main_grads"] = grads
+        assume(f"gradients held and reduced in {'16 bit' if grads == 'bf16' else 'fp32'} as the row states "
+               f"(main_grads={grads!r})")
+    m = re.search(r"cuda[\s_-]*context\D{0,40}?(\d+(?:\.\d+)?)\s*(mib|gib|mb|gb)\b", other)
+    if m:
+        gib = float(m.group(1)) / (1024.0 if m.group(2) in ("mib", "mb") else 1.0)
+        if gib != base.cuda_context_gib:
+            out["cuda_context_gib"] = round(gib, 3)
+            assume(f"measured memory includes the CUDA context ({m.group(1)} {m.group(2)} as the row states): "
+                   f"cuda_context_gib={round(gib, 3)}")
+    return out
 
 
 def stage_split(row: Row, fw: str, L: int, pp: int, vs: int, rec_layers: int | None,
@@ -510,6 +581,9 @@ def plan_from_row(row: Row, fw: str, model: ModelSpec, assume: Assume, profile: 
     k = kernels(row, fw, zero, assume, profile)
     if overrides is not None and k.attention_kernel != get_profile(profile).apply(DEFAULT_PARAMS).attention_kernel:
         overrides["attention_kernel"] = k.attention_kernel
+    settings = cost_settings(row, fw, pp, vs, profile, assume)
+    if overrides is not None:
+        overrides.update(settings)
     stage_layers, rec_layers = stage_split(row, fw, L, pp, vs, rec_layers, assume)
     try:
         plan = Plan(tp=tp, pp=pp, dp=dp, cp=deg.cp, ep=deg.ep, zero=zero, shard_group=shard_group,
