@@ -46,14 +46,40 @@ def attention_saved_bytes(attention: Any, flash_attention: bool, p: Any, seq_len
     """Bytes per token (per micro-batch sample's token, before TP) the attention core keeps beyond
     the flash baseline: heads x seq_len scores per token at ``score_bytes`` of the kernel the plan
     runs (cost.compute.attention_kind of ``flash_attention`` and the CostParams ``p``), none when
-    the core is recomputed (selective). LayerOps' Attention does not say whether the probabilities
-    see dropout or the softmax runs in fp32 (a follow-up: two fields of spec.graph.Attention); an
-    ``attention`` carrying ``dropout`` / ``softmax_fp32`` attributes is read, otherwise eager is
-    taken as Hugging Face's Llama-family code (fp32 softmax, no dropout: 6 B) and fused-softmax
-    as Megatron's GPT runs (dropout: 5 B, Korthikanti's count)."""
+    the core is recomputed (selective). spec.graph.Attention's ``dropout`` and ``softmax_fp32``
+    say whether the probabilities see dropout and the softmax runs in fp32; ``dropout=None`` (not
+    stated) takes eager as Hugging Face's Llama-family code (no dropout: 6 B with the fp32
+    softmax) and fused-softmax as Megatron's GPT runs (dropout: 5 B, Korthikanti's count)."""
     if attention is None or recompute == "selective":
         return 0.0
     kind = attention_kind(flash_attention, p)
-    per = score_bytes(kind, dropout=bool(getattr(attention, "dropout", kind == "fused-softmax")),
+    dropout = getattr(attention, "dropout", None)
+    per = score_bytes(kind, dropout=bool(kind == "fused-softmax" if dropout is None else dropout),
                       softmax_fp32=bool(getattr(attention, "softmax_fp32", True)))
     return per * attention.heads * seq_len
+
+
+def fp8_saved_change(o: Any, flash_attention: bool, p: Any, recompute: str) -> tuple[float, float]:
+    """(replicated, split) change of a layer's saved bytes per token when its GEMMs run in fp8.
+
+    Transformer Engine's Linear / LayerNormLinear / LayerNormMLP / GroupedLinear cast each GEMM's
+    input to fp8 for the forward GEMM and keep that fp8 tensor (1 B per element; with delayed
+    scaling its transpose, the column-wise copy the weight-gradient GEMM reads) for the backward
+    instead of the 16-bit input (transformer_engine/pytorch/module/linear.py, ``_Linear.forward``:
+    ``saved_inputmat = inputmat``, the quantized input, row-wise data discarded; older releases
+    ``saved_inputmat = inputmat`` when fp8 and not ``override_linear_precision.wgrad``, else
+    ``inputmat_no_fp8``). LayerNormLinear's norm writes its output straight to fp8 and keeps it and
+    the 16-bit norm input; LayerNormMLP's activation writes the fc2 input in fp8
+    (``activation_func(fc1_out, fc2_input_quantizer)``) and keeps it with the 16-bit fc1 output its
+    backward reads. So: GEMM inputs only their GEMM keeps (``saved_gemm_rep``, ``saved_gemm_split``)
+    halve. The attention core's output (``saved_attn_out``, the o-projection's input) stays 16-bit
+    where a flash kernel keeps it for its own backward, plus the o-projection's fp8 copy (+1 B per
+    element); an unfused or recomputed (selective) core leaves the GEMM its only keeper (halved).
+    Everything else (norm inputs, q/k/v, activation inputs, masks) stays 16-bit."""
+    rep = -0.5 * o.saved_gemm_rep
+    split = -0.5 * o.saved_gemm_split
+    if o.saved_attn_out:
+        shared = (o.attention is not None and recompute != "selective"
+                  and attention_kind(flash_attention, p) in FLASH_KERNELS)
+        split += (0.5 if shared else -0.5) * o.saved_attn_out
+    return rep, split

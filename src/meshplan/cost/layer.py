@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.activations import attention_saved_bytes
+from meshplan.cost.activations import attention_saved_bytes, fp8_saved_change
 from meshplan.cost.compute import attention_seconds, elementwise_fused, gemm_time, loss_kind, mem_time
 from meshplan.cost.params import CostParams
 from meshplan.spec.cluster import GPUSpec
@@ -64,7 +64,9 @@ class Combo:
 
 
 def act_scale(precision: Any) -> Any:
-    """Activation bytes relative to the LayerOps' 2-byte ones (a precision, or an array of them)."""
+    """Activation bytes relative to the LayerOps' 2-byte ones (a precision, or an array of them).
+    fp8 keeps 16-bit activations (1.0) except the GEMM inputs its fp8 GEMMs keep at 1 byte:
+    cost.activations.fp8_saved_change, applied to the saved bytes by ``layer_quantities``."""
     return np.where(np.asarray(precision) == "fp32", 2.0, 1.0)
 
 
@@ -122,7 +124,11 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
                     "selective": att_flops}.get(c.recompute, 0.0)
     split = o.saved_split[k]
     split += attention_saved_bytes(o.attention, c.flash_attention, p, s, c.recompute)  # unfused: s x s scores
-    full = (o.saved_rep / sp + split / t + o.saved_whole) * scale
+    rep = o.saved_rep
+    if c.precision == "fp8" and o.fp8:  # GEMM inputs kept fp8-cast (Transformer Engine)
+        d_rep, d_split = fp8_saved_change(o, c.flash_attention, p, c.recompute)
+        rep, split = rep + d_rep, split + d_split
+    full = (rep / sp + split / t + o.saved_whole) * scale
     inp = o.saved_input / sp * scale
     op = (o.saved_op[0] / sp + o.saved_op[1] / t) * scale
     return (fwd, bwd_in, bwd_w, rc, lin_flops + att_flops, rc_flops, full, inp, op, loss_f, loss_b)

@@ -66,6 +66,13 @@ class Attention:
     kv_heads: int
     head_dim: int
     causal: bool = True
+    dropout: bool | None = None
+    """Dropout on the attention probabilities (an unfused core then keeps its 1-byte mask and the
+    dropped probabilities); None: the kernel's convention (cost.activations.attention_saved_bytes:
+    none for eager, as Hugging Face's Llama family; with it for Megatron's fused softmax)."""
+    softmax_fp32: bool = True
+    """An unfused (eager) core takes its softmax in float32 (Llama, Mistral, Qwen2, Mixtral) rather
+    than in the activations' dtype (GPT-2): 4 or 2 bytes per score kept."""
 
     q_dim = property(lambda self: self.heads * self.head_dim, doc="Width of all query heads together.")
     kv_dim = property(lambda self: self.kv_heads * self.head_dim, doc="Width of the key (or value) heads.")
@@ -116,6 +123,17 @@ class LayerOps:
     """Bytes per token of the layer's input: what full recomputation keeps (SP splits it)."""
     saved_op: Pair = (0.0, 0.0)
     """(replicated, split) bytes per token kept under op-level selective checkpointing."""
+    saved_gemm_rep: float = 0.0
+    """Of saved_rep: the 2-byte inputs of fp8-capable (split) GEMMs that only the GEMM keeps, for
+    its weight gradient (a norm's output before the q/k/v or MLP-in GEMMs; a MoE's dispatched
+    token copies). With precision=fp8 (Transformer Engine) the GEMM keeps its fp8-cast input
+    instead: half the bytes."""
+    saved_gemm_split: float = 0.0
+    """... of saved_split: the same on split tensors (the MLP-out GEMM's input)."""
+    saved_attn_out: float = 0.0
+    """Of saved_split: the attention core's output, also the o-projection's GEMM input. A flash
+    kernel keeps it (2-byte) for its own backward, so an fp8 o-projection's 1-byte copy comes on
+    top; with an unfused or recomputed core the GEMM is its only keeper (halved under fp8)."""
     hidden: float = 0.0
     """Bytes per token of the layer's output: the size of each TP all-reduce."""
     send: float = 0.0
@@ -134,7 +152,8 @@ class LayerOps:
 
     def __post_init__(self) -> None:
         for f in ("params", "params_split", "params_expert", "ew_whole", "saved_rep", "saved_whole",
-                  "saved_input", "hidden", "send", "loss_vocab"):
+                  "saved_input", "saved_gemm_rep", "saved_gemm_split", "saved_attn_out", "hidden", "send",
+                  "loss_vocab"):
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
                 raise MeshplanError(f"layer ops: {f} must be a finite number >= 0, got {v}")

@@ -14,6 +14,7 @@ MLP_TYPES = ("gelu_4h", "swiglu", "squared_relu", "relu_4h")
 GATED_MLPS = ("swiglu",)
 POSITIONS = ("learned", "rotary", "alibi", "none")
 NORMS = ("layernorm", "rmsnorm")
+GELUS = ("native", "tanh-python")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +63,17 @@ class ModelSpec:
     """Causal (decoder) attention; False for encoders."""
     dropout: bool = False
     """Trained with dropout (stores 1-byte masks after attention and MLP; GPT-3/Megatron/BLOOM)."""
+    attention_dropout: bool | None = None
+    """Dropout on the attention probabilities; None: the attention kernel's convention
+    (cost.activations: eager without, as Hugging Face's Llama family; Megatron's fused softmax
+    with). Only an unfused core's saved bytes read it."""
+    softmax_fp32: bool = True
+    """An unfused (eager) attention takes its softmax in float32 (Hugging Face's Llama, Mistral,
+    Qwen2, Mixtral) rather than in the activations' dtype (GPT-2)."""
+    gelu: str = "native"
+    """How a gelu_4h MLP's GELU runs when elementwise ops run eager: native (torch's one-kernel
+    F.gelu / nn.GELU, exact or tanh: keeps its input) or tanh-python (the tanh formula as
+    separate PyTorch ops: Hugging Face's gelu_new, OpenAI's GPT-2 code, nanoGPT's NewGELU)."""
 
     def __post_init__(self) -> None:
         w = f"model {self.name!r}"
@@ -74,6 +86,7 @@ class ModelSpec:
         choice(f"{w}: mlp_type", self.mlp_type, MLP_TYPES)
         choice(f"{w}: position", self.position, POSITIONS)
         choice(f"{w}: norm", self.norm, NORMS)
+        choice(f"{w}: gelu", self.gelu, GELUS)
         kv = self.kv_heads
         if kv <= 0 or self.num_attention_heads % kv:
             raise MeshplanError(f"{w}: num_kv_heads={kv} must divide num_attention_heads="

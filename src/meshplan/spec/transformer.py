@@ -9,8 +9,11 @@ and a head, each with the LayerOps the analytic formulas give (docs/cost-model.m
             (row); MoE: the experts' pair per expert plus the router (replicated); the attention
             core; elementwise HBM bytes per op (ELEMENTWISE_BYTES: two norms, two residual adds,
             dropout, the MLP activation, rotary); saved activations after Korthikanti et al. 2022
-            Eq. 2 generalised to GQA (k and v kept repeated to the query heads), SwiGLU and
-            FlashAttention
+            Eq. 2 generalised to GQA (k and v kept repeated to the query heads), SwiGLU,
+            FlashAttention, the MLP activation's own intermediates (MLP_SAVED_BYTES, fused and
+            eager) and a MoE's dispatch and combine; which saved tensors are GEMM inputs (what an
+            fp8 GEMM keeps at 1 byte: LayerOps.saved_gemm_*, saved_attn_out). All checked
+            against what autograd keeps in tests/unit/test_autograd_memory.py.
   embedding a gather of 2 h bytes per token (read + write), its gradient a scatter-add
   head      final norm + logits GEMM (vocabulary-parallel) + cross-entropy
 
@@ -32,8 +35,24 @@ ELEMENTWISE_BYTES: dict[str, tuple[float, float]] = {
     "layernorm": (4.0, 4.0), "rmsnorm": (4.0, 36.0), "residual": (2.0, 6.0),
     "gelu_4h": (4.0, 4.0), "relu_4h": (4.0, 4.0), "squared_relu": (4.0, 8.0),
     "swiglu": (6.0, 10.0), "rotary": (4.0, 24.0), "dropout": (1.0, 1.0),
+    # GELU's tanh formula as PyTorch ops (ModelSpec.gelu = tanh-python: 0.5 x (1 + tanh(c (x +
+    # 0.044715 x^3)))): pow 4, two scalar multiplies 4 + 4, add 6, tanh 4, 1 + 4, 0.5 x 4, multiply 6.
+    "gelu_tanh_python": (4.0, 36.0),
+}
+#: Bytes per element of the MLP's hidden width (f per token; f x top_k routed copies for a MoE)
+#: kept for the backward, (fused, eager) as ELEMENTWISE_BYTES. Every MLP keeps the MLP-out GEMM's
+#: input (2 B) and what its activation's backward reads: GeLU/ReLU their input (2 B; squared ReLU
+#: the ReLU's output, which its square reads too), SwiGLU gate and up (4 B) fused, + SiLU's output
+#: (2 B, the multiply's operand) eager. GELU's tanh formula as PyTorch ops keeps x (its pow's and
+#: the 0.5 x multiply's input), tanh's output (its backward), 0.5 x and 1 + tanh (the last
+#: multiply's operands): 8 B, 10 B with the output; compiled it fuses to one kernel keeping x.
+MLP_SAVED_BYTES: dict[str, tuple[float, float]] = {
+    "gelu_4h": (4.0, 4.0), "relu_4h": (4.0, 4.0), "squared_relu": (4.0, 4.0), "swiglu": (6.0, 8.0),
+    "gelu_tanh_python": (4.0, 10.0),
 }
 ACT_BYTES = 2.0
+#: float32 bytes, for a MoE router's softmax and routing weights.
+FP32_BYTES = 4.0
 
 
 def _pair(*terms: tuple[float, str]) -> tuple[float, float]:
@@ -58,24 +77,41 @@ def block_ops(model: ModelSpec) -> LayerOps:
         f = f_tok = m.ffn_hidden_size
         gemms += [Gemm(n=mats_in * f, k=h, split="column"), Gemm(n=h, k=f, split="row")]
         experts = 0
+    act = "gelu_tanh_python" if m.mlp_type == "gelu_4h" and m.gelu == "tanh-python" else m.mlp_type
     rep_ops = [(2 * h, m.norm), (2 * h, "residual")] + ([(2 * h, "dropout")] if m.dropout else [])
-    split_ops = [(f_tok, m.mlp_type)] + ([(q + kv, "rotary")] if m.position == "rotary" else [])
+    split_ops = [(f_tok, act)] + ([(q + kv, "rotary")] if m.position == "rotary" else [])
     saved_split = 2 * (q + 2 * kv) + 2 * q
     # SDPA keeps its inputs q, k, v; with grouped-query attention the k and v heads are repeated to
     # the query heads first (torchtitan's and Hugging Face's repeat_kv, meshplan's runtime's
     # repeat_interleave), so it keeps q-wide k and v: 4 (q - kv) bytes more per token. (Rotary
     # embeddings keep nothing q-sized: the multiply saves only its cos/sin or complex table.)
     gqa_repeat = 4 * (q - kv)
-    mlp = (6 * f_tok, 8 * f_tok) if m.mlp_type == "swiglu" else (4 * f_tok, 4 * f_tok)
+    mlp = tuple(b * f_tok for b in MLP_SAVED_BYTES[act])
     dropout = 1 if m.dropout else 0
+    # Replicated: the two norms' inputs, the q/k/v GEMM's input (the first norm's output), the MLP's
+    # input (the second norm's output: the MLP-in GEMM's, or a MoE router's) and dropout masks.
+    saved_rep = (8 + 2 * dropout) * h
+    mlp_in = ACT_BYTES * h  # the MLP-in GEMM's input, dense
+    if m.is_moe:
+        top = m.experts_per_token
+        # Dispatch gathers one copy of the token's hidden state per routed expert, the input the
+        # expert's first GEMM keeps; combining multiplies each expert's output by its routing
+        # weight, which keeps that output (the weight's gradient) and the weight; the router keeps
+        # its float32 softmax. (Hugging Face's grouped_mm and per-expert loop, Megatron's
+        # permute / unpermute with probabilities, torchtitan's routed output x scores alike.)
+        mlp_in = top * ACT_BYTES * h
+        saved_rep += 2 * mlp_in + FP32_BYTES * (m.num_experts + top)
     return LayerOps(
         params=m.layer_params(), params_split=m.layer_params(), params_expert=experts,
         gemms=tuple(gemms), attention=Attention(heads=m.num_attention_heads, kv_heads=m.kv_heads,
-                                                head_dim=m.dhead, causal=m.causal),
+                                                head_dim=m.dhead, causal=m.causal,
+                                                dropout=m.attention_dropout, softmax_fp32=m.softmax_fp32),
         experts=m.num_experts if m.is_moe else 0, top_k=m.experts_per_token if m.is_moe else 0,
         ew_rep=_pair(*rep_ops), ew_split=_pair(*split_ops),
-        saved_rep=(8 + 2 * dropout) * h,
+        saved_rep=saved_rep,
         saved_split=(saved_split + gqa_repeat + mlp[0], saved_split + gqa_repeat + mlp[1]),
+        saved_gemm_rep=ACT_BYTES * h + mlp_in, saved_gemm_split=ACT_BYTES * f_tok,
+        saved_attn_out=ACT_BYTES * q,
         saved_input=ACT_BYTES * h,
         saved_op=(ACT_BYTES * h, 2 * q + 2 * kv + 2 * f_tok + 2 * h + 2 * q),
         hidden=ACT_BYTES * h, send=ACT_BYTES * h, tp_allreduces=2,
