@@ -1,13 +1,15 @@
 """Golden test: the cost model against the published runs of shared/data (shipped copy).
 
-These bounds are regression guards at the accuracy the model reaches today (see
-docs/cost-model.md); the issue's targets are stricter and are reported, not asserted.
+These bounds are regression guards at the in-sample accuracy the built-in calibration reaches
+today (see docs/cost-model.md). The headline accuracy is out of sample (`meshplan validate
+--cross-validate`, benchmarks/cross_validate.py): the built-in calibration is fitted with
+first-principles priors and each source weighted by the square root of its rows, which costs
+some in-sample accuracy on the shared rows (4.0% -> 4.5%) for out-of-sample accuracy.
 """
 from __future__ import annotations
 
 import pytest
 
-from meshplan.cost import estimate
 from meshplan.validate.report import default_runs_path, validate
 from meshplan.validate.runs import load_runs
 
@@ -25,7 +27,7 @@ rows added after it (src/meshplan/data/README.md) are reported by `meshplan vali
 
 @pytest.fixture(scope="module")
 def result(cases):
-    return validate([c for c in cases.values() if c.source_id in SHARED_SOURCES], estimate)
+    return validate([c for c in cases.values() if c.source_id in SHARED_SOURCES])
 
 
 def test_every_dev_row_is_expressible(result, cases):
@@ -35,20 +37,20 @@ def test_every_dev_row_is_expressible(result, cases):
 
 def test_step_time_accuracy(result):
     s = result["summary"]
-    assert s["step_time_mape_pct"] <= 4.2
-    assert s["step_time_max_abs_pct"] <= 27.0
-    assert sum(abs(r["step_time_error_pct"]) > 20 for r in result["rows"]) <= 2
-    bounds = {"MEG_SC21_T1": 4.0, "KOR22_T5": 3.0, "TT_2024_A100": 4.7, "TT_2412_H100": 6.0,
-              "MOSAIC_LLMFOUNDRY": 4.2, "BLOOM176B": 2.5}
+    assert s["step_time_mape_pct"] <= 4.7
+    assert s["step_time_max_abs_pct"] <= 32.0
+    assert sum(abs(r["step_time_error_pct"]) > 20 for r in result["rows"]) <= 5
+    bounds = {"MEG_SC21_T1": 4.2, "KOR22_T5": 2.6, "TT_2024_A100": 4.8, "TT_2412_H100": 6.8,
+              "MOSAIC_LLMFOUNDRY": 4.6, "BLOOM176B": 4.9}
     for src, bound in bounds.items():
         assert s["by_source"][src]["mape_pct"] <= bound, src
 
 
 def test_peak_memory_accuracy(result):
     s = result["summary"]
-    assert s["memory_rows"] == 18 and s["memory_mape_pct"] <= 3.5
+    assert s["memory_rows"] == 18 and s["memory_mape_pct"] <= 3.7
     errors = [r["memory_error_pct"] for r in result["rows"] if r["memory_error_pct"] is not None]
-    assert len(errors) == 18 and max(abs(e) for e in errors) <= 10
+    assert len(errors) == 18 and max(abs(e) for e in errors) <= 11.5
 
 
 def test_runs_that_ran_are_predicted_to_fit_or_within_the_margin(result, cases):

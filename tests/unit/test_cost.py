@@ -129,8 +129,11 @@ def block_q(m, plan: Plan, s: int, gpu) -> dict[str, float]:
 
 
 def acts_per_token(m, plan: Plan, s: int) -> tuple[float, float]:
-    """(saved bytes per token of one block without recompute, of its input)."""
-    q = block_q(m, plan, s, load_gpu("h100-sxm-80gb"))
+    """(saved bytes per token of one block without recompute, of its input). Without
+    FlashAttention the attention is Megatron's fused softmax, as in Korthikanti et al. (the
+    megatron profile's kernel: softmax output 2 B + dropout mask 1 B + the scores 2 B)."""
+    p = DEFAULT_PARAMS.replace(attention_kernel="fused-softmax")
+    q = quantities(block_ops(m), plan, s, load_gpu("h100-sxm-80gb"), p)
     return q["full"], q["inp"]
 
 
@@ -385,7 +388,8 @@ def test_full_recompute_keeps_block_input(name):
     work = Workload(global_batch=8 * b, seq_len=s)
 
     def acts(plan: Plan) -> float:
-        return estimate(m, cluster, plan, work).memory["activations"] * GiB
+        p = DEFAULT_PARAMS.replace(attention_kernel="fused-softmax")  # as acts_per_token
+        return estimate(m, cluster, plan, work, p).memory["activations"] * GiB
 
     emb = tokens * 2 * h  # the embedding's output, kept for its backward
     plan = Plan(dp=8, micro_batch=b, recompute="full", flash_attention=False)

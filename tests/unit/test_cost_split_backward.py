@@ -33,13 +33,17 @@ def test_zbv_output_layer_on_rank_0_llama3_8b():
     model said 24.8 / 29.4 before); ZB-H1 keeps pp micro-batches on every rank until their W:
     the last rank 29.4 GiB (13.6 before). Both equal the simulated peaks. (Figures with GQA's
     k and v kept at the query heads' width, issue 12.)"""
+    from meshplan.cost.params import DEFAULT_PARAMS
+    # the figures are the schedule's accounting: the fitted memory constants held at the values
+    # they were worked out with
+    q = DEFAULT_PARAMS.replace(allocator_fragmentation=0.06, framework_overhead_gib=1.0)
     m, c, w = _m("llama3-8b"), _c("h100-sxm-80gb:32"), Workload(global_batch=64, seq_len=8192)
     for plan, first, last in (("tp=4,pp=8,schedule=zbv,virtual_stages=2", 31.9, 22.3),
                               ("tp=4,pp=8,schedule=zero-bubble", 24.8, 29.4)):
         p = load_plan(plan)
-        r = estimate(m, c, p, w)
+        r = estimate(m, c, p, w, q)
         assert (round(r.memory_per_stage[0], 1), round(r.memory_per_stage[-1], 1)) == (first, last)
-        _, s = simulate_plan(m, c, p, w)
+        _, s = simulate_plan(m, c, p, w, q)
         assert [x["peak_memory_gib"] for x in s["ranks"]] == pytest.approx(r.memory_per_stage, rel=1e-9)
         assert abs(s["sim_vs_analytic_pct"]) < 0.2
 

@@ -534,7 +534,7 @@ def test_fit_verdicts_count_oom_rows(tmp_path: Path) -> None:
     assert v["runs_that_fit"] == 1 and v["runs_that_fit_predicted_oom"] == []
     assert v["oom_runs"] == 1 and v["oom_runs_predicted_to_fit"] == ["9001"]
     assert v["accuracy"] == 0.5
-    assert "0/1 out-of-memory runs predicted not to fit (row 9001)" in to_text(res)
+    assert "0/1 out-of-memory runs predicted not to fit (predicted to fit: row 9001)" in to_text(res)
 
 
 def test_default_peak_follows_the_source_convention() -> None:

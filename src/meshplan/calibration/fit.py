@@ -79,6 +79,15 @@ class Runs:
         return np.array([n[s] ** -0.5 for s in self.source])
 
 
+def nvidia_smi_memory(case: Any) -> bool:
+    """Whether the run's measured memory is nvidia-smi's (the row says so): it also holds memory
+    outside torch's allocator (NCCL's own buffers, other libraries) that the cost model does not
+    predict, so it is reported but not fitted to."""
+    raw = getattr(case, "raw", {}) or {}
+    text = " ".join(str(raw.get(k, "")) for k in ("other_settings", "notes", "uncertain_fields")).lower()
+    return "nvidia-smi" in text or "nvidia_smi" in text
+
+
 def _links(cluster: Any) -> set[str]:
     out = set()
     for tier in ("intra_node", "inter_node", "inter_dc"):
@@ -103,7 +112,8 @@ def runs_from_cases(cases: Sequence[Any], base: CostParams = DEFAULT_PARAMS) -> 
     return Runs(
         cases=keep, bases=[case_params(c, base) for c in keep],
         step=np.array([c.measured_step_time_s or np.nan for c in keep], dtype=float),
-        mem=np.array([c.measured_peak_mem_gib or np.nan for c in keep], dtype=float),
+        mem=np.array([np.nan if nvidia_smi_memory(c) else (c.measured_peak_mem_gib or np.nan) for c in keep],
+                     dtype=float),
         fits=np.array([0 if c.measured_fits is None else (1 if c.measured_fits else -1) for c in keep]),
         source=np.array([c.source_id for c in keep]),
         family=np.array([c.cluster.gpu.family for c in keep]),
@@ -186,7 +196,7 @@ def _fit(runs: Runs, names: list[str], start: dict[str, float], target: str,
     sig = np.array([f.sigma for f in specs])
 
     def to_val(u: np.ndarray) -> dict[str, float]:
-        return {n: float(math.exp(x) if f.log else x) for n, f, x in zip(names, specs, u)}
+        return {n: float(min(f.high, max(f.low, math.exp(x) if f.log else x))) for n, f, x in zip(names, specs, u)}
 
     if target == "time":
         rows = np.nonzero(~np.isnan(runs.step))[0]

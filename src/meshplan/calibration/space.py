@@ -64,7 +64,7 @@ GLOBAL: tuple[Fittable, ...] = (
              "and only the first chunk's transfer and the slowdown of the rest stay exposed"),
     Fittable("allocator_fragmentation", 0.0, 0.3, 0.05, 0.05, False, "memory",
              "caching-allocator reserve over live activations and transients"),
-    Fittable("framework_overhead_gib", 0.2, 5.0, 1.0, 0.5, True, "memory",
+    Fittable("framework_overhead_gib", 0.2, 3.0, 1.0, 0.5, True, "memory",
              "NCCL buffers, cuBLAS workspaces and framework state, GiB (0.5-1.5 GiB measured)"),
 )
 

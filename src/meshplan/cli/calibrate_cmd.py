@@ -74,7 +74,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for n in fitted:
         f = fittable(n)
         was = before.get(n)
-        print(f"  {n:42s} {values[n]:9.4g}   built-in {was if was is None else f'{was:.4g}':>8}   "
+        shown = "-" if was is None else f"{was:.4g}"
+        print(f"  {n:42s} {values[n]:9.4g}   built-in {shown:>8}   "
               f"range [{f.low:g}, {f.high:g}]")
     if m0 is not None and m1 is not None:
         print(f"step-time MAPE on these runs (in sample): {m0:.1f}% with the built-in calibration, "

@@ -38,7 +38,10 @@ BF16_LOGITS_BYTES_PER_ELEM = 6.0
 """The same for torch's cross-entropy on 16-bit logits (CostParams.logits_fp32 = False): bf16
 logits 2 + bf16 log-softmax 2 + its bf16 gradient 2."""
 #: Bytes per parameter of the gradients held without ZeRO-3 (CostParams.main_grads).
-MAIN_GRAD_BYTES = {"fp32": 4.0, "bf16": 2.0}
+MAIN_GRAD_BYTES = {"fp32": 4.0, "bf16": 2.0, "bf16+fp32": 6.0}
+"""bf16+fp32: DeepSpeed's BF16_Optimizer keeps each parameter's bf16 .grad and an unsharded fp32
+gradient-accumulation buffer ('The additional memory usage is 4bytes x params and it's not
+sharded', bigscience tr11 chronicles); the fp32 buffer is what is reduced."""
 
 
 def grad_bytes(zero: Num, p: CostParams, precision: Num = None) -> Num:
@@ -50,6 +53,8 @@ def grad_bytes(zero: Num, p: CostParams, precision: Num = None) -> Num:
     auto = np.where(np.asarray(zero) >= 1, 4.0, 2.0)
     if p.main_grads == "bf16":
         return np.where(np.asarray(zero) >= 0, 2.0, 0.0)
+    if p.main_grads == "bf16+fp32":
+        return np.where(np.asarray(zero) >= 0, 6.0, 0.0)
     if p.main_grads == "fp32":
         return auto if precision is None else np.where(np.asarray(precision) == "fp16", auto, 4.0)
     return auto

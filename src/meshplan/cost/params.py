@@ -1,10 +1,13 @@
 """Named modelling constants of the cost model, with units and sources.
 
-Per-GPU numbers (peaks, bandwidths, gemm_efficiency) live in the GPU data files. What is here
-is hardware-independent behaviour of kernels, collectives and frameworks. Entries marked
-FITTED were fitted to shared/data/published_runs_dev.csv by ``benchmarks/fit_cost_model.py``
-(a handful of parameters, not per row); the others are measured constants or first-principles
-values with their source.
+Per-GPU numbers (peaks, bandwidths) live in the GPU data files. What is here is
+hardware-independent behaviour of kernels, collectives and frameworks. Entries marked FITTED
+take their value from the built-in calibration (meshplan/data/calibration.json, written by
+``meshplan calibrate --runs <development runs> --prior physics``: a handful of named, bounded
+parameters, not per row); the class default of each is its first-principles prior
+(meshplan.calibration.space), used only where no calibration gives it. The others are
+measured constants or first-principles values with their source. ``DEFAULT_PARAMS`` is the
+class defaults with the built-in calibration applied.
 """
 from __future__ import annotations
 
@@ -16,32 +19,32 @@ from dataclasses import dataclass
 class CostParams:
     """Kernel, collective and framework constants. Override with dataclasses.replace()."""
 
-    gemm_half_dim: float = 259.27
-    """FITTED. GEMM dimension (elements) at which a dimension alone halves throughput;
-    efficiency multiplier per dim d is d/(d+gemm_half_dim). Models tile/wave under-use of
-    thin matrices (cf. NVIDIA 'Matrix Multiplication Background' guide)."""
-    gemm_half_tokens: float = 255.07
-    """FITTED. The same for the token (row) dimension m of activations x weights, which tiles
+    gemm_half_dim: float = 128.0
+    """FITTED (prior 128: a 128-wide cuBLAS/CUTLASS tile). GEMM dimension (elements) at which a
+    dimension alone halves throughput; efficiency multiplier per dim d is d/(d+gemm_half_dim).
+    Models tile/wave under-use of thin matrices (cf. NVIDIA 'Matrix Multiplication Background' guide)."""
+    gemm_half_tokens: float = 128.0
+    """FITTED (prior 128). The same for the token (row) dimension m of activations x weights, which tiles
     differently from the weight dimensions."""
     flash_fwd_efficiency: float = 0.50
     """FlashAttention forward throughput relative to the GPU's large-GEMM efficiency, used when
     the GPU file gives no attention_efficiency. 0.5 = the ratio of the fitted attention and
     GEMM efficiencies on A100 (0.53) and the 500 W H100 (0.40), rounded."""
-    flash_bwd_efficiency: float = 0.826
-    """FITTED. FlashAttention backward throughput relative to its forward (FA2 paper: bwd
+    flash_bwd_efficiency: float = 0.8
+    """FITTED (prior 0.8). FlashAttention backward throughput relative to its forward (FA2 paper: bwd
     reaches 50-60% of peak on A100 where fwd reaches ~70%)."""
     attn_headdim_half: float = 16.0
     """Head dimension at which FlashAttention's per-head throughput would halve; gives ~10%
     less throughput at head_dim 64 than 128 (FA2 paper benchmarks)."""
-    attn_half_seq: float = 1308.72
-    """FITTED. Keys per attention kernel call at which FlashAttention's throughput halves
+    attn_half_seq: float = 512.0
+    """FITTED (prior 512). Keys per attention kernel call at which FlashAttention's throughput halves
     (FA2 paper, A100 causal hdim 128: ~60% of the long-sequence rate at 512 tokens). With
     context parallelism each ring step sees s/cp keys. attention_efficiency is the
     long-sequence limit."""
     flash_bwd_flop_ratio: float = 2.5
     """Backward/forward matmul FLOPs of FlashAttention (5 matmuls vs 2; Dao 2023)."""
-    hbm_efficiency: float = 0.904
-    """FITTED. Achieved fraction of HBM bandwidth by elementwise kernels (STREAM-like copies
+    hbm_efficiency: float = 0.85
+    """FITTED (prior 0.85). Achieved fraction of HBM bandwidth by elementwise kernels (STREAM-like copies
     reach ~85-90% on A100/H100; norm and activation kernels less)."""
     fp8_cast_bytes_per_elem: float = 3.0
     """Bytes moved to cast one GEMM input element to fp8 with delayed/dynamic scaling
@@ -49,18 +52,16 @@ class CostParams:
     optimizer_bytes_per_param: float = 32.0
     """HBM bytes an Adam step moves per parameter: read fp32 param, grad, m, v (16 B), write
     param, m, v (12 B), write the bf16 copy (2 B) plus grad-norm pass (~2 B)."""
-    tp_exposed_async: float = 1.0
-    """FITTED. Fraction of TP communication left exposed with async TP. The fit finds no
-    gain (1.0): torchtitan's 70B rows with and without AsyncTP differ by ~5%, and the rows
-    with AsyncTP under PP/CP are already predicted fast."""
-    overlap_slowdown: float = 0.166
-    """Slowdown of compute while a collective runs under it, as a fraction of the time they
-    share: NCCL kernels hold SMs and HBM bandwidth, so overlapped communication is not free
-    (Rashidi et al., ISCA 2021: compute slows 1.1-1.4x under concurrent collectives).
-    A collective of c seconds under compute of k seconds adds max(c - k, slowdown x min(c, k)),
-    booked as exposed communication. FITTED (benchmarks/fit_cost_model.py): 0.166, i.e. a
-    block's compute runs ~17% slower for the time FSDP/DDP traffic overlaps it; with it the
-    dev-set MAPE falls from 4.5% to 4.0% (refit of all constants)."""
+    tp_exposed_async: float = 0.35
+    """FITTED (prior 0.35). Fraction of TP communication left exposed when it is overlapped with
+    the GEMMs (async TP, Transformer Engine userbuffers): the GEMMs run in tp chunks and only the
+    first chunk's transfer and the slowdown of the rest stay exposed."""
+    overlap_slowdown: float = 0.15
+    """FITTED (prior 0.15). Slowdown of compute while a collective runs under it, as a fraction
+    of the time they share: NCCL kernels hold SMs and HBM bandwidth, so overlapped communication
+    is not free (Rashidi et al., ISCA 2021: compute slows 1.1-1.4x under concurrent
+    collectives). A collective of c seconds under compute of k seconds adds
+    max(c - k, slowdown x min(c, k)), booked as exposed communication."""
     dp_bucket_mib: float = 25.0
     """DDP gradient bucket size, MiB (PyTorch default bucket_cap_mb=25): the last bucket's
     all-reduce is exposed after the backward pass."""
@@ -77,20 +78,23 @@ class CostParams:
     pp_p2p_exposed: float = 1.0
     """Fraction of pipeline point-to-point transfer time on the critical path (blocking sends
     in Megatron/DeepSpeed; torch.distributed.pipelining also waits on recv before compute)."""
-    allocator_fragmentation: float = 0.06
-    """FITTED (memory rows; benchmarks/fit_cost_model.py --memory). Extra reserved memory of the
+    allocator_fragmentation: float = 0.05
+    """FITTED to the memory rows measured by torch's allocator (prior 0.05). Extra reserved memory of the
     caching allocator over live tensors (fraction of activations and transient buffers)."""
     framework_overhead_gib: float = 1.0
-    """Memory held by NCCL buffers, cuBLAS workspaces and framework state, GiB (measured: ~0.5-1.5
+    """FITTED (prior 1.0) to the memory rows measured by torch's allocator. Memory held by NCCL
+    buffers, cuBLAS workspaces and framework state, GiB (measured: ~0.5-1.5
     GiB in torch.cuda.memory_reserved() on an idle trained step)."""
     memory_margin: float = 0.05
     """A plan 'fits' when predicted peak <= (1 - memory_margin) x HBM: the margin is memory the
     job cannot use (CUDA context, allocator limits, other processes' reservations)."""
-    memory_error: float = 0.092
-    """MEASURED: the memory model's largest under-prediction on the published runs with a
-    measured peak (`meshplan validate`: row 94, Llama 3.1 405B, -9.2%; a test checks this
-    bound still holds). A plan that fits, but whose peak x (1 + memory_error) exceeds the usable
-    memory, is 'at risk' of running out of memory and is not recommended by default."""
+    memory_error: float = 0.11
+    """MEASURED: the memory model's largest under-prediction on the published runs whose peak
+    torch's allocator measured (`meshplan validate`: row 94, Llama 3.1 405B, -11.0%; a test
+    checks this bound still holds; runs measured with nvidia-smi, which also counts memory outside
+    torch's allocator, are reported but not used here). A plan that fits, but whose peak x
+    (1 + memory_error) exceeds the usable memory, is 'at risk' of running out of memory and is
+    not recommended by default."""
     host_memory_per_gpu_gib: float = 128.0
     """Host memory an offloading plan may use per GPU, GiB: a DGX A100 node's 1 TiB over its 8
     GPUs (a DGX H100 has 2 TiB). Plans that offload more are 'out of host memory'."""
@@ -116,6 +120,10 @@ class CostParams:
     keeps its bucket copies (2: the one filling, the one reducing); Megatron's buckets are views
     into the main-gradient buffer (0); DeepSpeed's ZeRO-1/2 IPG buffer is one bucket without
     overlap_comm, two with it."""
+    param_gather_overlap: bool = False
+    """ZeRO-1/2 (distributed optimizer): the all-gather of the updated parameters runs bucket by
+    bucket under the next step's first forward (megatron-core's overlap_param_gather) instead
+    of after the optimizer step."""
     main_grads: str = "auto"
     """Gradient bytes per parameter held without ZeRO-3 (ZeRO-0/1/2; ZeRO-2 shards them): auto
     (2 B for ZeRO-0, 4 B fp32 for ZeRO-1/2), fp32 (Megatron's main_grad buffer, also under DDP:
@@ -170,10 +178,10 @@ PARAM_KINDS: dict[str, str] = {
     "fsdp_reduce_bytes": "derived",
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
     "pp_p2p_exposed": "derived", "allocator_fragmentation": "fitted",
-    "framework_overhead_gib": "measured", "memory_margin": "derived", "memory_error": "measured",
+    "framework_overhead_gib": "fitted", "memory_margin": "derived", "memory_error": "measured",
     "host_memory_per_gpu_gib": "derived",
     "step_overhead_s": "derived", "attention_kernel": "derived", "elementwise_kernels": "derived",
-    "dp_overlap": "derived", "dp_bucket_buffers": "derived", "main_grads": "derived",
+    "dp_overlap": "derived", "param_gather_overlap": "derived", "dp_bucket_buffers": "derived", "main_grads": "derived",
     "loss_kernel": "derived", "logits_fp32": "derived", "optimizer_temp_bytes": "derived",
     "cuda_context_gib": "derived", "nccl_buffer_gib": "derived",
 }

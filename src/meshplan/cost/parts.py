@@ -139,10 +139,23 @@ def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cost
     # With a pipeline the sync starts after the stage's last backward: nothing to overlap; nor
     # without the profile's overlap (CostParams.dp_overlap).
     overlapped_sync = np.maximum(bucket, exposed_under(sync, last_bwd, p.overlap_slowdown))
-    exposed = np.where((pp > 1) | (not p.dp_overlap), sync, overlapped_sync)
+    # Under an interleaved pipeline (megatron-core with overlap_grad_reduce) each model chunk's
+    # gradients are reduced once its last backward is done, under the other chunks' backward:
+    # only the last chunk's share, 1/v, is left after the stage's last backward.
+    v = np.maximum(1.0, np.asarray(cols.get("virtual_stages", 1), dtype=float))
+    piped = np.maximum(bucket, sync / v)
+    exposed = np.where(not p.dp_overlap, sync, np.where(pp > 1, piped, overlapped_sync))
     syncs = np.where(zero == 2, np.asarray(micro, dtype=float), 1.0)  # ZeRO-2: one per micro-batch
     overlapped = syncs * (sync - np.minimum(sync, exposed))
-    exposed = syncs * exposed + np.where(zero >= 1, g.all_gather(2.0 * params_local), 0)
+    # ZeRO-1/2 gather the updated parameters after the optimizer; megatron-core's
+    # overlap_param_gather (CostParams.param_gather_overlap) runs it bucket by bucket under the
+    # next step's forwards instead (each bucket is gathered before its first use: the step's
+    # forwards, last_bwd / 2 per micro-batch, hide all but the first).
+    gather = np.where(zero >= 1, g.all_gather(2.0 * params_local), 0)
+    fwd = last_bwd / 2 * np.asarray(micro, dtype=float)
+    gather_x = exposed_under(gather, fwd, p.overlap_slowdown) if p.param_gather_overlap else gather
+    overlapped = overlapped + (gather - gather_x)
+    exposed = syncs * exposed + gather_x
     none = n_dp == 1
     return (np.where(none, 0, np.where(zero == 3, z3, exposed)),
             np.where(none | (zero == 3), 0, overlapped))

@@ -36,6 +36,7 @@ PROFILE_FIELDS: dict[str, Any] = {
     "attention_kernel": ATTENTION_KERNELS,
     "elementwise_kernels": ELEMENTWISE_KERNELS,
     "dp_overlap": bool,
+    "param_gather_overlap": bool,
     "dp_bucket_mib": (float, 0.0),
     "dp_bucket_buffers": (float, 0.0),
     "main_grads": ("auto", *MAIN_GRAD_BYTES),
@@ -63,10 +64,12 @@ _SAYS: dict[str, Any] = {
         "compiled": "torch.compile'd (fused)"}[v],
     "dp_overlap": lambda v: ("overlapped with the backward (last bucket exposed)" if v
                              else "after the backward (not overlapped)"),
+    "param_gather_overlap": lambda v: ("ZeRO-1/2 parameter gather under the next forward" if v
+                                       else "ZeRO-1/2 parameter gather after the optimizer step"),
     "dp_bucket_mib": lambda v: f"{v:g} MiB buckets",
     "dp_bucket_buffers": lambda v: f"{v:g} bucket buffer(s) held" if v else "buckets are views of the gradient buffer",
     "main_grads": lambda v: {"auto": "16-bit (DDP) / fp32 (ZeRO-1/2)", "fp32": "fp32 main grads",
-                             "bf16": "16-bit"}[v],
+                             "bf16": "16-bit", "bf16+fp32": "bf16 .grad + unsharded fp32 accumulation"}[v],
     "fsdp_reduce_bytes": lambda v: "fp32" if v >= 4 else "16-bit",
     "fsdp_prefetch_layers": lambda v: f"{v} layer(s) gathered ahead",
     "loss_kernel": lambda v: {"torch": "torch cross_entropy on the full logits (fused only with fused_loss)",
@@ -79,6 +82,7 @@ _SAYS: dict[str, Any] = {
     "framework_overhead_gib": lambda v: f"{v:g} GiB",
 }
 _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise", "dp_overlap": "DP gradient sync",
+          "param_gather_overlap": "DP parameter gather",
           "dp_bucket_mib": "DP buckets", "dp_bucket_buffers": "DP bucket memory", "main_grads": "gradients (ZeRO 0-2)",
           "fsdp_reduce_bytes": "FSDP reduce-scatter", "fsdp_prefetch_layers": "FSDP prefetch",
           "loss_kernel": "loss", "logits_fp32": "logits at the loss", "optimizer_temp_bytes": "optimizer step",
@@ -160,8 +164,10 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     ),
     _profile(
         "megatron", "Megatron-LM / NeMo (megatron-core)",
-        attention_kernel=("flash2", "megatron-core --attention-backend auto: Transformer Engine's "
-                                    "flash/fused attention; FA2 rate (no TE-specific ratio published)"),
+        attention_kernel=("cudnn", "Transformer Engine's DotProductAttention (--attention-backend auto) gives "
+                                   "its cuDNN FusedAttention preference on Hopper+ ('Disabling FlashAttention to give "
+                                   "FusedAttention preference on Hopper+ for performance reasons', TE attention "
+                                   "utils); FlashAttention-2 elsewhere (cudnn is priced as flash2 off Hopper)"),
         elementwise_kernels=("hand-fused", "--bias-gelu-fusion, --bias-swiglu-fusion, --bias-dropout-fusion, "
                                            "--apply-rope-fusion on by default; TE/apex fused norms"),
         dp_overlap=(False, "--overlap-grad-reduce off by default (DistributedDataParallelConfig."
@@ -175,8 +181,12 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     ),
     _profile(
         "nemo", "NeMo 2.0 recipes (megatron-core underneath)",
-        attention_kernel=("flash2", "megatron-core via Transformer Engine; FA2 rate"),
+        attention_kernel=("cudnn", "Transformer Engine's DotProductAttention (--attention-backend auto) gives "
+                                   "its cuDNN FusedAttention preference on Hopper+ ('Disabling FlashAttention to give "
+                                   "FusedAttention preference on Hopper+ for performance reasons', TE attention "
+                                   "utils); FlashAttention-2 elsewhere (cudnn is priced as flash2 off Hopper)"),
         elementwise_kernels=("hand-fused", "megatron-core's fusions (bias-activation, bias-dropout-add, RoPE)"),
+        param_gather_overlap=(True, "recipes' overlap_param_gather=True with the distributed optimizer"),
         dp_overlap=(True, "recipes' DistributedDataParallelConfig(overlap_grad_reduce=True, "
                           "overlap_param_gather=True)"),
         dp_bucket_buffers=(0.0, "megatron-core buckets are views into the param-and-grad buffer"),

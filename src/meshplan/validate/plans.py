@@ -220,8 +220,9 @@ _ATTENTION_SPELLINGS: tuple[tuple[str, str, str], ...] = (
     (r"xformers|memory[\s_-]*efficient|mem[\s_-]*eff", "flash2",
      "memory-efficient attention (xformers) costed at FlashAttention-2's rate (no published ratio)"),
     (r"\bflex", "flash2", "FlexAttention costed at FlashAttention-2's rate (no published ratio)"),
-    (r"transformer[\s_-]*engine|\bte\b", "flash2",
-     "Transformer Engine attention costed at FlashAttention-2's rate (TE picks flash or cuDNN)"),
+    (r"transformer[\s_-]*engine|\bte\b", "cudnn",
+     "Transformer Engine attention: its cuDNN FusedAttention on Hopper+ (TE's backend selection gives it "
+     "preference there), FlashAttention-2's rate elsewhere"),
     (r"flash", "flash2", ""),  # unversioned flash-attn / flash_attention: the current major version, 2
     (r"pre-flash|unfused|eager|\bmath\b|\btorch\b|naive|vanilla|standard|baseline|manual", "eager", ""),
 )
@@ -526,7 +527,9 @@ def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Ass
         out["dp_overlap"] = grad
         assume(f"data-parallel gradient reduction {'overlapped with' if grad else 'after'} the backward "
                f"(the row's overlap_grad_reduce={grad}; the profile's default is {base.dp_overlap})")
-    if re.search(r"grad\w*\s+(?:accumulat\w*\s+)?in\s+(?:fp16|bf16|16[\s-]*bit)"
+    if re.search(r"bf16[\s_-]*optimizer|bf16_optimizer", other):
+        grads = "bf16+fp32"  # DeepSpeed BF16_Optimizer: bf16 .grad + an unsharded fp32 accumulation buffer
+    elif re.search(r"grad\w*\s+(?:accumulat\w*\s+)?in\s+(?:fp16|bf16|16[\s-]*bit)"
                  r"|(?:fp16|bf16|16[\s-]*bit)\s+grad\w*\s+accumulat", other):
         grads = "bf16"
     elif re.search(r"grad\w*\s+(?:accumulat\w*\s+)?in\s+fp32|fp32\s+(?:main\s+)?grad\w*", other):
@@ -535,7 +538,9 @@ def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Ass
         grads = None
     if grads is not None and grads != base.main_grads:
         out["main_grads"] = grads
-        assume(f"gradients held and reduced in {'16 bit' if grads == 'bf16' else 'fp32'} as the row states "
+        how = {"bf16": "16 bit", "fp32": "fp32", "bf16+fp32": "16 bit plus an unsharded fp32 accumulation buffer "
+               "(DeepSpeed BF16_Optimizer)"}[grads]
+        assume(f"gradients held and reduced in {how} as the row states "
                f"(main_grads={grads!r})")
     m = re.search(r"cuda[\s_-]*context\D{0,40}?(\d+(?:\.\d+)?)\s*(mib|gib|mb|gb)\b", other)
     if m:

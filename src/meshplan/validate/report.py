@@ -219,16 +219,16 @@ def _verdict_lines(v: dict[str, Any] | None) -> list[str]:
     if not v or not (v["runs_that_fit"] or v["oom_runs"]):
         return []
 
-    def ids(xs: list[str]) -> str:
+    def ids(xs: list[str], wrong: str) -> str:
         if not xs:
             return ""
         shown = ", ".join(map(str, xs[:8])) + (", ..." if len(xs) > 8 else "")
-        return f" ({'row' if len(xs) == 1 else 'rows'} {shown})"
+        return f" ({wrong}: {'row' if len(xs) == 1 else 'rows'} {shown})"
 
     ran = (f"{v['runs_that_fit'] - len(v['runs_that_fit_predicted_oom'])}/{v['runs_that_fit']} runs "
-           f"that trained predicted to fit{ids(v['runs_that_fit_predicted_oom'])}")
+           f"that trained predicted to fit{ids(v['runs_that_fit_predicted_oom'], 'predicted out of memory')}")
     oom = (f"{v['oom_runs'] - len(v['oom_runs_predicted_to_fit'])}/{v['oom_runs']} out-of-memory runs "
-           f"predicted not to fit{ids(v['oom_runs_predicted_to_fit'])}" if v["oom_runs"]
+           f"predicted not to fit{ids(v['oom_runs_predicted_to_fit'], 'predicted to fit')}" if v["oom_runs"]
            else "no out-of-memory runs in the file")
     return [f"fits: {ran}; {oom}"]
 
