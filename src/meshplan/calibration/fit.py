@@ -58,12 +58,14 @@ class Runs:
     step: np.ndarray
     """measured step time (nan where none)"""
     mem: np.ndarray
-    """measured peak memory, GiB (nan where none)"""
+    """measured peak memory the fit uses, GiB (nan where none, and for nvidia-smi rows)"""
     fits: np.ndarray
     """+1 ran, -1 ran out of memory, 0 unknown"""
     source: np.ndarray
     family: np.ndarray
     links: list[set[str]]
+    mem_reported: np.ndarray | None = None
+    """every measured peak memory, nvidia-smi rows included (what cross-validation reports)"""
 
     def __len__(self) -> int:
         return len(self.cases)
@@ -71,7 +73,8 @@ class Runs:
     def subset(self, idx: Sequence[int] | np.ndarray) -> Runs:
         ix = list(np.asarray(idx, dtype=int))
         return Runs([self.cases[i] for i in ix], [self.bases[i] for i in ix], self.step[ix], self.mem[ix],
-                    self.fits[ix], self.source[ix], self.family[ix], [self.links[i] for i in ix])
+                    self.fits[ix], self.source[ix], self.family[ix], [self.links[i] for i in ix],
+                    None if self.mem_reported is None else self.mem_reported[ix])
 
     @property
     def weights(self) -> np.ndarray:
@@ -117,7 +120,8 @@ def runs_from_cases(cases: Sequence[Any], base: CostParams = DEFAULT_PARAMS) -> 
         fits=np.array([0 if c.measured_fits is None else (1 if c.measured_fits else -1) for c in keep]),
         source=np.array([c.source_id for c in keep]),
         family=np.array([c.cluster.gpu.family for c in keep]),
-        links=[_links(c.cluster) for c in keep])
+        links=[_links(c.cluster) for c in keep],
+        mem_reported=np.array([c.measured_peak_mem_gib or np.nan for c in keep], dtype=float))
 
 
 def predict(runs: Runs, values: dict[str, float], idx: Sequence[int] | None = None,
@@ -339,7 +343,8 @@ def cross_validate(runs: Runs, names: Sequence[str] | None = None, *, max_iter: 
         train = runs.subset(np.nonzero(runs.source != s)[0])
         vals, _ = fit(train, names, max_iter=max_iter)
         t, m, u = predict(runs, vals, test)
-        step, mem, fits = runs.step[test], runs.mem[test], runs.fits[test]
+        mem_all = runs.mem if runs.mem_reported is None else runs.mem_reported
+        step, mem, fits = runs.step[test], mem_all[test], runs.fits[test]
         has_t, has_m = ~np.isnan(step), ~np.isnan(mem)
         err = ((t[has_t] / step[has_t] - 1) * 100).tolist()
         merr = ((m[has_m] / mem[has_m] - 1) * 100).tolist()
