@@ -180,7 +180,7 @@ ROW = {"row_id": "1", "source_id": "X", "model": "m", "num_layers": "4", "hidden
     ("fused softmax", "fused-softmax"), ("Megatron fused softmax", "fused-softmax"),
     ("flash_attention", "flash2"), ("flash_attention2", "flash2"), ("flash_attention_2", "flash2"),
     ("flash-attn", "flash2"), ("FA1", "flash1"), ("FA2", "flash2"), ("FA3", "flash3"), ("flash v1", "flash1"),
-    ("flash v2", "flash2"), ("flash v3", "flash3"), ("triton", "flash2"), ("cudnn", "cudnn"),
+    ("flash v2", "flash2"), ("flash v3", "flash3"), ("triton", "triton"), ("cudnn", "cudnn"),
     ("xformers", "flash2"), ("PyTorch SDPA (flash/cuDNN backend)", "sdpa"),
     ("Megatron fused softmax (2021, pre-FlashAttention)", "fused-softmax")])
 def test_attention_impl_spellings(text, kernel):

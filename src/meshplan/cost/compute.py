@@ -13,7 +13,7 @@ from meshplan.cost.params import CostParams
 from meshplan.spec.cluster import GPUSpec
 from meshplan.spec.graph import Attention
 
-FLASH_KERNELS = ("flash1", "flash2", "flash3", "sdpa", "cudnn")
+FLASH_KERNELS = ("flash1", "flash2", "flash3", "sdpa", "cudnn", "triton")
 UNFUSED_KERNELS = ("eager", "fused-softmax")
 ATTENTION_KERNELS = FLASH_KERNELS + UNFUSED_KERNELS
 
@@ -57,12 +57,15 @@ def mem_time(nbytes: float, gpu: GPUSpec, p: CostParams) -> float:
 #:   and Low-precision" (arXiv:2407.08608), abstract: "speedup on H100 GPUs by 1.5-2.0x" over
 #:   FlashAttention-2 in FP16; the lower end, 1.5, is used (backward: 1.5-1.75x, Sec. 4.1).
 #:   Hopper only (wgmma/TMA): FlashAttention-3 does not run elsewhere, so FA2's rate there.
+#: - triton: the Triton FlashAttention kernel (flash_attn_triton; llm-foundry's attn_impl='triton'):
+#:   Dao 2023 (FlashAttention-2 paper), Sec. 4.1: FlashAttention-2 is "1.3-2.5x faster than
+#:   FlashAttention in Triton"; the lower end, 1 / 1.3.
 #: - cudnn: PyTorch 2.5 release notes ("cuDNN backend for SDPA ... up to 75% speedup over
 #:   FlashAttentionV2" on H100): 1.75, the stated best case; enabled by default on H100 and
 #:   newer only, so FA2's rate elsewhere (no published ratio).
 FLASH_SPEED: dict[str, tuple[float, tuple[str, ...]]] = {
     "flash1": (0.5, ()), "flash2": (1.0, ()), "sdpa": (1.0, ()),
-    "flash3": (1.5, ("hopper",)), "cudnn": (1.75, ("hopper",)),
+    "flash3": (1.5, ("hopper",)), "cudnn": (1.75, ("hopper",)), "triton": (1 / 1.3, ()),
 }
 #: HBM bytes per element of the b x heads x s x s scores outside the two batched GEMMs, (forward,
 #: backward), of the unfused kernels.
