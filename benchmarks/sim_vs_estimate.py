@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _evaluators import commit  # noqa: E402
 
+from meshplan.calibration.fit import case_params  # noqa: E402
 from meshplan.cost import check, estimate  # noqa: E402
 from meshplan.cost.durations import stage_totals  # noqa: E402
 from meshplan.sim import Pass, RankStep, SimSpec, VStage, simulate, simulate_plan  # noqa: E402
@@ -57,7 +58,8 @@ def published() -> dict:
         if not c.ok:
             continue
         t = time.perf_counter()
-        _, s = simulate_plan(c.model, c.cluster, c.plan, c.work)
+        # each run with its codebase's profile and cells, as `meshplan validate` prices it
+        _, s = simulate_plan(c.model, c.cluster, c.plan, c.work, case_params(c))
         rows.append({"row_id": c.row_id, "source": c.source_id, "plan": c.plan.short(),
                      "microbatches": s["microbatches"], "schedule": s["schedule"],
                      "simulated_s": s["step_time_s"], "analytic_s": s["analytic_step_time_s"],

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from meshplan.cost import estimate
 from meshplan.cost.params import DEFAULT_PARAMS
+from meshplan.cost.profile import PROFILES
 from meshplan.search.driver import search
 from meshplan.sim import simulate_plan
 from meshplan.spec.constraints import violations
@@ -168,8 +169,8 @@ def test_every_memory_saving_carries_its_time(case):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
-@given(cases(max_nodes=4, min_layers=8, min_heads=32))
-def test_the_simulator_agrees_with_the_estimate(case):
+@given(cases(max_nodes=4, min_layers=8, min_heads=32), st.sampled_from(sorted(PROFILES)))
+def test_the_simulator_agrees_with_the_estimate(case, profile):
     # Models of practical shape (>= 8 blocks, hidden >= 2048) and pipelines with at least 2 pp
     # micro-batches. With fewer, on stages made unequal by an output layer heavier than the
     # blocks, the analytic bubble (m max T + sum T - max T) is an upper bound on the simulated
@@ -185,9 +186,10 @@ def test_the_simulator_agrees_with_the_estimate(case):
     m = microbatches(plan, work.global_batch)
     assume(plan.pp <= 4 and 2 * plan.pp <= m <= 16 and not (plan.offload_params and plan.pp > 1))
     assume(not (plan.zero == 3 and plan.pp > 1 and plan.virtual_stages > 1 and m < 4 * plan.pp))
-    _, summary = simulate_plan(model, cluster, plan, work)
-    est = estimate(model, cluster, plan, work).step_time_s
-    assert summary["step_time_s"] == pytest.approx(est, rel=0.03), plan.short()
+    params = PROFILES[profile].apply(DEFAULT_PARAMS)  # under every codebase's profile
+    _, summary = simulate_plan(model, cluster, plan, work, params)
+    est = estimate(model, cluster, plan, work, params).step_time_s
+    assert summary["step_time_s"] == pytest.approx(est, rel=0.03), (profile, plan.short())
 
 
 @SETTINGS
