@@ -145,7 +145,10 @@ def test_calibration_round_trips_and_stays_physical(fractions):
     ('{"values": {"gemm_half_dim": 1e9}}', "outside its physical range"),
     ('{"values": {"warp_speed": 2}}', "unknown parameter 'warp_speed'"),
     ('{"values": {"hbm_efficiency": "fast"}}', "must be a number"),
-    ('{"kind": "plan", "tp": 2}', "not a calibration file"),
+    ('{"kind": "plan", "tp": 2}', "not a calibration"),
+    ('{"values": {"gemm_efficiency@hoper": 0.7}}', "unknown parameter 'gemm_efficiency@hoper'"),
+    ('{"values": {"link_efficiency@inter_node:carrierpigeon": 0.5}}', "unknown parameter"),
+    ('{"schema_version": 99, "values": {}}', "schema_version 99"),
 ])
 def test_bad_calibration_files_are_one_line_errors(tmp_path, capsys, content, needle):
     f = tmp_path / "cal.json"
@@ -219,5 +222,20 @@ def test_calibrate_errors(tmp_path, capsys, dev_rows):
     path = _write(tmp_path / "runs.csv", dev_rows[:3])
     rc, _, err = run(capsys, "calibrate", "--runs", path, "--out", str(tmp_path / "c.json"), "--fit", "warp")
     one_line_error(rc, err, "unknown parameter 'warp'")
+    # the first rows are A100 runs: nothing informs a Hopper efficiency
+    rc, _, err = run(capsys, "calibrate", "--runs", path, "--out", str(tmp_path / "c.json"),
+                     "--fit", "gemm_efficiency@hopper")
+    one_line_error(rc, err, "no run in", "informs gemm_efficiency@hopper")
+    rc, _, err = run(capsys, "calibrate", "--runs", path, "--out", str(tmp_path / "c.json"), "--fit", ",")
+    one_line_error(rc, err, "names no parameter")
+    blank = [dict(r, reported_step_time_s="", reported_tflops_per_gpu="", reported_mfu_pct="", reported_hfu_pct="",
+                  reported_tokens_per_s_per_gpu="", reported_tokens_per_s_total="", reported_samples_per_s="",
+                  reported_aggregate_pflops="", reported_peak_mem_gib="") for r in dev_rows[:3]]
+    rc, out, err = run(capsys, "calibrate", "--runs", _write(tmp_path / "blank.csv", blank), "--out",
+                       str(tmp_path / "c.json"))
+    # no step time: no time parameter is fitted (only what the runs' fit outcomes inform)
+    assert rc == 0, err
+    fitted = json.loads((tmp_path / "c.json").read_text())["values"]
+    assert all(by_name(n).target == "memory" for n in fitted), fitted
     rc, _, err = run(capsys, "calibrate", "--runs", str(tmp_path / "none.csv"), "--out", str(tmp_path / "c.json"))
     assert rc == 2 and "Traceback" not in err

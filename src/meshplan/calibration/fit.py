@@ -16,6 +16,8 @@ depend on the time parameters.
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -139,6 +141,17 @@ def predict(runs: Runs, values: dict[str, float], idx: Sequence[int] | None = No
         m.append(float(r["peak_memory_gib"][0]))
         u.append(usable_gib(cl, p))
     return np.array(t), np.array(m), np.array(u)
+
+
+def informs(runs: Runs, name: str) -> bool:
+    """Whether some run can inform parameter ``name`` (a measurement of its kind on a run it moves)."""
+    f = fittable(name)
+    data = ~np.isnan(runs.step) if f.target == "time" else (~np.isnan(runs.mem) | (runs.fits != 0))
+    return bool((_affects(name, runs) & data).any())
+
+
+def informs_any(runs: Runs) -> bool:
+    return bool((~np.isnan(runs.step)).any() or (~np.isnan(runs.mem)).any() or (runs.fits != 0).any())
 
 
 def default_names(runs: Runs, target: str) -> list[str]:
@@ -290,7 +303,8 @@ def fit(runs: Runs, names: Sequence[str] | None = None, *, start: dict[str, floa
     for target in ("time", "memory"):
         default = default_names(runs, target)
         chosen = [n for n in (default if names is None else names) if fittable(n).target == target]
-        if not chosen:
+        has = ~np.isnan(runs.step) if target == "time" else (~np.isnan(runs.mem) | (runs.fits != 0))
+        if not chosen or not has.any():
             continue
         init = dict(base)
         centre = dict(builtin().values) if prior == "builtin" else {}
@@ -333,27 +347,52 @@ class Fold:
         return out
 
 
+_RUNS: Runs | None = None
+"""The runs of a parallel cross-validation (set before the worker processes fork)."""
+
+
+def _fold(runs: Runs, s: str, names: Sequence[str] | None, max_iter: int) -> Fold:
+    t0 = time.perf_counter()
+    test = np.nonzero(runs.source == s)[0]
+    train = runs.subset(np.nonzero(runs.source != s)[0])
+    vals, _ = fit(train, names, max_iter=max_iter)
+    t, m, u = predict(runs, vals, test)
+    mem_all = runs.mem if runs.mem_reported is None else runs.mem_reported
+    step, mem, fits = runs.step[test], mem_all[test], runs.fits[test]
+    has_t, has_m = ~np.isnan(step), ~np.isnan(mem)
+    err = ((t[has_t] / step[has_t] - 1) * 100).tolist()
+    merr = ((m[has_m] / mem[has_m] - 1) * 100).tolist()
+    oom = [(bool(f > 0), bool(mm <= uu)) for f, mm, uu in zip(fits, m, u) if f != 0]
+    return Fold(s, len(test), err, oom, merr, vals, time.perf_counter() - t0)
+
+
+def _fold_in_worker(args: tuple[str, Sequence[str] | None, int]) -> Fold:
+    assert _RUNS is not None
+    return _fold(_RUNS, *args)
+
+
 def cross_validate(runs: Runs, names: Sequence[str] | None = None, *, max_iter: int = 25,
-                   progress: Callable[[str], None] | None = None) -> list[Fold]:
-    """Leave one source out: fit on the other sources (from the priors), predict the one left out."""
-    folds = []
-    for s in dict.fromkeys(runs.source.tolist()):
-        t0 = time.perf_counter()
-        test = np.nonzero(runs.source == s)[0]
-        train = runs.subset(np.nonzero(runs.source != s)[0])
-        vals, _ = fit(train, names, max_iter=max_iter)
-        t, m, u = predict(runs, vals, test)
-        mem_all = runs.mem if runs.mem_reported is None else runs.mem_reported
-        step, mem, fits = runs.step[test], mem_all[test], runs.fits[test]
-        has_t, has_m = ~np.isnan(step), ~np.isnan(mem)
-        err = ((t[has_t] / step[has_t] - 1) * 100).tolist()
-        merr = ((m[has_m] / mem[has_m] - 1) * 100).tolist()
-        oom = [(bool(f > 0), bool(mm <= uu)) for f, mm, uu in zip(fits, m, u) if f != 0]
-        fold = Fold(s, len(test), err, oom, merr, vals, time.perf_counter() - t0)
-        folds.append(fold)
-        if progress:
+                   progress: Callable[[str], None] | None = None, workers: int | None = None) -> list[Fold]:
+    """Leave one source out: fit on the other sources (from the priors), predict the one left out.
+    The folds are independent: with ``workers`` > 1 (default: the CPUs, where processes can fork)
+    they run in parallel processes."""
+    global _RUNS
+    sources = list(dict.fromkeys(runs.source.tolist()))
+    n = min(len(sources), workers if workers is not None else (os.cpu_count() or 1))
+    jobs = [(s, names, max_iter) for s in sources]
+    if n > 1 and "fork" in mp.get_all_start_methods():
+        _RUNS = runs
+        try:
+            with mp.get_context("fork").Pool(n) as pool:
+                folds = pool.map(_fold_in_worker, jobs, chunksize=1)
+        finally:
+            _RUNS = None
+    else:
+        folds = [_fold(runs, *job) for job in jobs]
+    if progress:
+        for fold in folds:
             sm = fold.summary()
-            progress(f"  left out {s}: {len(test)} runs, step MAPE {sm['step_mape_pct']}%, "
+            progress(f"  left out {fold.source_id}: {fold.n} runs, step MAPE {sm['step_mape_pct']}%, "
                      f"{fold.seconds:.1f} s")
     return folds
 

@@ -94,20 +94,30 @@ def link_param(tier: str, kind: str) -> Fittable:
                     f"achieved fraction of {kind} line rate ({tier}) by NCCL collectives")
 
 
+#: GPU families and link tiers/kinds a calibration may name (spec.cluster: GPUSpec.family,
+#: LinkTier.name and LinkTier.kind).
+FAMILIES = ("ampere", "hopper", "blackwell", "ada", "volta", "cdna3")
+TIERS = ("intra_node", "inter_node", "inter_dc")
+LINK_KINDS = ("nvlink", "nvswitch", "pcie", "xgmi", "infiniband", "roce", "ethernet", "omnipath", "wan")
+
+
 def by_name(name: str) -> Fittable:
-    """The Fittable called ``name`` (a global, gemm_efficiency@FAMILY or link_efficiency@TIER:KIND)."""
+    """The Fittable called ``name`` (a global, gemm_efficiency@FAMILY or link_efficiency@TIER:KIND);
+    KeyError for anything else, a misspelt family, tier or link kind included."""
     for f in GLOBAL:
         if f.name == name:
             return f
     field, _, rest = name.partition("@")
-    if field in GPU_FIELDS and rest:
+    if field in GPU_FIELDS and rest in FAMILIES:
         return gpu_param(field, rest)
     if field == "link_efficiency" and ":" in rest:
         tier, _, kind = rest.partition(":")
-        return link_param(tier, kind)
+        if tier in TIERS and kind in LINK_KINDS:
+            return link_param(tier, kind)
     raise KeyError(name)
 
 
 def all_names_help() -> str:
-    return (", ".join(f.name for f in GLOBAL) + ", gemm_efficiency@FAMILY, attention_efficiency@FAMILY, "
-            "link_efficiency@TIER:KIND")
+    return (", ".join(f.name for f in GLOBAL) + ", gemm_efficiency@FAMILY, attention_efficiency@FAMILY "
+            f"(FAMILY: {', '.join(FAMILIES)}), link_efficiency@TIER:KIND (TIER: {', '.join(TIERS)}; "
+            f"KIND: {', '.join(LINK_KINDS)})")

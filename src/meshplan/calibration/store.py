@@ -90,9 +90,17 @@ def _check_values(values: Any, where: str) -> dict[str, float]:
 
 
 def calibration_from_dict(data: Any, where: str, source: str | None = None) -> Calibration:
-    if not isinstance(data, dict) or data.get("kind") not in (None, "calibration") or "values" not in data:
-        raise MeshplanError(f"{where}: not a calibration file (expected a JSON object with 'values')",
-                            hint="write one with `meshplan calibrate --runs RUNS.csv --out calibration.json`")
+    hint = "write one with `meshplan calibrate --runs RUNS.csv --out calibration.json`"
+    if not isinstance(data, dict):
+        raise MeshplanError(f"{where}: not a calibration file (expected a JSON object with 'values')", hint=hint)
+    if data.get("kind") not in (None, "calibration"):
+        raise MeshplanError(f"{where}: a {data.get('kind')!r} file, not a calibration", hint=hint)
+    if "values" not in data:
+        raise MeshplanError(f"{where}: not a calibration file (no 'values' table)", hint=hint)
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise MeshplanError(f"{where}: schema_version {version!r} is not one this meshplan reads ({SCHEMA_VERSION})",
+                            hint="refit it with this version's `meshplan calibrate`")
     info = {k: v for k, v in data.items() if k not in ("values", "schema_version", "kind")}
     return Calibration(_check_values(data["values"], where), source or where, info)
 

@@ -33,7 +33,7 @@ def _mape(runs: Any, values: dict[str, float]) -> float | None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from meshplan.calibration.fit import fit, fittable, runs_from_cases
+    from meshplan.calibration.fit import fit, fittable, informs, informs_any, runs_from_cases
     from meshplan.calibration.store import Calibration, builtin, save_calibration
     from meshplan.cli.format import json_text
     cases = _cases(args.runs)
@@ -43,10 +43,22 @@ def run_calibrate(args: argparse.Namespace) -> int:
                             "out-of-memory outcome that meshplan can express",
                             hint="`meshplan validate --runs FILE` says why each row is unsupported")
     names = None
-    if args.fit:
+    if args.fit is not None:
         names = [n.strip() for n in args.fit.split(",") if n.strip()]
+        if not names:
+            raise MeshplanError(f"--fit {args.fit!r} names no parameter",
+                                hint="give NAME,... (see `meshplan calibrate --help`), or leave --fit out to fit "
+                                     "every parameter the runs inform")
         for n in names:
             fittable(n)
+        idle = [n for n in names if not informs(runs, n)]
+        if idle:
+            raise MeshplanError(f"--fit: no run in {args.runs} informs {', '.join(idle)} (no run with a measured step "
+                                "time, or memory, on that GPU family or link kind)",
+                                hint="leave it out, or add runs that use it")
+    elif not informs_any(runs):
+        raise MeshplanError(f"--runs {args.runs}: no run has a measured step time or peak memory to fit to",
+                            hint="fill reported_step_time_s (or tokens/s, TFLOP/s, MFU) or reported_peak_mem_gib")
     before = builtin().values
     t0 = time.perf_counter()
     values, results = fit(runs, names, prior=args.prior, from_prior=args.prior == "physics")
@@ -69,8 +81,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         print(json_text(cal.to_dict()))
         return 0
-    print(f"calibrated {len(fitted)} parameters on {len(runs)} runs from {len(info['fitted_from']['sources'])} "
-          f"sources in {took:.1f} s (prior: {args.prior})")
+    ns = len(info["fitted_from"]["sources"])
+    print(f"calibrated {len(fitted)} parameter{'s' * (len(fitted) != 1)} on {len(runs)} run{'s' * (len(runs) != 1)} "
+          f"from {ns} source{'s' * (ns != 1)} in {took:.1f} s (prior: {args.prior})")
     for n in fitted:
         f = fittable(n)
         was = before.get(n)

@@ -42,6 +42,7 @@ class Costing:
         out = []
         if self.profile.name != DEFAULT_PROFILE:
             out.append(f"profile      {self.profile.name}: {self.profile.label}")
+            out += [f"             {line}" for line in self.profile.describe()]
         if self.calibration is not None:
             vals = self.calibration.describe()
             out.append(f"calibration  {self.calibration.source}: {len(vals)} fitted values replace the built-in ones")
@@ -50,6 +51,8 @@ class Costing:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"profile": self.profile.name}
+        if self.profile.name != DEFAULT_PROFILE:
+            out["profile_settings"] = dict(self.profile.overrides)
         if self.calibration is not None:
             out["calibration"] = {"file": self.calibration.source, "values": dict(self.calibration.values),
                                   "fitted_from": self.calibration.info.get("fitted_from")}

@@ -247,8 +247,10 @@ def _md_table(head: list[str], body: list[list[str]], numeric_from: int = 1) -> 
 def to_markdown(result: dict[str, Any]) -> str:
     """A per-source summary table and a per-row table, in Markdown."""
     lines = ["# Validation against published runs", ""]
+    if result.get("cross_validation"):
+        lines += _cv_markdown(result)
     lines += [f"- {x}" for x in _summary_lines(result)]
-    lines += ["", "## By source", ""]
+    lines += ["", "## By source" + (" (in sample)" if result.get("cross_validation") else ""), ""]
     lines += _md_table(*_src_table(result))
     lines += ["", "## Rows", "",
               "Errors are signed: (predicted - measured) / measured. The note is how the measured "
@@ -259,6 +261,24 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in body]
     lines += ["", *_constants_section()]
     return "\n".join(lines) + "\n"
+
+
+def _cv_markdown(result: dict[str, Any]) -> list[str]:
+    """The leave-one-source-out table (validate --cross-validate), first: the headline."""
+    def f(x: Any, fmt: str = ".1f") -> str:
+        return "-" if x is None else format(x, fmt)
+    out = ["## Out of sample (leave one source out)", "",
+           "Each source predicted by a calibration fitted to the other sources only.", "",
+           "| source | runs | step MAPE % | max abs error % | bias % | memory MAPE % | OOM accuracy % |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for e in result["cross_validation"]:
+        out.append(f"| {e['source_id']} | {e['n']} | {f(e['step_mape_pct'])} | {f(e['max_abs_error_pct'])} | "
+                   f"{f(e['step_bias_pct'], '+.1f')} | {f(e['memory_mape_pct'])} | {f(e.get('oom_accuracy_pct'))} |")
+    t = result.get("cross_validation_summary") or {}
+    out += ["", f"Pooled over {t.get('runs')} runs: step MAPE {f(t.get('step_mape_pct'))}%, mean of the sources "
+            f"{f(t.get('mean_source_mape_pct'))}%, worst source {f(t.get('worst_source_mape_pct'))}%; OOM verdicts "
+            f"right {f(t.get('oom_accuracy_pct'))}%.", "", "## In sample", ""]
+    return out
 
 
 def _constants_section() -> list[str]:

@@ -188,5 +188,6 @@ def load_runs(path: str | Path) -> list[RunCase]:
     if rows and not needed & header:
         raise MeshplanError(f"{p} is not a published-runs CSV: none of the columns "
                             f"{', '.join(sorted(needed))} is present",
-                            hint="see shared/data/README.md for the format")
+                            hint="see the README next to published_runs_dev.csv "
+                                 "(src/meshplan/data/README.md) for the format")
     return [case_from_row(r, i) for i, r in enumerate(rows)]
