@@ -239,3 +239,20 @@ def test_calibrate_errors(tmp_path, capsys, dev_rows):
     assert all(by_name(n).target == "memory" for n in fitted), fitted
     rc, _, err = run(capsys, "calibrate", "--runs", str(tmp_path / "none.csv"), "--out", str(tmp_path / "c.json"))
     assert rc == 2 and "Traceback" not in err
+
+
+def test_a_plan_file_records_its_profile_and_calibration(tmp_path, capsys):
+    """`plan --out` records --profile and --calibration; `estimate --plan FILE` prices with them
+    (and says so), so the file's prediction is reproduced."""
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"values": {"gemm_efficiency@hopper": 0.6}}))
+    out = str(tmp_path / "p.json")
+    rc, _, err = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "64",
+                     "--profile", "megatron", "--calibration", str(cal), "--out", out)
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["profile"] == "megatron" and doc["calibration"] == str(cal)
+    rc, text, err = run(capsys, "estimate", "--plan", out, "--json")
+    assert rc == 0 and "as the plan file records" in err
+    got = json.loads(text)
+    assert got["profile"] == "megatron" and got["step_time_s"] == pytest.approx(doc["predicted"]["step_time_s"])

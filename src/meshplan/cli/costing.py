@@ -59,11 +59,39 @@ class Costing:
         return out
 
 
+def recorded(args: argparse.Namespace) -> dict[str, str]:
+    """The profile and calibration a --plan FILE (from `meshplan plan --out`) was priced with."""
+    import json
+    import os
+    path = getattr(args, "plan", None)
+    if not isinstance(path, str) or not path.endswith(".json") or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    out = {k: data[k] for k in ("profile", "calibration") if isinstance(data, dict) and isinstance(data.get(k), str)}
+    cal = out.get("calibration")
+    if cal and not os.path.isabs(cal) and not os.path.exists(cal):
+        near = os.path.join(os.path.dirname(path), cal)  # written relative to where the plan was made
+        out["calibration"] = near if os.path.exists(near) else cal
+    return out
+
+
 def costing(args: argparse.Namespace) -> Costing:
-    """The Costing of a command's --profile/--calibration (built once per command)."""
+    """The Costing of a command's --profile/--calibration (built once per command); a --plan FILE's
+    recorded profile and calibration apply when the command line gives none (and it says so)."""
+    import sys
     got = getattr(args, "_costing", None)
     if got is not None:
         return got
+    rec = recorded(args)
+    for key, flag in (("profile", "--profile"), ("calibration", "--calibration")):
+        if getattr(args, key, None) is None and key in rec and hasattr(args, key):
+            setattr(args, key, rec[key])
+            print(f"meshplan: note: {flag} {rec[key]} as the plan file records (pass {flag} to change it)",
+                  file=sys.stderr)
     prof = get_profile(getattr(args, "profile", None))
     path = getattr(args, "calibration", None)
     cal = load_calibration(path) if path else None

@@ -767,14 +767,15 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-def _write_out(path: str, result: Any) -> None:
+def _write_out(path: str, result: Any, cost: dict[str, str | None] | None = None) -> None:
     from meshplan.cli.planfile import spec_fields  # the full model and cluster: the file reloads them exactly
     from meshplan.spec.io import plan_document
     best = result.best
     model = getattr(result.model, "source", None) or result.model.name  # an ingested graph: how to rebuild it
+    extra = {k: v for k, v in (cost or {}).items() if v}  # --profile / --calibration as given
     doc = plan_document(best.plan, model=model, cluster=best.cluster.name,
                         global_batch=result.work.global_batch, seq_len=result.work.seq_len,
-                        **spec_fields(result.model, best.cluster), predicted=best.report.to_dict())
+                        **spec_fields(result.model, best.cluster), predicted=best.report.to_dict(), **extra)
     try:
         with open(path, "w") as f:
             json.dump(doc, f, indent=2, default=_json_default)
@@ -835,7 +836,8 @@ def run(args: argparse.Namespace) -> int:
         raise MeshplanError(f"no plan fits {model.name} on {c.num_gpus} x {c.gpu.name} with global batch "
                             f"{work.global_batch} x {work.seq_len}: " + "; ".join(result.nearest))
     if args.out is not None:
-        _write_out(args.out, result)
+        _write_out(args.out, result, {"profile": getattr(args, "profile", None),
+                                      "calibration": getattr(args, "calibration", None)})
     if args.plot is not None:
         bar = progress_bar()
         try:
