@@ -11,6 +11,35 @@ import numpy as np
 from meshplan.errors import MeshplanError
 
 
+def add_parsers(sub: Any) -> None:
+    """The `validate` and `calibrate` subcommands' arguments (called from cli.main.build_parser)."""
+    from meshplan.calibration.space import all_names_help
+    from meshplan.cli.costing import add_cost_flags
+    va = sub.add_parser("validate", help="compare the cost model with published measured runs")
+    va.add_argument("--runs", help="CSV in the format of published_runs_dev.csv (default: the shipped dev set)")
+    va.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    va.add_argument("--report", help="also write a markdown report to this file")
+    add_cost_flags(va, profile=False)
+    va.add_argument("--cross-validate", action="store_true",
+                    help="leave one source out: for each source, fit the calibration on the other sources "
+                         "and predict the one left out (the out-of-sample accuracy)")
+
+    ca = sub.add_parser("calibrate", help="fit the cost model's named parameters to measured runs",
+                        description="Fit the cost model's named, bounded parameters (GPU family efficiencies, "
+                                    "kernel and link efficiencies, allocator overhead) to a runs CSV in the "
+                                    "format of published_runs_dev.csv, by maximum a posteriori against "
+                                    "first-principles priors. Writes a calibration file for --calibration.")
+    ca.add_argument("--runs", required=True, help="measured runs CSV (format of published_runs_dev.csv)")
+    ca.add_argument("--out", required=True, help="write the calibration (JSON) here")
+    ca.add_argument("--fit", metavar="NAME,...",
+                    help="fit only these parameters (default: every one the runs inform); names: "
+                         + all_names_help())
+    ca.add_argument("--prior", choices=["builtin", "physics"], default="builtin",
+                    help="centre each parameter's prior on the built-in calibration (default: a few runs of your "
+                         "own refine it) or on its first-principles value (how the built-in one is fitted)")
+    ca.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
 def _cases(path: str) -> list[Any]:
     from meshplan.validate.runs import load_runs
     try:

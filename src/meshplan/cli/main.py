@@ -78,31 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     ig.add_argument("--out", help="write the layer graph to this .json file")
     ig.add_argument("--json", action="store_true", help="print the layer graph as JSON")
 
-    va = sub.add_parser("validate", help="compare the cost model with published measured runs")
-    va.add_argument("--runs", help="CSV in the format of published_runs_dev.csv (default: the shipped dev set)")
-    va.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    va.add_argument("--report", help="also write a markdown report to this file")
-    add_cost_flags(va, profile=False)
-    va.add_argument("--cross-validate", action="store_true",
-                    help="leave one source out: for each source, fit the calibration on the other sources "
-                         "and predict the one left out (the out-of-sample accuracy)")
-
-    ca = sub.add_parser("calibrate", help="fit the cost model's named parameters to measured runs",
-                        description="Fit the cost model's named, bounded parameters (GPU family efficiencies, "
-                                    "kernel and link efficiencies, allocator overhead) to a runs CSV in the "
-                                    "format of published_runs_dev.csv, by maximum a posteriori against "
-                                    "first-principles priors. Writes a calibration file for --calibration.")
-    ca.add_argument("--runs", required=True, help="measured runs CSV (format of published_runs_dev.csv)")
-    ca.add_argument("--out", required=True, help="write the calibration (JSON) here")
-    ca.add_argument("--fit", metavar="NAME,...",
-                    help="fit only these parameters (default: every one the runs inform); names: "
-                         "gemm_half_dim, gemm_half_tokens, attn_half_seq, hbm_efficiency, flash_bwd_efficiency, "
-                         "overlap_slowdown, allocator_fragmentation, framework_overhead_gib, "
-                         "gemm_efficiency@FAMILY, attention_efficiency@FAMILY, link_efficiency@TIER:KIND")
-    ca.add_argument("--prior", choices=["builtin", "physics"], default="builtin",
-                    help="centre each parameter's prior on the built-in calibration (default: a few runs of your "
-                         "own refine it) or on its first-principles value (how the built-in one is fitted)")
-    ca.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    from meshplan.cli import calibrate_cmd
+    calibrate_cmd.add_parsers(sub)
     return p
 
 
