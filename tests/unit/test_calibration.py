@@ -209,8 +209,12 @@ def test_a_calibration_changes_the_estimate_the_way_its_values_say(tmp_path, cap
 def test_cross_validate_json(tmp_path, capsys, dev_rows):
     rows = [r for r in dev_rows if r["source_id"] in ("KOR22_T5", "BLOOM176B")]
     path = _write(tmp_path / "runs.csv", rows)
-    rc, text, err = run(capsys, "validate", "--runs", path, "--cross-validate", "--json")
+    report = tmp_path / "v.md"
+    rc, text, err = run(capsys, "validate", "--runs", path, "--cross-validate", "--json", "--report", str(report))
     assert rc == 0, err
+    md = report.read_text()
+    assert md.index("## Out of sample") < md.index("## By source")  # the headline first
+    assert "| KOR22_T5 | 8 |" in md
     doc = json.loads(text)
     cv = {e["source_id"]: e for e in doc["cross_validation"]}
     assert set(cv) == {"KOR22_T5", "BLOOM176B"}
