@@ -20,22 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from meshplan.calibration.fit import cross_validate, fit, pooled, predict, runs_from_cases  # noqa: E402
+from meshplan.calibration.fit import cross_validate, fit, pooled, runs_from_cases, step_mape  # noqa: E402
 from meshplan.calibration.store import builtin  # noqa: E402
 from meshplan.validate.report import default_runs_path  # noqa: E402
 from meshplan.validate.runs import load_runs  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
-
-
-def _mape(runs, values) -> float:
-    has = ~np.isnan(runs.step)
-    t, _, _ = predict(runs, values, np.nonzero(has)[0])
-    return float(np.mean(np.abs(t / runs.step[has] - 1)) * 100)
 
 
 def main() -> None:
@@ -55,7 +47,7 @@ def main() -> None:
         "runs": len(runs), "sources": len(set(runs.source.tolist())),
         "calibrate_all_seconds": round(fit_s, 1),
         "calibrate_iterations": {t: r.iterations for t, r in zip(("time", "memory"), results)},
-        "in_sample_step_mape_pct": round(_mape(runs, values), 2),
+        "in_sample_step_mape_pct": round(step_mape(runs, values), 2),
         "refit_vs_shipped_max_rel_diff": round(max(drift.values()), 4) if drift else None,
         "cross_validate_seconds": round(cv_s, 1),
         "cross_validation": [f.summary() for f in folds],

@@ -231,10 +231,9 @@ def test_every_top_plan_passes_the_runtime_checks_and_fits_with_headroom(case):
 def test_memory_error_covers_the_largest_under_prediction_on_the_published_runs():
     """CostParams.memory_error is measured, not chosen: it is at least the memory model's largest
     under-prediction on the published runs with a measured peak (and not much more)."""
-    from meshplan.calibration.fit import nvidia_smi_memory
     from meshplan.validate import default_runs_path, load_runs, validate
     cases = load_runs(default_runs_path())
-    smi = {c.row_id for c in cases if nvidia_smi_memory(c)}  # also memory outside torch's allocator
+    smi = {c.row_id for c in cases if c.memory_by_nvidia_smi}  # also memory outside torch's allocator
     rows = validate(cases)["rows"]
     under = [-r["memory_error_pct"] / 100 for r in rows
              if r["memory_error_pct"] is not None and r["row_id"] not in smi]

@@ -40,6 +40,11 @@ def link_key(tier: str, kind: str) -> str:
     return f"link_efficiency@{tier}:{kind}"
 
 
+def part_efficiency(family_value: float, clock_ratio: float) -> float:
+    """A GPU part's efficiency from its family's calibrated value: times its clock_ratio, at most 1."""
+    return min(1.0, family_value * clock_ratio)
+
+
 def builtin_gpu_value(field: str, family: str) -> float | None:
     return builtin_values().get(gpu_key(field, family))
 

@@ -78,19 +78,17 @@ class Runs:
                     self.fits[ix], self.source[ix], self.family[ix], [self.links[i] for i in ix],
                     None if self.mem_reported is None else self.mem_reported[ix])
 
+    def measured(self, target: str) -> np.ndarray:
+        """Which runs a ``target`` ('time' or 'memory') parameter can be fitted to: a step time; a
+        peak memory the fit uses or an out-of-memory outcome."""
+        if target == "time":
+            return ~np.isnan(self.step)
+        return ~np.isnan(self.mem) | (self.fits != 0)
+
     @property
     def weights(self) -> np.ndarray:
         n = {s: int((self.source == s).sum()) for s in set(self.source.tolist())}
         return np.array([n[s] ** -0.5 for s in self.source])
-
-
-def nvidia_smi_memory(case: Any) -> bool:
-    """Whether the run's measured memory is nvidia-smi's (the row says so): it also holds memory
-    outside torch's allocator (NCCL's own buffers, other libraries) that the cost model does not
-    predict, so it is reported but not fitted to."""
-    raw = getattr(case, "raw", {}) or {}
-    text = " ".join(str(raw.get(k, "")) for k in ("other_settings", "notes", "uncertain_fields")).lower()
-    return "nvidia-smi" in text or "nvidia_smi" in text
 
 
 def _links(cluster: Any) -> set[str]:
@@ -117,8 +115,8 @@ def runs_from_cases(cases: Sequence[Any], base: CostParams = DEFAULT_PARAMS) -> 
     return Runs(
         cases=keep, bases=[case_params(c, base) for c in keep],
         step=np.array([c.measured_step_time_s or np.nan for c in keep], dtype=float),
-        mem=np.array([np.nan if nvidia_smi_memory(c) else (c.measured_peak_mem_gib or np.nan) for c in keep],
-                     dtype=float),
+        mem=np.array([np.nan if getattr(c, "memory_by_nvidia_smi", False) else (c.measured_peak_mem_gib or np.nan)
+                      for c in keep], dtype=float),
         fits=np.array([0 if c.measured_fits is None else (1 if c.measured_fits else -1) for c in keep]),
         source=np.array([c.source_id for c in keep]),
         family=np.array([c.cluster.gpu.family for c in keep]),
@@ -145,13 +143,20 @@ def predict(runs: Runs, values: dict[str, float], idx: Sequence[int] | None = No
 
 def informs(runs: Runs, name: str) -> bool:
     """Whether some run can inform parameter ``name`` (a measurement of its kind on a run it moves)."""
-    f = fittable(name)
-    data = ~np.isnan(runs.step) if f.target == "time" else (~np.isnan(runs.mem) | (runs.fits != 0))
-    return bool((_affects(name, runs) & data).any())
+    return bool((_affects(name, runs) & runs.measured(fittable(name).target)).any())
 
 
 def informs_any(runs: Runs) -> bool:
-    return bool((~np.isnan(runs.step)).any() or (~np.isnan(runs.mem)).any() or (runs.fits != 0).any())
+    return bool(runs.measured("time").any() or runs.measured("memory").any())
+
+
+def step_mape(runs: Runs, values: dict[str, float]) -> float | None:
+    """Step-time MAPE (%) of the runs with a step time under ``values`` (None without any)."""
+    has = runs.measured("time")
+    if not has.any():
+        return None
+    t, _, _ = predict(runs, values, np.nonzero(has)[0])
+    return float(np.mean(np.abs(t / runs.step[has] - 1)) * 100)
 
 
 def default_names(runs: Runs, target: str) -> list[str]:
@@ -159,7 +164,7 @@ def default_names(runs: Runs, target: str) -> list[str]:
     if target == "memory":
         return [f.name for f in GLOBAL if f.target == "memory"]
     names = [f.name for f in GLOBAL if f.target == "time"]
-    timed = ~np.isnan(runs.step)
+    timed = runs.measured("time")
     for fam in sorted({f for f, ok in zip(runs.family, timed) if ok and f}):
         names += [gpu_key(k, fam) for k in GPU_FIELDS]
     names += sorted({k for ls, ok in zip(runs.links, timed) if ok for k in ls})
@@ -215,10 +220,7 @@ def _fit(runs: Runs, names: list[str], start: dict[str, float], target: str,
     def to_val(u: np.ndarray) -> dict[str, float]:
         return {n: float(min(f.high, max(f.low, math.exp(x) if f.log else x))) for n, f, x in zip(names, specs, u)}
 
-    if target == "time":
-        rows = np.nonzero(~np.isnan(runs.step))[0]
-    else:
-        rows = np.nonzero(~np.isnan(runs.mem) | (runs.fits != 0))[0]
+    rows = np.nonzero(runs.measured(target))[0]
     w = runs.subset(rows).weights if len(rows) else np.zeros(0)
     affects = [(_affects(n, runs)[rows]) for n in names]
 
@@ -303,8 +305,7 @@ def fit(runs: Runs, names: Sequence[str] | None = None, *, start: dict[str, floa
     for target in ("time", "memory"):
         default = default_names(runs, target)
         chosen = [n for n in (default if names is None else names) if fittable(n).target == target]
-        has = ~np.isnan(runs.step) if target == "time" else (~np.isnan(runs.mem) | (runs.fits != 0))
-        if not chosen or not has.any():
+        if not chosen or not runs.measured(target).any():
             continue
         init = dict(base)
         centre = dict(builtin().values) if prior == "builtin" else {}

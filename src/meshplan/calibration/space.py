@@ -33,11 +33,6 @@ class Fittable:
     """'time' (fitted to step times) or 'memory' (to peak memory and out-of-memory outcomes)."""
     meaning: str
 
-    @property
-    def kind(self) -> str:
-        return "gpu" if "@" in self.name and not self.name.startswith("link_") else (
-            "link" if self.name.startswith("link_") else "param")
-
 
 #: Global CostParams fields. Priors: published kernel and collective behaviour.
 GLOBAL: tuple[Fittable, ...] = (

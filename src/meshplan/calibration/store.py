@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshplan.calibration.builtin import builtin_calibration, gpu_key, link_key
+from meshplan.calibration.builtin import builtin_calibration, gpu_key, link_key, part_efficiency
 from meshplan.calibration.space import GPU_FIELDS, all_names_help, by_name
 from meshplan.cost.params import CostParams
 from meshplan.errors import MeshplanError
@@ -38,9 +38,9 @@ class Calibration:
         return p.replace(**changes) if changes else p
 
     def apply_gpu(self, g: GPUSpec) -> GPUSpec:
-        ch = {f: self.values[gpu_key(f, g.family)] * g.clock_ratio
+        ch = {f: part_efficiency(self.values[gpu_key(f, g.family)], g.clock_ratio)
               for f in GPU_FIELDS if gpu_key(f, g.family) in self.values}
-        return dataclasses.replace(g, **{k: min(1.0, v) for k, v in ch.items()}) if ch else g
+        return dataclasses.replace(g, **ch) if ch else g
 
     def apply_link(self, t: LinkTier | None) -> LinkTier | None:
         if t is None:

@@ -6,8 +6,6 @@ import datetime
 import time
 from typing import Any
 
-import numpy as np
-
 from meshplan.errors import MeshplanError
 
 
@@ -52,17 +50,8 @@ def _cases(path: str) -> list[Any]:
     return cases
 
 
-def _mape(runs: Any, values: dict[str, float]) -> float | None:
-    from meshplan.calibration.fit import predict
-    has = ~np.isnan(runs.step)
-    if not has.any():
-        return None
-    t, _, _ = predict(runs, values, np.nonzero(has)[0])
-    return float(np.mean(np.abs(t / runs.step[has] - 1)) * 100)
-
-
 def run_calibrate(args: argparse.Namespace) -> int:
-    from meshplan.calibration.fit import fit, fittable, informs, informs_any, runs_from_cases
+    from meshplan.calibration.fit import fit, fittable, informs, informs_any, runs_from_cases, step_mape
     from meshplan.calibration.store import Calibration, builtin, save_calibration
     from meshplan.cli.format import json_text
     cases = _cases(args.runs)
@@ -94,7 +83,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     took = time.perf_counter() - t0
     fitted = [n for r in results for n in r.names]
     changes = {n: {"from": before.get(n), "to": values[n]} for n in fitted}
-    m0, m1 = _mape(runs, before), _mape(runs, values)
+    m0, m1 = step_mape(runs, before), step_mape(runs, values)
     info = {
         "fitted_from": {"runs": args.runs, "rows": len(runs),
                         "sources": {s: int((runs.source == s).sum()) for s in dict.fromkeys(runs.source.tolist())},

@@ -14,6 +14,7 @@ from typing import Any
 from meshplan.calibration.store import Calibration, load_calibration
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.profile import DEFAULT_PROFILE, PROFILES, Profile, get_profile
+from meshplan.errors import MeshplanError
 
 CAL_HELP = ("a calibration file from `meshplan calibrate` (its fitted values replace the built-in ones; "
             "the output lists them)")
@@ -61,16 +62,17 @@ class Costing:
 
 def recorded(args: argparse.Namespace) -> dict[str, str]:
     """The profile and calibration a --plan FILE (from `meshplan plan --out`) was priced with."""
-    import json
     import os
+
+    from meshplan.cli.planfile import is_file_arg
+    from meshplan.spec.io import read_data_file
     path = getattr(args, "plan", None)
-    if not isinstance(path, str) or not path.endswith(".json") or not os.path.isfile(path):
+    if not is_file_arg(path):
         return {}
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
+        data = read_data_file(path)
+    except MeshplanError:
+        return {}  # the command's own reading of --plan says what is wrong with it
     out = {k: data[k] for k in ("profile", "calibration") if isinstance(data, dict) and isinstance(data.get(k), str)}
     cal = out.get("calibration")
     if cal and not os.path.isabs(cal) and not os.path.exists(cal):

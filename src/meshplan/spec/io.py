@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from meshplan.calibration.builtin import builtin_gpu_value, builtin_link_value
+from meshplan.calibration.builtin import builtin_gpu_value, builtin_link_value, part_efficiency
 from meshplan.errors import MeshplanError
 from meshplan.spec.base import SCHEMA_VERSION, _coerce, from_dict, positive, to_dict
 from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, default_links
@@ -148,7 +148,7 @@ def gpu_from_dict(data: dict[str, Any], where: str = "gpu") -> GPUSpec:
         for f in ("gemm_efficiency", "attention_efficiency"):
             v = builtin_gpu_value(f, family)
             if f not in d and v is not None:
-                d[f] = min(1.0, v * ratio)
+                d[f] = part_efficiency(v, ratio)
     return from_dict(GPUSpec, d, where=where)
 
 

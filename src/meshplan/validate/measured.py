@@ -190,6 +190,14 @@ def measure_peak_mem(row: Row, assume: Callable[[str], None]) -> float | None:
     return None
 
 
+def memory_by_nvidia_smi(row: Row) -> bool:
+    """Whether the row says its measured memory is nvidia-smi's: that also holds memory outside
+    torch's allocator (NCCL's own buffers, other libraries), which the cost model does not
+    predict, so calibration reports such rows but does not fit to them."""
+    text = " ".join(row.lower(c) for c in ("other_settings", "notes", "uncertain_fields"))
+    return "nvidia-smi" in text or "nvidia_smi" in text
+
+
 def fit_from_status(run_status: str, how: str) -> tuple[bool | None, str]:
     """(measured_fits, measured_from) from the row's status cell: False for a run that ran out of
     GPU memory, None for another failure, True otherwise; ``how`` says so when it is blank."""

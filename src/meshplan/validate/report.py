@@ -75,12 +75,12 @@ def case_estimate(calibration: Any = None) -> Callable[[RunCase], Any]:
     calibration.store.Calibration; None: the built-in one)."""
     from meshplan.calibration.fit import case_params
     from meshplan.cost import estimate
-    from meshplan.cost.params import DEFAULT_PARAMS
-    base = calibration.apply_params(DEFAULT_PARAMS) if calibration is not None else DEFAULT_PARAMS
 
-    def one(c: RunCase) -> Any:
-        cl = calibration.apply_cluster(c.cluster) if calibration is not None else c.cluster
-        return estimate(c.model, cl, c.plan, c.work, case_params(c, base))
+    def one(c: RunCase) -> Any:  # as calibration.fit.predict: the case's profile, then the calibration
+        if calibration is None:
+            return estimate(c.model, c.cluster, c.plan, c.work, case_params(c))
+        return estimate(c.model, calibration.apply_cluster(c.cluster), c.plan, c.work,
+                        calibration.apply_params(case_params(c)))
     return one
 
 

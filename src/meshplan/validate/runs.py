@@ -35,7 +35,13 @@ from meshplan.spec.plan import Plan, Workload
 from meshplan.validate.clusters import build_cluster, gpu_preset, gpu_preset_for, known_system, system_cluster
 from meshplan.validate.formulas import flops_kor22_hardware, flops_kor22_model, flops_meg21
 from meshplan.validate.frameworks import detect_framework, profile_of
-from meshplan.validate.measured import default_peak_tflops, fit_from_status, measure_peak_mem, measure_step_time
+from meshplan.validate.measured import (
+    default_peak_tflops,
+    fit_from_status,
+    measure_peak_mem,
+    measure_step_time,
+    memory_by_nvidia_smi,
+)
 from meshplan.validate.models import build_model, check_params
 from meshplan.validate.plans import plan_from_row
 from meshplan.validate.rows import Row, Unsupported, norm_key
@@ -66,6 +72,8 @@ class RunCase:
     measured_peak_mem_gib: float | None = None
     measured_from: str = ""
     """Which column and formula gave ``measured_step_time_s`` ('' if none)."""
+    memory_by_nvidia_smi: bool = False
+    """``measured_peak_mem_gib`` is nvidia-smi's (the row says so), not torch's allocator's."""
     raw: dict[str, str] = field(default_factory=dict)
     """The CSV row as read (column name -> cell text)."""
     run_status: str = "ok"
@@ -159,6 +167,7 @@ def case_from_row(raw: dict[str, Any], index: int = 0) -> RunCase:
     return RunCase(status="unsupported" if reason else "ok", reason=reason,
                    assumptions=assumptions, model=model, cluster=cluster, plan=plan, work=work,
                    measured_step_time_s=t, measured_peak_mem_gib=mem, measured_from=how,
+                   memory_by_nvidia_smi=mem is not None and memory_by_nvidia_smi(row),
                    measured_fits=fits, gpu_preset=gpu, **out)
 
 
