@@ -5,7 +5,8 @@
     cluster = cal.apply_cluster(cluster)    # GPU family efficiencies and link efficiencies
 
 The file (JSON): {"schema_version": 1, "kind": "calibration", "values": {name: value},
-"fitted_from": {...}, "changes": {name: {"from": x, "to": y}}, ...}. Only the names in
+"fitted_from": {...}, "changes": {name: {"from": x, "to": y, "measurements": [...]}}, ...}; a file
+from micro-benchmarks run on CPU carries "device_kind": "cpu", and loading it warns (stderr). Only the names in
 ``values`` are applied; everything else keeps the built-in calibration's numbers.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +57,19 @@ class Calibration:
             if t is not None:
                 ch[tier] = self.apply_link(t)
         return c.replace(**ch)
+
+    @property
+    def measured_on_cpu(self) -> bool:
+        """Whether the values were measured on CPU (`meshplan calibrate --bench` without a GPU)."""
+        return self.info.get("device_kind") == "cpu"
+
+    def warnings(self) -> list[str]:
+        """What a command using this calibration should warn about (one line each)."""
+        if self.measured_on_cpu:
+            return [f"--calibration {self.source} was measured on CPU (`meshplan calibrate --bench` without a "
+                    "GPU): its values describe this machine's CPU, not a GPU; use it to test the pipeline, not to "
+                    "plan GPU runs"]
+        return []
 
     def describe(self) -> list[str]:
         """One line per value: name = value (and what it was before, when the file says)."""
@@ -118,7 +133,10 @@ def load_calibration(path: str) -> Calibration:
     except json.JSONDecodeError as e:
         raise MeshplanError(f"--calibration {path}: not valid JSON ({e.msg}, line {e.lineno})",
                             hint="give the JSON file `meshplan calibrate --out` wrote") from None
-    return calibration_from_dict(data, f"--calibration {path}", path)
+    cal = calibration_from_dict(data, f"--calibration {path}", path)
+    for w in cal.warnings():
+        print(f"meshplan: warning: {w}", file=sys.stderr, flush=True)
+    return cal
 
 
 def save_calibration(cal: Calibration, path: str) -> None:

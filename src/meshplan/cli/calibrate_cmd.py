@@ -12,6 +12,7 @@ from meshplan.errors import MeshplanError
 def add_parsers(sub: Any) -> None:
     """The `validate` and `calibrate` subcommands' arguments (called from cli.main.build_parser)."""
     from meshplan.calibration.space import all_names_help
+    from meshplan.cli.args import positive_int
     from meshplan.cli.costing import add_cost_flags
     va = sub.add_parser("validate", help="compare the cost model with published measured runs")
     va.add_argument("--runs", help="CSV in the format of published_runs_dev.csv (default: the shipped dev set)")
@@ -22,15 +23,43 @@ def add_parsers(sub: Any) -> None:
                     help="leave one source out: for each source, fit the calibration on the other sources "
                          "and predict the one left out (the out-of-sample accuracy)")
 
-    ca = sub.add_parser("calibrate", help="fit the cost model's named parameters to measured runs",
+    ca = sub.add_parser("calibrate", help="fit the cost model's named parameters to measured runs or micro-benchmarks",
                         description="Fit the cost model's named, bounded parameters (GPU family efficiencies, "
-                                    "kernel and link efficiencies, allocator overhead) to a runs CSV in the "
-                                    "format of published_runs_dev.csv, by maximum a posteriori against "
-                                    "first-principles priors. Writes a calibration file for --calibration.")
-    ca.add_argument("--runs", required=True, help="measured runs CSV (format of published_runs_dev.csv)")
+                                    "kernel and link efficiencies, allocator overhead) to measurements: a runs CSV "
+                                    "in the format of published_runs_dev.csv (--runs), `meshplan train --metrics` "
+                                    "files (--metrics), and/or micro-benchmarks of this machine's accelerators "
+                                    "(--bench: GEMMs, attention, memory bandwidth, collectives under torchrun), in "
+                                    "any mix. Runs are fitted by maximum a posteriori against first-principles "
+                                    "priors; micro-benchmarks by inverting the cost model's own kernel and "
+                                    "collective formulas (with runs too: the benchmarks first, then the runs' fit "
+                                    "starting from them). Writes a calibration file for --calibration.")
+    ca.add_argument("--runs", metavar="CSV", help="measured runs CSV (format of published_runs_dev.csv)")
+    ca.add_argument("--metrics", metavar="FILE.jsonl", action="append",
+                    help="`meshplan train --metrics` files (repeat the flag or give a comma list): their runs are "
+                         "fitted with --runs'")
+    ca.add_argument("--bench", action="store_true",
+                    help="micro-benchmark this machine's accelerators through torch (GEMM throughput by shape and "
+                         "dtype, attention by sequence length, elementwise memory bandwidth, NCCL collectives by "
+                         "message size under torchrun) and fit the parameters they measure; on CPU the same code "
+                         "runs small, against gloo, and the file is labelled CPU (a test of the pipeline, not GPU "
+                         "numbers)")
+    ca.add_argument("--bench-out", metavar="FILE", help="with --bench: also write the raw measurements (JSON) here")
+    ca.add_argument("--bench-from", metavar="FILE",
+                    help="fit the raw measurements a --bench-out file holds instead of measuring again")
+    ca.add_argument("--gpu", metavar="PRESET",
+                    help="with --bench: the GPU preset whose peaks and bandwidths the measurements are compared with "
+                         "(default: the one matching the CUDA device's name)")
+    ca.add_argument("--nproc-per-node", type=positive_int("--nproc-per-node"), metavar="N",
+                    help="with --bench: processes per node for the collectives (default: the CUDA device count; 2 "
+                         "on CPU)")
+    ca.add_argument("--nnodes", type=positive_int("--nnodes"), default=1, metavar="N",
+                    help="with --bench: nodes taking part (run the same command on each, with its --node-rank); "
+                         "more than one measures the inter-node links too")
+    ca.add_argument("--node-rank", type=int, default=0, metavar="R", help="with --bench --nnodes: this node's rank")
+    ca.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="with --bench --nnodes: node 0's rendezvous address")
     ca.add_argument("--out", required=True, help="write the calibration (JSON) here")
     ca.add_argument("--fit", metavar="NAME,...",
-                    help="fit only these parameters (default: every one the runs inform); names: "
+                    help="fit only these parameters (default: every one the measurements inform); names: "
                          + all_names_help())
     ca.add_argument("--prior", choices=["builtin", "physics"], default="builtin",
                     help="centre each parameter's prior on the built-in calibration (default: a few runs of your "
@@ -50,69 +79,267 @@ def _cases(path: str) -> list[Any]:
     return cases
 
 
+BENCH_ONLY = (("gpu", None, "--gpu"), ("nproc_per_node", None, "--nproc-per-node"), ("nnodes", 1, "--nnodes"),
+              ("node_rank", 0, "--node-rank"), ("rdzv_endpoint", None, "--rdzv-endpoint"),
+              ("bench_out", None, "--bench-out"))
+"""Options that only mean something with --bench: (dest, default, flag)."""
+
+
+def _check_sources(args: argparse.Namespace) -> list[str]:
+    """Which measurements a calibrate command has (at least one), its --metrics paths as a list,
+    and no --bench option without --bench."""
+    metrics = [p.strip() for m in (args.metrics or []) for p in m.split(",")]
+    if args.metrics is not None and not all(metrics):
+        raise MeshplanError(f"--metrics {','.join(args.metrics)!r}: an empty file name",
+                            hint="give FILE.jsonl, repeat --metrics or give a comma list")
+    if args.runs is None and not metrics and not args.bench and args.bench_from is None:
+        raise MeshplanError("calibrate needs measurements: --runs CSV, --metrics FILE.jsonl or --bench (any mix)",
+                            hint="e.g. `meshplan calibrate --bench --out cal.json` micro-benchmarks this machine")
+    if args.bench and args.bench_from is not None:
+        raise MeshplanError("--bench and --bench-from both give micro-benchmarks",
+                            hint="--bench measures now; --bench-from FILE refits a --bench-out file; drop one")
+    if not args.bench:
+        for dest, default, flag in BENCH_ONLY:
+            if getattr(args, dest) != default:
+                raise MeshplanError(f"{flag} is an option of --bench", hint=f"add --bench, or drop {flag}")
+    return metrics
+
+
+def _metrics_cases(paths: list[str]) -> list[Any]:
+    try:
+        from meshplan.calibration.metrics import cases_from_metrics
+    except ImportError as e:
+        if getattr(e, "name", None) != "meshplan.calibration.metrics":
+            raise
+        raise MeshplanError("--metrics: this meshplan cannot read training metrics (meshplan.calibration.metrics "
+                            "is missing)", hint="give the runs as --runs CSV") from None
+    cases = list(cases_from_metrics(paths))
+    if not cases:
+        raise MeshplanError(f"--metrics {','.join(paths)}: no runs (no summary record of a `meshplan train` run)",
+                            hint="give the file `meshplan train --metrics` wrote after a run finished")
+    return cases
+
+
+def _bench_raw(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The micro-benchmarks: measured now (--bench) or read (--bench-from). None on a node other
+    than node 0 of a multi-node --bench (it only took part in the collectives)."""
+    import json
+    import sys
+
+    from meshplan.calibration.bench_fit import check_raw
+    if args.bench_from is not None:
+        try:
+            with open(args.bench_from) as f:
+                text = f.read()
+        except OSError as e:
+            raise MeshplanError(f"cannot read --bench-from {args.bench_from}: {e.strerror or e}",
+                                hint="give the JSON file `meshplan calibrate --bench --bench-out` wrote") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise MeshplanError(f"--bench-from {args.bench_from}: not valid JSON ({e.msg}, line {e.lineno})",
+                                hint="give the JSON file `meshplan calibrate --bench --bench-out` wrote") from None
+        return check_raw(data, f"--bench-from {args.bench_from}")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise MeshplanError("--bench needs torch (it measures through torch)",
+                            hint="install torch (scripts/setup.sh), or fit --runs / --metrics only") from None
+    from meshplan.runtime.bench import BenchRequest, run_bench
+    req = BenchRequest(gpu=args.gpu, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+                       node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+    raw = run_bench(req, progress=lambda s: print(f"meshplan: bench: {s}", file=sys.stderr, flush=True))
+    if raw is not None and args.bench_out:
+        try:
+            with open(args.bench_out, "w") as f:
+                f.write(json.dumps(raw, indent=1) + "\n")
+        except OSError as e:
+            raise MeshplanError(f"cannot write --bench-out {args.bench_out}: {e.strerror or e}") from None
+    return raw
+
+
+def _ids_text(ids: list[str]) -> str:
+    if len(ids) <= 3:
+        return ", ".join(ids)
+    return f"{len(ids)} measurements: {ids[0]}, {ids[1]}, ..., {ids[-1]}"
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     from meshplan.calibration.fit import fit, fittable, informs, informs_any, runs_from_cases, step_mape
     from meshplan.calibration.store import Calibration, builtin, save_calibration
     from meshplan.cli.format import json_text
-    cases = _cases(args.runs)
-    runs = runs_from_cases(cases)
-    if not len(runs):
-        raise MeshplanError(f"--runs {args.runs}: no run has a measured step time, peak memory or "
-                            "out-of-memory outcome that meshplan can express",
-                            hint="`meshplan validate --runs FILE` says why each row is unsupported")
+    from meshplan.paths import check_output_file
+    metrics = _check_sources(args)
+    check_output_file("--out", args.out)
+    check_output_file("--bench-out", args.bench_out)
     names = None
     if args.fit is not None:
         names = [n.strip() for n in args.fit.split(",") if n.strip()]
         if not names:
             raise MeshplanError(f"--fit {args.fit!r} names no parameter",
                                 hint="give NAME,... (see `meshplan calibrate --help`), or leave --fit out to fit "
-                                     "every parameter the runs inform")
+                                     "every parameter the measurements inform")
         for n in names:
             fittable(n)
-        idle = [n for n in names if not informs(runs, n)]
-        if idle:
-            raise MeshplanError(f"--fit: no run in {args.runs} informs {', '.join(idle)} (no run with a measured step "
-                                "time, or memory, on that GPU family or link kind)",
-                                hint="leave it out, or add runs that use it")
-    elif not informs_any(runs):
-        raise MeshplanError(f"--runs {args.runs}: no run has a measured step time or peak memory to fit to",
+    label = " and ".join(x for x in ((args.runs or ""), ",".join(metrics)) if x)
+    flags = " and ".join(x for x in ((f"--runs {args.runs}" if args.runs else ""),
+                                     (f"--metrics {','.join(metrics)}" if metrics else "")) if x)
+    cases = (_cases(args.runs) if args.runs is not None else []) + (_metrics_cases(metrics) if metrics else [])
+    runs = runs_from_cases(cases) if cases else None
+    if runs is not None and not len(runs):
+        raise MeshplanError(f"{flags}: no run has a measured step time, peak memory or "
+                            "out-of-memory outcome that meshplan can express",
+                            hint="`meshplan validate --runs FILE` says why each row is unsupported")
+    bench = args.bench or args.bench_from is not None
+    if runs is not None and names is None and not informs_any(runs) and not bench:
+        raise MeshplanError(f"{flags}: no run has a measured step time or peak memory to fit to",
                             hint="fill reported_step_time_s (or tokens/s, TFLOP/s, MFU) or reported_peak_mem_gib")
     before = builtin().values
     t0 = time.perf_counter()
-    values, results = fit(runs, names, prior=args.prior, from_prior=args.prior == "physics")
+    bf = None
+    if bench:
+        from meshplan.calibration.bench_fit import fit_bench
+        raw = _bench_raw(args)
+        if raw is None:
+            print(f"node {args.node_rank} of {args.nnodes}: took part in the collectives; node 0 writes the "
+                  "calibration")
+            return 0
+        bf = fit_bench(raw)
+        if not bf.values and runs is None:
+            why = "; ".join(f"{m['id']}: {m['why']}" for m in bf.summary["not_measured"][:3])
+            raise MeshplanError("the micro-benchmarks gave no value to calibrate" + (f" ({why})" if why else ""),
+                                hint="run --bench where torch sees the accelerators (`--bench-out` keeps what "
+                                     "was measured)")
+    bench_names = set(bf.values) if bf is not None else set()
+    if names is not None:
+        idle = [n for n in names if n not in bench_names and not (runs is not None and informs(runs, n))]
+        if idle:
+            why = []
+            if runs is not None:
+                why.append("no run with a measured step time, or memory, on that GPU family or link kind")
+            if bf is not None:
+                why.append(f"the micro-benchmarks give {', '.join(sorted(bench_names)) or 'no value'}")
+            what = " or ".join(x for x in ((f"no run in {label}" if runs is not None else ""),
+                                           ("no micro-benchmark" if bf is not None else "")) if x)
+            raise MeshplanError(f"--fit: {what} informs {', '.join(idle)} ({'; '.join(why)})",
+                                hint="leave it out, or add measurements that use it")
+    start = {n: v for n, v in (bf.values.items() if bf is not None else ()) if names is None or n in names}
+    values = dict(start)
+    results: list[Any] = []
+    m0 = m1 = None
+    if runs is not None:
+        run_names = None if names is None else [n for n in names if informs(runs, n)]
+        if run_names is None or run_names:
+            full, results = fit(runs, run_names, start=start or None, prior=args.prior,
+                                from_prior=args.prior == "physics" and not start)
+            values.update({n: full[n] for r in results for n in r.names})
+        m0, m1 = step_mape(runs, before), step_mape(runs, {**before, **values})
     took = time.perf_counter() - t0
-    fitted = [n for r in results for n in r.names]
-    changes = {n: {"from": before.get(n), "to": values[n]} for n in fitted}
-    m0, m1 = step_mape(runs, before), step_mape(runs, values)
-    info = {
-        "fitted_from": {"runs": args.runs, "rows": len(runs),
-                        "sources": {s: int((runs.source == s).sum()) for s in dict.fromkeys(runs.source.tolist())},
-                        "prior": args.prior, "date": datetime.date.today().isoformat()},
-        "changes": changes,
-        "fit": {"seconds": round(took, 1), "iterations": {t: r.iterations
-                                                          for t, r in zip(("time", "memory"), results)},
-                "step_mape_pct_before": None if m0 is None else round(m0, 2),
-                "step_mape_pct_after": None if m1 is None else round(m1, 2)},
-    }
+    run_fitted = [n for r in results for n in r.names]
+    fitted = list(start) + [n for n in run_fitted if n not in start]
+    derived = {d.name: d for d in bf.derived} if bf is not None else {}
+    changes: dict[str, Any] = {}
+    for n in fitted:
+        was = before.get(n, derived[n].was if n in derived else None)
+        ch: dict[str, Any] = {"from": was, "to": values[n], "measurements": []}
+        if n in start:
+            ch.update({k: v for k, v in derived[n].change().items() if k not in ("from", "to")})
+        if n in run_fitted:
+            ch["measurements"] = ch["measurements"] + _informing_sources(runs, n)
+            if n in start:
+                ch["bench_value"] = start[n]
+        changes[n] = ch
+    info: dict[str, Any] = {"fitted_from": {"date": datetime.date.today().isoformat()}, "changes": changes}
+    if runs is not None:
+        info["fitted_from"].update({
+            "runs": args.runs, **({"metrics": metrics} if metrics else {}), "rows": len(runs),
+            "sources": {s: int((runs.source == s).sum()) for s in dict.fromkeys(runs.source.tolist())},
+            "prior": args.prior})
+        info["fit"] = {"seconds": round(took, 1), "iterations": {t: r.iterations
+                                                                 for t, r in zip(("time", "memory"), results)},
+                       "step_mape_pct_before": None if m0 is None else round(m0, 2),
+                       "step_mape_pct_after": None if m1 is None else round(m1, 2)}
+    if bf is not None:
+        info["fitted_from"]["bench"] = {k: bf.summary.get(k) for k in ("device_kind", "device_name", "reference",
+                                                                        "backend", "nproc_per_node", "nnodes")}
+        if args.bench_from is not None:
+            info["fitted_from"]["bench"]["file"] = args.bench_from
+        bi = bf.info()
+        info.update({k: v for k, v in bi.items() if k != "changes"})
+        if bf.notes:
+            info["notes"] = bf.notes
     cal = Calibration({n: values[n] for n in fitted}, args.out, info)
     save_calibration(cal, args.out)
     if args.json:
         print(json_text(cal.to_dict()))
         return 0
-    ns = len(info["fitted_from"]["sources"])
-    print(f"calibrated {len(fitted)} parameter{'s' * (len(fitted) != 1)} on {len(runs)} run{'s' * (len(runs) != 1)} "
-          f"from {ns} source{'s' * (ns != 1)} in {took:.1f} s (prior: {args.prior})")
+    print("\n".join(_calibrate_text(args, cal, runs, bf, before, took, m0, m1)))
+    return 0
+
+
+def _informing_sources(runs: Any, name: str) -> list[str]:
+    """'runs: SOURCE (N rows)' for each source of ``runs`` with a run that informs ``name``."""
+    from meshplan.calibration.fit import informs
+    out = []
+    for s in dict.fromkeys(runs.source.tolist()):
+        idx = [i for i, x in enumerate(runs.source.tolist()) if x == s]
+        if informs(runs.subset(idx), name):
+            out.append(f"runs: {s} ({len(idx)} row{'s' * (len(idx) != 1)})")
+    return out
+
+
+def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, before: dict[str, float], took: float,
+                    m0: float | None, m1: float | None) -> list[str]:
+    from meshplan.calibration.fit import fittable
+    lines = []
+    fitted = list(cal.values)
+    if bf is not None:
+        s = bf.summary
+        counts: dict[str, int] = {}
+        for m in s["measurements"]:
+            k = m["id"].split("/", 1)[0]
+            counts[k] = counts.get(k, 0) + 1
+        what = ", ".join(f"{v} {k}" for k, v in counts.items())
+        label = "CPU: the numbers are labelled CPU, not GPU ones" if s["device_kind"] == "cpu" else "GPU"
+        procs = f"{s['nproc_per_node']} process{'es' * (s['nproc_per_node'] != 1)} x {s['nnodes']} node" \
+                + ("s" * (s["nnodes"] != 1)) if s.get("nproc_per_node") else ""
+        lines.append(f"micro-benchmarks on {s['device_name']} ({label}; compared with {s['reference']}"
+                     + (f"; {s['backend']}, {procs}" if s.get("backend") else "")
+                     + (f") in {s['seconds']:.1f} s" if isinstance(s.get("seconds"), (int, float)) else ")")
+                     + f": {what}")
+        for m in s["not_measured"]:
+            lines.append(f"  not measured: {m['id']}: {m['why']}")
+    if runs is not None:
+        ns = len(dict.fromkeys(runs.source.tolist()))
+        lines.append(f"runs: {len(runs)} run{'s' * (len(runs) != 1)} from {ns} source{'s' * (ns != 1)} "
+                     f"(prior: {args.prior})")
+    lines.append(f"calibrated {len(fitted)} parameter{'s' * (len(fitted) != 1)} in {took:.1f} s "
+                 "(name, from -> to, range, from which measurements):")
     for n in fitted:
         f = fittable(n)
-        was = before.get(n)
+        ch = cal.info["changes"][n]
+        was = ch.get("from")
         shown = "-" if was is None else f"{was:.4g}"
-        print(f"  {n:42s} {values[n]:9.4g}   built-in {shown:>8}   "
-              f"range [{f.low:g}, {f.high:g}]")
+        mark = " (clamped)" if ch.get("clamped") else ""
+        lines.append(f"  {n:42s} {shown:>9} -> {cal.values[n]:<9.4g} [{f.low:g}, {f.high:g}]{mark}")
+        ms = ch.get("measurements") or []
+        bench_ids = [x for x in ms if not x.startswith("runs: ")]
+        if bench_ids:
+            lines.append(f"  {'':42s} from {_ids_text(bench_ids)}"
+                         + (f" (then refined by the runs from {ch['bench_value']:.4g})" if "bench_value" in ch else ""))
+        run_ids = [x[len("runs: "):] for x in ms if x.startswith("runs: ")]
+        if run_ids:
+            lines.append(f"  {'':42s} from runs of {', '.join(run_ids)}")
     if m0 is not None and m1 is not None:
-        print(f"step-time MAPE on these runs (in sample): {m0:.1f}% with the built-in calibration, "
-              f"{m1:.1f}% with this one")
-    print(f"wrote {args.out}: pass it to estimate/plan/simulate/report/validate with --calibration {args.out}")
-    return 0
+        lines.append(f"step-time MAPE on these runs (in sample): {m0:.1f}% with the built-in calibration, "
+                     f"{m1:.1f}% with this one")
+    for note in (cal.info.get("notes") or []):
+        lines.append(f"note: {note}")
+    if bf is not None and bf.device_kind == "cpu":
+        lines.append("warning: measured on CPU: the values describe this CPU, not a GPU; --calibration with this "
+                     "file warns so")
+    lines.append(f"wrote {args.out}: pass it to estimate/plan/simulate/report/validate with --calibration {args.out}")
+    return lines
 
 
 def run_validate(args: argparse.Namespace) -> int:
