@@ -10,6 +10,9 @@ torchrun's ChildFailedError traceback. Inside torchrun ``worker_main`` trains on
 one-process plan runs in the calling process (no torchrun, no process group). One ``Job`` for
 every model: a preset (``model`` a ModelSpec) or an ingested model (``model`` its ``hf:``/``module:``
 source; the checks particular to it, on its traced LayerGraph, are ``generic.preflight``).
+With ``--replan-after N`` the ranks check the plan after N steps (``replan_check``, runtime/replan.py);
+with ``--switch`` they checkpoint and leave a switch file, and ``launch`` starts the run again under the
+better plan with ``--resume`` (``switched``).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,9 @@ CUDA_PRESETS = (("H200", "h200-sxm-141gb"), ("H100", "h100-sxm-80gb"), ("A100-SX
                 ("A100", "a100-sxm-80gb"), ("B200", "b200-sxm-192gb"), ("L40S", "l40s-48gb"),
                 ("V100", "v100-sxm-32gb"))
 """CUDA device-name fragments -> GPU presets for the estimate printed beside the measurement."""
+SWITCH_ENV = "MESHPLAN_SWITCH_FILE"
+"""Where the ranks (local rank 0 of each node) write the plan a --switch moved the run to, as JSON for
+the launcher, which then starts the run again under it (``launch``)."""
 FAILURE_ENV = "MESHPLAN_TORCHRUN_FAILURE"
 """Where the torchrun wrapper (``torchrun_main``) writes the failed ranks as JSON for the launcher."""
 CPU_ESTIMATE_BASIS = ("cost model for a `local-cpu` device; indicative only on CPU: gloo and Python overheads "
@@ -83,6 +89,11 @@ class Job:
     """--model as given (a preset name, a file, a source)."""
     plan_arg: str = ""
     extra_argv: list[str] = field(default_factory=list)
+    replan_after: int | None = None
+    """--replan-after N: after N steps of this launch, check the measurement against the cost model's
+    band; outside it, fit a calibration and rank the plans again (runtime/replan.py). None: no check."""
+    switch: bool = False
+    """--switch: at that check, checkpoint and continue under a plan predicted better."""
 
     @property
     def world_size(self) -> int:
@@ -114,6 +125,8 @@ def _check_job(job: Job) -> tuple[Any, Any]:
     from meshplan.runtime import preflight
     preflight.check_lr(job.lr)
     preflight.check_output_file("--metrics", job.metrics)
+    from meshplan.runtime.replan import check_flags
+    check_flags(job)
     if job.ingested:
         from meshplan.runtime import generic
         if job.data != "corpus":
@@ -203,15 +216,67 @@ def torchrun_argv(job: Job, worker_argv: list[str]) -> list[str]:
 
 
 def launch(job: Job, worker_argv: list[str]) -> int:
-    """Run the job: in this process for one process, else under torchrun. Returns an exit code."""
+    """Run the job: in this process for one process, else under torchrun. Returns an exit code.
+    A run that --switch moved to another plan at its --replan-after check (the ranks checkpointed
+    and said so in the switch file) is started again under that plan with --resume."""
+    switch = _launch_once(job, worker_argv)
+    while switch is not None:
+        job, worker_argv = switched(job, worker_argv, switch)
+        switch = _launch_once(job, worker_argv)
+    return 0
+
+
+def _launch_once(job: Job, worker_argv: list[str]) -> dict[str, Any] | None:
+    """One launch of the job (checks, then the ranks); the switch the ranks asked for, or None."""
+    from meshplan.runtime.replan import check_steps
     est, graph = _check_job(job)
     dev = this_device_type()
     start = check_checkpoint_dir(job)
+    check_steps(job, start)
     before_launch(job, estimate_for(job, dev, graph), dev, job.steps - start)
-    if job.world_size == 1:
-        return worker_main(job)
-    return run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s,
-                        memory=memory_context(job, est))
+    with tempfile.TemporaryDirectory(prefix="meshplan-switch-") as tmp:
+        path = Path(tmp) / "switch.json"
+        if job.world_size == 1:
+            old = os.environ.get(SWITCH_ENV)
+            os.environ[SWITCH_ENV] = str(path)
+            try:
+                worker_main(job)
+            finally:
+                if old is None:
+                    os.environ.pop(SWITCH_ENV, None)
+                else:
+                    os.environ[SWITCH_ENV] = old
+        else:
+            run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s, memory=memory_context(job, est),
+                         env={SWITCH_ENV: str(path)})
+        return json.loads(path.read_text()) if path.is_file() else None
+
+
+def switched(job: Job, worker_argv: list[str], switch: dict[str, Any]) -> tuple[Job, list[str]]:
+    """The job (and the ranks' arguments) that continues a run under the plan it switched to: that
+    plan, --resume from the checkpoint written at the switch, no further check."""
+    from meshplan.spec.plan import parse_plan
+    to = switch["to"]
+    print(f"meshplan: note: switching from {switch['from']} to {to} at step {switch['step']}: resuming from the "
+          f"checkpoint in {job.checkpoint_dir}", file=sys.stderr, flush=True)
+    new = replace(job, plan=parse_plan(to), plan_arg=to, resume=True, overwrite=False, replan_after=None, switch=False)
+    return new, switched_argv(worker_argv, to)
+
+
+def switched_argv(argv: list[str], plan: str) -> list[str]:
+    """A rank command line (cli.train_cmd.worker_argv) with --plan ``plan``, --resume, and without
+    --replan-after/--switch."""
+    out: list[str] = []
+    it = iter(argv)
+    for a in it:
+        if a == "--plan":
+            out += ["--plan", plan]
+            next(it, None)
+        elif a == "--replan-after":
+            next(it, None)
+        elif a != "--switch":
+            out.append(a)
+    return out if "--resume" in out else [*out, "--resume"]
 
 
 def memory_context(job: Any, est: Any = None) -> str:
@@ -226,14 +291,14 @@ def memory_context(job: Any, est: Any = None) -> str:
     return preflight.memory_text(est, job.nproc_per_node)
 
 
-def run_torchrun(argv: list[str], pg_timeout_s: float, *, memory: str = "") -> int:
+def run_torchrun(argv: list[str], pg_timeout_s: float, *, memory: str = "", env: dict[str, str] | None = None) -> int:
     """Run a torchrun command line (one thread per process, the process-group timeout passed on);
     a failure raises one line saying which rank failed and how (``failure_message``). ``argv``:
     ``torchrun_argv`` (through ``torchrun_main``; a plain ``torch.distributed.run`` line is run
-    through it too). ``memory``: said when a rank was killed by SIGKILL."""
+    through it too). ``memory``: said when a rank was killed by SIGKILL. ``env``: set for the ranks."""
     if argv[1:3] == ["-m", "torch.distributed.run"]:
         argv = [argv[0], "-m", "meshplan.runtime.launch", *argv[3:]]
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")
     env["MESHPLAN_PG_TIMEOUT"] = str(pg_timeout_s)
     with tempfile.TemporaryDirectory(prefix="meshplan-torchrun-") as tmp:
@@ -334,9 +399,23 @@ def lost_peer_message(e: BaseException) -> str | None:
 
 
 # ---- inside a rank ---------------------------------------------------------------------------
+_CLUSTERS: dict[tuple[int, str], Any] = {}
+"""local_cluster's ClusterSpecs in this process: the CPU rate is measured once, so the estimate, the
+--replan-after check and the summary's cluster_spec describe the same cluster."""
+_GRAPHS: dict[tuple[str, int | None], Any] = {}
+"""run_model's traced LayerGraphs of ingested models in this process (None: not traceable)."""
+
+
 def local_cluster(nproc: int, device_type: str) -> Any:
     """A ClusterSpec of this machine for the cost model: a GPU preset on CUDA, a measured CPU
-    'GPU' (one process = one device) otherwise."""
+    'GPU' (one process = one device) otherwise; one per process and size (``_CLUSTERS``)."""
+    key = (nproc, device_type)
+    if key not in _CLUSTERS:
+        _CLUSTERS[key] = _local_cluster(nproc, device_type)
+    return _CLUSTERS[key]
+
+
+def _local_cluster(nproc: int, device_type: str) -> Any:
     from meshplan.spec.io import parse_cluster_shorthand
     if device_type == "cuda":
         import torch
@@ -396,6 +475,50 @@ def estimate_for(job: Job, device_type: str, graph: Any = None) -> dict[str, Any
         from meshplan.runtime.preflight import memory_estimate
         return cpu_memory(out, memory_estimate(job.model, job.plan, job.global_batch, job.seq_len, "cpu"))
     return out
+
+
+def run_model(job: Job) -> Any:
+    """What the cost model prices for this job: a preset's ModelSpec, an ingested model's LayerGraph
+    at the run's sequence length (traced once per process; None when it cannot be traced)."""
+    if not job.ingested:
+        return job.model
+    key = (str(job.model), job.seq_len)
+    if key not in _GRAPHS:
+        from meshplan.ingest import ingest
+        try:
+            _GRAPHS[key] = ingest(job.model, seq_len=job.seq_len)
+        except MeshplanError:
+            _GRAPHS[key] = None
+    return _GRAPHS[key]
+
+
+def run_plan(plan: Plan, device_type: str) -> Plan:
+    """The plan as this hardware runs it (on CPU: offload flags are no-ops, fp8 runs as bf16)."""
+    from meshplan.runtime.preflight import _run_plan
+    return _run_plan(plan, device_type)
+
+
+def summary_record(job: Job, trainer: Any, records: list[Any], device_type: str, **extra: Any) -> dict[str, Any]:
+    """The ``{"kind": "summary"}`` record of a run's steps ``records`` (its end, or a --switch): the
+    measurement (``measured_summary``) beside the estimate, and what makes it a calibration case
+    (calibration.metrics.case_from_summary): the model's spec (a ModelSpec, or an ingested model's
+    LayerGraph), the cluster the estimate used, the plan as run, the batch and tokens per sample."""
+    from meshplan.cli.planfile import spec_fields
+    model = run_model(job)
+    est = estimate_for(job, device_type, model if job.ingested else None)
+    seq = (model.sample_tokens if model is not None else None) if job.ingested else job.seq_len
+    cluster = local_cluster(job.world_size, device_type) if "error" not in est else None
+    rec: dict[str, Any] = {
+        "kind": "summary", "plan": job.plan.short(), "plan_as_run": run_plan(job.plan, device_type).short(),
+        "model": trainer.model.name, **({"source": job.model} if job.ingested else {}),
+        "world_size": job.world_size, "nproc_per_node": job.nproc_per_node, "nnodes": job.nnodes,
+        "sample_tokens": trainer.sample_tokens, "global_batch": job.global_batch, "seq_len": seq,
+        "device": device_type, "profile": "meshplan",
+        "steps": [records[0].step, records[-1].step] if records else None,
+        "measured": measured_summary(records, trainer.tokens_per_step), "estimate": est,
+        "warnings": trainer.par.notes, **extra}
+    rec.update(spec_fields(model, cluster))
+    return rec
 
 
 def cpu_memory(est: dict[str, Any], mem: Any) -> dict[str, Any]:
@@ -475,6 +598,8 @@ def worker_main(job: Job) -> int:
     if job.ingested:
         from meshplan.runtime.generic import quiet_false_positives
         quiet_false_positives()
+    from meshplan.runtime.replan import check_flags
+    check_flags(job)  # started by torchrun by hand: no launcher checked them
     if in_torchrun():
         device = init_distributed(float(os.environ.get("MESHPLAN_PG_TIMEOUT", job.pg_timeout_s)))
         if job.ingested:
@@ -503,23 +628,87 @@ def worker_main(job: Job) -> int:
     records = []
     while trainer.step < job.steps:
         records.append(run_step(trainer, job, rank0))
+        if job.replan_after and len(records) == job.replan_after:
+            to = replan_check(job, trainer, records, device.type, rank0)
+            if to is not None and job.switch:
+                switch_plan(job, trainer, records, device.type, rank0, to)
+                return 0
     if job.checkpoint_dir and not (job.checkpoint_every and trainer.step % job.checkpoint_every == 0):
         if not records and ckpt.read_meta(job.checkpoint_dir):
             pass  # nothing new to save
         else:
             ckpt.save(trainer, job.checkpoint_dir)
-    measured = measured_summary(records, trainer.tokens_per_step)
     if rank0:
-        est = estimate_for(job, device.type)
-        print(summary_text(measured, est), flush=True)
-        _write(job.metrics, {"kind": "summary", "plan": job.plan.short(), "model": trainer.model.name,
-                             **({"source": job.model} if job.ingested else {}),
-                             "world_size": job.world_size, "sample_tokens": trainer.sample_tokens,
-                             "measured": measured, "estimate": est, "warnings": trainer.par.notes})
+        rec = summary_record(job, trainer, records, device.type)
+        print(summary_text(rec["measured"], rec["estimate"]), flush=True)
+        _write(job.metrics, rec)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def replan_check(job: Job, trainer: Any, records: list[Any], device_type: str, rank0: bool) -> str | None:
+    """The --replan-after check (runtime/replan.py), on rank 0; its records go to the metrics file, its
+    notes to stderr. Returns the better plan (the same on every rank: rank 0's decision is
+    broadcast), or None."""
+    import torch.distributed as dist
+
+    from meshplan.runtime import replan
+    msg: dict[str, Any] = {"to": None}
+    failure: BaseException | None = None
+    if rank0:
+        try:
+            out = replan.run_check(job, summary_record(job, trainer, records, device_type), device_type)
+        except MeshplanError as e:  # e.g. the cost model refuses the plan on this device: say it, train on
+            rec = {"kind": "replan-check", "step": trainer.step, "error": str(e)}
+            out = replan.Outcome(records=[rec], notes=[f"replan after step {trainer.step}: no check ({e})"])
+        except Exception as e:  # a bug: every rank stops (after telling the others), not a hang
+            failure, out = e, replan.Outcome(records=[], notes=[])
+            msg = {"to": None, "failed": f"{type(e).__name__}: {e}"}
+        for r in out.records:
+            _write(job.metrics, r)
+        replan.say(out.notes)
+        if failure is None:
+            msg = {"to": out.switch_to}
+    if dist.is_initialized():
+        box = [msg]
+        dist.broadcast_object_list(box, src=0)
+        msg = box[0]
+    if failure is not None:
+        raise failure
+    if msg.get("failed"):
+        raise MeshplanError(f"the --replan-after check failed on rank 0 ({msg['failed']})")
+    return msg["to"]
+
+
+def switch_plan(job: Job, trainer: Any, records: list[Any], device_type: str, rank0: bool, to: str) -> None:
+    """--switch: checkpoint at this step (every rank), record the part of the run under the old plan
+    (its summary, ended by the switch) and the switch, and tell the launcher (local rank 0 of each
+    node writes the switch file), which starts the run again under ``to`` with --resume."""
+    import torch.distributed as dist
+
+    from meshplan.runtime import checkpoint as ckpt
+    assert job.checkpoint_dir is not None  # replan.check_flags
+    if not (job.checkpoint_every and trainer.step % job.checkpoint_every == 0):  # not saved by run_step already
+        ckpt.save(trainer, job.checkpoint_dir)
+    sw = {"kind": "switch", "step": trainer.step, "from": job.plan.short(), "to": to,
+          "checkpoint": str(Path(job.checkpoint_dir) / f"step-{trainer.step:08d}")}
+    path = os.environ.get(SWITCH_ENV)
+    if rank0:
+        rec = summary_record(job, trainer, records, device_type, ended="switch")
+        print(summary_text(rec["measured"], rec["estimate"]), flush=True)
+        _write(job.metrics, rec)
+        _write(job.metrics, sw)
+        then = (f"the run goes on under {to}" if path else  # started by torchrun by hand: no launcher to go on
+                f"continue it with --plan {to} --resume (no `meshplan train` launcher started this job)")
+        print(f"meshplan: note: --switch: checkpoint at step {trainer.step} in {job.checkpoint_dir}; {then}",
+              file=sys.stderr, flush=True)
+    if path and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        Path(path).write_text(json.dumps(sw))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def metrics_path(path: str | None) -> str | None:
