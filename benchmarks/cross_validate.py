@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from meshplan.calibration.bands import oom_verdicts, residuals  # noqa: E402
 from meshplan.calibration.fit import cross_validate, fit, pooled, runs_from_cases, step_mape  # noqa: E402
 from meshplan.calibration.store import builtin  # noqa: E402
 from meshplan.validate.report import default_runs_path  # noqa: E402
@@ -42,6 +43,8 @@ def main() -> None:
     drift = {k: abs(values[k] / shipped[k] - 1) for k in shipped if k in values and shipped[k]}
     t0 = time.perf_counter()
     folds = cross_validate(runs)
+    res = residuals(runs, folds)
+    oom_verdicts(res, folds)  # each source's verdicts with the other sources' bands
     cv_s = time.perf_counter() - t0
     doc = {
         "runs": len(runs), "sources": len(set(runs.source.tolist())),

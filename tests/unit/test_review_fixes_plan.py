@@ -126,7 +126,7 @@ def test_no_headroom_marks_plans_at_risk_in_the_table(risky_run):
     rows = [line for line in risky_run.splitlines() if line.lstrip()[:1].isdigit()]
     marked = [r for r in rows if "!" in r]
     assert marked, risky_run
-    assert "! at risk: within the memory model's 11.0% error of the limit (accepted by --no-headroom)" in risky_run
+    assert "! at risk: its chance of running out of memory is above 5% (accepted by --no-headroom)" in risky_run
 
 
 def test_winner_line_says_at_risk():
@@ -136,7 +136,7 @@ def test_winner_line_says_at_risk():
     assert "at risk" not in winner_line(result)
     b = result.plans[0]
     result.plans[0] = dataclasses.replace(b, report=dataclasses.replace(b.report, at_risk=True))
-    assert "(at risk: within the memory model's 11.0% error of the limit)" in winner_line(result)
+    assert "(at risk: its chance of running out of memory is above 5%)" in winner_line(result)
 
 
 # ---- [6] zero=3 under a pipeline --------------------------------------------------------------------

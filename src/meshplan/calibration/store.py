@@ -36,8 +36,26 @@ class Calibration:
     """fitted_from, changes, fit statistics: whatever the file carries besides values."""
 
     def apply_params(self, p: CostParams) -> CostParams:
-        changes = {k: v for k, v in self.values.items() if "@" not in k}
+        changes: dict[str, Any] = {k: v for k, v in self.values.items() if "@" not in k}
+        scale = self.band_scale
+        if scale != 1.0:
+            changes["band_scale"] = scale
         return p.replace(**changes) if changes else p
+
+    @property
+    def band_scale(self) -> float:
+        """How much this calibration shrinks the out-of-sample bands (cost.uncertainty): a refinement
+        of the built-in calibration on the user's own runs earns its step error after the fit over
+        before it (at least cost.uncertainty.MIN_BAND_SCALE); a calibration from the priors, or one
+        without those figures, keeps the built-in bands."""
+        from meshplan.cost.uncertainty import MIN_BAND_SCALE
+        fit = self.info.get("fit") or {}
+        before, after = fit.get("step_mape_pct_before"), fit.get("step_mape_pct_after")
+        prior = (self.info.get("fitted_from") or {}).get("prior")
+        if prior != "builtin" or not isinstance(before, (int, float)) or not isinstance(after, (int, float)) \
+                or before <= 0:
+            return 1.0
+        return max(MIN_BAND_SCALE, min(1.0, after / before))
 
     def apply_gpu(self, g: GPUSpec) -> GPUSpec:
         ch = {f: part_efficiency(self.values[gpu_key(f, g.family)], g.clock_ratio)

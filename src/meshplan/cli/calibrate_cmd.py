@@ -64,6 +64,10 @@ def add_parsers(sub: Any) -> None:
     ca.add_argument("--prior", choices=["builtin", "physics"], default="builtin",
                     help="centre each parameter's prior on the built-in calibration (default: a few runs of your "
                          "own refine it) or on its first-principles value (how the built-in one is fitted)")
+    ca.add_argument("--bands", action="store_true",
+                    help="also predict each source of --runs from the others (leave one source out) and store the "
+                         "spread of those out-of-sample errors as the uncertainty bands (how the built-in "
+                         "calibration's bands are made; minutes)")
     ca.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
@@ -268,6 +272,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         info.update({k: v for k, v in bi.items() if k != "changes"})
         if bf.notes:
             info["notes"] = bf.notes
+    if getattr(args, "bands", False):
+        info["uncertainty"] = _bands(runs, args)
     cal = Calibration({n: values[n] for n in fitted}, args.out, info)
     save_calibration(cal, args.out)
     if args.json:
@@ -275,6 +281,16 @@ def run_calibrate(args: argparse.Namespace) -> int:
         return 0
     print("\n".join(_calibrate_text(args, cal, runs, bf, before, took, m0, m1)))
     return 0
+
+
+def _bands(runs: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from meshplan.calibration.bands import bands_info, residuals
+    from meshplan.calibration.fit import cross_validate
+    if runs is None or len(set(runs.source.tolist())) < 2:
+        raise MeshplanError("--bands needs --runs from at least two sources (each source is predicted by a "
+                            "calibration fitted to the others)",
+                            hint="add runs of another source, or leave --bands out")
+    return bands_info(residuals(runs, cross_validate(runs)))
 
 
 def _informing_sources(runs: Any, name: str) -> list[str]:
@@ -369,10 +385,12 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
+    from meshplan.calibration.bands import oom_verdicts, residuals
     from meshplan.calibration.fit import cross_validate, pooled, runs_from_cases
     t0 = time.perf_counter()
     runs = runs_from_cases(cases)
     folds = cross_validate(runs)
+    oom_verdicts(residuals(runs, folds), folds)
     took = time.perf_counter() - t0
     entries = [f.summary() for f in folds]
     total = pooled(folds)

@@ -20,14 +20,43 @@ CAL_HELP = ("a calibration file from `meshplan calibrate` (its fitted values rep
             "the output lists them)")
 
 
-def add_cost_flags(p: argparse.ArgumentParser, *, profile: bool = True) -> None:
+def add_cost_flags(p: argparse.ArgumentParser, *, profile: bool = True, policy: bool = False) -> None:
     from meshplan.cli.args import Once
     p.add_argument("--calibration", metavar="FILE", action=Once, help=CAL_HELP)
+    if policy:
+        p.add_argument("--max-oom-risk", metavar="P", action=Once, type=_risk,
+                       help="the largest chance of running out of memory (0-1, from the memory model's "
+                            "out-of-sample errors) at which a plan is still recommended (default 0.05); "
+                            "plans above it are 'at-risk'")
+        p.add_argument("--headroom", metavar="GiB", action=Once, type=_gib,
+                       help="memory a recommended plan must leave free below the usable memory, GiB (default 0)")
     if profile:
         p.add_argument("--profile", metavar="NAME|FILE", action=Once,
                        help="the training codebase whose kernels and buffers to price: "
                             f"{', '.join(PROFILES)}, or a profile .toml (default: {DEFAULT_PROFILE}, "
                             "meshplan's own runtime)")
+
+
+def _risk(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0.0 < v < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a probability between 0 and 1 (e.g. 0.05 for 5%%; "
+                                         "0.5 or more accepts every plan that fits)")
+    return v
+
+
+def _gib(text: str) -> float:
+    import math
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size in GiB (a number >= 0, e.g. 4)")
+    return v
 
 
 @dataclass(frozen=True)
@@ -48,10 +77,15 @@ class Costing:
             vals = self.calibration.describe()
             out.append(f"calibration  {self.calibration.source}: {len(vals)} fitted values replace the built-in ones")
             out += [f"             {v}" for v in vals]
+            if self.params.band_scale != 1.0:
+                out.append(f"             bands x {self.params.band_scale:.2f}: the step error it earned on its runs")
         return out
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"profile": self.profile.name}
+        out: dict[str, Any] = {"profile": self.profile.name,
+                               "memory_policy": {"max_oom_risk": self.params.max_oom_risk,
+                                                 "headroom_gib": self.params.headroom_gib},
+                               "band_scale": self.params.band_scale}
         if self.profile.name != DEFAULT_PROFILE:
             out["profile_settings"] = dict(self.profile.overrides)
         if self.calibration is not None:
@@ -100,6 +134,10 @@ def costing(args: argparse.Namespace) -> Costing:
     params = prof.apply(DEFAULT_PARAMS)
     if cal is not None:
         params = cal.apply_params(params)
+    if getattr(args, "max_oom_risk", None) is not None:
+        params = params.replace(max_oom_risk=args.max_oom_risk)
+    if getattr(args, "headroom", None) is not None:
+        params = params.replace(headroom_gib=args.headroom)
     c = Costing(params, prof, cal)
     args._costing = c
     return c

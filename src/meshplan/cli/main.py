@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--seq-len", type=positive_int("--seq-len"),
                     help="tokens per sequence (default: the plan file's, else the model's)")
     add_override(es)
-    add_cost_flags(es)
+    add_cost_flags(es, policy=True)
     es.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     from meshplan.cli import export_cmd, plan_cmd, report_cmd, simulate_cmd, train_cmd
@@ -115,7 +115,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                                   "runtime": runtime_status(model, plan, work)} | cost.to_json()
         print(json_text(out))
     else:
-        print("\n".join(cost.lines() + [estimate_text(model, cluster, plan, work, report)]))
+        print("\n".join(cost.lines() + [estimate_text(model, cluster, plan, work, report, cost.params)]))
     return 0
 
 

@@ -50,7 +50,7 @@ def add_parser(sub: Any, positive_int: Any) -> None:
     pl.add_argument("--top", type=positive_int("--top"), default=5, action=Once, help="plans to show (default 5)")
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
     from meshplan.cli.costing import add_cost_flags
-    add_cost_flags(pl)
+    add_cost_flags(pl, policy=True)
     pl.add_argument("--out", action=Once, help="write the winning plan (with its predicted cost) to this .json file")
     pl.add_argument("--plot", action=Once,
                     help="draw the Pareto front (step time vs memory) to this image (.svg; others need matplotlib)")
@@ -642,6 +642,7 @@ def train_cost(tokens: float | None, plan: Any) -> dict[str, float] | None:
 def _table(result: Any, tokens: float | None) -> str:
     """The top plans; with the cost objective the dollars come first (the ranking's order)."""
     from meshplan.cli.format import seconds, table
+    from meshplan.cost.params import DEFAULT_PARAMS
     from meshplan.search.explain import AT_RISK_MARK
     multi = len(result.clusters) > 1
     risky = any(p.report.at_risk for p in result.plans)
@@ -651,12 +652,13 @@ def _table(result: Any, tokens: float | None) -> str:
         ("MFU", "r", lambda p, t: f"{100 * p.report.mfu:.1f}%"),
         ("peak GiB", "r", lambda p, t: f"{p.report.peak_memory_gib:.1f}"
          + (AT_RISK_MARK if p.report.at_risk else " " if risky else "")),
+        ("P(OOM)", "r", lambda p, t: f"{100 * p.report.oom_probability:.1f}%"),
         ("$/M tok", "r", lambda p, t: f"{p.usd_per_mtok:.3f}"),
         ("dominant", "l", lambda p, t: p.report.dominant)]
     if tokens is not None:
         cols += [("days", "r", lambda p, t: f"{t['days']:,.1f}"), ("$ to train", "r", lambda p, t: f"{t['usd']:,.0f}")]
     if result.objective == "cost":  # dollars first, then days and step time
-        order = ["$ to train", "$/M tok", "days", "step time", "tokens/s", "MFU", "peak GiB", "dominant"]
+        order = ["$ to train", "$/M tok", "days", "step time", "tokens/s", "MFU", "peak GiB", "P(OOM)", "dominant"]
         cols.sort(key=lambda c: order.index(c[0]))
     head = ["#", "plan"] + (["GPUs"] if multi else []) + [c[0] for c in cols]
     align = "rl" + ("r" if multi else "") + "".join(c[1] for c in cols)
@@ -667,10 +669,31 @@ def _table(result: Any, tokens: float | None) -> str:
                                  f"  [export only: {', '.join(p.export_only)}]")
         rows.append([p.rank, name] + ([p.plan.num_gpus] if multi else []) + [c[2](p, t) for c in cols])
     text = table(head, rows, align)
+    if max(len(line) for line in text.splitlines()) > TABLE_WIDTH:  # long plan strings: tokens/s is in --json
+        k = head.index("tokens/s")
+        head, align = head[:k] + head[k + 1:], align[:k] + align[k + 1:]
+        text = table(head, [r[:k] + r[k + 1:] for r in rows], align)
+    text += "\n" + band_line(result)
     if risky:
         from meshplan.search.explain import at_risk_words
-        text += f"\n{AT_RISK_MARK} {at_risk_words()} (accepted by --no-headroom)"
+        text += f"\n{AT_RISK_MARK} {at_risk_words(result.params or DEFAULT_PARAMS)} (accepted by --no-headroom)"
     return text
+
+
+TABLE_WIDTH = 200
+"""The plan table drops its tokens/s column when it would be wider (plan strings of huge models)."""
+
+
+def band_line(result: Any) -> str:
+    """How sure the table is: the step-time band of the plans shown and what P(OOM) is."""
+    from meshplan.cost.params import DEFAULT_PARAMS
+    from meshplan.cost.uncertainty import describe
+    rel = sorted({(round(100 * (p.report.step_time_s_low / p.report.step_time_s - 1)),
+                   round(100 * (p.report.step_time_s_high / p.report.step_time_s - 1))) for p in result.plans})
+    band = ", ".join(f"{lo:+d}%/{hi:+d}%" for lo, hi in rel)
+    params = result.params or DEFAULT_PARAMS
+    return (f"step time within {band} (90%); P(OOM): chance of running out of memory; both from the cost model's "
+            f"out-of-sample errors\n{describe(params).split('; ', 1)[1]}")
 
 
 def _per_size(result: Any, tokens: float | None) -> list[str]:
@@ -735,9 +758,11 @@ def _pareto_lines(result: Any, tokens: float | None) -> list[str]:
     multi = len(result.clusters) > 1
     front = list(result.pareto)
     usable = result.best.report.usable_memory_gib if result.best is not None else float("inf")
+    from meshplan.cost.uncertainty import safe_peak_gib
+    safe = safe_peak_gib(usable, result.params or DEFAULT_PARAMS) if result.best is not None else usable
 
     def gib(peak: float) -> str:  # at risk (listed with --no-headroom): marked as in the table
-        risky = peak <= usable < peak * (1 + DEFAULT_PARAMS.memory_error)
+        risky = safe < peak <= usable
         return f"{peak:6.1f}{AT_RISK_MARK if risky else ' '}GiB"
     if result.objective == "cost":
         front.sort(key=lambda p: (p.usd_per_mtok, p.step_time_s, p.peak_memory_gib))

@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "is traced at it)")
     add_override(p)
     from meshplan.cli.costing import add_cost_flags
-    add_cost_flags(p)
+    add_cost_flags(p, policy=True)
     p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) to this file")
     p.add_argument("--plot", help="write the Gantt chart per pipeline rank and memory over time (the report's "
                                   "timeline) to this image: .svg, or png, pdf, ... with matplotlib")

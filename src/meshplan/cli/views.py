@@ -27,7 +27,7 @@ def model_line(model: LayerGraph, params: int) -> str:
 
 
 def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Workload,
-                  r: CostReport) -> str:
+                  r: CostReport, params: object = None) -> str:
     unit = "tokens" if model.model is not None else f"tokens ({model.task} samples)"
     head = [
         model_line(model, r.params),
@@ -36,11 +36,12 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
         f"workload global batch {work.global_batch} x {work.seq_len} {unit} = {human_count(work.tokens)} tokens/step, "
         f"{r.microbatches} micro-batch(es) per replica",
         "",
-        f"step time      {seconds(r.step_time_s)}",
+        f"step time      {seconds(r.step_time_s)}   (90% band {seconds(r.step_time_s_low)} to "
+        f"{seconds(r.step_time_s_high)}, from the cost model's out-of-sample errors)",
         f"throughput     {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s / r.num_gpus:,.0f} per GPU)",
         f"model TFLOP/s  {r.tflops_per_gpu:.1f} per GPU   MFU {r.mfu * 100:.1f}%   HFU {r.hfu * 100:.1f}%",
         f"peak memory    {r.peak_memory_gib:.1f} GiB per GPU of {cluster.gpu.memory_gib:.0f} "
-        f"(usable {r.usable_memory_gib:.1f}): {fit_word(r)}",
+        f"(usable {r.usable_memory_gib:.1f}; 95th percentile {r.peak_memory_gib_high:.1f}): {fit_word(r, params)}",
         *host_lines(r),
         *runtime_lines(model, plan, work),
         "",
@@ -62,16 +63,22 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
     return "\n".join(out)
 
 
-def fit_word(r: CostReport) -> str:
+def fit_word(r: CostReport, params: object = None) -> str:
     """fits / at risk / DOES NOT FIT, with the headroom the memory model's error asks for."""
     if not r.fits:
-        return "DOES NOT FIT"
+        return f"DOES NOT FIT ({100 * r.oom_probability:.0f}% chance of running out of memory)"
     if r.at_risk:
-        from meshplan.cost.params import DEFAULT_PARAMS
-        err = DEFAULT_PARAMS.memory_error
-        return (f"fits, but AT RISK: within the memory model's demonstrated error ({100 * err:.1f}%) of the "
-                f"limit; plans with headroom need at most {r.usable_memory_gib / (1 + err):.1f} GiB")
-    return "fits"
+        return (f"fits, but AT RISK: {100 * r.oom_probability:.0f}% chance of running out of memory; "
+                f"recommended plans stay below "
+                f"{safe_peak(r, params):.1f} GiB")
+    return f"fits ({100 * r.oom_probability:.1f}% chance of running out of memory)"
+
+
+def safe_peak(r: CostReport, params: object = None) -> float:
+    """The largest predicted peak that is recommended (cost.uncertainty.safe_peak_gib)."""
+    from meshplan.cost.params import DEFAULT_PARAMS
+    from meshplan.cost.uncertainty import safe_peak_gib
+    return safe_peak_gib(r.usable_memory_gib, params or DEFAULT_PARAMS)
 
 
 def host_lines(r: CostReport) -> list[str]:
@@ -127,8 +134,11 @@ def fit_hint(plan: Plan, r: CostReport) -> str:
     if not plan.offload_optimizer and plan.zero >= 1:
         tips.append("offload_optimizer=1")
     tips.append("more tp or pp, or more GPUs, or GPUs with more memory")
-    return (f"does not fit: {over:.1f} GiB over the usable {r.usable_memory_gib:.1f} GiB; "
-            f"try {', '.join(tips)} (or `meshplan plan` to search)")
+    why = (f"{over:.1f} GiB over the usable {r.usable_memory_gib:.1f} GiB" if over > 0 else
+           f"{r.peak_memory_gib:.1f} GiB predicted of {r.usable_memory_gib:.1f} usable, but runs of this codebase "
+           f"used more memory than the model predicted (95th percentile {r.peak_memory_gib_high:.1f} GiB), so it "
+           f"more likely than not runs out ({100 * r.oom_probability:.0f}%)")
+    return f"does not fit: {why}; try {', '.join(tips)} (or `meshplan plan` to search)"
 
 
 # ---- meshplan presets ------------------------------------------------------------------------

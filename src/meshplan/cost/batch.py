@@ -46,6 +46,7 @@ from meshplan.cost.parts import (
     tied_sync,
 )
 from meshplan.cost.schedule import RankPasses, bubble_array, in_flight_array, rank_passes
+from meshplan.cost.uncertainty import memory_high, step_band
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph, as_graph, derived, layer_ops
 from meshplan.spec.model import ModelSpec
@@ -675,8 +676,11 @@ def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, s
     worst = np.nanargmax(total_mem, axis=1)
     rows = np.arange(len(worst))
     peak_gib = total_mem[rows, worst] / GiB
-    fits, at_risk = fit_verdicts(peak_gib, usable_gib(cluster, p), p)
+    fits, at_risk, oom = fit_verdicts(peak_gib, usable_gib(cluster, p), p)
+    low, high = step_band(step, cols["pp"], p)
     out = {"step_time_s": step, "tokens_per_s": work.tokens / step,
+           "step_time_s_low": low, "step_time_s_high": high,
+           "peak_memory_gib_high": memory_high(peak_gib, p), "oom_probability": oom,
            "tflops_per_gpu": model_flops / step / n / 1e12, "mfu": model_flops / step / n / peak,
            "hfu": (model_flops + rc_flops) / step / n / peak, "peak_memory_gib": peak_gib,
            "fits": fits, "at_risk": at_risk, "microbatches": a.micro,

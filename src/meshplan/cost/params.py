@@ -88,13 +88,19 @@ class CostParams:
     memory_margin: float = 0.05
     """A plan 'fits' when predicted peak <= (1 - memory_margin) x HBM: the margin is memory the
     job cannot use (CUDA context, allocator limits, other processes' reservations)."""
-    memory_error: float = 0.11
-    """MEASURED: the memory model's largest under-prediction on the published runs whose peak
-    torch's allocator measured (`meshplan validate`: row 94, Llama 3.1 405B, -11.0%; a test
-    checks this bound still holds; runs measured with nvidia-smi, which also counts memory outside
-    torch's allocator, are reported but not used here). A plan that fits, but whose peak x
-    (1 + memory_error) exceeds the usable memory, is 'at risk' of running out of memory and is
-    not recommended by default."""
+    max_oom_risk: float = 0.05
+    """POLICY: the largest chance of running out of memory (cost.uncertainty.oom_probability, from
+    the memory model's out-of-sample errors) at which a plan is still recommended; a plan that
+    fits but exceeds it is 'at-risk' (`meshplan plan --max-oom-risk`)."""
+    headroom_gib: float = 0.0
+    """POLICY: memory a recommended plan must leave free below the usable memory, GiB
+    (`meshplan plan --headroom`); a plan that fits with less is 'at-risk'."""
+    band_scale: float = 1.0
+    """How much a calibration of the user's own runs shrinks the out-of-sample bands
+    (cost.uncertainty): 1 for the built-in calibration."""
+    profile: str = "meshplan"
+    """The implementation profile these numbers follow (set by cost.profile.Profile.apply): the
+    memory band uses that codebase's out-of-sample errors."""
     host_memory_per_gpu_gib: float = 128.0
     """Host memory an offloading plan may use per GPU, GiB: a DGX A100 node's 1 TiB over its 8
     GPUs (a DGX H100 has 2 TiB). Plans that offload more are 'out of host memory'."""
@@ -178,7 +184,8 @@ PARAM_KINDS: dict[str, str] = {
     "fsdp_reduce_bytes": "derived",
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
     "pp_p2p_exposed": "derived", "allocator_fragmentation": "fitted",
-    "framework_overhead_gib": "fitted", "memory_margin": "derived", "memory_error": "measured",
+    "framework_overhead_gib": "fitted", "memory_margin": "derived", "max_oom_risk": "derived",
+    "headroom_gib": "derived", "band_scale": "derived", "profile": "derived",
     "host_memory_per_gpu_gib": "derived",
     "step_overhead_s": "derived", "attention_kernel": "derived", "elementwise_kernels": "derived",
     "dp_overlap": "derived", "param_gather_overlap": "derived", "dp_bucket_buffers": "derived", "main_grads": "derived",

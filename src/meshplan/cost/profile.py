@@ -103,7 +103,7 @@ class Profile:
     """CostParams field -> the codebase default it follows (a short citation)."""
 
     def apply(self, params: CostParams) -> CostParams:
-        return params.replace(**self.overrides) if self.overrides else params
+        return params.replace(**self.overrides, profile=self.name)
 
     def describe(self, params: CostParams = DEFAULT_PARAMS) -> list[str]:
         """One line per choice, as applied to ``params``: 'attention: PyTorch SDPA ... [source]'."""

@@ -27,8 +27,16 @@ class CostReport:
     host_fits: bool = True
     """host_memory_gib <= CostParams.host_memory_per_gpu_gib."""
     at_risk: bool = False
-    """Fits, but within the memory model's demonstrated error (CostParams.memory_error) of
-    the usable memory: peak_memory_gib x (1 + memory_error) > usable_memory_gib."""
+    """Fits, but its chance of running out of memory exceeds CostParams.max_oom_risk (or it
+    leaves less than CostParams.headroom_gib free): not recommended by default."""
+    oom_probability: float = 0.0
+    """Chance that the true peak exceeds the usable memory, from the memory model's
+    out-of-sample errors for this profile (cost.uncertainty)."""
+    step_time_s_low: float = 0.0
+    step_time_s_high: float = 0.0
+    """The 90% band of the step time from the cost model's out-of-sample errors."""
+    peak_memory_gib_high: float = 0.0
+    """The 95th percentile of the peak memory per GPU."""
     params: int
     num_gpus: int
     microbatches: int
@@ -45,5 +53,10 @@ class CostReport:
     """The largest exposed term."""
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def verdict(self) -> str:
+        """fits, at-risk or does-not-fit (cost.uncertainty)."""
+        return "does-not-fit" if not self.fits else "at-risk" if self.at_risk else "fits"
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self) | {"verdict": self.verdict}

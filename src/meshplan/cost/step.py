@@ -45,6 +45,8 @@ def report_from_row(model: ModelSpec, cluster: ClusterSpec, r: dict[str, np.ndar
         step_time_s=float(r["step_time_s"][i]), tokens_per_s=float(r["tokens_per_s"][i]),
         tflops_per_gpu=float(r["tflops_per_gpu"][i]), mfu=float(r["mfu"][i]), hfu=float(r["hfu"][i]),
         peak_memory_gib=float(r["peak_memory_gib"][i]), fits=bool(r["fits"][i]), at_risk=bool(r["at_risk"][i]),
+        oom_probability=float(r["oom_probability"][i]), step_time_s_low=float(r["step_time_s_low"][i]),
+        step_time_s_high=float(r["step_time_s_high"][i]), peak_memory_gib_high=float(r["peak_memory_gib_high"][i]),
         host_memory_gib=float(r["host_memory_gib"][i]), host_fits=bool(r["host_fits"][i]),
         usable_memory_gib=usable_gib(cluster, params),
         params=model.num_params(), num_gpus=int(r["num_gpus"][i]),

@@ -45,8 +45,6 @@ shorter than the current plan's: less is within what one run's calibration can t
 CANDIDATES = 20
 """How many plans of the new ranking are checked against the runtime's pre-flight checks, fastest
 first, for the best one that runs."""
-FALLBACK_BAND = 0.10
-"""Half-width of the band (relative) where a CostReport carries none (``band_of``)."""
 SHOWN = 5
 """Plans of the new ranking written to the ``ranking`` record."""
 CALIBRATION_NAME = "replan-calibration.json"
@@ -114,7 +112,7 @@ class Band:
     peak_memory_gib: float
     peak_memory_gib_high: float
     verdict: str
-    oom_probability: float | None
+    oom_probability: float
     basis: str
     """Where the band comes from: the cost model's own (cost.uncertainty), or the fallback."""
 
@@ -123,24 +121,14 @@ class Band:
 
 
 def band_of(report: Any) -> Band:
-    """The band of a CostReport: ``step_time_s_low``, ``step_time_s_high``, ``peak_memory_gib_high``,
-    ``verdict`` and ``oom_probability`` as the cost model gives them (cost.uncertainty); a report
-    without them (or with zeros) gets +-FALLBACK_BAND around its figures. The one place these
-    fields are read."""
-    t, m = float(report.step_time_s), float(report.peak_memory_gib)
-    low = float(getattr(report, "step_time_s_low", 0.0) or 0.0)
-    high = float(getattr(report, "step_time_s_high", 0.0) or 0.0)
-    mem_high = float(getattr(report, "peak_memory_gib_high", 0.0) or 0.0)
-    if 0 < low <= t <= high and mem_high >= m > 0:
-        basis = "the cost model's band (cost.uncertainty: its out-of-sample errors)"
-    else:
-        low, high, mem_high = t * (1 - FALLBACK_BAND), t * (1 + FALLBACK_BAND), m * (1 + FALLBACK_BAND)
-        basis = f"+-{FALLBACK_BAND:.0%} around the cost model's figures (the report carries no band)"
-    verdict = getattr(report, "verdict", None) or ("fits" if report.fits else "does-not-fit")
-    oom = getattr(report, "oom_probability", None)
-    return Band(step_time_s=t, step_time_s_low=low, step_time_s_high=high, peak_memory_gib=m,
-                peak_memory_gib_high=mem_high, verdict=str(verdict),
-                oom_probability=None if oom is None else float(oom), basis=basis)
+    """The band of a CostReport as the cost model gives it (cost.uncertainty: its out-of-sample
+    errors): the 90% step-time band, the 95th percentile of the peak memory, the verdict and the
+    chance of running out of memory."""
+    return Band(step_time_s=float(report.step_time_s), step_time_s_low=float(report.step_time_s_low),
+                step_time_s_high=float(report.step_time_s_high), peak_memory_gib=float(report.peak_memory_gib),
+                peak_memory_gib_high=float(report.peak_memory_gib_high), verdict=str(report.verdict),
+                oom_probability=float(report.oom_probability),
+                basis="the cost model's band (cost.uncertainty: its out-of-sample errors)")
 
 
 def outside(measured: dict[str, Any], band: Band) -> list[str]:

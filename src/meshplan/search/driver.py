@@ -19,12 +19,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from meshplan.cost import estimate
 from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.uncertainty import risk_words
 from meshplan.errors import MeshplanError
 from meshplan.search.bounds import states_lower_bound_gib
 from meshplan.search.columns import PlanColumns
@@ -92,7 +94,7 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: Sear
     oom_idx = reason_names().index(OUT_OF_MEMORY)
     reason[ok[lb[ok] > usable_gib(cluster, params)]] = oom_idx
     res = {"step_time_s": np.full(n, np.nan), "tokens_per_s": np.full(n, np.nan),
-           "mfu": np.full(n, np.nan), "peak_memory_gib": np.full(n, np.nan),
+           "mfu": np.full(n, np.nan), "peak_memory_gib": np.full(n, np.nan), "oom_probability": np.full(n, np.nan),
            "dominant": np.full(n, "", dtype=object)}
     return _Scan(cluster, cols, reason, reason == -2, lb, res)
 
@@ -219,7 +221,28 @@ def _collect(model: ModelSpec, work: Workload, scans: list[_Scan], params: CostP
     result.pareto = _pareto(scans, which, rows, pts)
     result.reject_examples = _examples(model, work, scans, names, params)
     result.per_cluster = [_count(s, work) for s in scans]
+    result.params = params
+    result.passed_over = _passed_over(scans, names, result)
     return result
+
+
+def _passed_over(scans: list[_Scan], names: list[str], result: SearchResult) -> dict[str, Any] | None:
+    """The fastest at-risk plan, when it beats the recommended one."""
+    k = names.index(AT_RISK)
+    best: tuple[float, _Scan, int] | None = None
+    for s in scans:
+        hit = np.nonzero(s.reason == k)[0]
+        if len(hit):
+            t = s.res["step_time_s"][hit]
+            j = int(hit[int(np.argmin(t))])
+            if best is None or float(s.res["step_time_s"][j]) < best[0]:
+                best = (float(s.res["step_time_s"][j]), s, j)
+    if best is None or (result.best is not None and best[0] >= result.best.report.step_time_s):
+        return None
+    t, s, j = best
+    return {"plan": s.cols.plan(j).short(), "step_time_s": t, "num_gpus": s.cluster.num_gpus,
+            "peak_memory_gib": float(s.res["peak_memory_gib"][j]),
+            "oom_probability": float(s.res["oom_probability"][j])}
 
 
 def _gather(scans: list[_Scan], feas: list[np.ndarray], fn: Callable) -> np.ndarray:
@@ -330,8 +353,8 @@ def _at_risk_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
     peak = s.res["peak_memory_gib"][hit]
     j = hit[np.nanargmin(np.where(np.isfinite(peak), peak, np.inf))]
     return (f"{s.cols.plan(int(j)).short()} needs {gib_need(float(s.res['peak_memory_gib'][j]), usable)}, "
-            f"closer to the limit than the memory model's demonstrated error ({100 * params.memory_error:.1f}%); "
-            "--no-headroom accepts such plans")
+            f"and {risk_words(params)} (the memory model's out-of-sample errors); "
+            "--max-oom-risk or --no-headroom accept such plans")
 
 
 def _refused_example(model: ModelSpec, s: _Scan, row: int, work: Workload,

@@ -30,7 +30,8 @@ AT_RISK_MARK = "!"
 
 
 def at_risk_words(params: CostParams = DEFAULT_PARAMS) -> str:
-    return f"at risk: within the memory model's {100 * params.memory_error:.1f}% error of the limit"
+    from meshplan.cost.uncertainty import risk_words
+    return f"at risk: {risk_words(params)}"
 
 
 def usd(x: float, signed: bool = False) -> str:
@@ -226,8 +227,29 @@ def explain(result: SearchResult, runners_up: int = 3) -> list[str]:
                 lines.append(cost_compare_line(b, other, label, result.train_tokens))
             else:
                 lines.append(compare_line(b, other, label))
+        lines += passed_over_lines(result)
     lines += rejection_lines(result)
     return lines
+
+
+def _headroom_words(p: CostParams) -> str:
+    return f", or under {p.headroom_gib:g} GiB free" if p.headroom_gib > 0 else ""
+
+
+def passed_over_lines(result: SearchResult) -> list[str]:
+    """When the fastest plan that fits was passed over for its risk of running out of memory:
+    which, its risk, and what the safer winner costs in time."""
+    po, b = result.passed_over, result.best
+    if not po or b is None:
+        return []
+    params = result.params or DEFAULT_PARAMS
+    cost = b.report.step_time_s / po["step_time_s"] - 1
+    return [f"passed over for its memory risk: {po['plan']} would take {po['step_time_s']:.3f} s per step, but "
+            f"needs {po['peak_memory_gib']:.1f} GiB of {b.report.usable_memory_gib:.1f} usable, a "
+            f"{100 * po['oom_probability']:.0f}% chance of running out of memory (over the "
+            f"{100 * params.max_oom_risk:g}% allowed{_headroom_words(params)}); "
+            f"the winner is {100 * cost:.1f}% slower ({b.report.step_time_s - po['step_time_s']:+.3f} s per step) "
+            "and safe (--max-oom-risk or --no-headroom accept the faster plan)"]
 
 
 NEED = r"needs ([\d.]+ GiB per GPU of [\d.]+ usable(?: \(over by [^)]*\))?)"

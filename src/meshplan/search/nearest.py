@@ -20,6 +20,7 @@ import numpy as np
 
 from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.uncertainty import risk_words
 from meshplan.errors import MeshplanError
 from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import first_violation, violation_masks
@@ -229,7 +230,7 @@ def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, spac
             r = estimate(model, cluster, here.plan, work, params)
             why += (f", but its offload needs {r.host_memory_gib:.0f} GiB of host memory per GPU (of "
                     f"{params.host_memory_per_gpu_gib:.0f})" if not r.host_fits else
-                    f", within the memory model's {100 * params.memory_error:.1f}% error of the limit")
+                    f", but {risk_words(params)}")
         out.append(f"on {cluster.num_gpus} x {gpu} the most memory-saving plan ({here.plan.short()}) {why}")
     open_space = SearchSpace(base=space.base, uneven_stages=space.uneven_stages)
     if space != open_space:

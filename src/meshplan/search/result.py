@@ -118,6 +118,11 @@ class SearchResult:
     """Tokens of the whole training run, when given (days and dollars to train)."""
     deadline_days: float | None = None
     """Days the training run may take (`apply_deadline`); None: no deadline."""
+    passed_over: dict[str, Any] | None = None
+    """The fastest plan that fits but was not recommended for its risk of running out of memory,
+    when it is faster than the winner: plan, step_time_s, peak_memory_gib, oom_probability."""
+    params: Any = None
+    """The CostParams the search priced with (profile, calibration, memory policy)."""
     fastest: ParetoPoint | None = None
     """With a deadline: the fastest feasible plan before the deadline was applied (what the
     fastest plan would take when none meets it)."""
@@ -142,6 +147,7 @@ class SearchResult:
             "per_cluster": [vars(c) for c in self.per_cluster],
             "nearest": list(self.nearest), "notes": list(self.notes),
             "train_tokens": self.train_tokens, "deadline_days": self.deadline_days,
+            "passed_over_for_memory_risk": self.passed_over,
         }
         if self.deadline_days is not None:
             doc["fastest_ignoring_deadline"] = self.fastest.to_dict() if self.fastest is not None else None
@@ -282,6 +288,9 @@ def merge(results: Sequence[SearchResult], top: int) -> SearchResult:
     feasible = sum(r.feasible for r in results)
     largest = max(results, key=lambda r: max(c.num_gpus for c in r.clusters))
     fastest = [r.fastest for r in results if r.fastest is not None]
+    passed = [r.passed_over for r in results if r.passed_over]
+    top_time = plans[0].report.step_time_s if plans else float("inf")
+    passed = [po for po in passed if po["step_time_s"] < top_time]
     return SearchResult(
         model=first.model, clusters=[c for r in results for c in r.clusters], work=first.work,
         objective=objective, plans=plans, considered=sum(r.considered for r in results),
@@ -290,4 +299,5 @@ def merge(results: Sequence[SearchResult], top: int) -> SearchResult:
         per_cluster=[c for r in results for c in r.per_cluster],
         nearest=list(largest.nearest) if feasible == 0 else [], points=points, notes=notes,
         timings=timings, train_tokens=first.train_tokens, deadline_days=first.deadline_days,
-        fastest=min(fastest, key=lambda p: (p.step_time_s, p.peak_memory_gib)) if fastest else None)
+        fastest=min(fastest, key=lambda p: (p.step_time_s, p.peak_memory_gib)) if fastest else None,
+        passed_over=min(passed, key=lambda po: po["step_time_s"]) if passed else None, params=first.params)

@@ -96,7 +96,8 @@ def validate(cases: Iterable[RunCase],
     for c in cases:
         status, reason = c.status, c.reason
         pred_t = pred_m = None
-        fits = None
+        fits = verdict = None
+        band: dict[str, Any] = {}
         if status == "ok":
             try:
                 est = per_case(c)
@@ -107,6 +108,10 @@ def validate(cases: Iterable[RunCase],
                 pred_m = _finite(_get(est, "peak_memory_gib"))
                 f = _get(est, "fits")
                 fits = None if f is None else bool(f)
+                band = {k: _finite(_get(est, k)) for k in ("step_time_s_low", "step_time_s_high",
+                                                          "peak_memory_gib_high", "oom_probability")}
+                verdict = None if f is None else ("does-not-fit" if not f else
+                                                  "at-risk" if _get(est, "at_risk") else "fits")
         meas_t = _finite(c.measured_step_time_s)
         meas_m = _finite(c.measured_peak_mem_gib)
         rows.append({
@@ -123,6 +128,11 @@ def validate(cases: Iterable[RunCase],
             "predicted_peak_memory_gib": pred_m,
             "memory_error_pct": _err_pct(pred_m, meas_m) if status == "ok" else None,
             "predicted_fits": fits,
+            "verdict": verdict,
+            "oom_probability": band.get("oom_probability"),
+            "predicted_step_time_s_low": band.get("step_time_s_low"),
+            "predicted_step_time_s_high": band.get("step_time_s_high"),
+            "predicted_peak_memory_gib_high": band.get("peak_memory_gib_high"),
             "measured_fits": c.measured_fits,
             "measured_from": c.measured_from,
         })

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshplan.cost.profile import DEFAULT_PROFILE
 from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import violations
@@ -112,7 +113,11 @@ def case_from_row(raw: dict[str, Any], index: int = 0) -> RunCase:
     fw = detect_framework(row, assume)
     profile = profile_of(row, fw)
     overrides: dict[str, Any] = {}
-    if row.text("framework") or fw == "unknown":
+    if fw == "unknown" and profile == DEFAULT_PROFILE and not row.text("framework"):
+        # no codebase recognised: meshplan's settings, but the memory band of all codebases (cost.uncertainty)
+        overrides["profile"] = "unknown"
+        assume(f"implementation profile: {profile} (codebase not recognised: its memory band is that of all codebases)")
+    elif row.text("framework"):
         assume(f"implementation profile: {profile}")
     out: dict[str, Any] = dict(row_id=row_id, source_id=source_id, model_name=model_name,
                                raw=dict(row.cells), run_status=run_status, framework=fw,

@@ -1,0 +1,211 @@
+"""How sure an estimate is: step-time and peak-memory bands, the chance of running out of
+memory, and the three-level verdict (fits / at-risk / does-not-fit).
+
+The bands are not guessed: they are the spread of the cost model's *out-of-sample* errors.
+``meshplan calibrate --bands`` (and the built-in calibration) predicts every development run
+with a calibration fitted to the other sources only (leave one source out) and stores
+
+- for step time, per kind of plan (with or without a pipeline, where the residuals differ), the
+  5th and 95th percentiles of log(measured / predicted): the 90% band is
+  ``[t x exp(q05), t x exp(q95)]``;
+- for peak memory, per implementation profile (a codebase's accounting differs: Megatron-
+  DeepSpeed's ran ~20% above the model, NeMo's below it), the mean ``mu`` and spread ``sigma``
+  of log(true peak / predicted peak), fitted by maximum likelihood to the measured peaks and to
+  the out-of-memory outcomes (a run that ran out of memory says the true peak exceeded the
+  usable memory; one that ran, that it did not), with the pooled value as a prior.
+
+The chance of running out of memory is then
+``P(OOM) = 1 - Phi((log(usable / peak) - mu) / sigma)``, and the verdict
+
+- ``does-not-fit``: P(OOM) >= 1/2 (the bias-corrected peak exceeds the usable memory);
+- ``at-risk``: it fits, but P(OOM) > ``CostParams.max_oom_risk`` (default 5%) or it leaves less
+  than ``CostParams.headroom_gib`` free; meshplan does not recommend it by default;
+- ``fits``: otherwise.
+
+A calibration of the user's own runs shrinks the bands by what it earned on them
+(``CostParams.band_scale``: its step error after the fit over before, never below
+``MIN_BAND_SCALE``). Pure numpy: no torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+Z95 = 1.6448536269514722
+"""One-sided 95% quantile of the standard normal: peak_memory_gib_high is the 95th percentile."""
+MIN_BAND_SCALE = 0.5
+"""A calibration shrinks the bands at most to half: its in-sample gain overstates what it
+earns on plans it has not measured (the few-shot benchmark, benchmarks/few_shot.py, measures it)."""
+VERDICTS = ("fits", "at-risk", "does-not-fit")
+PIPELINE, NO_PIPELINE = "pipeline", "no-pipeline"
+POOLED = "*"
+ALIASES = {"meshplan": "torchtitan"}
+"""Profiles without memory evidence of their own that share another's stack: meshplan's runtime
+is FSDP2/DTensor on torch's caching allocator, as torchtitan is (whose runs measured
+torch.cuda.max_memory_reserved)."""
+
+# Used only when the calibration carries no bands (a broken install): wide, conservative.
+_FALLBACK_STEP = (-0.15, 0.15)
+_FALLBACK_MEMORY = (0.05, 0.15)
+
+
+@dataclass(frozen=True)
+class Bands:
+    step: dict[str, tuple[float, float]]
+    """plan kind -> (log q05, log q95) of measured / predicted step time."""
+    memory: dict[str, tuple[float, float]]
+    """profile (or POOLED) -> (mu, sigma) of log(true / predicted peak memory)."""
+
+    def step_log(self, kind: str) -> tuple[float, float]:
+        return self.step.get(kind) or self.step.get(POOLED) or _FALLBACK_STEP
+
+    def memory_log(self, profile: str | None) -> tuple[float, float]:
+        name = profile or "meshplan"
+        for key in (name, ALIASES.get(name), POOLED):
+            if key is not None and key in self.memory:
+                return self.memory[key]
+        return _FALLBACK_MEMORY
+
+    def memory_group(self, profile: str | None) -> str:
+        """Which group's evidence a profile's memory band comes from."""
+        name = profile or "meshplan"
+        for key in (name, ALIASES.get(name)):
+            if key is not None and key in self.memory:
+                return key
+        return POOLED
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": {k: {"log_q05": round(a, 5), "log_q95": round(b, 5)} for k, (a, b) in self.step.items()},
+                "memory": {k: {"mu": round(a, 5), "sigma": round(b, 5)} for k, (a, b) in self.memory.items()}}
+
+
+def bands_from_dict(d: dict[str, Any] | None) -> Bands | None:
+    if not d:
+        return None
+    try:
+        step = {k: (float(v["log_q05"]), float(v["log_q95"])) for k, v in d.get("step", {}).items()}
+        mem = {k: (float(v["mu"]), float(v["sigma"])) for k, v in d.get("memory", {}).items()}
+    except (KeyError, TypeError, ValueError):
+        return None
+    if any(not (a <= 0 <= b) for a, b in step.values()) or any(s <= 0 for _, s in mem.values()):
+        return None
+    return Bands(step, mem)
+
+
+@lru_cache(maxsize=1)
+def builtin_bands() -> Bands:
+    """The bands of the built-in calibration (meshplan/data/calibration.json, "uncertainty")."""
+    from meshplan.calibration.builtin import builtin_calibration
+    b = bands_from_dict(builtin_calibration().get("uncertainty"))
+    return b if b is not None else Bands({POOLED: _FALLBACK_STEP}, {POOLED: _FALLBACK_MEMORY})
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """Vectorised erf (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7)."""
+    x = np.asarray(x, dtype=float)
+    s = np.sign(x)
+    a = np.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t
+               + 0.254829592) * t * np.exp(-a * a)
+    return s * y
+
+
+def normal_cdf(z: Any) -> np.ndarray:
+    return 0.5 * (1.0 + _erf(np.asarray(z, dtype=float) / math.sqrt(2.0)))
+
+
+def step_band(step_s: Any, pp: Any, p: Any, bands: Bands | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high): the 90% band of the step time, by plan kind (pipeline or not)."""
+    b = bands or builtin_bands()
+    step = np.asarray(step_s, dtype=float)
+    pipe = np.broadcast_to(np.asarray(pp) > 1, step.shape)
+    lo_p, hi_p = b.step_log(PIPELINE)
+    lo_n, hi_n = b.step_log(NO_PIPELINE)
+    k = float(p.band_scale)
+    lo = np.where(pipe, lo_p, lo_n) * k
+    hi = np.where(pipe, hi_p, hi_n) * k
+    return step * np.exp(lo), step * np.exp(hi)
+
+
+def memory_params(p: Any, bands: Bands | None = None) -> tuple[float, float]:
+    """(mu, sigma) of log(true / predicted peak) for ``p``'s profile, with the calibration's scale."""
+    mu, sigma = (bands or builtin_bands()).memory_log(getattr(p, "profile", None))
+    k = float(p.band_scale)
+    return mu * k, sigma * k
+
+
+def memory_high(peak_gib: Any, p: Any, bands: Bands | None = None) -> np.ndarray:
+    """The 95th percentile of the true peak memory, GiB."""
+    mu, sigma = memory_params(p, bands)
+    return np.asarray(peak_gib, dtype=float) * math.exp(mu + Z95 * sigma)
+
+
+def oom_probability(peak_gib: Any, usable_gib: float, p: Any, bands: Bands | None = None) -> np.ndarray:
+    """The chance that the true peak exceeds the usable memory."""
+    mu, sigma = memory_params(p, bands)
+    peak = np.maximum(np.asarray(peak_gib, dtype=float), 1e-9)
+    return 1.0 - normal_cdf((np.log(usable_gib / peak) - mu) / sigma)
+
+
+def verdicts(peak_gib: Any, usable_gib: float, p: Any,
+             bands: Bands | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fits, at_risk, P(OOM)): fits = not does-not-fit; at_risk = fits but not safe enough to
+    recommend under ``p.max_oom_risk`` and ``p.headroom_gib``."""
+    prob = oom_probability(peak_gib, usable_gib, p, bands)
+    fits = prob < 0.5
+    tight = (usable_gib - np.asarray(peak_gib, dtype=float)) < float(p.headroom_gib)
+    return fits, fits & ((prob > float(p.max_oom_risk)) | tight), prob
+
+
+def verdict(fits: bool, at_risk: bool) -> str:
+    return "does-not-fit" if not fits else "at-risk" if at_risk else "fits"
+
+
+def describe(p: Any, bands: Bands | None = None) -> str:
+    """One line: where the bands come from and the policy."""
+    b = bands or builtin_bands()
+    mu, sigma = memory_params(p, b)
+    group = b.memory_group(getattr(p, "profile", None))
+    lo, hi = b.step_log(NO_PIPELINE)
+    k = float(p.band_scale)
+    return (f"bands: step time {100 * (math.exp(lo * k) - 1):+.0f}%/{100 * (math.exp(hi * k) - 1):+.0f}% "
+            f"(90%, out-of-sample errors{'' if k == 1 else f' x {k:.2f} from the calibration'}); peak memory "
+            f"bias {100 * (math.exp(mu) - 1):+.1f}%, spread {100 * sigma:.1f}% "
+            f"({'all codebases' if group == POOLED else group + ' runs'}); recommended only with "
+            f"P(OOM) <= {100 * float(p.max_oom_risk):g}%"
+            + (f" or less than {float(p.headroom_gib):g} GiB free" if float(p.headroom_gib) > 0 else ""))
+
+
+def normal_quantile(q: float) -> float:
+    """Inverse of normal_cdf (bisection; q in (0, 1))."""
+    q = min(max(float(q), 1e-12), 1 - 1e-12)
+    lo, hi = -40.0, 40.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if float(normal_cdf(mid)) < q:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def safe_peak_gib(usable_gib: float, p: Any, bands: Bands | None = None) -> float:
+    """The largest predicted peak a recommended plan may have: its chance of running out of memory
+    at most p.max_oom_risk, and p.headroom_gib left free."""
+    mu, sigma = memory_params(p, bands)
+    risk = float(p.max_oom_risk)
+    by_risk = usable_gib if risk >= 0.5 else usable_gib * math.exp(-mu - sigma * normal_quantile(1 - risk))
+    return min(by_risk, usable_gib - float(p.headroom_gib))
+
+
+def risk_words(p: Any) -> str:
+    """Why a plan is at risk, in words."""
+    out = f"its chance of running out of memory is above {100 * float(p.max_oom_risk):g}%"
+    if float(p.headroom_gib) > 0:
+        out += f", or it leaves less than {float(p.headroom_gib):g} GiB free"
+    return out
