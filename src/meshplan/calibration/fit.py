@@ -19,7 +19,7 @@ import math
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,15 +287,17 @@ def _fit(runs: Runs, names: list[str], start: dict[str, float], target: str,
 
 
 def fit(runs: Runs, names: Sequence[str] | None = None, *, start: dict[str, float] | None = None,
-        from_prior: bool = True, prior: str = "physics", max_iter: int = 25,
+        from_prior: bool = True, prior: str | Mapping[str, float] = "physics", max_iter: int = 25,
         progress: Callable[[str], None] | None = None) -> tuple[dict[str, float], list[FitResult]]:
     """Fit ``names`` (default: every parameter the runs inform) to ``runs``.
 
     Parameters not fitted keep ``start`` (default: the built-in calibration). ``prior``: 'physics'
     centres each parameter's prior on its first-principles value (what the built-in calibration
     and cross-validation use: nothing fitted leaks in); 'builtin' on the built-in calibration's
-    value (a few runs of one's own then refine what the development runs taught). With
-    ``from_prior`` the fitted ones start at the prior centre. Returns (all values, one FitResult
+    value (a few runs of one's own then refine what the development runs taught); a mapping of
+    values centres each parameter it names there (e.g. a calibration fitted without the runs at
+    hand), the others on their first-principles value. With ``from_prior`` the fitted ones start
+    at the prior centre. Returns (all values, one FitResult
     per target fitted)."""
     from meshplan.calibration.store import builtin
     base = dict(builtin().values)
@@ -308,7 +310,8 @@ def fit(runs: Runs, names: Sequence[str] | None = None, *, start: dict[str, floa
         if not chosen or not runs.measured(target).any():
             continue
         init = dict(base)
-        centre = dict(builtin().values) if prior == "builtin" else {}
+        centre = (dict(prior) if not isinstance(prior, str)
+                  else dict(builtin().values) if prior == "builtin" else {})
         for n in chosen:
             f = fittable(n)
             init[n] = centre.get(n, f.prior) if from_prior or n not in init else init[n]
