@@ -24,11 +24,17 @@ measured step time of the configuration meshplan would pick (the lowest predicte
 the ones it would recommend, `recommendable`); a pick that ran out of memory counts 0. Plan
 quality is over every measured configuration of the group, the k calibration runs included.
 
+The memory verdicts (fits / at-risk / does-not-fit, meshplan.cost.uncertainty) of a source use the
+uncertainty bands of the other sources' out-of-sample errors only (calibration.bands.bands_without,
+as `meshplan validate --cross-validate` judges them), and a refined calibration shrinks them by
+its band_scale exactly as a file written by `meshplan calibrate --prior builtin` would.
+
 Writes benchmarks/results/few_shot.{json,md}. Runs the sources in parallel processes (fork).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -46,11 +52,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from meshplan.calibration.fit import Runs, fit, runs_from_cases  # noqa: E402
+from meshplan.calibration.bands import Residuals, bands_without, residuals  # noqa: E402
+from meshplan.calibration.fit import Fold, Runs, cross_validate, fit, runs_from_cases, step_mape  # noqa: E402
 from meshplan.calibration.store import Calibration  # noqa: E402
 from meshplan.cost.batch import estimate_batch  # noqa: E402
 from meshplan.cost.report import CostReport  # noqa: E402
 from meshplan.cost.step import report_from_row  # noqa: E402
+from meshplan.cost.uncertainty import Bands, memory_high, verdict, verdicts  # noqa: E402
 from meshplan.validate.report import default_runs_path  # noqa: E402
 from meshplan.validate.runs import load_runs  # noqa: E402
 
@@ -61,36 +69,40 @@ TARGET_MAPE = 5.0
 TARGET_QUALITY = 0.9
 
 
-def _verdict_rule() -> tuple[Callable[[CostReport], bool], str]:
-    """The one test of whether meshplan would recommend a configuration, and its description:
-    its verdict is 'fits' (meshplan.cost.uncertainty.verdict: fits / at-risk / does-not-fit, from the
-    chance of running out of memory) where that exists, else it fits and is not at risk."""
-    try:
-        from meshplan.cost.uncertainty import verdict  # type: ignore[import-not-found]
-    except ImportError:
-        return (lambda r: bool(r.fits and not r.at_risk)), "report.fits and not report.at_risk"
-    return ((lambda r: verdict(bool(r.fits), bool(r.at_risk)) == "fits"),
-            "meshplan.cost.uncertainty.verdict(report.fits, report.at_risk) == 'fits'")
-
-
-_RULE, RULE_TEXT = _verdict_rule()
-
-
 def recommendable(report: CostReport) -> bool:
-    """Whether meshplan would recommend this configuration (predicted to fit, not at risk)."""
-    return _RULE(report)
+    """Whether meshplan would recommend this configuration: its verdict (fits / at-risk /
+    does-not-fit, meshplan.cost.uncertainty) is 'fits'."""
+    return verdict(bool(report.fits), bool(report.at_risk)) == "fits"
 
 
-def reports(runs: Runs, values: dict[str, float], idx: list[int]) -> dict[int, CostReport]:
-    """The CostReport of runs ``idx`` under calibration ``values`` (priced as calibration.fit.predict)."""
-    cal = Calibration(values)
+RULE_TEXT = ("its verdict is 'fits': predicted to fit with a chance of running out of memory of at most "
+             "CostParams.max_oom_risk and CostParams.headroom_gib free (meshplan.cost.uncertainty)")
+
+
+def calibration(before: dict[str, float], values: dict[str, float], few: Runs | None) -> Calibration:
+    """``values`` as `meshplan calibrate --prior builtin` would write them after refining ``before``
+    on ``few``: with the step errors before and after, from which the calibration's band_scale
+    (how much it shrinks the uncertainty bands) follows. ``few`` None: ``before`` itself."""
+    if few is None:
+        return Calibration(values)
+    m0, m1 = step_mape(few, before), step_mape(few, values)
+    return Calibration(values, info={"fitted_from": {"prior": "builtin"},
+                                     "fit": {"step_mape_pct_before": None if m0 is None else round(m0, 2),
+                                             "step_mape_pct_after": None if m1 is None else round(m1, 2)}})
+
+
+def reports(runs: Runs, cal: Calibration, idx: list[int], bands: Bands) -> dict[int, CostReport]:
+    """The CostReport of runs ``idx`` under ``cal`` (priced as calibration.fit.predict), with the
+    memory verdicts of ``bands`` (bands not fitted to the source judged)."""
     out = {}
     for i in idx:
         c = runs.cases[i]
         p = cal.apply_params(runs.bases[i])
         cl = cal.apply_cluster(c.cluster)
-        r = estimate_batch(c.model, cl, c.work, [c.plan], p)
-        out[i] = report_from_row(c.model, cl, r, 0, p)
+        r = report_from_row(c.model, cl, estimate_batch(c.model, cl, c.work, [c.plan], p), 0, p)
+        fits, at_risk, prob = verdicts(r.peak_memory_gib, r.usable_memory_gib, p, bands)
+        out[i] = dataclasses.replace(r, fits=bool(fits), at_risk=bool(at_risk), oom_probability=float(prob),
+                                     peak_memory_gib_high=float(memory_high(r.peak_memory_gib, p, bands)))
     return out
 
 
@@ -173,24 +185,22 @@ def draws(pool: list[int], k: int, n: int, seed: str) -> list[tuple[int, ...]]:
     return seen
 
 
-_RUNS: Runs | None = None
-"""The runs (set before the worker processes fork)."""
+_SHARED: tuple[Runs, dict[str, dict[str, float]], Residuals] | None = None
+"""The runs, each source's leave-one-source-out values and the residuals (set before the workers fork)."""
 
 
 def one_source(args: tuple[str, int]) -> dict[str, Any]:
     s, n_draws = args
-    runs = _RUNS
-    assert runs is not None
+    assert _SHARED is not None
+    runs, loso_of, resid = _SHARED
     t0 = time.perf_counter()
+    loso = loso_of[s]  # fitted to the other sources from the physics priors (cross_validate's fold)
+    bands = bands_without(resid, s)  # the uncertainty bands of the other sources' out-of-sample errors
     src = [int(i) for i in np.nonzero(runs.source == s)[0]]
-    train = runs.subset(np.nonzero(runs.source != s)[0])
-    loso, _ = fit(train)  # as calibration.fit._fold: from the physics priors, without S
-    t_loso = time.perf_counter() - t0
-    rep0 = reports(runs, loso, src)
+    rep0 = reports(runs, calibration(loso, loso, None), src, bands)
     out: dict[str, Any] = {"source_id": s, "n": len(src),
                            "timed": int(sum(~np.isnan(runs.step[i]) for i in src)),
                            "oom_runs": int(sum(runs.fits[i] < 0 for i in src)),
-                           "loso_fit_seconds": round(t_loso, 1),
                            "k0": outcome(runs, src, src, rep0, [])}
     pool = [i for i in src if not np.isnan(runs.step[i]) and runs.fits[i] >= 0]
     oom = [i for i in src if runs.fits[i] < 0]
@@ -199,15 +209,18 @@ def one_source(args: tuple[str, int]) -> dict[str, Any]:
         for d in draws(pool, k, n_draws, f"{s}:{k}"):
             cal = sorted(set(d) | set(oom))
             rest = [i for i in src if i not in cal]
-            vals, res = fit(runs.subset(cal), start=loso, prior=loso)
-            e = outcome(runs, src, rest, reports(runs, vals, src), cal)
+            few = runs.subset(cal)
+            vals, res = fit(few, start=loso, prior=loso)
+            c = calibration(loso, vals, few)
+            e = outcome(runs, src, rest, reports(runs, c, src, bands), cal)
             e.update(calibrated_rows=[runs.cases[i].row_id for i in cal],
-                     fitted=[n for r in res for n in r.names],
+                     fitted=[n for r in res for n in r.names], band_scale=round(c.band_scale, 3),
                      k0_same_rest_step_mape_pct=outcome(runs, src, rest, rep0, cal)["step_mape_pct"])
             out[f"k{k}"].append(e)
     # every run of S, in sample: how far refitting these parameters can take S at all
-    vals, res = fit(runs.subset(src), start=loso, prior=loso)
-    out["kall"] = outcome(runs, src, src, reports(runs, vals, src), src)
+    every = runs.subset(src)
+    vals, res = fit(every, start=loso, prior=loso)
+    out["kall"] = outcome(runs, src, src, reports(runs, calibration(loso, vals, every), src, bands), src)
     out["kall"]["fitted"] = [n for r in res for n in r.names]
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
@@ -241,6 +254,10 @@ def summarise(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
         "picks": sum(sum(g["pick"] is not None for g in e["plan_groups"]) for e in entries),
         "oom_picks": sum(e["oom_picks"] for e in entries),
         "fitted_parameters": _r(np.mean([len(e["fitted"]) for e in entries]), 1),
+        "band_scale": _r(np.mean([e["band_scale"] for e in entries]), 3),
+        "held_out_error_ratio": (_r(np.mean([e["step_mape_pct"] / e["k0_same_rest_step_mape_pct"] for e in entries
+                                             if e["step_mape_pct"] is not None and e["k0_same_rest_step_mape_pct"]]), 3)
+                                 if m and base else None),
     }
 
 
@@ -280,12 +297,17 @@ def pooled(sources: list[dict[str, Any]], key: str) -> dict[str, Any]:
 
 
 def run(runs: Runs, n_draws: int, workers: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """one_source for every source, in parallel processes where they can fork."""
-    global _RUNS
-    sources = list(dict.fromkeys(runs.source.tolist()))
+    """Leave one source out (calibration.fit.cross_validate, in parallel), then one_source for every
+    source, in parallel processes where they can fork."""
+    global _SHARED
+    t0 = time.perf_counter()
+    folds: list[Fold] = cross_validate(runs, workers=workers)
+    progress(f"  leave one source out: {len(folds)} fits in {time.perf_counter() - t0:.0f} s")
+    resid = residuals(runs, folds)
+    sources = [f.source_id for f in folds]
     jobs = [(s, n_draws) for s in sources]
     done = []
-    _RUNS = runs
+    _SHARED = (runs, {f.source_id: f.values for f in folds}, resid)
     try:
         if workers > 1 and "fork" in mp.get_all_start_methods():
             with mp.get_context("fork").Pool(min(workers, len(jobs))) as pool:
@@ -297,7 +319,10 @@ def run(runs: Runs, n_draws: int, workers: int, progress: Callable[[str], None])
                 done.append(one_source(j))
                 progress(f"  {done[-1]['source_id']}: {done[-1]['seconds']} s")
     finally:
-        _RUNS = None
+        _SHARED = None
+    for r in done:
+        f = next(f for f in folds if f.source_id == r["source_id"])
+        r["loso_fit_seconds"] = round(f.seconds, 1)
     order = {s: i for i, s in enumerate(sources)}
     return sorted(done, key=lambda r: order[r["source_id"]])
 
@@ -327,7 +352,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "calibrate --prior builtin` centres it on the built-in calibration) and every parameter the runs "
         "inform fitted (what `meshplan calibrate` fits); step MAPE on the source's other runs. Up to "
         f"{doc['draws']} fixed random draws of the k runs (every distinct draw where there are fewer): mean "
-        f"over the draws, worst draw in brackets. Bold: above the {TARGET_MAPE:.0f}% target. \"all\": refined "
+        f"over the draws, worst draw in brackets. Bold: above the {TARGET_MAPE:.0f}% target. Memory verdicts use "
+        "the uncertainty bands of the other sources' out-of-sample errors only (and a refined calibration's "
+        "band_scale, as `meshplan calibrate` writes it). \"all\": refined "
         "on every run of the source and measured on the same runs (in sample, not a prediction): how far "
         "refitting these parameters can take the source at all.", "",
         "| source | runs (OOM) | k=0 | k=1 | k=3 | k=5 | all (in sample) | OOM verdicts right, k=0 / k=3 | "
@@ -360,6 +387,11 @@ def markdown(doc: dict[str, Any]) -> str:
     worse_of = [s for s in doc["per_source"] if s["summary"]["k1"] is not None]
     bias = float(np.mean([abs(s["k0"]["step_bias_pct"]) for s in doc["per_source"]]))
     sd = float(np.mean([s["k0"]["step_sd_pct"] for s in doc["per_source"]]))
+    k3s = [s["summary"]["k3"] for s in doc["per_source"] if s["summary"]["k3"] is not None]
+    bs = float(np.mean([x["band_scale"] for x in k3s]))
+    ratio = float(np.mean([x["held_out_error_ratio"] for x in k3s]))
+    up = [s["source_id"] for s in doc["per_source"] if s["summary"]["k3"] is not None
+          and s["summary"]["k3"]["held_out_error_ratio"] > 1]
     miss = t["sources_above_target_at_k3"]
     floor = [s["source_id"] for s in doc["per_source"] if s["kall"]["step_mape_pct"] > TARGET_MAPE]
     lines += [
@@ -375,7 +407,8 @@ def markdown(doc: dict[str, Any]) -> str:
         + (f"; {', '.join(p['k3']['without'])} has too few runs to hold any out at k = 3" if p['k3']['without']
            else "")
         + f". Plan quality at k = 3: {q(p['k3']['plan_quality'])} with {p['k3']['oom_picks']} out-of-memory "
-        f"picks ({'met' if t['plan_quality_met'] else 'not met'}).",
+        f"picks ({'met' if t['plan_quality_met'] else 'not met'}; a pick in {p['k3']['picks']} of "
+        f"{p['k3']['groups']} groups x draws, k = 0: {p['k0']['picks']} of {p['k0']['groups']} groups).",
         "",
         f"k = 1 is worse than k = 0 on the same held-out runs for {len(worse)} of {len(doc['per_source'])} "
         "sources" + (f" ({', '.join(worse)})" if worse else "") + "."
@@ -386,6 +419,11 @@ def markdown(doc: dict[str, Any]) -> str:
         + (f" Even refitted on all of their runs (in sample), {', '.join(floor)} stay above "
            f"{TARGET_MAPE:.0f}%: for them a refit of the calibration's parameters does not reach the target." if floor
            else ""),
+        "",
+        f"Uncertainty bands: a calibration refined on k = 3 runs shrinks them by its band_scale (its step error "
+        f"on those runs after the fit over before) to {bs:.2f} on average (the floor is 0.5), while its error on "
+        f"the held-out runs is {ratio:.2f} of k = 0's on the same runs (mean over sources and draws; above 1 for "
+        f"{', '.join(up) or 'none'}).",
         "",
         "Plan quality: rows of one source with the same model, GPU, GPU count, sequence length and global "
         "batch form a group (groups with 2+ measured configurations; 'no group': the source has none). "
@@ -415,9 +453,21 @@ def main() -> None:
     t0 = time.perf_counter()
     runs = runs_from_cases(load_runs(args.runs))
     per = run(runs, args.draws, args.workers, lambda m: print(m, file=sys.stderr, flush=True))
+    took = time.perf_counter() - t0
+    cmd = "python benchmarks/few_shot.py" + ("" if args.runs == str(default_runs_path()) else f" --runs {args.runs}")
+    doc = build_doc(per, len(runs), cmd, args.draws, took)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "few_shot.json").write_text(json.dumps(doc, indent=1, default=_json) + "\n")
+    md = markdown(doc)
+    (OUT / "few_shot.md").write_text(md)
+    print(md)
+    print(f"few-shot benchmark: {took:.0f} s", file=sys.stderr)
+
+
+def build_doc(per: list[dict[str, Any]], n_runs: int, cmd: str, n_draws: int, took: float) -> dict[str, Any]:
+    """The results file from one_source's outcomes: summaries per source and k, pooled, the target."""
     for s in per:
         s["summary"] = {f"k{k}": summarise(s[f"k{k}"]) for k in KS}
-    took = time.perf_counter() - t0
     pool = {key: pooled(per, key) for key in KEYS}
     no_pick: dict[str, list[str]] = {}
     for s in per:
@@ -426,9 +476,8 @@ def main() -> None:
                              for g in e["plan_groups"] if g["pick"] is None}):
                 no_pick.setdefault(g, []).append(key.replace("kall", "all").replace("k", "k="))
     k3 = pool[f"k{TARGET_K}"]
-    cmd = "python benchmarks/few_shot.py" + ("" if args.runs == str(default_runs_path()) else f" --runs {args.runs}")
-    doc = {
-        "command": cmd, "runs": len(runs), "sources": len(per), "draws": args.draws, "ks": list(KS),
+    return {
+        "command": cmd, "runs": n_runs, "sources": len(per), "draws": n_draws, "ks": list(KS),
         "seconds": round(took, 1), "cpus": os.cpu_count(),
         "protocol": __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0],
         "recommend_rule": RULE_TEXT,
@@ -441,12 +490,6 @@ def main() -> None:
                                             and k3["oom_picks"] == 0)},
         "pooled": pool, "no_pick": no_pick, "per_source": per,
     }
-    OUT.mkdir(exist_ok=True)
-    (OUT / "few_shot.json").write_text(json.dumps(doc, indent=1, default=_json) + "\n")
-    md = markdown(doc)
-    (OUT / "few_shot.md").write_text(md)
-    print(md)
-    print(f"few-shot benchmark: {took:.0f} s", file=sys.stderr)
 
 
 def _json(x: Any) -> Any:
