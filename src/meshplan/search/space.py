@@ -23,7 +23,11 @@ Every candidate is a full Plan for one cluster. The dimensions, and the values e
   recompute       none, selective, op, full, and full on a fraction (1/4, 1/2, 3/4) of each
                   stage's blocks (recompute_layers)
   sequence_parallel  on exactly when tp > 1 (it only saves memory and elementwise time);
-                  ``sequence_parallel=False``: off for every tp
+                  ``sequence_parallel=False``: off for every tp. Where the request's sends are
+                  unsharded (``base.p2p_sharded=False``, e.g. DeepSpeed's pipeline), off where
+                  tp > 1 and pp > 1 too: the runtime's pipeline sends carry the sequence-parallel
+                  shard exactly when it is on (spec.support), so a pipeline with TP sends whole
+                  activations only without it (and BLOOM's own tp=4, pp=12 plan is in the space)
   async_tp        the request's (``SearchSpace.base``) where tp > 1; off where tp = 1 (no TP
                   communication to overlap: the same plan)
   p2p_sharded     the request's where tp > 1 and pp > 1; on (the default) elsewhere (no pipeline
@@ -376,6 +380,8 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
         sc = {k: np.asarray(v) for k, v in zip(("schedule", "v", "stage", "recompute", "rcl"),
                                                 zip(*sopts))}
         n = len(ia)
+        # unsharded pipeline sends (the request's p2p_sharded=False) go with sequence parallel off
+        sp = sp_on and tp > 1 and (pp == 1 or bool(space.base.p2p_sharded))
         part = {"tp": np.full(n, tp), "cp": np.full(n, cp), "pp": np.full(n, pp),
                 "dp": np.full(n, dp), "ep": np.full(n, ep),
                 "zero": z[ia, 0], "shard_group": z[ia, 1],
@@ -384,7 +390,7 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
                 "schedule": _codes("schedule", sc["schedule"])[ic], "virtual_stages": sc["v"][ic],
                 "stage_layers": sc["stage"][ic],
                 "recompute": _codes("recompute", sc["recompute"])[ic], "recompute_layers": sc["rcl"][ic],
-                "sequence_parallel": np.full(n, sp_on and tp > 1),
+                "sequence_parallel": np.full(n, sp),
                 "async_tp": np.full(n, bool(space.base.async_tp) and tp > 1),
                 # pipeline sends carry the SP shard exactly when sequence parallel is on (the runtime)
                 "p2p_sharded": np.full(n, bool(space.base.p2p_sharded) and (sp_on or tp == 1) or tp == 1 or pp == 1),
