@@ -1,6 +1,6 @@
 """Few-shot calibration: how well a handful of one's own runs calibrate the cost model.
 
-    python benchmarks/few_shot.py [--runs CSV] [--draws 5] [--workers N]
+    python benchmarks/few_shot.py [--runs CSV] [--draws 5] [--workers N] [--refine physics,posterior,...]
 
 The setting is a user with a new cluster or codebase: nothing fitted to it is known. For each
 development source S (src/meshplan/data/published_runs_dev.csv):
@@ -12,7 +12,10 @@ development source S (src/meshplan/data/published_runs_dev.csv):
    draw where there are fewer), add every run of S that ran out of memory, and refine the k = 0
    calibration on them (`meshplan calibrate` with the prior centred on the k = 0 values, i.e.
    `--prior builtin` with that calibration as the built-in one; the parameters fitted are those
-   the runs inform). Predict the rest of S.
+   the runs inform; the prior widths and noise of calibration.fit.refinement, from the k = 0
+   fold's posterior and the other sources' step band). Predict the rest of S. Every refinement
+   of calibration.fit.REFINEMENTS is run (--refine); the tables are for REFINE, the one
+   `meshplan calibrate` uses, and a last section compares them all.
 3. all: the same refinement on every run of S, measured on the same runs (in sample, not a
    prediction): how far refitting the calibration's parameters can take S at all.
 
@@ -53,7 +56,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from meshplan.calibration.bands import Residuals, bands_without, residuals  # noqa: E402
-from meshplan.calibration.fit import Fold, Runs, cross_validate, fit, runs_from_cases, step_mape  # noqa: E402
+from meshplan.calibration.fit import (  # noqa: E402
+    REFINE,
+    REFINEMENTS,
+    Fold,
+    Runs,
+    cross_validate,
+    fit,
+    refinement,
+    runs_from_cases,
+    step_mape,
+)
 from meshplan.calibration.store import Calibration  # noqa: E402
 from meshplan.cost.batch import estimate_batch  # noqa: E402
 from meshplan.cost.report import CostReport  # noqa: E402
@@ -185,20 +198,22 @@ def draws(pool: list[int], k: int, n: int, seed: str) -> list[tuple[int, ...]]:
     return seen
 
 
-_SHARED: tuple[Runs, dict[str, dict[str, float]], Residuals] | None = None
-"""The runs, each source's leave-one-source-out values and the residuals (set before the workers fork)."""
+_SHARED: tuple[Runs, dict[str, Fold], Residuals] | None = None
+"""The runs, each source's leave-one-source-out fold and the residuals (set before the workers fork)."""
 
 
-def one_source(args: tuple[str, int]) -> dict[str, Any]:
-    s, n_draws = args
+def one_source(args: tuple[str, int, str]) -> dict[str, Any]:
+    s, n_draws, how = args
     assert _SHARED is not None
-    runs, loso_of, resid = _SHARED
+    runs, fold_of, resid = _SHARED
     t0 = time.perf_counter()
-    loso = loso_of[s]  # fitted to the other sources from the physics priors (cross_validate's fold)
+    loso = fold_of[s].values  # fitted to the other sources from the physics priors (cross_validate's fold)
     bands = bands_without(resid, s)  # the uncertainty bands of the other sources' out-of-sample errors
+    # how the refinement treats the k = 0 calibration: its fold's posterior, the other sources' step band
+    refine = refinement(fold_of[s].posterior_sd, bands.step.get("*"), how)
     src = [int(i) for i in np.nonzero(runs.source == s)[0]]
     rep0 = reports(runs, calibration(loso, loso, None), src, bands)
-    out: dict[str, Any] = {"source_id": s, "n": len(src),
+    out: dict[str, Any] = {"source_id": s, "refinement": how, "n": len(src),
                            "timed": int(sum(~np.isnan(runs.step[i]) for i in src)),
                            "oom_runs": int(sum(runs.fits[i] < 0 for i in src)),
                            "k0": outcome(runs, src, src, rep0, [])}
@@ -210,7 +225,7 @@ def one_source(args: tuple[str, int]) -> dict[str, Any]:
             cal = sorted(set(d) | set(oom))
             rest = [i for i in src if i not in cal]
             few = runs.subset(cal)
-            vals, res = fit(few, start=loso, prior=loso)
+            vals, res = fit(few, start=loso, prior=loso, **refine)
             c = calibration(loso, vals, few)
             e = outcome(runs, src, rest, reports(runs, c, src, bands), cal)
             e.update(calibrated_rows=[runs.cases[i].row_id for i in cal],
@@ -219,7 +234,7 @@ def one_source(args: tuple[str, int]) -> dict[str, Any]:
             out[f"k{k}"].append(e)
     # every run of S, in sample: how far refitting these parameters can take S at all
     every = runs.subset(src)
-    vals, res = fit(every, start=loso, prior=loso)
+    vals, res = fit(every, start=loso, prior=loso, **refine)
     out["kall"] = outcome(runs, src, src, reports(runs, calibration(loso, vals, every), src, bands), src)
     out["kall"]["fitted"] = [n for r in res for n in r.names]
     out["seconds"] = round(time.perf_counter() - t0, 1)
@@ -296,35 +311,38 @@ def pooled(sources: list[dict[str, Any]], key: str) -> dict[str, Any]:
             "oom_picks": sum(g["oom_pick"] for g in groups_)}
 
 
-def run(runs: Runs, n_draws: int, workers: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def run(runs: Runs, n_draws: int, workers: int, progress: Callable[[str], None],
+        hows: tuple[str, ...] = (REFINE,)) -> dict[str, list[dict[str, Any]]]:
     """Leave one source out (calibration.fit.cross_validate, in parallel), then one_source for every
-    source, in parallel processes where they can fork."""
+    source and refinement ``hows`` (calibration.fit.refinement), in parallel processes where they can
+    fork. Returns each refinement's per-source outcomes."""
     global _SHARED
     t0 = time.perf_counter()
     folds: list[Fold] = cross_validate(runs, workers=workers)
     progress(f"  leave one source out: {len(folds)} fits in {time.perf_counter() - t0:.0f} s")
     resid = residuals(runs, folds)
     sources = [f.source_id for f in folds]
-    jobs = [(s, n_draws) for s in sources]
+    jobs = [(s, n_draws, how) for how in hows for s in sources]
     done = []
-    _SHARED = (runs, {f.source_id: f.values for f in folds}, resid)
+    _SHARED = (runs, {f.source_id: f for f in folds}, resid)
     try:
         if workers > 1 and "fork" in mp.get_all_start_methods():
             with mp.get_context("fork").Pool(min(workers, len(jobs))) as pool:
                 for r in pool.imap_unordered(one_source, jobs, chunksize=1):
-                    progress(f"  {r['source_id']}: {r['seconds']} s")
+                    progress(f"  {r['source_id']} ({r['refinement']}): {r['seconds']} s")
                     done.append(r)
         else:
             for j in jobs:
                 done.append(one_source(j))
-                progress(f"  {done[-1]['source_id']}: {done[-1]['seconds']} s")
+                progress(f"  {done[-1]['source_id']} ({done[-1]['refinement']}): {done[-1]['seconds']} s")
     finally:
         _SHARED = None
     for r in done:
         f = next(f for f in folds if f.source_id == r["source_id"])
         r["loso_fit_seconds"] = round(f.seconds, 1)
     order = {s: i for i, s in enumerate(sources)}
-    return sorted(done, key=lambda r: order[r["source_id"]])
+    return {how: sorted((r for r in done if r["refinement"] == how), key=lambda r: order[r["source_id"]])
+            for how in hows}
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -350,7 +368,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "source). k = 1, 3, 5: that calibration refined on k of the source's runs, plus its out-of-memory "
         "runs when it has them, with each parameter's prior centred on its k = 0 value (as `meshplan "
         "calibrate --prior builtin` centres it on the built-in calibration) and every parameter the runs "
-        "inform fitted (what `meshplan calibrate` fits); step MAPE on the source's other runs. Up to "
+        "inform fitted (what `meshplan calibrate` fits), with the prior widths and noise of the refinement "
+        f"{doc.get('refinement', REFINE)!r} (calibration.fit.refinement; every refinement is compared in the last "
+        "section); step MAPE on the source's other runs. Up to "
         f"{doc['draws']} fixed random draws of the k runs (every distinct draw where there are fewer): mean "
         f"over the draws, worst draw in brackets. Bold: above the {TARGET_MAPE:.0f}% target. Memory verdicts use "
         "the uncertainty bands of the other sources' out-of-sample errors only (and a refined calibration's "
@@ -438,10 +458,55 @@ def markdown(doc: dict[str, Any]) -> str:
         "`oom_runs_calibrated_predicted_oom` in the JSON: how many of those the refined calibration predicts "
         "not to fit).",
     ]
+    lines += refinements_markdown(doc)
     if doc["no_pick"]:
         lines += ["", "Groups where meshplan would recommend none of the measured configurations (no pick): "
                   + "; ".join(f"{g} ({', '.join(ks)})" for g, ks in doc["no_pick"].items()) + "."]
     return "\n".join(lines) + "\n"
+
+
+def refinements_markdown(doc: dict[str, Any]) -> list[str]:
+    """The refinements compared (calibration.fit.refinement): pooled, then per source."""
+    cmp_ = doc.get("refinements")
+    if not cmp_:
+        return []
+    by = cmp_["by_refinement"]
+
+    def pct(x: Any) -> str:
+        return "-" if x is None else f"{x:.1f}%"
+
+    def kw(x: Any) -> str:
+        return "-" if x is None else f"{x[0]:.1f}% ({x[1]:.1f}%)"
+    lines = ["", f"## Refinements compared (tables above: {doc['refinement']!r})", "",
+             "How the k runs refine the k = 0 calibration (calibration.fit.refinement): 'physics' the first-"
+             "principles prior widths and 5% per-run noise; 'posterior' each parameter's prior is the posterior "
+             "of the k = 0 calibration's own fit (its fold's FitResult.posterior_sd); 'scatter' the physics "
+             "priors with the k = 0 calibration's out-of-sample per-run scatter (the other sources' 90% step "
+             "band / 3.29) as the noise; 'both' the posterior priors and that scatter. "
+             f"Rule: {cmp_['rule']}: **{cmp_['best_by_rule'] or 'none meets it'}**"
+             + ("" if cmp_["best_by_rule"]
+                else f" (the lowest pooled k = 1 + k = 3: {cmp_.get('lowest_k1_plus_k3')!r})")
+             + ".", "",
+             "| refinement | k=0 | k=1 | k=3 | k=5 | all (in sample) | mean of sources k=0 / k=1 / k=3 / k=5 | "
+             "k=1 worse than k=0 (sources) | plan quality k=3 | OOM picks k=3 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for how, v in by.items():
+        p, m = v["pooled_step_mape_pct"], v["mean_source_step_mape_pct"]
+        lines.append(f"| {how} | {pct(p['k0'])} | {pct(p['k1'])} | {pct(p['k3'])} | {pct(p['k5'])} | "
+                     f"{pct(p['kall'])} | {' / '.join(pct(m[k]) for k in ('k0', 'k1', 'k3', 'k5'))} | "
+                     f"{len(v['k1_worse_than_k0'])} of {len(v['per_source'])} | "
+                     f"{'-' if v['plan_quality_k3'] is None else format(v['plan_quality_k3'], '.2f')} | "
+                     f"{v['oom_picks_k3']} |")
+    hows = list(by)
+    lines += ["", "Per source, mean over the draws (worst draw): " + ", ".join(
+        f"{h} k=1 / k=3 / k=5" for h in hows) + ".", "",
+        "| source | k=0 | " + " | ".join(f"{h} k={k}" for h in hows for k in KS) + " |",
+        "|---|---:|" + "---:|" * (len(hows) * len(KS))]
+    for sid in by[hows[0]]["per_source"]:
+        k0 = by[hows[0]]["per_source"][sid]["k0"]
+        lines.append(f"| {sid} | {pct(k0)} | " + " | ".join(kw(by[h]["per_source"][sid][f"k{k}"])
+                                                          for h in hows for k in KS) + " |")
+    return lines
 
 
 def main() -> None:
@@ -449,19 +514,63 @@ def main() -> None:
     ap.add_argument("--runs", default=str(default_runs_path()))
     ap.add_argument("--draws", type=int, default=5, help="random draws of the k runs per source and k")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--refine", default=",".join(REFINEMENTS),
+                    help=f"refinements to compare (calibration.fit.refinement; default: all); the tables are "
+                         f"for {REFINE!r}, the one `meshplan calibrate` uses, when it is among them")
     args = ap.parse_args()
+    hows = tuple(h.strip() for h in args.refine.split(",") if h.strip())
+    for h in hows:
+        if h not in REFINEMENTS:
+            ap.error(f"--refine {h!r}: one of {', '.join(REFINEMENTS)}")
     t0 = time.perf_counter()
     runs = runs_from_cases(load_runs(args.runs))
-    per = run(runs, args.draws, args.workers, lambda m: print(m, file=sys.stderr, flush=True))
+    per_how = run(runs, args.draws, args.workers, lambda m: print(m, file=sys.stderr, flush=True), hows)
     took = time.perf_counter() - t0
     cmd = "python benchmarks/few_shot.py" + ("" if args.runs == str(default_runs_path()) else f" --runs {args.runs}")
-    doc = build_doc(per, len(runs), cmd, args.draws, took)
+    main_how = REFINE if REFINE in hows else hows[0]
+    doc = build_doc(per_how[main_how], len(runs), cmd, args.draws, took)
+    doc["refinement"] = main_how
+    doc["refinements"] = compare(per_how)
     OUT.mkdir(exist_ok=True)
     (OUT / "few_shot.json").write_text(json.dumps(doc, indent=1, default=_json) + "\n")
     md = markdown(doc)
     (OUT / "few_shot.md").write_text(md)
     print(md)
     print(f"few-shot benchmark: {took:.0f} s", file=sys.stderr)
+
+
+RULE = ("among the refinements whose pooled held-out step MAPE at k = 1 is not above k = 0's, the one with the "
+        "lowest mean of the pooled held-out step MAPE at k = 1 and k = 3")
+
+
+def _mean_worst(sm: dict[str, Any] | None) -> list[float] | None:
+    return None if sm is None else [sm["step_mape_pct"], sm["step_mape_worst_draw_pct"]]
+
+
+def compare(per_how: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each refinement's pooled and per-source step MAPE (k = 0, 1, 3, 5, all), and the one RULE picks."""
+    out: dict[str, Any] = {"rule": RULE, "by_refinement": {}}
+    for how, per in per_how.items():
+        for s in per:
+            s.setdefault("summary", {f"k{k}": summarise(s[f"k{k}"]) for k in KS})
+        pool = {key: pooled(per, key) for key in KEYS}
+        worse = [s["source_id"] for s in per if s["summary"]["k1"] is not None
+                 and s["summary"]["k1"]["step_mape_pct"] > s["summary"]["k1"]["k0_same_rest_step_mape_pct"]]
+        out["by_refinement"][how] = {
+            "pooled_step_mape_pct": {key: pool[key]["step_mape_pct"] for key in KEYS},
+            "mean_source_step_mape_pct": {key: pool[key]["mean_source_step_mape_pct"] for key in KEYS},
+            "plan_quality_k3": pool["k3"]["plan_quality"], "oom_picks_k3": pool["k3"]["oom_picks"],
+            "k1_worse_than_k0": worse,
+            "per_source": {s["source_id"]: {
+                "k0": _r(s["k0"]["step_mape_pct"]),
+                **{f"k{k}": _mean_worst(s["summary"][f"k{k}"]) for k in KS},
+                "all": _r(s["kall"]["step_mape_pct"])} for s in per}}
+    ok = {h: v["pooled_step_mape_pct"] for h, v in out["by_refinement"].items()
+          if v["pooled_step_mape_pct"]["k1"] <= v["pooled_step_mape_pct"]["k0"]}
+    out["best_by_rule"] = min(ok, key=lambda h: ok[h]["k1"] + ok[h]["k3"]) if ok else None
+    every = {h: v["pooled_step_mape_pct"] for h, v in out["by_refinement"].items()}
+    out["lowest_k1_plus_k3"] = min(every, key=lambda h: every[h]["k1"] + every[h]["k3"])
+    return out
 
 
 def build_doc(per: list[dict[str, Any]], n_runs: int, cmd: str, n_draws: int, took: float) -> dict[str, Any]:

@@ -16,7 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.calibration.builtin import builtin_values, gpu_key, link_key
-from meshplan.calibration.fit import cross_validate, fit, pooled, predict, runs_from_cases
+from meshplan.calibration.fit import (
+    NOISE,
+    cross_validate,
+    fit,
+    pooled,
+    predict,
+    refinement,
+    refinement_of,
+    runs_from_cases,
+)
 from meshplan.calibration.space import GLOBAL, by_name
 from meshplan.calibration.store import Calibration, builtin, calibration_from_dict, load_calibration
 from meshplan.cost.params import DEFAULT_PARAMS
@@ -116,6 +125,56 @@ def test_cross_validation_reports_every_source(small_runs):
         assert "oom_accuracy_pct" not in s  # these sources have no out-of-memory runs
         assert s["max_abs_error_pct"] >= s["step_mape_pct"] >= 0
     assert pooled(folds)["runs"] == int((~np.isnan(small_runs.step)).sum())
+
+
+# ---- refining a calibrated centre on a few runs -----------------------------------------------
+
+def _transformed(name: str, v: float) -> float:
+    return math.log(v) if by_name(name).log else v
+
+
+def test_a_refinement_takes_the_posterior_as_its_prior_and_moves_less_on_one_run(small_runs):
+    """The fit's posterior is narrower than the physics prior where the runs inform a parameter, and
+    one run moves a calibration refined with that posterior as its prior less than with the physics
+    prior widths (the run's error is not all the cluster's)."""
+    hopper = gpu_key("gemm_efficiency", "hopper")
+    names = [hopper, gpu_key("gemm_efficiency", "ampere"), gpu_key("attention_efficiency", "hopper"),
+             "gemm_half_dim", "overlap_slowdown"]
+    vals, res = fit(small_runs, names, max_iter=8)
+    post = res[0].posterior_sd
+    assert set(post) == set(names)
+    for n, sd in post.items():
+        assert 0 < sd <= by_name(n).sigma, n
+    assert post[hopper] < 0.5 * by_name(hopper).sigma  # 18 hopper runs pin it down
+    one = small_runs.subset([int(np.nonzero((small_runs.family == "hopper") & ~np.isnan(small_runs.step))[0][0])])
+
+    def moved(**kw) -> float:
+        v, r = fit(one, names, start=vals, prior=vals, max_iter=8, **kw)
+        return sum(abs(_transformed(n, v[n]) - _transformed(n, vals[n])) / by_name(n).sigma for n in r[0].names)
+    wide, narrow = moved(), moved(**refinement(post, None, "posterior"))
+    assert narrow < wide
+    assert narrow > 0  # it still learns from the run
+
+
+def test_refinement_options():
+    post = {"gemm_half_dim": 0.25}
+    assert refinement(post, (-0.1, 0.15), "physics") == {}
+    assert refinement(post, (-0.1, 0.15), "posterior") == {"prior_sd": post}
+    assert refinement(post, (-0.1, 0.15), "scatter")["noise"] == pytest.approx(0.25 / (2 * 1.6448536269514722))
+    assert refinement(post, (-0.01, 0.01), "both") == {"prior_sd": post, "noise": NOISE}  # never below NOISE
+    with pytest.raises(ValueError):
+        refinement(post, None, "wide")
+
+
+def test_the_builtin_calibration_carries_its_posterior():
+    """`meshplan calibrate` writes each fitted parameter's posterior sd; the built-in file has them,
+    and refining the built-in calibration uses them."""
+    cal = builtin()
+    sd = cal.info.get("posterior_sd")
+    assert sd and set(sd) == set(cal.values)
+    for n, v in sd.items():
+        assert 0 < v <= by_name(n).sigma, n
+    assert refinement_of(cal, "posterior")["prior_sd"] == sd
 
 
 # ---- files -----------------------------------------------------------------------------------

@@ -43,6 +43,50 @@ HINGE = 0.02
 """Scale of the out-of-memory hinge (log units)."""
 
 
+Z90 = 1.6448536269514722
+"""Standard normal 95th percentile: a step band's (log q05, log q95) spans 2 Z90 standard deviations."""
+
+REFINE = "both"
+"""How ``refinement`` refines a calibrated centre by default (`meshplan calibrate --prior builtin`):
+the variant with the lowest pooled held-out step error at k = 1 and 3 in benchmarks/few_shot.py
+(docs/cost-model.md, Few-shot calibration)."""
+REFINEMENTS = ("physics", "posterior", "scatter", "both")
+
+
+def refinement(posterior_sd: Mapping[str, float] | None, step_band: tuple[float, float] | None,
+               how: str = REFINE) -> dict[str, Any]:
+    """``fit`` keyword arguments (prior_sd, noise) for refining a calibrated centre on a few runs.
+
+    A calibration fitted to many runs is not a first-principles guess: its parameters are known to
+    within its fit's posterior, and its predictions already explain what its parameters can, so a
+    run's error against it is partly the model's own out-of-sample scatter. ``how``:
+
+    - 'physics': the priors of a fit from first principles (Fittable.sigma) and NOISE: a few runs
+      move every parameter they inform as if nothing were known (what refinement did before).
+    - 'posterior': each parameter's prior is the posterior of the calibration being refined
+      (``posterior_sd``: FitResult.posterior_sd of its fit, the 'posterior_sd' section of a
+      calibration file): refining on k runs approximates refitting the big fit with the k runs
+      added (a Laplace approximation of its posterior, correlations dropped).
+    - 'scatter': physics priors, and the step-time data term assumes the centre's out-of-sample
+      per-run scatter (the standard deviation of its 90% step band ``step_band``) instead of NOISE.
+    - 'both': the posterior priors and the out-of-sample scatter.
+    """
+    if how not in REFINEMENTS:
+        raise ValueError(f"refinement {how!r}: one of {', '.join(REFINEMENTS)}")
+    out: dict[str, Any] = {}
+    if how in ("posterior", "both") and posterior_sd:
+        out["prior_sd"] = dict(posterior_sd)
+    if how in ("scatter", "both") and step_band is not None:
+        out["noise"] = max(NOISE, (step_band[1] - step_band[0]) / (2 * Z90))
+    return out
+
+
+def refinement_of(cal: Calibration, how: str = REFINE) -> dict[str, Any]:
+    """``refinement`` of a calibration: its file's 'posterior_sd' and pooled ('*') step band."""
+    band = ((cal.info.get("uncertainty") or {}).get("step") or {}).get("*")
+    return refinement(cal.info.get("posterior_sd"), None if not band else (band["log_q05"], band["log_q95"]), how)
+
+
 def case_params(case: Any, base: CostParams = DEFAULT_PARAMS) -> CostParams:
     """A run's CostParams: its codebase's profile and its own cells (e.g. its attention kernel)."""
     from meshplan.cost.profile import get_profile
@@ -199,6 +243,11 @@ class FitResult:
     cost: float
     rows: int
     history: list[float] = field(default_factory=list)
+    posterior_sd: dict[str, float] = field(default_factory=dict)
+    """Each fitted parameter's posterior standard deviation, in the units of its prior
+    (Fittable.sigma: of log(value) when log): sqrt of the diagonal of (J^T J + P)^-1, the inverse
+    of the Gauss-Newton precision of the cost at the last Jacobian (J: the weighted data residuals'
+    Jacobian, already divided by the noise; P: the prior precision)."""
 
 
 def _soft(e: np.ndarray) -> np.ndarray:
@@ -209,13 +258,14 @@ def _soft(e: np.ndarray) -> np.ndarray:
 
 def _fit(runs: Runs, names: list[str], start: dict[str, float], target: str,
          max_iter: int, progress: Callable[[str], None] | None,
-         centre: dict[str, float] | None = None) -> FitResult:
+         centre: dict[str, float] | None = None, prior_sd: Mapping[str, float] | None = None,
+         noise: float = NOISE) -> FitResult:
     specs = [fittable(n) for n in names]
     lo = np.array([math.log(f.low) if f.log else f.low for f in specs])
     hi = np.array([math.log(f.high) if f.log else f.high for f in specs])
     mid = [min(f.high, max(f.low, (centre or {}).get(f.name, f.prior))) for f in specs]
     prior = np.array([math.log(m) if f.log else m for f, m in zip(specs, mid)])
-    sig = np.array([f.sigma for f in specs])
+    sig = np.array([min(f.sigma, (prior_sd or {}).get(f.name, f.sigma)) for f in specs])
 
     def to_val(u: np.ndarray) -> dict[str, float]:
         return {n: float(min(f.high, max(f.low, math.exp(x) if f.log else x))) for n, f, x in zip(names, specs, u)}
@@ -229,7 +279,7 @@ def _fit(runs: Runs, names: list[str], start: dict[str, float], target: str,
         r = rows[sel]
         ws = np.sqrt(w[sel])
         if target == "time":
-            return ws * _soft(np.log(t / runs.step[r])) / NOISE
+            return ws * _soft(np.log(t / runs.step[r])) / noise
         out = np.zeros(len(r))
         has = ~np.isnan(runs.mem[r])
         out[has] = _soft(np.log(m[has] / runs.mem[r][has])) / NOISE
@@ -253,6 +303,8 @@ def _fit(runs: Runs, names: list[str], start: dict[str, float], target: str,
     cost, lam, it, hist = total(d, u), 1e-2, 0, []
     hist.append(cost)
     h = 1e-3
+    P = np.diag(1 / sig ** 2)
+    A = P
     for it in range(1, max_iter + 1):
         J = np.zeros((len(rows), len(names)))
         for j in range(len(names)):
@@ -263,7 +315,6 @@ def _fit(runs: Runs, names: list[str], start: dict[str, float], target: str,
             step = h if u[j] + h <= hi[j] else -h
             up[j] += step
             J[sel, j] = (evaluate(to_val(up), sel) - d[sel]) / step
-        P = np.diag(1 / sig ** 2)
         g = J.T @ d + P @ (u - prior)
         A = J.T @ J + P
         improved = False
@@ -282,13 +333,18 @@ def _fit(runs: Runs, names: list[str], start: dict[str, float], target: str,
             progress(f"  {target} iteration {it}: cost {cost:.4g}")
         if not improved or rel < 1e-4:
             break
+    try:
+        post = np.sqrt(np.clip(np.diag(np.linalg.inv(A)), 0, None))
+    except np.linalg.LinAlgError:
+        post = sig
     return FitResult(to_val(u), {n: start[n] for n in names}, names, it, time.perf_counter() - t0, cost,
-                     len(rows), hist)
+                     len(rows), hist, {n: float(min(x, sg)) for n, x, sg in zip(names, post, sig)})
 
 
 def fit(runs: Runs, names: Sequence[str] | None = None, *, start: dict[str, float] | None = None,
         from_prior: bool = True, prior: str | Mapping[str, float] = "physics", max_iter: int = 25,
-        progress: Callable[[str], None] | None = None) -> tuple[dict[str, float], list[FitResult]]:
+        progress: Callable[[str], None] | None = None, prior_sd: Mapping[str, float] | None = None,
+        noise: float = NOISE) -> tuple[dict[str, float], list[FitResult]]:
     """Fit ``names`` (default: every parameter the runs inform) to ``runs``.
 
     Parameters not fitted keep ``start`` (default: the built-in calibration). ``prior``: 'physics'
@@ -297,8 +353,10 @@ def fit(runs: Runs, names: Sequence[str] | None = None, *, start: dict[str, floa
     value (a few runs of one's own then refine what the development runs taught); a mapping of
     values centres each parameter it names there (e.g. a calibration fitted without the runs at
     hand), the others on their first-principles value. With ``from_prior`` the fitted ones start
-    at the prior centre. Returns (all values, one FitResult
-    per target fitted)."""
+    at the prior centre. ``prior_sd`` narrows the prior of each parameter it names to that standard
+    deviation (units of Fittable.sigma; never wider than the physics one) and ``noise`` is the
+    per-run scatter the step-time data term assumes: a refinement of a calibrated centre passes
+    ``refinement(calibration)`` (see there). Returns (all values, one FitResult per target fitted)."""
     from meshplan.calibration.store import builtin
     base = dict(builtin().values)
     if start:
@@ -315,7 +373,7 @@ def fit(runs: Runs, names: Sequence[str] | None = None, *, start: dict[str, floa
         for n in chosen:
             f = fittable(n)
             init[n] = centre.get(n, f.prior) if from_prior or n not in init else init[n]
-        res = _fit(runs, chosen, init, target, max_iter, progress, centre)
+        res = _fit(runs, chosen, init, target, max_iter, progress, centre, prior_sd, noise)
         base.update(res.values)
         results.append(res)
     return base, results
@@ -331,6 +389,8 @@ class Fold:
     mem_errors_pct: list[float]
     values: dict[str, float]
     seconds: float
+    posterior_sd: dict[str, float] = field(default_factory=dict)
+    """The fold's fit's FitResult.posterior_sd (what a refinement of ``values`` takes as its prior)."""
 
     def summary(self) -> dict[str, Any]:
         e = np.abs(np.array(self.errors_pct)) if self.errors_pct else None
@@ -359,7 +419,7 @@ def _fold(runs: Runs, s: str, names: Sequence[str] | None, max_iter: int) -> Fol
     t0 = time.perf_counter()
     test = np.nonzero(runs.source == s)[0]
     train = runs.subset(np.nonzero(runs.source != s)[0])
-    vals, _ = fit(train, names, max_iter=max_iter)
+    vals, res = fit(train, names, max_iter=max_iter)
     t, m, u = predict(runs, vals, test)
     mem_all = runs.mem if runs.mem_reported is None else runs.mem_reported
     step, mem, fits = runs.step[test], mem_all[test], runs.fits[test]
@@ -367,7 +427,8 @@ def _fold(runs: Runs, s: str, names: Sequence[str] | None, max_iter: int) -> Fol
     err = ((t[has_t] / step[has_t] - 1) * 100).tolist()
     merr = ((m[has_m] / mem[has_m] - 1) * 100).tolist()
     oom = [(bool(f > 0), bool(mm <= uu)) for f, mm, uu in zip(fits, m, u) if f != 0]
-    return Fold(s, len(test), err, oom, merr, vals, time.perf_counter() - t0)
+    return Fold(s, len(test), err, oom, merr, vals, time.perf_counter() - t0,
+                {n: v for r in res for n, v in r.posterior_sd.items()})
 
 
 def _fold_in_worker(args: tuple[str, Sequence[str] | None, int]) -> Fold:
