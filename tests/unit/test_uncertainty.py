@@ -62,7 +62,7 @@ def test_verdicts_are_consistent(peak, usable, risk, headroom, profile, scale):
 
 
 @settings(max_examples=40, deadline=None)
-@given(step=st.floats(0.01, 1e4), pp=st.integers(1, 64), scale=st.floats(0.5, 1.0))
+@given(step=st.floats(0.01, 1e4), pp=st.integers(1, 64), scale=st.floats(0.9, 1.0))
 def test_step_band_brackets_the_estimate_and_shrinks(step, pp, scale):
     p = DEFAULT_PARAMS.replace(band_scale=scale)
     lo, hi = (float(x) for x in step_band(step, pp, p, BANDS))
@@ -104,12 +104,12 @@ def test_calibration_shrinks_bands_by_what_it_earned():
     def cal(before, after, prior="builtin"):
         return Calibration({}, "c.json", {"fitted_from": {"prior": prior},
                                           "fit": {"step_mape_pct_before": before, "step_mape_pct_after": after}})
-    assert cal(10.0, 4.0).band_scale == pytest.approx(0.5)   # at most halved
-    assert cal(10.0, 8.0).band_scale == pytest.approx(0.8)
+    assert cal(10.0, 4.0).band_scale == pytest.approx(0.9)   # at most by what few runs earn out of sample
+    assert cal(10.0, 9.5).band_scale == pytest.approx(0.95)
     assert cal(10.0, 12.0).band_scale == 1.0                  # a fit that did not help keeps the bands
     assert cal(10.0, 8.0, prior="physics").band_scale == 1.0  # from the priors: nothing earned over built-in
     assert Calibration({}, "c.json", {}).band_scale == 1.0
-    assert cal(10.0, 8.0).apply_params(DEFAULT_PARAMS).band_scale == pytest.approx(0.8)
+    assert cal(10.0, 9.5).apply_params(DEFAULT_PARAMS).band_scale == pytest.approx(0.95)
 
 
 def _plan_json(capsys, *extra: str) -> dict:

@@ -37,9 +37,11 @@ import numpy as np
 
 Z95 = 1.6448536269514722
 """One-sided 95% quantile of the standard normal: peak_memory_gib_high is the 95th percentile."""
-MIN_BAND_SCALE = 0.5
-"""A calibration shrinks the bands at most to half: its in-sample gain overstates what it
-earns on plans it has not measured (the few-shot benchmark, benchmarks/few_shot.py, measures it)."""
+MIN_BAND_SCALE = 0.9
+"""A calibration shrinks the bands by at most 10%: its in-sample gain overstates what it earns on
+plans it has not measured. Measured by benchmarks/few_shot.py: refined on 3 (5) runs of a source,
+the held-out step error is 0.93 (0.91) of the uncalibrated one, pooled over the development
+sources (5.4% and 5.3% vs 5.8%)."""
 VERDICTS = ("fits", "at-risk", "does-not-fit")
 PIPELINE, NO_PIPELINE = "pipeline", "no-pipeline"
 POOLED = "*"
