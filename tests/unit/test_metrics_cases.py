@@ -113,3 +113,21 @@ def test_no_torch() -> None:
     code = ("import sys; from meshplan.calibration.metrics import cases_from_metrics; "
             f"cases_from_metrics([{str(SWITCH)!r}, {str(INGESTED)!r}]); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_calibrate_cli_takes_metrics_alone_and_with_runs(tmp_path, capsys):
+    """`meshplan calibrate --metrics FILE` fits to the run's measured steps; with --runs the two mix."""
+    from meshplan.calibration.store import load_calibration
+    from meshplan.cli.main import main
+    out = tmp_path / "m.json"
+    assert main(["calibrate", "--metrics", str(INGESTED), "--out", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fitted_from"]["metrics"] and doc["fitted_from"]["rows"] == 1
+    assert load_calibration(str(out)).values
+    runs = tmp_path / "few.csv"
+    dev = Path(__file__).resolve().parents[2] / "src" / "meshplan" / "data" / "published_runs_dev.csv"
+    lines = dev.read_text().splitlines(keepends=True)
+    runs.write_text("".join(lines[:1] + [x for x in lines[1:] if x.startswith(("77,", "78,"))]))
+    assert main(["calibrate", "--metrics", str(INGESTED), "--runs", str(runs), "--out", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fitted_from"]["rows"] == 3 and len(doc["fitted_from"]["sources"]) == 2
