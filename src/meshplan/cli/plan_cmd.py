@@ -168,21 +168,23 @@ violate, and how to drop it."""
 def _probes(space: Any, model: Any = None) -> list[Any]:
     """Plans that stand for the space's corners as far as the runtime rules go (spec.support):
     tp and pp 1 and 2 (or the fixed values), dp 1 and 2, every ZeRO level and schedule allowed,
-    sequence parallelism and async TP as the enumeration sets them, and offload as fixed."""
+    sequence parallelism, pipeline sends and async TP as the enumeration sets them
+    (search.space.mesh_sequence_parallel), and offload as fixed."""
     import itertools
 
-    from meshplan.spec.support import sequence_parallel_runs
-    sp = space.sequence_parallel is not False and sequence_parallel_runs(model)  # as the enumeration sets it
+    from meshplan.search.space import mesh_sequence_parallel, sequence_parallel_allowed
+    sp_allowed = sequence_parallel_allowed(space, model)
     tps = sorted(set(space.tp)) if space.tp else [1, 2]
     pps = sorted(set(space.pp)) if space.pp else [1, 2]
     out = []
     for tp, pp, dp, z in itertools.product(tps, pps, (1, 2), space.zero):
         scheds = ["1f1b"] if pp == 1 else list(space.schedules)
         offs = ([(True, z == 3)] if z >= 1 or dp == 1 else []) if space.offload_only else [(False, False)]
+        sp, sends = mesh_sequence_parallel(sp_allowed, tp, pp, bool(space.base.p2p_sharded))
         for sched, (oo, op) in itertools.product(scheds, offs):
             out.append(space.base.replace(
                 tp=tp, pp=pp, dp=dp, zero=z, schedule=sched, virtual_stages=2 if sched == "zbv" else 1,
-                sequence_parallel=sp and tp > 1,
+                sequence_parallel=sp, p2p_sharded=sends,
                 async_tp=space.base.async_tp and tp > 1, offload_optimizer=oo, offload_params=op))
     # the fixed cp, ep and recompute (else their neutral values)
     out = [p.replace(cp=cp, ep=ep, recompute=rc) for p in out for cp in (space.cp or (1,))

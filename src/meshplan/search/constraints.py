@@ -9,12 +9,14 @@ Search-only rules (not properties of the plan but of the runtime it will run on)
 of `meshplan.spec.support.RULES`, each with its vectorised twin here (``RUNTIME_CHECKS``, same
 names), e.g. ZERO_BUBBLE_DP: zero-bubble schedules (zero-bubble, zbv) with data parallelism
 (dp*cp > 1) give wrong gradients with no error on torch 2.13 (0.66-0.85 of the reference
-gradient norm). With ``export_only`` the rules that some export target runs as planned do not
-reject (the plan is marked instead: `search.driver`).
+gradient norm). With ``export_only`` a plan that breaks rules with export targets is kept (and
+marked: `search.driver`) when one export target runs all of them as planned, and rejected as
+NO_EXPORT_TARGET when none does (rule A only Megatron runs, rule B only DeepSpeed: neither runs
+the plan as planned); a rule no export target runs still rejects under its own name.
 
 Each rejected plan is counted once, under the first name it violates in the order of
-`reason_names()` (the constraints, the runtime rules, COST_MODEL_REFUSED, OUT_OF_MEMORY,
-HOST_OOM, AT_RISK).
+`reason_names()` (the constraints, the runtime rules, NO_EXPORT_TARGET, COST_MODEL_REFUSED,
+OUT_OF_MEMORY, HOST_OOM, AT_RISK).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from meshplan.spec.constraints import CHECKS, Context
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Workload, microbatches
-from meshplan.spec.support import RULES, is_traced, sequence_parallel_runs
+from meshplan.spec.support import RULES, TARGETS, is_traced, sequence_parallel_runs
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,9 @@ HOST_OOM = "out of host memory"
 AT_RISK = "at risk of running out of memory"
 """Fits by the estimate, but within the cost model's demonstrated memory error of the limit
 (CostParams.memory_error): not recommended by default (``SearchSpace.headroom``)."""
+NO_EXPORT_TARGET = "no export target runs it as planned"
+"""With ``export_only``: the plan breaks runtime rules that export targets run, but no one
+target runs them all (spec.support.export_targets is empty)."""
 COST_MODEL_REFUSED = "refused by the cost model"
 """A plan every constraint accepts but `estimate` raised on (should not happen; counted, with
 the estimate's message as its example, rather than stopping the search)."""
@@ -280,7 +285,8 @@ SEARCH_CHECKS = RUNTIME_CHECKS  # the search-only rules are the runtime's
 
 def reason_names() -> list[str]:
     """Every rejection reason, in counting order."""
-    return list(CHECKS) + list(RUNTIME_CHECKS) + [COST_MODEL_REFUSED, OUT_OF_MEMORY, HOST_OOM, AT_RISK]
+    return list(CHECKS) + list(RUNTIME_CHECKS) + [NO_EXPORT_TARGET, COST_MODEL_REFUSED, OUT_OF_MEMORY, HOST_OOM,
+                                                  AT_RISK]
 
 
 def _scalar_mask(name: str, model: ModelSpec, cluster: ClusterSpec, work: Workload,
@@ -295,17 +301,35 @@ def _scalar_mask(name: str, model: ModelSpec, cluster: ClusterSpec, work: Worklo
 def violation_masks(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanColumns,
                     *, search_rules: bool = True, export_only: bool = False) -> dict[str, np.ndarray]:
     """{name: mask of rows violating it} for every constraint of CHECKS (and, with
-    ``search_rules``, the runtime's rules; with ``export_only`` those that an export target
-    runs as planned are all False: such plans are kept, to be marked)."""
+    ``search_rules``, the runtime's rules and NO_EXPORT_TARGET, in `reason_names()` order).
+
+    With ``export_only``, the masks of the rules that have export targets are all False, and a
+    row that breaks any of them is NO_EXPORT_TARGET unless one target runs every rule it breaks
+    (the row is then kept, to be marked); the rules no target runs keep their masks. A row is
+    thus rejected by the runtime's rules exactly when spec.support.export_targets is () for it.
+    Without ``export_only``, NO_EXPORT_TARGET is all False."""
     out = {}
     for name in CHECKS:
         fn = VECTOR_CHECKS.get(name)
         out[name] = (fn(model, cluster, work, cols) if fn is not None
                      else _scalar_mask(name, model, cluster, work, cols))
     if search_rules:
+        n = cols.num_rows
+        broken = np.zeros(n, dtype=bool)  # some rule with export targets is broken
+        runs = {t: np.ones(n, dtype=bool) for t in TARGETS}  # target t runs every broken rule
         for name, fn in RUNTIME_CHECKS.items():
-            mask = fn(model, cluster, work, cols)
-            out[name] = mask & False if export_only and RULES[name].targets else mask
+            mask = np.asarray(fn(model, cluster, work, cols), dtype=bool)
+            if export_only and RULES[name].targets:
+                broken |= mask
+                for t in TARGETS:
+                    if t not in RULES[name].targets:
+                        runs[t] &= ~mask
+                mask = np.zeros(n, dtype=bool)
+            out[name] = mask
+        some_target = np.zeros(n, dtype=bool)
+        for t in TARGETS:
+            some_target |= runs[t]
+        out[NO_EXPORT_TARGET] = broken & ~some_target
     return out
 
 

@@ -34,6 +34,7 @@ from meshplan.search.constraints import (
     AT_RISK,
     COST_MODEL_REFUSED,
     HOST_OOM,
+    NO_EXPORT_TARGET,
     OUT_OF_MEMORY,
     RUNTIME_CHECKS,
     first_violation,
@@ -50,7 +51,7 @@ from meshplan.spec.constraints import violations
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
-from meshplan.spec.support import RULES, export_targets, microbatches
+from meshplan.spec.support import RULES, export_targets, microbatches, runtime_violations
 from meshplan.units import gib_need
 
 Progress = Callable[[int, int], None]
@@ -328,11 +329,21 @@ def _examples(model: ModelSpec, work: Workload, scans: list[_Scan], names: list[
 
 
 def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload) -> str:
+    if name == NO_EXPORT_TARGET:
+        return _no_target_message(model, plan, work)
     if name in RUNTIME_CHECKS:
         reason = RULES[name].why(plan, microbatches(plan, work.global_batch), model)
         return f"{plan.short()}: {reason or name}"
     reasons = dict(violations(model, cluster, plan, work))
     return f"{plan.short()}: {reasons.get(name, name)}"
+
+
+def _no_target_message(model: ModelSpec, plan: Plan, work: Workload) -> str:
+    """The rules ``plan`` breaks, each with the export targets that run it as planned."""
+    bad = runtime_violations(plan, microbatches(plan, work.global_batch), model)
+    rules = "; ".join(f"{rule.name}: {' or '.join(rule.targets) or 'no target'}" for rule, _ in bad)
+    return (f"{plan.short()}: no export target runs every runtime rule it breaks (the targets that run each "
+            f"as planned: {rules}); drop the options behind the rules that the chosen target does not run")
 
 
 def _oom_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:

@@ -345,6 +345,30 @@ def _stage_options(caps: Capabilities, tp: int, pp: int, space: SearchSpace,
     return out
 
 
+def sequence_parallel_allowed(space: SearchSpace, model: LayerGraph | ModelSpec | None = None) -> bool:
+    """Whether the enumeration turns sequence parallelism on (where `mesh_sequence_parallel`
+    says): the request does not turn it off, and, given ``model``, its layers have a replicated
+    hidden state to split (spec.capabilities) and meshplan's runtime applies it (spec.support)."""
+    if space.sequence_parallel is False:
+        return False
+    if model is None:
+        return True
+    graph = as_graph(model, getattr(model, "seq_len", 0) or getattr(model, "sample_tokens", 1))
+    return capabilities(graph).sequence_parallel and sequence_parallel_runs(graph)
+
+
+def mesh_sequence_parallel(sp_allowed: bool, tp: int, pp: int, p2p_sharded: bool) -> tuple[bool, bool]:
+    """(sequence_parallel, p2p_sharded) of the enumerated plans of a tp x pp mesh, given
+    `sequence_parallel_allowed` and the request's p2p_sharded: sequence parallel on exactly where
+    it is allowed and tp > 1, except with a pipeline whose sends are unsharded (p2p_sharded=False,
+    e.g. DeepSpeed's pipeline): the runtime's pipeline sends carry the sequence-parallel shard
+    exactly when it is on (spec.support). The sends are the request's where tp > 1 and pp > 1
+    (sharded only with sequence parallel), sharded elsewhere (the same plan either way)."""
+    sp = sp_allowed and tp > 1 and (pp == 1 or p2p_sharded)
+    sends = p2p_sharded and (sp_allowed or tp == 1) or tp == 1 or pp == 1
+    return sp, sends
+
+
 def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload,
                     space: SearchSpace | None = None, params: CostParams = DEFAULT_PARAMS,
                     ) -> PlanColumns:
@@ -364,8 +388,7 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     meshes = _mesh_shapes(caps, cluster, work, space)
     if not meshes:
         raise no_mesh_error(graph, cluster, space, work)
-    # sequence parallel where the layers allow it and meshplan's runtime applies it (spec.support)
-    sp_on = space.sequence_parallel is not False and caps.sequence_parallel and sequence_parallel_runs(graph)
+    sp_on = sequence_parallel_allowed(space, graph)
     for tp, cp, pp, dp, ep in meshes:
         zopts = zero_options(cluster, tp, dp, cp, space)
         mbs = micro_batch_values(work, dp, space)
@@ -380,8 +403,7 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
         sc = {k: np.asarray(v) for k, v in zip(("schedule", "v", "stage", "recompute", "rcl"),
                                                 zip(*sopts))}
         n = len(ia)
-        # unsharded pipeline sends (the request's p2p_sharded=False) go with sequence parallel off
-        sp = sp_on and tp > 1 and (pp == 1 or bool(space.base.p2p_sharded))
+        sp, sends = mesh_sequence_parallel(sp_on, tp, pp, bool(space.base.p2p_sharded))
         part = {"tp": np.full(n, tp), "cp": np.full(n, cp), "pp": np.full(n, pp),
                 "dp": np.full(n, dp), "ep": np.full(n, ep),
                 "zero": z[ia, 0], "shard_group": z[ia, 1],
@@ -392,8 +414,7 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
                 "recompute": _codes("recompute", sc["recompute"])[ic], "recompute_layers": sc["rcl"][ic],
                 "sequence_parallel": np.full(n, sp),
                 "async_tp": np.full(n, bool(space.base.async_tp) and tp > 1),
-                # pipeline sends carry the SP shard exactly when sequence parallel is on (the runtime)
-                "p2p_sharded": np.full(n, bool(space.base.p2p_sharded) and (sp_on or tp == 1) or tp == 1 or pp == 1),
+                "p2p_sharded": np.full(n, sends),
                 "_group": next_group + ia * nc + ic, "_mb_rank": ib}
         next_group += na * nc
         parts.append(part)
