@@ -322,8 +322,8 @@ def main() -> int:
     if args.only:
         cases = [c for c in cases if c.source_id.startswith(args.only)]
     if args.rows:
-        ids = {int(x) for x in args.rows.split(",")}
-        cases = [c for c in cases if c.row_id in ids]
+        ids = {x.strip() for x in args.rows.split(",")}
+        cases = [c for c in cases if str(c.row_id) in ids]
     rows = []
     t0 = time.perf_counter()
     for case in cases:

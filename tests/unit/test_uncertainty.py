@@ -162,3 +162,26 @@ def test_bands_recover_a_known_spread():
     r.mem_log = np.log(runs.mem / r.pred_mem)
     mu, sigma = _best(_loglik(r, np.ones(n)))
     assert mu == pytest.approx(0.08, abs=0.01) and sigma == pytest.approx(0.05, abs=0.01)
+
+
+def test_policy_conflicts_and_impossible_headroom(capsys):
+    base = ["plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16"]
+    assert "no plan can leave that much free" in error_line(capsys, base + ["--headroom", "100"])
+    assert "--no-headroom accepts every plan" in error_line(capsys, base + ["--headroom", "5", "--no-headroom"])
+
+
+def test_headroom_is_named_as_the_reason(capsys):
+    rc, out, err = run(capsys, "estimate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch",
+                       "16", "--seq-len", "8192", "--plan", "tp=2,dp=4,zero=3", "--headroom", "70")
+    assert rc == 0, err
+    assert "AT RISK" in out and "under the 70 GiB asked (--headroom)" in out
+    assert "chance of running out of memory, over" not in out
+
+
+@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n\x00\xff", b'{"values": {}, "fit": [1]}'])
+def test_broken_calibration_files_are_one_line_errors(capsys, tmp_path, content):
+    bad = tmp_path / "c.json"
+    bad.write_bytes(content)
+    line = error_line(capsys, ["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch",
+                               "16", "--plan", "dp=8", "--calibration", str(bad)])
+    assert "--calibration" in line

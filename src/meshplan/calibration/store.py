@@ -135,6 +135,10 @@ def calibration_from_dict(data: Any, where: str, source: str | None = None) -> C
         raise MeshplanError(f"{where}: schema_version {version!r} is not one this meshplan reads ({SCHEMA_VERSION})",
                             hint="refit it with this version's `meshplan calibrate`")
     info = {k: v for k, v in data.items() if k not in ("values", "schema_version", "kind")}
+    for k in ("fit", "fitted_from", "changes", "uncertainty", "posterior_sd"):
+        if k in info and not isinstance(info[k], dict):
+            raise MeshplanError(f"{where}: '{k}' must be a table (a JSON object); got {type(info[k]).__name__}",
+                                hint="give the JSON file `meshplan calibrate --out` wrote, or delete that entry")
     return Calibration(_check_values(data["values"], where), source or where, info)
 
 
@@ -145,6 +149,9 @@ def load_calibration(path: str) -> Calibration:
             text = f.read()
     except OSError as e:
         raise MeshplanError(f"cannot read --calibration {path}: {e.strerror or e}",
+                            hint="give the JSON file `meshplan calibrate --out` wrote") from None
+    except UnicodeDecodeError:
+        raise MeshplanError(f"--calibration {path}: not a text file (a calibration is JSON)",
                             hint="give the JSON file `meshplan calibrate --out` wrote") from None
     try:
         data = json.loads(text)

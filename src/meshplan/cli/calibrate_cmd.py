@@ -138,6 +138,9 @@ def _bench_raw(args: argparse.Namespace) -> dict[str, Any] | None:
         except OSError as e:
             raise MeshplanError(f"cannot read --bench-from {args.bench_from}: {e.strerror or e}",
                                 hint="give the JSON file `meshplan calibrate --bench --bench-out` wrote") from None
+        except UnicodeDecodeError:
+            raise MeshplanError(f"--bench-from {args.bench_from}: not a text file (the measurements are JSON)",
+                                hint="give the JSON file `meshplan calibrate --bench --bench-out` wrote") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:

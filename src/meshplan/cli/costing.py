@@ -25,8 +25,8 @@ def add_cost_flags(p: argparse.ArgumentParser, *, profile: bool = True, policy: 
     p.add_argument("--calibration", metavar="FILE", action=Once, help=CAL_HELP)
     if policy:
         p.add_argument("--max-oom-risk", metavar="P", action=Once, type=_risk,
-                       help="the largest chance of running out of memory (0-1, from the memory model's "
-                            "out-of-sample errors) at which a plan is still recommended (default 0.05); "
+                       help="the largest chance of running out of memory (strictly between 0 and 1, from the "
+                            "memory model's out-of-sample errors) at which a plan is still recommended (default 0.05); "
                             "plans above it are 'at-risk'")
         p.add_argument("--headroom", metavar="GiB", action=Once, type=_gib,
                        help="memory a recommended plan must leave free below the usable memory, GiB (default 0)")
@@ -43,8 +43,8 @@ def _risk(text: str) -> float:
     except ValueError:
         v = float("nan")
     if not 0.0 < v < 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a probability between 0 and 1 (e.g. 0.05 for 5%%; "
-                                         "0.5 or more accepts every plan that fits)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a probability strictly between 0 and 1 (e.g. 0.05 for "
+                                         "5%; 0.5 or more accepts every plan that fits)")
     return v
 
 

@@ -88,8 +88,8 @@ def add_parser(sub: Any, positive_int: Any) -> None:
                     help="also list plans that meshplan's runtime would refuse or run differently but an "
                          "export target runs as planned, marked with the targets")
     pl.add_argument("--no-headroom", action="store_true",
-                    help="accept plans closer to the memory limit than the memory model's demonstrated error "
-                         "(they are marked at risk)")
+                    help="accept plans that fit but are at risk of running out of memory (above --max-oom-risk, "
+                         "or with less than --headroom GiB free); they are marked !")
     pl.add_argument("--fix", action=Once,
                     help="restrict the space: key=value[|value...],... over " + ", ".join(SEARCHABLE_FIX)
                          + ", offload (1: only plans that offload the optimizer, and with zero=3 the parameters "
@@ -694,8 +694,24 @@ def band_line(result: Any) -> str:
                    round(100 * (p.report.step_time_s_high / p.report.step_time_s - 1))) for p in result.plans})
     band = ", ".join(f"{lo:+d}%/{hi:+d}%" for lo, hi in rel)
     params = result.params or DEFAULT_PARAMS
+    policy = describe(params).split("; ", 1)[1]
+    if not result.headroom:
+        policy = policy.split("; recommended only")[0] + "; --no-headroom: every plan that fits is listed"
     return (f"step time within {band} (90%); P(OOM): chance of running out of memory; both from the cost model's "
-            f"out-of-sample errors\n{describe(params).split('; ', 1)[1]}")
+            f"out-of-sample errors\n{policy}")
+
+
+def _check_policy(args: argparse.Namespace, clusters: list[Any], params: Any) -> None:
+    """--headroom that no plan can leave, or --headroom/--max-oom-risk with --no-headroom."""
+    from meshplan.cost.memory import usable_gib
+    if getattr(args, "no_headroom", False) and (getattr(args, "headroom", None) is not None
+                                                or getattr(args, "max_oom_risk", None) is not None):
+        raise MeshplanError("--no-headroom accepts every plan that fits, so --headroom/--max-oom-risk would do nothing",
+                            hint="give --no-headroom, or the policy (--max-oom-risk P, --headroom GiB), not both")
+    usable = max(usable_gib(c, params) for c in clusters)
+    if params.headroom_gib >= usable:
+        raise MeshplanError(f"--headroom {params.headroom_gib:g} GiB: a GPU here has only {usable:.1f} GiB usable, so "
+                            "no plan can leave that much free", hint=f"give --headroom below {usable:.0f}")
 
 
 def _per_size(result: Any, tokens: float | None) -> list[str]:
@@ -834,6 +850,7 @@ def run(args: argparse.Namespace) -> int:
             model, clusters, tokens, space, work = problem(args)
         deadline = deadline_days(args, tokens)
         cost = costing(args)
+        _check_policy(args, clusters, cost.params)
         result = search_sizes(model, clusters, work, space, objective=args.objective, top=args.top,
                               tokens=tokens, deadline=deadline, progress=bar, params=cost.params)
         miss = deadline_miss(result, model, work, space, objective=args.objective, progress=bar,

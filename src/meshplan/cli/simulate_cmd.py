@@ -69,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
             write_plot(res, args.plot, title=f"{model.name} on {cluster.name}: {plan.short()}")
     summary: dict[str, Any] = {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
                "global_batch": work.global_batch, "seq_len": work.seq_len} | sim_summary | cost.to_json()
+    from meshplan.cost import estimate
+    est = estimate(model, cluster, plan, work, cost.params)  # the band: the estimate's, relative
+    rel = summary["step_time_s"] / est.step_time_s
+    summary |= {"step_time_s_low": est.step_time_s_low * rel, "step_time_s_high": est.step_time_s_high * rel,
+                "peak_memory_gib": est.peak_memory_gib, "peak_memory_gib_high": est.peak_memory_gib_high,
+                "oom_probability": est.oom_probability, "verdict": est.verdict}
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -77,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.cli.format import seconds
     from meshplan.sim import STREAMS
     print(f"simulated step: {seconds(summary['step_time_s'])}   analytical estimate: "
-          f"{seconds(summary['analytic_step_time_s'])} ({summary['sim_vs_analytic_pct']:+.2f}%)")
+          f"{seconds(summary['analytic_step_time_s'])} ({summary['sim_vs_analytic_pct']:+.2f}%); 90% band "
+          f"{seconds(summary['step_time_s_low'])} to {seconds(summary['step_time_s_high'])}; memory: "
+          f"{summary['verdict']} ({100 * summary['oom_probability']:.1f}% chance of running out)")
     print(f"schedule {summary['schedule']}, {summary['microbatches']} micro-batches, "
           f"ranks idle waiting on the pipeline {100 * summary['bubble_fraction']:.1f}% of the step "
           f"(averaged over ranks, the drain included; `estimate`'s 'pipeline bubble' is the critical "

@@ -68,9 +68,10 @@ def fit_word(r: CostReport, params: object = None) -> str:
     if not r.fits:
         return f"DOES NOT FIT ({100 * r.oom_probability:.0f}% chance of running out of memory)"
     if r.at_risk:
-        return (f"fits, but AT RISK: {100 * r.oom_probability:.0f}% chance of running out of memory; "
-                f"recommended plans stay below "
-                f"{safe_peak(r, params):.1f} GiB")
+        from meshplan.cost.params import DEFAULT_PARAMS
+        from meshplan.cost.uncertainty import risk_reason
+        why = risk_reason(r.peak_memory_gib, r.usable_memory_gib, r.oom_probability, params or DEFAULT_PARAMS)
+        return f"fits, but AT RISK: {why}; recommended plans stay below {safe_peak(r, params):.1f} GiB"
     return f"fits ({100 * r.oom_probability:.1f}% chance of running out of memory)"
 
 

@@ -603,8 +603,10 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     blk_ids = a.lay.ids_where(a.lay.is_block)
     kept = t * (R.sum(keep, blk_ids) + C.sum(a.q["full"]) - R.sum(a.q["full"], blk_ids))
     one_block = np.zeros(C.shape)
-    for b in blk_ids:  # the largest block a rank holds: the one being recomputed
-        one_block = np.maximum(one_block, np.where(C.slices[b] > 0, a.q["full"][:, b:b + 1], 0.0))
+    for b in blk_ids:  # the largest block a rank holds, being recomputed: what the recompute makes
+        # again beyond what the block kept (its kept tensors are already in the activations)
+        redo = a.q["full"][:, b:b + 1] - keep[:, b:b + 1]
+        one_block = np.maximum(one_block, np.where(C.slices[b] > 0, redo, 0.0))
     transient = np.where(full_mode | op_mode, t * one_block, 0.0)
     width = plocal.shape[1]
     inflight = in_flight_array(col(cols["pp"]), col(cols["virtual_stages"]), cols["schedule"][:, None],

@@ -135,10 +135,9 @@ def step_band(step_s: Any, pp: Any, p: Any, bands: Bands | None = None) -> tuple
 
 
 def memory_params(p: Any, bands: Bands | None = None) -> tuple[float, float]:
-    """(mu, sigma) of log(true / predicted peak) for ``p``'s profile, with the calibration's scale."""
-    mu, sigma = (bands or builtin_bands()).memory_log(getattr(p, "profile", None))
-    k = float(p.band_scale)
-    return mu * k, sigma * k
+    """(mu, sigma) of log(true / predicted peak) for ``p``'s profile. A calibration's band_scale
+    does not narrow it: what a calibration earns is measured on step times."""
+    return (bands or builtin_bands()).memory_log(getattr(p, "profile", None))
 
 
 def memory_high(peak_gib: Any, p: Any, bands: Bands | None = None) -> np.ndarray:
@@ -180,7 +179,7 @@ def describe(p: Any, bands: Bands | None = None) -> str:
             f"bias {100 * (math.exp(mu) - 1):+.1f}%, spread {100 * sigma:.1f}% "
             f"({'all codebases' if group == POOLED else group + ' runs'}); recommended only with "
             f"P(OOM) <= {100 * float(p.max_oom_risk):g}%"
-            + (f" or less than {float(p.headroom_gib):g} GiB free" if float(p.headroom_gib) > 0 else ""))
+            + (f" and at least {float(p.headroom_gib):g} GiB free" if float(p.headroom_gib) > 0 else ""))
 
 
 def normal_quantile(q: float) -> float:
@@ -206,8 +205,31 @@ def safe_peak_gib(usable_gib: float, p: Any, bands: Bands | None = None) -> floa
 
 
 def risk_words(p: Any) -> str:
-    """Why a plan is at risk, in words."""
+    """What makes a plan at risk, in words (the policy)."""
     out = f"its chance of running out of memory is above {100 * float(p.max_oom_risk):g}%"
     if float(p.headroom_gib) > 0:
         out += f", or it leaves less than {float(p.headroom_gib):g} GiB free"
     return out
+
+
+def risk_reason(peak_gib: float, usable_gib: float, prob: float, p: Any) -> str:
+    """Why this plan is at risk: its chance of running out of memory over the allowed one, or too
+    little free memory for --headroom (or both)."""
+    out = []
+    if prob > float(p.max_oom_risk):
+        out.append(f"a {100 * prob:.0f}% chance of running out of memory, over the {100 * float(p.max_oom_risk):g}% "
+                   "allowed (--max-oom-risk)")
+    free = usable_gib - peak_gib
+    if free < float(p.headroom_gib):
+        out.append(f"{free:.1f} GiB free, under the {float(p.headroom_gib):g} GiB asked (--headroom)")
+    return " and ".join(out) or f"a {100 * prob:.1f}% chance of running out of memory"
+
+
+def policy_flag(peak_gib: float, usable_gib: float, prob: float, p: Any) -> str:
+    """The flag that would accept this at-risk plan."""
+    flags = []
+    if prob > float(p.max_oom_risk):
+        flags.append(f"--max-oom-risk {min(0.49, math.ceil(100 * prob + 1) / 100):g}")
+    if usable_gib - peak_gib < float(p.headroom_gib):
+        flags.append(f"--headroom {max(0.0, math.floor(usable_gib - peak_gib)):g}")
+    return " ".join(flags) + " or --no-headroom" if flags else "--no-headroom"

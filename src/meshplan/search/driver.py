@@ -178,6 +178,7 @@ def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | Sequence[Clust
         _evaluate_scan(model, work, s, params, prune, chunk, tick, evaluator, space.headroom)
     t2 = time.perf_counter()
     result = _collect(model, work, scans, params, objective, top)
+    result.headroom = space.headroom
     timings |= {"evaluate_s": t2 - t1, "rank_s": time.perf_counter() - t2}
     if result.feasible == 0:
         from meshplan.search.nearest import nearest_options
@@ -351,8 +352,11 @@ def _oom_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
     peak = s.res["peak_memory_gib"][hit]
     if np.isfinite(peak).any():
         j = hit[np.nanargmin(np.where(np.isfinite(peak), peak, np.inf))]
+        need = float(s.res["peak_memory_gib"][j])
+        odds = (f" (within it, but a {100 * float(s.res['oom_probability'][j]):.0f}% chance of running out: this "
+                "codebase's runs used more than the model predicts)" if need <= usable else "")
         return (f"closest to fitting on {s.cluster.num_gpus} GPUs: {s.cols.plan(int(j)).short()} "
-                f"needs {gib_need(float(s.res['peak_memory_gib'][j]), usable)}")
+                f"needs {gib_need(need, usable)}{odds}")
     lb = s.lower_bound[hit]
     j = hit[np.nanargmin(lb)]
     return (f"{s.cols.plan(int(j)).short()}: model states alone need {s.lower_bound[j]:.1f} GiB "

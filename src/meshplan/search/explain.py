@@ -232,10 +232,6 @@ def explain(result: SearchResult, runners_up: int = 3) -> list[str]:
     return lines
 
 
-def _headroom_words(p: CostParams) -> str:
-    return f", or under {p.headroom_gib:g} GiB free" if p.headroom_gib > 0 else ""
-
-
 def passed_over_lines(result: SearchResult) -> list[str]:
     """When the fastest plan that fits was passed over for its risk of running out of memory:
     which, its risk, and what the safer winner costs in time."""
@@ -243,13 +239,14 @@ def passed_over_lines(result: SearchResult) -> list[str]:
     if not po or b is None:
         return []
     params = result.params or DEFAULT_PARAMS
+    from meshplan.cost.uncertainty import policy_flag, risk_reason
     cost = b.report.step_time_s / po["step_time_s"] - 1
+    usable = b.report.usable_memory_gib
+    why = risk_reason(po["peak_memory_gib"], usable, po["oom_probability"], params)
     return [f"passed over for its memory risk: {po['plan']} would take {po['step_time_s']:.3f} s per step, but "
-            f"needs {po['peak_memory_gib']:.1f} GiB of {b.report.usable_memory_gib:.1f} usable, a "
-            f"{100 * po['oom_probability']:.0f}% chance of running out of memory (over the "
-            f"{100 * params.max_oom_risk:g}% allowed{_headroom_words(params)}); "
+            f"needs {po['peak_memory_gib']:.1f} GiB of {usable:.1f} usable: {why}; "
             f"the winner is {100 * cost:.1f}% slower ({b.report.step_time_s - po['step_time_s']:+.3f} s per step) "
-            "and safe (--max-oom-risk or --no-headroom accept the faster plan)"]
+            f"(`{policy_flag(po['peak_memory_gib'], usable, po['oom_probability'], params)}` accepts the faster plan)"]
 
 
 NEED = r"needs ([\d.]+ GiB per GPU of [\d.]+ usable(?: \(over by [^)]*\))?)"

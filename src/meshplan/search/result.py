@@ -123,6 +123,8 @@ class SearchResult:
     when it is faster than the winner: plan, step_time_s, peak_memory_gib, oom_probability."""
     params: Any = None
     """The CostParams the search priced with (profile, calibration, memory policy)."""
+    headroom: bool = True
+    """False with --no-headroom: plans at risk of running out of memory were listed too."""
     fastest: ParetoPoint | None = None
     """With a deadline: the fastest feasible plan before the deadline was applied (what the
     fastest plan would take when none meets it)."""
@@ -148,6 +150,7 @@ class SearchResult:
             "nearest": list(self.nearest), "notes": list(self.notes),
             "train_tokens": self.train_tokens, "deadline_days": self.deadline_days,
             "passed_over_for_memory_risk": self.passed_over,
+            "no_headroom": not self.headroom,
         }
         if self.deadline_days is not None:
             doc["fastest_ignoring_deadline"] = self.fastest.to_dict() if self.fastest is not None else None
@@ -300,4 +303,5 @@ def merge(results: Sequence[SearchResult], top: int) -> SearchResult:
         nearest=list(largest.nearest) if feasible == 0 else [], points=points, notes=notes,
         timings=timings, train_tokens=first.train_tokens, deadline_days=first.deadline_days,
         fastest=min(fastest, key=lambda p: (p.step_time_s, p.peak_memory_gib)) if fastest else None,
-        passed_over=min(passed, key=lambda po: po["step_time_s"]) if passed else None, params=first.params)
+        passed_over=min(passed, key=lambda po: po["step_time_s"]) if passed else None, params=first.params,
+        headroom=first.headroom)
