@@ -142,22 +142,25 @@ def calibration_from_dict(data: Any, where: str, source: str | None = None) -> C
     return Calibration(_check_values(data["values"], where), source or where, info)
 
 
-def load_calibration(path: str) -> Calibration:
-    """A calibration file written by `meshplan calibrate` (clear errors, never a traceback)."""
+def read_json_file(path: str, flag: str, hint: str) -> Any:
+    """A JSON file named by ``flag`` (e.g. --calibration), with one-line errors: unreadable, not
+    text, not JSON."""
     try:
         with open(path) as f:
             text = f.read()
     except OSError as e:
-        raise MeshplanError(f"cannot read --calibration {path}: {e.strerror or e}",
-                            hint="give the JSON file `meshplan calibrate --out` wrote") from None
+        raise MeshplanError(f"cannot read {flag} {path}: {e.strerror or e}", hint=hint) from None
     except UnicodeDecodeError:
-        raise MeshplanError(f"--calibration {path}: not a text file (a calibration is JSON)",
-                            hint="give the JSON file `meshplan calibrate --out` wrote") from None
+        raise MeshplanError(f"{flag} {path}: not a text file (JSON expected)", hint=hint) from None
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
-        raise MeshplanError(f"--calibration {path}: not valid JSON ({e.msg}, line {e.lineno})",
-                            hint="give the JSON file `meshplan calibrate --out` wrote") from None
+        raise MeshplanError(f"{flag} {path}: not valid JSON ({e.msg}, line {e.lineno})", hint=hint) from None
+
+
+def load_calibration(path: str) -> Calibration:
+    """A calibration file written by `meshplan calibrate` (clear errors, never a traceback)."""
+    data = read_json_file(path, "--calibration", "give the JSON file `meshplan calibrate --out` wrote")
     cal = calibration_from_dict(data, f"--calibration {path}", path)
     for w in cal.warnings():
         print(f"meshplan: warning: {w}", file=sys.stderr, flush=True)

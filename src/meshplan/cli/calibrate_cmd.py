@@ -132,20 +132,9 @@ def _bench_raw(args: argparse.Namespace) -> dict[str, Any] | None:
 
     from meshplan.calibration.bench_fit import check_raw
     if args.bench_from is not None:
-        try:
-            with open(args.bench_from) as f:
-                text = f.read()
-        except OSError as e:
-            raise MeshplanError(f"cannot read --bench-from {args.bench_from}: {e.strerror or e}",
-                                hint="give the JSON file `meshplan calibrate --bench --bench-out` wrote") from None
-        except UnicodeDecodeError:
-            raise MeshplanError(f"--bench-from {args.bench_from}: not a text file (the measurements are JSON)",
-                                hint="give the JSON file `meshplan calibrate --bench --bench-out` wrote") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise MeshplanError(f"--bench-from {args.bench_from}: not valid JSON ({e.msg}, line {e.lineno})",
-                                hint="give the JSON file `meshplan calibrate --bench --bench-out` wrote") from None
+        from meshplan.calibration.store import read_json_file
+        data = read_json_file(args.bench_from, "--bench-from",
+                              "give the JSON file `meshplan calibrate --bench --bench-out` wrote")
         return check_raw(data, f"--bench-from {args.bench_from}")
     try:
         import torch  # noqa: F401

@@ -167,16 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry of the torchrun workers (`python -m meshplan.cli.train_cmd ARGS`): the same as
     `meshplan train ARGS`, with the CLI's one-line error handling."""
     from meshplan.cli.main import main as cli_main
-    from meshplan.runtime.launch import lost_peer_message
+    from meshplan.runtime.launch import run_reporting_lost_peers
     args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return cli_main(args if args and args[0] == "train" else ["train", *args])
-    except Exception as e:  # a rank whose peer died: one line (the launcher names the dead rank and why)
-        msg = lost_peer_message(e)
-        if msg is None:
-            raise
-        print(f"meshplan: error: {msg}", file=sys.stderr, flush=True)
-        return 2
+    return run_reporting_lost_peers(cli_main, args if args and args[0] == "train" else ["train", *args])
 
 
 if __name__ == "__main__":

@@ -624,15 +624,8 @@ def worker_cli(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "--worker":
         print("usage: python -m meshplan.runtime.bench --worker OUT.json (started by torchrun)", file=sys.stderr)
         return 2
-    from meshplan.runtime.launch import lost_peer_message
-    try:
-        return worker_main(argv[1])
-    except Exception as e:  # a rank whose peer died: one line (the launcher names the dead rank and why)
-        msg = lost_peer_message(e)
-        if msg is None:
-            raise
-        print(f"meshplan: error: {msg}", file=sys.stderr, flush=True)
-        return 2
+    from meshplan.runtime.launch import run_reporting_lost_peers
+    return run_reporting_lost_peers(worker_main, argv[1])
 
 
 if __name__ == "__main__":

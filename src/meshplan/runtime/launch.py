@@ -378,6 +378,19 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 """gloo's words for a collective whose peer process is gone."""
 
 
+def run_reporting_lost_peers(fn: Any, *args: Any) -> int:
+    """``fn(*args)`` in a torchrun worker: a rank whose collective failed because a peer died gets
+    one line (lost_peer_message) and exit 2; anything else propagates (a traceback is then right)."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        msg = lost_peer_message(e)
+        if msg is None:
+            raise
+        print(f"meshplan: error: {msg}", file=sys.stderr, flush=True)
+        return 2
+
+
 def lost_peer_message(e: BaseException) -> str | None:
     """Inside torchrun: one line for a rank whose collective failed because another rank died (gloo:
     connection closed/reset by peer), or that timed out waiting for the others; None for anything
