@@ -71,7 +71,7 @@ from meshplan.calibration.store import Calibration  # noqa: E402
 from meshplan.cost.batch import estimate_batch  # noqa: E402
 from meshplan.cost.report import CostReport  # noqa: E402
 from meshplan.cost.step import report_from_row  # noqa: E402
-from meshplan.cost.uncertainty import Bands, memory_high, verdict, verdicts  # noqa: E402
+from meshplan.cost.uncertainty import MIN_BAND_SCALE, Bands, memory_high, verdict, verdicts  # noqa: E402
 from meshplan.validate.report import default_runs_path  # noqa: E402
 from meshplan.validate.runs import load_runs  # noqa: E402
 
@@ -441,7 +441,8 @@ def markdown(doc: dict[str, Any]) -> str:
            else ""),
         "",
         f"Uncertainty bands: a calibration refined on k = 3 runs shrinks them by its band_scale (its step error "
-        f"on those runs after the fit over before) to {bs:.2f} on average (the floor is 0.5), while its error on "
+        f"on those runs after the fit over before) to {bs:.2f} on average (the floor is {MIN_BAND_SCALE:g}), "
+        f"while its error on "
         f"the held-out runs is {ratio:.2f} of k = 0's on the same runs (mean over sources and draws; above 1 for "
         f"{', '.join(up) or 'none'}).",
         "",
