@@ -440,10 +440,21 @@ def _local_cluster(nproc: int, device_type: str) -> Any:
     return cpu_cluster(nproc, cpu_tflops())
 
 
+CPU_TFLOPS_ENV = "MESHPLAN_CPU_TFLOPS"
+"""The CPU rate the launcher measured, passed to its ranks so that the estimate before the launch, the
+--replan-after check and the summary price the same machine."""
+
+
 def cpu_tflops(seconds: float = 0.2) -> float:
     """fp32 matmul TFLOP/s of one thread (256x256), measured for ``seconds`` after a warm-up. One
     thread whatever this process runs with (a rank runs one; the launcher, before any rank starts,
     would otherwise measure torch's default thread pool, which on a loaded machine was 10-60x slower)."""
+    known = os.environ.get(CPU_TFLOPS_ENV)
+    if known:
+        try:
+            return float(known)
+        except ValueError:
+            pass
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -455,9 +466,11 @@ def cpu_tflops(seconds: float = 0.2) -> float:
         while time.perf_counter() - t0 < seconds:
             a @ a
             n += 1
-        return 2 * 256**3 * n / (time.perf_counter() - t0) / 1e12
+        rate = 2 * 256**3 * n / (time.perf_counter() - t0) / 1e12
     finally:
         torch.set_num_threads(threads)
+    os.environ[CPU_TFLOPS_ENV] = repr(rate)  # the ranks (and a --switch restart) inherit it: one estimate
+    return rate
 
 
 def estimate_basis(cluster_name: str) -> str:
