@@ -152,3 +152,13 @@ def test_report_reproduces_the_stage_flags(flag):
     args = build_parser().parse_args(["report", *L8B, flag, "--out", "r.html"])
     cmd = _command(args)
     assert flag in cmd and ({"--even-stages-only", "--uneven-stages"} - {flag}).pop() not in cmd
+
+
+def test_plan_says_when_the_batch_is_small_for_the_cluster(capsys):
+    rc, out, err = run(capsys, "plan", "--model", "bloom-176b", "--cluster", "jean-zay-a100", "--global-batch", "16",
+                       "--seq-len", "2048", "--json")
+    assert rc == 0, err
+    assert "gives each of the 384 GPUs 85 tokens a step" in err and "--gpus 8..384" in err
+    assert any("--gpus 8..384" in n for n in json.loads(out)["notes"])
+    rc, out, err = run(capsys, "plan", *L8B)
+    assert rc == 0 and "tokens a step" not in err

@@ -701,6 +701,26 @@ def band_line(result: Any) -> str:
             f"out-of-sample errors\n{policy}")
 
 
+SMALL_BATCH_TOKENS = 8192
+"""Tokens per GPU per step below which `plan` says the batch is small for the cluster (at most a
+few sequences each: the GEMMs thin out and communication is no longer hidden)."""
+LOW_MFU = 0.25
+
+
+def _small_batch_note(args: argparse.Namespace, result: Any, work: Any) -> None:
+    """One cluster size whose best plan is slow because the batch is small for it: say so, and
+    that --gpus searches smaller sizes."""
+    if len(result.clusters) != 1 or result.best is None or result.best.report.mfu >= LOW_MFU:
+        return
+    n = result.clusters[0].num_gpus
+    per_gpu = work.tokens / n
+    if per_gpu >= SMALL_BATCH_TOKENS or n < 16:
+        return
+    note(args, f"the global batch gives each of the {n:,} GPUs {per_gpu:,.0f} tokens a step (the best plan reaches "
+               f"MFU {100 * result.best.report.mfu:.1f}%): fewer GPUs waste less; `--gpus 8..{n}` searches the "
+               "sizes (or raise --global-batch)")
+
+
 def _check_policy(args: argparse.Namespace, clusters: list[Any], params: Any) -> None:
     """--headroom that no plan can leave, or --headroom/--max-oom-risk with --no-headroom."""
     from meshplan.cost.memory import usable_gib
@@ -859,6 +879,7 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     price = {"usd_per_gpu_hour": clusters[0].price_per_hour, "source": price_source(args, clusters[0])}
+    _small_batch_note(args, result, work)
     result.notes += [n for n in getattr(args, "plan_notes", None) or () if n not in result.notes]
     if args.json:
         from meshplan.cli.format import json_text
