@@ -689,14 +689,11 @@ TABLE_WIDTH = 200
 def band_line(result: Any) -> str:
     """How sure the table is: the step-time band of the plans shown and what P(OOM) is."""
     from meshplan.cost.params import DEFAULT_PARAMS
-    from meshplan.cost.uncertainty import describe
+    from meshplan.cost.uncertainty import memory_policy_words
     rel = sorted({(round(100 * (p.report.step_time_s_low / p.report.step_time_s - 1)),
                    round(100 * (p.report.step_time_s_high / p.report.step_time_s - 1))) for p in result.plans})
     band = ", ".join(f"{lo:+d}%/{hi:+d}%" for lo, hi in rel)
-    params = result.params or DEFAULT_PARAMS
-    policy = describe(params).split("; ", 1)[1]
-    if not result.headroom:
-        policy = policy.split("; recommended only")[0] + "; --no-headroom: every plan that fits is listed"
+    policy = memory_policy_words(result.params or DEFAULT_PARAMS, result.headroom)
     return (f"step time within {band} (90%); P(OOM): chance of running out of memory; both from the cost model's "
             f"out-of-sample errors\n{policy}")
 

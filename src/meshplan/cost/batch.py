@@ -29,7 +29,6 @@ from meshplan.cost.memory import (
     FUSED_LOGITS_BYTES_PER_ELEM,
     LOGITS_BYTES_PER_ELEM,
     VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
-    fit_verdicts,
     model_state_arrays,
     usable_gib,
 )
@@ -46,7 +45,7 @@ from meshplan.cost.parts import (
     tied_sync,
 )
 from meshplan.cost.schedule import RankPasses, bubble_array, in_flight_array, rank_passes
-from meshplan.cost.uncertainty import memory_high, step_band
+from meshplan.cost.uncertainty import memory_high, step_band, verdicts
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph, as_graph, derived, layer_ops
 from meshplan.spec.model import ModelSpec
@@ -678,7 +677,7 @@ def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, s
     worst = np.nanargmax(total_mem, axis=1)
     rows = np.arange(len(worst))
     peak_gib = total_mem[rows, worst] / GiB
-    fits, at_risk, oom = fit_verdicts(peak_gib, usable_gib(cluster, p), p)
+    fits, at_risk, oom = verdicts(peak_gib, usable_gib(cluster, p), p)
     low, high = step_band(step, cols["pp"], p)
     out = {"step_time_s": step, "tokens_per_s": work.tokens / step,
            "step_time_s_low": low, "step_time_s_high": high,

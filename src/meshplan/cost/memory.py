@@ -65,15 +65,6 @@ def usable_gib(cluster: ClusterSpec, p: CostParams = DEFAULT_PARAMS) -> float:
     return cluster.gpu.memory_gib * (1 - p.memory_margin)
 
 
-def fit_verdicts(peak_gib: Num, usable: float, p: CostParams) -> tuple[Num, Num, Num]:
-    """(fits, at_risk, P(out of memory)) from the memory model's out-of-sample errors
-    (cost.uncertainty.verdicts): fits unless the chance of running out of memory is at least
-    one half; at risk when it fits but the chance exceeds p.max_oom_risk, or less than
-    p.headroom_gib stays free."""
-    from meshplan.cost.uncertainty import verdicts
-    return verdicts(peak_gib, usable, p)
-
-
 def model_state_arrays(params: Num, layer_params: Num, zero: Num, shard: Num, offload_params: Num,
                        offload_optimizer: Num, dp_cp: Num, p: CostParams,
                        precision: Num = None) -> tuple[Num, Num, Num, Num]:

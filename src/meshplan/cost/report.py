@@ -56,7 +56,8 @@ class CostReport:
     @property
     def verdict(self) -> str:
         """fits, at-risk or does-not-fit (cost.uncertainty)."""
-        return "does-not-fit" if not self.fits else "at-risk" if self.at_risk else "fits"
+        from meshplan.cost.uncertainty import verdict
+        return verdict(self.fits, self.at_risk)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"verdict": self.verdict}

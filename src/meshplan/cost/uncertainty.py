@@ -42,7 +42,6 @@ MIN_BAND_SCALE = 0.9
 plans it has not measured. Measured by benchmarks/few_shot.py: refined on 3 (5) runs of a source,
 the held-out step error is 0.93 (0.91) of the uncalibrated one, pooled over the development
 sources (5.4% and 5.3% vs 5.8%)."""
-VERDICTS = ("fits", "at-risk", "does-not-fit")
 PIPELINE, NO_PIPELINE = "pipeline", "no-pipeline"
 POOLED = "*"
 ALIASES = {"meshplan": "torchtitan"}
@@ -66,14 +65,10 @@ class Bands:
         return self.step.get(kind) or self.step.get(POOLED) or _FALLBACK_STEP
 
     def memory_log(self, profile: str | None) -> tuple[float, float]:
-        name = profile or "meshplan"
-        for key in (name, ALIASES.get(name), POOLED):
-            if key is not None and key in self.memory:
-                return self.memory[key]
-        return _FALLBACK_MEMORY
+        return self.memory.get(self.memory_group(profile), _FALLBACK_MEMORY)
 
     def memory_group(self, profile: str | None) -> str:
-        """Which group's evidence a profile's memory band comes from."""
+        """Which group's evidence a profile's memory band comes from: its own, its alias's, or POOLED."""
         name = profile or "meshplan"
         for key in (name, ALIASES.get(name)):
             if key is not None and key in self.memory:
@@ -167,19 +162,17 @@ def verdict(fits: bool, at_risk: bool) -> str:
     return "does-not-fit" if not fits else "at-risk" if at_risk else "fits"
 
 
-def describe(p: Any, bands: Bands | None = None) -> str:
-    """One line: where the bands come from and the policy."""
+def memory_policy_words(p: Any, headroom: bool = True, bands: Bands | None = None) -> str:
+    """One line: the memory band ``p``'s profile takes and where it comes from, then the policy
+    (``headroom`` False: --no-headroom, every plan that fits is listed)."""
     b = bands or builtin_bands()
     mu, sigma = memory_params(p, b)
     group = b.memory_group(getattr(p, "profile", None))
-    lo, hi = b.step_log(NO_PIPELINE)
-    k = float(p.band_scale)
-    return (f"bands: step time {100 * (math.exp(lo * k) - 1):+.0f}%/{100 * (math.exp(hi * k) - 1):+.0f}% "
-            f"(90%, out-of-sample errors{'' if k == 1 else f' x {k:.2f} from the calibration'}); peak memory "
-            f"bias {100 * (math.exp(mu) - 1):+.1f}%, spread {100 * sigma:.1f}% "
-            f"({'all codebases' if group == POOLED else group + ' runs'}); recommended only with "
-            f"P(OOM) <= {100 * float(p.max_oom_risk):g}%"
-            + (f" and at least {float(p.headroom_gib):g} GiB free" if float(p.headroom_gib) > 0 else ""))
+    policy = (f"recommended only with P(OOM) <= {100 * float(p.max_oom_risk):g}%"
+              + (f" and at least {float(p.headroom_gib):g} GiB free" if float(p.headroom_gib) > 0 else "")
+              if headroom else "--no-headroom: every plan that fits is listed")
+    return (f"peak memory bias {100 * (math.exp(mu) - 1):+.1f}%, spread {100 * sigma:.1f}% "
+            f"({'all codebases' if group == POOLED else group + ' runs'}); {policy}")
 
 
 def normal_quantile(q: float) -> float:

@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from meshplan.cost.uncertainty import verdict as verdict_of
 from meshplan.errors import MeshplanError
 from meshplan.validate.runs import RunCase
 
@@ -110,8 +111,7 @@ def validate(cases: Iterable[RunCase],
                 fits = None if f is None else bool(f)
                 band = {k: _finite(_get(est, k)) for k in ("step_time_s_low", "step_time_s_high",
                                                           "peak_memory_gib_high", "oom_probability")}
-                verdict = None if f is None else ("does-not-fit" if not f else
-                                                  "at-risk" if _get(est, "at_risk") else "fits")
+                verdict = None if f is None else verdict_of(bool(f), bool(_get(est, "at_risk")))
         meas_t = _finite(c.measured_step_time_s)
         meas_m = _finite(c.measured_peak_mem_gib)
         rows.append({
