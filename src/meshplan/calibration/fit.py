@@ -379,6 +379,31 @@ def fit(runs: Runs, names: Sequence[str] | None = None, *, start: dict[str, floa
     return base, results
 
 
+def fit_as_calibrate(runs: Runs, names: Sequence[str] | None = None, *, prior: str = "builtin",
+                     start: dict[str, float] | None = None) -> tuple[dict[str, float], list[FitResult]]:
+    """The runs fit of `meshplan calibrate` (also `train --replan-after`'s): ``prior`` 'builtin'
+    refines the built-in calibration with its posterior as the prior (``refinement_of``);
+    'physics' fits from first-principles priors (from them, unless ``start`` gives values, e.g.
+    the micro-benchmarks'). Returns (the fitted values only, one FitResult per target)."""
+    from meshplan.calibration.store import builtin
+    full, results = fit(runs, names, start=start or None, prior=prior, from_prior=prior == "physics" and not start,
+                        **(refinement_of(builtin()) if prior == "builtin" else {}))
+    return {n: full[n] for r in results for n in r.names}, results
+
+
+def fit_info(results: Sequence[FitResult], seconds: float, mape_before: float | None,
+             mape_after: float | None) -> dict[str, Any]:
+    """The "fit" (and "posterior_sd") sections a calibration file carries about its runs fit:
+    time, iterations, step error before and after, and what a later refinement takes as prior."""
+    out: dict[str, Any] = {"fit": {
+        "seconds": seconds, "iterations": {t: r.iterations for t, r in zip(("time", "memory"), results)},
+        "step_mape_pct_before": None if mape_before is None else round(mape_before, 2),
+        "step_mape_pct_after": None if mape_after is None else round(mape_after, 2)}}
+    if results:
+        out["posterior_sd"] = {n: round(v, 5) for r in results for n, v in r.posterior_sd.items()}
+    return out
+
+
 @dataclass
 class Fold:
     source_id: str

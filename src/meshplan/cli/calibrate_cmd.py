@@ -161,7 +161,15 @@ def _ids_text(ids: list[str]) -> str:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from meshplan.calibration.fit import fit, fittable, informs, informs_any, refinement_of, runs_from_cases, step_mape
+    from meshplan.calibration.fit import (
+        fit_as_calibrate,
+        fit_info,
+        fittable,
+        informs,
+        informs_any,
+        runs_from_cases,
+        step_mape,
+    )
     from meshplan.calibration.store import Calibration, builtin, save_calibration
     from meshplan.cli.format import json_text
     from meshplan.paths import check_output_file
@@ -226,11 +234,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if runs is not None:
         run_names = None if names is None else [n for n in names if informs(runs, n)]
         if run_names is None or run_names:
-            # refining the built-in calibration: its posterior as the prior (calibration.fit.refinement)
-            full, results = fit(runs, run_names, start=start or None, prior=args.prior,
-                                from_prior=args.prior == "physics" and not start,
-                                **(refinement_of(builtin()) if args.prior == "builtin" else {}))
-            values.update({n: full[n] for r in results for n in r.names})
+            fitted_runs, results = fit_as_calibrate(runs, run_names, prior=args.prior, start=start)
+            values.update(fitted_runs)
         m0, m1 = step_mape(runs, before), step_mape(runs, {**before, **values})
     took = time.perf_counter() - t0
     run_fitted = [n for r in results for n in r.names]
@@ -253,12 +258,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             "runs": args.runs, **({"metrics": metrics} if metrics else {}), "rows": len(runs),
             "sources": {s: int((runs.source == s).sum()) for s in dict.fromkeys(runs.source.tolist())},
             "prior": args.prior})
-        info["fit"] = {"seconds": round(took, 1), "iterations": {t: r.iterations
-                                                                 for t, r in zip(("time", "memory"), results)},
-                       "step_mape_pct_before": None if m0 is None else round(m0, 2),
-                       "step_mape_pct_after": None if m1 is None else round(m1, 2)}
-        if results:  # what a later refinement of this calibration takes as its prior
-            info["posterior_sd"] = {n: round(v, 5) for r in results for n, v in r.posterior_sd.items()}
+        info |= fit_info(results, round(took, 1), m0, m1)
     if bf is not None:
         info["fitted_from"]["bench"] = {k: bf.summary.get(k) for k in ("device_kind", "device_name", "reference",
                                                                         "backend", "nproc_per_node", "nnodes")}

@@ -178,9 +178,9 @@ def problem_of(job: Any, device_type: str) -> Problem:
 # ---- calibration -----------------------------------------------------------------------------
 def fit_calibration(cases: list[Any], path: str, *, label: str, extra: dict[str, Any] | None = None) -> Any:
     """Fit the cost model to ``cases`` (RunCases with measurements) as `meshplan calibrate
-    --prior builtin` does (calibration.fit, every parameter the cases inform, prior centred on the
-    built-in calibration) and write the calibration file to ``path``. Returns the Calibration."""
-    from meshplan.calibration.fit import fit, runs_from_cases, step_mape
+    --prior builtin` does (calibration.fit.fit_as_calibrate: every parameter the cases inform, the
+    built-in calibration refined) and write the calibration file to ``path``. Returns the Calibration."""
+    from meshplan.calibration.fit import fit_as_calibrate, fit_info, runs_from_cases, step_mape
     from meshplan.calibration.store import Calibration, builtin, save_calibration
     runs = runs_from_cases(cases)
     if not len(runs):
@@ -188,19 +188,16 @@ def fit_calibration(cases: list[Any], path: str, *, label: str, extra: dict[str,
         raise MeshplanError(f"no calibration could be fitted: {reasons}")
     before = builtin().values
     t0 = time.perf_counter()
-    values, results = fit(runs, None, prior="builtin", from_prior=False)
+    values, results = fit_as_calibrate(runs)
     took = time.perf_counter() - t0
-    fitted = [n for r in results for n in r.names]
-    m0, m1 = step_mape(runs, before), step_mape(runs, values)
+    fitted = list(values)
+    m0, m1 = step_mape(runs, before), step_mape(runs, {**before, **values})
     info: dict[str, Any] = {
         "fitted_from": {"metrics": [label], "rows": len(runs),
                         "sources": {s: int((runs.source == s).sum()) for s in dict.fromkeys(runs.source.tolist())},
                         "prior": "builtin", "date": datetime.date.today().isoformat(), **(extra or {})},
         "changes": {n: {"from": before.get(n), "to": values[n], "measurements": [f"runs: {label}"]} for n in fitted},
-        "fit": {"seconds": round(took, 2), "iterations": {r_t: r.iterations for r_t, r in
-                                                          zip(("time", "memory"), results)},
-                "step_mape_pct_before": None if m0 is None else round(m0, 2),
-                "step_mape_pct_after": None if m1 is None else round(m1, 2)}}
+        **fit_info(results, round(took, 2), m0, m1)}
     cal = Calibration({n: values[n] for n in fitted}, path, info)
     Path(path).parent.mkdir(parents=True, exist_ok=True)  # --checkpoint-dir before its first save
     save_calibration(cal, path)
