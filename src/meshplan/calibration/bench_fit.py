@@ -157,6 +157,19 @@ def _clamp(name: str, v: float) -> float:
     return min(f.high, max(f.low, v))
 
 
+def _fit_shape(resid: Any, axes: list[tuple[float, float, float | None]]) -> tuple[tuple[float, ...], float, float]:
+    """The shape parameters of a kernel time by least squares on log time, its overall level left
+    free (that level is the part's efficiency): ``resid(*xs)`` gives log(model / measured) per
+    measurement; ``axes`` as ``_zoom``'s. Returns (the parameters, the level exp(mean residual),
+    the rms of the residuals about it)."""
+    def cost(*xs: float) -> float:
+        r = resid(*xs)
+        return float(((r - r.mean()) ** 2).sum())
+    xs = _zoom(cost, axes)
+    r = resid(*xs)
+    return xs, float(math.exp(r.mean())), float(np.sqrt(np.mean((r - r.mean()) ** 2)))
+
+
 def _zoom(cost: Any, axes: list[tuple[float, float, float | None]], points: int = 41, zooms: int = 6,
           ) -> tuple[float, ...]:
     """Minimise ``cost(*xs)`` over a log grid of each axis (lo, hi, fixed): a fixed axis keeps its
@@ -201,14 +214,8 @@ def fit_gemm(ms: list[dict[str, Any]], gpu: Any, p: Any) -> tuple[list[Derived],
         q = p.replace(gemm_half_dim=h, gemm_half_tokens=hm)
         return np.log([gemm_time(m, n, k, pk, g1, q) for m, n, k, pk in shapes]) - np.log(t)
 
-    def cost(h: float, hm: float) -> float:
-        r = resid(h, hm)
-        return float(((r - r.mean()) ** 2).sum())
-
-    h, hm = _zoom(cost, [(fd.low, fd.high, None if dim_ok else p.gemm_half_dim),
-                         (ft.low, ft.high, None if tokens_ok else p.gemm_half_tokens)])
-    r = resid(h, hm)
-    part = float(math.exp(r.mean()))
+    (h, hm), part, rms = _fit_shape(resid, [(fd.low, fd.high, None if dim_ok else p.gemm_half_dim),
+                                            (ft.low, ft.high, None if tokens_ok else p.gemm_half_tokens)])
     ids = [m["id"] for m in use]
     out = []
     if dim_ok:
@@ -226,7 +233,7 @@ def fit_gemm(ms: list[dict[str, Any]], gpu: Any, p: Any) -> tuple[list[Derived],
                            f"geometric mean, / clock_ratio {gpu.clock_ratio:g}"))
     q = p.replace(gemm_half_dim=_clamp("gemm_half_dim", h), gemm_half_tokens=_clamp("gemm_half_tokens", hm))
     summary = {"dtypes": sorted({m["dtype"] for m in use}), "measurements": len(use),
-               "part_efficiency": part, "rms_log_error": float(np.sqrt(np.mean((r - r.mean()) ** 2))),
+               "part_efficiency": part, "rms_log_error": rms,
                "identified": [n for n, ok in (("gemm_half_dim", dim_ok), ("gemm_half_tokens", tokens_ok)) if ok]}
     return out, summary, q
 
@@ -265,13 +272,7 @@ def fit_attention(ms: list[dict[str, Any]], gpu: Any, p: Any) -> tuple[list[Deri
         q = p.replace(attn_half_seq=hs)
         return np.log([attention_model_seconds(m, g1, q) for m in use]) - np.log(t)
 
-    def cost(hs: float) -> float:
-        r = resid(hs)
-        return float(((r - r.mean()) ** 2).sum())
-
-    (hs,) = _zoom(cost, [(fa.low, fa.high, None if seq_ok else p.attn_half_seq)])
-    r = resid(hs)
-    part = float(math.exp(r.mean()))
+    (hs,), part, rms = _fit_shape(resid, [(fa.low, fa.high, None if seq_ok else p.attn_half_seq)])
     ids = [m["id"] for m in use]
     out = []
     if seq_ok:
@@ -286,7 +287,7 @@ def fit_attention(ms: list[dict[str, Any]], gpu: Any, p: Any) -> tuple[list[Deri
                            "achieved / (peak x cost.compute.attention_seconds' head-dim and sequence factors), "
                            f"geometric mean, / clock_ratio {gpu.clock_ratio:g}"))
     summary = {"measurements": len(use), "backends": sorted({str(m.get("backend")) for m in use}),
-               "part_efficiency": part, "rms_log_error": float(np.sqrt(np.mean((r - r.mean()) ** 2))),
+               "part_efficiency": part, "rms_log_error": rms,
                "identified": ["attn_half_seq"] if seq_ok else []}
     return out, summary, p.replace(attn_half_seq=_clamp("attn_half_seq", hs))
 
