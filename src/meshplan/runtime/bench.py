@@ -240,15 +240,25 @@ def timed(fn: Callable[[], Any], sync: Callable[[], None], sizes: Sizes) -> floa
     fn()
     sync()
     one = max(time.perf_counter() - t0, 1e-7)
-    iters = int(min(10_000, max(1, sizes.min_trial_s / one)))
+    return median_trials(fn, int(min(10_000, max(1, sizes.min_trial_s / one))), sizes, sync)
+
+
+def median_trials(fn: Callable[[], Any], iters: int, sizes: Sizes, sync: Callable[[], None],
+                  before: Callable[[], Any] = lambda: None, per_call: Callable[[float], float] = lambda x: x,
+                  ) -> float:
+    """The median over ``sizes.trials`` of the seconds per call of ``iters`` back-to-back calls of
+    ``fn`` (``fn`` warmed up by the caller): ``before`` each trial (e.g. a barrier), then the
+    device synchronised on both sides; ``per_call`` maps each trial's mean (e.g. the slowest
+    rank's, or half a round trip)."""
     times = []
     for _ in range(sizes.trials):
+        before()
         sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         sync()
-        times.append((time.perf_counter() - t0) / iters)
+        times.append(per_call((time.perf_counter() - t0) / iters))
     return statistics.median(times)
 
 
@@ -408,16 +418,8 @@ def _time_collective(fn: Callable[[], Any], iters: int, sizes: Sizes, sync: Call
     for _ in range(sizes.warmup):
         fn()
     sync()
-    times = []
-    for _ in range(sizes.trials):
-        dist.barrier(group=group)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync()
-        times.append(_group_max((time.perf_counter() - t0) / iters, group, dev))
-    return statistics.median(times)
+    return median_trials(fn, iters, sizes, sync, before=lambda: dist.barrier(group=group),
+                         per_call=lambda s: _group_max(s, group, dev))
 
 
 def _record(op: str, tier: str, n: int, stride: int, nbytes: int, t: float, backend: str) -> dict[str, Any]:
@@ -474,19 +476,12 @@ def _send_recv(a: int, b: int, tier: str, sizes: Sizes, dev: Any, backend: str) 
             for _ in range(sizes.warmup):
                 ping()
             sync()
-            iters, times = sizes.collective_iters(nbytes), []
-            for _ in range(sizes.trials):
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    ping()
-                sync()
-                times.append((time.perf_counter() - t0) / iters / 2)
+            one_way = median_trials(ping, sizes.collective_iters(nbytes), sizes, sync, per_call=lambda s: s / 2)
         except (RuntimeError, NotImplementedError, ValueError, MemoryError) as e:
             out.append(_not_measured(f"send_recv/{tier}/n2", "collective", f"{backend}: {_first_line(e)}",
                                      op="send_recv", tier=tier, n=2, stride=b - a, backend=backend))
             break
-        out.append(_record("send_recv", tier, 2, b - a, nbytes, statistics.median(times), backend))
+        out.append(_record("send_recv", tier, 2, b - a, nbytes, one_way, backend))
     return out
 
 
