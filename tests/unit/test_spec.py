@@ -389,6 +389,14 @@ GRAPH_ONLY_CHECKS = ("no layer for tensor parallel", "model cannot be pipelined"
 """Rules a transformer description cannot break; tests/unit/test_unified.py breaks each on a graph."""
 
 BAD_PLANS = [
+    ("invalid gradient sync", Plan(dp=64, zero=3, grad_compression="powersgd"), {}, None, WORK,
+     ["powersgd", "zero=3", "use zero=0"]),
+    ("invalid gradient sync", Plan(dp=64, grad_sync="diloco", sync_scope="dc"), {}, None, WORK,
+     ["sync_scope=dc", "one datacenter"]),
+    ("invalid gradient sync", Plan(dp=64, grad_sync="diloco", sync_scope="node", zero=1, shard_group=8), {}, None,
+     WORK, ["shard_group", "inner group"]),
+    ("invalid gradient sync", Plan(dp=8, grad_sync="local-sgd", sync_scope="node"), {}, "h100-sxm-80gb:8",
+     WORK, ["all 8 data-parallel ranks lie in one node", "narrower sync_scope"]),
     ("gpu count mismatch", Plan(tp=8, pp=2, dp=8), {}, None, WORK,
      ["8*2*8*1 = 128", "64 GPUs", "change dp to 4"]),
     ("gpu count mismatch", Plan(tp=2, pp=32, dp=1), {}, "h100-sxm-80gb:8x6", WORK,

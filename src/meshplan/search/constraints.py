@@ -192,6 +192,19 @@ def precision_supported(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanCol
     return fp8 & ("fp8" not in c.gpu.peak_tflops)
 
 
+def sync_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    from meshplan.spec.sync import inner_dp, is_periodic
+    gs, comp = np.asarray(cols["grad_sync"]), np.asarray(cols["grad_compression"])
+    periodic = is_periodic(gs)
+    dp = _i64(cols, "dp")
+    bad = (comp == "powersgd") & ((cols["zero"] != 0) | periodic | (gs == "reduce-scatter"))
+    n_in = inner_dp(dp, _i64(cols, "tp"), _i64(cols, "cp"), np.asarray(cols["sync_scope"]), c)
+    wrong = ((dp < 2) | (_i64(cols, "shard_group") != 0)
+             | ((np.asarray(cols["sync_scope"]) == "dc") & (c.num_dcs < 2))
+             | (dp % n_in != 0) | (dp // n_in < 2))
+    return bad | (periodic & wrong)
+
+
 # ---- the runtime's rules (spec.support.RULES), vectorised ---------------------------------------
 
 def _split_backward(cols: PlanColumns) -> np.ndarray:

@@ -108,9 +108,16 @@ class LinkTier:
     """Fraction of bandwidth that bulk collectives achieve (bus bandwidth / line rate)."""
     kind: str = ""
     """nvlink, nvswitch, pcie, infiniband, roce, ethernet, wan (informational)."""
+    shared: bool = False
+    """bandwidth_gbps is the whole link's, shared by every GPU whose traffic crosses it (the
+    link between two datacenters), not each GPU's. Only for inter_dc."""
 
     def __post_init__(self) -> None:
         positive(f"link {self.name}: bandwidth_gbps", self.bandwidth_gbps)
+        if self.shared and self.name != "inter_dc":
+            raise MeshplanError(f"link {self.name}: shared=true is only for inter_dc (the link between sites); "
+                                f"{self.name} bandwidth is per GPU",
+                                hint=f"drop shared from [{self.name}]")
         positive(f"link {self.name}: latency_us", self.latency_us, allow_zero=True)
         if not 0 < self.efficiency <= 1:
             raise MeshplanError(f"link {self.name}: efficiency must be in (0, 1]; got {self.efficiency}")
@@ -142,8 +149,15 @@ class ClusterSpec:
     """Nodes per datacenter (None: one datacenter)."""
     price_per_gpu_hour_usd: float | None = None
     """Override of the GPU's default price."""
+    step_jitter: float = 0.0
+    """Coefficient of variation of one GPU's step time from run to run (noisy neighbours,
+    throttling, network contention; 0.02 = 2%). A synchronous step waits for the slowest of
+    the ranks it syncs: meshplan prices the expected maximum (cost.sync.straggler_seconds)."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.step_jitter < 1:
+            raise MeshplanError(f"cluster {self.name}: step_jitter must be in [0, 1) (a fraction of the step "
+                                f"time, e.g. 0.02); got {self.step_jitter}")
         positive(f"cluster {self.name}: num_nodes", self.num_nodes)
         positive(f"cluster {self.name}: gpus_per_node", self.gpus_per_node)
         if self.nodes_per_dc is not None:
@@ -166,6 +180,15 @@ class ClusterSpec:
         """US$ per GPU-hour."""
         p = self.price_per_gpu_hour_usd
         return self.gpu.price_per_hour_usd if p is None else p
+
+    @property
+    def num_dcs(self) -> int:
+        """Datacenters (1 without inter_dc)."""
+        return self.num_nodes // self.nodes_per_dc if self.inter_dc is not None and self.nodes_per_dc else 1
+
+    @property
+    def gpus_per_dc(self) -> int:
+        return self.num_gpus // self.num_dcs
 
     def tier_for_span(self, span: int) -> LinkTier:
         """Slowest link crossed by a group of ``span`` consecutive ranks (innermost axes first)."""

@@ -196,6 +196,11 @@ def recompute_layers_valid(c: Context) -> str | None:
     return None
 
 
+def sync_valid(c: Context) -> str | None:
+    from meshplan.spec.sync import periodic_reason
+    return periodic_reason(c.plan, c.cluster)
+
+
 def precision_supported(c: Context) -> str | None:
     if c.plan.precision == "fp8" and "fp8" not in c.cluster.gpu.peak_tflops:
         return f"precision=fp8 but {c.cluster.gpu.name} has no fp8 tensor cores; use bf16"
@@ -223,6 +228,7 @@ CHECKS: dict[str, Check] = {
     "zero=2 under a pipeline": zero2_pipeline,
     "recompute_layers beyond the stage": recompute_layers_valid,
     "precision unsupported": precision_supported,
+    "invalid gradient sync": sync_valid,
 }
 
 

@@ -27,7 +27,11 @@ AXIS_DESCRIPTIONS = {
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 RECOMPUTE = ("none", "selective", "op", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
-GRAD_SYNC = ("auto", "all-reduce", "reduce-scatter")
+GRAD_SYNC = ("auto", "all-reduce", "reduce-scatter", "local-sgd", "diloco")
+PERIODIC_SYNC = ("local-sgd", "diloco")
+"""grad_sync methods that synchronise across sync_scope only every sync_every steps."""
+SYNC_SCOPES = ("all", "dc", "node")
+GRAD_COMPRESSION = ("none", "bf16", "fp8", "powersgd")
 SCHEDULE_ALIASES = {
     "none": "1f1b", "interleaved": "interleaved-1f1b", "interleaved_1f1b": "interleaved-1f1b",
     "zb": "zero-bubble", "zb-h1": "zero-bubble", "zero_bubble": "zero-bubble", "zbh1": "zero-bubble",
@@ -84,7 +88,23 @@ class Plan:
     grad_sync: str = "auto"
     """Data-parallel gradient collective: auto (all-reduce for zero=0, reduce-scatter for
     zero>=1), all-reduce (DeepSpeed's bf16 optimizer all-reduces fp32 gradients even with
-    sharded optimizer states), or reduce-scatter."""
+    sharded optimizer states), or reduce-scatter; or a periodic method: local-sgd (inner
+    groups train on their own and the models are averaged every sync_every steps) or diloco
+    (inner AdamW steps, then an outer Nesterov step on the averaged parameter deltas every
+    sync_every steps; Douillard et al. 2023)."""
+    sync_every: int = 1
+    """With grad_sync=local-sgd or diloco: inner steps between outer synchronisations (H)."""
+    sync_scope: str = "all"
+    """With grad_sync=local-sgd or diloco: the tier the slow (outer) synchronisation crosses.
+    dc: the data-parallel ranks of one datacenter form an inner group that syncs every step,
+    and the groups sync every sync_every steps; node: the same per node; all: every
+    data-parallel rank is its own inner group (classic local SGD / DiLoCo workers)."""
+    grad_compression: str = "none"
+    """Compression of the slowest data-parallel synchronisation (the per-step gradient sync,
+    or the outer sync of local-sgd/diloco): none, bf16 or fp8 (values sent in 16 or 8 bits),
+    or powersgd (rank-compression_rank factors with error feedback; Vogels et al. 2019)."""
+    compression_rank: int = 1
+    """With grad_compression=powersgd: the rank of the low-rank approximation."""
     p2p_sharded: bool = True
     """Pipeline sends carry 1/tp of the activation (Megatron's scatter-gather, or sequence
     parallel); False: every TP rank sends the whole tensor (DeepSpeed's pipeline engine)."""
@@ -103,6 +123,21 @@ class Plan:
         choice("plan: recompute", self.recompute, RECOMPUTE)
         choice("plan: precision", self.precision, PRECISIONS)
         choice("plan: grad_sync", self.grad_sync, GRAD_SYNC)
+        choice("plan: sync_scope", self.sync_scope, SYNC_SCOPES)
+        choice("plan: grad_compression", self.grad_compression, GRAD_COMPRESSION)
+        positive("plan: sync_every", self.sync_every)
+        positive("plan: compression_rank", self.compression_rank)
+        if self.grad_sync not in PERIODIC_SYNC:
+            if self.sync_every != 1:
+                raise MeshplanError(f"plan: sync_every={self.sync_every} needs grad_sync=local-sgd or diloco "
+                                    f"(grad_sync={self.grad_sync} syncs every step)",
+                                    hint="add grad_sync=diloco (or local-sgd), or drop sync_every")
+            if self.sync_scope != "all":
+                raise MeshplanError(f"plan: sync_scope={self.sync_scope} needs grad_sync=local-sgd or diloco",
+                                    hint="add grad_sync=diloco (or local-sgd), or drop sync_scope")
+        if self.compression_rank != 1 and self.grad_compression != "powersgd":
+            raise MeshplanError("plan: compression_rank needs grad_compression=powersgd",
+                                hint="add grad_compression=powersgd, or drop compression_rank")
         if self.recompute_layers is not None:
             positive("plan: recompute_layers", self.recompute_layers, allow_zero=True)
             if self.recompute != "full":
@@ -116,6 +151,11 @@ class Plan:
     @property
     def num_gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def periodic(self) -> bool:
+        """Local SGD or DiLoCo: the data-parallel ranks do not sync every step."""
+        return self.grad_sync in PERIODIC_SYNC
 
     @property
     def effective_shard(self) -> int:
@@ -194,7 +234,8 @@ MAX_STAGES = 1_000_000
 PLAN_KEY_ALIASES = {
     "mbs": "micro_batch", "micro_batch_size": "micro_batch", "vpp": "virtual_stages",
     "sp": "sequence_parallel", "ac": "recompute", "activation_checkpointing": "recompute",
-    "hsdp": "shard_group", "fsdp": "zero",
+    "hsdp": "shard_group", "fsdp": "zero", "h": "sync_every", "compression": "grad_compression",
+    "powersgd_rank": "compression_rank",
 }
 
 
