@@ -10,6 +10,18 @@ load: a run saved under one plan resumes under another (other world size, TP, PP
 Saved: model, optimizer, data position (the step: batches are a pure function of it) and the
 torch RNG state of rank 0 (restored on every rank; ranks are seeded alike).
 
+Periodic plans (grad_sync=local-sgd/diloco, runtime/periodic.py): every inner group trains its own
+model between outer syncs, so the model and (inner) optimizer are saved once per inner group, under
+``worker<g>/<name>`` (``state.worker<g>/<name>.exp_avg`` ...); the outer state once, under
+``outer``: the fp32 anchor (``anchor/<name>``: diloco, or local-sgd with compression) and the outer
+Nesterov momentum (``momentum/<name>``: diloco), as DTensors shaped like the parameters (FSDP2/TP
+shards), and in ``extra`` the step of the last outer sync (``last_sync``: the position in the outer
+period). meta.json records ``outer`` = {grad_sync, workers, sync_every, anchor}. Such a checkpoint
+resumes under a plan with the same grad_sync, the same number of inner groups and the same anchor
+(any inner parallelism, sync_every, sync_scope giving that count); a synchronous checkpoint resumes
+under a periodic plan too (every inner group from the one model; anchor = it, momentum 0, the
+period starting at the checkpoint's step), not the other way round.
+
 The checkpoint holds the single-process model's logical tensors, whatever the plan:
 
 - tied embeddings are one tensor, ``embed.tok.weight`` (and its AdamW state): under a pipeline
@@ -123,23 +135,103 @@ def _rows_below(value: torch.Tensor, rows: int) -> torch.Tensor:
     return shell
 
 
-def _entries(trainer: Any) -> list[tuple[list[Entry], list[Entry]]]:
-    """Per part: (model entries, optimizer entries) under their checkpoint keys."""
+def _worker_key(logical: str, worker: int, optim: bool) -> str:
+    """``logical`` under inner group ``worker``'s prefix: ``worker<g>/<name>``, or for optimizer keys
+    ``state.worker<g>/<name>.<state>``."""
+    if not optim:
+        return f"worker{worker}/{logical}"
+    prefix, rest = logical.split(".", 1)
+    return f"{prefix}.worker{worker}/{rest}"
+
+
+def _entries(trainer: Any, per_worker: bool = False) -> list[tuple[list[Entry], list[Entry]]]:
+    """Per part: (model entries, optimizer entries) under their checkpoint keys (``per_worker``:
+    under this rank's inner group's prefix, ``_worker_key``)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     m = trainer.model
-    return [(_logical(m, part, get_model_state_dict(part, options=_options()), False),
-             _logical(m, part, get_optimizer_state_dict(part, opt, options=_options()), True))
-            for part, opt in zip(trainer.par.parts, trainer.optimizers)]
+    out = [(_logical(m, part, get_model_state_dict(part, options=_options()), False),
+            _logical(m, part, get_optimizer_state_dict(part, opt, options=_options()), True))
+           for part, opt in zip(trainer.par.parts, trainer.optimizers)]
+    if per_worker:
+        g = trainer.mesh.worker
+        out = [([(k, _worker_key(lg, g, False), v) for k, lg, v in me],
+                [(k, _worker_key(lg, g, True), v) for k, lg, v in op]) for me, op in out]
+    return out
 
 
-def _state(trainer: Any, entries: list[tuple[list[Entry], list[Entry]]] | None = None) -> dict[str, Any]:
+OuterEntry = tuple[str, Any, torch.Tensor]
+"""(key in the checkpoint's ``outer``, the value DCP saves and loads, this rank's own tensor)."""
+
+
+def _outer_entries(trainer: Any) -> list[OuterEntry]:
+    """The outer sync's anchor and momentum (periodic.OuterSync) under ``anchor/<name>`` and
+    ``momentum/<name>``: each as a DTensor placed like its parameter (its local shard is this rank's
+    tensor), so DCP reshards it like the model."""
+    outer = trainer.outer
+    if outer is None:
+        return []
+    from torch.distributed.tensor import DTensor
+    index = {id(p): i for i, p in enumerate(outer.params)}
+    out: list[OuterEntry] = []
+    for kind, tensors in (("anchor", outer.anchor), ("momentum", outer.momentum)):
+        if tensors is None:
+            continue
+        for part in trainer.par.parts:
+            sd: dict[str, Any] = {}
+            own: dict[str, torch.Tensor] = {}
+            for name, p in part.named_parameters():
+                t = tensors[index[id(p)]]
+                sd[name] = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                              stride=p.stride()) if isinstance(p, DTensor) else t
+                own[name] = t
+            for key, logical, value in _logical(trainer.model, part, sd, False):
+                out.append((f"{kind}/{logical}", value, own[key]))
+    return out
+
+
+def _state(trainer: Any, entries: list[tuple[list[Entry], list[Entry]]] | None = None,
+           outer: list[OuterEntry] | None = None) -> dict[str, Any]:
     model: dict[str, Any] = {}
     optim: dict[str, Any] = {}
-    for m, o in entries if entries is not None else _entries(trainer):
+    for m, o in entries if entries is not None else _entries(trainer, per_worker=trainer.outer is not None):
         model.update({logical: value for _, logical, value in m})  # a tied copy under zbv: one of
         optim.update({logical: value for _, logical, value in o})  # the two ends (equal), loaded into both
     extra = {"step": torch.tensor(trainer.step), "rng": torch.get_rng_state()}
-    return {"model": model, "optim": optim, "extra": extra}
+    state = {"model": model, "optim": optim, "extra": extra}
+    if trainer.outer is not None:
+        outer = _outer_entries(trainer) if outer is None else outer
+        state["outer"] = {key: value for key, value, _ in outer}
+        extra["last_sync"] = torch.tensor(trainer.outer.last_sync)
+    return state
+
+
+def outer_meta(trainer: Any) -> dict[str, Any] | None:
+    """What meta.json records of a periodic run's outer sync (None: synchronous)."""
+    o = trainer.outer
+    if o is None:
+        return None
+    return {"grad_sync": o.method, "workers": o.workers, "sync_every": o.every, "anchor": o.anchor is not None}
+
+
+def check_outer(directory: str | Path, meta: dict[str, Any], plan: Any, workers: int) -> None:
+    """Refuse (one line) resuming the checkpoint of ``meta`` under ``plan`` with ``workers`` inner
+    groups when the state does not carry over (module doc): a periodic checkpoint under a
+    synchronous plan, another grad_sync, number of inner groups or anchor."""
+    saved = meta.get("outer")
+    if not saved:
+        return  # synchronous: resumes under any plan (periodic: every group from the one model)
+    anchor = plan.grad_sync == "diloco" or plan.grad_compression != "none"
+    mine = {"grad_sync": plan.grad_sync, "workers": workers if plan.periodic else 1, "anchor": anchor}
+    theirs = {k: saved.get(k) for k in mine}
+    if plan.periodic and mine == theirs:
+        return
+    what = f"grad_sync={saved.get('grad_sync')} with {saved.get('workers')} inner groups"
+    if saved.get("grad_sync") == "local-sgd":
+        what += " and an anchor (grad_compression)" if saved.get("anchor") else " and no anchor (grad_compression=none)"
+    raise MeshplanError(f"--resume: the checkpoint in {directory} holds one model per inner group ({what}); this plan "
+                        f"has {mine['workers']} group{'s' if mine['workers'] > 1 else ''} (grad_sync={plan.grad_sync})",
+                        hint="resume it with the same grad_sync, number of inner groups (dp / inner dp) and "
+                             "compression, or start a new run")
 
 
 def _part_state(entries: list[Entry], loaded: dict[str, Any]) -> dict[str, Any]:
@@ -239,6 +331,8 @@ def save(trainer: Any, directory: str | Path) -> Path:
     if _rank0():
         meta = {"schema_version": 1, "model": identity(trainer.cfg.model), "plan": trainer.cfg.plan.short(),
                 "step": trainer.step, "path": path.name}
+        if outer_meta(trainer):
+            meta["outer"] = outer_meta(trainer)
         tmp = d / (META + ".tmp")
         tmp.write_text(json.dumps(meta, indent=2))
         os.replace(tmp, d / META)  # atomic: a crash mid-save leaves the previous checkpoint in force
@@ -253,13 +347,38 @@ def load(trainer: Any, directory: str | Path) -> int:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     step = check_resumable(directory, trainer.cfg.model)
     meta = read_meta(directory) or {}
+    workers = trainer.mesh.workers if trainer.mesh is not None else 1
+    check_outer(directory, meta, trainer.cfg.plan, workers)
+    periodic = bool(meta.get("outer"))  # saved per inner group, with the outer state
     _init_optimizer_state(trainer)
-    entries = _entries(trainer)
-    state = _state(trainer, entries)
+    entries = _entries(trainer, per_worker=periodic)
+    outer = _outer_entries(trainer) if periodic else []
+    state = _state(trainer, entries, outer)
+    if not periodic:
+        state.pop("outer", None)
+        state["extra"].pop("last_sync", None)
     dcp.load(state, checkpoint_id=str(Path(directory) / meta.get("path", f"step-{step:08d}")))
     for part, opt, (m, o) in zip(trainer.par.parts, trainer.optimizers, entries):
         set_model_state_dict(part, _part_state(m, state["model"]), options=_options().__class__(strict=False))
         set_optimizer_state_dict(part, opt, _part_state(o, state["optim"]), options=_options())
     trainer.step = int(state["extra"]["step"])
     torch.set_rng_state(state["extra"]["rng"])
+    if trainer.outer is not None:
+        if periodic:
+            _load_outer(outer, state["outer"])
+            trainer.outer.last_sync = int(state["extra"]["last_sync"])
+        else:  # from a synchronous checkpoint: every inner group starts from its model
+            trainer.outer.reset(trainer.step)
     return trainer.step
+
+
+def _load_outer(entries: list[OuterEntry], loaded: dict[str, Any]) -> None:
+    """The loaded anchor and momentum into the outer sync's own tensors (DCP loads in place into
+    the DTensors' local shards, which are them; copied where not)."""
+    from torch.distributed.tensor import DTensor
+    for key, _, own in entries:
+        got = getattr(loaded[key], "_original", loaded[key])
+        got = got.to_local() if isinstance(got, DTensor) else got
+        if got.data_ptr() != own.data_ptr() or got.shape != own.shape:
+            with torch.no_grad():
+                own.copy_(got)

@@ -711,8 +711,9 @@ def preflight(job: Any) -> tuple[Any, Any]:
     built = build(job.model, device="meta", seq_len=job.seq_len)
     units, blocks = unit_paths(built.module)
     graph = trace(built)
+    topo = {"nodes": job.nnodes, "nodes_per_dc": getattr(job, "nodes_per_dc", None)}
     if graph is not None:  # the planner's tables on the traced graph first: their reasons are the search's
-        pre.check_graph_plan(graph, plan, job.global_batch)
+        pre.check_graph_plan(graph, plan, job.global_batch, **topo)
         from meshplan.spec.support import microbatches as micro_of
         from meshplan.spec.support import runtime_violations
         refused = [why for rule, why in runtime_violations(plan, micro_of(plan, job.global_batch), graph)
@@ -735,7 +736,7 @@ def preflight(job: Any) -> tuple[Any, Any]:
         why = stage_problem([x.kind for x in graph.layers], plan, built.name)
         if why:
             raise MeshplanError(why, hint="take stage_layers from `meshplan plan` on this model, or leave them unset")
-    pre.check_graph_plan(graph, plan, job.global_batch)  # the planner's constraints (the plan's alone untraced)
+    pre.check_graph_plan(graph, plan, job.global_batch, **topo)  # the planner's constraints (the plan's alone untraced)
     return (None if graph is None else check_memory(job, built, graph)), graph
 
 
@@ -766,7 +767,8 @@ def check_memory(job: Any, built: Built, graph: Any) -> Any:
     from meshplan.runtime import preflight
     kw: dict[str, Any] = {"nproc_per_node": job.nproc_per_node, "nnodes": job.nnodes, "name": built.name,
                           "seq_len": built.seq_len, "process_gib": process_gib(job),
-                          "retrace": lambda s: ingest(job.model, seq_len=s)}
+                          "retrace": lambda s: ingest(job.model, seq_len=s),
+                          "nodes_per_dc": getattr(job, "nodes_per_dc", None)}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return preflight.check_graph_memory(graph, job.plan, job.global_batch, device_type="cuda",
@@ -785,7 +787,7 @@ def estimate(job: Any, device_type: str, graph: Any = None) -> dict[str, Any]:
     try:
         if graph is None:
             graph = ingest(job.model, seq_len=job.seq_len)
-        cluster = local_cluster(job.world_size, device_type)
+        cluster = local_cluster(job.world_size, device_type, job.nnodes, getattr(job, "nodes_per_dc", None))
         work = Workload(global_batch=job.global_batch, seq_len=graph.sample_tokens)
         r = cost_estimate(graph, cluster, job.plan, work)
     except MeshplanError as e:
@@ -795,7 +797,8 @@ def estimate(job: Any, device_type: str, graph: Any = None) -> dict[str, Any]:
            "activations_gib": r.memory.get("activations")}
     if device_type != "cuda":
         from meshplan.runtime.preflight import graph_memory_estimate
-        return cpu_memory(out, graph_memory_estimate(graph, job.plan, job.global_batch, "cpu", process_gib(job)))
+        return cpu_memory(out, graph_memory_estimate(graph, job.plan, job.global_batch, "cpu", process_gib(job),
+                                                     nodes=job.nnodes, nodes_per_dc=getattr(job, "nodes_per_dc", None)))
     return out
 
 

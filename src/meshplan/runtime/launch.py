@@ -94,6 +94,16 @@ class Job:
     band; outside it, fit a calibration and rank the plans again (runtime/replan.py). None: no check."""
     switch: bool = False
     """--switch: at that check, checkpoint and continue under a plan predicted better."""
+    optimizer: str = "adamw"
+    """--optimizer: the (inner) optimizer, adamw or sgd."""
+    grad_clip: float = 1.0
+    """--grad-clip: the largest global gradient norm (0: no clipping)."""
+    outer_lr: float | None = None
+    """--outer-lr: DiLoCo's outer learning rate (None: periodic.OUTER_LR)."""
+    outer_momentum: float | None = None
+    """--outer-momentum: DiLoCo's outer Nesterov momentum (None: periodic.OUTER_MOMENTUM)."""
+    nodes_per_dc: int | None = None
+    """--nodes-per-dc: nodes per datacenter (sync_scope=dc needs it)."""
 
     @property
     def world_size(self) -> int:
@@ -106,8 +116,13 @@ class Job:
     def config(self) -> Any:
         """The RunConfig every rank trains."""
         from meshplan.runtime.train import RunConfig
+        defaults = RunConfig(model=self.model, plan=self.plan, global_batch=self.global_batch, steps=self.steps)
         return RunConfig(model=self.model, plan=self.plan, global_batch=self.global_batch, seq_len=self.seq_len,
-                         steps=self.steps, lr=self.lr, seed=self.seed, data=self.data)
+                         steps=self.steps, lr=self.lr, seed=self.seed, data=self.data, grad_clip=self.grad_clip,
+                         optimizer=self.optimizer,
+                         outer_lr=defaults.outer_lr if self.outer_lr is None else self.outer_lr,
+                         outer_momentum=defaults.outer_momentum if self.outer_momentum is None
+                         else self.outer_momentum)
 
 
 def check_job(job: Job) -> Any:
@@ -124,6 +139,8 @@ def _check_job(job: Job) -> tuple[Any, Any]:
     from meshplan.runtime import mesh as mesh_mod  # imports torch; only reached by `train`
     from meshplan.runtime import preflight
     preflight.check_lr(job.lr)
+    preflight.check_weak_links(job.plan, nnodes=job.nnodes, nodes_per_dc=job.nodes_per_dc, outer_lr=job.outer_lr,
+                               outer_momentum=job.outer_momentum)
     preflight.check_output_file("--metrics", job.metrics)
     from meshplan.runtime.replan import check_flags
     check_flags(job)
@@ -141,7 +158,8 @@ def _check_job(job: Job) -> tuple[Any, Any]:
                              micro=microbatches(job.global_batch, job.plan.dp, job.plan.micro_batch))
     preflight.check_seq_len(job.model, job.seq_len)
     checked_microbatches(job.plan, job.global_batch)
-    preflight.check_plan(job.model, job.plan, job.global_batch, job.seq_len)  # the planner's constraints
+    preflight.check_plan(job.model, job.plan, job.global_batch, job.seq_len, nodes=job.nnodes,  # the planner's
+                         nodes_per_dc=job.nodes_per_dc)                                       # constraints
     check_checkpoint_dir(job)
     if job.checkpoint_every and not job.checkpoint_dir:
         raise MeshplanError("--checkpoint-every needs --checkpoint-dir")
@@ -161,10 +179,21 @@ def check_checkpoint_dir(job: Any) -> int:
     if job.resume:
         if not job.checkpoint_dir:
             raise MeshplanError("--resume needs --checkpoint-dir")
-        from meshplan.runtime.checkpoint import check_resumable
-        return check_resumable(job.checkpoint_dir, job.model, steps=job.steps)
+        from meshplan.runtime.checkpoint import check_outer, check_resumable, read_meta
+        step = check_resumable(job.checkpoint_dir, job.model, steps=job.steps)
+        check_outer(job.checkpoint_dir, read_meta(job.checkpoint_dir) or {}, job.plan, workers_of(job))
+        return step
     preflight.check_new_checkpoint_dir(job.checkpoint_dir, overwrite=job.overwrite)
     return 0
+
+
+def workers_of(job: Any, procs_per_node: int | None = None) -> int:
+    """Inner groups of the job's plan on its topology (1: synchronous; periodic.inner_dp_of)."""
+    plan = job.plan
+    if not plan.periodic:
+        return 1
+    from meshplan.runtime.periodic import inner_dp_of
+    return plan.dp // inner_dp_of(plan, procs_per_node or job.nproc_per_node, getattr(job, "nodes_per_dc", None))
 
 
 def before_launch(job: Any, est: dict[str, Any] | None, device_type: str, steps: int) -> None:
@@ -199,9 +228,11 @@ def check_memory(job: Job) -> Any:
         props = torch.cuda.get_device_properties(0)
         return preflight.check_memory(job.model, job.plan, job.global_batch, job.seq_len,
                                       nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, device_type="cuda",
-                                      available_gib=props.total_memory / 2**30, device_name=props.name)
+                                      available_gib=props.total_memory / 2**30, device_name=props.name,
+                                      nodes_per_dc=job.nodes_per_dc)
     return preflight.check_memory(job.model, job.plan, job.global_batch, job.seq_len,
-                                  nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, device_type="cpu")
+                                  nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, device_type="cpu",
+                                  nodes_per_dc=job.nodes_per_dc)
 
 
 def torchrun_argv(job: Job, worker_argv: list[str]) -> list[str]:
@@ -285,7 +316,8 @@ def memory_context(job: Any, est: Any = None) -> str:
     from meshplan.runtime import preflight
     if est is None and isinstance(job, Job) and not job.ingested:
         try:
-            est = preflight.memory_estimate(job.model, job.plan, job.global_batch, job.seq_len)
+            est = preflight.memory_estimate(job.model, job.plan, job.global_batch, job.seq_len, nodes=job.nnodes,
+                                            nodes_per_dc=job.nodes_per_dc)
         except Exception:  # noqa: BLE001 - only words for an error message
             est = None
     return preflight.memory_text(est, job.nproc_per_node)
@@ -412,32 +444,40 @@ def lost_peer_message(e: BaseException) -> str | None:
 
 
 # ---- inside a rank ---------------------------------------------------------------------------
-_CLUSTERS: dict[tuple[int, str], Any] = {}
+_CLUSTERS: dict[tuple[int, str, int, int | None], Any] = {}
 """local_cluster's ClusterSpecs in this process: the CPU rate is measured once, so the estimate, the
 --replan-after check and the summary's cluster_spec describe the same cluster."""
 _GRAPHS: dict[tuple[str, int | None], Any] = {}
 """run_model's traced LayerGraphs of ingested models in this process (None: not traceable)."""
 
 
-def local_cluster(nproc: int, device_type: str) -> Any:
+def local_cluster(nproc: int, device_type: str, nodes: int = 1, nodes_per_dc: int | None = None) -> Any:
     """A ClusterSpec of this machine for the cost model: a GPU preset on CUDA, a measured CPU
-    'GPU' (one process = one device) otherwise; one per process and size (``_CLUSTERS``)."""
-    key = (nproc, device_type)
+    'GPU' (one process = one device) otherwise, over ``nodes`` nodes (``nodes_per_dc`` per
+    datacenter, as --nnodes/--nodes-per-dc); one per process, size and topology (``_CLUSTERS``)."""
+    key = (nproc, device_type, nodes, nodes_per_dc)
     if key not in _CLUSTERS:
-        _CLUSTERS[key] = _local_cluster(nproc, device_type)
+        _CLUSTERS[key] = _local_cluster(nproc, device_type, nodes, nodes_per_dc)
     return _CLUSTERS[key]
 
 
-def _local_cluster(nproc: int, device_type: str) -> Any:
+def _local_cluster(nproc: int, device_type: str, nodes: int = 1, nodes_per_dc: int | None = None) -> Any:
     from meshplan.spec.io import parse_cluster_shorthand
     if device_type == "cuda":
         import torch
         name = torch.cuda.get_device_name()
+        if nodes < 1 or nproc % nodes:
+            nodes = 1
         for frag, preset in CUDA_PRESETS:
             if frag in name:
-                return parse_cluster_shorthand(f"{preset}:1x{nproc}")
+                c = parse_cluster_shorthand(f"{preset}:{nodes}x{nproc // nodes}")
+                if nodes_per_dc and nodes_per_dc < nodes and nodes % nodes_per_dc == 0:
+                    from meshplan.spec.cluster import LinkTier
+                    c = c.replace(inter_dc=LinkTier(name="inter_dc", bandwidth_gbps=c.inter_node.bandwidth_gbps,
+                                                    kind="wan"), nodes_per_dc=nodes_per_dc)
+                return c
     from meshplan.runtime.preflight import cpu_cluster
-    return cpu_cluster(nproc, cpu_tflops())
+    return cpu_cluster(nproc, cpu_tflops(), nodes=nodes, nodes_per_dc=nodes_per_dc)
 
 
 CPU_TFLOPS_ENV = "MESHPLAN_CPU_TFLOPS"
@@ -491,7 +531,7 @@ def estimate_for(job: Job, device_type: str, graph: Any = None) -> dict[str, Any
         return generic.estimate(job, device_type, graph)
     from meshplan.cost import estimate
     try:
-        cluster = local_cluster(job.world_size, device_type)
+        cluster = local_cluster(job.world_size, device_type, job.nnodes, job.nodes_per_dc)
         r = estimate(job.model, cluster, job.plan, Workload(global_batch=job.global_batch, seq_len=job.seq_len))
     except MeshplanError as e:
         return {"error": str(e)}
@@ -499,7 +539,8 @@ def estimate_for(job: Job, device_type: str, graph: Any = None) -> dict[str, Any
            "peak_memory_gib": r.peak_memory_gib, "tokens_per_s": r.tokens_per_s}
     if device_type != "cuda":
         from meshplan.runtime.preflight import memory_estimate
-        return cpu_memory(out, memory_estimate(job.model, job.plan, job.global_batch, job.seq_len, "cpu"))
+        return cpu_memory(out, memory_estimate(job.model, job.plan, job.global_batch, job.seq_len, "cpu",
+                                               nodes=job.nnodes, nodes_per_dc=job.nodes_per_dc))
     return out
 
 
@@ -533,7 +574,7 @@ def summary_record(job: Job, trainer: Any, records: list[Any], device_type: str,
     model = run_model(job)
     est = estimate_for(job, device_type, model if job.ingested else None)
     seq = (model.sample_tokens if model is not None else None) if job.ingested else job.seq_len
-    cluster = local_cluster(job.world_size, device_type) if "error" not in est else None
+    cluster = local_cluster(job.world_size, device_type, job.nnodes, job.nodes_per_dc) if "error" not in est else None
     rec: dict[str, Any] = {
         "kind": "summary", "plan": job.plan.short(), "plan_as_run": run_plan(job.plan, device_type).short(),
         "model": trainer.model.name, **({"source": job.model} if job.ingested else {}),
@@ -624,8 +665,11 @@ def worker_main(job: Job) -> int:
     if job.ingested:
         from meshplan.runtime.generic import quiet_false_positives
         quiet_false_positives()
+    from meshplan.runtime.preflight import check_weak_links
     from meshplan.runtime.replan import check_flags
     check_flags(job)  # started by torchrun by hand: no launcher checked them
+    check_weak_links(job.plan, nnodes=nodes_of(job), nodes_per_dc=job.nodes_per_dc, outer_lr=job.outer_lr,
+                     outer_momentum=job.outer_momentum)
     if in_torchrun():
         device = init_distributed(float(os.environ.get("MESHPLAN_PG_TIMEOUT", job.pg_timeout_s)))
         if job.ingested:
@@ -636,11 +680,15 @@ def worker_main(job: Job) -> int:
             check_supported(job.model, job.plan, dist.get_world_size(), job.seq_len,
                             micro=microbatches(job.global_batch, job.plan.dp, job.plan.micro_batch))
             from meshplan.runtime.preflight import check_plan  # started by torchrun by hand: no launcher checked it
-            check_plan(job.model, job.plan, job.global_batch, job.seq_len)
+            check_plan(job.model, job.plan, job.global_batch, job.seq_len, nodes=nodes_of(job),
+                       nodes_per_dc=job.nodes_per_dc)
     else:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    mesh = build_mesh(job.plan, device.type) if dist.is_initialized() and dist.get_world_size() > 1 else None
+    mesh = None
+    if dist.is_initialized() and dist.get_world_size() > 1:  # periodic plans: inner groups on this topology
+        from meshplan.runtime.periodic import inner_dp_of
+        mesh = build_mesh(job.plan, device.type, inner_dp_of(job.plan, procs_per_node(job), job.nodes_per_dc))
     trainer = Trainer(job.config(), mesh, device)
     if rank0:  # plan fields this hardware cannot honour: said once, and kept with the metrics
         for note in trainer.par.notes:
@@ -672,6 +720,17 @@ def worker_main(job: Job) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def procs_per_node(job: Job) -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE (a rank), else --nproc-per-node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", job.nproc_per_node))
+
+
+def nodes_of(job: Job) -> int:
+    """Nodes of the job: WORLD_SIZE / LOCAL_WORLD_SIZE in a rank, else --nnodes."""
+    world = int(os.environ.get("WORLD_SIZE", job.world_size))
+    return max(1, world // procs_per_node(job))
 
 
 def replan_check(job: Job, trainer: Any, records: list[Any], device_type: str, rank0: bool) -> str | None:

@@ -9,6 +9,11 @@ by unflattening dp_cp, so that FSDP can combine any of them with the TP mesh:
     experts (pp, edp_replicate, edp_shard, ep, tp)    ep > 1: the ep group = innermost ep ranks of dp x cp;
                                                       expert replicas = the rest, split for FSDP/HSDP
 Every axis is created, size 1 included, so that code never branches on which axes exist.
+
+Periodic plans (grad_sync=local-sgd/diloco, runtime/periodic.py): dp x cp is split into
+(dp_replicate = workers, dp_shard = inner dp x cp): the inner groups (``sync_mesh``: DDP's group,
+the manual all-reduce's, FSDP2's shard mesh, never replicated across groups) and the outer groups
+(``outer``: one rank of each inner group, at the same coordinate).
 """
 from __future__ import annotations
 
@@ -78,7 +83,7 @@ class RuntimeMesh:
     fsdp: DeviceMesh
     """(pp, dp_replicate, dp_shard, tp): how FSDP/HSDP split dp x cp."""
     dp_mesh: DeviceMesh
-    """All of dp x cp as one axis: the ranks that average gradients and the loss (DDP's group)."""
+    """All of dp x cp as one axis: the ranks that average the loss (and gradients, when synchronous)."""
     experts: DeviceMesh | None
     """(pp, edp_replicate, edp_shard, ep, tp) when ep > 1."""
     expert_dp: DeviceMesh | None
@@ -94,11 +99,35 @@ class RuntimeMesh:
     cp_rank: int
     tp_rank: int
     ep_rank: int
+    sync_mesh: DeviceMesh | None = None
+    """The ranks that average gradients every step, as one axis: dp x cp (``dp_mesh``), or a
+    periodic plan's inner group (inner dp x cp); None: ``dp_mesh``."""
+    outer: DeviceMesh | None = None
+    """Periodic plans: this rank's outer group (one rank per inner group), else None."""
+    workers: int = 1
+    """Inner groups (1: a synchronous plan)."""
+    worker: int = 0
+    """This rank's inner group."""
 
     @property
     def ndp(self) -> int:
-        """Ranks averaging gradients: dp * cp."""
+        """Ranks averaging the loss: dp * cp."""
         return self.dp * self.cp
+
+    @property
+    def sync_ndp(self) -> int:
+        """Ranks averaging gradients every step: dp * cp, or a periodic plan's inner dp * cp."""
+        return self.ndp // self.workers
+
+    @property
+    def sync_group(self) -> dist.ProcessGroup:
+        """The group of ``sync_mesh``: gradient averaging every step (DDP's group)."""
+        return (self.sync_mesh or self.dp_mesh).get_group()
+
+    @property
+    def outer_group(self) -> dist.ProcessGroup:
+        assert self.outer is not None
+        return self.outer.get_group()
 
     def sub(self, *axes: str) -> DeviceMesh:
         return self.world[axes] if len(axes) > 1 else self.world[axes[0]]
@@ -138,6 +167,8 @@ class RuntimeMesh:
         return cache["group"]
 
     def fsdp_mesh(self) -> DeviceMesh:
+        if self.workers > 1:  # periodic: sharded within the inner group, never replicated across
+            return self.fsdp["dp_shard"]
         rep = self.fsdp.size(self.fsdp.mesh_dim_names.index("dp_replicate"))
         return self.fsdp["dp_replicate", "dp_shard"] if rep > 1 else self.fsdp["dp_shard"]
 
@@ -147,12 +178,15 @@ class RuntimeMesh:
         return self.experts["edp_replicate", "edp_shard"] if rep > 1 else self.experts["edp_shard"]
 
 
-def build_mesh(plan: Plan, device_type: str) -> RuntimeMesh:
-    """The meshes for ``plan`` (the process group must already exist)."""
+def build_mesh(plan: Plan, device_type: str, inner_dp: int | None = None) -> RuntimeMesh:
+    """The meshes for ``plan`` (the process group must already exist); ``inner_dp``: the dp ranks of
+    an inner group of a periodic plan (periodic.inner_dp_of; None: synchronous)."""
     n = plan.dp * plan.cp
     base = init_device_mesh(device_type, (plan.pp, n, plan.tp), mesh_dim_names=("pp", "dp_cp", "tp"))
     world = base._unflatten("dp_cp", (plan.dp, plan.cp), ("dp", "cp"))
-    fsdp = base._unflatten("dp_cp", dp_split(plan), ("dp_replicate", "dp_shard"))
+    workers = plan.dp // inner_dp if plan.periodic and inner_dp else 1
+    split = (workers, n // workers) if workers > 1 else dp_split(plan)
+    fsdp = base._unflatten("dp_cp", split, ("dp_replicate", "dp_shard"))
     experts = expert_dp = None
     if plan.ep > 1:
         experts = base._unflatten("dp_cp", (*expert_split(plan), plan.ep), ("edp_replicate", "edp_shard", "ep"))
@@ -162,4 +196,7 @@ def build_mesh(plan: Plan, device_type: str) -> RuntimeMesh:
                        cp=plan.cp, tp=plan.tp, ep=plan.ep, pp_rank=world.get_local_rank("pp"),
                        dp_rank=world.get_local_rank("dp"), cp_rank=world.get_local_rank("cp"),
                        tp_rank=world.get_local_rank("tp"),
-                       ep_rank=experts.get_local_rank("ep") if experts is not None else 0)
+                       ep_rank=experts.get_local_rank("ep") if experts is not None else 0,
+                       sync_mesh=fsdp["dp_shard"] if workers > 1 else None,
+                       outer=fsdp["dp_replicate"] if workers > 1 else None, workers=workers,
+                       worker=fsdp.get_local_rank("dp_replicate") if workers > 1 else 0)

@@ -530,8 +530,9 @@ def apply_fsdp(parts: list[nn.Module], blocks: list[list[str]], plan: Plan, mesh
     are left to the root), then per part (the root: embeddings, norms, head)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
     dtype = DTYPES[plan.precision]
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
-        else MixedPrecisionPolicy()  # fp32: no casts at all
+    reduce = fsdp_reduce_dtype(plan)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce) if dtype != torch.float32 \
+        else MixedPrecisionPolicy(reduce_dtype=None if reduce == torch.float32 else reduce)  # fp32: no casts
     kw = {"mp_policy": mp, "offload_policy": _offload_policy(plan, device) or OffloadPolicy()}
     reshard = plan.zero == 3 and plan.pp == 1
     dp_mesh = mesh.fsdp_mesh()
@@ -550,6 +551,16 @@ def apply_fsdp(parts: list[nn.Module], blocks: list[list[str]], plan: Plan, mesh
         # the root (embedding, final norm, output) is kept gathered from forward to backward: its
         # output projection's backward comes first (FSDP2's default for the root module)
         fully_shard(part, mesh=dp_mesh, reshard_after_forward=False, **kw)
+
+
+def fsdp_reduce_dtype(plan: Plan) -> torch.dtype:
+    """The dtype FSDP2 reduce-scatters gradients in: fp32, or bf16 for a synchronous plan's
+    grad_compression (bf16; fp8 and PowerSGD run as bf16: FSDP2 takes no communication hook, rule
+    "fp8 or PowerSGD gradient compression under FSDP2"). A periodic plan's compression is its outer
+    sync's (runtime/periodic.py): its inner groups reduce in fp32."""
+    if plan.grad_compression != "none" and not plan.periodic:
+        return torch.bfloat16
+    return torch.float32
 
 
 def set_fsdp_accumulation(parts: list[nn.Module], zero: int, last: bool) -> None:
@@ -580,20 +591,31 @@ def apply_data_parallel(parts: list[nn.Module], blocks: list[list[str]], plan: P
     must look for parameters without a gradient (``find_unused_parameters``), None when none can
     lack one; its answer goes to ``notes``."""
     offload = _offload_policy(plan, device) is not None
-    if mesh.ndp == 1 and not offload:
+    if mesh.sync_ndp == 1 and not offload:  # (a periodic plan's inner group of one rank: no per-step sync)
         return parts, "none"
     if plan.zero > 0 or offload:  # offload: FSDP2 over dp x cp, one rank included
         apply_fsdp(parts, blocks, plan, mesh, device)
+        if notes is not None and plan.grad_compression in ("fp8", "powersgd") and not plan.periodic:
+            from meshplan.spec.support import RULES
+            why = RULES["fp8 or PowerSGD gradient compression under FSDP2"].why(plan, 1, None)
+            notes.append(why or f"grad_compression={plan.grad_compression}: FSDP2 reduces in bf16")
         return parts, "fsdp"
     if _has_dtensor(parts) or plan.pp > 1 or plan.ep > 1:  # DDP holds no DTensors; under PP its reducer
         return parts, "manual"                            # asserts on stages with few parameters (torch 2.13)
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from meshplan.runtime.periodic import compression_of
     why = unused() if unused is not None else None
     if why and notes is not None:
         notes.append(f"DDP with find_unused_parameters=True: {why}")
     # no buffer broadcast: the rotary tables are the same on every rank (or per cp rank, by design)
-    return [DDP(p, process_group=mesh.dp_group, find_unused_parameters=why is not None, **ddp_no_buffer_sync())
-            for p in parts], "ddp"
+    ddps = [DDP(p, process_group=mesh.sync_group, find_unused_parameters=why is not None, **ddp_no_buffer_sync())
+            for p in parts]
+    comp = compression_of(plan)  # bf16/fp8/PowerSGD: DDP's communication hook
+    if comp is not None:
+        for d in ddps:
+            comp.register(d, mesh.sync_group)
+    return ddps, "ddp"
 
 
 def ddp_no_buffer_sync() -> dict[str, bool]:
@@ -706,7 +728,8 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
         apply_ac(part, block_paths(part), plan)
         if compile_blocks:
             apply_compile(part, plan)
-    run_modules, dp_mode = apply_data_parallel(parts, [block_paths(p) for p in parts], plan, mesh, device)
+    run_modules, dp_mode = apply_data_parallel(parts, [block_paths(p) for p in parts], plan, mesh, device,
+                                               notes=notes)
     out = Parallelized(parts=parts, run_modules=run_modules, stage_ids=stage_ids, dp_mode=dp_mode,
                        autocast=autocast_dtype(plan, dp_mode), notes=notes, zero=plan.zero,
                        vocab_parallel=plan.tp > 1, has_first=any(p.embed is not None for p in parts),

@@ -78,6 +78,40 @@ def learning_rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"--lr must be a finite number > 0, got {text!r}") from e
 
 
+def number_in(flag: str, low: float, high: float | None = None, *, low_open: bool = True,
+              example: str = "") -> Callable[[str], float]:
+    """argparse type of a finite float in (low, high) (``low_open``: low excluded; high always
+    excluded; None: no upper bound)."""
+    words = f"{'>' if low_open else '>='} {low:g}" + (f" and < {high:g}" if high is not None else "")
+
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
+        if not math.isfinite(v) or v < low or (low_open and v == low) or (high is not None and v >= high):
+            raise argparse.ArgumentTypeError(f"{flag} must be a finite number {words}, got {text!r}"
+                                             + (f" (e.g. {flag} {example})" if example else ""))
+        return v
+    return conv
+
+
+def check_weak_links(plan: Plan, *, nnodes: int, nodes_per_dc: int | None, outer_lr: float | None,
+                     outer_momentum: float | None) -> None:
+    """The flags of periodic syncs (runtime/periodic.py): --nodes-per-dc against --nnodes (and
+    needed by sync_scope=dc), --outer-lr/--outer-momentum only with grad_sync=diloco."""
+    if nodes_per_dc is not None and (nodes_per_dc < 1 or nnodes % nodes_per_dc):
+        raise MeshplanError(f"--nodes-per-dc {nodes_per_dc} does not divide --nnodes {nnodes}",
+                            hint="give the nodes of one datacenter, a divisor of --nnodes")
+    if plan.periodic and plan.sync_scope == "dc" and not nodes_per_dc:
+        raise MeshplanError("sync_scope=dc: the runtime does not know which nodes share a datacenter",
+                            hint="pass --nodes-per-dc N (nodes per datacenter), or use sync_scope=node or all")
+    for flag, value in (("--outer-lr", outer_lr), ("--outer-momentum", outer_momentum)):
+        if value is not None and plan.grad_sync != "diloco":
+            raise MeshplanError(f"{flag} is DiLoCo's outer optimizer setting, but the plan has "
+                                f"grad_sync={plan.grad_sync}", hint=f"add grad_sync=diloco to the plan, or drop {flag}")
+
+
 def check_output_file(flag: str, path: str | None) -> str | None:
     """A file to write (--metrics): meshplan.paths.check_output_file (its directory must exist:
     nothing is created but the file; not a directory). Returns the path."""
@@ -185,21 +219,25 @@ def _refuse(bad: list[tuple[str, str]]) -> None:
                             hint="the planner's constraints: `meshplan estimate` refuses this plan too")
 
 
-def check_plan(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int) -> None:
+def check_plan(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, *, nodes: int = 1,
+               nodes_per_dc: int | None = None) -> None:
     """The planner's own constraints (spec.constraints, as `meshplan estimate` runs them) on a preset
     model's plan, but for ``NOT_PLAN_CHECKS``: stages against the layers, batch, schedule, tp against
     heads and ffn, cp against the sequence, ep, hybrid sharding, offload, zero=2 under a pipeline,
-    recompute_layers. One line naming every reason, or nothing."""
+    recompute_layers, a periodic sync's groups on ``nodes`` (of ``nodes_per_dc`` per datacenter). One
+    line naming every reason, or nothing."""
     from meshplan.spec.constraints import violations
     work = Workload(global_batch=global_batch, seq_len=seq_len)
-    _refuse(violations(model, cpu_cluster(plan.num_gpus, memory_gib=1.0), plan, work, skip=NOT_PLAN_CHECKS))
+    cluster = cpu_cluster(plan.num_gpus, memory_gib=1.0, nodes=nodes, nodes_per_dc=nodes_per_dc)
+    _refuse(violations(model, cluster, plan, work, skip=NOT_PLAN_CHECKS))
 
 
-def check_graph_plan(graph: Any, plan: Plan, global_batch: int) -> None:
+def check_graph_plan(graph: Any, plan: Plan, global_batch: int, *, nodes: int = 1,
+                     nodes_per_dc: int | None = None) -> None:
     """The planner's constraints (spec.constraints, but NOT_PLAN_CHECKS) on an ingested model's LayerGraph;
     ``graph`` None (not traceable): the constraints that read only the plan and the batch."""
     from meshplan.spec import constraints
-    cluster = cpu_cluster(plan.num_gpus, memory_gib=1.0)
+    cluster = cpu_cluster(plan.num_gpus, memory_gib=1.0, nodes=nodes, nodes_per_dc=nodes_per_dc)
     if graph is None:
         ctx = constraints.Context(None, cluster, plan, Workload(global_batch=global_batch, seq_len=1))  # type: ignore[arg-type]
         _refuse([(name, why) for name in MODEL_FREE_CHECKS if (why := constraints.CHECKS[name](ctx))])
@@ -221,11 +259,15 @@ def mem_available_gib(path: str = MEMINFO) -> float | None:
     return None
 
 
-def cpu_cluster(nproc: int, tflops: float = 1.0, memory_gib: float | None = None) -> Any:
+def cpu_cluster(nproc: int, tflops: float = 1.0, memory_gib: float | None = None, *, nodes: int = 1,
+                nodes_per_dc: int | None = None) -> Any:
     """A ClusterSpec of this machine's CPU as ``nproc`` 'GPUs' (one process each) for the cost
-    model: fp32 matmul rate ``tflops`` (memory estimates do not depend on it), host memory."""
+    model: fp32 matmul rate ``tflops`` (memory estimates do not depend on it), host memory; spread
+    over ``nodes`` nodes (when they divide ``nproc``) of ``nodes_per_dc`` per datacenter (several
+    datacenters: an inter_dc tier at the loopback rate), as `meshplan train --nnodes --nodes-per-dc`
+    runs it (what decides a periodic plan's inner groups, spec.sync)."""
     from meshplan.runtime.launch import CPU_MEMORY_BANDWIDTH_GBPS, LOOPBACK_GBPS
-    from meshplan.spec.cluster import ClusterSpec, GPUSpec, default_links
+    from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, default_links
     if memory_gib is None:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     gpu = GPUSpec(name="local-cpu", vendor_name="this machine's CPU, one core per process",
@@ -234,8 +276,14 @@ def cpu_cluster(nproc: int, tflops: float = 1.0, memory_gib: float | None = None
                   intra_node_link="pcie", default_nic_gbps=LOOPBACK_GBPS, gemm_efficiency=1.0,
                   source="measured fp32 matmul rate of one thread")
     intra, inter = default_links(gpu)
-    return ClusterSpec(name=f"local-cpu:{nproc}", gpu=gpu, num_nodes=1, gpus_per_node=nproc,
-                       intra_node=intra, inter_node=inter)
+    if nodes < 1 or nproc % nodes:
+        nodes = 1
+    dc = None
+    if nodes_per_dc and nodes_per_dc < nodes and nodes % nodes_per_dc == 0:
+        dc = LinkTier(name="inter_dc", bandwidth_gbps=LOOPBACK_GBPS, kind="loopback")
+    name = f"local-cpu:{nproc}" if nodes == 1 else f"local-cpu:{nodes}x{nproc // nodes}"
+    return ClusterSpec(name=name, gpu=gpu, num_nodes=nodes, gpus_per_node=nproc // nodes,
+                       intra_node=intra, inter_node=inter, inter_dc=dc, nodes_per_dc=nodes_per_dc if dc else None)
 
 
 @dataclass(frozen=True)
@@ -277,13 +325,15 @@ def _corrected(r: Any, *, activation_scale: float, device_type: str, process_gib
 
 
 def memory_estimate(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int,
-                    device_type: str = "cpu") -> MemoryEstimate | None:
+                    device_type: str = "cpu", *, nodes: int = 1, nodes_per_dc: int | None = None,
+                    ) -> MemoryEstimate | None:
     """Memory per process of ``plan`` on this runtime (see the module docstring); None when the
     cost model does not price the plan (the runtime's own checks speak for it)."""
     from meshplan.cost import estimate
     run_plan = _run_plan(plan, device_type)
     try:
-        r = estimate(model, cpu_cluster(plan.num_gpus), run_plan, Workload(global_batch=global_batch, seq_len=seq_len))
+        r = estimate(model, cpu_cluster(plan.num_gpus, nodes=nodes, nodes_per_dc=nodes_per_dc), run_plan,
+                     Workload(global_batch=global_batch, seq_len=seq_len))
     except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
         return None
     # the cost model counts fp32 activations at 4 bytes itself (cost.layer.act_scale)
@@ -291,14 +341,15 @@ def memory_estimate(model: ModelSpec, plan: Plan, global_batch: int, seq_len: in
 
 
 def graph_memory_estimate(graph: Any, plan: Plan, global_batch: int, device_type: str = "cpu",
-                          process_gib: float = CPU_PROCESS_GIB) -> MemoryEstimate | None:
+                          process_gib: float = CPU_PROCESS_GIB, *, nodes: int = 1,
+                          nodes_per_dc: int | None = None) -> MemoryEstimate | None:
     """Memory per process of ``plan`` on an ingested model's LayerGraph (traced at the run's sequence
     length): ``cost.estimate`` with this runtime's CPU corrections (module docstring). None when
     the cost model does not price the plan (the runtime's own checks speak for it)."""
     from meshplan.cost import estimate
     run_plan = _run_plan(plan, device_type)
     try:
-        r = estimate(graph, cpu_cluster(plan.num_gpus), run_plan,
+        r = estimate(graph, cpu_cluster(plan.num_gpus, nodes=nodes, nodes_per_dc=nodes_per_dc), run_plan,
                      Workload(global_batch=global_batch, seq_len=graph.sample_tokens))
     except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
         return None
@@ -418,13 +469,13 @@ def state_gib(model: ModelSpec) -> float:
 
 def check_memory(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, *, nproc_per_node: int,
                  nnodes: int = 1, device_type: str = "cpu", available_gib: float | None = None,
-                 device_name: str = "") -> MemoryEstimate | None:
+                 device_name: str = "", nodes_per_dc: int | None = None) -> MemoryEstimate | None:
     """Refuse (one line) a run whose estimated memory exceeds what there is: host memory on CPU
     (``available_gib``, default MemAvailable; every process of the node counted), the device's
     memory on GPUs (``available_gib`` must be given). Returns the estimate (None: not priced, or
     nothing known of the memory available)."""
     def estimator(p: Plan, s: int) -> MemoryEstimate | None:
-        return memory_estimate(model, p, global_batch, s, device_type)
+        return memory_estimate(model, p, global_batch, s, device_type, nodes=nnodes, nodes_per_dc=nodes_per_dc)
     return _check(model.name, estimator, plan, seq_len, f"{plan.micro_batch} x {seq_len} tokens", state_gib(model),
                   nproc_per_node=nproc_per_node, nnodes=nnodes, device_type=device_type,
                   available_gib=available_gib, device_name=device_name)
@@ -434,7 +485,7 @@ def check_graph_memory(graph: Any, plan: Plan, global_batch: int, *, nproc_per_n
                        device_type: str = "cpu", available_gib: float | None = None, device_name: str = "",
                        name: str | None = None, seq_len: int | None = None,
                        retrace: Callable[[int], Any] | None = None,
-                       process_gib: float = CPU_PROCESS_GIB) -> MemoryEstimate | None:
+                       process_gib: float = CPU_PROCESS_GIB, nodes_per_dc: int | None = None) -> MemoryEstimate | None:
     """check_memory for an ingested model: ``graph`` is its LayerGraph traced at the run's sequence
     length ``seq_len`` (None: the model has none, e.g. images); ``retrace(s)`` traces it at another
     length, for the "would fit: --seq-len" hint (only called when the run does not fit). Returns the
@@ -448,7 +499,8 @@ def check_graph_memory(graph: Any, plan: Plan, global_batch: int, *, nproc_per_n
             except MeshplanError:
                 graphs[s] = None
         g = graphs[s]
-        return None if g is None else graph_memory_estimate(g, p, global_batch, device_type, process_gib)
+        return None if g is None else graph_memory_estimate(g, p, global_batch, device_type, process_gib,
+                                                            nodes=nnodes, nodes_per_dc=nodes_per_dc)
 
     tokens = f"{plan.micro_batch} x {graph.sample_tokens} tokens" if seq_len else \
         f"{plan.micro_batch} sample{'s' if plan.micro_batch > 1 else ''}"

@@ -289,6 +289,19 @@ def traced_sp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> n
             & (not sequence_parallel_runs(as_graph(m, w.seq_len))))
 
 
+def compression_fsdp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    from meshplan.spec.sync import is_periodic
+    comp = np.asarray(cols["grad_compression"])
+    fsdp = (cols["zero"] >= 1) | np.asarray(cols["offload_params"], dtype=bool) \
+        | np.asarray(cols["offload_optimizer"], dtype=bool)
+    return ((comp == "fp8") | (comp == "powersgd")) & ~is_periodic(np.asarray(cols["grad_sync"])) & fsdp
+
+
+def periodic_ep(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    from meshplan.spec.sync import is_periodic
+    return is_periodic(np.asarray(cols["grad_sync"])) & (_i64(cols, "ep") > 1)
+
+
 # The vectorised twin of each scalar predicate has the scalar one's function name (without "_").
 VECTOR_CHECKS: dict[str, Masker] = {name: globals()[fn.__name__] for name, fn in CHECKS.items()}
 RUNTIME_CHECKS: dict[str, Masker] = {name: globals()[rule.why.__name__.lstrip("_")]

@@ -186,6 +186,23 @@ def _async_tp_eager(p: Plan, micro: int, m: Model = None) -> str | None:
     return None
 
 
+def _compression_fsdp(p: Plan, micro: int, m: Model = None) -> str | None:
+    if (p.grad_compression in ("fp8", "powersgd") and not p.periodic
+            and (p.zero >= 1 or p.offload_params or p.offload_optimizer)):
+        return (f"grad_compression={p.grad_compression} under FSDP2 (zero >= 1, or offload on a GPU): FSDP2 has no "
+                "communication hook, so the runtime reduces the gradients in bf16 (MixedPrecisionPolicy "
+                f"reduce_dtype); {p.grad_compression} runs on DDP's all-reduce (zero=0) and on the outer sync of "
+                "local-sgd/diloco")
+    return None
+
+
+def _periodic_ep(p: Plan, micro: int, m: Model = None) -> str | None:
+    if p.periodic and p.ep > 1:
+        return (f"grad_sync={p.grad_sync} with ep={p.ep}: the runtime's expert groups span all of dp x cp, not an "
+                "inner group; use ep=1, or a synchronous grad_sync")
+    return None
+
+
 RULES: dict[str, Rule] = {r.name: r for r in (
     Rule("zero-bubble schedule with data parallel gives wrong gradients in torch 2.13", "refused", (),
          _zero_bubble_dp),
@@ -204,6 +221,8 @@ RULES: dict[str, Rule] = {r.name: r for r in (
     Rule("expert parallel on a traced model", "refused", (), _traced_ep),
     Rule("selective recompute on a traced model", "refused", (), _traced_recompute),
     Rule("fp8 on a traced model", "refused", (), _traced_fp8),
+    Rule("fp8 or PowerSGD gradient compression under FSDP2", "runs-as", (), _compression_fsdp),
+    Rule("periodic sync with expert parallel", "refused", (), _periodic_ep),
 )}
 """Every rule, in counting order (the search counts a rejected plan under its first)."""
 
