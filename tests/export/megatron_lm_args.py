@@ -34,7 +34,7 @@ LM_ONLY = {
     "micro_batch_size", "global_batch_size", "seq_length", "max_position_embeddings", "position_embedding_type",
     "make_vocab_size_divisible_by", "swiglu", "squared_relu", "untie_embeddings_and_output_weights",
     "group_query_attention", "num_experts", "vocab_size", "num_layers_per_virtual_pipeline_stage",
-    "num_virtual_stages_per_pipeline_rank", "ckpt_format", "cp_comm_type",
+    "num_virtual_stages_per_pipeline_rank", "ckpt_format", "cp_comm_type", "grad_reduce_in_bf16",
 }
 """Megatron-LM arguments that are not megatron-core config fields; validate/core_configs use each."""
 
@@ -78,6 +78,7 @@ def parser(attn_backend: Any) -> argparse.ArgumentParser:
     # _add_mixed_precision_args
     a('--fp16', action='store_true')
     a('--bf16', action='store_true')
+    a('--grad-reduce-in-bf16', action='store_true')
     # _add_distributed_args
     a('--tensor-model-parallel-size', type=int, default=1)
     a('--pipeline-model-parallel-size', type=int, default=1)
@@ -161,9 +162,16 @@ def validate(ns: argparse.Namespace, world_size: int, layout_cls: Any, env: dict
     if ns.fp16:
         assert not ns.bf16
         ns.params_dtype = torch.half
+    # --accumulate-allreduce-grads-in-fp32 and --main-grads-dtype (meshplan writes neither): their defaults
+    ns.accumulate_allreduce_grads_in_fp32, ns.main_grads_dtype = False, torch.float32
     if ns.bf16:
         assert not ns.fp16
         ns.params_dtype = torch.bfloat16
+        # bfloat16 requires gradient accumulation and all-reduce to be done in fp32 (unless --grad-reduce-in-bf16)
+        if ns.grad_reduce_in_bf16:
+            ns.accumulate_allreduce_grads_in_fp32 = False
+        elif not ns.accumulate_allreduce_grads_in_fp32 and ns.main_grads_dtype == torch.float32:
+            ns.accumulate_allreduce_grads_in_fp32 = True
     for req in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):
         assert getattr(ns, req) is not None, f"{req} argument is None"
     if ns.ffn_hidden_size is None:
@@ -219,7 +227,9 @@ def core_configs(ns: argparse.Namespace, mc: SimpleNamespace) -> SimpleNamespace
     if len(ns.cp_comm_type) == 1:
         kw["cp_comm_type"] = ns.cp_comm_type[0]
     transformer = mc.TransformerConfig(**kw)
-    ddp = mc.DDPConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(mc.DDPConfig) if hasattr(ns, f.name)})
+    ddp_kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(mc.DDPConfig) if hasattr(ns, f.name)}
+    ddp_kw["grad_reduce_in_fp32"] = ns.accumulate_allreduce_grads_in_fp32  # megatron/training/training.py get_model
+    ddp = mc.DDPConfig(**ddp_kw)
     opt_kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(mc.OptimizerConfig) if hasattr(ns, f.name)}
     # The precision-aware optimizer (--optimizer-cpu-offload) is Transformer Engine's: OptimizerConfig asks
     # TE's version, and TE (CUDA only) is not installed here. Answer as if TE >= that version were present.

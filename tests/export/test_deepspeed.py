@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 from export_cases import inputs, random_inputs
 
 from meshplan.export import export, render
@@ -110,6 +111,10 @@ def test_export_builds_a_deepspeed_config(name: str, deepspeed: Any, tmp_path: A
     assert cfg.zero_optimization_stage == p.zero
     assert cfg.bfloat16_config.enabled == (p.precision in ("bf16", "fp8"))
     assert cfg.float16_config.enabled == (p.precision == "fp16")
+    bf16_comm = p.grad_compression == "bf16" and not p.periodic
+    assert cfg.communication_data_type == (torch.bfloat16 if bf16_comm else None)
+    if p.periodic:
+        assert any(u.startswith(f"grad_sync={p.grad_sync} (sync_every={p.sync_every}") for u in res.unsupported)
     z = cfg.zero_config
     assert (z.offload_optimizer is not None) == (p.offload_optimizer and p.zero > 0)
     assert (z.offload_param is not None) == p.offload_params
@@ -161,6 +166,10 @@ def test_misspelled_keys_are_rejected(deepspeed: Any, monkeypatch: Any) -> None:
     assert unread_keys(deepspeed, bad, dp, monkeypatch) == ["activation_checkpointing.partition_activation"]
     bad = {**doc, "pipeline": {"activation_checkpoint_intervall": 1}}
     assert unread_keys(deepspeed, bad, dp, monkeypatch) == ["pipeline.activation_checkpoint_intervall"]
+    assert unread_keys(deepspeed, {**doc, "communication_data_type": "bf16"}, dp, monkeypatch) == []
+    assert unread_keys(deepspeed, {**doc, "communication_dtype": "bf16"}, dp, monkeypatch) == ["communication_dtype"]
+    with pytest.raises(ValueError, match="Invalid communication_data_type"):  # fp8 is not one of its types
+        _config(deepspeed, {**doc, "communication_data_type": "fp8"}, dp, monkeypatch)
     bad = {**doc, "expert_parallel": {"enabled": True, "autoep_sise": 4}}
     assert unread_keys(deepspeed, bad, dp, monkeypatch) == ["expert_parallel.autoep_sise"]
     with pytest.raises(AssertionError, match="Check batch related parameters"):  # the batch identity

@@ -69,6 +69,12 @@ def test_export_validates_in_megatron_core(name: str, megatron: Any) -> None:
     if p.zero and 0 < p.shard_group < p.dp * p.cp:
         assert core.ddp.num_distributed_optimizer_instances * p.shard_group == p.dp * p.cp
     assert core.optimizer.optimizer_cpu_offload == p.offload_optimizer
+    # gradients reduced in fp32 under --bf16 unless --grad-reduce-in-bf16 (grad_compression=bf16); no periodic sync
+    bf16_reduce = p.grad_compression == "bf16" and not p.periodic and t.bf16
+    assert core.ddp.grad_reduce_in_fp32 == (t.bf16 and not bf16_reduce)
+    assert ("--grad-reduce-in-bf16" in res.config) == bf16_reduce
+    if p.periodic:
+        assert any(u.startswith(f"grad_sync={p.grad_sync} (sync_every={p.sync_every}") for u in res.unsupported)
     if p.recompute == "full" and p.recompute_layers != 0:
         assert t.recompute_granularity == "full"
         if p.recompute_layers is not None:

@@ -14,10 +14,19 @@ import os
 from typing import Any
 
 import pytest
-from export_cases import inputs, random_inputs
+from export_cases import HAS_OVERLAP, inputs, random_inputs
 
 from meshplan.export import export, render
-from meshplan.export.torchtitan import FLAVORS, FP8_CONVERTER, LLAMA3_VOCAB, flavor
+from meshplan.export.common import sync_groups
+from meshplan.export.torchtitan import (
+    FLAVORS,
+    FP8_CONVERTER,
+    FT_CONFIG_MODULE,
+    FT_TRAINER,
+    LLAMA3_VOCAB,
+    SEMI_SYNC,
+    flavor,
+)
 from meshplan.spec.io import load_model
 
 CASES = {**inputs("torchtitan"), **random_inputs(8, seed=8)}
@@ -96,12 +105,25 @@ def test_export_parses_in_torchtitan(name: str, torchtitan: Any, tmp_path: Any) 
     cli = torchtitan.config.ConfigManager().parse_args(res.overrides)
     assert _without_config_file(cli) == _without_config_file(cfg)
 
-    par, tr = cfg.parallelism, cfg.training
+    par, tr, ft = cfg.parallelism, cfg.training, cfg.fault_tolerance
+    # local-sgd/diloco: one torchtitan job per replica group (torchft), its degrees those of one group
+    assert ft.enable == p.periodic
+    groups = ft.group_size if p.periodic else 1
+    if p.periodic:
+        assert ft.semi_sync_method == SEMI_SYNC[p.grad_sync] and ft.sync_steps == p.sync_every
+        split = sync_groups(inp)
+        assert groups == (split[1] if split is not None else 1)
+        assert ft.should_quantize == (p.grad_compression == "fp8" and p.grad_sync == "diloco")
+        overlap = getattr(p, "sync_overlap", 0)
+        assert ft.fragment_sync_delay == (overlap if p.grad_sync == "diloco" else 0)
+        assert cfg.job.custom_config_module == FT_CONFIG_MODULE
+    assert tr.mixed_precision_reduce == "float32"  # the only value torchtitan 0.2.x takes
     assert (par.tensor_parallel_degree, par.pipeline_parallel_degree, par.context_parallel_degree) == (p.tp, p.pp, p.cp)
-    assert par.data_parallel_replicate_degree * par.data_parallel_shard_degree == p.dp
+    assert par.data_parallel_replicate_degree * par.data_parallel_shard_degree * groups == p.dp
     assert par.expert_parallel_degree == p.ep
     assert (tr.global_batch_size, tr.seq_len) == (inp.global_batch, inp.seq_len)
-    accumulation = tr.global_batch_size // (tr.local_batch_size * p.dp)  # torchtitan's train.py
+    # torchtitan's train.py; under torchft the batch degree is dp x group_size (FTManager.get_dp_info)
+    accumulation = tr.global_batch_size // (tr.local_batch_size * p.dp)
     assert tr.global_batch_size == accumulation * tr.local_batch_size * p.dp
     if p.pp > 1:
         assert accumulation == 1
@@ -112,7 +134,7 @@ def test_export_parses_in_torchtitan(name: str, torchtitan: Any, tmp_path: Any) 
     torchtitan.ParallelDims(dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree,
                             cp=par.context_parallel_degree, tp=par.tensor_parallel_degree,
                             pp=par.pipeline_parallel_degree, ep=par.expert_parallel_degree,
-                            etp=par.expert_tensor_parallel_degree, world_size=p.num_gpus)
+                            etp=par.expert_tensor_parallel_degree, world_size=p.num_gpus // groups)
     assert cfg.compile.enable == p.compile
     assert par.enable_async_tensor_parallel == (p.async_tp and p.tp > 1)
     assert tr.enable_cpu_offload == p.offload_params
@@ -142,6 +164,26 @@ def test_export_parses_in_torchtitan(name: str, torchtitan: Any, tmp_path: Any) 
         assert any(u.startswith(f"model {m.name}:") for u in res.unsupported)
     assert set(cfg.model.converters) <= _registered_converters(torchtitan)
     assert (FP8_CONVERTER in cfg.model.converters) == (p.precision == "fp8")
+
+
+def test_fault_tolerance_names_match_torchtitan(torchtitan: Any) -> None:
+    """The semi-sync method names, the config module and the trainer exist in the installed torchtitan."""
+    import importlib
+    from pathlib import Path
+    root = Path(torchtitan.root)
+    manager = (root / "components" / "ft" / "manager.py").read_text()
+    for method in SEMI_SYNC.values():  # maybe_semi_sync_training: semi_sync_method.lower() == "..."
+        assert f'semi_sync_method.lower() == "{method}"' in manager
+    module = importlib.import_module(FT_CONFIG_MODULE)
+    fields = {f for f in module.FaultTolerance.__dataclass_fields__}
+    assert {"sync_steps", "should_quantize", "fragment_sync_delay"} <= fields
+    train = root.joinpath(*FT_TRAINER.split(".")[1:]).with_suffix(".py").read_text()
+    assert "maybe_semi_sync_training(" in train and "get_dp_info(" in train
+    # an extended key without the config module is an error (the export always writes both)
+    with pytest.raises(SystemExit):
+        torchtitan.config.ConfigManager().parse_args(["--fault_tolerance.sync_steps", "7"])
+    if HAS_OVERLAP:
+        assert any(CASES[n].plan.grad_sync == "diloco" and getattr(CASES[n].plan, "sync_overlap", 0) for n in CASES)
 
 
 def test_flavor_table_matches_torchtitan(torchtitan: Any) -> None:

@@ -2,6 +2,8 @@
 lists, the file formats and the command line (tests/export checks against the real parsers)."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import shlex
 import subprocess
@@ -15,21 +17,60 @@ from hypothesis import strategies as st
 
 from meshplan.errors import MeshplanError
 from meshplan.export import ExportInput, export, render
-from meshplan.export.common import stage_layer_counts, toml_text
+from meshplan.export.common import stage_layer_counts, sync_groups, toml_text
 from meshplan.export.megatron import layout
-from meshplan.export.torchtitan import flavor
-from meshplan.spec.io import load_model, plan_document
+from meshplan.export.torchtitan import FT_CONFIG_MODULE, flavor
+from meshplan.spec.base import to_dict
+from meshplan.spec.io import cluster_from_dict, dump_toml, load_cluster, load_model, load_plan, plan_document
 from meshplan.spec.plan import Plan, parse_plan
 
 TARGETS = ("torchtitan", "megatron", "deepspeed")
 LLAMA = load_model("llama3-8b")
 GPT = load_model("gpt3-1.3b")
 MIXTRAL = load_model("mixtral-8x7b")
+HAS_OVERLAP = "sync_overlap" in {f.name for f in dataclasses.fields(Plan)}
+SYNC_FIELDS = ("grad_sync", "sync_every", "sync_scope", "grad_compression", "compression_rank") + \
+    (("sync_overlap",) if HAS_OVERLAP else ())
+"""The gradient-sync fields of a Plan (local SGD / DiLoCo, compression): each is exported or listed."""
+TWO_DCS = {"name": "two-dcs", "gpu": "h100-sxm-80gb", "num_nodes": 4, "gpus_per_node": 8, "nodes_per_dc": 2,
+           "inter_dc": {"bandwidth_gbps": 12.5, "latency_us": 2000, "kind": "wan", "shared": True}}
 
 
+@functools.cache
+def h100s(n: int):
+    return load_cluster(f"h100-sxm-80gb:{n}")
 
-def inp(plan: str, model=LLAMA, gb: int = 64, seq: int | None = 4096) -> ExportInput:
-    return ExportInput(plan=parse_plan(plan), model=model, global_batch=gb, seq_len=seq)
+
+def inp(plan: str, model=LLAMA, gb: int = 64, seq: int | None = 4096, cluster=None) -> ExportInput:
+    return ExportInput(plan=parse_plan(plan), model=model, global_batch=gb, seq_len=seq, cluster=cluster)
+
+
+def carried_sync_fields(target: str, i: ExportInput, res) -> set[str]:
+    """The gradient-sync fields an export writes a setting for."""
+    out = set()
+    if target == "torchtitan":
+        ft = res.config.get("fault_tolerance", {})
+        if ft:
+            out |= {"grad_sync", "sync_every"}  # semi_sync_method, sync_steps
+            split = sync_groups(i)
+            if split is not None and ft["group_size"] == split[1]:
+                out.add("sync_scope")  # the replica groups
+        if "fragment_sync_delay" in ft:
+            out.add("sync_overlap")
+        if ft.get("should_quantize"):
+            out.add("grad_compression")
+    elif "--grad-reduce-in-bf16" in res.config or "communication_data_type" in res.config:  # megatron, deepspeed
+        out.add("grad_compression")
+    return out
+
+
+def assert_sync_fields_exported_or_listed(target: str, i: ExportInput, res) -> None:
+    p, default = i.plan, Plan()
+    carried = carried_sync_fields(target, i, res)
+    for f in SYNC_FIELDS:
+        if getattr(p, f) == getattr(default, f) or (f == "grad_sync" and not p.periodic):
+            continue  # the default, or a synchronous collective (mapped as before)
+        assert f in carried or any(f"{f}=" in u for u in res.unsupported), (target, f, p.short(), res.unsupported)
 
 
 def megatron_flags(args: list[str]) -> dict[str, list[str]]:
@@ -100,8 +141,12 @@ PLAN_FIELDS = st.fixed_dictionaries({
     "sequence_parallel": st.booleans(), "offload_optimizer": st.booleans(), "offload_params": st.booleans(),
     "precision": st.sampled_from(["bf16", "fp16", "fp8", "fp32"]), "compile": st.booleans(),
     "flash_attention": st.booleans(), "fused_loss": st.booleans(), "async_tp": st.booleans(),
-    "grad_sync": st.sampled_from(["auto", "all-reduce", "reduce-scatter"]), "p2p_sharded": st.booleans(),
-    "shard_group": st.sampled_from([0, 2]), "uneven": st.booleans(),
+    "grad_sync": st.sampled_from(["auto", "all-reduce", "reduce-scatter", "local-sgd", "diloco"]),
+    "p2p_sharded": st.booleans(), "shard_group": st.sampled_from([0, 2]), "uneven": st.booleans(),
+    "sync_every": st.sampled_from([1, 8]), "sync_scope": st.sampled_from(["all", "node"]),
+    "grad_compression": st.sampled_from(["none", "bf16", "fp8", "powersgd"]),
+    "compression_rank": st.sampled_from([1, 4]),
+    **({"sync_overlap": st.sampled_from([0, 1])} if HAS_OVERLAP else {}),
 })
 
 
@@ -110,6 +155,12 @@ def _plan(d: dict) -> Plan | None:
     uneven = d.pop("uneven")
     if d["recompute"] != "full":
         d["recompute_layers"] = None
+    if d["grad_sync"] not in ("local-sgd", "diloco"):  # valid combinations only
+        d["sync_every"], d["sync_scope"] = 1, "all"
+    if HAS_OVERLAP and d["sync_overlap"] >= d["sync_every"]:
+        d["sync_overlap"] = 0
+    if d["grad_compression"] != "powersgd":
+        d["compression_rank"] = 1
     if uneven and d["pp"] > 1:
         base = [32 // d["pp"]] * d["pp"]
         base[0] -= d["virtual_stages"]
@@ -126,7 +177,7 @@ def _plan(d: dict) -> Plan | None:
 def test_every_target_maps_every_valid_plan(fields, gb):
     plan = _plan(fields)
     assume(plan is not None)
-    i = ExportInput(plan=plan, model=LLAMA, global_batch=gb, seq_len=4096)
+    i = ExportInput(plan=plan, model=LLAMA, global_batch=gb, seq_len=4096, cluster=h100s(plan.num_gpus))
     try:
         results = {t: export(t, i) for t in TARGETS}
     except MeshplanError as e:
@@ -142,7 +193,8 @@ def test_every_target_maps_every_valid_plan(fields, gb):
     assert parsed == tt.config
     assert_same_settings(tt.config, overrides_to_tables(tt.overrides))
     par = parsed["parallelism"]
-    assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] == p.dp
+    groups = parsed["fault_tolerance"]["group_size"] if p.periodic else 1  # torchft: one job per replica group
+    assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] * groups == p.dp
     assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["context_parallel_degree"]) == \
         (p.tp, p.pp, p.cp)
     tr = parsed["training"]
@@ -176,6 +228,8 @@ def test_every_target_maps_every_valid_plan(fields, gb):
         body = render(r)
         for line in r.unsupported:
             assert line.split(":")[0] in body
+    for target, r in results.items():  # every gradient-sync field: in the settings, or listed
+        assert_sync_fields_exported_or_listed(target, i, r)
 
 
 @pytest.mark.parametrize("plan,target,needle", [
@@ -207,10 +261,91 @@ def test_every_target_maps_every_valid_plan(fields, gb):
     ("dp=8,zero=1,micro_batch=1,compile=1", "deepspeed", "engine.compile()"),
     ("dp=8,zero=1,micro_batch=1,recompute=op", "deepspeed", "recompute=op"),
     ("tp=2,dp=4,zero=1,micro_batch=1,sequence_parallel=1", "deepspeed", "no Megatron-style sequence parallelism"),
+    # gradient sync: local SGD / DiLoCo and compression
+    ("dp=8,zero=3,micro_batch=1,grad_compression=bf16", "torchtitan", 'accepts only "float32"'),
+    ("dp=8,zero=3,micro_batch=1,grad_compression=fp8", "torchtitan", "grad_compression=fp8: torchtitan 0.2.x"),
+    ("dp=8,micro_batch=1,grad_compression=powersgd,compression_rank=4", "torchtitan",
+     "grad_compression=powersgd (compression_rank=4): torchtitan has no setting for a DDP communication hook"),
+    ("dp=8,micro_batch=1,grad_sync=diloco,sync_every=8,grad_compression=bf16", "torchtitan",
+     "grad_compression=bf16 of the outer sync of grad_sync=diloco"),
+    ("dp=8,micro_batch=1,grad_sync=local-sgd,sync_every=8,grad_compression=fp8", "torchtitan",
+     "LocalSGD takes no quantization"),
+    ("tp=2,dp=8,zero=3,micro_batch=1,sequence_parallel=1,grad_sync=diloco,sync_every=8,sync_scope=node",
+     "torchtitan", "sync_scope=node: the replica groups (one per node) depend on the cluster"),
+    ("dp=8,micro_batch=1,grad_sync=diloco,sync_every=8", "megatron",
+     "grad_sync=diloco (sync_every=8, sync_scope=all): Megatron-LM has no local SGD or DiLoCo"),
+    ("dp=8,micro_batch=1,grad_sync=local-sgd,sync_every=8,grad_compression=bf16", "megatron",
+     "grad_compression=bf16 (of the outer sync of grad_sync=local-sgd): Megatron-LM has no outer sync"),
+    ("dp=8,micro_batch=1,precision=fp16,grad_compression=bf16", "megatron",
+     "--grad-reduce-in-bf16 acts only with --bf16"),
+    ("dp=8,micro_batch=1,grad_compression=fp8", "megatron", "never fp8"),
+    ("dp=8,micro_batch=1,grad_compression=powersgd,compression_rank=2", "megatron",
+     "grad_compression=powersgd (compression_rank=2): Megatron-LM has no PowerSGD"),
+    ("dp=8,micro_batch=1,grad_sync=local-sgd,sync_every=8", "deepspeed",
+     "grad_sync=local-sgd (sync_every=8, sync_scope=all): DeepSpeed has no local SGD or DiLoCo"),
+    ("dp=8,zero=1,micro_batch=1,grad_compression=fp8", "deepspeed", "communication_data_type takes fp16, bf16 or fp32"),
+    ("dp=8,micro_batch=1,grad_compression=powersgd", "deepspeed", "DeepSpeed has no PowerSGD"),
 ])
 def test_unsupported_parts_are_listed(plan, target, needle):
     res = export(target, inp(plan))
     assert any(needle in u for u in res.unsupported), res.unsupported
+    assert_sync_fields_exported_or_listed(target, inp(plan), res)
+
+
+def test_gradient_sync_mapping():
+    """local-sgd/diloco -> torchtitan's torchft semi-sync settings (one job per replica group);
+    bf16 compression -> Megatron's --grad-reduce-in-bf16 and DeepSpeed's communication_data_type."""
+    plan = "tp=2,dp=16,zero=3,micro_batch=1,sequence_parallel=1,grad_sync=diloco,sync_every=50,sync_scope=node"
+    res = export("torchtitan", inp(plan + ",grad_compression=fp8", gb=128, cluster=h100s(32)))
+    cfg = res.config
+    assert cfg["job"]["custom_config_module"] == FT_CONFIG_MODULE
+    assert cfg["fault_tolerance"] == {"enable": True, "process_group": "nccl", "group_size": 4,
+                                      "semi_sync_method": "diloco", "sync_steps": 50, "should_quantize": True}
+    par = cfg["parallelism"]  # one replica group: 4 data-parallel ranks of a node (8 GPUs / tp=2)
+    assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (1, 4)
+    assert cfg["training"]["global_batch_size"] == 128  # the batch of all groups (FTManager.get_dp_info)
+    assert res.unsupported == [] and any("launch 4 replica group(s) of 8 GPUs" in n for n in res.notes)
+    assert any("torchft" in n for n in res.notes)
+    assert "--fault_tolerance.sync_steps" in res.overrides and res.overrides[:4] == \
+        ["--job.description", res.overrides[1], "--job.custom_config_module", FT_CONFIG_MODULE]
+    # a datacenter-scoped DiLoCo: one replica group per datacenter
+    dcs = cluster_from_dict(TWO_DCS)
+    ft = export("torchtitan", inp("dp=32,zero=1,micro_batch=1,grad_sync=local-sgd,sync_every=4,sync_scope=dc",
+                                  gb=128, cluster=dcs)).config["fault_tolerance"]
+    assert (ft["group_size"], ft["semi_sync_method"], ft["sync_steps"]) == (2, "local_sgd", 4)
+    # classic workers (sync_scope=all): one group per data-parallel rank; no cluster needed
+    res = export("torchtitan", inp("dp=8,zero=0,micro_batch=1,grad_sync=local-sgd,sync_every=8"))
+    assert res.config["fault_tolerance"]["group_size"] == 8 and "fault_tolerance" not in \
+        export("torchtitan", inp("dp=8,zero=3,micro_batch=1")).config
+    if HAS_OVERLAP:
+        ft = export("torchtitan", inp("dp=8,micro_batch=1,grad_sync=diloco,sync_every=8,sync_overlap=1"))
+        assert ft.config["fault_tolerance"]["fragment_sync_delay"] == 1
+    # compression of the per-step sync
+    mg = megatron_flags(export("megatron", inp("dp=8,zero=1,micro_batch=1,grad_compression=bf16")).config)
+    assert "--grad-reduce-in-bf16" in mg and "--bf16" in mg
+    assert "--grad-reduce-in-bf16" not in megatron_flags(export("megatron", inp("dp=8,zero=1,micro_batch=1")).config)
+    ds = export("deepspeed", inp("dp=8,zero=2,micro_batch=1,grad_compression=bf16")).config
+    assert ds["communication_data_type"] == "bf16"
+    assert "communication_data_type" not in export("deepspeed", inp("dp=8,zero=2,micro_batch=1")).config
+
+
+@pytest.mark.parametrize("plan,needle", [
+    ("dp=8,zero=3,micro_batch=1,grad_compression=powersgd", "powersgd with zero=3"),
+    ("dp=1,micro_batch=1,grad_sync=diloco,sync_every=8", "needs dp >= 2"),
+    ("dp=8,zero=3,shard_group=4,micro_batch=1,grad_sync=diloco,sync_every=8,sync_scope=node", "shard_group with"),
+])
+@pytest.mark.parametrize("target", TARGETS)
+def test_invalid_gradient_sync_is_refused(plan, needle, target):
+    with pytest.raises(MeshplanError, match="cannot run") as e:
+        export(target, inp(plan))
+    assert needle in str(e.value)
+
+
+def test_sync_scope_dc_needs_two_datacenters_when_the_cluster_is_known():
+    plan = "dp=16,micro_batch=1,grad_sync=diloco,sync_every=8,sync_scope=dc"
+    assert export("deepspeed", inp(plan)).unsupported  # without a cluster: exported, listed
+    with pytest.raises(MeshplanError, match="one datacenter"):
+        export("torchtitan", inp(plan, cluster=h100s(16)))
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -356,6 +491,26 @@ def test_cli_reads_model_and_batch_from_a_plan_file(capsys, tmp_path):
                          "--override")
     assert code == 0 and json.loads(out)["train_batch_size"] == 128
     assert "--global-batch 128 replaces the plan file's 64" in err
+
+
+@pytest.mark.parametrize("suffix", ["json", "toml"])
+def test_cli_exports_the_sync_fields_of_a_plan_file(capsys, tmp_path, suffix):
+    """The gradient-sync fields go through a plan file (JSON or TOML) into the export."""
+    plan = parse_plan("dp=8,zero=1,micro_batch=1,grad_sync=diloco,sync_every=25,grad_compression=fp8"
+                      + (",sync_overlap=1" if HAS_OVERLAP else ""))
+    doc = plan_document(plan, model="llama3-8b", global_batch=64, seq_len=2048)
+    f = tmp_path / f"plan.{suffix}"
+    f.write_text(json.dumps(doc) if suffix == "json" else dump_toml(doc))
+    assert load_plan(str(f)) == plan
+    code, out, err = run(capsys, "export", "--plan", str(f), "--to", "torchtitan")
+    assert code == 0, err
+    ft = tomllib.loads(out)["fault_tolerance"]
+    assert (ft["semi_sync_method"], ft["sync_steps"], ft["should_quantize"], ft["group_size"]) == \
+        ("diloco", 25, True, 8)
+    code, out, err = run(capsys, "export", "--plan", str(f), "--to", "deepspeed")
+    assert code == 0 and "grad_sync=diloco (sync_every=25, sync_scope=all" in err
+    assert json.loads(out)["_meshplan"]["plan"] == plan.short()
+    assert to_dict(plan)["sync_every"] == 25
 
 
 def test_cli_plan_out_then_export(capsys, tmp_path):

@@ -5,6 +5,7 @@ and the pipeline sends as the enumeration does (search.space.mesh_sequence_paral
 request with unsharded sends under a pipeline with TP is searched, not refused."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -19,7 +20,17 @@ from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import NO_EXPORT_TARGET, RUNTIME_CHECKS, reason_names, violation_masks
 from meshplan.search.space import enumerate_space
 from meshplan.spec.io import load_cluster, load_model
-from meshplan.spec.plan import GRAD_SYNC, PRECISIONS, SCHEDULES, Plan, Workload, microbatches
+from meshplan.spec.plan import (
+    GRAD_COMPRESSION,
+    GRAD_SYNC,
+    PERIODIC_SYNC,
+    PRECISIONS,
+    SCHEDULES,
+    SYNC_SCOPES,
+    Plan,
+    Workload,
+    microbatches,
+)
 from meshplan.spec.support import RULES, export_targets, runtime_violations
 
 UNFUSED, ALLREDUCE = "unfused attention", "all-reduce gradient sync with sharding"
@@ -71,6 +82,23 @@ def test_a_rule_no_target_runs_still_rejects_under_its_own_name():
     assert not masks[NO_EXPORT_TARGET][0]
 
 
+HAS_OVERLAP = "sync_overlap" in {f.name for f in dataclasses.fields(Plan)}
+
+
+@st.composite
+def sync_fields(draw) -> dict:
+    """Valid gradient-sync fields: sync_every/sync_scope(/sync_overlap) only with local-sgd or diloco,
+    compression_rank only with powersgd."""
+    d = {"grad_sync": draw(st.sampled_from(GRAD_SYNC)), "grad_compression": draw(st.sampled_from(GRAD_COMPRESSION))}
+    if d["grad_sync"] in PERIODIC_SYNC:
+        d["sync_every"], d["sync_scope"] = draw(st.sampled_from([1, 4, 50])), draw(st.sampled_from(SYNC_SCOPES))
+        if HAS_OVERLAP:
+            d["sync_overlap"] = draw(st.sampled_from([0, 1]))
+    if d["grad_compression"] == "powersgd":
+        d["compression_rank"] = draw(st.sampled_from([1, 4]))
+    return d
+
+
 @st.composite
 def plans(draw) -> Plan:
     """Plans over the fields the runtime's rules read, each rule firing often."""
@@ -85,7 +113,7 @@ def plans(draw) -> Plan:
                 offload_optimizer=draw(st.booleans()), offload_params=draw(st.booleans()),
                 precision=draw(st.sampled_from(PRECISIONS)), compile=draw(st.booleans()),
                 async_tp=draw(st.booleans()), flash_attention=draw(st.booleans()),
-                fused_loss=draw(st.booleans()), grad_sync=draw(st.sampled_from(GRAD_SYNC)))
+                fused_loss=draw(st.booleans()), **draw(sync_fields()))
 
 
 CASES = [("llama3-8b", "h100-sxm-80gb:16", 64, 8192), ("tiny-llama", "a100-sxm-80gb:4", 12, 3000)]

@@ -194,6 +194,9 @@ _GOOD_PLAN_VALUES = {
     "zero": ["0", "1", "2", "3", "fsdp", "true"], "shard_group": ["0", "2", "4"],
     "schedule": ["1f1b", "gpipe", "zero-bubble", "ZB", "interleaved"], "recompute": ["none", "selective"],
     "precision": ["bf16", "fp16", "fp8", "fp32"], "stage_layers": ["4", "2:2"], "recompute_layers": ["1"],
+    "grad_sync": ["auto", "all-reduce", "reduce-scatter", "local-sgd", "diloco", "diloco", "DiLoCo"],
+    "sync_every": ["1", "8", "500", "0"], "sync_scope": ["all", "node", "dc", "rack"], "sync_overlap": ["0", "1", "2"],
+    "grad_compression": ["none", "bf16", "fp8", "powersgd", "powersgd", "int4"], "compression_rank": ["1", "4", "0"],
     **{k: _BOOL_WORDS for k in ("sequence_parallel", "offload_optimizer", "offload_params", "compile",
                                 "flash_attention", "async_tp")},
 }
@@ -294,6 +297,10 @@ def cluster_dicts(draw):
     if "inter_dc" in d or draw(st.integers(0, 3)) == 0:
         valid = st.sampled_from([1, d["num_nodes"]])
         d["nodes_per_dc"] = draw(st.one_of(valid, valid, valid, st.integers(-1, 4) | VALUES))
+    if "inter_dc" in d and isinstance(d["inter_dc"], dict) and draw(st.booleans()):
+        d["inter_dc"] = {**d["inter_dc"], "shared": draw(st.booleans() | VALUES)}
+    if draw(st.booleans()):  # the run-to-run variation of a GPU's step time, often valid
+        d["step_jitter"] = draw(st.sampled_from([0, 0.0, 0.02, 0.5, 0.999]) | st.floats(-1, 2) | VALUES)
     if draw(st.booleans()):
         d.update(draw(st.dictionaries(st.sampled_from(CLUSTER_FIELDS + META_KEYS) | st.text(max_size=8),
                                       st.integers(-2, 16) | VALUES, max_size=2)))
@@ -314,10 +321,17 @@ def test_cluster_files(fuzzdir, data):
 
 PLAN_DICTS = spec_dicts(PLAN_FIELDS, base={"tp": 8, "pp": 2, "dp": 4, "stage_layers": [16, 16]},
                         values=st.integers(-1, 9) | VALUES)
+SYNC_PLAN_DICTS = spec_dicts(PLAN_FIELDS, base={"dp": 16, "zero": 1, "grad_sync": "diloco", "sync_every": 50,
+                                                "sync_scope": "node", "grad_compression": "fp8"},
+                             values=st.sampled_from(["local-sgd", "diloco", "all", "dc", "bf16", "powersgd", 1, 4])
+                             | st.integers(-1, 9) | VALUES)
+"""Plans with local SGD / DiLoCo and compression, changed a little (sync fields without their
+grad_sync or compression are MeshplanErrors)."""
 
 
 @FUZZ
-@given(PLAN_DICTS | PLAN_DICTS.map(lambda d: {"schema_version": 1, "kind": "plan", "plan": d}) | JSON_LIKE)
+@given(PLAN_DICTS | PLAN_DICTS.map(lambda d: {"schema_version": 1, "kind": "plan", "plan": d}) | SYNC_PLAN_DICTS
+       | SYNC_PLAN_DICTS.map(lambda d: {"schema_version": 1, "kind": "plan", "plan": d}) | JSON_LIKE)
 def test_plan_files(fuzzdir, data):
     for path in write_both(fuzzdir, data):
         p = valid_or_meshplan_error(load_plan, path)

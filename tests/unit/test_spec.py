@@ -24,7 +24,15 @@ from meshplan.spec.io import (
     plan_document,
     preset_names,
 )
-from meshplan.spec.plan import PRECISIONS, RECOMPUTE, SCHEDULES
+from meshplan.spec.plan import (
+    GRAD_COMPRESSION,
+    GRAD_SYNC,
+    PERIODIC_SYNC,
+    PRECISIONS,
+    RECOMPUTE,
+    SCHEDULES,
+    SYNC_SCOPES,
+)
 
 # --------------------------------------------------------------------------------------
 # helpers
@@ -181,6 +189,24 @@ def test_cluster_file_with_preset_gpu_and_partial_links(tmp_path):
     assert c.inter_node.latency_us == default_links(c.gpu)[1].latency_us
 
 
+HAS_OVERLAP = "sync_overlap" in {f.name for f in dataclasses.fields(Plan)}
+
+
+@st.composite
+def sync_fields(draw) -> dict:
+    """Gradient-sync fields in valid combinations: sync_every / sync_scope (/ sync_overlap) only with
+    local-sgd or diloco, compression_rank only with powersgd."""
+    d = {"grad_sync": draw(st.sampled_from(GRAD_SYNC)), "grad_compression": draw(st.sampled_from(GRAD_COMPRESSION))}
+    if d["grad_sync"] in PERIODIC_SYNC:
+        d["sync_every"] = draw(st.integers(1, 10**6))
+        d["sync_scope"] = draw(st.sampled_from(SYNC_SCOPES))
+        if HAS_OVERLAP:
+            d["sync_overlap"] = draw(st.integers(0, 100))
+    if d["grad_compression"] == "powersgd":
+        d["compression_rank"] = draw(st.integers(1, 1024))
+    return d
+
+
 @st.composite
 def plans(draw) -> Plan:
     pp = draw(st.integers(1, 16))
@@ -205,6 +231,7 @@ def plans(draw) -> Plan:
         compile=draw(st.booleans()),
         async_tp=draw(st.booleans()),
         stage_layers=draw(st.none() | st.lists(st.integers(0, 200), min_size=pp, max_size=pp).map(tuple)),
+        **draw(sync_fields()),
     )
 
 
@@ -507,3 +534,56 @@ def test_tp_replicating_kv_heads_is_allowed(llama):
     # tp=16 > 8 kv heads: kv heads are replicated (16 % 8 == 0), which is fine.
     cluster = load_cluster("h100-sxm-80gb:4x16")
     assert constraints.violations(llama, cluster, Plan(tp=16, dp=4), WORK) == []
+
+
+# --------------------------------------------------------------------------------------
+# the gradient-sync plan fields and the weak-link cluster fields through files
+
+TWO_DCS = ClusterSpec(name="two-dcs", gpu=load_gpu("h100-sxm-80gb"), num_nodes=4, gpus_per_node=8,
+                      intra_node=default_links(load_gpu("h100-sxm-80gb"))[0],
+                      inter_node=default_links(load_gpu("h100-sxm-80gb"))[1], nodes_per_dc=2, step_jitter=0.03,
+                      inter_dc=LinkTier(name="inter_dc", bandwidth_gbps=12.5, latency_us=2000.0, kind="wan",
+                                        shared=True))
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans(), st.sampled_from(["json", "toml"]))
+def test_sync_fields_round_trip_through_plan_files(tmp_path_factory, plan, suffix):
+    """What `meshplan plan --out` writes (plan_document, with the cluster spec) reads back exactly:
+    the plan by load_plan, the cluster (step_jitter, a shared inter_dc link) by cluster_from_dict."""
+    from meshplan.cli.planfile import read_plan_file, spec_fields
+    from meshplan.spec.io import cluster_from_dict
+    doc = plan_document(plan, model="llama3-8b", cluster="two-dcs", global_batch=64,
+                        **spec_fields(None, TWO_DCS))
+    path = tmp_path_factory.mktemp("plans") / f"plan.{suffix}"
+    path.write_text(json.dumps(doc) if suffix == "json" else dump_toml(doc))
+    assert load_plan(str(path)) == plan
+    pf = read_plan_file(str(path))
+    assert pf is not None and cluster_from_dict(pf.cluster_spec) == TWO_DCS
+
+
+@pytest.mark.parametrize("dump", [dump_json, dump_toml])
+def test_cluster_step_jitter_and_shared_link_round_trip(tmp_path, dump):
+    suffix = "json" if dump is dump_json else "toml"
+    path = tmp_path / f"c.{suffix}"
+    path.write_text(dump(TWO_DCS))
+    c = load_cluster(str(path))
+    assert c == TWO_DCS and c.step_jitter == 0.03 and c.inter_dc is not None and c.inter_dc.shared
+    assert json_round_trip(TWO_DCS) == TWO_DCS
+    # as written by hand: [inter_dc] shared = true, the rest from the defaults
+    path = tmp_path / "hand.toml"
+    path.write_text('gpu = "h100-sxm-80gb"\nnum_nodes = 4\nnodes_per_dc = 2\nstep_jitter = 0.05\n\n'
+                    '[inter_dc]\nbandwidth_gbps = 5\nshared = true\n')
+    c = load_cluster(str(path))
+    assert c.step_jitter == 0.05 and c.inter_dc.shared and not c.inter_node.shared
+    assert load_cluster(str(write_toml(tmp_path / "again.toml", to_dict(c)))) == c
+
+
+def test_sync_fields_short_form_examples():
+    p = parse_plan("dp=16,grad_sync=diloco,h=50,sync_scope=node,compression=fp8")
+    assert (p.sync_every, p.grad_compression) == (50, "fp8")
+    assert p.short() == "tp=1,pp=1,dp=16,micro_batch=1,grad_sync=diloco,sync_every=50,sync_scope=node," \
+        "grad_compression=fp8"
+    assert parse_plan(p.short()) == p
+    q = parse_plan("dp=8,compression=powersgd,powersgd_rank=4")
+    assert parse_plan(q.short()) == q and "compression_rank=4" in q.short()

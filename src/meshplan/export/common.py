@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, cast
 
 from meshplan.errors import MeshplanError
+from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.io import toml_value
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload, microbatches
@@ -23,12 +25,14 @@ class ExportInput:
     (None); each exporter says which it needs (``require``). ``model`` may be given as the
     LayerGraph every other command takes: the exporters write the shape of the transformer
     description it was generated from (``LayerGraph.model``); a traced model has none, and no
-    framework's settings can express it."""
+    framework's settings can express it. ``cluster`` (optional) sizes the inner groups of a
+    local-sgd/diloco plan whose sync_scope is node or dc (GPUs per node / datacenter)."""
 
     plan: Plan
     model: ModelSpec | None = None
     global_batch: int | None = None
     seq_len: int | None = None
+    cluster: ClusterSpec | None = None
 
     def __post_init__(self) -> None:
         from meshplan.spec.graph import LayerGraph
@@ -98,12 +102,76 @@ def check_plan(inp: ExportInput) -> None:
     checks = [c.batch_divides, c.schedule_fits, c.cp_divides_seq, c.sp_needs_tp, c.hybrid_valid, c.offload_valid]
     if m is not None:
         checks += [c.tp_divides_heads, c.tp_divides_widths, c.layers_split, c.ep_valid]
-    for check in checks:
-        reason = check(ctx)
+    for reason in [check(ctx) for check in checks] + [sync_reason(p, inp.cluster)]:
         if reason:
             what = f"model {m.name}, " if m is not None else ""
             raise MeshplanError(f"plan {p.short()} cannot run ({what}global batch {inp.global_batch}): {reason}",
                                 hint="fix the plan, or let `meshplan plan` pick one")
+
+
+# ---- gradient sync: periodic (local SGD, DiLoCo) and compression ---------------------------------
+
+_ANY_CLUSTER = SimpleNamespace(num_dcs=2, gpus_per_node=0, gpus_per_dc=0)
+"""Stands in for an unknown cluster in spec.sync.periodic_reason: every check that needs no
+cluster runs (powersgd with sharding or periodic sync, dp >= 2, shard_group, sync_overlap), the
+scope checks pass (two datacenters; one data-parallel rank per inner group)."""
+
+
+def sync_reason(plan: Plan, cluster: ClusterSpec | None) -> str | None:
+    """Why the plan's gradient sync cannot run (spec.sync.periodic_reason, the constraint
+    'invalid gradient sync'); without a cluster only the checks that need none."""
+    from meshplan.spec.sync import periodic_reason
+    return periodic_reason(plan, cluster if cluster is not None else cast(ClusterSpec, _ANY_CLUSTER))
+
+
+def sync_overlap(plan: Plan) -> int:
+    """The plan's sync_overlap (0 where this meshplan's Plan has no such field)."""
+    return int(getattr(plan, "sync_overlap", 0))
+
+
+def sync_words(plan: Plan) -> str:
+    """A periodic plan's sync settings, as unsupported lines name them:
+    ``grad_sync=diloco (sync_every=50, sync_scope=node)``."""
+    p = plan
+    extra = [f"sync_every={p.sync_every}", f"sync_scope={p.sync_scope}"]
+    if sync_overlap(p):
+        extra.append(f"sync_overlap={sync_overlap(p)}")
+    return f"grad_sync={p.grad_sync} ({', '.join(extra)})"
+
+
+def compression_words(plan: Plan) -> str:
+    """``grad_compression=bf16``, or ``grad_compression=powersgd (compression_rank=4)``."""
+    p = plan
+    rank = f" (compression_rank={p.compression_rank})" if p.grad_compression == "powersgd" else ""
+    return f"grad_compression={p.grad_compression}{rank}"
+
+
+def sync_groups(inp: ExportInput) -> tuple[int, int] | None:
+    """(data-parallel ranks per inner group, inner groups) of a local-sgd/diloco plan
+    (spec.sync.inner_dp); None when its sync_scope (node, dc) needs the cluster and the input
+    has none."""
+    p = inp.plan
+    if p.sync_scope == "all":
+        return 1, p.dp
+    if inp.cluster is None:
+        return None
+    from meshplan.spec.sync import inner_dp
+    n = int(inner_dp(p.dp, p.tp, p.cp, p.sync_scope, inp.cluster))
+    return n, p.dp // n
+
+
+def sync_unsupported(target: str, plan: Plan) -> list[str]:
+    """The unsupported lines of a target with no periodic sync and no gradient compression beyond
+    what it maps itself (Megatron-LM, DeepSpeed): local-sgd/diloco and a compressed outer sync."""
+    p = plan
+    out: list[str] = []
+    if p.periodic:
+        out.append(f"{sync_words(p)}: {target} has no local SGD or DiLoCo (every data-parallel rank syncs "
+                   "gradients every step); exported as synchronous data parallelism")
+        if p.grad_compression != "none":
+            out.append(f"{compression_words(p)} (of the outer sync of grad_sync={p.grad_sync}): {target} has no "
+                       "outer sync to compress; not exported")
+    return out
 
 
 # ---- pipeline stages -----------------------------------------------------------------------------
@@ -156,6 +224,13 @@ def describe(inp: ExportInput) -> list[str]:
     lines = [f"plan: {p.short()}  ({p.num_gpus} GPUs: tp*pp*dp*cp = {p.tp}*{p.pp}*{p.dp}*{p.cp})"]
     if inp.model is not None:
         lines.append(f"model: {inp.model.name}")
+    if inp.cluster is not None:
+        lines.append(f"cluster: {inp.cluster.name}")
+    if p.periodic:
+        groups = sync_groups(inp)
+        if groups is not None:
+            lines.append(f"{sync_words(p)}: {groups[1]} inner groups of {groups[0]} data-parallel rank(s), "
+                         f"synchronised every {p.sync_every} steps")
     if inp.global_batch is not None:
         work = f"global batch {inp.global_batch}"
         if inp.seq_len is not None:

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshplan.export.common import ExportInput, ExportResult, describe, require, stage_layer_counts
+from meshplan.export.common import (
+    ExportInput,
+    ExportResult,
+    compression_words,
+    describe,
+    require,
+    stage_layer_counts,
+    sync_unsupported,
+)
 
 TARGET = "deepspeed"
 
@@ -58,6 +66,17 @@ def build(inp: ExportInput) -> ExportResult:
             uns.append(f"shard_group={p.shard_group} with zero={p.zero}: DeepSpeed shards ZeRO-1/2 states over "
                        "all data-parallel ranks; not exported")
     cfg["zero_optimization"] = zero
+
+    # ---- gradient sync: periodic, compression ------------------------------------------------
+    uns += sync_unsupported("DeepSpeed", p)
+    if not p.periodic and p.grad_compression == "bf16":
+        cfg["communication_data_type"] = "bf16"  # gradients cast to bf16 for their all-reduce / reduce-scatter
+    elif not p.periodic and p.grad_compression == "fp8":
+        uns.append("grad_compression=fp8: DeepSpeed's communication_data_type takes fp16, bf16 or fp32 (ZeRO++ "
+                   "zero_quantized_gradients is int4, ZeRO-3 only); not exported")
+    elif not p.periodic and p.grad_compression == "powersgd":
+        uns.append(f"{compression_words(p)}: DeepSpeed has no PowerSGD (torch's powerSGD_hook is a DDP "
+                   "communication hook; DeepSpeed's engine reduces gradients itself); not exported")
 
     # ---- tensor / sequence / expert parallel ---------------------------------------------------
     if p.tp > 1:

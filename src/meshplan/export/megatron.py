@@ -9,11 +9,13 @@ from __future__ import annotations
 from meshplan.export.common import (
     ExportInput,
     ExportResult,
+    compression_words,
     describe,
     recompute_layers_per_chunk,
     require,
     stage_ids_for_rank,
     stage_layer_counts,
+    sync_unsupported,
 )
 
 TARGET = "megatron"
@@ -159,6 +161,20 @@ def build(inp: ExportInput) -> ExportResult:
         uns.append("offload_params: Megatron-LM keeps parameters on the GPU (no parameter offload argument)")
     if p.grad_sync == "all-reduce" and p.zero >= 1:
         uns.append("grad_sync=all-reduce: Megatron's distributed optimizer and FSDP always reduce-scatter gradients")
+    uns += sync_unsupported("Megatron-LM", p)
+    if not p.periodic and p.grad_compression == "bf16":
+        if p.precision in ("bf16", "fp8"):
+            add("--grad-reduce-in-bf16")  # validate_args: accumulate_allreduce_grads_in_fp32 = False
+        else:
+            uns.append(f"grad_compression=bf16 with precision={p.precision}: --grad-reduce-in-bf16 acts only with "
+                       f"--bf16; Megatron reduces {p.precision} gradients in {p.precision}"
+                       + (" (also 16 bits)" if p.precision == "fp16" else "") + "; not exported")
+    elif not p.periodic and p.grad_compression == "fp8":
+        uns.append("grad_compression=fp8: Megatron-LM reduces gradients in fp32, bf16 (--grad-reduce-in-bf16) or "
+                   "the parameters' dtype, never fp8; not exported")
+    elif not p.periodic and p.grad_compression == "powersgd":
+        uns.append(f"{compression_words(p)}: Megatron-LM has no PowerSGD (its gradient buffers are all-reduced or "
+                   "reduce-scattered whole); not exported")
     if (p.tp > 1 or p.cp > 1) and p.zero < 2:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron-LM asserts it with TP/CP before Blackwell
 

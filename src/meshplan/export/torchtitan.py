@@ -12,10 +12,14 @@ from typing import Any
 from meshplan.export.common import (
     ExportInput,
     ExportResult,
+    compression_words,
     describe,
     recompute_layers_per_chunk,
     require,
     stage_layer_counts,
+    sync_groups,
+    sync_overlap,
+    sync_words,
 )
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
@@ -38,6 +42,18 @@ LLAMA3_VOCAB = 128256
 """TransformerModelArgs.vocab_size default (the Llama 3 tokenizer)."""
 
 FP8_CONVERTER = "quantize.linear.float8"
+
+FT_CONFIG_MODULE = "torchtitan.components.ft.config"
+"""torchtitan 0.2.x's JobConfig extension with the semi-synchronous (torchft) settings: sync_steps,
+should_quantize, fragment_sync_delay, ... (torchtitan/components/ft/config/job_config.py); the base
+JobConfig's [fault_tolerance] has only enable, process_group, replica_id, group_size,
+min_replica_size and semi_sync_method."""
+FT_TRAINER = "torchtitan.experiments.ft.train"
+"""The trainer that runs torchft (FTTrainer: FTManager, maybe_semi_sync_training); torchtitan.train
+ignores [fault_tolerance]."""
+SEMI_SYNC = {"local-sgd": "local_sgd", "diloco": "diloco"}
+"""meshplan grad_sync -> fault_tolerance.semi_sync_method (torchtitan/components/ft/manager.py,
+maybe_semi_sync_training: torchft's local_sgd.LocalSGD / local_sgd.DiLoCo)."""
 
 
 def schedule_name(p: Plan) -> str:
@@ -112,9 +128,13 @@ def build(inp: ExportInput) -> ExportResult:
                        f"tied embeddings={m.tied_embeddings}, experts={m.num_experts}); register a TrainSpec "
                        f"named {m.name!r} for it (model.name/flavor are set to {m.name!r})")
 
+    # ---- periodic sync (torchft): one torchtitan job per inner group --------------------------
+    ft, groups = _fault_tolerance(inp, uns, notes)
+    group_plan = p.replace(dp=p.dp // groups) if groups > 1 else p
+
     # ---- data parallel / FSDP ------------------------------------------------------------------
     par: dict[str, Any] = {}
-    rep, shard = _dp_split(p, uns)
+    rep, shard = _dp_split(group_plan, uns)
     par["data_parallel_replicate_degree"] = rep
     par["data_parallel_shard_degree"] = shard
     fsdp = shard > 1 or p.cp > 1
@@ -192,6 +212,12 @@ def build(inp: ExportInput) -> ExportResult:
                    "(training.enable_cpu_offload: parameters, gradients and optimizer states); not exported")
     if p.grad_sync == "all-reduce" and fsdp:
         uns.append("grad_sync=all-reduce: torchtitan's FSDP always reduce-scatters gradients")
+    if not p.periodic and p.grad_compression in ("bf16", "fp8"):
+        uns.append(f"grad_compression={p.grad_compression}: torchtitan 0.2.x reduces gradients in float32 only "
+                   "(training.mixed_precision_reduce accepts only \"float32\"); not exported")
+    elif p.grad_compression == "powersgd":
+        uns.append(f"{compression_words(p)}: torchtitan has no setting for a DDP communication hook (PowerSGD "
+                   "is torch's powerSGD_hook, registered in training code); not exported")
 
     # ---- recompute -----------------------------------------------------------------------------
     ac: dict[str, Any] = {}
@@ -230,18 +256,79 @@ def build(inp: ExportInput) -> ExportResult:
     if not p.flash_attention:
         uns.append("flash_attention=0: torchtitan always uses fused attention (SDPA / FlexAttention)")
 
+    job: dict[str, Any] = {"description": f"meshplan export: {p.short()}"}
+    if ft:
+        job["custom_config_module"] = FT_CONFIG_MODULE
     tables: dict[str, dict[str, Any]] = {
-        "job": {"description": f"meshplan export: {p.short()}"},
+        "job": job,
         "model": model,
         "training": training,
         "parallelism": par,
         "activation_checkpoint": ac,
         "compile": compile_tbl,
     }
-    notes.append(f"launch on {p.num_gpus} GPUs, e.g. NGPU={p.num_gpus} CONFIG_FILE=<this file> ./run_train.sh "
-                 "(torchrun --nnodes N --nproc-per-node G ... -m torchtitan.train --job.config_file <this file>)")
+    if ft:
+        tables["fault_tolerance"] = ft
+        n = p.num_gpus // groups
+        notes.append(f"launch {groups} replica group(s) of {n} GPUs, each its own torchtitan job with "
+                     f"--fault_tolerance.replica_id 0..{groups - 1}: NGPU={n} TRAIN_FILE={FT_TRAINER} "
+                     "CONFIG_FILE=<this file> ./run_train.sh --fault_tolerance.replica_id=I (torchrun ... "
+                     f"-m {FT_TRAINER} --job.config_file <this file>), after starting the torchft lighthouse "
+                     "(torchft_lighthouse --min_replicas 1; TORCHFT_LIGHTHOUSE=http://HOST:29510 on every job)")
+    else:
+        notes.append(f"launch on {p.num_gpus} GPUs, e.g. NGPU={p.num_gpus} CONFIG_FILE=<this file> ./run_train.sh "
+                     "(torchrun --nnodes N --nproc-per-node G ... -m torchtitan.train --job.config_file <this file>)")
     return ExportResult(target=TARGET, config=tables, overrides=overrides(tables), unsupported=uns,
                         notes=notes, title="\n".join(describe(inp)))
+
+
+def _fault_tolerance(inp: ExportInput, uns: list[str], notes: list[str]) -> tuple[dict[str, Any], int]:
+    """The [fault_tolerance] table of a local-sgd/diloco plan (torchft semi-synchronous training,
+    torchtitan 0.2.x) and the number of replica groups (torchtitan jobs); ({}, 1) for a synchronous plan.
+
+    Each inner group is a torchft replica group: a torchtitan job of its own whose parallelism
+    covers one group (data-parallel degree dp / groups), with ``group_size`` = the number of groups
+    (FTManager.get_dp_info: the batch is split over dp x groups) and ``sync_steps`` = sync_every."""
+    p = inp.plan
+    if not p.periodic:
+        return {}, 1
+    split = sync_groups(inp)
+    if split is None:
+        unit = "node" if p.sync_scope == "node" else "datacenter"
+        uns.append(f"sync_scope={p.sync_scope}: the replica groups (one per {unit}) depend on the cluster, which the "
+                   "export was not given; exported as one replica group of all data-parallel ranks "
+                   "(fault_tolerance.group_size = 1): launch one job per group of the data-parallel ranks of a "
+                   f"{unit} instead, with fault_tolerance.group_size = the number of groups and the "
+                   "data-parallel degrees of one group")
+        groups = 1
+    else:
+        groups = split[1]
+    ft: dict[str, Any] = {"enable": True, "process_group": "nccl", "group_size": groups,
+                          "semi_sync_method": SEMI_SYNC[p.grad_sync], "sync_steps": p.sync_every}
+    if p.ep > 1 and groups > 1 and ((p.dp // groups) * p.cp) % p.ep:
+        uns.append(f"ep={p.ep} with {sync_words(p)}: a replica group holds {p.dp // groups}*{p.cp} ranks "
+                   "(dp x cp) for its experts, which ep does not divide; experts cannot span replica groups")
+    overlap = sync_overlap(p)
+    if overlap and p.grad_sync == "diloco":
+        ft["fragment_sync_delay"] = overlap  # streaming DiLoCo's tau: steps before blocking on the sync
+    elif overlap:
+        uns.append(f"sync_overlap={overlap} with grad_sync=local-sgd: torchtitan's LocalSGD blocks on every "
+                   "sync (fault_tolerance.fragment_sync_delay is DiLoCo's); exported without overlap")
+    if p.grad_compression == "fp8" and p.grad_sync == "diloco":
+        ft["should_quantize"] = True  # torchft allreduce_quantized: the outer sync in fp8
+        notes.append("fault_tolerance.should_quantize sends DiLoCo's outer sync in fp8 (torchft's "
+                     "allreduce_quantized, Triton kernels)")
+    elif p.grad_compression != "none":
+        how = ("torchtitan's LocalSGD takes no quantization (fault_tolerance.should_quantize, fp8, is "
+               "DiLoCo's)" if p.grad_compression == "fp8" else
+               "torchft sends the outer sync in the parameters' dtype, or in fp8 with fault_tolerance."
+               "should_quantize (DiLoCo only)")
+        uns.append(f"{compression_words(p)} of the outer sync of grad_sync={p.grad_sync}: {how}; not exported")
+    notes.append(f"{sync_words(p)} runs on torchft (pip install torchft-nightly): semi_sync_method = "
+                 f"{SEMI_SYNC[p.grad_sync]!r} via {FT_CONFIG_MODULE} and {FT_TRAINER}"
+                 + ("; DiLoCo's outer optimizer is SGD(lr=0.7, momentum=0.9, nesterov=True), fixed in "
+                    "torchtitan/components/ft/manager.py" if p.grad_sync == "diloco" else ""))
+    return ft, groups
 
 
 def _dp_split(p: Plan, uns: list[str]) -> tuple[int, int]:
