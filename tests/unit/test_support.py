@@ -1,0 +1,63 @@
+"""The runtime's rules on the weak-link plan fields (grad_sync local-sgd/diloco, grad_compression):
+each scalar rule (spec.support) against its vectorised twin (search.constraints) on random plans
+that draw those fields, and one example plan per rule."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshplan.search.columns import PlanColumns
+from meshplan.search.constraints import RUNTIME_CHECKS
+from meshplan.spec.io import load_cluster, load_model
+from meshplan.spec.plan import GRAD_COMPRESSION, Plan, Workload
+from meshplan.spec.support import RULES, export_targets, runtime_violations
+
+NEW = ("fp8 or PowerSGD gradient compression under FSDP2", "periodic sync with expert parallel")
+
+
+def random_plan(rng: np.random.Generator) -> Plan:
+    def pick(xs):  # type: ignore[no-untyped-def]
+        return xs[int(rng.integers(len(xs)))]
+    sync = pick(["auto", "all-reduce", "reduce-scatter", "local-sgd", "diloco"])
+    periodic = sync in ("local-sgd", "diloco")
+    comp = pick(GRAD_COMPRESSION)
+    return Plan(dp=pick([1, 2, 4, 8]), tp=pick([1, 2]), ep=pick([1, 1, 2]), zero=int(rng.integers(4)),
+                offload_params=bool(rng.random() < 0.2), offload_optimizer=bool(rng.random() < 0.2),
+                grad_sync=sync, sync_every=pick([1, 4]) if periodic else 1,
+                sync_scope=pick(["all", "node", "dc"]) if periodic else "all", grad_compression=comp,
+                compression_rank=pick([1, 4]) if comp == "powersgd" else 1)
+
+
+def test_new_rules_equal_their_vectorised_twins() -> None:
+    m, c = load_model("tiny-llama"), load_cluster("h100-sxm-80gb:16")
+    w = Workload(global_batch=64, seq_len=64)
+    rng = np.random.default_rng(7)
+    plans = [random_plan(rng) for _ in range(600)]
+    cols = PlanColumns.from_plans(plans)
+    fired = {name: 0 for name in NEW}
+    for name in NEW:
+        mask = np.asarray(RUNTIME_CHECKS[name](m, c, w, cols), dtype=bool)
+        for i, p in enumerate(plans):
+            scalar = RULES[name].why(p, 8, m) is not None
+            assert bool(mask[i]) == scalar, (name, p.short())
+            fired[name] += scalar
+    assert all(n > 10 for n in fired.values()), fired
+
+
+FP8_FSDP = Plan(dp=8, zero=3, grad_compression="fp8")
+DILOCO_EP = Plan(dp=8, ep=2, grad_sync="diloco", sync_every=4)
+
+
+@pytest.mark.parametrize("name,plan,kind,fine", [
+    # what the runtime does run: fp8 on DDP, on a periodic sync, bf16 under FSDP2
+    (NEW[0], FP8_FSDP, "runs-as", [FP8_FSDP.replace(zero=0), FP8_FSDP.replace(grad_compression="bf16"),
+                                   FP8_FSDP.replace(grad_sync="diloco", sync_every=2)]),
+    # a periodic plan without experts, experts with a synchronous plan
+    (NEW[1], DILOCO_EP, "refused", [DILOCO_EP.replace(ep=1), DILOCO_EP.replace(grad_sync="auto", sync_every=1)]),
+])
+def test_examples(name: str, plan: Plan, kind: str, fine: list[Plan]) -> None:
+    assert RULES[name].kind == kind
+    assert [r.name for r, _ in runtime_violations(plan, 8)] == [name]
+    assert export_targets(plan, 8) == ()  # no export target runs them as planned
+    for p in fine:
+        assert not [r for r, _ in runtime_violations(p, 8) if r.name == name], p.short()
