@@ -23,6 +23,7 @@ import numpy as np
 
 from meshplan.cost.comm import Group, exposed_under, staged_fsdp_exposed, staged_fsdp_overlapped
 from meshplan.cost.compute import loss_kind
+from meshplan.cost.convergence import token_efficiency
 from meshplan.cost.layer import QUANTITIES, act_scale, table
 from meshplan.cost.memory import (
     BF16_LOGITS_BYTES_PER_ELEM,
@@ -45,6 +46,17 @@ from meshplan.cost.parts import (
     tied_sync,
 )
 from meshplan.cost.schedule import RankPasses, bubble_array, in_flight_array, rank_passes
+from meshplan.cost.sync import (
+    OUTER_BYTES,
+    amortised_outer,
+    compressed_sync_bytes,
+    cross_bytes,
+    matrix_elements,
+    outer_sync,
+    powersgd_bytes,
+    straggler_seconds,
+)
+from meshplan.cost.sync import groups as sync_groups
 from meshplan.cost.uncertainty import memory_high, step_band, verdicts
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph, as_graph, derived, layer_ops
@@ -58,7 +70,8 @@ BLOCK_KEY = ("tp", "cp", "micro_batch", "precision", "recompute", "sequence_para
              "compile", "flash_attention", "ep", "fused_loss")
 #: Exposed time terms (they sum to the step time) and overlapped ones, in report order.
 TIME_KEYS = ("compute", "recompute", "tp_comm", "tp_comm_overlapped", "cp_comm", "ep_comm",
-             "dp_comm", "dp_comm_overlapped", "pp_comm", "offload", "bubble", "optimizer", "overhead")
+             "dp_comm", "dp_comm_overlapped", "pp_comm", "offload", "bubble", "optimizer", "outer_sync",
+             "outer_sync_overlapped", "straggler", "overhead")
 MEMORY_KEYS = ("weights", "grads", "optimizer", "activations", "transient", "overhead")
 
 __all__ = ["BLOCK_KEY", "MEMORY_KEYS", "TIME_KEYS", "Assembly", "Layout", "assemble", "estimate_batch",
@@ -272,7 +285,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     tp, pp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "pp", "dp", "cp", "ep"))
     zero, mb, v = cols["zero"], cols["micro_batch"].astype(float), cols["virtual_stages"].astype(float)
     n = len(tp)
-    shard = shard_degree(cols)
+    shard = shard_degree(cols, cluster)
     micro = microbatches(work.global_batch, cols["dp"], cols["micro_batch"])
     tokens = mb * work.seq_len / cp
     scale = act_scale(cols["precision"])
@@ -504,13 +517,118 @@ def end_of_step(a: Assembly, cluster: ClusterSpec, p: CostParams) -> tuple[np.nd
     its own parameters, plus the tied weights' all-reduce on the ranks holding them."""
     cols = a.cols
     tp, dp, cp, pp = (np.asarray(cols[k]).astype(float) for k in ("tp", "dp", "cp", "pp"))
-    c2 = {k: np.asarray(cols[k])[:, None] for k in ("zero", "pp", "grad_sync", "precision")}
-    e_r, o_r = dp_end_of_step(cluster, c2, p, tp[:, None], dp[:, None], cp[:, None], a.shard[:, None],
-                              a.lp_unit[:, None], a.plocal, (a.terms["compute"][:, 0] / 2)[:, None], a.micro[:, None])
+    c2 = {k: np.asarray(cols[k])[:, None] for k in ("zero", "pp", "grad_sync", "precision", "grad_compression")}
+    _, n_in, _ = sync_groups(cols, cluster)  # a local-sgd/diloco row syncs its inner group every step
+    psgd, psgd_t = powersgd_terms(a, cluster, p)
+    e_r, o_r = dp_end_of_step(cluster, c2, p, tp[:, None], n_in[:, None].astype(float), cp[:, None],
+                              a.shard[:, None], a.lp_unit[:, None], a.plocal,
+                              (a.terms["compute"][:, 0] / 2)[:, None], a.micro[:, None], psgd, psgd_t)
     j = np.arange(a.valid.shape[1])[None, :]
     ends = a.first | (j == (pp[:, None] - 1))
     tie = ((pp > 1) & (a.lay.graph.tied_params > 0) & ~a.zbv)[:, None]
     return e_r + np.where(ends & tie, a.tied[:, None], 0), o_r
+
+
+def powersgd_terms(a: Assembly, cluster: ClusterSpec, p: CostParams) -> tuple[np.ndarray | None, Any]:
+    """((rows, ranks) bytes PowerSGD all-reduces per step, (rows, ranks) seconds of its
+    compression in HBM), or (None, 0) when no row compresses with PowerSGD."""
+    cols = a.cols
+    psgd = np.asarray(cols["grad_compression"]) == "powersgd"
+    if not psgd.any():
+        return None, 0.0
+    tp, ep = (np.asarray(cols[k], dtype=float) for k in ("tp", "ep"))
+    lp = local_params(a.lay, tp, ep)
+    sent = powersgd_bytes(a.lay, a.C, lp, tp, ep, np.asarray(cols["compression_rank"]))
+    hbm = cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency
+    return sent, np.where(psgd[:, None], p.powersgd_bytes_per_param * a.plocal / hbm, 0.0)
+
+
+def held_params(a: Assembly) -> np.ndarray:
+    """(rows, ranks) parameters each rank holds after ZeRO within its (inner) group."""
+    zero = np.asarray(a.cols["zero"])[:, None]
+    return a.plocal / np.where(zero >= 1, a.shard[:, None], 1.0)
+
+
+def weak_link_terms(a: Assembly, cluster: ClusterSpec, p: CostParams, step: np.ndarray) -> dict[str, np.ndarray]:
+    """Per row: the outer sync of local-sgd/diloco rows amortised over H steps (exposed,
+    overlapped, and one whole outer sync), the expected straggler wait and what a synchronous
+    plan would wait, the token-efficiency factor. ``step``: the step before these."""
+    cols = a.cols
+    periodic, n_in, n_out = sync_groups(cols, cluster)
+    rows = np.arange(len(step))
+    n = cols["tp"] * cols["pp"] * cols["dp"] * cols["cp"]
+    out = {"outer_exposed": np.zeros(len(rows)), "outer_overlapped": np.zeros(len(rows)),
+           "outer_sync_s": np.zeros(len(rows))}
+    if periodic.any():
+        held = held_params(a)
+        t, t_step = outer_sync(cluster, cols, p, held, n_in, n_out)
+        x, o = amortised_outer(t, t_step, step[:, None], cols, p.overlap_slowdown)
+        x, o = np.where(a.valid, x, -np.inf), np.where(a.valid, o, 0.0)
+        worst = np.argmax(x, axis=1)
+        out = {"outer_exposed": np.maximum(0.0, x[rows, worst]), "outer_overlapped": o[rows, worst],
+               "outer_sync_s": np.where(a.valid, t, 0.0).max(axis=1)}
+    inner_ranks = n // np.maximum(n_out, 1)
+    wait, wait_sync = straggler_seconds(cluster.step_jitter, step, n, periodic, inner_ranks, n_out,
+                                        cols["sync_every"])
+    eff = token_efficiency(p.token_efficiency_file)
+    factor = eff.factor(cols["grad_sync"], cols["sync_every"], n_out, cols["grad_compression"],
+                        cols["compression_rank"])
+    return out | {"straggler": wait, "straggler_sync": wait_sync, "token_factor": factor,
+                  "n_out": n_out.astype(float)}
+
+
+def cross_site(a: Assembly, cluster: ClusterSpec, p: CostParams) -> np.ndarray:
+    """(rows) bytes per step that cross each direction of the link between two datacenters (the
+    busiest pipeline rank's data-parallel traffic x the ranks, the pipeline sends, the outer
+    sync / H); 0 on one datacenter. TP, CP and EP groups stay within a datacenter in the plans
+    meshplan enumerates and are not counted."""
+    cols = a.cols
+    n_rows = len(a.micro)
+    if cluster.num_dcs < 2:
+        return np.zeros(n_rows)
+    tp, pp, dp, cp = (np.asarray(cols[k], dtype=float) for k in ("tp", "pp", "dp", "cp"))
+    zero = np.asarray(cols["zero"])
+    periodic, n_in, n_out = sync_groups(cols, cluster)
+    n_in = n_in.astype(float)
+    plocal = np.where(a.valid, a.plocal, 0.0).max(axis=1)
+    micro = np.asarray(a.micro, dtype=float)
+    # the per-step data-parallel collective (over the inner group for periodic rows)
+    n_sync = n_in * cp
+    grads = 4.0 * plocal
+    comp = np.asarray(cols["grad_compression"])
+    psgd, _ = powersgd_terms(a, cluster, p)
+    sent = compressed_sync_bytes(grads, plocal, comp, None if psgd is None else
+                                 np.where(a.valid, psgd, 0.0).max(axis=1))
+    sent = np.where(periodic, grads, sent)
+    gs = np.asarray(cols["grad_sync"])
+    allreduce = (gs == "all-reduce") | ((gs != "reduce-scatter") & (zero == 0))
+    shard = a.shard
+    dp_sync = np.where(zero == 3, 0.0, cross_bytes(cluster, n_sync, tp, sent, 1.0) * np.where(allreduce, 2.0, 1.0)
+                       * np.where(zero == 2, micro, 1.0))
+    dp_sync = dp_sync + np.where((zero == 1) | (zero == 2), cross_bytes(cluster, n_sync, tp, 2.0 * plocal, 1.0), 0.0)
+    # ZeRO-3: every block gathered twice and reduce-scattered per micro-batch (once per step under a pipeline)
+    times = np.where(pp > 1, 1.0, micro)
+    z3 = times * (cross_bytes(cluster, shard, tp, 2.0 * plocal, 2.0)
+                  + cross_bytes(cluster, shard, tp, p.fsdp_reduce_bytes * plocal, 1.0))
+    hsdp = cross_bytes(cluster, np.maximum(1.0, n_sync / shard), tp * shard, p.fsdp_reduce_bytes * plocal / shard, 2.0)
+    z3 = np.where(zero == 3, z3 + np.where(shard < n_sync, hsdp, 0.0), 0.0)
+    # pipeline sends: N / pp ranks at a stage boundary, one activation forward and one gradient back per
+    # micro-batch (each way) and chunk, when a boundary crosses a datacenter
+    stage_gpus = cluster.num_gpus / pp
+    crosses_pp = (pp > 1) & (stage_gpus < cluster.gpus_per_dc)
+    send_bytes = np.asarray(a.tokens, dtype=float) * act_scale(cols["precision"]) * a.lay.send / np.where(
+        cols["p2p_sharded"], tp, 1.0)
+    v = np.asarray(cols["virtual_stages"], dtype=float)
+    sends = np.where(crosses_pp, micro * v * send_bytes * stage_gpus, 0.0)
+    # the outer sync, once per H steps
+    per_value = np.full(n_rows, 4.0)
+    for name, b in OUTER_BYTES.items():
+        per_value = np.where(comp == name, b, per_value)
+    held = np.where(a.valid, held_params(a), 0.0).max(axis=1)
+    outer = cross_bytes(cluster, n_out, tp * cp * n_in, per_value * held, 2.0) / np.maximum(
+        1.0, np.asarray(cols["sync_every"], dtype=float))
+    outer = np.where(periodic, outer, 0.0)
+    return dp_sync + z3 + sends + outer
 
 
 def _estimate(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
@@ -564,15 +682,21 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
     end = np.where(valid, e_r + opt_t - dr, -np.inf).max(axis=1)
     opt = np.minimum(np.where(valid, opt_t, 0).max(axis=1), end)  # >= 0: rank 0 has no drain
     dp_exp = dp_exp + end - opt
-    step = busy + bubble + dp_exp + opt + p.step_overhead_s
+    base = busy + bubble + dp_exp + opt
+    weak = weak_link_terms(a, cluster, p, base)
+    step = base + weak["outer_exposed"] + weak["straggler"] + p.step_overhead_s
 
     out: dict[str, np.ndarray] = {f"time.{k}": micro * t[rows, crit] for k, t in a.terms.items()}
     out["time.dp_comm"] = out["time.dp_comm"] + dp_exp
     out["time.dp_comm_overlapped"] = out["time.dp_comm_overlapped"] + dp_ovl
-    out |= {"time.bubble": bubble, "time.optimizer": opt,
+    out |= {"time.bubble": bubble, "time.optimizer": opt, "time.outer_sync": weak["outer_exposed"],
+            "time.outer_sync_overlapped": weak["outer_overlapped"], "time.straggler": weak["straggler"],
             "time.overhead": np.full(len(rows), p.step_overhead_s)}
     mem = memory_parts(a, p)
     out |= _summary(a, cluster, work, p, step, mem)
+    out |= {"token_factor": weak["token_factor"], "time_to_target_s": step * weak["token_factor"],
+            "outer_sync_s": weak["outer_sync_s"], "straggler_sync_s": weak["straggler_sync"],
+            "outer_workers": weak["n_out"], "cross_site_gb": cross_site(a, cluster, p) / 1e9}
     return out
 
 
@@ -624,6 +748,16 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     opt_tmp = np.where(offo, 0.0, p.optimizer_temp_bytes * plocal / np.where(zero >= 1, col(a.shard), 1.0))
     transient = np.maximum(transient, opt_tmp - acts)
     overhead = (p.framework_overhead_gib + p.cuda_context_gib + p.nccl_buffer_gib) * GiB
+    # DiLoCo's outer state: the fp32 anchor and the Nesterov momentum of the parameters a rank
+    # holds; PowerSGD's error feedback (fp32, the unsharded gradients) and its P, Q factors.
+    diloco = (np.asarray(cols["grad_sync"]) == "diloco")[:, None]
+    o = o + np.where(diloco, 8.0 * held_params(a), 0.0)
+    if (np.asarray(cols["grad_compression"]) == "powersgd").any():
+        psgd = (np.asarray(cols["grad_compression"]) == "powersgd")[:, None]
+        tp_, ep_ = (np.asarray(cols[k], dtype=float) for k in ("tp", "ep"))
+        _, sides = matrix_elements(a.lay, tp_, ep_)
+        factors = 4.0 * col(cols["compression_rank"]) * C.sum(sides)
+        g = g + np.where(psgd, 4.0 * plocal + factors, 0.0)
     parts = {"weights": w, "grads": g, "optimizer": o, "activations": acts, "transient": transient,
              "overhead": np.broadcast_to(overhead, plocal.shape)}
     # Host memory the offload takes per GPU: the optimizer states it moves (Adam's fp32 m, v, and

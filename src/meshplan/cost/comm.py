@@ -10,6 +10,8 @@ NCCL docs, "bus bandwidth"):
   send/recv       S / B + alpha
 A group spanning nodes with k members per node runs k rings in parallel, one per NIC, so its
 per-rank bandwidth is min(intra-node, k x NIC) (NCCL multi-ring; busbw of DGX all-reduce).
+A group crossing a shared link between datacenters (``LinkTier.shared``: its bandwidth is the
+whole link's) gets n / N of it: all N / n groups of the collective cross it at once.
 
 Every function here accepts numpy arrays as well as scalars (one row per candidate plan):
 the scalar estimate and the vectorised search share this code.
@@ -62,7 +64,7 @@ def _link_key(c: ClusterSpec) -> tuple[Any, ...]:
     dc = c.inter_dc
     return (c.gpus_per_node, c.intra_node.bytes_per_s, c.intra_node.latency_us,
             c.inter_node.bytes_per_s, c.inter_node.latency_us, c.nodes_per_dc,
-            None if dc is None else (dc.bytes_per_s, dc.latency_us))
+            None if dc is None else (dc.bytes_per_s, dc.latency_us, dc.shared, c.num_gpus))
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,10 @@ class Group:
                                                      np.maximum(n, 1)), 1)
         intra_bw = intra.bytes_per_s
         bw = np.where(inside, intra_bw, np.minimum(intra_bw, per_node * tier_bw))
+        if cluster.inter_dc is not None and cluster.nodes_per_dc and cluster.inter_dc.shared:
+            # One link between sites, shared: every group runs the collective at once (N / n
+            # groups), and each group's ring crosses it once per direction, so each gets n / N of it.
+            bw = np.where(dc, np.minimum(bw, cluster.inter_dc.bytes_per_s * n / cluster.num_gpus), bw)
         lat = np.where(n <= 1, 0.0, np.where(inside, intra.latency_us * US, tier_lat))
         return Group(n, bw, lat)
 

@@ -82,6 +82,14 @@ class StageDurations:
     """CostParams.overlap_slowdown: the compute a pipelined FSDP gather or reduce-scatter runs
     under is slowed by this fraction of the time they share (the per-block and end-of-step
     terms above already include it)."""
+    outer_sync_s: float = 0.0
+    """Per step: the exposed share of a local-sgd/diloco outer sync (one every sync_every
+    steps, amortised: cost.sync.amortised_outer), after the optimizer."""
+    outer_sync_full_s: float = 0.0
+    """One whole outer sync (what every sync_every-th step carries)."""
+    sync_every: int = 1
+    straggler_s: float = 0.0
+    """Per step: the expected wait for the slowest rank (cost.sync.straggler_seconds)."""
 
 
 def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
@@ -156,7 +164,9 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         end_dp_exposed_s=end_exp, end_dp_overlapped_s=end_ovl, optimizer_s=row(opt_t),
         overhead_s=p.step_overhead_s, static_bytes=[float(x) for x in static],
         overlap_slowdown=p.overlap_slowdown, output_static_bytes=float(moved),
-        act_bytes_per_microbatch=[float(x) * (1 + frag) for x in per_mb], analytic=analytic)
+        act_bytes_per_microbatch=[float(x) * (1 + frag) for x in per_mb], analytic=analytic,
+        outer_sync_s=float(est["time.outer_sync"][0]), outer_sync_full_s=float(est["outer_sync_s"][0]),
+        sync_every=plan.sync_every, straggler_s=float(est["time.straggler"][0]))
 
 
 def _first_part(a: _b.Assembly, fwd: bool, b_in: bool) -> float:

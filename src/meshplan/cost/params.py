@@ -157,6 +157,18 @@ class CostParams:
     """NCCL's communication buffers per GPU beyond framework_overhead_gib, GiB (outside torch's
     allocator; e.g. Megatron's --tp-comm-overlap userbuffers). Counted in the overhead part."""
 
+    token_efficiency_file: str = ""
+    """POLICY: a TOML/JSON file of token-efficiency factors replacing the defaults of
+    cost.convergence (`meshplan plan --token-efficiency`); "" = the defaults."""
+    powersgd_bytes_per_param: float = 24.0
+    """HBM bytes PowerSGD moves per gradient element each step on top of the sync: the error
+    feedback added (read 4, write 4), the matrix read twice for P = M Q and Q = M^T P (8), the
+    approximation written back (4) and the new error (4) (torch's powerSGD_hook, fp32 grads)."""
+    outer_step_bytes_per_param: float = 20.0
+    """HBM bytes per parameter of a local-SGD/DiLoCo outer step: read the parameters and the
+    anchor for the delta, the momentum read and written, the anchor and the parameters written
+    (fp32), as memory-bound elementwise kernels."""
+
     def replace(self, **changes: object) -> CostParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
@@ -190,7 +202,8 @@ PARAM_KINDS: dict[str, str] = {
     "step_overhead_s": "derived", "attention_kernel": "derived", "elementwise_kernels": "derived",
     "dp_overlap": "derived", "param_gather_overlap": "derived", "dp_bucket_buffers": "derived", "main_grads": "derived",
     "loss_kernel": "derived", "logits_fp32": "derived", "optimizer_temp_bytes": "derived",
-    "cuda_context_gib": "derived", "nccl_buffer_gib": "derived",
+    "cuda_context_gib": "derived", "nccl_buffer_gib": "derived", "token_efficiency_file": "derived",
+    "powersgd_bytes_per_param": "derived", "outer_step_bytes_per_param": "derived",
 }
 #: Per-GPU numbers in the GPU data files that are fitted (the rest are datasheet values).
 GPU_FITTED_FIELDS = ("gemm_efficiency", "attention_efficiency")

@@ -35,11 +35,20 @@ def plans_to_columns(plans: Sequence[Plan]) -> dict[str, np.ndarray]:
     return cols
 
 
-def shard_degree(cols: Mapping[str, np.ndarray]) -> np.ndarray:
-    """Ranks ZeRO/FSDP state is sharded over (Plan.effective_shard, per row)."""
+def shard_degree(cols: Mapping[str, np.ndarray], cluster: ClusterSpec | None = None) -> np.ndarray:
+    """Ranks ZeRO/FSDP state is sharded over (Plan.effective_shard, per row). Given the
+    cluster, a local-sgd/diloco row shards within its inner group (spec.sync.inner_dp x cp);
+    without it, over all of dp x cp (fewer bytes per GPU: a lower bound for those rows)."""
     dp, cp = cols["dp"].astype(float), cols["cp"].astype(float)
     sg = cols["shard_group"]
-    return np.where(cols["zero"] == 0, 1.0, np.where((sg > 0) & (sg < dp * cp), sg, dp * cp))
+    full = dp * cp
+    if cluster is not None and "grad_sync" in cols:
+        from meshplan.spec.sync import inner_dp, is_periodic
+        periodic = is_periodic(cols["grad_sync"])
+        if periodic.any():
+            n_in = inner_dp(cols["dp"], cols["tp"], cols["cp"], np.asarray(cols["sync_scope"]), cluster, periodic)
+            full = np.where(periodic, n_in * cp, full)
+    return np.where(cols["zero"] == 0, 1.0, np.where((sg > 0) & (sg < full), sg, full))
 
 
 def output_stage(pp: np.ndarray, zbv: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -107,7 +116,8 @@ def root_fsdp(cluster: ClusterSpec, p: CostParams, root: np.ndarray, shard: np.n
 def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: CostParams,
                    tp: np.ndarray, dp: np.ndarray, cp: np.ndarray, shard: np.ndarray,
                    lp: np.ndarray, params_local: np.ndarray,
-                   last_bwd: np.ndarray, micro: Any = 1) -> tuple[np.ndarray, np.ndarray]:
+                   last_bwd: np.ndarray, micro: Any = 1, psgd: np.ndarray | None = None,
+                   psgd_compute: Any = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """(exposed, overlapped) seconds of gradient sync / parameter gather ending a step.
 
     ZeRO-0/1 accumulate unsharded gradients over the ``micro`` micro-batches and reduce them
@@ -115,7 +125,11 @@ def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cost
     reduce-scattering every micro-batch's gradients under that micro-batch's backward
     (DeepSpeed ZeRO-2; FSDP2 with gradient sync on): ``micro`` times the sync. (Under a
     pipeline nothing keeps gradients sharded: spec.constraints refuses zero=2 with pp > 1.)
-    ``lp``: parameters of the first FSDP unit (its gather starts the step under ZeRO-3)."""
+    ``lp``: parameters of the first FSDP unit (its gather starts the step under ZeRO-3).
+    ``dp``: the data-parallel ranks that sync every step (a local-sgd/diloco row's inner group).
+    grad_compression shrinks the gradient collective (cost.sync.compressed_sync_bytes; ``psgd``:
+    PowerSGD's bytes, whose two extra all-reduces add their latency and whose compression,
+    ``psgd_compute`` seconds, runs after the backward)."""
     zero, pp = cols["zero"], cols["pp"]
     n_dp = dp * cp
     # ZeRO-3/FSDP: the first block's gather once, plus HSDP's all-reduce across replicas.
@@ -132,8 +146,15 @@ def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cost
     if p.main_grads == "bf16":  # the profile's 16-bit gradient buffers are what is reduced
         grads = np.where(zero == 3, grads, MAIN_GRAD_BYTES["bf16"] * params_local)
     gs = cols["grad_sync"]
-    allreduce = (gs == "all-reduce") | ((gs == "auto") & (zero == 0))
+    allreduce = (gs == "all-reduce") | ((gs != "reduce-scatter") & (zero == 0))
+    comp = np.asarray(cols.get("grad_compression", "none"))
+    if (comp != "none").any():
+        from meshplan.cost.sync import compressed_sync_bytes
+        periodic = (gs == "local-sgd") | (gs == "diloco")  # their compression is the outer sync's
+        grads = np.where(periodic, grads, compressed_sync_bytes(grads, params_local, comp, psgd))
     sync = np.where(allreduce, g.all_reduce(grads), g.reduce_scatter(grads))
+    powersgd = (comp == "powersgd") & allreduce
+    sync = sync + np.where(powersgd, 2 * g.all_reduce(1.0) + psgd_compute, 0.0)
     last = np.minimum(grads, p.dp_bucket_mib * 2**20)  # the last bucket, by the same collective
     bucket = np.where(allreduce, g.all_reduce(last), g.reduce_scatter(last))
     # With a pipeline the sync starts after the stage's last backward: nothing to overlap; nor

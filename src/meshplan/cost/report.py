@@ -47,11 +47,26 @@ class CostReport:
     """Peak GiB of each pipeline stage."""
     time: dict[str, float]
     """Exposed seconds per step: compute, recompute, tp_comm, cp_comm, ep_comm, dp_comm,
-    pp_comm, bubble, optimizer, overhead (they sum to step_time_s), plus *_overlapped
-    entries for communication hidden under compute."""
+    pp_comm, bubble, optimizer, outer_sync, straggler, overhead (they sum to step_time_s), plus
+    *_overlapped entries for communication hidden under compute."""
     dominant: str
     """The largest exposed term."""
     notes: list[str] = field(default_factory=list)
+    token_factor: float = 1.0
+    """Tokens this plan's sync method and compression need to reach a target loss, relative to
+    fully synchronous training (cost.convergence)."""
+    time_to_target_s: float = 0.0
+    """step_time_s x token_factor: seconds per step of synchronous-equivalent progress."""
+    cross_site_gb: float = 0.0
+    """GB per step crossing each direction of the link between two datacenters (0: one site)."""
+    outer_sync_s: float = 0.0
+    """One whole outer sync of a local-sgd/diloco plan (it is amortised over sync_every steps in
+    time['outer_sync'])."""
+    outer_workers: int = 1
+    """Inner groups a local-sgd/diloco plan averages (1: synchronous)."""
+    straggler_sync_s: float = 0.0
+    """The straggler wait the same plan would have per step if it synced every step over all
+    its ranks (equal to time['straggler'] for synchronous plans): what local SGD hides."""
 
     @property
     def verdict(self) -> str:

@@ -52,4 +52,7 @@ def report_from_row(model: ModelSpec, cluster: ClusterSpec, r: dict[str, np.ndar
         params=model.num_params(), num_gpus=int(r["num_gpus"][i]),
         microbatches=int(r["microbatches"][i]), memory=memory,
         memory_per_stage=[float(x) for x in stages[~np.isnan(stages)]], time=time,
-        dominant=max(exposed, key=exposed.__getitem__))
+        dominant=max(exposed, key=exposed.__getitem__), token_factor=float(r["token_factor"][i]),
+        time_to_target_s=float(r["time_to_target_s"][i]), cross_site_gb=float(r["cross_site_gb"][i]),
+        outer_sync_s=float(r["outer_sync_s"][i]), outer_workers=int(r["outer_workers"][i]),
+        straggler_sync_s=float(r["straggler_sync_s"][i]))

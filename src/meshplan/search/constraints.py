@@ -201,7 +201,8 @@ def sync_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> 
     n_in = inner_dp(dp, _i64(cols, "tp"), _i64(cols, "cp"), np.asarray(cols["sync_scope"]), c)
     wrong = ((dp < 2) | (_i64(cols, "shard_group") != 0)
              | ((np.asarray(cols["sync_scope"]) == "dc") & (c.num_dcs < 2))
-             | (dp % n_in != 0) | (dp // n_in < 2))
+             | (dp % n_in != 0) | (dp // n_in < 2)
+             | (_i64(cols, "sync_overlap") >= _i64(cols, "sync_every")))
     return bad | (periodic & wrong)
 
 

@@ -57,7 +57,10 @@ from meshplan.units import gib_need
 Progress = Callable[[int, int], None]
 Evaluator = Callable[[ModelSpec, ClusterSpec, Workload, PlanColumns, CostParams],
                      dict[str, np.ndarray]]
-OBJECTIVES = ("time", "cost")
+OBJECTIVES = ("time", "cost", "time-to-target")
+"""time: step time; cost: dollars per million tokens; time-to-target: step time x the plan's
+token-efficiency factor (cost.convergence: tokens its sync method needs relative to fully
+synchronous training)."""
 
 
 @dataclass
@@ -95,6 +98,7 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: Sear
     oom_idx = reason_names().index(OUT_OF_MEMORY)
     reason[ok[lb[ok] > usable_gib(cluster, params)]] = oom_idx
     res = {"step_time_s": np.full(n, np.nan), "tokens_per_s": np.full(n, np.nan),
+           "time_to_target_s": np.full(n, np.nan), "cross_site_gb": np.full(n, np.nan),
            "mfu": np.full(n, np.nan), "peak_memory_gib": np.full(n, np.nan), "oom_probability": np.full(n, np.nan),
            "dominant": np.full(n, "", dtype=object)}
     return _Scan(cluster, cols, reason, reason == -2, lb, res)
@@ -207,6 +211,7 @@ def _collect(model: ModelSpec, work: Workload, scans: list[_Scan], params: CostP
     rows = np.concatenate(feas) if feas else np.zeros(0, dtype=np.int64)
     pts = {
         "step_time_s": _gather(scans, feas, lambda s, r: s.res["step_time_s"][r]),
+        "time_to_target_s": _gather(scans, feas, lambda s, r: s.res["time_to_target_s"][r]),
         "peak_memory_gib": _gather(scans, feas, lambda s, r: s.res["peak_memory_gib"][r]),
         "usd_per_mtok": _gather(scans, feas, lambda s, r: _usd(s, r, work)),
         "num_gpus": _gather(scans, feas, lambda s, r: np.full(len(r), s.cluster.num_gpus)),
@@ -220,6 +225,13 @@ def _collect(model: ModelSpec, work: Workload, scans: list[_Scan], params: CostP
     order = _rank(scans, which, rows, pts, objective, top)
     result.plans = [_ranked(i + 1, scans[which[j]], int(rows[j]), model, work, params)
                     for i, j in enumerate(order)]
+    # the other ranking (per step, or per token of progress) where the two differ
+    other = "time" if objective == "time-to-target" else "time-to-target"
+    if objective != "cost" and len(rows) and np.any(pts["time_to_target_s"] != pts["step_time_s"]):
+        result.other_objective = other
+        result.other_plans = [_ranked(i + 1, scans[which[j]], int(rows[j]), model, work, params)
+                              for i, j in enumerate(_rank(scans, which, rows, pts, other, top))]
+        result.best_synchronous = _best_synchronous(scans, which, rows, pts, model, work, params)
     result.pareto = _pareto(scans, which, rows, pts)
     result.reject_examples = _examples(model, work, scans, names, params)
     result.per_cluster = [_count(s, work) for s in scans]
@@ -257,7 +269,8 @@ def _rank(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str
     """Indices into the feasible arrays of the top plans, in rank order."""
     if len(rows) == 0:
         return []
-    obj = pts["step_time_s"] if objective == "time" else pts["usd_per_mtok"]
+    obj = {"time": pts["step_time_s"], "cost": pts["usd_per_mtok"],
+           "time-to-target": pts["time_to_target_s"]}[objective]
     keys = (pts["peak_memory_gib"], pts["num_gpus"], obj)
     order = np.lexsort(keys)
     kth = order[min(top, len(order)) - 1]
@@ -270,6 +283,23 @@ def _rank(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str
         return scans[which[j]].cols.plan(int(rows[j])).short()
     head.sort(key=lambda j: (obj[j], pts["num_gpus"][j], pts["peak_memory_gib"][j], short(j)))
     return head[:top]
+
+
+def _best_synchronous(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str, np.ndarray],
+                      model: ModelSpec, work: Workload, params: CostParams) -> RankedPlan | None:
+    """The fastest feasible plan that syncs every gradient every step uncompressed (grad_sync
+    auto, all-reduce or reduce-scatter, no compression): the baseline weak-link plans beat."""
+    sync = np.zeros(len(rows), dtype=bool)
+    for i, s in enumerate(scans):
+        idx = np.nonzero(which == i)[0]
+        gs = np.asarray(s.cols["grad_sync"])[rows[idx]]
+        comp = np.asarray(s.cols["grad_compression"])[rows[idx]]
+        sync[idx] = np.isin(gs, ("auto", "all-reduce", "reduce-scatter")) & (comp == "none")
+    if not sync.any():
+        return None
+    cand = np.nonzero(sync)[0]
+    j = int(cand[np.lexsort((pts["peak_memory_gib"][cand], pts["step_time_s"][cand]))[0]])
+    return _ranked(0, scans[which[j]], int(rows[j]), model, work, params)
 
 
 def _ranked(rank: int, scan: _Scan, row: int, model: ModelSpec, work: Workload,

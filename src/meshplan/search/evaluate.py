@@ -39,7 +39,8 @@ from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Workload
 
-FLOAT_COLUMNS = ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib", "oom_probability")
+FLOAT_COLUMNS = ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib", "oom_probability",
+                 "time_to_target_s", "cross_site_gb")
 COLUMNS = (*FLOAT_COLUMNS, "fits", "at_risk", "host_fits", "dominant")
 EXPOSED_TERMS = tuple(k for k in TIME_KEYS if not k.endswith("_overlapped"))
 """Time terms that add up to the step time, in CostReport.time order."""

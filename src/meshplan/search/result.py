@@ -128,6 +128,14 @@ class SearchResult:
     fastest: ParetoPoint | None = None
     """With a deadline: the fastest feasible plan before the deadline was applied (what the
     fastest plan would take when none meets it)."""
+    other_objective: str | None = None
+    """Where some plan's token-efficiency factor is not 1: the other ranking's objective (time
+    per step, or time to target)."""
+    other_plans: list[RankedPlan] = field(default_factory=list)
+    """The top plans by ``other_objective``."""
+    best_synchronous: RankedPlan | None = None
+    """Where weak-link methods were searched: the fastest plan that syncs every gradient every
+    step uncompressed (the baseline for the cross-site traffic and the time to target)."""
 
     @property
     def best(self) -> RankedPlan | None:
@@ -152,6 +160,11 @@ class SearchResult:
             "passed_over_for_memory_risk": self.passed_over,
             "no_headroom": not self.headroom,
         }
+        if self.other_objective is not None:
+            doc["other_ranking"] = {"objective": self.other_objective,
+                                    "plans": [p.to_dict() for p in self.other_plans]}
+        if self.best_synchronous is not None:
+            doc["best_synchronous"] = self.best_synchronous.to_dict()
         if self.deadline_days is not None:
             doc["fastest_ignoring_deadline"] = self.fastest.to_dict() if self.fastest is not None else None
         if timing:
@@ -175,7 +188,8 @@ def train_days(step_time_s: Any, tokens_per_step: float, train_tokens: float) ->
 
 def rank_key(p: RankedPlan, objective: str) -> tuple[float, int, float, str]:
     """The ranking order of the search (module docstring)."""
-    obj = p.report.step_time_s if objective == "time" else p.usd_per_mtok
+    obj = {"time": p.report.step_time_s, "cost": p.usd_per_mtok,
+           "time-to-target": p.report.time_to_target_s}[objective]
     return (obj, p.plan.num_gpus, p.report.peak_memory_gib, p.plan.short())
 
 

@@ -34,6 +34,15 @@ Every candidate is a full Plan for one cluster. The dimensions, and the values e
                   sends, or sends of the whole activation either way: the same plan)
   precision, compile, flash_attention, fused_loss
                   fixed by the request (``SearchSpace.base``)
+  grad_sync, sync_every, sync_scope, sync_overlap, grad_compression, compression_rank
+                  the request's, except on weak links (``weak_links``: several datacenters, or
+                  inter-node links under WEAK_NIC_GBPS per GPU; ``SearchSpace.sync_methods``
+                  forces it on or off): then also ``sync_options``: bf16/fp8 compression of the
+                  gradient sync, PowerSGD (ranks POWERSGD_RANKS, zero = 0), and DiLoCo / local SGD
+                  across each weak tier (sync_scope dc or node) with the periods of
+                  SYNC_PERIODS, with and without fp8 outer syncs and a one-step overlap
+                  (DiLoCo), within groups sharded at any ZeRO level (no hybrid groups, no
+                  offload: a periodic plan shards within its inner group)
 
 Combinations that are the same plan are enumerated once (e.g. schedules when pp = 1).
 Everything else is enumerated, including candidates the constraints reject, so that every
@@ -67,6 +76,17 @@ SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "micro_batch", 
             "schedule", "recompute", "recompute_layers", "sequence_parallel", "offload_optimizer",
             "offload_params", "stage_layers")
 """Plan fields the search chooses; every other field comes from ``SearchSpace.base``."""
+
+SYNC_FIELDS = ("grad_sync", "sync_every", "sync_scope", "grad_compression", "compression_rank", "sync_overlap")
+"""The plan fields of a synchronisation option (``sync_options``), in this order."""
+WEAK_NIC_GBPS = 5.0
+"""Inter-node bandwidth per GPU, GB/s, below which the search also tries the weak-link sync
+methods (40 Gb/s per GPU): a cloud node's 100 Gb/s Ethernet is 1.6 GB/s per GPU of 8; a DGX
+H100's InfiniBand 50, Jean Zay's Omni-Path 6.25 (BLOOM's cluster, which trained synchronously)."""
+SYNC_PERIODS = {"diloco": (100, 500), "local-sgd": (8, 32)}
+"""Inner steps between outer syncs the search tries: DiLoCo's published H = 500 and a shorter
+period; local SGD's shorter ones (its token efficiency falls with H, cost.convergence)."""
+POWERSGD_RANKS = (1, 4)
 
 PER_TP = ("async_tp", "p2p_sharded")
 """Fields of ``SearchSpace.base`` the enumeration normalises where they change nothing (async TP
@@ -110,6 +130,11 @@ class SearchSpace:
     allow_export_only: bool = False
     """Keep plans that meshplan's runtime would refuse or run as something else but an export
     target runs as planned (spec.support), marked as such."""
+    sync_methods: bool | None = None
+    """Search the weak-link sync methods (``sync_options``): None = on weak links only
+    (``weak_links``), True always, False never (the request's grad_sync and compression)."""
+    sync: tuple[tuple[Any, ...], ...] | None = None
+    """Explicit sync options (SYNC_FIELDS tuples) instead of ``sync_options``' (e.g. from --fix)."""
 
     def __post_init__(self) -> None:
         check_space(self, "search space", ("tp", "pp", "cp", "ep", "micro_batch"))
@@ -207,6 +232,60 @@ def zero_options(cluster: ClusterSpec, tp: int, dp: int, cp: int,
         if space.offload and z == 3:
             out.append((z, 0, True, True))
     return out
+
+
+def weak_links(cluster: ClusterSpec) -> list[str]:
+    """The weak tiers of ``cluster`` a periodic sync can span: dc (several datacenters) and node
+    (inter-node links under WEAK_NIC_GBPS per GPU)."""
+    out = []
+    if cluster.num_dcs >= 2:
+        out.append("dc")
+    if cluster.num_nodes >= 2 and cluster.inter_node.bandwidth_gbps < WEAK_NIC_GBPS:
+        out.append("node")
+    return out
+
+
+def base_sync(base: Plan) -> tuple[Any, ...]:
+    """The request's sync option."""
+    return tuple(getattr(base, f) for f in SYNC_FIELDS)
+
+
+def sync_options(cluster: ClusterSpec, space: SearchSpace) -> list[tuple[Any, ...]]:
+    """The sync options (SYNC_FIELDS tuples) the search tries: the request's first."""
+    if space.sync is not None:
+        return list(space.sync)
+    base = base_sync(space.base)
+    on = space.sync_methods if space.sync_methods is not None else bool(weak_links(cluster))
+    if not on:
+        return [base]
+    out = [base]
+    for comp in ("bf16", "fp8"):
+        out.append(("auto", 1, "all", comp, 1, 0))
+    out += [("auto", 1, "all", "powersgd", r, 0) for r in POWERSGD_RANKS]
+    for scope in weak_links(cluster) or ["node"]:
+        for h in SYNC_PERIODS["diloco"]:
+            for comp in ("none", "fp8"):
+                for tau in (0, 1):
+                    out.append(("diloco", h, scope, comp, 1, tau))
+        for h in SYNC_PERIODS["local-sgd"]:
+            out.append(("local-sgd", h, scope, "none", 1, 0))
+    return list(dict.fromkeys(out))
+
+
+def _sync_fits(opt: tuple[Any, ...], z: int, sg: int, offo: bool, offp: bool, dp: int) -> bool:
+    """Whether sync option ``opt`` goes with a (zero, shard_group, offload) option: periodic ones
+    without hybrid groups or offload and with dp >= 2; PowerSGD with zero = 0; fp8 compression
+    without ZeRO-3 (FSDP2 reduces in bf16 at the least); compression needs dp >= 2."""
+    gs, _, _, comp, _, _ = opt
+    if gs in ("local-sgd", "diloco"):
+        return sg == 0 and not offo and not offp and dp >= 2
+    if comp == "powersgd":
+        return z == 0 and not offo and dp >= 2
+    if comp == "fp8":
+        return z != 3 and not offo and sg == 0 and dp >= 2
+    if comp == "bf16":
+        return not offo and sg == 0 and dp >= 2
+    return True
 
 
 def schedule_options(pp: int, blocks: int, space: SearchSpace) -> list[tuple[str, int]]:
@@ -389,8 +468,14 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     if not meshes:
         raise no_mesh_error(graph, cluster, space, work)
     sp_on = sequence_parallel_allowed(space, graph)
+    syncs = sync_options(cluster, space)
+    searched_sync = syncs != [base_sync(space.base)]
+    if searched_sync:
+        for f in SYNC_FIELDS:
+            base.pop(f, None)
     for tp, cp, pp, dp, ep in meshes:
-        zopts = zero_options(cluster, tp, dp, cp, space)
+        zopts = [(*z, k) for z in zero_options(cluster, tp, dp, cp, space) for k, o in enumerate(syncs)
+                 if k == 0 or _sync_fits(o, *z, dp)]
         mbs = micro_batch_values(work, dp, space)
         sopts = _stage_options(caps, tp, pp, space, splitter)
         na, nb, nc = len(zopts), len(mbs), len(sopts)
@@ -416,6 +501,11 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
                 "async_tp": np.full(n, bool(space.base.async_tp) and tp > 1),
                 "p2p_sharded": np.full(n, sends),
                 "_group": next_group + ia * nc + ic, "_mb_rank": ib}
+        if searched_sync:
+            k = z[ia, 4]
+            for i, f in enumerate(SYNC_FIELDS):
+                vals = np.asarray([o[i] for o in syncs])
+                part[f] = vals[k]
         next_group += na * nc
         parts.append(part)
     return _assemble(parts, base, splitter.table if splitter else [])

@@ -78,6 +78,14 @@ class SimSpec:
     overlap_slowdown: float = 0.0
     """Compute under a rank's once-per-step FSDP gather or reduce-scatter runs slower by this
     fraction of the time they share (cost.comm.exposed_under)."""
+    straggler_s: float = 0.0
+    """Expected wait per step for the slowest rank of the sync (drawn on every rank's compute
+    stream after its optimizer step)."""
+    outer_sync_s: float = 0.0
+    """Exposed share per step of a local-sgd/diloco outer sync, amortised over sync_every steps
+    (drawn on every rank's data-parallel stream after the straggler wait)."""
+    outer_sync_full_s: float = 0.0
+    sync_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -236,7 +244,18 @@ def simulate(spec: SimSpec) -> SimResult:
                     rk.end_dp_overlapped_s + rk.end_dp_exposed_s)
         t = put(r, "compute", "optimizer", max(t, free[r]["dp"]), rk.optimizer_s)
         ends.append(t)
-    step = max(ends) + spec.overhead_s
+    step = max(ends)
+    if spec.straggler_s > 0:
+        for r in range(pp):
+            put(r, "compute", "straggler wait", step, spec.straggler_s,
+                what="expected wait for the slowest rank of the sync (cluster step_jitter)")
+        step += spec.straggler_s
+    if spec.outer_sync_s > 0:
+        for r in range(pp):
+            put(r, "dp", "outer sync (amortised)", step, spec.outer_sync_s,
+                whole_outer_sync_s=spec.outer_sync_full_s, every_steps=spec.sync_every)
+        step += spec.outer_sync_s
+    step += spec.overhead_s
     memory = []
     for r in range(pp):
         level, series = spec.ranks[r].static_bytes, [(0.0, spec.ranks[r].static_bytes)]

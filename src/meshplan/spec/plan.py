@@ -99,6 +99,10 @@ class Plan:
     dc: the data-parallel ranks of one datacenter form an inner group that syncs every step,
     and the groups sync every sync_every steps; node: the same per node; all: every
     data-parallel rank is its own inner group (classic local SGD / DiLoCo workers)."""
+    sync_overlap: int = 0
+    """With grad_sync=local-sgd or diloco: inner steps the outer synchronisation runs under
+    before its result is applied (0: the inner steps wait for it; 1: it runs under the next
+    inner step and is applied one step late, as streaming DiLoCo overlaps it)."""
     grad_compression: str = "none"
     """Compression of the slowest data-parallel synchronisation (the per-step gradient sync,
     or the outer sync of local-sgd/diloco): none, bf16 or fp8 (values sent in 16 or 8 bits),
@@ -127,11 +131,15 @@ class Plan:
         choice("plan: grad_compression", self.grad_compression, GRAD_COMPRESSION)
         positive("plan: sync_every", self.sync_every)
         positive("plan: compression_rank", self.compression_rank)
+        positive("plan: sync_overlap", self.sync_overlap, allow_zero=True)
         if self.grad_sync not in PERIODIC_SYNC:
             if self.sync_every != 1:
                 raise MeshplanError(f"plan: sync_every={self.sync_every} needs grad_sync=local-sgd or diloco "
                                     f"(grad_sync={self.grad_sync} syncs every step)",
                                     hint="add grad_sync=diloco (or local-sgd), or drop sync_every")
+            if self.sync_overlap:
+                raise MeshplanError("plan: sync_overlap needs grad_sync=local-sgd or diloco",
+                                    hint="add grad_sync=diloco (or local-sgd), or drop sync_overlap")
             if self.sync_scope != "all":
                 raise MeshplanError(f"plan: sync_scope={self.sync_scope} needs grad_sync=local-sgd or diloco",
                                     hint="add grad_sync=diloco (or local-sgd), or drop sync_scope")

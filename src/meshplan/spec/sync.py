@@ -64,7 +64,11 @@ def periodic_reason(plan: Any, cluster: ClusterSpec) -> str | None:
         return (f"shard_group with grad_sync={p.grad_sync}: ZeRO/FSDP shards within each inner group "
                 f"(sync_scope={p.sync_scope}); drop shard_group")
     if p.sync_scope == "dc" and cluster.num_dcs < 2:
-        return "sync_scope=dc but the cluster has one datacenter; use sync_scope=node or all, or a cluster with inter_dc"
+        return ("sync_scope=dc but the cluster has one datacenter; use sync_scope=node or all, or a cluster "
+                "with inter_dc")
+    if p.sync_overlap >= p.sync_every:
+        return (f"sync_overlap={p.sync_overlap} must be less than sync_every={p.sync_every} (the outer sync is "
+                "applied before the next one starts)")
     n_in = int(inner_dp(p.dp, p.tp, p.cp, p.sync_scope, cluster))
     if p.dp % n_in:
         return (f"sync_scope={p.sync_scope}: {n_in} data-parallel ranks per {p.sync_scope} do not divide dp={p.dp}")
