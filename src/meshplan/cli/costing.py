@@ -30,6 +30,10 @@ def add_cost_flags(p: argparse.ArgumentParser, *, profile: bool = True, policy: 
                             "plans above it are 'at-risk'")
         p.add_argument("--headroom", metavar="GiB", action=Once, type=_gib,
                        help="memory a recommended plan must leave free below the usable memory, GiB (default 0)")
+        p.add_argument("--token-efficiency", metavar="FILE", action=Once,
+                       help="a TOML file of token-efficiency factors (tokens a sync method or compression needs "
+                            "relative to fully synchronous training) replacing meshplan's cited defaults; see "
+                            "docs/weak-links.md")
     if profile:
         p.add_argument("--profile", metavar="NAME|FILE", action=Once,
                        help="the training codebase whose kernels and buffers to price: "
@@ -138,6 +142,10 @@ def costing(args: argparse.Namespace) -> Costing:
         params = params.replace(max_oom_risk=args.max_oom_risk)
     if getattr(args, "headroom", None) is not None:
         params = params.replace(headroom_gib=args.headroom)
+    if getattr(args, "token_efficiency", None):
+        from meshplan.cost.convergence import token_efficiency
+        token_efficiency(args.token_efficiency)  # read and checked now: a bad file fails before any work
+        params = params.replace(token_efficiency_file=args.token_efficiency)
     c = Costing(params, prof, cal)
     args._costing = c
     return c

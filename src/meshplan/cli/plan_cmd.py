@@ -57,7 +57,11 @@ def add_parser(sub: Any, positive_int: Any) -> None:
     pl.add_argument("--gpus", action=Once,
                     help="search cluster sizes: LOW..HIGH (powers of two and 3x2^k in whole "
                          "nodes) or a list 64,128,256")
-    pl.add_argument("--objective", choices=["time", "cost"], default=None, action=Once,
+    pl.add_argument("--sync-methods", choices=["auto", "on", "off"], default="auto", action=Once,
+                    help="search the weak-link sync methods (DiLoCo, local SGD, PowerSGD, bf16/fp8 gradient "
+                         "compression): auto (default) on clusters with several datacenters or inter-node links "
+                         "under 5 GB/s per GPU, on, or off")
+    pl.add_argument("--objective", choices=["time", "cost", "time-to-target"], default=None, action=Once,
                     help="rank by step time (default), or by dollars (for the whole run with --train-tokens, "
                          "else per million tokens; the default with --deadline)")
     pl.add_argument("--train-tokens", action=Once,
@@ -142,7 +146,11 @@ def search_space(args: argparse.Namespace, cluster: Any, model: Any = None) -> A
         plan = Plan(**base)
     except TypeError as e:  # pragma: no cover - keys are checked in _apply_fix
         raise MeshplanError(f"--fix: {e}") from None
-    space = SearchSpace(base=plan, **changes)
+    from meshplan.search.space import SYNC_FIELDS
+    sync_fixed = tuple((f, base[f]) for f in SYNC_FIELDS if f in fixed)
+    methods = getattr(args, "sync_methods", "auto")
+    space = SearchSpace(base=plan, **changes, fixed_sync=sync_fixed,
+                        sync_methods=None if methods in (None, "auto") else methods == "on")
     check_runtime_runs(space, model)
     return space
 
@@ -367,12 +375,16 @@ def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any
     clusters = [cost.cluster(c) for c in cluster_sizes(args)]
     tokens = train_tokens(args.train_tokens)
     deadline = deadline_days(args, tokens)
-    if args.objective is None:  # the default: by time, or by dollars under a deadline
-        args.objective = "cost" if deadline is not None else "time"
     model, work = as_problem(load_model_arg(args.model, seq_len=args.seq_len), args.global_batch, args.seq_len)
     if model.model is not None:
         check_positions(args, model.model, work.seq_len)
-    return model, clusters, tokens, search_space(args, clusters[0], model), work
+    space = search_space(args, clusters[0], model)
+    if args.objective is None:  # by time (to a target, where sync methods trade tokens for time), or by
+        # dollars under a deadline
+        from meshplan.search.space import base_sync, sync_options
+        weak = any(sync_options(c, space) != [base_sync(space.base)] for c in clusters)
+        args.objective = "cost" if deadline is not None else ("time-to-target" if weak else "time")
+    return model, clusters, tokens, space, work
 
 
 def check_positions(args: argparse.Namespace | None, model: Any, seq_len: int) -> None:
@@ -657,10 +669,16 @@ def _table(result: Any, tokens: float | None) -> str:
         ("P(OOM)", "r", lambda p, t: f"{100 * p.report.oom_probability:.1f}%"),
         ("$/M tok", "r", lambda p, t: f"{p.usd_per_mtok:.3f}"),
         ("dominant", "l", lambda p, t: p.report.dominant)]
+    if result.other_objective is not None or result.objective == "time-to-target":
+        cols.insert(1, ("to target", "r", lambda p, t: seconds(p.report.time_to_target_s)))
+        cols.insert(2, ("tokens x", "r", lambda p, t: f"{p.report.token_factor:.2f}"))
+    if any(c.num_dcs > 1 for c in result.clusters):
+        cols.insert(3, ("x-site GB", "r", lambda p, t: f"{p.report.cross_site_gb:,.2f}"))
     if tokens is not None:
         cols += [("days", "r", lambda p, t: f"{t['days']:,.1f}"), ("$ to train", "r", lambda p, t: f"{t['usd']:,.0f}")]
     if result.objective == "cost":  # dollars first, then days and step time
-        order = ["$ to train", "$/M tok", "days", "step time", "tokens/s", "MFU", "peak GiB", "P(OOM)", "dominant"]
+        order = ["$ to train", "$/M tok", "days", "step time", "to target", "tokens x", "x-site GB", "tokens/s", "MFU",
+                 "peak GiB", "P(OOM)", "dominant"]
         cols.sort(key=lambda c: order.index(c[0]))
     head = ["#", "plan"] + (["GPUs"] if multi else []) + [c[0] for c in cols]
     align = "rl" + ("r" if multi else "") + "".join(c[1] for c in cols)
@@ -777,6 +795,11 @@ def _text(result: Any, tokens: float | None, price: dict[str, Any] | None = None
                f"{result.feasible:,} feasible, {result.evaluated:,} priced by the cost model"), ""]
     if result.plans:
         lines += [_table(result, tokens), ""]
+    if result.other_plans and [p.plan.short() for p in result.other_plans] != [p.plan.short() for p in result.plans]:
+        what = {"time": "step time", "time-to-target": "time to target"}[result.other_objective]
+        lines += [f"by {what} instead:"] + [
+            f"  {p.rank}. {p.plan.short()}: {p.report.step_time_s:.3f} s per step, {p.report.time_to_target_s:.3f} s "
+            f"to target (tokens x{p.report.token_factor:.2f})" for p in result.other_plans[:3]] + [""]
     if len(c) > 1:
         lines += _per_size(result, tokens) + [""]
     lines += explain(result)

@@ -376,6 +376,10 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
 
     send_bytes = tokens * scale * lay.send / np.where(cols["p2p_sharded"], tp, 1)
     send = Group.of(cluster, 2, tp * cp * dp).send_recv(send_bytes)
+    if cluster.num_dcs > 1:  # a pipeline spanning datacenters: its boundary sends cross the link between them
+        # (all N / pp ranks of a stage at once: the group of the pp stages gets pp / N of a shared link)
+        wide = (pp > 1) & (pp * tp * cp * dp > cluster.gpus_per_dc)
+        send = np.where(wide, Group.of(cluster, pp, tp * cp * dp).send_recv(send_bytes), send)
     p2p = stage_sends(np.where(pp > 1, 2 * v * send * p.pp_p2p_exposed, 0), pp, zbv, j,
                       np.where(pp > 1, send * p.pp_p2p_exposed, 0))
     tp_t = tp_fwd + tp_bwd
@@ -615,7 +619,7 @@ def cross_site(a: Assembly, cluster: ClusterSpec, p: CostParams) -> np.ndarray:
     # pipeline sends: N / pp ranks at a stage boundary, one activation forward and one gradient back per
     # micro-batch (each way) and chunk, when a boundary crosses a datacenter
     stage_gpus = cluster.num_gpus / pp
-    crosses_pp = (pp > 1) & (stage_gpus < cluster.gpus_per_dc)
+    crosses_pp = (pp > 1) & (stage_gpus <= cluster.gpus_per_dc)
     send_bytes = np.asarray(a.tokens, dtype=float) * act_scale(cols["precision"]) * a.lay.send / np.where(
         cols["p2p_sharded"], tp, 1.0)
     v = np.asarray(cols["virtual_stages"], dtype=float)

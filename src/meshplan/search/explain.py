@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport
@@ -228,8 +229,54 @@ def explain(result: SearchResult, runners_up: int = 3) -> list[str]:
             else:
                 lines.append(compare_line(b, other, label))
         lines += passed_over_lines(result)
+        lines += weak_link_lines(result)
     lines += rejection_lines(result)
     return lines
+
+
+def sync_words(plan: Any) -> str:
+    """How a plan synchronises its data-parallel ranks, in a few words."""
+    comp = {"none": "", "bf16": " in bf16", "fp8": " in fp8",
+            "powersgd": f" with PowerSGD rank {plan.compression_rank}"}[plan.grad_compression]
+    if plan.periodic:
+        what = "DiLoCo (outer Nesterov step)" if plan.grad_sync == "diloco" else "local SGD (model averaging)"
+        scope = {"dc": "datacenters", "node": "nodes", "all": "data-parallel ranks"}[plan.sync_scope]
+        lag = f", overlapped with {plan.sync_overlap} inner step" if plan.sync_overlap else ""
+        return f"{what} across {scope} every {plan.sync_every} steps{comp}{lag}"
+    return f"gradients synced every step{comp}" if comp else "gradients synced every step"
+
+
+def weak_link_lines(result: SearchResult) -> list[str]:
+    """Where sync methods were searched: why the winner's synchronisation wins (or why plain
+    synchronous training does), against the fastest fully synchronous plan: cross-site traffic,
+    the data-parallel time per step, stragglers, the token-efficiency factor, time to target."""
+    b, s = result.best, result.best_synchronous
+    if b is None or s is None:
+        return []
+    rb, rs = b.report, s.report
+    out = []
+    if b.plan.short() == s.plan.short():
+        return [f"weak links: synchronous training wins here: {sync_words(b.plan)}; the sync methods that save "
+                f"traffic cost more in tokens or memory than they save in time (#2 by the other ranking: "
+                + (result.other_plans[0].plan.short() if result.other_plans else "none") + ")"]
+    dp_b = rb.time.get("dp_comm", 0) + rb.time.get("outer_sync", 0)
+    dp_s = rs.time.get("dp_comm", 0)
+    why = [f"the winner uses {sync_words(b.plan)}"]
+    if rs.cross_site_gb > 0:
+        ratio = rs.cross_site_gb / max(rb.cross_site_gb, 1e-12)
+        why.append(f"{rb.cross_site_gb:,.2f} GB per step cross the link between sites instead of "
+                   f"{rs.cross_site_gb:,.1f} GB ({ratio:,.0f}x less)")
+    why.append(f"data-parallel sync exposed per step {dp_b:.3f} s instead of {dp_s:.3f} s")
+    if rs.time.get("straggler", 0) > 0:
+        why.append(f"waiting for stragglers {rb.time.get('straggler', 0):.3f} s instead of "
+                   f"{rs.time.get('straggler', 0):.3f} s per step")
+    gain = 1 - rb.time_to_target_s / rs.time_to_target_s if rs.time_to_target_s > 0 else 0.0
+    out.append(f"weak links: against the fastest fully synchronous plan ({s.plan.short()}: {rs.step_time_s:.3f} s "
+               f"per step), " + "; ".join(why) + f"; it needs {rb.token_factor:.2f}x the tokens (token efficiency, "
+               f"cost.convergence), so it reaches the target loss {100 * gain:.0f}% "
+               + ("sooner" if gain >= 0 else "later") + f" ({rb.time_to_target_s:.3f} vs {rs.time_to_target_s:.3f} "
+               "s per synchronous-equivalent step)")
+    return out
 
 
 def passed_over_lines(result: SearchResult) -> list[str]:

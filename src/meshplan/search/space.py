@@ -134,7 +134,11 @@ class SearchSpace:
     """Search the weak-link sync methods (``sync_options``): None = on weak links only
     (``weak_links``), True always, False never (the request's grad_sync and compression)."""
     sync: tuple[tuple[Any, ...], ...] | None = None
-    """Explicit sync options (SYNC_FIELDS tuples) instead of ``sync_options``' (e.g. from --fix)."""
+    """Explicit sync options (SYNC_FIELDS tuples) instead of ``sync_options``'."""
+    fixed_sync: tuple[tuple[str, Any], ...] = ()
+    """(field, value) of the SYNC_FIELDS the request fixes (--fix grad_sync=diloco): every option
+    takes them (options they make invalid are dropped); a periodic grad_sync turns the sync
+    methods on."""
 
     def __post_init__(self) -> None:
         check_space(self, "search space", ("tp", "pp", "cp", "ep", "micro_batch"))
@@ -255,10 +259,27 @@ def sync_options(cluster: ClusterSpec, space: SearchSpace) -> list[tuple[Any, ..
     if space.sync is not None:
         return list(space.sync)
     base = base_sync(space.base)
+    fixed = dict(space.fixed_sync)
     on = space.sync_methods if space.sync_methods is not None else bool(weak_links(cluster))
+    on = on or fixed.get("grad_sync") in ("local-sgd", "diloco")
     if not on:
         return [base]
-    out = [base]
+    if fixed:
+        out = []
+        for o in _weak_options(cluster):
+            o = tuple(fixed.get(f, v) for f, v in zip(SYNC_FIELDS, o))
+            try:
+                Plan(**dict(zip(SYNC_FIELDS, o)))
+            except MeshplanError:
+                continue
+            out.append(o)
+        return list(dict.fromkeys([base] + out))
+    return list(dict.fromkeys([base] + _weak_options(cluster)))
+
+
+def _weak_options(cluster: ClusterSpec) -> list[tuple[Any, ...]]:
+    """The weak-link sync options of ``cluster`` (module docstring)."""
+    out: list[tuple[Any, ...]] = [("auto", 1, "all", "none", 1, 0)]
     for comp in ("bf16", "fp8"):
         out.append(("auto", 1, "all", comp, 1, 0))
     out += [("auto", 1, "all", "powersgd", r, 0) for r in POWERSGD_RANKS]
@@ -269,7 +290,7 @@ def sync_options(cluster: ClusterSpec, space: SearchSpace) -> list[tuple[Any, ..
                     out.append(("diloco", h, scope, comp, 1, tau))
         for h in SYNC_PERIODS["local-sgd"]:
             out.append(("local-sgd", h, scope, "none", 1, 0))
-    return list(dict.fromkeys(out))
+    return out
 
 
 def _sync_fits(opt: tuple[Any, ...], z: int, sg: int, offo: bool, offp: bool, dp: int) -> bool:
@@ -286,6 +307,17 @@ def _sync_fits(opt: tuple[Any, ...], z: int, sg: int, offo: bool, offp: bool, dp
     if comp == "bf16":
         return not offo and sg == 0 and dp >= 2
     return True
+
+
+def _mesh_sync_fits(opt: tuple[Any, ...], cluster: ClusterSpec, tp: int, cp: int, dp: int) -> bool:
+    """Whether a periodic sync option has at least two inner groups on this mesh (the others
+    always do); the constraint 'invalid gradient sync' says why where it does not."""
+    gs, h, scope, _, _, tau = opt
+    if gs not in ("local-sgd", "diloco"):
+        return True
+    from meshplan.spec.sync import inner_dp
+    n_in = int(inner_dp(dp, tp, cp, scope, cluster))
+    return dp % n_in == 0 and dp // n_in >= 2 and tau < h and (scope != "dc" or cluster.num_dcs >= 2)
 
 
 def schedule_options(pp: int, blocks: int, space: SearchSpace) -> list[tuple[str, int]]:
@@ -474,8 +506,9 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
         for f in SYNC_FIELDS:
             base.pop(f, None)
     for tp, cp, pp, dp, ep in meshes:
-        zopts = [(*z, k) for z in zero_options(cluster, tp, dp, cp, space) for k, o in enumerate(syncs)
-                 if k == 0 or _sync_fits(o, *z, dp)]
+        fits = [k for k, o in enumerate(syncs) if k == 0 or _mesh_sync_fits(o, cluster, tp, cp, dp)]
+        zopts = [(*z, k) for z in zero_options(cluster, tp, dp, cp, space) for k in fits
+                 if k == 0 or _sync_fits(syncs[k], *z, dp)]
         mbs = micro_batch_values(work, dp, space)
         sopts = _stage_options(caps, tp, pp, space, splitter)
         na, nb, nc = len(zopts), len(mbs), len(sopts)
