@@ -536,6 +536,13 @@ def apply_fsdp(parts: list[nn.Module], blocks: list[list[str]], plan: Plan, mesh
     kw = {"mp_policy": mp, "offload_policy": _offload_policy(plan, device) or OffloadPolicy()}
     reshard = plan.zero == 3 and plan.pp == 1
     dp_mesh = mesh.fsdp_mesh()
+    fp8 = plan.grad_compression == "fp8" and not plan.periodic
+
+    def shard(module: nn.Module, **kwargs: Any) -> None:
+        fully_shard(module, **kwargs)
+        if fp8:  # fp8 on the wire: FSDP2's custom reduce-scatter, on every module it shards
+            from meshplan.runtime.periodic import fp8_reduce_scatter
+            module.set_custom_reduce_scatter(fp8_reduce_scatter())  # type: ignore[operator]
     for part, paths in zip(parts, blocks):
         mods = [m for m in (resolve(part, p) for p in paths) if next(m.parameters(), None) is not None]
         for i, block in enumerate(mods):
@@ -544,21 +551,21 @@ def apply_fsdp(parts: list[nn.Module], blocks: list[list[str]], plan: Plan, mesh
             rs = reshard and i < len(mods) - 1
             ff = getattr(_inner(block), "feed_forward", None)
             if plan.ep > 1 and hasattr(ff, "experts"):  # experts: over their replicas only; FSDP
-                fully_shard(ff.experts, mesh=mesh.expert_fsdp_mesh(), reshard_after_forward=rs, **kw)  # averages
+                shard(ff.experts, mesh=mesh.expert_fsdp_mesh(), reshard_after_forward=rs, **kw)  # averages
                 # over those, the trainer divides by ep (not set_gradient_divide_factor: gloo has no
                 # PREMUL_SUM, and with a one-rank shard group torch 2.13 divides twice when forced to sums)
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=rs, **kw)
+            shard(block, mesh=dp_mesh, reshard_after_forward=rs, **kw)
         # the root (embedding, final norm, output) is kept gathered from forward to backward: its
         # output projection's backward comes first (FSDP2's default for the root module)
-        fully_shard(part, mesh=dp_mesh, reshard_after_forward=False, **kw)
+        shard(part, mesh=dp_mesh, reshard_after_forward=False, **kw)
 
 
 def fsdp_reduce_dtype(plan: Plan) -> torch.dtype:
     """The dtype FSDP2 reduce-scatters gradients in: fp32, or bf16 for a synchronous plan's
-    grad_compression (bf16; fp8 and PowerSGD run as bf16: FSDP2 takes no communication hook, rule
-    "fp8 or PowerSGD gradient compression under FSDP2"). A periodic plan's compression is its outer
-    sync's (runtime/periodic.py): its inner groups reduce in fp32."""
-    if plan.grad_compression != "none" and not plan.periodic:
+    grad_compression=bf16 (and PowerSGD, which FSDP2 cannot run: rule "PowerSGD under FSDP2"); fp8
+    is FSDP2's custom reduce-scatter on fp32 input (``apply_fsdp``). A periodic plan's compression
+    is its outer sync's (runtime/periodic.py): its inner groups reduce in fp32."""
+    if plan.grad_compression in ("bf16", "powersgd") and not plan.periodic:
         return torch.bfloat16
     return torch.float32
 
@@ -595,10 +602,10 @@ def apply_data_parallel(parts: list[nn.Module], blocks: list[list[str]], plan: P
         return parts, "none"
     if plan.zero > 0 or offload:  # offload: FSDP2 over dp x cp, one rank included
         apply_fsdp(parts, blocks, plan, mesh, device)
-        if notes is not None and plan.grad_compression in ("fp8", "powersgd") and not plan.periodic:
+        if notes is not None and plan.grad_compression == "powersgd" and not plan.periodic:
             from meshplan.spec.support import RULES
-            why = RULES["fp8 or PowerSGD gradient compression under FSDP2"].why(plan, 1, None)
-            notes.append(why or f"grad_compression={plan.grad_compression}: FSDP2 reduces in bf16")
+            why = RULES["PowerSGD under FSDP2"].why(plan, 1, None)
+            notes.append(why or "grad_compression=powersgd: FSDP2 reduces in bf16")
         return parts, "fsdp"
     if _has_dtensor(parts) or plan.pp > 1 or plan.ep > 1:  # DDP holds no DTensors; under PP its reducer
         return parts, "manual"                            # asserts on stages with few parameters (torch 2.13)

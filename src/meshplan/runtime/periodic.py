@@ -28,7 +28,8 @@ same shard on every rank of an outer group, since the inner meshes are alike):
 Compression (``Compression``): the per-step gradient sync of synchronous plans (DDP's comm hook:
 ``torch``'s bf16_compress_hook on NCCL, the same arithmetic in ``bf16_hook`` on gloo, which torch's
 refuses by name; ``fp8_hook``; PowerSGD's ``powerSGD_hook``; the manual all-reduce under TP/PP/EP
-calls the same hooks on a flat buffer, ``FlatBucket``), or the outer sync of periodic plans. fp8:
+calls the same hooks on a flat buffer, ``FlatBucket``; FSDP2: bf16 as its reduce_dtype, fp8 as its
+custom reduce-scatter, ``fp8_reduce_scatter``), or the outer sync of periodic plans. fp8:
 values scaled per block of ``FP8_BLOCK`` elements (amax / 448), cast to float8_e4m3fn, all-gathered
 as bytes with their fp32 scales (one all_gather of uint8: no collective sums fp8), dequantised and
 averaged in fp32 in rank order (every rank gets the same numbers).
@@ -60,6 +61,11 @@ OUTER_MOMENTUM = 0.9
 POWERSGD_START = 2
 """PowerSGD's start_powerSGD_iter: the first steps all-reduce plainly (torch needs > 1 with error
 feedback and warm start)."""
+POWERSGD_EPSILON = 1e-8
+"""PowerSGD's orthogonalization_epsilon (torch's default is 0): a gradient matrix that is all zeros
+(a vocabulary-parallel embedding shard of tokens no batch holds, a parameter without a gradient)
+makes P = 0, whose Gram-Schmidt divides 0 by 0: NaN in every gradient from then on (found on
+tiny-llama tp=2,dp=2: the byte corpus never uses tokens 128-255, tp rank 1's embedding shard)."""
 
 
 # ---- groups ------------------------------------------------------------------------------------
@@ -107,10 +113,7 @@ def fp8_dequantize(payload: torch.Tensor, n: int) -> torch.Tensor:
 
 def _fp8_mean(gathered: torch.Tensor, n: int) -> torch.Tensor:
     """Mean of the dequantised rows of ``gathered`` (one payload per rank), summed in rank order."""
-    total = torch.zeros(n, dtype=torch.float32, device=gathered.device)
-    for row in gathered:
-        total += fp8_dequantize(row, n)
-    return total.div_(gathered.shape[0])
+    return fp8_sum_rows(gathered, n).div_(gathered.shape[0])
 
 
 def _fp8_gather(x: torch.Tensor, group: Any, async_op: bool) -> tuple[Any, torch.Tensor]:
@@ -159,6 +162,42 @@ def fp8_hook(group, bucket):  # type: ignore[no-untyped-def]  # unannotated: DDP
     def done(_: Any) -> torch.Tensor:
         return buf.copy_(_fp8_mean(gathered, buf.numel()))
     return work.get_future().then(done)
+
+
+def fp8_sum_rows(gathered: torch.Tensor, n: int) -> torch.Tensor:
+    """Sum of the dequantised rows of ``gathered`` (one payload per rank), in rank order."""
+    total = torch.zeros(n, dtype=torch.float32, device=gathered.device)
+    for row in gathered:
+        total += fp8_dequantize(row, n)
+    return total
+
+
+def fp8_reduce_scatter():  # type: ignore[no-untyped-def]
+    """FSDP2's reduce-scatter with fp8 on the wire (``FSDPModule.set_custom_reduce_scatter``): each
+    rank's chunk for rank j quantised (``fp8_quantize``), exchanged by one all_to_all of bytes,
+    the chunks this rank receives dequantised and summed in fp32 (averaged for ReduceOp.AVG), then
+    written in FSDP's reduce dtype. What goes over the wire: (world-1)/world x (1 + 4/FP8_BLOCK)
+    bytes per element of the unsharded gradient, a quarter of an fp32 reduce-scatter."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class Fp8ReduceScatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> None:
+            world, n = dist.get_world_size(group), output_tensor.numel()
+            send = torch.stack([fp8_quantize(c) for c in input_tensor.view(world, n).float()])
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=group)
+            total = fp8_sum_rows(recv, n)
+            if op == dist.ReduceOp.AVG:
+                total /= world
+            elif op != dist.ReduceOp.SUM:
+                raise RuntimeError(f"fp8 reduce-scatter: FSDP2 asked for {op}; only SUM and AVG are run")
+            output_tensor.copy_(total)
+            return None
+    return Fp8ReduceScatter()
 
 
 class FlatBucket:
@@ -220,7 +259,8 @@ class Compression:
             from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
             self.states[(id(group), key)] = PowerSGDState(
                 process_group=group, matrix_approximation_rank=self.rank, start_powerSGD_iter=POWERSGD_START,
-                min_compression_rate=2, use_error_feedback=True, warm_start=True, random_seed=0)
+                min_compression_rate=2, use_error_feedback=True, warm_start=True, random_seed=0,
+                orthogonalization_epsilon=POWERSGD_EPSILON)
         return self.states[(id(group), key)]
 
     def register(self, ddp: Any, group: Any) -> None:

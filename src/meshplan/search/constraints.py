@@ -290,12 +290,16 @@ def traced_sp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> n
             & (not sequence_parallel_runs(as_graph(m, w.seq_len))))
 
 
-def compression_fsdp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+def powersgd_fsdp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     from meshplan.spec.sync import is_periodic
-    comp = np.asarray(cols["grad_compression"])
-    fsdp = (cols["zero"] >= 1) | np.asarray(cols["offload_params"], dtype=bool) \
-        | np.asarray(cols["offload_optimizer"], dtype=bool)
-    return ((comp == "fp8") | (comp == "powersgd")) & ~is_periodic(np.asarray(cols["grad_sync"])) & fsdp
+    offload = np.asarray(cols["offload_params"], dtype=bool) | np.asarray(cols["offload_optimizer"], dtype=bool)
+    return ((np.asarray(cols["grad_compression"]) == "powersgd") & ~is_periodic(np.asarray(cols["grad_sync"]))
+            & offload)
+
+
+def overlapped_outer_sync(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    from meshplan.spec.sync import is_periodic
+    return is_periodic(np.asarray(cols["grad_sync"])) & (_i64(cols, "sync_overlap") > 0)
 
 
 def periodic_ep(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:

@@ -186,13 +186,18 @@ def _async_tp_eager(p: Plan, micro: int, m: Model = None) -> str | None:
     return None
 
 
-def _compression_fsdp(p: Plan, micro: int, m: Model = None) -> str | None:
-    if (p.grad_compression in ("fp8", "powersgd") and not p.periodic
-            and (p.zero >= 1 or p.offload_params or p.offload_optimizer)):
-        return (f"grad_compression={p.grad_compression} under FSDP2 (zero >= 1, or offload on a GPU): FSDP2 has no "
-                "communication hook, so the runtime reduces the gradients in bf16 (MixedPrecisionPolicy "
-                f"reduce_dtype); {p.grad_compression} runs on DDP's all-reduce (zero=0) and on the outer sync of "
-                "local-sgd/diloco")
+def _powersgd_fsdp(p: Plan, micro: int, m: Model = None) -> str | None:
+    if p.grad_compression == "powersgd" and not p.periodic and (p.offload_params or p.offload_optimizer):
+        return ("grad_compression=powersgd with offload: on a GPU the runtime offloads through FSDP2, which "
+                "takes no communication hook, so it reduces the gradients in bf16 (MixedPrecisionPolicy "
+                "reduce_dtype); PowerSGD runs on DDP's all-reduce (zero=0 without offload)")
+    return None
+
+
+def _overlapped_outer_sync(p: Plan, micro: int, m: Model = None) -> str | None:
+    if p.periodic and p.sync_overlap > 0:
+        return (f"sync_overlap={p.sync_overlap}: the runtime's outer sync blocks the step it follows and is applied "
+                "at once (runs as sync_overlap=0: nothing of it hidden under inner steps)")
     return None
 
 
@@ -221,7 +226,8 @@ RULES: dict[str, Rule] = {r.name: r for r in (
     Rule("expert parallel on a traced model", "refused", (), _traced_ep),
     Rule("selective recompute on a traced model", "refused", (), _traced_recompute),
     Rule("fp8 on a traced model", "refused", (), _traced_fp8),
-    Rule("fp8 or PowerSGD gradient compression under FSDP2", "runs-as", (), _compression_fsdp),
+    Rule("PowerSGD under FSDP2", "runs-as", (), _powersgd_fsdp),
+    Rule("overlapped outer sync", "runs-as", (), _overlapped_outer_sync),
     Rule("periodic sync with expert parallel", "refused", (), _periodic_ep),
 )}
 """Every rule, in counting order (the search counts a rejected plan under its first)."""
