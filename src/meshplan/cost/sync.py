@@ -24,19 +24,19 @@ compression moves CostParams.powersgd_bytes_per_param of HBM per gradient elemen
 
 Stragglers: with a per-GPU step-time jitter (coefficient of variation c, ClusterSpec.step_jitter)
 a step that waits for n ranks lasts on average sigma x z(n) longer than one rank's, where sigma =
-c x step and z(n) is the expected maximum of n standard normals (Blom's approximation). A
+c x step and z(n) is the expected maximum of n standard normals. A
 synchronous plan waits for all its ranks every step. A periodic one waits for its inner group
 every step, and for the slowest group every H steps: H steps' sums have sigma sqrt(H), so
 sigma x z(n_out) / sqrt(H) per step. That difference is what local SGD hides.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from meshplan.cost.comm import Group
-from meshplan.cost.uncertainty import normal_quantile
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.sync import inner_dp, is_periodic
 
@@ -55,11 +55,19 @@ def groups(cols: dict[str, Any], cluster: ClusterSpec) -> tuple[np.ndarray, np.n
     return periodic, n_in, np.maximum(1, dp // np.maximum(n_in, 1))
 
 
+_GRID = np.linspace(-12.0, 12.0, 24001)
+_PDF = np.exp(-0.5 * _GRID**2) / math.sqrt(2 * math.pi)
+_CDF = np.array([0.5 * math.erfc(-x / math.sqrt(2)) for x in _GRID.tolist()])
+
+
 def expected_max_normal(n: Num) -> np.ndarray:
-    """E[max of n standard normals] (Blom 1958: Phi^-1((n - 0.375) / (n + 0.25))); 0 for n <= 1."""
+    """E[max of n standard normals] = the integral of x n phi(x) Phi(x)^(n-1) (on a grid of
+    step 0.001 over +-12: exact to 1e-6 for any count of ranks); 0 for n <= 1."""
     n = np.asarray(n, dtype=float)
     uniq, inv = np.unique(np.maximum(n, 1.0), return_inverse=True)  # rank counts: few distinct values
-    z = np.array([0.0 if k <= 1 else normal_quantile((k - 0.375) / (k + 0.25)) for k in uniq.tolist()])
+    dx = _GRID[1] - _GRID[0]
+    z = np.array([0.0 if k <= 1 else float(np.sum(_GRID * k * _PDF * _CDF ** (k - 1)) * dx)
+                  for k in uniq.tolist()])
     return z[inv].reshape(n.shape) if n.size else np.zeros(n.shape)
 
 
