@@ -97,7 +97,8 @@ def main() -> None:
         r["mean_loss_last_8_vs_sync"] = r["mean_loss_last_8"] - base
     out = {"benchmark": "weak_links_cpu", "command": "python benchmarks/weak_links_cpu.py " + " ".join(sys.argv[1:]),
            "model": "tiny-llama", "nproc": NPROC, "steps": args.steps, "global_batch": args.global_batch,
-           "seq_len": args.seq_len, "optimizer": "adamw lr 1e-3 (inner); DiLoCo outer Nesterov SGD lr 0.7, momentum 0.9",
+           "seq_len": args.seq_len,
+           "optimizer": "adamw lr 1e-3 (inner); DiLoCo outer Nesterov SGD lr 0.7, momentum 0.9",
            "torch": torch.__version__, "platform": platform.platform(), "cpus": os.cpu_count(),
            "note": "step times are of 4 ranks on this machine's cores over gloo loopback: not a measure of the "
                    "methods' communication savings", "runs": results}
