@@ -222,9 +222,10 @@ class Trainer:
             self.outer = OuterSync(cfg.plan, [p for p, _ in self._params], mesh.outer_group, device,
                                    lr=cfg.outer_lr, momentum=cfg.outer_momentum)
             from meshplan.spec.support import RULES
-            why = RULES["overlapped outer sync"].why(cfg.plan, self.n_micro, None)
-            if why:
-                self.par.notes.append(why)
+            for rule in ("overlapped DiLoCo outer sync", "overlapped local SGD sync"):
+                why = RULES[rule].why(cfg.plan, self.n_micro, None)
+                if why:
+                    self.par.notes.append(why)
         self._clip_groups: list[tuple[bool, Any, list[torch.Tensor]]] | None = None
         self._grads_final = False
         """True once a step showed that gradients need no finishing (placements do not change)."""
