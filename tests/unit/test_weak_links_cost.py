@@ -191,7 +191,8 @@ def test_invariants_on_random_sync_plans(sync, zero, tp, pp, jitter):
     assert r.cross_site_gb >= 0 and r.token_factor >= 1.0
     spec, d = spec_from_plan(SMALL, cluster, plan, WORK)
     _, summary = run_and_summarise(spec, d)
-    assert abs(summary["sim_vs_analytic_pct"]) < 1e-6
+    # exact without a pipeline; with one, within the simulator's known pipelined-FSDP gap (tests/unit/test_sim.py)
+    assert abs(summary["sim_vs_analytic_pct"]) < (1e-6 if pp == 1 else 3.0)
     if plan.periodic:  # a longer period never costs more outer time per step
         longer = estimate(SMALL, cluster, plan.replace(sync_every=plan.sync_every * 4), WORK)
         assert longer.time["outer_sync"] <= r.time["outer_sync"] + 1e-12

@@ -54,6 +54,7 @@ from meshplan.cost.sync import (
     matrix_elements,
     outer_sync,
     powersgd_bytes,
+    reduce_bytes,
     straggler_seconds,
 )
 from meshplan.cost.sync import groups as sync_groups
@@ -356,7 +357,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     blocked = (fsdp & ~per_step)[:, None]
     if (zero == 3).any():
         shard_g = Group.of(cluster, shard[:, None], tp[:, None])
-        ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(p.fsdp_reduce_bytes * lp)
+        ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(reduce_bytes(cols, p)[:, None] * lp)
     else:
         ag = rs = np.zeros_like(lp)
     if blocked.any():
@@ -613,8 +614,9 @@ def cross_site(a: Assembly, cluster: ClusterSpec, p: CostParams) -> np.ndarray:
     # ZeRO-3: every block gathered twice and reduce-scattered per micro-batch (once per step under a pipeline)
     times = np.where(pp > 1, 1.0, micro)
     z3 = times * (cross_bytes(cluster, shard, tp, 2.0 * plocal, 2.0)
-                  + cross_bytes(cluster, shard, tp, p.fsdp_reduce_bytes * plocal, 1.0))
-    hsdp = cross_bytes(cluster, np.maximum(1.0, n_sync / shard), tp * shard, p.fsdp_reduce_bytes * plocal / shard, 2.0)
+                  + cross_bytes(cluster, shard, tp, reduce_bytes(cols, p) * plocal, 1.0))
+    rb = reduce_bytes(cols, p)
+    hsdp = cross_bytes(cluster, np.maximum(1.0, n_sync / shard), tp * shard, rb * plocal / shard, 2.0)
     z3 = np.where(zero == 3, z3 + np.where(shard < n_sync, hsdp, 0.0), 0.0)
     # pipeline sends: N / pp ranks at a stage boundary, one activation forward and one gradient back per
     # micro-batch (each way) and chunk, when a boundary crosses a datacenter
@@ -680,7 +682,7 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
     # dp_end_of_step), which it slows like any collective (exposed_under), so that the memory
     # ZeRO-3 saves on it carries its time.
     root_x, root_o = root_fsdp(cluster, p, a.plocal[rows, crit] - a.blk_params[rows, crit], a.shard, tp, tmax,
-                               micro, a.fsdp, a.per_step)
+                               micro, a.fsdp, a.per_step, reduce_bytes(cols, p))
     dp_exp, dp_ovl = dp_exp + root_x, dp_ovl + root_o
     opt_t = optimizer_seconds(cluster, a.plocal, zero, a.shard, np.asarray(cols["offload_optimizer"], dtype=bool), p)
     end = np.where(valid, e_r + opt_t - dr, -np.inf).max(axis=1)
@@ -754,8 +756,13 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     overhead = (p.framework_overhead_gib + p.cuda_context_gib + p.nccl_buffer_gib) * GiB
     # DiLoCo's outer state: the fp32 anchor and the Nesterov momentum of the parameters a rank
     # holds; PowerSGD's error feedback (fp32, the unsharded gradients) and its P, Q factors.
-    diloco = (np.asarray(cols["grad_sync"]) == "diloco")[:, None]
-    o = o + np.where(diloco, 8.0 * held_params(a), 0.0)
+    # Local SGD with a compressed outer sync keeps the fp32 anchor it sends deltas from; an
+    # overlapped outer sync (sync_overlap) keeps an fp32 snapshot of the parameters at the sync.
+    gs = np.asarray(cols["grad_sync"])[:, None]
+    comp_outer = (np.asarray(cols["grad_compression"]) != "none")[:, None]
+    overlap = (np.asarray(cols["sync_overlap"]) > 0)[:, None] & ((gs == "diloco") | (gs == "local-sgd"))
+    outer_state = np.where(gs == "diloco", 8.0, np.where((gs == "local-sgd") & comp_outer, 4.0, 0.0))
+    o = o + (outer_state + np.where(overlap, 4.0, 0.0)) * held_params(a)
     if (np.asarray(cols["grad_compression"]) == "powersgd").any():
         psgd = (np.asarray(cols["grad_compression"]) == "powersgd")[:, None]
         tp_, ep_ = (np.asarray(cols[k], dtype=float) for k in ("tp", "ep"))

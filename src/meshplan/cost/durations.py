@@ -28,6 +28,7 @@ from meshplan.cost.memory import (
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.parts import optimizer_seconds, root_fsdp
 from meshplan.cost.schedule import in_flight_array
+from meshplan.cost.sync import reduce_bytes
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
@@ -111,7 +112,8 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
     for r in range(width):
         rt = (a.fwd[:, r] + a.b_in[:, r] + a.b_w[:, r] + a.terms["recompute"][:, r] + a.tp_f[:, r] + a.tp_b[:, r]
               + a.dp_f[:, r] + a.dp_b[:, r])  # the rank's exposed time per micro-batch
-        rx, _ = root_fsdp(cluster, p, a.plocal[:, r] - a.blk_params[:, r], a.shard, tp, rt, micro, a.fsdp, a.per_step)
+        rx, _ = root_fsdp(cluster, p, a.plocal[:, r] - a.blk_params[:, r], a.shard, tp, rt, micro, a.fsdp, a.per_step,
+                          reduce_bytes(cols, p))
         end_exp.append(float(end_x[0, r] + rx[0]))
         end_ovl.append(float(end_o[0, r]))
     offo = np.asarray(cols["offload_optimizer"], dtype=bool)

@@ -99,7 +99,8 @@ def tied_sync(cluster: ClusterSpec, tied_local: Any, cp: Any, dp: Any, shard: An
 
 
 def root_fsdp(cluster: ClusterSpec, p: CostParams, root: np.ndarray, shard: np.ndarray, tp: np.ndarray,
-              hide: np.ndarray, micro: Any, fsdp: np.ndarray, per_step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+              hide: np.ndarray, micro: Any, fsdp: np.ndarray, per_step: np.ndarray,
+              reduce_bytes: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """(exposed, overlapped) seconds per step of FSDP's root unit (``root`` parameters on the GPU
     before sharding: the layers that are not blocks: embedding, final norm, output layer):
     gathered and reduce-scattered per micro-batch without a pipeline (FSDP2 reshards it after
@@ -107,7 +108,8 @@ def root_fsdp(cluster: ClusterSpec, p: CostParams, root: np.ndarray, shard: np.n
     like any collective (exposed_under)."""
     root = np.maximum(0.0, root)
     g = Group.of(cluster, shard, tp)
-    t = g.all_gather(2.0 * root) + g.reduce_scatter(p.fsdp_reduce_bytes * root)
+    rb = p.fsdp_reduce_bytes if reduce_bytes is None else reduce_bytes  # (per row: the plan's compression)
+    t = g.all_gather(2.0 * root) + g.reduce_scatter(rb * root)
     times = np.where(per_step, 1.0, np.asarray(micro, dtype=float))
     x = exposed_under(t, hide, p.overlap_slowdown)
     return np.where(fsdp, times * x, 0.0), np.where(fsdp, times * (t - np.minimum(t, x)), 0.0)
@@ -135,7 +137,11 @@ def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cost
     # ZeRO-3/FSDP: the first block's gather once, plus HSDP's all-reduce across replicas.
     z3 = Group.of(cluster, shard, tp).all_gather(2.0 * lp)
     rep = Group.of(cluster, np.maximum(1, n_dp // shard), tp * shard)
-    z3 = z3 + np.where(shard < n_dp, rep.all_reduce(p.fsdp_reduce_bytes * params_local / shard), 0)
+    rb = p.fsdp_reduce_bytes
+    if "grad_compression" in cols:  # FSDP2 reduces in the compressed dtype (cost.sync.reduce_bytes)
+        from meshplan.cost.sync import reduce_bytes
+        rb = reduce_bytes(cols, p)
+    z3 = z3 + np.where(shard < n_dp, rep.all_reduce(rb * params_local / shard), 0)
     # DDP / ZeRO-1/2: gradients are reduced in fp32: Megatron accumulates and all-reduces fp32
     # main grads with bf16 (accumulate_allreduce_grads_in_fp32) and with its distributed
     # optimizer; torch DDP under autocast (meshplan's runtime) holds fp32 parameters, so fp32

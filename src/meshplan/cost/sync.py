@@ -123,6 +123,18 @@ def compressed_sync_bytes(grads: np.ndarray, params_local: np.ndarray, compressi
     return out
 
 
+def reduce_bytes(cols: dict[str, Any], p: Any) -> np.ndarray:
+    """Bytes per gradient element FSDP's reduce-scatter (and HSDP's all-reduce) moves per row:
+    CostParams.fsdp_reduce_bytes, or less with the gradient compression of a synchronous plan
+    (FSDP2's reduce_dtype bf16: 2; meshplan's fp8 reduce-scatter: 1). A periodic plan's
+    compression is its outer sync's: its inner reduction is uncompressed."""
+    comp = np.asarray(cols["grad_compression"])
+    periodic = is_periodic(cols["grad_sync"])
+    base = np.full(comp.shape, float(p.fsdp_reduce_bytes))
+    out = np.where(comp == "bf16", np.minimum(base, 2.0), np.where(comp == "fp8", np.minimum(base, 1.0), base))
+    return np.where(periodic, base, out)
+
+
 def outer_sync(cluster: ClusterSpec, cols: dict[str, Any], p: Any, held: np.ndarray, n_in: np.ndarray,
                n_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """((rows, ranks) seconds of one outer all-reduce, (rows, ranks) seconds of one outer step)

@@ -295,16 +295,14 @@ def _weak_options(cluster: ClusterSpec) -> list[tuple[Any, ...]]:
 
 def _sync_fits(opt: tuple[Any, ...], z: int, sg: int, offo: bool, offp: bool, dp: int) -> bool:
     """Whether sync option ``opt`` goes with a (zero, shard_group, offload) option: periodic ones
-    without hybrid groups or offload and with dp >= 2; PowerSGD with zero = 0; fp8 compression
-    without ZeRO-3 (FSDP2 reduces in bf16 at the least); compression needs dp >= 2."""
+    without hybrid groups or offload and with dp >= 2; PowerSGD with zero = 0; compression needs
+    dp >= 2 (and is not tried with hybrid groups or offload)."""
     gs, _, _, comp, _, _ = opt
     if gs in ("local-sgd", "diloco"):
         return sg == 0 and not offo and not offp and dp >= 2
     if comp == "powersgd":
         return z == 0 and not offo and dp >= 2
-    if comp == "fp8":
-        return z != 3 and not offo and sg == 0 and dp >= 2
-    if comp == "bf16":
+    if comp in ("bf16", "fp8"):
         return not offo and sg == 0 and dp >= 2
     return True
 
