@@ -8,6 +8,7 @@ reads both).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -150,7 +151,9 @@ def _problem(r: SearchResult, command: str | None) -> str:
                ("price", f"${c0.price_per_hour:g} per GPU-hour")]
     unit = "samples" if isinstance(m, LayerGraph) and m.model is None else "sequences"
     work = [("global batch", f"{w.global_batch:,} {unit} x {w.seq_len:,} tokens = {w.tokens:,} tokens per step"),
-            ("objective", "fastest step" if r.objective == "time" else "fewest dollars per token"),
+            ("objective", {"time": "fastest step", "cost": "fewest dollars per token",
+                           "time-to-target": "soonest to a target loss (step time x token-efficiency factor)"}
+             .get(r.objective, r.objective)),
             ("searched", f"{r.considered:,} plans: {r.feasible:,} feasible, {r.evaluated:,} priced by the "
                          f'cost model, in <span class="timing">{r.search_time_s:.2f} s</span>')]
     if command:
@@ -185,6 +188,13 @@ def _top_table(r: SearchResult, train: list[dict[str, float] | None] | None) -> 
     head = [("#", "num", ""), ("plan", "text", "l plan")] + ([("GPUs", "num", "")] if multi else []) + [
         ("step time (s)", "num", ""), ("tokens/s", "num", ""), ("MFU", "num", ""), ("peak GiB", "num", ""),
         ("$ / M tokens", "num", ""), ("largest term", "text", "l")]
+    weak = r.other_objective is not None or r.objective == "time-to-target"
+    sites = any(c.num_dcs > 1 for c in r.clusters)
+    if weak:
+        head.insert(head.index(("tokens/s", "num", "")), ("to target (s)", "num", ""))
+        head.insert(head.index(("tokens/s", "num", "")), ("tokens x", "num", ""))
+    if sites:
+        head.insert(head.index(("tokens/s", "num", "")), ("cross-site GB", "num", ""))
     if has_train:
         head += [("days", "num", ""), ("$ to train", "num", "")]
     rows = []
@@ -193,7 +203,13 @@ def _top_table(r: SearchResult, train: list[dict[str, float] | None] | None) -> 
         cells = [(str(p.rank), p.rank), (_plan(p.plan.short()), None)]
         if multi:
             cells.append((f"{p.plan.num_gpus:,}", p.plan.num_gpus))
-        cells += [(f"{fixed3(rep.step_time_s)}", rep.step_time_s), (f"{rep.tokens_per_s:,.0f}", rep.tokens_per_s),
+        cells.append((f"{fixed3(rep.step_time_s)}", rep.step_time_s))
+        if weak:
+            cells += [(f"{fixed3(rep.time_to_target_s)}", rep.time_to_target_s),
+                      (f"{rep.token_factor:.2f}", rep.token_factor)]
+        if sites:
+            cells.append((f"{rep.cross_site_gb:,.2f}", rep.cross_site_gb))
+        cells += [(f"{rep.tokens_per_s:,.0f}", rep.tokens_per_s),
                   (f"{100 * rep.mfu:.1f}%", rep.mfu), (f"{rep.peak_memory_gib:.1f}", rep.peak_memory_gib),
                   (f"{fixed3(p.usd_per_mtok)}", p.usd_per_mtok),
                   (esc(TERM_LABELS.get(rep.dominant, rep.dominant)), None)]
@@ -206,6 +222,17 @@ def _top_table(r: SearchResult, train: list[dict[str, float] | None] | None) -> 
     ths = "".join(f'<th class="{c}" data-sort="{s}">{esc(n)}</th>' for n, s, c in head)
     return (f'<div class="wide"><table class="sortable" id="top-plans"><thead><tr>{ths}</tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table></div>')
+
+
+def _other_ranking(r: SearchResult, train: list[dict[str, float] | None] | None) -> str:
+    """The top plans by the other objective (step time, or time to target) where it differs."""
+    if not r.other_plans or [p.plan.short() for p in r.other_plans] == [p.plan.short() for p in r.plans]:
+        return ""
+    other = dataclasses.replace(r, plans=r.other_plans, objective=r.other_objective or "time")
+    what = {"time": "step time", "time-to-target": "time to a target loss"}.get(r.other_objective or "", "")
+    return (f"<h3>Ranked by {what} instead</h3><p>The same search ranked by {what}: the methods that sync "
+            "less often or compress trade tokens (their token-efficiency factor) for time per step.</p>"
+            + _top_table(other, None).replace('id="top-plans"', 'id="other-ranking"'))
 
 
 def _pareto(r: SearchResult, usable: float) -> str:
@@ -318,12 +345,14 @@ def render(result: SearchResult, *, usable_gib: float, sim: Any = None, sim_summ
     nav = "".join(f'<a href="#{a}">{t}</a>' for a, t in (
         ("problem", "problem"), ("top-plans-section", "top plans"), ("pareto", "Pareto front"),
         ("breakdown", "breakdowns"), ("timeline", "timeline"), ("explanation", "why")))
+    ranked_by = {"time": "step time", "cost": "dollars per million tokens",
+                 "time-to-target": "time to a target loss (step time x the token-efficiency factor)"}
     top = ('<section id="top-plans-section"><h2>Top plans</h2>'
            + (f"<p>The {len(r.plans)} best feasible plans, ranked by "
-              + ("step time" if r.objective == "time" else "dollars per million tokens")
+              + ranked_by.get(r.objective, r.objective)
               + " (click a column to sort).</p>" + _top_table(r, train) if r.plans
               else '<p class="mut">None: no candidate plan satisfies the constraints and fits in memory.</p>')
-           + "</section>")
+           + _other_ranking(r, train) + "</section>")
     return "".join([
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width,initial-scale=1">',
