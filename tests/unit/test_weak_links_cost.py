@@ -230,7 +230,7 @@ def test_two_datacenters_done_when():
     assert best.time_to_target_s < sync.time_to_target_s
     from meshplan.search.explain import explain
     text = "\n".join(explain(res))
-    assert "cross the link between sites" in text and "reaches the target loss" in text
+    assert "cross the link between sites" in text and "to the target loss" in text
     # with the sync methods off, the search is the synchronous one
     plain = search(LLAMA8, [TWO_DC], WORK, SearchSpace(sync_methods=False), top=1)
     assert plain.best.plan.short() == res.best_synchronous.plan.short()

@@ -12,7 +12,7 @@ TIME_LABELS = {
     "compute": "compute (fwd+bwd)", "recompute": "recompute", "tp_comm": "TP/SP communication",
     "cp_comm": "CP communication", "ep_comm": "EP all-to-all", "dp_comm": "DP/FSDP communication",
     "pp_comm": "pipeline send/recv", "offload": "parameter offload (PCIe)", "bubble": "pipeline bubble",
-    "optimizer": "optimizer step",
+    "optimizer": "optimizer step", "outer_sync": "outer sync (amortised)", "straggler": "straggler wait",
     "overhead": "fixed overhead",
 }
 
@@ -24,6 +24,30 @@ def model_line(model: LayerGraph, params: int) -> str:
         return f"model    {model.name}: {human_count(params)} parameters, {m.num_layers} layers, h={m.hidden_size}"
     return (f"model    {model.name} ({model.source}): {human_count(params)} parameters, {model.num_layers} layers "
             f"({len(model.distinct_blocks())} distinct), ingested layer graph")
+
+
+def weak_link_lines(cluster: ClusterSpec, plan: Plan, r: CostReport, params: object = None) -> list[str]:
+    """Time to target (with where its token factor comes from), the outer sync, the bytes across
+    sites and the straggler wait, where they apply."""
+    from meshplan.cost.convergence import token_efficiency
+    from meshplan.cost.params import DEFAULT_PARAMS
+    out = []
+    p = params if params is not None else DEFAULT_PARAMS
+    if plan.periodic or plan.grad_compression != "none" or r.token_factor != 1:
+        basis = token_efficiency(getattr(p, "token_efficiency_file", "")).basis(
+            plan.grad_sync, plan.sync_every, r.outer_workers, plan.grad_compression, plan.compression_rank)
+        out.append(f"time to target {seconds(r.time_to_target_s)} per synchronous-equivalent step (tokens "
+                   f"x{r.token_factor:.2f}: {basis})")
+    if plan.periodic:
+        out.append(f"outer sync     {seconds(r.outer_sync_s)} across {r.outer_workers} groups every "
+                   f"{plan.sync_every} steps ({seconds(r.time.get('outer_sync', 0.0))} per step exposed)")
+    if cluster.num_dcs > 1:
+        out.append(f"cross-site     {r.cross_site_gb:,.2f} GB per step each way on the link between datacenters")
+    if r.time.get("straggler", 0.0) > 0:
+        out.append(f"stragglers     {seconds(r.time['straggler'])} per step waiting for the slowest rank "
+                   f"(step_jitter {100 * cluster.step_jitter:g}%"
+                   + (f"; {seconds(r.straggler_sync_s)} if it synced every step)" if plan.periodic else ")"))
+    return out
 
 
 def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Workload,
@@ -43,6 +67,7 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
         f"peak memory    {r.peak_memory_gib:.1f} GiB per GPU of {cluster.gpu.memory_gib:.0f} "
         f"(usable {r.usable_memory_gib:.1f}; 95th percentile {r.peak_memory_gib_high:.1f}): {fit_word(r, params)}",
         *host_lines(r),
+        *weak_link_lines(cluster, plan, r, params),
         *runtime_lines(model, plan, work),
         "",
     ]

@@ -554,10 +554,13 @@ def held_params(a: Assembly) -> np.ndarray:
     return a.plocal / np.where(zero >= 1, a.shard[:, None], 1.0)
 
 
-def weak_link_terms(a: Assembly, cluster: ClusterSpec, p: CostParams, step: np.ndarray) -> dict[str, np.ndarray]:
+def weak_link_terms(a: Assembly, cluster: ClusterSpec, p: CostParams, step: np.ndarray,
+                    busy: np.ndarray) -> dict[str, np.ndarray]:
     """Per row: the outer sync of local-sgd/diloco rows amortised over H steps (exposed,
     overlapped, and one whole outer sync), the expected straggler wait and what a synchronous
-    plan would wait, the token-efficiency factor. ``step``: the step before these."""
+    plan would wait, the token-efficiency factor. ``step``: the step before these (the inner
+    step the outer sync may hide under); ``busy``: the GPU's compute per step (computing and
+    recomputing: what jitters from run to run; time waiting on links does not)."""
     cols = a.cols
     periodic, n_in, n_out = sync_groups(cols, cluster)
     rows = np.arange(len(step))
@@ -573,7 +576,7 @@ def weak_link_terms(a: Assembly, cluster: ClusterSpec, p: CostParams, step: np.n
         out = {"outer_exposed": np.maximum(0.0, x[rows, worst]), "outer_overlapped": o[rows, worst],
                "outer_sync_s": np.where(a.valid, t, 0.0).max(axis=1)}
     inner_ranks = n // np.maximum(n_out, 1)
-    wait, wait_sync = straggler_seconds(cluster.step_jitter, step, n, periodic, inner_ranks, n_out,
+    wait, wait_sync = straggler_seconds(cluster.step_jitter, busy, n, periodic, inner_ranks, n_out,
                                         cols["sync_every"])
     eff = token_efficiency(p.token_efficiency_file)
     factor = eff.factor(cols["grad_sync"], cols["sync_every"], n_out, cols["grad_compression"],
@@ -689,7 +692,8 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
     opt = np.minimum(np.where(valid, opt_t, 0).max(axis=1), end)  # >= 0: rank 0 has no drain
     dp_exp = dp_exp + end - opt
     base = busy + bubble + dp_exp + opt
-    weak = weak_link_terms(a, cluster, p, base)
+    compute_busy = micro * (a.terms["compute"] + a.terms["recompute"])[rows, crit]
+    weak = weak_link_terms(a, cluster, p, base, compute_busy)
     step = base + weak["outer_exposed"] + weak["straggler"] + p.step_overhead_s
 
     out: dict[str, np.ndarray] = {f"time.{k}": micro * t[rows, crit] for k, t in a.terms.items()}

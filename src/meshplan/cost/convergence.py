@@ -95,6 +95,31 @@ class TokenEfficiency:
         """Tokens relative to fully synchronous, uncompressed training (>= 0)."""
         return self.method_factor(grad_sync, sync_every, workers) * self.compression_factor(compression, rank)
 
+    def basis(self, grad_sync: str, sync_every: int, workers: int, compression: str, rank: int) -> str:
+        """In words, where one plan's factor comes from: published, assumed, or the user's file."""
+        parts = []
+        if grad_sync in METHODS:
+            t = self.tables[grad_sync]
+            user = self.origin != DEFAULT_EFFICIENCY.origin and "user override" in str(t.get("source", ""))
+            if user:
+                parts.append(f"{grad_sync} from {self.origin}")
+            elif workers <= t["max_workers"] and sync_every <= t["max_sync_every"]:
+                parts.append(f"{grad_sync} within the published regime ({t['max_workers']} workers, H <= "
+                             f"{t['max_sync_every']}; " + ("Douillard et al. 2023, on models of 60M-400M parameters: "
+                                                           "applying it to larger models is an extrapolation)"
+                                                           if grad_sync == "diloco" else "data parallel at H = 1)"))
+            else:
+                parts.append(f"{grad_sync} beyond the published regime: +{100 * float(t['per_doubling']):g}% per "
+                             "doubling (meshplan's assumption)")
+        if compression != "none":
+            table = "powersgd" if compression == "powersgd" else "compression"
+            src = str(self.tables[table].get("source", ""))
+            what = f"PowerSGD rank {rank}" if compression == "powersgd" else compression
+            parts.append(f"{what} from {self.origin}" if "user override" in src else
+                         f"{what}: " + ("Vogels et al. 2019 (rank 1-2 factors are meshplan's translation)"
+                                        if compression == "powersgd" else "FP8-LM, Peng et al. 2023"))
+        return "; ".join(parts) if parts else "synchronous: 1 by definition"
+
     def sources(self) -> dict[str, str]:
         """Each table's source sentence."""
         return {k: str(v.get("source", "")) for k, v in self.tables.items()}
@@ -136,10 +161,12 @@ def load_token_efficiency(path: str) -> TokenEfficiency:
             if key == "source":
                 tables[name][key] = str(value)
                 continue
-            if name == "powersgd" and not key.isdigit():
+            if name == "powersgd" and (not key.isdigit() or int(key) < 1):
                 raise MeshplanError(f"{path}: [powersgd] keys are ranks (1, 2, 4, ...); got {key!r}")
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or value < 0 or (key != "per_doubling" and value <= 0):
+            if key == "per_doubling" and not (ok and value >= 0):
+                raise MeshplanError(f"{path}: [{name}] per_doubling must be a number >= 0; got {value!r}")
+            if not ok or value <= 0:
                 raise MeshplanError(f"{path}: [{name}] {key} must be a positive number; got {value!r}")
             tables[name][key] = value
         if name in DEFAULTS and "source" not in table:

@@ -24,9 +24,9 @@ compression moves CostParams.powersgd_bytes_per_param of HBM per gradient elemen
 
 Stragglers: with a per-GPU step-time jitter (coefficient of variation c, ClusterSpec.step_jitter)
 a step that waits for n ranks lasts on average sigma x z(n) longer than one rank's, where sigma =
-c x step and z(n) is the expected maximum of n standard normals. A
-synchronous plan waits for all its ranks every step. A periodic one waits for its inner group
-every step, and for the slowest group every H steps: H steps' sums have sigma sqrt(H), so
+c x the step's compute (what jitters; waiting on links is not counted) and z(n) is the expected
+maximum of n standard normals. A synchronous plan waits for all its ranks every step. A periodic
+one waits for its inner group every step, and for the slowest group every H steps: H steps' sums have sigma sqrt(H), so
 sigma x z(n_out) / sqrt(H) per step. That difference is what local SGD hides.
 """
 from __future__ import annotations
@@ -74,7 +74,8 @@ def expected_max_normal(n: Num) -> np.ndarray:
 def straggler_seconds(jitter: float, step: Num, ranks: Num, periodic: Num, inner_ranks: Num,
                       n_out: Num, sync_every: Num) -> tuple[np.ndarray, np.ndarray]:
     """(expected wait per step, what the same plan would wait synchronously): sigma = jitter x
-    step; synchronous: sigma z(ranks); periodic: sigma (z(inner_ranks) + z(n_out) / sqrt(H))."""
+    ``step`` (the compute per step); synchronous: sigma z(ranks); periodic: sigma (z(inner_ranks)
+    + z(n_out) / sqrt(H))."""
     sigma = jitter * np.asarray(step, dtype=float)
     sync = sigma * expected_max_normal(ranks)
     h = np.maximum(np.asarray(sync_every, dtype=float), 1.0)

@@ -16,7 +16,12 @@ model between outer syncs, so the model and (inner) optimizer are saved once per
 ``outer``: the fp32 anchor (``anchor/<name>``: diloco, or local-sgd with compression) and the outer
 Nesterov momentum (``momentum/<name>``: diloco), as DTensors shaped like the parameters (FSDP2/TP
 shards), and in ``extra`` the step of the last outer sync (``last_sync``: the position in the outer
-period). meta.json records ``outer`` = {grad_sync, workers, sync_every, anchor}. Such a checkpoint
+period). meta.json records ``outer`` = {grad_sync, workers, sync_every, anchor}. An overlapped sync
+(sync_overlap = tau) in flight at a save is waited for, and saved as it will be applied: the anchor
+and momentum it made, and the correction new anchor - the parameters at its launch
+(``correction/worker<g>/<name>``: each inner group's own, placed like its parameters); meta.json's ``outer`` then says
+``in_flight``: its step (= last_sync). A resume adds the correction after inner step in_flight + tau,
+as the uninterrupted run does (at once if the resumed plan's tau is already past). Such a checkpoint
 resumes under a plan with the same grad_sync, the same number of inner groups and the same anchor
 (any inner parallelism, sync_every, sync_scope giving that count); a synchronous checkpoint resumes
 under a periodic plan too (every inner group from the one model; anchor = it, momentum 0, the
@@ -165,15 +170,18 @@ OuterEntry = tuple[str, Any, torch.Tensor]
 
 def _outer_entries(trainer: Any) -> list[OuterEntry]:
     """The outer sync's anchor and momentum (periodic.OuterSync) under ``anchor/<name>`` and
-    ``momentum/<name>``: each as a DTensor placed like its parameter (its local shard is this rank's
-    tensor), so DCP reshards it like the model."""
+    ``momentum/<name>`` (the same in every inner group: saved once), and with a sync in flight
+    (sync_overlap) its correction, which is each inner group's own, under
+    ``correction/worker<g>/<name>``: each as a DTensor placed like its parameter (its local shard is
+    this rank's tensor), so DCP reshards it like the model."""
     outer = trainer.outer
     if outer is None:
         return []
     from torch.distributed.tensor import DTensor
     index = {id(p): i for i, p in enumerate(outer.params)}
     out: list[OuterEntry] = []
-    for kind, tensors in (("anchor", outer.anchor), ("momentum", outer.momentum)):
+    pending = outer.snapshot if outer.launched is not None else None
+    for kind, tensors in (("anchor", outer.anchor), ("momentum", outer.momentum), ("correction", pending)):
         if tensors is None:
             continue
         for part in trainer.par.parts:
@@ -185,12 +193,16 @@ def _outer_entries(trainer: Any) -> list[OuterEntry]:
                                               stride=p.stride()) if isinstance(p, DTensor) else t
                 own[name] = t
             for key, logical, value in _logical(trainer.model, part, sd, False):
+                if kind == "correction":  # new anchor - this group's parameters at the sync
+                    logical = _worker_key(logical, trainer.mesh.worker, False)
                 out.append((f"{kind}/{logical}", value, own[key]))
     return out
 
 
 def _state(trainer: Any, entries: list[tuple[list[Entry], list[Entry]]] | None = None,
            outer: list[OuterEntry] | None = None) -> dict[str, Any]:
+    if trainer.outer is not None:
+        trainer.outer.wait()  # a sync in flight finished: its anchor, momentum and correction saved as they end
     model: dict[str, Any] = {}
     optim: dict[str, Any] = {}
     for m, o in entries if entries is not None else _entries(trainer, per_worker=trainer.outer is not None):
@@ -210,7 +222,10 @@ def outer_meta(trainer: Any) -> dict[str, Any] | None:
     o = trainer.outer
     if o is None:
         return None
-    return {"grad_sync": o.method, "workers": o.workers, "sync_every": o.every, "anchor": o.anchor is not None}
+    meta = {"grad_sync": o.method, "workers": o.workers, "sync_every": o.every, "anchor": o.anchor is not None}
+    if o.launched is not None:  # a sync in flight (sync_overlap): launched at that step, not applied yet
+        meta["in_flight"] = o.launched
+    return meta
 
 
 def check_outer(directory: str | Path, meta: dict[str, Any], plan: Any, workers: int) -> None:
@@ -352,6 +367,9 @@ def load(trainer: Any, directory: str | Path) -> int:
     periodic = bool(meta.get("outer"))  # saved per inner group, with the outer state
     _init_optimizer_state(trainer)
     entries = _entries(trainer, per_worker=periodic)
+    in_flight = (meta.get("outer") or {}).get("in_flight")
+    if trainer.outer is not None and in_flight is not None:
+        trainer.outer.expect_pending(int(in_flight))
     outer = _outer_entries(trainer) if periodic else []
     state = _state(trainer, entries, outer)
     if not periodic:
@@ -367,6 +385,9 @@ def load(trainer: Any, directory: str | Path) -> int:
         if periodic:
             _load_outer(outer, state["outer"])
             trainer.outer.last_sync = int(state["extra"]["last_sync"])
+            o = trainer.outer
+            if o.launched is not None and trainer.step >= o.launched + o.overlap:
+                o.apply()  # resumed under a smaller sync_overlap: its tau steps are done
         else:  # from a synchronous checkpoint: every inner group starts from its model
             trainer.outer.reset(trainer.step)
     return trainer.step

@@ -716,6 +716,8 @@ def worker_main(job: Job) -> int:
         rec = summary_record(job, trainer, records, device.type)
         print(summary_text(rec["measured"], rec["estimate"]), flush=True)
         _write(job.metrics, rec)
+    if trainer.outer is not None:
+        trainer.outer.wait()  # an overlapped outer sync still in flight: its thread's collectives end first
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -791,6 +793,8 @@ def switch_plan(job: Job, trainer: Any, records: list[Any], device_type: str, ra
               file=sys.stderr, flush=True)
     if path and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         Path(path).write_text(json.dumps(sw))
+    if trainer.outer is not None:
+        trainer.outer.wait()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

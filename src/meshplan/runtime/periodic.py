@@ -37,6 +37,7 @@ averaged in fp32 in rank order (every rank gets the same numbers).
 from __future__ import annotations
 
 import math
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -89,12 +90,15 @@ def inner_dp_of(plan: Plan, procs_per_node: int, nodes_per_dc: int | None = None
 
 
 # ---- compression of a flat buffer --------------------------------------------------------------
-def fp8_quantize(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (1-D) as bytes: float8_e4m3fn values scaled per block of FP8_BLOCK (zero-padded to whole
-    blocks), then the blocks' fp32 scales."""
+def fp8_quantize(x: torch.Tensor, size: int | None = None) -> torch.Tensor:
+    """``x`` (1-D) as bytes: float8_e4m3fn values scaled per block of FP8_BLOCK, zero-padded to
+    ``size`` elements (a multiple of FP8_BLOCK; default: whole blocks, at least one), then the
+    blocks' fp32 scales (amax / 448; 1 for a block of zeros)."""
     n = x.numel()
-    blocks = max(1, math.ceil(n / FP8_BLOCK))
-    v = torch.zeros(blocks * FP8_BLOCK, dtype=torch.float32, device=x.device)
+    size = size if size is not None else max(1, math.ceil(n / FP8_BLOCK)) * FP8_BLOCK
+    assert size % FP8_BLOCK == 0 and size >= n, (size, n)
+    blocks = size // FP8_BLOCK
+    v = torch.zeros(size, dtype=torch.float32, device=x.device)
     v[:n] = x.reshape(-1)
     v = v.view(blocks, FP8_BLOCK)
     scale = v.abs().amax(dim=1) / FP8_MAX
@@ -104,34 +108,83 @@ def fp8_quantize(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_dequantize(payload: torch.Tensor, n: int) -> torch.Tensor:
-    """The fp32 values (``n`` of them) of one ``fp8_quantize`` payload."""
-    blocks = max(1, math.ceil(n / FP8_BLOCK))
+    """The fp32 values (the first ``n``) of one ``fp8_quantize`` payload."""
+    blocks = payload.numel() // (FP8_BLOCK + 4)
     q = payload[:blocks * FP8_BLOCK].view(FP8).float().view(blocks, FP8_BLOCK)
     scale = payload[blocks * FP8_BLOCK:].view(torch.float32)
     return (q * scale[:, None]).reshape(-1)[:n]
 
 
-def _fp8_mean(gathered: torch.Tensor, n: int) -> torch.Tensor:
-    """Mean of the dequantised rows of ``gathered`` (one payload per rank), summed in rank order."""
-    return fp8_sum_rows(gathered, n).div_(gathered.shape[0])
+def fp8_sum_rows(gathered: torch.Tensor, n: int) -> torch.Tensor:
+    """Sum of the dequantised rows of ``gathered`` (one payload per rank), in rank order."""
+    total = torch.zeros(n, dtype=torch.float32, device=gathered.device)
+    for row in gathered:
+        total += fp8_dequantize(row, n)
+    return total
 
 
-def _fp8_gather(x: torch.Tensor, group: Any, async_op: bool) -> tuple[Any, torch.Tensor]:
-    payload = fp8_quantize(x)
+# The two-shot fp8 all-reduce (``fp8_all_reduce``), in three local pieces around its two collectives.
+def fp8_chunk(n: int, world: int) -> int:
+    """Elements of each rank's slice of an ``n``-element buffer: ceil(n / world), rounded up to whole
+    FP8_BLOCKs (so the first quantisation's blocks never straddle two slices)."""
+    return max(1, math.ceil(n / (world * FP8_BLOCK))) * FP8_BLOCK
+
+
+def fp8_pack(x: torch.Tensor, world: int, chunk: int) -> torch.Tensor:
+    """(world, payload) bytes: slice j of ``x`` (elements j*chunk ..; the last ones zero-padded,
+    whole slices of padding past the end) quantised on its own, row j for rank j."""
+    flat = x.reshape(-1)
+    return torch.stack([fp8_quantize(flat[j * chunk:(j + 1) * chunk], chunk) for j in range(world)])
+
+
+def fp8_reduce_slice(received: torch.Tensor, chunk: int, divide: int = 1) -> torch.Tensor:
+    """This rank's slice reduced: the received payloads (one per rank, rank order) dequantised and
+    summed in fp32, divided by ``divide`` (the group size for a mean), quantised again."""
+    total = fp8_sum_rows(received, chunk)
+    if divide != 1:
+        total /= divide
+    return fp8_quantize(total, chunk)
+
+
+def fp8_unpack(gathered: torch.Tensor, chunk: int, n: int) -> torch.Tensor:
+    """The fp32 buffer (``n`` values) from every rank's reduced slice (rows in rank order)."""
+    return torch.cat([fp8_dequantize(row, chunk) for row in gathered])[:n]
+
+
+def fp8_all_reduce(x: torch.Tensor, group: Any, divide: int = 1) -> tuple[torch.Tensor, Any, torch.Tensor, int]:
+    """Start the two-shot fp8 all-reduce of the 1-D ``x`` over ``group`` (module doc): quantise per
+    slice, all_to_all (waited: the next collective needs its result; on NCCL the wait only orders
+    streams), sum this rank's slice in fp32 (divided by ``divide``), quantise it, launch the
+    all_gather. Returns (the gathered bytes, the all_gather's work, -, chunk); ``fp8_unpack`` them
+    after the wait. Both collectives are issued here, by the caller's thread, in one order on every
+    rank."""
     world = dist.get_world_size(group)
-    out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-    work = dist.all_gather_into_tensor(out, payload, group=group, async_op=async_op)
-    return work, out.view(world, -1)
+    chunk = fp8_chunk(x.numel(), world)
+    send = fp8_pack(x, world, chunk)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group, async_op=True).wait()
+    del send
+    mine = fp8_reduce_slice(recv, chunk, divide)
+    del recv
+    out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)  # flat: gloo's
+    work = dist.all_gather_into_tensor(out, mine, group=group, async_op=True)
+    return out.view(world, -1), work, mine, chunk
+
+
+def fp8_mean(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The mean of the 1-D fp32 ``x`` over ``group`` by the two-shot fp8 all-reduce, into ``x``."""
+    out, work, _, chunk = fp8_all_reduce(x, group, dist.get_world_size(group))
+    work.wait()
+    return x.copy_(fp8_unpack(out, chunk, x.numel()))
 
 
 def mean_over(x: torch.Tensor, group: Any, compression: str) -> torch.Tensor:
     """The mean of the 1-D fp32 ``x`` over ``group``, sent as ``compression`` (none, bf16, fp8);
     returns ``x`` (overwritten) or a new tensor. bf16: cast, divided by the group size, summed in
-    bf16 (bf16_compress_hook's arithmetic); fp8: ``fp8_quantize``d, all-gathered, averaged in fp32."""
+    bf16 (bf16_compress_hook's arithmetic); fp8: the two-shot fp8 all-reduce (``fp8_mean``)."""
     world = dist.get_world_size(group)
     if compression == "fp8":
-        _, gathered = _fp8_gather(x, group, async_op=False)
-        return x.copy_(_fp8_mean(gathered, x.numel()))
+        return fp8_mean(x, group)
     if compression == "bf16":
         c = x.to(torch.bfloat16).div_(world)
         dist.all_reduce(c, group=group)
@@ -154,22 +207,17 @@ def bf16_hook(group, bucket):  # type: ignore[no-untyped-def]  # unannotated: DD
 
 
 def fp8_hook(group, bucket):  # type: ignore[no-untyped-def]  # unannotated: DDP inspects the annotations
-    """The bucket quantised to fp8 per block (``fp8_quantize``), all-gathered as bytes with the
-    scales, dequantised and averaged in fp32 into the bucket."""
+    """The bucket averaged by the two-shot fp8 all-reduce (``fp8_all_reduce``: all_to_all of fp8
+    slices, fp32 sum of this rank's slice, fp8 all_gather), dequantised into the bucket when the
+    all_gather completes. The all_to_all is waited inside the hook: the all_gather needs its
+    result, and a collective issued from a future's callback would run on the backend's thread,
+    where it could be issued before or after the next bucket's on different ranks."""
     buf = bucket.buffer()
-    work, gathered = _fp8_gather(buf, group, async_op=True)
+    out, work, _, chunk = fp8_all_reduce(buf, group, dist.get_world_size(group))
 
     def done(_: Any) -> torch.Tensor:
-        return buf.copy_(_fp8_mean(gathered, buf.numel()))
+        return buf.copy_(fp8_unpack(out, chunk, buf.numel()))
     return work.get_future().then(done)
-
-
-def fp8_sum_rows(gathered: torch.Tensor, n: int) -> torch.Tensor:
-    """Sum of the dequantised rows of ``gathered`` (one payload per rank), in rank order."""
-    total = torch.zeros(n, dtype=torch.float32, device=gathered.device)
-    for row in gathered:
-        total += fp8_dequantize(row, n)
-    return total
 
 
 def fp8_reduce_scatter():  # type: ignore[no-untyped-def]
@@ -307,14 +355,59 @@ def _buckets(tensors: list[torch.Tensor], size: int = OUTER_BUCKET) -> Iterator[
         yield run
 
 
+class _Background:
+    """One function run on a daemon thread (the overlapped outer sync): ``wait`` joins it and
+    raises what it raised. Daemon: a rank that fails elsewhere does not hang at exit on it."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait, on the main thread
+                self.error = e
+        self.thread = threading.Thread(target=run, name="meshplan-outer-sync", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _own_groups(group: Any) -> Any:
+    """A process group of the same ranks as ``group`` (this rank's outer group) that nothing else
+    uses: the overlapped sync's thread issues its collectives there while the main thread issues
+    others (the outer group can be the default group itself: dp=4 with sync_scope=all). Collective
+    over the job: every rank learns every outer group (all_gather_object) and creates them all in
+    one order; the timeout is the default group's."""
+    mine = dist.get_process_group_ranks(group)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    lists = [list(r) for r in sorted({tuple(r) for r in every})]
+    timeout = None
+    try:
+        default = dist.distributed_c10d._get_default_group()
+        timeout = default._get_backend(torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - private API: the default timeout then
+        timeout = None
+    own, _ = dist.new_subgroups_by_enumeration(lists, timeout=timeout)
+    return own
+
+
 class OuterSync:
     """The outer synchronisation of a local-sgd or diloco run on this rank (module doc): the anchor
     and outer momentum (fp32, shaped like this rank's local shards, on their device), the step of
-    the last sync (``last_sync``: the position in the outer period)."""
+    the last sync (``last_sync``: the position in the outer period) and, with sync_overlap = tau > 0,
+    the sync in flight (``launched``: its step; ``snapshot``: the parameters at it, then the
+    correction new anchor - those parameters)."""
 
     def __init__(self, plan: Plan, params: list[torch.Tensor], group: Any, device: torch.device, *,
                  lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM) -> None:
         self.method, self.every, self.compression = plan.grad_sync, plan.sync_every, plan.grad_compression
+        self.overlap = plan.sync_overlap
+        """tau: inner steps the sync runs under before it is applied (0: blocking)."""
         self.params, self.group, self.device = params, group, device
         self.workers = dist.get_world_size(group)
         self.lr, self.mu = lr, momentum
@@ -327,9 +420,25 @@ class OuterSync:
             self.anchor = [_local(p).detach().float().clone() for p in params]
         if self.method == "diloco":
             self.momentum = [torch.zeros_like(a) for a in self.anchor]  # type: ignore[union-attr]
+        self.launched: int | None = None
+        """sync_overlap > 0: the step of the sync in flight (launched, not applied yet), else None."""
+        self.snapshot: list[torch.Tensor] | None = None
+        """While a sync is in flight: fp32 copies of the local parameters at ``launched`` (shaped
+        and placed like them); once the thread is done, the correction new anchor - them."""
+        self._job: _Background | None = None
+        self._group: Any = _own_groups(group) if self.overlap else None
+        self._stream: Any = torch.cuda.Stream(device) if self.overlap and device.type == "cuda" else None
 
     def due(self, step: int) -> bool:
         return step - self.last_sync >= self.every
+
+    def after_step(self, step: int) -> None:
+        """After inner step ``step``: apply the sync in flight once its tau steps are done, then
+        sync (or launch the sync) when due."""
+        if self.launched is not None and step >= self.launched + self.overlap:
+            self.apply()
+        if self.due(step):
+            self.sync(step)
 
     @torch.no_grad()
     def reset(self, step: int) -> None:
@@ -345,31 +454,104 @@ class OuterSync:
 
     @torch.no_grad()
     def sync(self, step: int) -> None:
-        """The outer step (module doc), on every rank of the job (collective over the outer group)."""
+        """The outer step (module doc), on every rank of the job (collective over the outer group):
+        blocking (sync_overlap=0), or launched on a thread (``launch``)."""
+        if self.overlap:
+            self.launch(step)
+            return
         local = [_local(p) for p in self.params]
-        if self.anchor is None:  # local SGD, uncompressed: average the parameters
-            for idx in _buckets(local):
-                flat = torch.cat([local[i].reshape(-1).float() for i in idx]).to(self.device)
-                flat = mean_over(flat, self.group, "none")
-                self._scatter(flat, [local[i] for i in idx])
-        else:
-            for idx in _buckets(local):
-                anchors = [self.anchor[i] for i in idx]
-                delta = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, (local[i] for i in idx))])
-                delta = mean_over(delta.to(self.device), self.group, self.compression)
-                deltas = self._views(delta, anchors)
-                if self.momentum is None:  # local SGD: anchor - mean delta = the average
-                    torch._foreach_sub_(anchors, deltas)
-                else:  # DiLoCo: outer SGD, Nesterov momentum
-                    vs = [self.momentum[i] for i in idx]
-                    torch._foreach_mul_(vs, self.mu)
-                    torch._foreach_add_(vs, deltas)
-                    step_dir = torch._foreach_add(deltas, vs, alpha=self.mu)
-                    torch._foreach_add_(anchors, step_dir, alpha=-self.lr)
-                for a, i in zip(anchors, idx):
-                    local[i].copy_(a)
+
+        def into_params(idx: list[int], values: list[torch.Tensor]) -> None:
+            for v, i in zip(values, idx):
+                local[i].copy_(v)
+        self._outer(local, self.group, into_params)
         self.last_sync = step
         self.syncs += 1
+
+    @torch.no_grad()
+    def launch(self, step: int) -> None:
+        """The overlapped sync (sync_overlap = tau): snapshot the parameters, run the outer sync of
+        that snapshot on a thread (its own process group, one bucket at a time: the collectives and
+        the outer step on the anchor, exactly the blocking sync's arithmetic; the snapshot becomes
+        the correction new anchor - snapshot), while the main thread goes on with the inner steps;
+        ``apply`` adds the correction after inner step step + tau."""
+        if self.launched is not None:  # (tau < sync_every: only after a resume under another plan)
+            self.apply()
+        self.snapshot = [_local(p).detach().to(torch.float32, copy=True) for p in self.params]
+        self.launched, self.last_sync = step, step
+        self.syncs += 1
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()  # the snapshot, on the main stream
+        self._job = _Background(lambda: self._run(ready))
+
+    def _run(self, ready: Any) -> None:
+        snap = self.snapshot
+        assert snap is not None
+
+        def correct(idx: list[int], values: list[torch.Tensor]) -> None:
+            for v, i in zip(values, idx):
+                snap[i].sub_(v).neg_()  # new - snapshot (exactly: IEEE subtraction is odd)
+        with torch.no_grad():
+            if self._stream is None:
+                self._outer(snap, self._group, correct)
+                return
+            torch.cuda.set_device(self.device)  # (the current device is per thread)
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                self._outer(snap, self._group, correct)
+            self._stream.synchronize()
+
+    def wait(self) -> None:
+        """Join the sync in flight (the anchor, momentum and correction are then final); it stays
+        pending until ``apply``."""
+        if self._job is not None:
+            job, self._job = self._job, None
+            job.wait()
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Params += the correction: new anchor + the progress of the tau inner steps since the
+        snapshot (params_now + (new_anchor - params_at_t))."""
+        self.wait()
+        assert self.snapshot is not None
+        for p, c in zip(self.params, self.snapshot):
+            _local(p).add_(c)
+        self.snapshot, self.launched = None, None
+
+    def expect_pending(self, launched: int) -> list[torch.Tensor]:
+        """A resume with a sync in flight (checkpoint.load): the correction's tensors to load into."""
+        self.snapshot = [torch.zeros(_local(p).shape, dtype=torch.float32, device=_local(p).device)
+                         for p in self.params]
+        self.launched = launched
+        return self.snapshot
+
+    def _outer(self, sources: list[torch.Tensor], group: Any,
+               finish: Callable[[list[int], list[torch.Tensor]], None]) -> None:
+        """The outer sync of ``sources`` (the local parameters, or their snapshot) bucket by bucket
+        over ``group``; ``finish(indices, values)`` takes each bucket's result: the average
+        (local SGD without anchor) or the new anchor tensors."""
+        if self.anchor is None:  # local SGD, uncompressed: average the parameters
+            for idx in _buckets(sources):
+                flat = torch.cat([sources[i].reshape(-1).float() for i in idx]).to(self.device)
+                flat = mean_over(flat, group, "none")
+                finish(idx, self._views(flat, [sources[i] for i in idx]))
+            return
+        for idx in _buckets(sources):
+            anchors = [self.anchor[i] for i in idx]
+            delta = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, (sources[i] for i in idx))])
+            delta = mean_over(delta.to(self.device), group, self.compression)
+            deltas = self._views(delta, anchors)
+            if self.momentum is None:  # local SGD: anchor - mean delta = the average
+                torch._foreach_sub_(anchors, deltas)
+            else:  # DiLoCo: outer SGD, Nesterov momentum
+                vs = [self.momentum[i] for i in idx]
+                torch._foreach_mul_(vs, self.mu)
+                torch._foreach_add_(vs, deltas)
+                step_dir = torch._foreach_add(deltas, vs, alpha=self.mu)
+                torch._foreach_add_(anchors, step_dir, alpha=-self.lr)
+            finish(idx, anchors)
 
     @staticmethod
     def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -379,10 +561,7 @@ class OuterSync:
             at += t.numel()
         return out
 
-    def _scatter(self, flat: torch.Tensor, into: list[torch.Tensor]) -> None:
-        for t, v in zip(into, self._views(flat, into)):
-            t.copy_(v)
-
     def state_bytes_per_param(self) -> int:
-        """Bytes this rank keeps per element of its local shards: anchor and momentum, fp32."""
-        return 4 * ((self.anchor is not None) + (self.momentum is not None))
+        """Bytes this rank keeps per element of its local shards: anchor and momentum, fp32 (and,
+        with sync_overlap > 0, the snapshot: 4 more while a sync is in flight)."""
+        return 4 * ((self.anchor is not None) + (self.momentum is not None) + bool(self.overlap))

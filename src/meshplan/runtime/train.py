@@ -221,11 +221,6 @@ class Trainer:
         if cfg.plan.periodic and mesh is not None and mesh.workers > 1:
             self.outer = OuterSync(cfg.plan, [p for p, _ in self._params], mesh.outer_group, device,
                                    lr=cfg.outer_lr, momentum=cfg.outer_momentum)
-            from meshplan.spec.support import RULES
-            for rule in ("overlapped DiLoCo outer sync", "overlapped local SGD sync"):
-                why = RULES[rule].why(cfg.plan, self.n_micro, None)
-                if why:
-                    self.par.notes.append(why)
         self._clip_groups: list[tuple[bool, Any, list[torch.Tensor]]] | None = None
         self._grads_final = False
         """True once a step showed that gradients need no finishing (placements do not change)."""
@@ -422,8 +417,8 @@ class Trainer:
         for opt in self.optimizers:
             opt.step()
         self.step += 1
-        if self.outer is not None and self.outer.due(self.step):
-            self.outer.sync(self.step)
+        if self.outer is not None:  # the outer sync when due; an overlapped one applied after its tau steps
+            self.outer.after_step(self.step)
         return local
 
     def train_step(self) -> float:

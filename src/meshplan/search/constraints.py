@@ -297,14 +297,6 @@ def powersgd_fsdp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) 
             & offload)
 
 
-def overlapped_diloco(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return (np.asarray(cols["grad_sync"]) == "diloco") & (_i64(cols, "sync_overlap") > 0)
-
-
-def overlapped_local_sgd(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return (np.asarray(cols["grad_sync"]) == "local-sgd") & (_i64(cols, "sync_overlap") > 0)
-
-
 def periodic_ep(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     from meshplan.spec.sync import is_periodic
     return is_periodic(np.asarray(cols["grad_sync"])) & (_i64(cols, "ep") > 1)

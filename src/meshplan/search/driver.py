@@ -232,6 +232,7 @@ def _collect(model: ModelSpec, work: Workload, scans: list[_Scan], params: CostP
         result.other_plans = [_ranked(i + 1, scans[which[j]], int(rows[j]), model, work, params)
                               for i, j in enumerate(_rank(scans, which, rows, pts, other, top))]
         result.best_synchronous = _best_synchronous(scans, which, rows, pts, model, work, params)
+        result.best_per_step = _best_synchronous(scans, which, rows, pts, model, work, params, compressed=True)
     result.pareto = _pareto(scans, which, rows, pts)
     result.reject_examples = _examples(model, work, scans, names, params)
     result.per_cluster = [_count(s, work) for s in scans]
@@ -286,19 +287,21 @@ def _rank(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str
 
 
 def _best_synchronous(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str, np.ndarray],
-                      model: ModelSpec, work: Workload, params: CostParams) -> RankedPlan | None:
+                      model: ModelSpec, work: Workload, params: CostParams,
+                      compressed: bool = False) -> RankedPlan | None:
     """The fastest feasible plan that syncs every gradient every step uncompressed (grad_sync
-    auto, all-reduce or reduce-scatter, no compression): the baseline weak-link plans beat."""
+    auto, all-reduce or reduce-scatter, no compression): the baseline weak-link plans beat; with
+    ``compressed``, compressed ones too (by time to target)."""
     sync = np.zeros(len(rows), dtype=bool)
     for i, s in enumerate(scans):
         idx = np.nonzero(which == i)[0]
         gs = np.asarray(s.cols["grad_sync"])[rows[idx]]
         comp = np.asarray(s.cols["grad_compression"])[rows[idx]]
-        sync[idx] = np.isin(gs, ("auto", "all-reduce", "reduce-scatter")) & (comp == "none")
+        sync[idx] = np.isin(gs, ("auto", "all-reduce", "reduce-scatter")) & ((comp == "none") | compressed)
     if not sync.any():
         return None
     cand = np.nonzero(sync)[0]
-    j = int(cand[np.lexsort((pts["peak_memory_gib"][cand], pts["step_time_s"][cand]))[0]])
+    j = int(cand[np.lexsort((pts["peak_memory_gib"][cand], pts["time_to_target_s"][cand]))[0]])
     return _ranked(0, scans[which[j]], int(rows[j]), model, work, params)
 
 

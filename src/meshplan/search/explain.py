@@ -22,8 +22,8 @@ TERM_LABELS = {
     "cp_comm": "CP communication", "ep_comm": "EP all-to-all", "dp_comm": "DP/FSDP communication",
     "pp_comm": "pipeline send/recv", "bubble": "pipeline bubble", "optimizer": "optimizer step",
     "overhead": "fixed overhead", "memory_pressure": "allocator pressure",
+    "outer_sync": "outer sync (amortised)", "straggler": "straggler wait",
 }
-
 
 
 AT_RISK_MARK = "!"
@@ -243,39 +243,50 @@ def sync_words(plan: Any) -> str:
         scope = {"dc": "datacenters", "node": "nodes", "all": "data-parallel ranks"}[plan.sync_scope]
         lag = f", overlapped with {plan.sync_overlap} inner step" if plan.sync_overlap else ""
         return f"{what} across {scope} every {plan.sync_every} steps{comp}{lag}"
-    return f"gradients synced every step{comp}" if comp else "gradients synced every step"
+    return f"a gradient sync every step{comp}" if comp else "a gradient sync every step"
 
 
 def weak_link_lines(result: SearchResult) -> list[str]:
     """Where sync methods were searched: why the winner's synchronisation wins (or why plain
-    synchronous training does), against the fastest fully synchronous plan: cross-site traffic,
-    the data-parallel time per step, stragglers, the token-efficiency factor, time to target."""
-    b, s = result.best, result.best_synchronous
+    synchronous training does), against the fastest uncompressed plan that syncs every step, and
+    the soonest compressed one: cross-site traffic, the data-parallel time per step, stragglers,
+    the token-efficiency factor (and where it comes from), time to target."""
+    b, s, c = result.best, result.best_synchronous, result.best_per_step
     if b is None or s is None:
         return []
-    rb, rs = b.report, s.report
-    out = []
+    rb = b.report
     if b.plan.short() == s.plan.short():
-        return [f"weak links: synchronous training wins here: {sync_words(b.plan)}; the sync methods that save "
-                f"traffic cost more in tokens or memory than they save in time (#2 by the other ranking: "
-                + (result.other_plans[0].plan.short() if result.other_plans else "none") + ")"]
-    dp_b = rb.time.get("dp_comm", 0) + rb.time.get("outer_sync", 0)
-    dp_s = rs.time.get("dp_comm", 0)
-    why = [f"the winner uses {sync_words(b.plan)}"]
-    if rs.cross_site_gb > 0:
-        ratio = rs.cross_site_gb / max(rb.cross_site_gb, 1e-12)
-        why.append(f"{rb.cross_site_gb:,.2f} GB per step cross the link between sites instead of "
-                   f"{rs.cross_site_gb:,.1f} GB ({ratio:,.0f}x less)")
-    why.append(f"data-parallel sync exposed per step {dp_b:.3f} s instead of {dp_s:.3f} s")
-    if rs.time.get("straggler", 0) > 0:
-        why.append(f"waiting for stragglers {rb.time.get('straggler', 0):.3f} s instead of "
-                   f"{rs.time.get('straggler', 0):.3f} s per step")
-    gain = 1 - rb.time_to_target_s / rs.time_to_target_s if rs.time_to_target_s > 0 else 0.0
-    out.append(f"weak links: against the fastest fully synchronous plan ({s.plan.short()}: {rs.step_time_s:.3f} s "
-               f"per step), " + "; ".join(why) + f"; it needs {rb.token_factor:.2f}x the tokens (token efficiency, "
-               f"cost.convergence), so it reaches the target loss {100 * gain:.0f}% "
-               + ("sooner" if gain >= 0 else "later") + f" ({rb.time_to_target_s:.3f} vs {rs.time_to_target_s:.3f} "
-               "s per synchronous-equivalent step)")
+        alt = next((p.plan.short() for p in result.other_plans if p.plan.short() != b.plan.short()), None)
+        return ["weak links: plain synchronous training wins here: the methods that save traffic cost more in "
+                "tokens, memory or time than they save" + (f" (next by the other ranking: {alt})" if alt else "")]
+    from meshplan.cost.convergence import token_efficiency
+    params = result.params or DEFAULT_PARAMS
+    basis = token_efficiency(params.token_efficiency_file).basis(
+        b.plan.grad_sync, b.plan.sync_every, rb.outer_workers, b.plan.grad_compression, b.plan.compression_rank)
+
+    def against(o: RankedPlan, what: str) -> str:
+        ro = o.report
+        head = (f"against {what} ({o.plan.short()}: {ro.step_time_s:.3f} s per step"
+                + (f", tokens x{ro.token_factor:.2f}" if ro.token_factor != 1 else "") + "): ")
+        bits = []
+        if ro.cross_site_gb > 0:
+            bits.append(f"{rb.cross_site_gb:,.2f} GB per step cross the link between sites instead of "
+                        f"{ro.cross_site_gb:,.1f} GB ({ro.cross_site_gb / max(rb.cross_site_gb, 1e-12):,.0f}x less)")
+        dp_b = rb.time.get("dp_comm", 0) + rb.time.get("outer_sync", 0)
+        bits.append(f"data-parallel sync exposed {dp_b:.3f} s per step instead of {ro.time.get('dp_comm', 0):.3f} s")
+        if ro.time.get("straggler", 0) > 0:
+            bits.append(f"stragglers {rb.time.get('straggler', 0):.3f} s instead of "
+                        f"{ro.time.get('straggler', 0):.3f} s")
+        ratio = ro.time_to_target_s / rb.time_to_target_s if rb.time_to_target_s > 0 else 1.0
+        bits.append(f"to the target loss {ratio:.2f}x " + ("sooner" if ratio >= 1 else "later")
+                    + f" ({rb.time_to_target_s:.3f} vs {ro.time_to_target_s:.3f} s per synchronous-equivalent step)")
+        return head + "; ".join(bits)
+
+    out = [f"weak links: the winner uses {sync_words(b.plan)}, needing {rb.token_factor:.2f}x the tokens "
+           f"of synchronous training ({basis})",
+           "  " + against(s, "the fastest plan that syncs every step uncompressed")]
+    if c is not None and c.plan.short() not in (s.plan.short(), b.plan.short()):
+        out.append("  " + against(c, "the soonest plan that syncs every step compressed"))
     return out
 
 

@@ -136,6 +136,8 @@ class SearchResult:
     best_synchronous: RankedPlan | None = None
     """Where weak-link methods were searched: the fastest plan that syncs every gradient every
     step uncompressed (the baseline for the cross-site traffic and the time to target)."""
+    best_per_step: RankedPlan | None = None
+    """... and the soonest to target that syncs every step, compressed or not."""
 
     @property
     def best(self) -> RankedPlan | None:
@@ -165,6 +167,8 @@ class SearchResult:
                                     "plans": [p.to_dict() for p in self.other_plans]}
         if self.best_synchronous is not None:
             doc["best_synchronous"] = self.best_synchronous.to_dict()
+        if self.best_per_step is not None:
+            doc["best_per_step_sync"] = self.best_per_step.to_dict()
         if self.deadline_days is not None:
             doc["fastest_ignoring_deadline"] = self.fastest.to_dict() if self.fastest is not None else None
         if timing:

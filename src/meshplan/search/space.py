@@ -10,7 +10,8 @@ Every candidate is a full Plan for one cluster. The dimensions, and the values e
   pp              divisors of N/(tp cp) up to num_layers;  dp = N/(tp cp pp)
   ep              MoE only: divisors of num_experts; else 1
   zero            0..3; hybrid shard_group (zero >= 1): groups of dp ranks spanning 1, 2, 4 nodes
-                  that are smaller than dp*cp and divide it
+                  (and a datacenter's nodes on several datacenters) that are smaller than dp*cp and
+                  divide it
   offload         with full sharding only: optimizer (zero >= 1, or dp = 1), and optimizer +
                   parameters (zero = 3); ``offload=False``: none; ``offload_only``: only these
   micro_batch     divisors of B/dp (just 1 when dp does not divide B: rejected, with its reason)
@@ -220,7 +221,10 @@ def zero_options(cluster: ClusterSpec, tp: int, dp: int, cp: int,
     """(zero, shard_group, offload_optimizer, offload_params) combinations."""
     dpc = dp * cp
     groups = []
-    for k in space.hybrid_nodes:
+    nodes = list(space.hybrid_nodes)
+    if cluster.num_dcs > 1 and space.hybrid_nodes:  # shard within a datacenter, replicate across (HSDP)
+        nodes.append(cluster.nodes_per_dc)
+    for k in nodes:
         g = k * cluster.gpus_per_node // tp
         if 1 < g < dpc and dpc % g == 0 and g * tp == k * cluster.gpus_per_node:
             groups.append(g)
@@ -296,14 +300,14 @@ def _weak_options(cluster: ClusterSpec) -> list[tuple[Any, ...]]:
 def _sync_fits(opt: tuple[Any, ...], z: int, sg: int, offo: bool, offp: bool, dp: int) -> bool:
     """Whether sync option ``opt`` goes with a (zero, shard_group, offload) option: periodic ones
     without hybrid groups or offload and with dp >= 2; PowerSGD with zero = 0; compression needs
-    dp >= 2 (and is not tried with hybrid groups or offload)."""
+    dp >= 2 (and is not tried with offload)."""
     gs, _, _, comp, _, _ = opt
     if gs in ("local-sgd", "diloco"):
         return sg == 0 and not offo and not offp and dp >= 2
     if comp == "powersgd":
         return z == 0 and not offo and dp >= 2
     if comp in ("bf16", "fp8"):
-        return not offo and sg == 0 and dp >= 2
+        return not offo and dp >= 2
     return True
 
 

@@ -107,7 +107,9 @@ class SimResult:
     wait_s: list[float]                       # per rank: compute idle waiting for inputs
 
     def busy(self, rank: int, stream: str) -> float:
-        return sum(e.end - e.start for e in self.events if e.rank == rank and e.stream == stream)
+        """Seconds the stream works (the expected straggler wait, drawn on the compute stream, is not work)."""
+        return sum(e.end - e.start for e in self.events
+                   if e.rank == rank and e.stream == stream and e.name != "straggler wait")
 
     def summary(self) -> dict:
         t = self.step_time_s
@@ -116,6 +118,8 @@ class SimResult:
             busy = {s: self.busy(r, s) for s in STREAMS}
             ranks.append({"rank": r, "busy_s": busy, "idle_s": {s: t - b for s, b in busy.items()},
                           "pipeline_wait_s": self.wait_s[r],
+                          "straggler_wait_s": sum(e.end - e.start for e in self.events
+                                                  if e.rank == r and e.name == "straggler wait"),
                           "peak_memory_gib": max(b for _, b in self.memory[r]) / 2**30})
         return {"step_time_s": t, "bubble_fraction": sum(self.wait_s) / (self.pp * t) if t > 0 else 0.0,
                 "ranks": ranks, "events": len(self.events)}

@@ -194,23 +194,6 @@ def _powersgd_fsdp(p: Plan, micro: int, m: Model = None) -> str | None:
     return None
 
 
-def _overlap_words(p: Plan) -> str:
-    return (f"sync_overlap={p.sync_overlap}: the runtime's outer sync blocks the step it follows and is applied at "
-            "once (runs as sync_overlap=0: nothing of it hidden under inner steps)")
-
-
-def _overlapped_diloco(p: Plan, micro: int, m: Model = None) -> str | None:
-    if p.grad_sync == "diloco" and p.sync_overlap > 0:
-        return _overlap_words(p) + "; torchtitan's torchft DiLoCo overlaps it (fragment_sync_delay)"
-    return None
-
-
-def _overlapped_local_sgd(p: Plan, micro: int, m: Model = None) -> str | None:
-    if p.grad_sync == "local-sgd" and p.sync_overlap > 0:
-        return _overlap_words(p)
-    return None
-
-
 def _periodic_ep(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.periodic and p.ep > 1:
         return (f"grad_sync={p.grad_sync} with ep={p.ep}: the runtime's expert groups span all of dp x cp, not an "
@@ -237,8 +220,6 @@ RULES: dict[str, Rule] = {r.name: r for r in (
     Rule("selective recompute on a traced model", "refused", (), _traced_recompute),
     Rule("fp8 on a traced model", "refused", (), _traced_fp8),
     Rule("PowerSGD under FSDP2", "runs-as", (), _powersgd_fsdp),
-    Rule("overlapped DiLoCo outer sync", "runs-as", ("torchtitan",), _overlapped_diloco),
-    Rule("overlapped local SGD sync", "runs-as", (), _overlapped_local_sgd),
     Rule("periodic sync with expert parallel", "refused", (), _periodic_ep),
 )}
 """Every rule, in counting order (the search counts a rejected plan under its first)."""
