@@ -423,7 +423,7 @@ BAD_PLANS = [
     ("invalid gradient sync", Plan(dp=64, grad_sync="diloco", sync_scope="node", zero=1, shard_group=8), {}, None,
      WORK, ["shard_group", "inner group"]),
     ("invalid gradient sync", Plan(dp=8, grad_sync="local-sgd", sync_scope="node"), {}, "h100-sxm-80gb:8",
-     WORK, ["all 8 data-parallel ranks lie in one node", "narrower sync_scope"]),
+     WORK, ["all 8 data-parallel ranks lie in one node", "use sync_scope=all"]),
     ("gpu count mismatch", Plan(tp=8, pp=2, dp=8), {}, None, WORK,
      ["8*2*8*1 = 128", "64 GPUs", "change dp to 4"]),
     ("gpu count mismatch", Plan(tp=2, pp=32, dp=1), {}, "h100-sxm-80gb:8x6", WORK,

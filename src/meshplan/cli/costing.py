@@ -99,7 +99,8 @@ class Costing:
 
 
 def recorded(args: argparse.Namespace) -> dict[str, str]:
-    """The profile and calibration a --plan FILE (from `meshplan plan --out`) was priced with."""
+    """The profile, calibration and token-efficiency file a --plan FILE (from `meshplan plan --out`)
+    was priced with."""
     import os
 
     from meshplan.cli.planfile import is_file_arg
@@ -111,11 +112,13 @@ def recorded(args: argparse.Namespace) -> dict[str, str]:
         data = read_data_file(path)
     except MeshplanError:
         return {}  # the command's own reading of --plan says what is wrong with it
-    out = {k: data[k] for k in ("profile", "calibration") if isinstance(data, dict) and isinstance(data.get(k), str)}
-    cal = out.get("calibration")
-    if cal and not os.path.isabs(cal) and not os.path.exists(cal):
-        near = os.path.join(os.path.dirname(path), cal)  # written relative to where the plan was made
-        out["calibration"] = near if os.path.exists(near) else cal
+    out = {k: data[k] for k in ("profile", "calibration", "token_efficiency")
+           if isinstance(data, dict) and isinstance(data.get(k), str)}
+    for key in ("calibration", "token_efficiency"):
+        f = out.get(key)
+        if f and not os.path.isabs(f) and not os.path.exists(f):
+            near = os.path.join(os.path.dirname(path), f)  # written relative to where the plan was made
+            out[key] = near if os.path.exists(near) else f
     return out
 
 
@@ -127,7 +130,8 @@ def costing(args: argparse.Namespace) -> Costing:
     if got is not None:
         return got
     rec = recorded(args)
-    for key, flag in (("profile", "--profile"), ("calibration", "--calibration")):
+    for key, flag in (("profile", "--profile"), ("calibration", "--calibration"),
+                      ("token_efficiency", "--token-efficiency")):
         if getattr(args, key, None) is None and key in rec and hasattr(args, key):
             setattr(args, key, rec[key])
             print(f"meshplan: note: {flag} {rec[key]} as the plan file records (pass {flag} to change it)",

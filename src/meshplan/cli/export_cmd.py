@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", required=True, choices=list(TARGETS), help="the framework")
     p.add_argument("--out", help="write to this file (default: stdout)")
     p.add_argument("--model", help="preset name or ModelSpec .toml/.json (default: the plan file's)")
+    p.add_argument("--cluster", help="the cluster (default: the plan file's); sizes the replica groups of "
+                                     "local-sgd/diloco plans with sync_scope=node or dc")
     p.add_argument("--global-batch", type=positive_int("--global-batch"),
                    help="sequences per step (default: the plan file's)")
     p.add_argument("--seq-len", type=positive_int("--seq-len"),
@@ -69,7 +71,7 @@ def build_input(args: argparse.Namespace) -> Any:
     from meshplan.export import ExportInput
     from meshplan.spec.model import ModelSpec
     from meshplan.spec.plan import Workload
-    inputs = resolve(args, fields=("model", "global_batch", "seq_len"))
+    inputs = resolve(args, fields=("model", "cluster", "global_batch", "seq_len"))
     plan = inputs.plan
     model = None
     if inputs.model_arg is not None and not inputs.from_file("model"):
@@ -89,7 +91,8 @@ def build_input(args: argparse.Namespace) -> Any:
     if seq is None and isinstance(model, ModelSpec):
         seq = model.seq_len
     Workload(global_batch=gb or 1, seq_len=seq or 1)  # the bounds every command applies
-    return ExportInput(plan=plan, model=model, global_batch=gb, seq_len=seq)
+    cluster = inputs.cluster() if inputs.cluster_arg is not None else None  # sizes node/dc replica groups
+    return ExportInput(plan=plan, model=model, global_batch=gb, seq_len=seq, cluster=cluster)
 
 
 def run(args: argparse.Namespace) -> int:

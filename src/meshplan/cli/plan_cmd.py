@@ -861,8 +861,12 @@ def _write_out(path: str, result: Any, cost: dict[str, str | None] | None = None
                         **spec_fields(result.model, best.cluster), predicted=best.report.to_dict(), **extra)
     try:
         with open(path, "w") as f:
-            json.dump(doc, f, indent=2, default=_json_default)
-            f.write("\n")
+            if path.lower().endswith(".toml"):
+                from meshplan.spec.io import dump_toml
+                f.write(dump_toml(json.loads(json.dumps(doc, default=_json_default))))
+            else:
+                json.dump(doc, f, indent=2, default=_json_default)
+                f.write("\n")
     except OSError as e:
         raise MeshplanError(f"cannot write --out {path}: {e.strerror or e}") from None
 
@@ -922,7 +926,8 @@ def run(args: argparse.Namespace) -> int:
                             f"{work.global_batch} x {work.seq_len}: " + "; ".join(result.nearest))
     if args.out is not None:
         _write_out(args.out, result, {"profile": getattr(args, "profile", None),
-                                      "calibration": getattr(args, "calibration", None)})
+                                      "calibration": getattr(args, "calibration", None),
+                                      "token_efficiency": getattr(args, "token_efficiency", None)})
     if args.plot is not None:
         bar = progress_bar()
         try:

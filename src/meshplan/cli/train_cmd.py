@@ -52,7 +52,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--plan", required=True, help="tp=..,pp=..,dp=..,... or a plan file from `meshplan plan --out` "
                    "(which also gives the model, global batch and seq len)")
     t.add_argument("--global-batch", type=_positive("--global-batch"),
-                   help="sequences per step (default with --plan FILE: the plan file's)")
+                   help="sequences per step (default with --plan FILE: the plan file's; else 2 micro-batches per "
+                        "data-parallel replica: 2 x dp x micro_batch)")
     from meshplan.cli.planfile import add_override
     add_override(t)
     t.add_argument("--steps", type=_positive("--steps"), required=True,
@@ -173,13 +174,24 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return out + (["--resume"] if args.resume else [])
 
 
+DEFAULT_MICROBATCHES = 2
+"""Without --global-batch (and no plan file giving one): this many micro-batches per replica."""
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Run `meshplan train` (launcher, or one rank when started by torchrun)."""
     from meshplan.cli.planfile import resolve_into
     from meshplan.runtime import launch
     # --plan FILE: model, global batch and seq len from the file (written back into args for the workers)
-    resolve_into(args, fields=("model", "global_batch", "seq_len"), required=("model", "global_batch"),
+    resolve_into(args, fields=("model", "global_batch", "seq_len"), required=("model",),
                  quiet=launch.in_torchrun())
+    if args.global_batch is None:
+        from meshplan.spec.io import load_plan
+        plan = load_plan(args.plan)
+        args.global_batch = DEFAULT_MICROBATCHES * plan.dp * plan.micro_batch
+        if not launch.in_torchrun():
+            print(f"meshplan: note: --global-batch {args.global_batch} ({DEFAULT_MICROBATCHES} micro-batches of "
+                  f"{plan.micro_batch} per data-parallel replica; give --global-batch to change it)", file=sys.stderr)
     job = _job(args)
     if launch.in_torchrun():
         return launch.worker_main(job)

@@ -129,8 +129,10 @@ class Plan:
         choice("plan: grad_sync", self.grad_sync, GRAD_SYNC)
         choice("plan: sync_scope", self.sync_scope, SYNC_SCOPES)
         choice("plan: grad_compression", self.grad_compression, GRAD_COMPRESSION)
-        positive("plan: sync_every", self.sync_every)
-        positive("plan: compression_rank", self.compression_rank)
+        for f, example in (("sync_every", "sync_every=500 (DiLoCo's period)"),
+                           ("compression_rank", "compression_rank=4")):
+            if not getattr(self, f) > 0:
+                raise MeshplanError(f"plan: {f} must be >= 1; got {getattr(self, f)!r}", hint=f"e.g. {example}")
         positive("plan: sync_overlap", self.sync_overlap, allow_zero=True)
         if self.grad_sync not in PERIODIC_SYNC:
             if self.sync_every != 1:

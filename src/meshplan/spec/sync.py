@@ -73,6 +73,7 @@ def periodic_reason(plan: Any, cluster: ClusterSpec) -> str | None:
     if p.dp % n_in:
         return (f"sync_scope={p.sync_scope}: {n_in} data-parallel ranks per {p.sync_scope} do not divide dp={p.dp}")
     if p.dp // n_in < 2:
+        narrower = "node or all" if p.sync_scope == "dc" else "all"
         return (f"sync_scope={p.sync_scope}: all {p.dp} data-parallel ranks lie in one {p.sync_scope}, so there is "
-                f"nothing to sync across it; use a narrower sync_scope (node or all)")
+                f"nothing to sync across it; use sync_scope={narrower}")
     return None
