@@ -149,6 +149,14 @@ def _problem(r: SearchResult, command: str | None) -> str:
                ("links per GPU", f"{c0.intra_node.bandwidth_gbps:g} GB/s in a node, "
                                  f"{c0.inter_node.bandwidth_gbps:g} GB/s between nodes"),
                ("price", f"${c0.price_per_hour:g} per GPU-hour")]
+    if c0.inter_dc is not None and c0.num_dcs > 1:
+        dc = c0.inter_dc
+        cluster.insert(-1, ("datacenters", f"{c0.num_dcs} of {c0.nodes_per_dc} nodes, joined by "
+                                           f"{dc.bandwidth_gbps:g} GB/s " + ("shared by every GPU that crosses"
+                                                                            if dc.shared else "per GPU")
+                                           + f", {dc.latency_us / 1000:g} ms"))
+    if c0.step_jitter > 0:
+        cluster.insert(-1, ("step jitter", f"{100 * c0.step_jitter:g}% per GPU (priced as stragglers)"))
     unit = "samples" if isinstance(m, LayerGraph) and m.model is None else "sequences"
     work = [("global batch", f"{w.global_batch:,} {unit} x {w.seq_len:,} tokens = {w.tokens:,} tokens per step"),
             ("objective", {"time": "fastest step", "cost": "fewest dollars per token",
