@@ -25,14 +25,28 @@ same shard on every rank of an outer group, since the inner meshes are alike):
   anchor -= lr (delta + mu v); v starts at 0), and params = anchor on every rank. The inner
   optimizer's state stays each worker's own (the paper's).
 
+Overlapped (sync_overlap = tau >= 1, < sync_every; streaming DiLoCo's delayed outer step): at the
+sync step t the local parameters are copied (the snapshot, fp32, shaped and placed like them) and
+the outer sync above runs on that snapshot on a thread (``OuterSync.launch``: its own process
+group, the outer group's ranks, since the main thread goes on issuing collectives; one bucket at a
+time; the anchor and momentum updated exactly as the blocking sync would at t; the snapshot then
+overwritten by the correction new_anchor - params_at_t), while inner steps t+1 .. t+tau run as if
+no sync happened. After inner step t+tau the main thread joins the thread and adds the correction:
+params = params_now + (new_anchor - params_at_t), keeping the tau steps' local progress; the next
+sync's delta is anchor - params as before. tau = 0 is the blocking sync, unchanged.
+
 Compression (``Compression``): the per-step gradient sync of synchronous plans (DDP's comm hook:
 ``torch``'s bf16_compress_hook on NCCL, the same arithmetic in ``bf16_hook`` on gloo, which torch's
 refuses by name; ``fp8_hook``; PowerSGD's ``powerSGD_hook``; the manual all-reduce under TP/PP/EP
 calls the same hooks on a flat buffer, ``FlatBucket``; FSDP2: bf16 as its reduce_dtype, fp8 as its
 custom reduce-scatter, ``fp8_reduce_scatter``), or the outer sync of periodic plans. fp8:
-values scaled per block of ``FP8_BLOCK`` elements (amax / 448), cast to float8_e4m3fn, all-gathered
-as bytes with their fp32 scales (one all_gather of uint8: no collective sums fp8), dequantised and
-averaged in fp32 in rank order (every rank gets the same numbers).
+values scaled per block of ``FP8_BLOCK`` elements (amax / 448), cast to float8_e4m3fn, and averaged
+by a two-shot all-reduce of bytes (``fp8_all_reduce``; no collective sums fp8): the buffer cut into
+``world`` slices of whole blocks (zero-padded), slice j of every rank sent to rank j (one
+all_to_all of the quantised slices with their fp32 scales), rank j dequantises and sums them in
+fp32 in rank order and divides by ``world``, quantises its summed slice again, and every slice is
+all-gathered and dequantised (every rank gets the same numbers). Per rank that moves
+2 (world-1)/world x (1 + 4/FP8_BLOCK) bytes per element, the ring's volume at one byte a value.
 """
 from __future__ import annotations
 
