@@ -169,9 +169,9 @@ def fp8_all_reduce(x: torch.Tensor, group: Any, divide: int = 1) -> tuple[torch.
     """Start the two-shot fp8 all-reduce of the 1-D ``x`` over ``group`` (module doc): quantise per
     slice, all_to_all (waited: the next collective needs its result; on NCCL the wait only orders
     streams), sum this rank's slice in fp32 (divided by ``divide``), quantise it, launch the
-    all_gather. Returns (the gathered bytes, the all_gather's work, -, chunk); ``fp8_unpack`` them
-    after the wait. Both collectives are issued here, by the caller's thread, in one order on every
-    rank."""
+    all_gather. Returns (the gathered bytes, the all_gather's work, its input: keep it until the
+    wait, chunk); ``fp8_unpack`` the bytes after the wait. Both collectives are issued here, by the
+    caller's thread, in one order on every rank."""
     world = dist.get_world_size(group)
     chunk = fp8_chunk(x.numel(), world)
     send = fp8_pack(x, world, chunk)
@@ -227,9 +227,9 @@ def fp8_hook(group, bucket):  # type: ignore[no-untyped-def]  # unannotated: DDP
     result, and a collective issued from a future's callback would run on the backend's thread,
     where it could be issued before or after the next bucket's on different ranks."""
     buf = bucket.buffer()
-    out, work, _, chunk = fp8_all_reduce(buf, group, dist.get_world_size(group))
+    out, work, sent, chunk = fp8_all_reduce(buf, group, dist.get_world_size(group))
 
-    def done(_: Any) -> torch.Tensor:
+    def done(_: Any, keep: torch.Tensor = sent) -> torch.Tensor:  # (the all_gather's input lives until now)
         return buf.copy_(fp8_unpack(out, chunk, buf.numel()))
     return work.get_future().then(done)
 
