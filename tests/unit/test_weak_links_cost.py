@@ -234,3 +234,21 @@ def test_two_datacenters_done_when():
     # with the sync methods off, the search is the synchronous one
     plain = search(LLAMA8, [TWO_DC], WORK, SearchSpace(sync_methods=False), top=1)
     assert plain.best.plan.short() == res.best_synchronous.plan.short()
+
+
+def test_all_reduce_takes_the_tree_where_latency_dominates():
+    """Across nodes NCCL's tree (2 S / B + 2 ceil(log2 n) alpha) replaces the ring (2 (n-1)/n S / B +
+    2 (n-1) alpha) where shorter: small messages over many ranks, or slow links; inside a node, the ring."""
+    c = load_cluster("h100-sxm-80gb:256")
+    g = Group.of(c, 256, 1)  # every rank: across nodes
+    small, big = 1e3, 1e12  # the ring wins only when 2 S / (n B) beats 2 (n - 1 - log2 n) alpha: ~160 GB here
+    bw, lat = float(g.bytes_per_s), float(g.latency_s)
+    ring = lambda s: 2 * 255 / 256 * s / bw + 2 * 255 * lat  # noqa: E731
+    tree = lambda s: 2 * s / bw + 2 * 8 * lat  # noqa: E731
+    assert float(g.all_reduce(small)) == pytest.approx(tree(small)) and tree(small) < ring(small)
+    assert float(g.all_reduce(big)) == pytest.approx(ring(big)) and ring(big) < tree(big)
+    inside = Group.of(c, 8, 1)
+    assert float(inside.all_reduce(small)) == pytest.approx(float(inside._ring(small, 2.0)))
+    # across the 10 ms link between sites, 32 ranks: the tree pays 10 latencies, the ring 62
+    w = Group.of(TWO_DC, 32, 8)
+    assert float(w.all_reduce(small)) == pytest.approx(2 * small / float(w.bytes_per_s) + 2 * 5 * 0.01)

@@ -3,7 +3,8 @@
 Sizes are the full tensor size in bytes as each rank sees it after the collective
 (all-gather output, reduce-scatter input, all-reduce buffer). Ring costs (Thakur et al. 2005;
 NCCL docs, "bus bandwidth"):
-  all-reduce      2 (n-1)/n * S / B + 2 (n-1) * alpha
+  all-reduce      2 (n-1)/n * S / B + 2 (n-1) * alpha  (across nodes: or the tree's
+                  2 S / B + 2 ceil(log2 n) alpha, where shorter, as NCCL picks)
   all-gather      (n-1)/n * S / B + (n-1) * alpha
   reduce-scatter  (n-1)/n * S / B + (n-1) * alpha
   all-to-all      (n-1)/n * S / B + (n-1) * alpha
@@ -74,6 +75,8 @@ class Group:
     n: Num
     bytes_per_s: Num
     latency_s: Num
+    across_nodes: Num = False
+    """The group spans nodes: its all-reduce may run as NCCL's tree (``all_reduce``)."""
 
     @staticmethod
     def of(cluster: ClusterSpec, n: Num, stride: Num) -> Group:
@@ -88,10 +91,10 @@ class Group:
                 if len(_GROUPS) > 4096:
                     _GROUPS.clear()
                 g = Group._of(cluster, n.reshape(()), stride.reshape(()))
-                hit = _GROUPS[key] = (float(g.bytes_per_s), float(g.latency_s))
+                hit = _GROUPS[key] = (float(g.bytes_per_s), float(g.latency_s), bool(g.across_nodes))
             shape = np.broadcast_shapes(n.shape, stride.shape)
             return Group(n.reshape(shape) if n.shape != shape else n, np.full(shape, hit[0]),
-                         np.full(shape, hit[1]))
+                         np.full(shape, hit[1]), np.full(shape, hit[2]))
         return Group._of(cluster, n, stride)
 
     @staticmethod
@@ -115,7 +118,7 @@ class Group:
             # groups), and each group's ring crosses it once per direction, so each gets n / N of it.
             bw = np.where(dc, np.minimum(bw, cluster.inter_dc.bytes_per_s * n / cluster.num_gpus), bw)
         lat = np.where(n <= 1, 0.0, np.where(inside, intra.latency_us * US, tier_lat))
-        return Group(n, bw, lat)
+        return Group(n, bw, lat, ~inside)
 
     def _ring(self, size: Num, passes: float) -> Num:
         n = np.maximum(self.n, 1)
@@ -124,7 +127,15 @@ class Group:
         return np.where((self.n <= 1) | (size <= 0), 0.0, t)
 
     def all_reduce(self, size: Num) -> Num:
-        return self._ring(size, 2.0)
+        """The ring's time, or across nodes the tree's where it is shorter: NCCL's double binary
+        tree moves about 2 S / B and pays 2 ceil(log2 n) latencies instead of the ring's 2 (n - 1),
+        so it wins when the latency dominates (small messages over many nodes, or slow links
+        between sites)."""
+        ring = self._ring(size, 2.0)
+        n = np.maximum(self.n, 1)
+        tree = 2.0 * size / self.bytes_per_s + 2.0 * np.ceil(np.log2(n)) * self.latency_s
+        return np.where(np.asarray(self.across_nodes, dtype=bool) & (self.n > 1) & (np.asarray(size) > 0),
+                        np.minimum(ring, tree), ring)
 
     def all_gather(self, size: Num) -> Num:
         return self._ring(size, 1.0)
