@@ -86,8 +86,10 @@ def straggler_seconds(jitter: float, step: Num, ranks: Num, periodic: Num, inner
 def matrix_elements(lay: Any, tp: np.ndarray, ep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """((rows, B) weight-matrix elements of each distinct layer on one GPU, (rows, B) the sum of
     their two sides m + n): the layers' GEMM weights (k x n, split by TP as the GEMM says;
-    experts' counted per local expert). Embeddings and other parameters outside GEMMs are not
-    matrices here (PowerSGD then sends them whole: a conservative count)."""
+    experts' counted per local expert), and a layer without GEMMs but with parameters (an
+    embedding table) as one matrix of its output width (LayerOps.hidden, 2-byte activations) by
+    params / width rows, split over TP when its parameters are (vocabulary-parallel). PowerSGD
+    compresses every 2-D gradient; the rest (norms, biases) it sends whole."""
     tp, ep = np.asarray(tp, dtype=float)[:, None], np.asarray(ep, dtype=float)[:, None]
     elems = np.zeros((len(tp), len(lay.ops)))
     sides = np.zeros_like(elems)
@@ -98,6 +100,11 @@ def matrix_elements(lay: Any, tp: np.ndarray, ep: np.ndarray) -> tuple[np.ndarra
             copies = (max(1.0, float(o.experts)) / ep) if g.expert else 1.0
             elems[:, b:b + 1] += copies * k * n
             sides[:, b:b + 1] += copies * (k + n)
+        if not o.gemms and o.params > 0 and o.hidden > 0:  # an embedding table
+            width = o.hidden / 2.0
+            rows = o.params / width / np.where(o.params_split >= 0.5 * o.params, tp, 1.0)
+            elems[:, b:b + 1] += rows * width
+            sides[:, b:b + 1] += rows + width
     return elems, sides
 
 
