@@ -252,3 +252,26 @@ def test_all_reduce_takes_the_tree_where_latency_dominates():
     # across the 10 ms link between sites, 32 ranks: the tree pays 10 latencies, the ring 62
     w = Group.of(TWO_DC, 32, 8)
     assert float(w.all_reduce(small)) == pytest.approx(2 * small / float(w.bytes_per_s) + 2 * 5 * 0.01)
+
+
+def test_explanation_names_the_baselines_and_the_objective(tmp_path):
+    """Runner-up lines under time to target lead with it; with --fix leaving no uncompressed
+    per-step plan, the compressed one is the baseline (and said so); per_doubling = 0 is allowed."""
+    from meshplan.search.explain import compare_line, weak_link_lines
+    res = search(LLAMA8, [TWO_DC], WORK, SearchSpace(), objective="time-to-target", top=2)
+    lines = weak_link_lines(res)
+    assert len(lines) == 3 and "uncompressed" in lines[1] and "compressed" in lines[2]
+    fixed = search(LLAMA8, [TWO_DC], WORK, SearchSpace(fixed_sync=(("grad_compression", "fp8"),),
+                                                       base=Plan(grad_compression="fp8")),
+                   objective="time-to-target", top=1)
+    assert fixed.best_synchronous is None and fixed.best_per_step is not None
+    assert "as --fix asks" in "\n".join(weak_link_lines(fixed))
+    a = res.plans[0]
+    slow = estimate(LLAMA8, TWO_DC, parse_plan("tp=4,dp=64,micro_batch=2,sequence_parallel=1,"
+                                               "grad_compression=powersgd,compression_rank=1"), WORK)
+    line = compare_line(a, (parse_plan("tp=4,dp=64,micro_batch=2,sequence_parallel=1,grad_compression=powersgd,"
+                                       "compression_rank=1"), slow), "#2")
+    assert "to the target loss (tokens x1.15 vs x1.00)" in line
+    f = tmp_path / "z.toml"
+    f.write_text("[diloco]\nper_doubling = 0\n")
+    assert float(load_token_efficiency(str(f)).method_factor("diloco", 4000, 64)) == 1.0

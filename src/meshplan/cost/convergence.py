@@ -164,8 +164,11 @@ def load_token_efficiency(path: str) -> TokenEfficiency:
             if name == "powersgd" and (not key.isdigit() or int(key) < 1):
                 raise MeshplanError(f"{path}: [powersgd] keys are ranks (1, 2, 4, ...); got {key!r}")
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if key == "per_doubling" and not (ok and value >= 0):
-                raise MeshplanError(f"{path}: [{name}] per_doubling must be a number >= 0; got {value!r}")
+            if key == "per_doubling":
+                if not (ok and value >= 0):
+                    raise MeshplanError(f"{path}: [{name}] per_doubling must be a number >= 0; got {value!r}")
+                tables[name][key] = value
+                continue
             if not ok or value <= 0:
                 raise MeshplanError(f"{path}: [{name}] {key} must be a positive number; got {value!r}")
             tables[name][key] = value

@@ -111,8 +111,13 @@ def compare_line(win: RankedPlan | tuple[Plan, CostReport], other: RankedPlan | 
     wp, wr = (win.plan, win.report) if isinstance(win, RankedPlan) else win
     op, orp = (other.plan, other.report) if isinstance(other, RankedPlan) else other
     dt = orp.step_time_s - wr.step_time_s
-    settings = ", ".join(plan_differences(wp, op)[:5]) or "same settings"
-    if dt == 0:
+    diffs = plan_differences(wp, op)
+    settings = (", ".join(diffs[:5]) + (f" and {len(diffs) - 5} more" if len(diffs) > 5 else "")) or "same settings"
+    if orp.token_factor != 1 or wr.token_factor != 1:  # ranked by time to target: say so first
+        dtt = orp.time_to_target_s - wr.time_to_target_s
+        head = (f"{label} is {_pct(dtt, wr.time_to_target_s)} to the target loss (tokens x{orp.token_factor:.2f} "
+                f"vs x{wr.token_factor:.2f}) and {_pct(dt, wr.step_time_s)} per step ({_secs(dt, signed=True)})")
+    elif dt == 0:
         head = f"{label} ties on predicted step time (ranked by the tie-break: fewer GPUs, less memory, plan string)"
     else:
         head = f"{label} is {_pct(dt, wr.step_time_s)} ({_secs(dt, signed=True)} per step)"
@@ -252,8 +257,12 @@ def weak_link_lines(result: SearchResult) -> list[str]:
     the soonest compressed one: cross-site traffic, the data-parallel time per step, stragglers,
     the token-efficiency factor (and where it comes from), time to target."""
     b, s, c = result.best, result.best_synchronous, result.best_per_step
-    if b is None or s is None:
+    if b is None or (s is None and c is None):
         return []
+    first = "the fastest plan that syncs every step uncompressed"
+    if s is None:  # (--fix left no uncompressed plan in the space: the compressed one is the baseline)
+        s, c = c, None
+        first = "the soonest plan that syncs every step (compressed, as --fix asks)"
     rb = b.report
     if b.plan.short() == s.plan.short():
         alt = next((p.plan.short() for p in result.other_plans if p.plan.short() != b.plan.short()), None)
@@ -271,9 +280,14 @@ def weak_link_lines(result: SearchResult) -> list[str]:
         bits = []
         if ro.cross_site_gb > 0:
             bits.append(f"{rb.cross_site_gb:,.2f} GB per step cross the link between sites instead of "
-                        f"{ro.cross_site_gb:,.1f} GB ({ro.cross_site_gb / max(rb.cross_site_gb, 1e-12):,.0f}x less)")
+                        f"{ro.cross_site_gb:,.2f} GB ({ro.cross_site_gb / max(rb.cross_site_gb, 1e-12):,.0f}x less)")
         dp_b = rb.time.get("dp_comm", 0) + rb.time.get("outer_sync", 0)
         bits.append(f"data-parallel sync exposed {dp_b:.3f} s per step instead of {ro.time.get('dp_comm', 0):.3f} s")
+        big = [(k, d) for k, d in term_differences(rb, ro) if k not in ("dp_comm", "outer_sync", "straggler")]
+        if big and abs(big[0][1]) > 0.05 * max(rb.step_time_s, 1e-12):
+            k, d = big[0]
+            bits.append(f"{TERM_LABELS.get(k, k)} {_secs(-d, signed=True)} per step (the baseline's "
+                        f"{ro.time.get(k, 0):.3f} s)")
         if ro.time.get("straggler", 0) > 0:
             bits.append(f"stragglers {rb.time.get('straggler', 0):.3f} s instead of "
                         f"{ro.time.get('straggler', 0):.3f} s")
@@ -284,7 +298,7 @@ def weak_link_lines(result: SearchResult) -> list[str]:
 
     out = [f"weak links: the winner uses {sync_words(b.plan)}, needing {rb.token_factor:.2f}x the tokens "
            f"of synchronous training ({basis})",
-           "  " + against(s, "the fastest plan that syncs every step uncompressed")]
+           "  " + against(s, first)]
     if c is not None and c.plan.short() not in (s.plan.short(), b.plan.short()):
         out.append("  " + against(c, "the soonest plan that syncs every step compressed"))
     return out

@@ -541,6 +541,11 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
             for i, f in enumerate(SYNC_FIELDS):
                 vals = np.asarray([o[i] for o in syncs])
                 part[f] = vals[k]
+            # a scope unit holding one data-parallel rank of the mesh is sync_scope=all: write it so
+            from meshplan.spec.sync import inner_dp
+            single = np.asarray([o[0] in ("local-sgd", "diloco") and int(inner_dp(dp, tp, cp, o[2], cluster)) == 1
+                                 for o in syncs])
+            part["sync_scope"] = np.where(single[k], "all", part["sync_scope"])
         next_group += na * nc
         parts.append(part)
     return _assemble(parts, base, splitter.table if splitter else [])
