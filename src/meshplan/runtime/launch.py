@@ -645,9 +645,18 @@ def run_step(trainer: Any, job: Job, rank0: bool) -> Any:
     from meshplan.runtime.train import maybe_fail, timed_step
     maybe_fail(trainer.step)
     rec = timed_step(trainer)
+    outer, said = getattr(trainer, "outer", None), ""
+    if outer is not None:  # local SGD / DiLoCo: say when an outer sync ran (or was launched)
+        n = int(getattr(outer, "syncs", 0))
+        if n != getattr(trainer, "_outer_syncs_logged", 0):
+            trainer._outer_syncs_logged = n
+            lag = int(getattr(outer, "overlap", 0) or 0)
+            said = f"  outer sync {n}" + (f" (launched; applied after {lag} more step{'s' if lag > 1 else ''})"
+                                          if lag else "")
+        rec.extra["outer_syncs"] = n
     if rank0:
         print(f"step {rec.step:>5}/{job.steps}  loss {rec.loss:.6f}  {rec.step_time_s:.4f} s  "
-              f"{rec.tokens_per_s:,.0f} tok/s  {rec.peak_memory_gib:.3f} GiB", file=sys.stderr, flush=True)
+              f"{rec.tokens_per_s:,.0f} tok/s  {rec.peak_memory_gib:.3f} GiB{said}", file=sys.stderr, flush=True)
         _write(job.metrics, rec.to_dict())
     if job.checkpoint_dir and job.checkpoint_every and trainer.step % job.checkpoint_every == 0:
         ckpt.save(trainer, job.checkpoint_dir)
