@@ -47,11 +47,11 @@ from meshplan.cost.parts import (
 )
 from meshplan.cost.schedule import RankPasses, bubble_array, in_flight_array, rank_passes
 from meshplan.cost.sync import (
-    OUTER_BYTES,
     amortised_outer,
     compressed_sync_bytes,
     cross_bytes,
     matrix_elements,
+    outer_bytes,
     outer_sync,
     powersgd_bytes,
     reduce_bytes,
@@ -616,9 +616,9 @@ def cross_site(a: Assembly, cluster: ClusterSpec, p: CostParams) -> np.ndarray:
     dp_sync = dp_sync + np.where((zero == 1) | (zero == 2), cross_bytes(cluster, n_sync, tp, 2.0 * plocal, 1.0), 0.0)
     # ZeRO-3: every block gathered twice and reduce-scattered per micro-batch (once per step under a pipeline)
     times = np.where(pp > 1, 1.0, micro)
-    z3 = times * (cross_bytes(cluster, shard, tp, 2.0 * plocal, 2.0)
-                  + cross_bytes(cluster, shard, tp, reduce_bytes(cols, p) * plocal, 1.0))
     rb = reduce_bytes(cols, p)
+    z3 = times * (cross_bytes(cluster, shard, tp, 2.0 * plocal, 2.0)
+                  + cross_bytes(cluster, shard, tp, rb * plocal, 1.0))
     hsdp = cross_bytes(cluster, np.maximum(1.0, n_sync / shard), tp * shard, rb * plocal / shard, 2.0)
     z3 = np.where(zero == 3, z3 + np.where(shard < n_sync, hsdp, 0.0), 0.0)
     # pipeline sends: N / pp ranks at a stage boundary, one activation forward and one gradient back per
@@ -630,9 +630,7 @@ def cross_site(a: Assembly, cluster: ClusterSpec, p: CostParams) -> np.ndarray:
     v = np.asarray(cols["virtual_stages"], dtype=float)
     sends = np.where(crosses_pp, micro * v * send_bytes * stage_gpus, 0.0)
     # the outer sync, once per H steps
-    per_value = np.full(n_rows, 4.0)
-    for name, b in OUTER_BYTES.items():
-        per_value = np.where(comp == name, b, per_value)
+    per_value = outer_bytes(comp)
     held = np.where(a.valid, held_params(a), 0.0).max(axis=1)
     outer = cross_bytes(cluster, n_out, tp * cp * n_in, per_value * held, 2.0) / np.maximum(
         1.0, np.asarray(cols["sync_every"], dtype=float))

@@ -131,6 +131,15 @@ def compressed_sync_bytes(grads: np.ndarray, params_local: np.ndarray, compressi
     return out
 
 
+def outer_bytes(compression: Any) -> np.ndarray:
+    """Bytes per value of each row's outer sync (OUTER_BYTES by grad_compression)."""
+    comp = np.asarray(compression)
+    out = np.full(comp.shape, 4.0)
+    for name, b in OUTER_BYTES.items():
+        out = np.where(comp == name, b, out)
+    return out
+
+
 def reduce_bytes(cols: dict[str, Any], p: Any) -> np.ndarray:
     """Bytes per gradient element FSDP's reduce-scatter (and HSDP's all-reduce) moves per row:
     CostParams.fsdp_reduce_bytes, or less with the gradient compression of a synchronous plan
@@ -149,10 +158,7 @@ def outer_sync(cluster: ClusterSpec, cols: dict[str, Any], p: Any, held: np.ndar
     for the parameters ``held`` on each rank (after ZeRO within the inner group). Zero for
     synchronous rows."""
     tp, cp = (np.asarray(cols[k], dtype=float)[:, None] for k in ("tp", "cp"))
-    comp = np.asarray(cols["grad_compression"])
-    per_value = np.full(comp.shape, 4.0)
-    for name, b in OUTER_BYTES.items():
-        per_value = np.where(comp == name, b, per_value)
+    per_value = outer_bytes(cols["grad_compression"])
     g = Group.of(cluster, np.asarray(n_out, dtype=float)[:, None], tp * cp * np.asarray(n_in, dtype=float)[:, None])
     t = g.all_reduce(per_value[:, None] * held)
     diloco = (np.asarray(cols["grad_sync"]) == "diloco")[:, None]
