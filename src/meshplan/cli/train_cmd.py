@@ -208,4 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from meshplan.runtime.launch import exit_worker, in_torchrun
+    _rc = main()
+    if in_torchrun():
+        exit_worker(int(_rc or 0))
+    sys.exit(_rc)

@@ -624,4 +624,8 @@ def worker_cli(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_cli(sys.argv[1:]))
+    from meshplan.runtime.launch import exit_worker, in_torchrun
+    _rc = worker_cli(sys.argv[1:])
+    if in_torchrun():
+        exit_worker(int(_rc or 0))
+    sys.exit(_rc)

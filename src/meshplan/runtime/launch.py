@@ -402,6 +402,19 @@ def torchrun_main(argv: list[str]) -> int:
     return 0
 
 
+def exit_worker(rc: int) -> None:
+    """End a torchrun worker with ``rc`` once its output is flushed, skipping the interpreter's
+    teardown: after a finished job (process group destroyed, files closed), C++ destructors of
+    torch/gloo threads at interpreter exit now and then abort the process ("terminate called
+    without an active exception", SIGABRT) and turn a good run into a failed rank."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
+
+
 def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
