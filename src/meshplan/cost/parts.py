@@ -16,7 +16,7 @@ from meshplan.cost.comm import Group, exposed_under
 from meshplan.cost.memory import MAIN_GRAD_BYTES
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.spec.cluster import ClusterSpec
-from meshplan.spec.plan import Plan
+from meshplan.spec.plan import COLON_LISTS, Plan
 
 
 def plans_to_columns(plans: Sequence[Plan]) -> dict[str, np.ndarray]:
@@ -30,6 +30,8 @@ def plans_to_columns(plans: Sequence[Plan]) -> dict[str, np.ndarray]:
             cols[f.name] = arr
         elif f.name == "recompute_layers":
             cols[f.name] = np.array([-1 if v is None else v for v in vals], dtype=np.int64)
+        elif f.name in COLON_LISTS:  # dp_shares, pools, ...: their plan-string form, '' = None
+            cols[f.name] = np.array(["" if v is None else ":".join(str(x) for x in v) for v in vals])
         else:
             cols[f.name] = np.array(vals)
     return cols

@@ -7,6 +7,7 @@ Encoding (row i is one plan):
       ``CATEGORIES[field]`` (the tuples of meshplan.spec.plan)
   recompute_layers: int32, -1 = None (all blocks of the stage)
   stage_layers: int32 code into ``PlanColumns.stage_table``, -1 = None (even split)
+  dp_shares, pools, pool_dp, pool_pp: their plan-string form ('3:1'), '' = None
   other str fields (grad_sync, ...): numpy unicode arrays, until their vocabulary is added
       to CATEGORIES
 Any Plan field added later is carried the same way by its type (bool/int/str), so the
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.spec.plan import PRECISIONS, RECOMPUTE, SCHEDULES, Plan
+from meshplan.spec.plan import COLON_LISTS, PRECISIONS, RECOMPUTE, SCHEDULES, Plan, parse_colon_list
 
 CATEGORIES: dict[str, tuple[str, ...]] = {
     "schedule": SCHEDULES, "recompute": RECOMPUTE, "precision": PRECISIONS}
@@ -37,6 +38,8 @@ def _field_kinds() -> dict[str, str]:
         tp = hints[f.name]
         if f.name == "stage_layers":
             kinds[f.name] = "stages"
+        elif f.name in COLON_LISTS:
+            kinds[f.name] = "colon"
         elif f.name in CATEGORIES:
             kinds[f.name] = "cat"
         elif tp is bool:
@@ -54,7 +57,7 @@ def _field_kinds() -> dict[str, str]:
 
 FIELD_KINDS = _field_kinds()
 FIELDS = tuple(FIELD_KINDS)
-_DTYPES = {"int": np.int32, "bool": np.bool_, "cat": np.int8, "optint": np.int32, "stages": np.int32,
+_DTYPES = {"colon": np.str_, "int": np.int32, "bool": np.bool_, "cat": np.int8, "optint": np.int32, "stages": np.int32,
            "str": np.str_}
 
 
@@ -142,6 +145,8 @@ class PlanColumns(Mapping[str, np.ndarray]):
             return None if raw == NONE_CODE else raw
         if kind == "stages":
             return None if raw == NONE_CODE else self.stage_table[raw]
+        if kind == "colon":
+            return parse_colon_list(raw, field) if raw else None
         return raw
 
     @staticmethod
@@ -157,6 +162,8 @@ class PlanColumns(Mapping[str, np.ndarray]):
                     v = CATEGORIES[f].index(v)
                 elif kind == "optint":
                     v = NONE_CODE if v is None else v
+                elif kind == "colon":
+                    v = "" if v is None else ":".join(str(x) for x in v)
                 elif kind == "stages":
                     if v is None:
                         v = NONE_CODE

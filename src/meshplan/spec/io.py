@@ -334,6 +334,8 @@ def load_plan(arg: str) -> Plan:
         if isinstance(data.get("stage_layers"), str):  # the plan string's form, e.g. "4x31:2"
             from meshplan.spec.plan import parse_stage_layers
             data = {**data, "stage_layers": parse_stage_layers(data["stage_layers"], f"{arg}.stage_layers")}
+        from meshplan.spec.plan import COLON_LISTS, parse_colon_list
+        data = {**data, **{k: parse_colon_list(data[k], k) for k in COLON_LISTS if isinstance(data.get(k), str)}}
         return from_dict(Plan, data, where=arg)
     if isinstance(arg, str) and "=" not in arg and _looks_like_path(arg):
         import os

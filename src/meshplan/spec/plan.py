@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from meshplan.errors import MeshplanError
 from meshplan.spec.base import _closest, _coerce, _show, choice, positive
+from meshplan.spec.lengths import LengthDist
 
 AXES = ("pp", "dp", "cp", "tp")
 """The mesh axes of a plan, outermost to innermost (the innermost gets the fastest links). Expert
@@ -116,6 +117,22 @@ class Plan:
     """Overlap TP communication with the matmuls (torchtitan AsyncTP / Megatron tp-comm-overlap)."""
     stage_layers: tuple[int, ...] | None = None
     """Optional explicit transformer blocks per pipeline stage (length pp, sums to num_layers)."""
+    dp_shares: tuple[int, ...] | None = None
+    """Uneven data parallelism: relative shares of the global batch per data-parallel replica
+    (``dp_shares=3:1``). Its length divides dp: entry i applies to the i-th block of dp/len
+    consecutive replicas. Replica r trains on share_r / sum(shares) of the global batch (as whole
+    micro-batches) and its gradients are weighted by its share, so that the step equals training
+    on the whole global batch. None: even shares."""
+    pools: tuple[str, ...] | None = None
+    """On a cluster of several GPU pools: the pools the plan uses, in order (a pool not named
+    is left out). None on a cluster of one GPU type."""
+    pool_dp: tuple[int, ...] | None = None
+    """With several pools: data-parallel replicas per pool (sums to dp). Every replica lives in
+    one pool, with the plan's tp, pp and cp; the pools' replicas sync gradients across pools."""
+    pool_pp: tuple[int, ...] | None = None
+    """With several pools: pipeline stages per pool (sums to pp), the first pool's stages first.
+    Every pool holds dp x cp x tp GPUs per stage; the sends between the pools' boundary stages
+    cross the link between pools."""
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages"):
@@ -157,6 +174,59 @@ class Plan:
                 raise MeshplanError(f"plan: stage_layers has {len(self.stage_layers)} entries but pp={self.pp}")
             if any(n < 0 for n in self.stage_layers):
                 raise MeshplanError("plan: stage_layers entries must be >= 0")
+        self._check_shares_and_pools()
+
+    def _check_shares_and_pools(self) -> None:
+        if self.dp_shares is not None:
+            k = len(self.dp_shares)
+            if k == 0 or self.dp % k:
+                raise MeshplanError(f"plan: dp_shares has {k} entries, which does not divide dp={self.dp}",
+                                    hint="give one share per replica, or per equal block of replicas "
+                                         "(dp=8,dp_shares=3:1 gives replicas 0-3 share 3 and 4-7 share 1)")
+            if any(not isinstance(x, int) or x < 1 for x in self.dp_shares):
+                raise MeshplanError(f"plan: dp_shares entries must be whole numbers >= 1; got "
+                                    f"{':'.join(str(x) for x in self.dp_shares)}", hint="e.g. dp_shares=3:1")
+        if self.pools is None:
+            for f in ("pool_dp", "pool_pp"):
+                if getattr(self, f) is not None:
+                    raise MeshplanError(f"plan: {f} needs pools (the pools it counts, in order)",
+                                        hint=f"e.g. pools=h100:a100,{f}=2:2")
+            return
+        if not self.pools or any(not str(n).strip() for n in self.pools):
+            raise MeshplanError("plan: pools must name at least one pool", hint="e.g. pools=h100:a100")
+        if len(set(self.pools)) != len(self.pools):
+            raise MeshplanError(f"plan: pools names a pool twice: {':'.join(self.pools)}")
+        for f, total in (("pool_dp", self.dp), ("pool_pp", self.pp)):
+            v = getattr(self, f)
+            if v is None:
+                continue
+            if len(v) != len(self.pools):
+                raise MeshplanError(f"plan: {f} has {len(v)} entries but pools names {len(self.pools)}",
+                                    hint=f"one count per pool, e.g. {f}={':'.join(['1'] * len(self.pools))}")
+            if any(not isinstance(x, int) or x < 1 for x in v):
+                raise MeshplanError(f"plan: {f} entries must be whole numbers >= 1 (leave a pool out of pools "
+                                    "instead of giving it 0)")
+            if sum(v) != total:
+                raise MeshplanError(f"plan: {f} sums to {sum(v)} but {f[5:]}={total}",
+                                    hint=f"the counts per pool add up to {f[5:]}")
+        if self.pool_dp is not None and self.pool_pp is not None:
+            raise MeshplanError("plan: give pool_dp (replicas per pool) or pool_pp (stages per pool), not both")
+        if len(self.pools) > 1 and self.pool_dp is None and self.pool_pp is None:
+            raise MeshplanError(f"plan: pools={':'.join(self.pools)} needs pool_dp (replicas per pool) or "
+                                "pool_pp (pipeline stages per pool)", hint="e.g. pool_dp=3:1 or pool_pp=2:2")
+
+    @property
+    def replica_shares(self) -> tuple[int, ...]:
+        """dp_shares expanded to one share per data-parallel replica (all 1 without dp_shares)."""
+        if self.dp_shares is None:
+            return (1,) * self.dp
+        block = self.dp // len(self.dp_shares)
+        return tuple(s for s in self.dp_shares for _ in range(block))
+
+    @property
+    def multi_pool(self) -> bool:
+        """The plan spans more than one GPU pool."""
+        return self.pools is not None and len(self.pools) > 1
 
     @property
     def num_gpus(self) -> int:
@@ -237,6 +307,24 @@ def parse_stage_layers(text: str, where: str = "plan: stage_layers") -> tuple[in
     return tuple(out)
 
 
+COLON_LISTS = ("dp_shares", "pools", "pool_dp", "pool_pp")
+"""Plan fields written as colon-separated lists in plan strings (dp_shares=3:1, pools=h100:a100)."""
+
+
+def parse_colon_list(text: str, key: str) -> tuple:
+    """``3:1`` -> (3, 1) for the count fields, ``h100:a100`` -> ('h100', 'a100') for pools."""
+    parts = [t.strip() for t in str(text).replace(";", ":").split(":")]
+    if key == "pools":
+        return tuple(parts)
+    out = []
+    for t in parts:
+        if not t.lstrip("-").isdigit():
+            raise MeshplanError(f"plan: {key}={text!r}: {t!r} is not a whole number",
+                                hint=f"e.g. {key}=3:1")
+        out.append(int(t))
+    return tuple(out)
+
+
 MAX_STAGES = 1_000_000
 """Most pipeline stages a stage_layers string may spell out (a run-length count is expanded)."""
 
@@ -280,6 +368,9 @@ def parse_plan(text: str) -> Plan:
         if key == "stage_layers":
             kwargs[key] = parse_stage_layers(value, "plan.stage_layers")
             continue
+        if key in COLON_LISTS:
+            kwargs[key] = parse_colon_list(value, key)
+            continue
         kwargs[key] = _coerce(value, hints[key], f"plan: {key}")
     return Plan(**kwargs)  # type: ignore[arg-type]
 
@@ -311,7 +402,10 @@ class Workload:
     global_batch: int
     """Sequences per optimizer step (all data-parallel replicas together)."""
     seq_len: int
-    """Tokens per sequence."""
+    """Tokens per sequence (with ``lengths``: the longest, what a plan must hold)."""
+    lengths: LengthDist | None = None
+    """A distribution of sample lengths and how samples form micro-batches (spec.lengths);
+    None: every sample is seq_len tokens."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len"):
@@ -319,7 +413,24 @@ class Workload:
             positive(f"workload: {name}", value)
             if value > MAX_COUNT:
                 raise MeshplanError(f"workload: {name} must be at most {MAX_COUNT:,}; got {_show(value)}")
+        if self.lengths is not None and self.lengths.max_len != self.seq_len:
+            raise MeshplanError(f"workload: seq_len={self.seq_len} must be the longest length of the "
+                                f"distribution ({self.lengths.max_len})")
+
+    @classmethod
+    def of(cls, global_batch: int, lengths: LengthDist) -> Workload:
+        """A workload over a length distribution (seq_len = its longest length)."""
+        return cls(global_batch=global_batch, seq_len=lengths.max_len, lengths=lengths)
+
+    @property
+    def varied(self) -> bool:
+        """Samples of several lengths that are not packed into full windows."""
+        return self.lengths is not None and len(self.lengths.lengths) > 1 and self.lengths.packing != "packed"
 
     @property
     def tokens(self) -> int:
+        """Real (not padding) tokens per step: the expected number under a length distribution
+        that is not packed."""
+        if self.lengths is not None and self.lengths.packing != "packed":
+            return round(self.global_batch * self.lengths.mean_len)
         return self.global_batch * self.seq_len
