@@ -97,12 +97,15 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    from meshplan.cli import pools_cmd
     from meshplan.cli.costing import costing
     from meshplan.cli.format import json_text
     from meshplan.cli.model_arg import as_problem
     from meshplan.cli.planfile import resolve
     from meshplan.cli.views import estimate_text
     from meshplan.cost import estimate
+    if pools_cmd.is_pooled(getattr(args, "cluster", None)):
+        return pools_cmd.run_estimate(args)
     cost = costing(args)
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan

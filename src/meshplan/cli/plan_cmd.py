@@ -884,7 +884,10 @@ def plot_pareto(path: str, result: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshplan.cli import pools_cmd
     from meshplan.cli.costing import costing
+    if pools_cmd.is_pooled(args.cluster):
+        return pools_cmd.run_plan(args)
     if args.plot is not None:
         from meshplan.sim.output import check_plot_path
         check_plot_path(args.plot)  # before the search: the format can be written

@@ -643,8 +643,11 @@ def _estimate(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dic
     return estimate_assembly(assemble(graph, cluster, work, cols, params), cluster, work, params)
 
 
-def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params: CostParams) -> dict[str, np.ndarray]:
-    """estimate_batch's result from an Assembly (cost.durations reuses the one it lists)."""
+def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params: CostParams,
+                      rank_ends: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """estimate_batch's result from an Assembly (cost.durations reuses the one it lists).
+    ``rank_ends``: (end-of-step exposed, overlapped, optimizer) seconds per (row, rank) computed
+    by the caller, for ranks on different hardware (cost.pools); default: from ``cluster``."""
     p, cols = params, a.cols
     tp, pp, v = (cols[k].astype(float) for k in ("tp", "pp", "virtual_stages"))
     zero, micro, totals, valid = cols["zero"], a.micro, a.totals, a.valid
@@ -660,7 +663,10 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
 
     # End of step, per rank: gradient sync / ZeRO gathers of the rank's own parameters, then the
     # optimizer, from the rank's last backward on (the drain ends the ranks one after another).
-    e_r, o_r = end_of_step(a, cluster, p)
+    if rank_ends is None:
+        e_r, o_r = end_of_step(a, cluster, p)
+    else:
+        e_r, o_r = rank_ends[0], rank_ends[1]
     dr = drain(a, p)
     fullest = np.argmax(np.where(valid, a.plocal, -1.0), axis=1)
     dp_exp, dp_ovl = np.zeros(len(rows)), o_r[rows, fullest]
@@ -685,7 +691,8 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
     root_x, root_o = root_fsdp(cluster, p, a.plocal[rows, crit] - a.blk_params[rows, crit], a.shard, tp, tmax,
                                micro, a.fsdp, a.per_step, reduce_bytes(cols, p))
     dp_exp, dp_ovl = dp_exp + root_x, dp_ovl + root_o
-    opt_t = optimizer_seconds(cluster, a.plocal, zero, a.shard, np.asarray(cols["offload_optimizer"], dtype=bool), p)
+    opt_t = (optimizer_seconds(cluster, a.plocal, zero, a.shard, np.asarray(cols["offload_optimizer"], dtype=bool), p)
+             if rank_ends is None else rank_ends[2])
     end = np.where(valid, e_r + opt_t - dr, -np.inf).max(axis=1)
     opt = np.minimum(np.where(valid, opt_t, 0).max(axis=1), end)  # >= 0: rank 0 has no drain
     dp_exp = dp_exp + end - opt

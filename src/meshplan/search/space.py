@@ -67,7 +67,7 @@ from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import RECOMPUTE, SCHEDULES, Plan, Workload
+from meshplan.spec.plan import COLON_LISTS, RECOMPUTE, SCHEDULES, Plan, Workload
 from meshplan.spec.support import sequence_parallel_runs
 
 MAX_DEGREE = 2**31 - 1
@@ -611,6 +611,8 @@ def _assemble(parts: list[dict[str, np.ndarray]], base: dict[str, object],
             v = base[f]
             if f in CATEGORIES:
                 v = CATEGORIES[f].index(v)
+            elif f in COLON_LISTS:  # dp_shares, pools: set per mesh by search/pools.py, not here
+                v = ""
             elif v is None:
                 v = NONE_CODE
             cols[f] = np.full(n, v)

@@ -225,3 +225,50 @@ def default_links(gpu: GPUSpec, *, nic_gbps: float | None = None) -> tuple[LinkT
                      efficiency=e_inter, kind="infiniband")
     return intra, inter
 
+
+
+@dataclass(frozen=True, kw_only=True)
+class PooledCluster:
+    """A cluster of several GPU pools: each pool is a ClusterSpec of one GPU type with its own
+    nodes and links (its ``name`` names the pool), joined by ``inter_pool`` (per GPU, one
+    direction, like inter_node). A plan uses some or all pools (Plan.pools): data-parallel
+    replicas per pool (Plan.pool_dp) or pipeline stages per pool (Plan.pool_pp)."""
+
+    name: str = "pools"
+    pools: tuple[ClusterSpec, ...]
+    inter_pool: LinkTier
+    """The link between pools, per GPU (the slower pool's NIC when they share one fabric)."""
+
+    def __post_init__(self) -> None:
+        if len(self.pools) < 2:
+            raise MeshplanError(f"cluster {self.name}: a pooled cluster needs at least two [[pools]]",
+                                hint="for one GPU type, write gpu/num_nodes at the top level instead")
+        names = [p.name for p in self.pools]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise MeshplanError(f"cluster {self.name}: pool name {dup[0]!r} is used twice",
+                                hint="give every [[pools]] entry its own name")
+        for p in self.pools:
+            if p.inter_dc is not None:
+                raise MeshplanError(f"cluster {self.name}: pool {p.name!r} has inter_dc; pools of several "
+                                    "datacenters are not modelled",
+                                    hint="drop inter_dc/nodes_per_dc from the pool (inter_pool is the link "
+                                         "between pools)")
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(p.num_gpus for p in self.pools)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.pools)
+
+    def pool(self, name: str) -> ClusterSpec:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise MeshplanError(f"cluster {self.name}: no pool named {name!r}",
+                            hint=f"its pools: {', '.join(self.names)}")
+
+    def describe(self) -> str:
+        return " + ".join(f"{p.name}: {p.num_nodes}x{p.gpus_per_node} {p.gpu.name}" for p in self.pools)

@@ -17,7 +17,7 @@ from typing import Any
 from meshplan.calibration.builtin import builtin_gpu_value, builtin_link_value, part_efficiency
 from meshplan.errors import MeshplanError
 from meshplan.spec.base import SCHEMA_VERSION, _coerce, from_dict, positive, to_dict
-from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, default_links
+from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, PooledCluster, default_links
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, parse_plan
 
@@ -272,6 +272,8 @@ def _unknown_cluster(arg: str, name: str, count: str, *, colon: bool) -> Meshpla
 def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> ClusterSpec:
     d, _ = _strip_meta(data, where)
     d = dict(d)
+    if "pools" in d:
+        return pooled_from_dict(d, where)  # type: ignore[return-value]
     gpu = d.get("gpu")
     if isinstance(gpu, str):
         d["gpu"] = load_gpu(gpu)
@@ -298,6 +300,37 @@ def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> ClusterSp
                 base["efficiency"] = fitted  # the calibrated efficiency of this link kind
             d[tier] = from_dict(LinkTier, base, where=f"{where}.{tier}")
     return from_dict(ClusterSpec, d, where=where)
+
+
+def pooled_from_dict(d: dict[str, Any], where: str) -> PooledCluster:
+    """A cluster file with [[pools]] (spec.cluster.PooledCluster): every pool is a cluster table of
+    its own (name, gpu, num_nodes, gpus_per_node, intra_node, inter_node, ...); [inter_pool] is the
+    link between pools (default: the slowest pool's inter_node link)."""
+    pools_raw = d.pop("pools")
+    if not isinstance(pools_raw, list) or not all(isinstance(x, dict) for x in pools_raw):
+        raise MeshplanError(f"{where}: pools must be a list of tables ([[pools]] in TOML)",
+                            hint="see docs/heterogeneous-hardware.md for an example")
+    top = {k: d.pop(k) for k in ("gpu", "num_nodes", "gpus_per_node", "nodes_per_dc", "inter_dc") if k in d}
+    if top:
+        raise MeshplanError(f"{where}: {', '.join(sorted(top))} belong inside each [[pools]] table of a pooled "
+                            "cluster, not at the top level")
+    pools = []
+    for i, raw in enumerate(pools_raw):
+        if "name" not in raw:
+            raise MeshplanError(f"{where}: pools[{i}] needs a name (e.g. name = \"h100\")")
+        pools.append(cluster_from_dict(raw, where=f"{where}.pools[{i}]"))
+    inter = d.pop("inter_pool", None)
+    slowest = min((p.inter_node for p in pools), key=lambda t: t.bytes_per_s)
+    if inter is None:
+        link = LinkTier(**{**to_dict(slowest), "name": "inter_pool"})
+    elif isinstance(inter, dict):
+        link = from_dict(LinkTier, {**to_dict(slowest), "name": "inter_pool", **inter}, where=f"{where}.inter_pool")
+    else:
+        raise MeshplanError(f"{where}: inter_pool must be a table ([inter_pool] with bandwidth_gbps, ...)")
+    for k in ("step_jitter", "price_per_gpu_hour_usd"):
+        if k in d:
+            raise MeshplanError(f"{where}: {k} belongs inside each [[pools]] table")
+    return from_dict(PooledCluster, {**d, "pools": tuple(pools), "inter_pool": link}, where=where)
 
 
 def load_cluster(arg: str) -> ClusterSpec:

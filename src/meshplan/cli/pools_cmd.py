@@ -1,0 +1,134 @@
+"""`meshplan plan` / `estimate` / `simulate` on a cluster of several GPU pools (cluster files
+with [[pools]]; spec.cluster.PooledCluster, cost.pools, search.pools, sim.pools)."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from meshplan.errors import MeshplanError
+
+UNSUPPORTED = {"gpus": "--gpus", "deadline": "--deadline", "plot": "--plot", "price_per_gpu_hour":
+               "--price-per-gpu-hour"}
+
+
+def is_pooled(arg: Any) -> bool:
+    from meshplan.spec.cluster import PooledCluster
+    from meshplan.spec.io import load_cluster
+    if arg is None:
+        return False
+    try:
+        return isinstance(load_cluster(arg), PooledCluster)
+    except MeshplanError:
+        return False  # the command's own loading says what is wrong
+
+
+def _refuse(args: argparse.Namespace, command: str) -> None:
+    for key, flag in UNSUPPORTED.items():
+        if getattr(args, key, None) not in (None, False):
+            raise MeshplanError(f"{flag} is not supported with a cluster of several pools ({args.cluster})",
+                                hint=f"drop {flag}" + (" (each [[pools]] table sets its price_per_gpu_hour_usd)"
+                                                       if key == "price_per_gpu_hour" else ""))
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """(graph, pooled cluster, workload, cost) of a command on a pooled cluster."""
+    from meshplan.cli.costing import costing
+    from meshplan.cli.model_arg import as_problem, load_model_arg
+    from meshplan.spec.io import load_cluster
+    cost = costing(args)
+    pc = load_cluster(args.cluster)
+    if cost.calibration is not None:
+        pc = type(pc)(name=pc.name, pools=tuple(cost.cluster(p) for p in pc.pools), inter_pool=pc.inter_pool)
+    model, work = as_problem(load_model_arg(args.model, seq_len=args.seq_len), args.global_batch, args.seq_len)
+    return model, pc, work, cost
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from meshplan.cli.plan_cmd import search_space
+    from meshplan.search.pools import search_pools
+    _refuse(args, "plan")
+    model, pc, work, cost = load(args)
+    space = search_space(args, pc.pools[0], model)
+    objective = args.objective if args.objective in ("time", "cost") else "time"
+    res = search_pools(model, pc, work, space, params=cost.params, objective=objective, top=args.top)
+    if args.json:
+        from meshplan.cli.format import json_text
+        doc = res.to_dict() | cost.to_json()
+        print(json_text(doc))
+    else:
+        print(text(res, model, work))
+    if res.best is None:
+        raise MeshplanError(f"no plan fits {model.name} on any pool of {pc.name} with global batch "
+                            f"{work.global_batch} x {work.seq_len}",
+                            hint="more GPUs, a smaller global batch or sequence, or a GPU with more memory")
+    if args.out is not None:
+        write_out(args.out, res, model, args)
+    return 0
+
+
+def text(res: Any, model: Any, work: Any) -> str:
+    pc = res.cluster
+    lines = [f"{model.name} on {pc.name} ({pc.describe()}; {pc.num_gpus} GPUs), global batch "
+             f"{work.global_batch} x {work.seq_len} tokens, objective {res.objective}",
+             f"searched {res.considered:,} plans in {res.search_time_s:.1f} s (every pool alone, replicas on "
+             "every pool, pipeline stages on every pool)", ""]
+    lines += res.explanation
+    lines += ["", f"{'step':>9} {'GPUs':>5} {'$/M tok':>8} {'MFU':>5}  plan"]
+    for e in res.plans:
+        lines.append(f"{e.step_time_s:8.2f}s {e.num_gpus:5d} {e.usd_per_m_tokens:8.3f} {100 * e.mfu:4.0f}%  "
+                     f"{e.plan.short()}")
+    return "\n".join(lines)
+
+
+def write_out(path: str, res: Any, model: Any, args: argparse.Namespace) -> None:
+    from meshplan.spec.io import dump_toml, to_dict
+    best = res.best
+    doc = {"schema_version": 1, "kind": "plan", "plan": to_dict(best.plan), "model": getattr(model, "source", None)
+           or model.name, "cluster": str(args.cluster), "global_batch": res.work.global_batch,
+           "seq_len": res.work.seq_len, "predicted": best.to_dict()}
+    doc["plan"] = {k: (":".join(map(str, v)) if isinstance(v, (list, tuple)) and k != "stage_layers" else v)
+                   for k, v in doc["plan"].items() if v is not None}
+    if best.plan.stage_layers:
+        doc["plan"]["stage_layers"] = ":".join(map(str, best.plan.stage_layers))
+    try:
+        with open(path, "w") as f:
+            if path.lower().endswith(".toml"):
+                f.write(dump_toml(json.loads(json.dumps(doc, default=str))))
+            else:
+                json.dump(doc, f, indent=2, default=str)
+                f.write("\n")
+    except OSError as e:
+        raise MeshplanError(f"cannot write --out {path}: {e.strerror or e}") from None
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """`meshplan estimate --cluster POOLS.toml --plan ...,pools=...`."""
+    from meshplan.cli.format import json_text
+    from meshplan.cost.pools import estimate_pooled
+    from meshplan.spec.io import load_plan
+    model, pc, work, cost = load(args)
+    plan = load_plan(args.plan)
+    e = estimate_pooled(model, pc, plan, work, cost.params)
+    if getattr(args, "json", False):
+        print(json_text(e.to_dict() | cost.to_json()))
+        return 0
+    print(estimate_text(e, pc))
+    return 0
+
+
+def estimate_text(e: Any, pc: Any) -> str:
+    lines = [f"plan         {e.plan.short()}",
+             f"cluster      {pc.name}: {pc.describe()}",
+             f"step time    {e.step_time_s:.3f} s   ({e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}% of "
+             f"the GPUs' own peaks, ${e.usd_per_m_tokens:.3f} per M tokens)",
+             f"fits         {'yes' if e.fits else 'NO'}"]
+    for p in e.parts:
+        lines.append(f"pool {p.name:<8}{p.gpus} of {p.gpus_total} {p.gpu}: {p.role}")
+        lines.append(f"{'':13}own part {p.step_s:.3f} s, waits {p.idle_s:.3f} s, {100 * p.busy_fraction:.0f}% busy, "
+                     f"memory {p.peak_memory_gib:.1f} of {p.usable_memory_gib:.1f} GiB"
+                     + ("" if p.fits else "  DOES NOT FIT"))
+    lines.append(f"across pools {e.cross_pool_s:.3f} s per step ({e.cross_pool_gb:.2f} GB per GPU over inter_pool)")
+    lines.append(f"imbalance    {e.imbalance_s:.3f} s per step lost waiting for the slowest pool (GPU-weighted)")
+    lines += [f"note         {n}" for n in e.notes]
+    return "\n".join(lines)

@@ -1,0 +1,350 @@
+"""Mixed hardware: plans over several GPU pools, and uneven data-parallel shares.
+
+A plan on a ``PooledCluster`` (spec.cluster) places its data-parallel replicas on pools
+(``pool_dp``) or its pipeline stages on pools (``pool_pp``). Every rank is timed on its own
+pool's hardware by the one cost model (cost.batch), evaluated once per pool:
+
+- **pool_dp**: every replica has the plan's tp x pp x cp shape and lives in one pool. Pool i's
+  replicas form a plan of their own on that pool (dp = pool_dp[i]; ZeRO/FSDP shards within the
+  pool, HSDP-style, so parameters are never gathered across pools), each replica training on
+  its share of the global batch (``dp_shares``; even without it). The pool's step is its
+  slowest replica's (the most micro-batches) and includes the pool's own gradient sync, which
+  runs hierarchically: reduce-scatter within the pool, then one all-reduce of each GPU's
+  gradient shard across pools over ``inter_pool`` (exposed: it starts when the slowest pool's
+  reduce-scatter ends), then the pool's all-gather / optimizer. The step is the slowest pool's
+  step plus that exchange; a faster pool waits for the rest (``idle_s``, the time lost to
+  imbalance).
+- **pool_pp**: pool i holds pool_pp[i] consecutive pipeline stages (the first pool's first),
+  each with the plan's dp x cp x tp GPUs. The whole plan is assembled once per pool (as if
+  every rank were of that pool's GPU) and each pipeline rank takes its own pool's terms
+  (cost.batch.splice_ranks); the send between two pools' boundary stages crosses inter_pool.
+  The pipeline's step then follows from per-rank times as for any uneven pipeline (its
+  slowest stage sets the pace; stage_layers balances the layers by speed and memory).
+
+Uneven shares on a single-type cluster (``dp_shares`` without pools) are pool_dp with one
+pool: the replica with the largest share sets the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.report import CostReport
+from meshplan.cost.uncertainty import verdicts
+from meshplan.errors import MeshplanError
+from meshplan.spec.cluster import ClusterSpec, PooledCluster
+from meshplan.spec.graph import LayerGraph
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+
+
+@dataclass
+class PoolPart:
+    """What one pool does in a plan, and how long it takes."""
+
+    name: str
+    gpu: str
+    gpus: int
+    """GPUs of the pool the plan uses."""
+    gpus_total: int
+    role: str
+    """e.g. '4 replicas x 16 GPUs, 96 micro-batches each' or 'stages 0-1 (40 layers)'."""
+    step_s: float
+    """The pool's own step (its slowest replica, or its part of the pipeline), before the
+    cross-pool exchange."""
+    idle_s: float = 0.0
+    """Seconds per step the pool waits for the slowest pool (time lost to imbalance)."""
+    busy_fraction: float = 1.0
+    """Share of the step the pool's GPUs compute or communicate for themselves."""
+    peak_memory_gib: float = 0.0
+    usable_memory_gib: float = 0.0
+    fits: bool = True
+    at_risk: bool = False
+    """Fits, but with less headroom than meshplan recommends (cost.uncertainty.verdicts)."""
+    report: CostReport | None = None
+    """The pool's own estimate (its replicas as a plan on that pool), for pool_dp."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pool": self.name, "gpu": self.gpu, "gpus": self.gpus, "gpus_total": self.gpus_total,
+                "role": self.role, "step_s": self.step_s, "idle_s": self.idle_s,
+                "utilisation": self.busy_fraction, "peak_memory_gib": self.peak_memory_gib,
+                "usable_memory_gib": self.usable_memory_gib, "fits": self.fits, "at_risk": self.at_risk}
+
+
+@dataclass
+class PooledEstimate:
+    """The estimate of a plan over pools (or with uneven shares)."""
+
+    plan: Plan
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    """Model FLOPs over the peak of the GPUs used (each at its own peak)."""
+    usd_per_m_tokens: float
+    fits: bool
+    parts: list[PoolPart]
+    cross_pool_s: float = 0.0
+    """The gradient exchange across pools (pool_dp) or the boundary sends' extra (pool_pp)."""
+    cross_pool_gb: float = 0.0
+    """Bytes per GPU across pools per step, GB."""
+    imbalance_s: float = 0.0
+    """GPU-weighted mean of the pools' idle seconds per step: time lost to imbalance."""
+    num_gpus: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_memory_gib(self) -> float:
+        return max(p.peak_memory_gib for p in self.parts)
+
+    @property
+    def at_risk(self) -> bool:
+        return any(p.at_risk for p in self.parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.short(), "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu, "usd_per_m_tokens": self.usd_per_m_tokens, "fits": self.fits,
+                "at_risk": self.at_risk, "num_gpus": self.num_gpus, "cross_pool_s": self.cross_pool_s,
+                "cross_pool_gb": self.cross_pool_gb, "imbalance_s": self.imbalance_s,
+                "pools": [p.to_dict() for p in self.parts], "notes": list(self.notes)}
+
+
+def replica_samples(plan: Plan, global_batch: int) -> list[int]:
+    """Samples per data-parallel replica under plan.dp_shares (whole micro-batches each)."""
+    shares = plan.replica_shares
+    total = sum(shares)
+    out = []
+    for s in shares:
+        n, rem = divmod(global_batch * s, total)
+        if rem or n % plan.micro_batch or n == 0:
+            raise MeshplanError(
+                f"--global-batch {global_batch} does not split as dp_shares={':'.join(map(str, plan.dp_shares or ()))} "
+                f"into whole micro-batches of {plan.micro_batch} per replica",
+                hint=f"each replica's share x {global_batch} / {total} must be a multiple of micro_batch; "
+                     f"e.g. --global-batch {total * plan.micro_batch} or other shares")
+        out.append(n)
+    return out
+
+
+def pool_cluster(pool: ClusterSpec, gpus: int) -> ClusterSpec:
+    """The part of ``pool`` a plan uses: ``gpus`` GPUs on whole nodes (the pool's links)."""
+    per = pool.gpus_per_node
+    if gpus < per:
+        return pool.replace(num_nodes=1, gpus_per_node=gpus)
+    return pool.replace(num_nodes=-(-gpus // per))
+
+
+def _sub_plan(plan: Plan, dp: int) -> Plan:
+    sg = plan.shard_group if 0 < plan.shard_group < dp * plan.cp else 0
+    return plan.replace(dp=dp, dp_shares=None, pools=None, pool_dp=None, pool_pp=None, shard_group=sg)
+
+
+def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan,
+                    work: Workload, params: CostParams = DEFAULT_PARAMS) -> PooledEstimate:
+    """The step of ``plan`` on ``cluster`` with every rank on its own pool's hardware."""
+    from meshplan.cost.step import estimate
+    if isinstance(cluster, PooledCluster):
+        if not plan.pools:
+            raise MeshplanError(f"cluster {cluster.name} has pools ({', '.join(cluster.names)}): the plan must say "
+                                "which it uses", hint=f"add pools=NAME (one pool) or pools={':'.join(cluster.names)}"
+                                                      ",pool_dp=... (replicas per pool)")
+        pools = [cluster.pool(n) for n in plan.pools]
+    else:
+        if plan.multi_pool:
+            raise MeshplanError(f"plan uses pools {':'.join(plan.pools or ())} but the cluster has one GPU type",
+                                hint="give a cluster file with [[pools]], or drop pools/pool_dp/pool_pp")
+        pools = [cluster]
+    if plan.pool_pp is not None and len(pools) > 1:
+        return _estimate_pool_pp(model, cluster, pools, plan, work, params)  # type: ignore[arg-type]
+    per_pool = list(plan.pool_dp) if plan.pool_dp is not None else [plan.dp]
+    samples = replica_samples(plan, work.global_batch)
+    shape = plan.tp * plan.pp * plan.cp
+    parts: list[PoolPart] = []
+    flops_per_sample = 0.0
+    start = 0
+    for pool, n in zip(pools, per_pool):
+        mine = samples[start:start + n]
+        start += n
+        gpus = n * shape
+        if gpus > pool.num_gpus:
+            raise MeshplanError(f"pool {pool.name}: {n} replicas x {shape} GPUs = {gpus} GPUs, but it has "
+                                f"{pool.num_gpus}", hint="fewer replicas on that pool (pool_dp), or a smaller "
+                                                        "tp x pp x cp")
+        sub_c = pool_cluster(pool, gpus)
+        sub_p = _sub_plan(plan, n)
+        sub_w = Workload(global_batch=max(mine) * n, seq_len=work.seq_len, lengths=work.lengths)
+        r = estimate(model, sub_c, sub_p, sub_w, params)
+        flops_per_sample = max(flops_per_sample, r.tflops_per_gpu * 1e12 * r.step_time_s * r.num_gpus
+                               / sub_w.global_batch)
+        m_max, m_mean = max(mine) // plan.micro_batch, sum(mine) / n / plan.micro_batch
+        each = f"{m_max} micro-batches each" if min(mine) == max(mine) else \
+            f"{min(mine) // plan.micro_batch}-{m_max} micro-batches each"
+        role = f"{n} replica{'s' * (n > 1)} x {shape} GPUs, {each} ({sum(mine)} of {work.global_batch} samples)"
+        parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=gpus, gpus_total=pool.num_gpus, role=role,
+                              step_s=r.step_time_s, busy_fraction=m_mean / max(1, m_max),
+                              peak_memory_gib=r.peak_memory_gib, usable_memory_gib=r.usable_memory_gib,
+                              fits=r.fits, at_risk=r.at_risk, report=r))
+    cross_s, cross_gb = 0.0, 0.0
+    if len(pools) > 1:
+        cross_s, cross_gb = _cross_pool_sync(model, cluster, plan, per_pool, params)  # type: ignore[arg-type]
+    slowest = max(p.step_s for p in parts)
+    step = slowest + cross_s
+    for p in parts:
+        p.idle_s = slowest - p.step_s
+        p.busy_fraction = (p.step_s * p.busy_fraction + cross_s) / step
+    return _finish(plan, work, pools, parts, step, flops_per_sample * work.global_batch, cross_s, cross_gb)
+
+
+def _finish(plan: Plan, work: Workload, pools: list[ClusterSpec], parts: list[PoolPart], step: float,
+            model_flops: float, cross_s: float, cross_gb: float) -> PooledEstimate:
+    gpus = sum(p.gpus for p in parts)
+    peak = sum(p.gpus * pool.gpu.peak(plan.precision if plan.precision != "fp8" else "bf16")
+               for p, pool in zip(parts, pools))
+    usd = sum(p.gpus * pool.price_per_hour for p, pool in zip(parts, pools)) * step / 3600
+    imbalance = sum(p.gpus * p.idle_s for p in parts) / max(1, gpus)
+    return PooledEstimate(plan=plan, step_time_s=step, tokens_per_s=work.tokens / step,
+                          mfu=model_flops / step / peak if peak else 0.0,
+                          usd_per_m_tokens=usd / work.tokens * 1e6, fits=all(p.fits for p in parts),
+                          parts=parts, cross_pool_s=cross_s, cross_pool_gb=cross_gb, imbalance_s=imbalance,
+                          num_gpus=gpus)
+
+
+def _cross_pool_sync(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, per_pool: list[int],
+                     params: CostParams) -> tuple[float, float]:
+    """(seconds, GB per GPU) of the all-reduce of every GPU's gradient shard across the pools:
+    a ring over len(per_pool) members on inter_pool, each GPU its own lane. A GPU of pool i holds
+    1/(tp x pp) of the model, sharded over that pool's pool_dp[i] x cp replicas; the pool with the
+    fewest replicas holds the largest shard and sets the time."""
+    from meshplan.cost.parts import plans_to_columns
+    from meshplan.cost.sync import reduce_bytes
+    from meshplan.spec.graph import as_graph
+    n_params = as_graph(model, 1).num_params() if isinstance(model, ModelSpec) else model.num_params()
+    rb = float(reduce_bytes(plans_to_columns([plan]), params)[0])
+    shard_bytes = n_params * rb / (plan.tp * plan.pp * plan.cp * min(per_pool))
+    k = len(per_pool)
+    link = cluster.inter_pool
+    t = 2 * (k - 1) / k * shard_bytes / link.bytes_per_s + 2 * (k - 1) * link.latency_us * 1e-6
+    return t, 2 * (k - 1) / k * shard_bytes / 1e9
+
+
+def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
+                      work: Workload, params: CostParams) -> PooledEstimate:
+    """Pipeline stages on several pools: see the module docstring."""
+    assert plan.pool_pp is not None
+    per_stage = plan.dp * plan.cp * plan.tp
+    owner: list[int] = []
+    for i, (pool, k) in enumerate(zip(pools, plan.pool_pp)):
+        if k * per_stage > pool.num_gpus:
+            raise MeshplanError(f"pool {pool.name}: {k} stages x {per_stage} GPUs = {k * per_stage} GPUs, but it "
+                                f"has {pool.num_gpus}", hint="fewer stages on that pool (pool_pp), or a smaller "
+                                                            "dp x cp x tp")
+        owner += [i] * k
+    sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
+    big = [pool_cluster(pool, plan.num_gpus) for pool in pools]  # every rank as if of that pool's GPU
+    if plan.virtual_stages > 1 or plan.schedule == "zbv":
+        raise MeshplanError("pool_pp: pipelines over pools take one stage per rank (virtual_stages=1, not zbv)",
+                            hint="drop virtual_stages / schedule=zbv, or place replicas with pool_dp")
+    res, rank = estimate_pool_pipeline(model, big, owner, cluster.inter_pool, work, sub, params)
+    step = float(res["step_time_s"][0])
+    parts = []
+    layers = plan.stage_layers
+    for i, pool in enumerate(pools):
+        ranks = [r for r, o in enumerate(owner) if o == i]
+        busy = max(rank["busy_s"][r] for r in ranks)
+        mem = max(rank["memory_gib"][r] for r in ranks)
+        span = f"stage {ranks[0]}" if len(ranks) == 1 else f"stages {ranks[0]}-{ranks[-1]}"
+        nl = f" ({sum(layers[r] for r in ranks)} layers)" if layers else ""
+        usable = rank["usable_gib"][i]
+        fits, risk, _ = verdicts(np.asarray([mem]), usable, params)
+        parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=len(ranks) * per_stage,
+                              gpus_total=pool.num_gpus, role=f"{span}{nl}, {per_stage} GPUs each",
+                              step_s=busy, busy_fraction=busy / step, peak_memory_gib=mem,
+                              usable_memory_gib=usable, fits=bool(fits[0]), at_risk=bool(risk[0])))
+    slowest = max(p.step_s for p in parts)
+    for p in parts:
+        p.idle_s = slowest - p.step_s
+    est = _finish(plan, work, pools, parts, step, float(res["model_flops"][0]), float(rank["cross_send_s"]),
+                  float(rank["cross_send_gb"]))
+    est.notes.append("pipeline over pools: each stage is timed on its own pool's GPU; the send between the "
+                     "pools' boundary stages crosses inter_pool")
+    return est
+
+
+def splice_owner(owner: list[int], width: int) -> np.ndarray:
+    """(ranks,) pool index per pipeline rank (ranks beyond the plan's pp: the last pool)."""
+    out = np.full(width, owner[-1])
+    out[:len(owner)] = owner
+    return out
+
+
+def _splice(arrays: list[np.ndarray], own: np.ndarray) -> np.ndarray:
+    """Column r (axis 1) of arrays[own[r]]: per-rank terms, each from its rank's pool."""
+    out = np.array(arrays[0], copy=True)
+    for i, x in enumerate(arrays):
+        sel = own == i
+        out[:, sel] = np.asarray(x)[:, sel]
+    return out
+
+
+PER_RANK = ("fwd", "b_in", "b_w", "fwd_x", "bin_x", "bw_x", "tp_f", "tp_b", "tp_f_ovl", "tp_b_ovl", "dp_f", "dp_b",
+            "dp_f_ovl", "dp_b_ovl", "p2p", "totals")
+"""Assembly fields of shape (rows, ranks) that depend on the hardware: taken per rank's pool."""
+
+
+def estimate_pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], owner: list[int],
+                           link: Any, work: Workload, plan: Plan,
+                           params: CostParams) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """cost.batch's estimate of a pipeline whose rank r runs on clusters[owner[r]]: the plan is
+    assembled once per pool, each rank's per-micro-batch terms and end-of-step work are taken
+    from its own pool's assembly, and the sends between two pools' boundary stages are priced
+    on ``link`` (inter_pool). Returns (the estimate_batch row, per-rank facts)."""
+    import dataclasses
+
+    from meshplan.cost import batch as _b
+    from meshplan.cost.layer import act_scale
+    from meshplan.cost.parts import optimizer_seconds, plans_to_columns
+    from meshplan.spec.graph import as_graph
+    p = params
+    graph = as_graph(model, work.seq_len)
+    cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in plans_to_columns([plan]).items()}
+    asm = [_b.assemble(graph, c, work, cols, p) for c in clusters]
+    width = asm[0].valid.shape[1]
+    own = splice_owner(owner, width)
+    fields = {f: _splice([getattr(x, f) for x in asm], own) for f in PER_RANK}
+    terms = {k: _splice([x.terms[k] for x in asm], own) for k in asm[0].terms}
+    # the sends that cross from one pool to the next: rank b's activations forward, rank b+1's
+    # gradients backward (one each per micro-batch; virtual_stages = 1)
+    tp = plan.tp if plan.p2p_sharded else 1
+    nbytes = float(asm[0].tokens[0]) * float(act_scale(np.asarray([plan.precision]))[0]) * asm[0].lay.send / tp
+    cross = nbytes / link.bytes_per_s + link.latency_us * 1e-6
+    extra = max(0.0, cross - float(asm[0].send[0])) * p.pp_p2p_exposed
+    n_cross = 0
+    for b in range(len(owner) - 1):
+        if owner[b] != owner[b + 1]:
+            n_cross += 1
+            for r in (b, b + 1):
+                fields["p2p"][:, r] += extra
+                fields["totals"][:, r] += extra
+                terms["pp_comm"][:, r] += extra
+    crit = int(np.argmax(fields["totals"][0]))
+    base = asm[own[crit]]  # per-layer quantities (bubble shape, staged FSDP) of the critical rank's pool
+    a = dataclasses.replace(base, terms=terms, **fields)
+    ends = [_b.end_of_step(x, c, p) for x, c in zip(asm, clusters)]
+    offo = np.asarray(cols["offload_optimizer"], dtype=bool)
+    opts = [optimizer_seconds(c, x.plocal, cols["zero"], x.shard, offo, p) for x, c in zip(asm, clusters)]
+    rank_ends = (_splice([e[0] for e in ends], own), _splice([e[1] for e in ends], own), _splice(opts, own))
+    res = _b.estimate_assembly(a, clusters[own[crit]], work, p, rank_ends=rank_ends)
+    # model FLOPs: hardware-independent (the same in every pool's assembly)
+    res["model_flops"] = res["tflops_per_gpu"] * 1e12 * res["step_time_s"] * res["num_gpus"]
+    mem = _b.memory_parts(a, p)
+    total_mem = np.sum([mem[k] for k in _b.MEMORY_KEYS], axis=0)[0] / 2**30
+    micro = float(a.micro[0])
+    busy = [micro * float(fields["totals"][0, r]) + float(rank_ends[0][0, r] + rank_ends[2][0, r])
+            for r in range(len(owner))]
+    from meshplan.cost.memory import usable_gib
+    rank = {"busy_s": busy, "memory_gib": [float(x) for x in total_mem[:len(owner)]],
+            "usable_gib": [usable_gib(c, p) for c in clusters],
+            "cross_send_s": n_cross * 2 * extra * micro, "cross_send_gb": n_cross * 2 * nbytes * micro / 1e9 / 2}
+    return res, rank

@@ -1,0 +1,356 @@
+"""Search over a cluster of several GPU pools (spec.cluster.PooledCluster).
+
+Three kinds of plan compete, every one priced by cost.pools (each rank on its own hardware):
+
+1. **One pool alone** (the others left out): the ordinary search on that pool.
+2. **Replicas on every pool** (``pool_dp``): a replica shape (tp, pp, cp, ZeRO, micro-batch,
+   recompute, ...) taken from the best plans of the single-pool searches, as many replicas as
+   each pool holds, and the global batch's micro-batches dealt to the pools in proportion to
+   their speed (``dp_shares``): each pool's step is fitted as a + b x (micro-batches per
+   replica) from two cost-model evaluations, the integer split that minimises the slowest
+   pool's step is found exactly, and the plan is then priced in full.
+3. **Pipeline stages on every pool** (``pool_pp``): a stage shape (dp, cp, tp, ...) from the
+   same shortlist, as many stages as each pool holds, and the layers split so that every stage
+   takes about as long on its own GPU (in proportion to each pool's measured time per layer),
+   then moved one at a time from the slowest stage while that helps and memory allows.
+
+The result ranks them together and says what each pool does, and why the winner wins: against
+the best plan on each pool alone, with the numbers.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.pools import PooledEstimate, estimate_pooled
+from meshplan.errors import MeshplanError
+from meshplan.spec.cluster import PooledCluster
+from meshplan.spec.graph import LayerGraph, as_graph
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+
+KINDS = {"replicas on pools": "pool_dp", "stages on pools": "pool_pp"}
+"""The kinds of plan over several pools, by the Plan field that places them."""
+SHORTLIST = 12
+"""Replica / stage shapes tried per pool (the best distinct shapes of its own search)."""
+
+
+@dataclass
+class PooledResult:
+    cluster: PooledCluster
+    work: Workload
+    objective: str
+    plans: list[PooledEstimate]
+    """Fitting plans of every kind, best first."""
+    alone: dict[str, PooledEstimate | None]
+    """The best plan on each pool alone (None: nothing fits there)."""
+    considered: int = 0
+    search_time_s: float = 0.0
+    explanation: list[str] = field(default_factory=list)
+    best_multi: PooledEstimate | None = None
+    """The best plan that uses more than one pool (whether or not it wins)."""
+    best_by_kind: dict[str, PooledEstimate | None] = field(default_factory=dict)
+    """The best fitting plan of each kind: 'replicas on pools' (pool_dp), 'stages on pools' (pool_pp)."""
+
+    @property
+    def best(self) -> PooledEstimate | None:
+        return self.plans[0] if self.plans else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cluster": self.cluster.name, "pools": [p.name for p in self.cluster.pools],
+                "objective": self.objective, "considered": self.considered, "search_time_s": self.search_time_s,
+                "best": self.best.to_dict() if self.best else None,
+                "best_multi_pool": self.best_multi.to_dict() if self.best_multi else None,
+                "alone": {k: (v.to_dict() if v else None) for k, v in self.alone.items()},
+                "best_by_kind": {k: (v.to_dict() if v else None) for k, v in self.best_by_kind.items()},
+                "plans": [p.to_dict() for p in self.plans], "explanation": list(self.explanation)}
+
+
+def _key(e: PooledEstimate, objective: str) -> tuple:
+    first = e.usd_per_m_tokens if objective == "cost" else e.step_time_s
+    return (first, e.num_gpus, e.plan.short())
+
+
+def search_pools(model: LayerGraph | ModelSpec, cluster: PooledCluster, work: Workload, space: Any = None, *,
+                 params: CostParams = DEFAULT_PARAMS, objective: str = "time", top: int = 10) -> PooledResult:
+    """Rank plans over ``cluster``'s pools (see the module docstring)."""
+    from meshplan.search.driver import search
+    t0 = time.perf_counter()
+    graph = as_graph(model, work.seq_len)
+    alone: dict[str, PooledEstimate | None] = {}
+    shapes: list[Plan] = []
+    considered = 0
+    for pool in cluster.pools:
+        res = search(graph, pool, work, space, params=params, objective=objective, top=SHORTLIST * 4)
+        considered += res.considered
+        best = None
+        for rp in res.plans:
+            if rp.export_only is not None:
+                continue
+            if best is None:
+                best = estimate_pooled(graph, cluster, rp.plan.replace(pools=(pool.name,)), work, params)
+            shapes.append(rp.plan)
+        alone[pool.name] = best
+    shapes = _distinct(shapes)
+    headroom = getattr(space, "headroom", True)
+    cands: list[PooledEstimate] = [e for e in alone.values() if e is not None]
+    multi: list[PooledEstimate] = []
+    for shape in shapes:
+        for build in (_replicas_on_pools, _stages_on_pools):
+            try:
+                e = build(graph, cluster, shape, work, params)
+            except MeshplanError:
+                continue
+            considered += 1
+            if e is not None and e.fits and not (headroom and e.at_risk):
+                multi.append(e)
+    multi = _dedupe(sorted(multi, key=lambda e: _key(e, objective)))
+    ranked = sorted(cands + multi, key=lambda e: _key(e, objective))
+    out = PooledResult(cluster=cluster, work=work, objective=objective, plans=ranked[:top], alone=alone,
+                       considered=considered, best_multi=multi[0] if multi else None)
+    for kind, field_ in KINDS.items():
+        out.best_by_kind[kind] = next((e for e in multi if getattr(e.plan, field_) is not None), None)
+    out.explanation = explain(out)
+    out.search_time_s = time.perf_counter() - t0
+    return out
+
+
+def _distinct(plans: list[Plan]) -> list[Plan]:
+    """Shapes without their dp (a shape is what a replica or a stage is), first come first kept."""
+    seen, out = set(), []
+    for p in plans:
+        k = p.replace(dp=1, shard_group=0, stage_layers=None, pp=1 if p.pp == 1 else p.pp).short()
+        if k not in seen:
+            seen.add(k)
+            out.append(p)
+        if len(out) >= SHORTLIST * 2:
+            break
+    return out
+
+
+def _dedupe(es: list[PooledEstimate]) -> list[PooledEstimate]:
+    seen, out = set(), []
+    for e in es:
+        k = e.plan.short()
+        if k not in seen:
+            seen.add(k)
+            out.append(e)
+    return out
+
+
+def compress_shares(shares: list[int]) -> tuple[int, ...]:
+    """The shortest dp_shares that expands to ``shares`` (equal blocks), divided by their gcd."""
+    g = math.gcd(*shares)
+    s = [x // g for x in shares]
+    n = len(s)
+    for k in range(1, n + 1):
+        if n % k:
+            continue
+        b = n // k
+        if all(s[i] == s[(i // b) * b] for i in range(n)):
+            return tuple(s[j * b] for j in range(k))
+    return tuple(s)
+
+
+def _replicas_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, work: Workload,
+                       params: CostParams) -> PooledEstimate | None:
+    """Every pool gets as many replicas of ``shape`` as it holds; micro-batches split by speed."""
+    per = shape.tp * shape.pp * shape.cp
+    pools = [p for p in cluster.pools if p.num_gpus // per >= 1]
+    if len(pools) < 2:
+        return None
+    n = [p.num_gpus // per for p in pools]
+    mb = shape.micro_batch
+    if work.global_batch % mb:
+        return None
+    M = work.global_batch // mb  # micro-batches in the step, all replicas together
+    if sum(n) > M:
+        return None
+    base = shape.replace(dp=sum(n), pools=tuple(p.name for p in pools), pool_dp=tuple(n), dp_shares=None,
+                         shard_group=0 if shape.shard_group else 0)
+    # each pool's step as a + b m (m micro-batches per replica), from two evaluations
+    lines = []
+    for i, pool in enumerate(pools):
+        lo, hi = 1, max(2, M // sum(n))
+        ts = []
+        for m in (lo, hi):
+            one = base.replace(pools=(pool.name,), pool_dp=None, dp=n[i])
+            w = Workload(global_batch=n[i] * m * mb, seq_len=work.seq_len, lengths=work.lengths)
+            ts.append(estimate_pooled(graph, cluster, one, w, params).step_time_s)
+        b = (ts[1] - ts[0]) / (hi - lo)
+        lines.append((ts[0] - b * lo, b))
+    split = _best_split(n, M, lines)
+    if split is None:
+        return None
+    shares = [m for m, k in zip(split, n) for _ in range(k)]
+    plan = base.replace(dp_shares=compress_shares(shares))
+    return estimate_pooled(graph, cluster, plan, work, params)
+
+
+def _best_split(n: list[int], M: int, lines: list[tuple[float, float]]) -> list[int] | None:
+    """Micro-batches per replica m_i >= 1 with sum n_i m_i = M minimising max_i a_i + b_i m_i
+    (exact for two pools, by enumeration; three: nested; more: None)."""
+    best, arg = math.inf, None
+    if len(n) == 2:
+        for m0 in range(1, M // n[0] + 1):
+            rest = M - n[0] * m0
+            if rest < n[1] or rest % n[1]:
+                continue
+            m1 = rest // n[1]
+            t = max(lines[0][0] + lines[0][1] * m0, lines[1][0] + lines[1][1] * m1)
+            if t < best:
+                best, arg = t, [m0, m1]
+    elif len(n) == 3:
+        for m0 in range(1, M // n[0] + 1):
+            for m1 in range(1, (M - n[0] * m0) // n[1] + 1):
+                rest = M - n[0] * m0 - n[1] * m1
+                if rest < n[2] or rest % n[2]:
+                    continue
+                m2 = rest // n[2]
+                t = max(a + b * m for (a, b), m in zip(lines, (m0, m1, m2)))
+                if t < best:
+                    best, arg = t, [m0, m1, m2]
+    return arg
+
+
+def _stages_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, work: Workload,
+                     params: CostParams) -> PooledEstimate | None:
+    """Every pool gets as many stages of ``shape``'s dp x cp x tp as it holds; layers by speed."""
+    if shape.virtual_stages > 1 or shape.schedule in ("zbv", "interleaved-1f1b"):
+        shape = shape.replace(virtual_stages=1, schedule="1f1b")
+    g = shape.dp * shape.cp * shape.tp
+    pools = [p for p in cluster.pools if p.num_gpus // g >= 1]
+    if len(pools) < 2:
+        return None
+    layers = graph.num_blocks if hasattr(graph, "num_blocks") else None
+    if not layers:
+        from meshplan.spec.capabilities import capabilities
+        layers = capabilities(graph).blocks
+    k = [min(p.num_gpus // g, max(1, layers // len(pools))) for p in pools]
+    pp = sum(k)
+    if pp > layers or pp < 2:
+        return None
+    plan = shape.replace(pp=pp, dp_shares=None, pools=tuple(p.name for p in pools), pool_dp=None,
+                         pool_pp=tuple(k), stage_layers=None)
+    # time per layer on each pool, from an even split
+    even = _even(layers, pp)
+    e = estimate_pooled(graph, cluster, plan.replace(stage_layers=even), work, params)
+    owner = [i for i, c in enumerate(k) for _ in range(c)]
+    speed = []
+    for i in range(len(pools)):
+        ranks = [r for r, o in enumerate(owner) if o == i]
+        speed.append(sum(1.0 / max(1e-12, e.parts[i].step_s / max(1, even[r])) for r in ranks) / len(ranks))
+    want = [speed[o] for o in owner]
+    split = _apportion(layers, want)
+    best = estimate_pooled(graph, cluster, plan.replace(stage_layers=tuple(split)), work, params)
+    for _ in range(layers):  # memory: move layers from the fullest pool's stages to the one with most room
+        if best.fits and not best.at_risk:
+            break
+        fill = [p.peak_memory_gib / p.usable_memory_gib for p in best.parts]
+        full, room = fill.index(max(fill)), fill.index(min(fill))
+        s = list(best.plan.stage_layers or split)
+        src = max((r for r, o in enumerate(owner) if o == full), key=lambda r: s[r])
+        dst = min((r for r, o in enumerate(owner) if o == room), key=lambda r: s[r])
+        if full == room or s[src] <= 1:
+            break
+        s[src] -= 1
+        s[dst] += 1
+        best = estimate_pooled(graph, cluster, plan.replace(stage_layers=tuple(s)), work, params)
+    for _ in range(2 * pp):  # move a layer off the slowest stage while it helps (and fits)
+        slow = max(range(len(best.parts)), key=lambda i: best.parts[i].step_s)
+        fast = min(range(len(best.parts)), key=lambda i: best.parts[i].step_s)
+        if slow == fast:
+            break
+        s = list(best.plan.stage_layers or split)
+        src = max((r for r, o in enumerate(owner) if o == slow), key=lambda r: s[r])
+        dst = min((r for r, o in enumerate(owner) if o == fast), key=lambda r: s[r])
+        if s[src] <= 1:
+            break
+        s[src] -= 1
+        s[dst] += 1
+        trial = estimate_pooled(graph, cluster, plan.replace(stage_layers=tuple(s)), work, params)
+        if trial.step_time_s >= best.step_time_s or not trial.fits or (trial.at_risk and not best.at_risk):
+            break
+        best = trial
+    if not best.fits:
+        return None
+    return best
+
+
+def _even(layers: int, pp: int) -> tuple[int, ...]:
+    q, r = divmod(layers, pp)
+    return tuple(q + (i < r) for i in range(pp))
+
+
+def _apportion(total: int, weights: list[float]) -> list[int]:
+    """Whole layers >= 1 per stage in proportion to weights (largest remainder)."""
+    s = sum(weights)
+    raw = [total * w / s for w in weights]
+    out = [max(1, int(x)) for x in raw]
+    while sum(out) > total:
+        i = max(range(len(out)), key=lambda j: out[j] - raw[j])
+        out[i] -= 1
+    while sum(out) < total:
+        i = max(range(len(out)), key=lambda j: raw[j] - out[j])
+        out[i] += 1
+    return out
+
+
+def _fmt(e: PooledEstimate) -> str:
+    return f"{e.step_time_s:.2f} s per step ({e.plan.short()})"
+
+
+def explain(r: PooledResult) -> list[str]:
+    """What each pool does in the winner, and why it wins, with the numbers."""
+    lines: list[str] = []
+    best = r.best
+    if best is None:
+        lines.append("no plan fits on any pool, alone or together")
+        return lines
+    used = best.plan.pools or ()
+    alone = {k: v for k, v in r.alone.items() if v is not None}
+    fastest_alone = min(alone.values(), key=lambda e: e.step_time_s) if alone else None
+    if len(used) > 1:
+        lines.append(f"uses {len(used)} pools ({', '.join(used)}): {best.step_time_s:.2f} s per step")
+        for p in best.parts:
+            lines.append(f"  {p.name} ({p.gpus} of {p.gpus_total} {p.gpu}): {p.role}; its own part {p.step_s:.2f} s, "
+                         f"waits {p.idle_s:.2f} s for the slowest pool, {100 * p.busy_fraction:.0f}% busy, "
+                         f"{p.peak_memory_gib:.1f} of {p.usable_memory_gib:.1f} GiB")
+        if best.plan.pool_dp is not None and best.plan.dp_shares is not None:
+            shares = ":".join(map(str, best.plan.dp_shares))
+            lines.append(f"  the micro-batches are dealt by speed (dp_shares={shares}), so that the pools finish "
+                         "together; the rest of the gap is whole micro-batches")
+        if best.plan.pool_pp is not None:
+            lines.append(f"  stage_layers={':'.join(map(str, best.plan.stage_layers or ()))}: more layers on the "
+                         "faster pool's stages, so that every stage takes about as long")
+        lines.append(f"  across pools: {best.cross_pool_s:.3f} s per step ({best.cross_pool_gb:.2f} GB per GPU over "
+                     f"inter_pool at {r.cluster.inter_pool.bandwidth_gbps:g} GB/s); time lost to imbalance "
+                     f"{best.imbalance_s:.2f} s per step (GPU-weighted)")
+        for name, e in alone.items():
+            gain = 100 * (1 - best.step_time_s / e.step_time_s)
+            lines.append(f"  vs {name} alone ({e.num_gpus} GPUs): {_fmt(e)}: the pools together are "
+                         f"{gain:.0f}% {'faster' if gain >= 0 else 'slower'}")
+    else:
+        lines.append(f"uses pool {used[0] if used else '?'} alone: {_fmt(best)}")
+        m = r.best_multi
+        if m is None:
+            lines.append("  no plan over several pools fits (each pool's replicas or stages must fit in its "
+                         "own GPUs' memory)")
+        else:
+            lines.append(f"  the best plan over several pools is slower: {_fmt(m)} (across pools "
+                         f"{m.cross_pool_s:.3f} s, imbalance {m.imbalance_s:.2f} s per step, slowest pool "
+                         f"{max(p.step_s for p in m.parts):.2f} s)")
+            for p in m.parts:
+                lines.append(f"    {p.name}: {p.role}, {p.step_s:.2f} s")
+    for kind, e in r.best_by_kind.items():
+        if e is None:
+            lines.append(f"  {kind}: no plan fits with memory headroom")
+        elif e is not best:
+            slow = max(e.parts, key=lambda p: p.step_s)
+            lines.append(f"  best with {kind}: {_fmt(e)}: {e.step_time_s - best.step_time_s:+.2f} s; its slowest "
+                         f"pool ({slow.name}: {slow.role}) takes {slow.step_s:.2f} s, across pools "
+                         f"{e.cross_pool_s:.3f} s, imbalance {e.imbalance_s:.2f} s")
+    return lines
