@@ -132,3 +132,41 @@ def estimate_text(e: Any, pc: Any) -> str:
     lines.append(f"imbalance    {e.imbalance_s:.3f} s per step lost waiting for the slowest pool (GPU-weighted)")
     lines += [f"note         {n}" for n in e.notes]
     return "\n".join(lines)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """`meshplan simulate --cluster POOLS.toml --plan ...,pools=...`: every pool's ranks on its own GPU."""
+    from meshplan.cli.format import json_text, seconds, slow_step
+    from meshplan.sim import write_plot, write_trace
+    from meshplan.sim.pools import simulate_pooled
+    from meshplan.spec.io import load_plan
+    model, pc, work, cost = load(args)
+    plan = load_plan(args.plan)
+    with slow_step("simulating the step"):
+        sim = simulate_pooled(model, pc, plan, work, cost.params)
+    res = sim.result
+    if args.trace:
+        write_trace(res, args.trace)
+    if args.plot:
+        write_plot(res, args.plot, title=f"{model.name} on {pc.name}: {plan.short()}")
+    summary = {"model": model.name, "cluster": pc.name, "plan": plan.short(), "global_batch": work.global_batch,
+               "seq_len": work.seq_len} | sim.summary() | cost.to_json()
+    if getattr(args, "json", False):
+        print(json_text(summary))
+        return 0
+    print(f"simulated step: {seconds(sim.step_time_s)}   analytical estimate: {seconds(sim.analytic_step_time_s)} "
+          f"({summary['sim_vs_analytic_pct']:+.2f}%); across pools {seconds(sim.cross_pool_s)}; time lost to "
+          f"imbalance {seconds(summary['imbalance_s'])} per step (GPU-weighted)")
+    print(f"{'pool':<8} {'gpu':<16} {'ranks':<10} {'compute busy':>13} {'utilisation':>12} {'waits':>10}")
+    for p in summary["pools"]:
+        rk = f"{p['ranks'][0]}-{p['ranks'][-1]}" if len(p["ranks"]) > 1 else str(p["ranks"][0])
+        print(f"{p['pool']:<8} {p['gpu']:<16} {rk:<10} {seconds(p['busy_s']):>13} {100 * p['utilisation']:>11.0f}% "
+              f"{seconds(p['idle_s']):>10}")
+    for n in sim.notes:
+        print(f"note: {n}")
+    print("note: the pools' GPU types are emulated by per-rank durations from the cost model; `meshplan train` "
+          "on CPU runs every rank at the same speed")
+    for label, path in (("trace", args.trace), ("plot", args.plot)):
+        if path:
+            print(f"{label}: {path}")
+    return 0

@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.sim.output import check_plot_path
     if args.plot:
         check_plot_path(args.plot)  # before any work: the format can be written (matplotlib if not .svg)
+    from meshplan.cli import pools_cmd
+    if pools_cmd.is_pooled(getattr(args, "cluster", None)):
+        return pools_cmd.run_simulate(args)
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     from meshplan.cli.costing import costing
     from meshplan.cli.model_arg import as_problem

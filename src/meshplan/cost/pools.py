@@ -303,7 +303,6 @@ def estimate_pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[Cluster
     import dataclasses
 
     from meshplan.cost import batch as _b
-    from meshplan.cost.layer import act_scale
     from meshplan.cost.parts import optimizer_seconds, plans_to_columns
     from meshplan.spec.graph import as_graph
     p = params
@@ -316,10 +315,7 @@ def estimate_pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[Cluster
     terms = {k: _splice([x.terms[k] for x in asm], own) for k in asm[0].terms}
     # the sends that cross from one pool to the next: rank b's activations forward, rank b+1's
     # gradients backward (one each per micro-batch; virtual_stages = 1)
-    tp = plan.tp if plan.p2p_sharded else 1
-    nbytes = float(asm[0].tokens[0]) * float(act_scale(np.asarray([plan.precision]))[0]) * asm[0].lay.send / tp
-    cross = nbytes / link.bytes_per_s + link.latency_us * 1e-6
-    extra = max(0.0, cross - float(asm[0].send[0])) * p.pp_p2p_exposed
+    nbytes, extra = _cross_send(asm[0], plan, link, p)
     n_cross = 0
     for b in range(len(owner) - 1):
         if owner[b] != owner[b + 1]:
@@ -348,3 +344,55 @@ def estimate_pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[Cluster
             "usable_gib": [usable_gib(c, p) for c in clusters],
             "cross_send_s": n_cross * 2 * extra * micro, "cross_send_gb": n_cross * 2 * nbytes * micro / 1e9 / 2}
     return res, rank
+
+
+def single_type_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                       params: CostParams = DEFAULT_PARAMS) -> CostReport:
+    """cost.step.estimate of a plan with dp_shares or pools on a cluster of one GPU type: a plan
+    over several pools needs a pooled cluster; pools naming one pool is placement only; uneven
+    shares are priced at the replica with the most micro-batches (the others wait for it),
+    with throughput and MFU counted on the whole global batch."""
+    import dataclasses
+
+    from meshplan.cost.step import estimate
+    if plan.multi_pool:
+        raise MeshplanError(f"plan uses pools {':'.join(plan.pools or ())} but cluster {cluster.name} has one GPU "
+                            "type", hint="give a cluster file with [[pools]] (docs/heterogeneous-hardware.md), "
+                                         "or drop pools/pool_dp/pool_pp")
+    if plan.pools is not None and cluster.name not in plan.pools and not plan.pools[0]:
+        raise MeshplanError("plan: pools names no pool")
+    plain = plan.replace(pools=None, pool_dp=None, pool_pp=None, dp_shares=None)
+    if plan.dp_shares is None or len(set(plan.replica_shares)) == 1:
+        return estimate(model, cluster, plain, work, params)
+    samples = replica_samples(plan, work.global_batch)
+    sub = Workload(global_batch=max(samples) * plan.dp, seq_len=work.seq_len, lengths=work.lengths)
+    r = estimate(model, cluster, plain, sub, params)
+    k = work.global_batch / sub.global_batch
+    waits = (max(samples) - min(samples)) // plan.micro_batch
+    note = (f"uneven dp_shares: the replica with the most micro-batches ({max(samples) // plan.micro_batch}) sets "
+            f"the step; the one with the fewest idles for {waits} micro-batches' time")
+    return dataclasses.replace(r, tokens_per_s=work.tokens / r.step_time_s, tflops_per_gpu=r.tflops_per_gpu * k,
+                               mfu=r.mfu * k, hfu=r.hfu * k, microbatches=max(samples) // plan.micro_batch,
+                               notes=[*r.notes, note])
+
+
+def _cross_send(a: Any, plan: Plan, link: Any, p: CostParams) -> tuple[float, float]:
+    """(bytes of one pipeline send, extra exposed seconds when it crosses ``link`` instead of the
+    pool's own network) for assembly ``a``'s one row."""
+    from meshplan.cost.layer import act_scale
+    tp = plan.tp if plan.p2p_sharded else 1
+    nbytes = float(a.tokens[0]) * float(act_scale(np.asarray([plan.precision]))[0]) * a.lay.send / tp
+    cross = nbytes / link.bytes_per_s + link.latency_us * 1e-6
+    return nbytes, max(0.0, cross - float(a.send[0])) * p.pp_p2p_exposed
+
+
+def pool_pipeline_cross(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
+                        params: CostParams, send_s: float) -> float:
+    """Extra exposed seconds of one send between two pools' boundary stages (for the simulator)."""
+    from meshplan.cost import batch as _b
+    from meshplan.cost.parts import plans_to_columns
+    from meshplan.spec.graph import as_graph
+    first = cluster.pool(plan.pools[0]) if plan.pools else cluster.pools[0]
+    cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in plans_to_columns([plan]).items()}
+    a = _b.assemble(as_graph(model, work.seq_len), pool_cluster(first, plan.num_gpus), work, cols, params)
+    return _cross_send(a, plan, cluster.inter_pool, params)[1]

@@ -28,6 +28,9 @@ def check(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload) ->
 def estimate(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
              params: CostParams = DEFAULT_PARAMS) -> CostReport:
     """Predict step time, throughput and peak memory per GPU of ``plan``."""
+    if plan.pools is not None or plan.dp_shares is not None:  # placement on pools, uneven shares: cost.pools
+        from meshplan.cost.pools import single_type_report
+        return single_type_report(model, cluster, plan, work, params)
     check(model, cluster, plan, work)
     r = estimate_batch(model, cluster, work, [plan], params)
     return report_from_row(model, cluster, r, 0, params)

@@ -1,0 +1,143 @@
+"""Simulating a plan over several GPU pools (cost.pools): every rank on its own pool's hardware.
+
+- pool_dp: each pool's replicas are simulated as a plan of their own on that pool (the
+  replica with the most micro-batches, which sets the pool's step); the step is the slowest
+  pool's simulated step plus the cross-pool gradient exchange (cost.pools), and every other
+  pool idles for the difference: drawn as a "waits for pool X" event on its ranks.
+- pool_pp: one pipeline whose rank r takes its durations from its own pool's hardware
+  (cost.durations evaluated once per pool, spliced per rank); the sends that cross from one
+  pool to the next carry the extra time of the inter_pool link on the boundary ranks.
+
+On CPU (meshplan train) the pools are only emulated: the GPU types differ in this simulator and
+the cost model, never in the local processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.pools import PooledEstimate, estimate_pooled, pool_cluster, replica_samples
+from meshplan.sim.build import spec_from_durations
+from meshplan.sim.engine import Event, SimResult, simulate
+from meshplan.spec.cluster import ClusterSpec, PooledCluster
+from meshplan.spec.graph import LayerGraph
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+
+
+@dataclass
+class PoolSim:
+    name: str
+    gpu: str
+    result: SimResult
+    """The pool's simulated step (its slowest replica, or the whole pipeline under pool_pp)."""
+    ranks: list[int]
+    """Pipeline ranks of the combined timeline that belong to this pool."""
+    busy_s: float = 0.0
+    """Compute-stream seconds of the pool's busiest rank in the step."""
+    idle_s: float = 0.0
+
+
+@dataclass
+class PooledSimulation:
+    plan: Plan
+    step_time_s: float
+    analytic_step_time_s: float
+    pools: list[PoolSim]
+    result: SimResult
+    """The combined timeline (pools' ranks one after another), for traces and figures."""
+    cross_pool_s: float = 0.0
+    estimate: PooledEstimate | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        t = self.step_time_s
+        return {"step_time_s": t, "analytic_step_time_s": self.analytic_step_time_s,
+                "sim_vs_analytic_pct": 100 * (t / self.analytic_step_time_s - 1), "cross_pool_s": self.cross_pool_s,
+                "pools": [{"pool": p.name, "gpu": p.gpu, "ranks": p.ranks, "busy_s": p.busy_s, "idle_s": p.idle_s,
+                           "utilisation": p.busy_s / t if t else 0.0} for p in self.pools],
+                "imbalance_s": self.estimate.imbalance_s if self.estimate else 0.0, "notes": list(self.notes)}
+
+
+def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
+                    params: CostParams = DEFAULT_PARAMS) -> PooledSimulation:
+    """Simulate one step of a plan over pools (see the module docstring)."""
+    from meshplan.sim import simulate_plan
+    est = estimate_pooled(model, cluster, plan, work, params)
+    pools = [cluster.pool(n) for n in (plan.pools or ())]
+    if plan.pool_pp is not None and len(pools) > 1:
+        return _pipeline(model, cluster, pools, plan, work, params, est)
+    per_pool = list(plan.pool_dp) if plan.pool_dp is not None else [plan.dp]
+    samples = replica_samples(plan, work.global_batch)
+    shape = plan.tp * plan.pp * plan.cp
+    sims, start = [], 0
+    for pool, n in zip(pools, per_pool):
+        mine = samples[start:start + n]
+        start += n
+        sub_p = plan.replace(dp=n, dp_shares=None, pools=None, pool_dp=None, pool_pp=None,
+                             shard_group=plan.shard_group if 0 < plan.shard_group < n * plan.cp else 0)
+        sub_w = Workload(global_batch=max(mine) * n, seq_len=work.seq_len, lengths=work.lengths)
+        res, _ = simulate_plan(model, pool_cluster(pool, n * shape), sub_p, sub_w, params)
+        sims.append((pool, res))
+    slowest = max(r.step_time_s for _, r in sims)
+    step = slowest + est.cross_pool_s
+    events: list[Event] = []
+    memory: list = []
+    wait: list[float] = []
+    out: list[PoolSim] = []
+    offset = 0
+    for pool, res in sims:
+        ranks = list(range(offset, offset + res.pp))
+        for e in res.events:
+            events.append(dataclasses.replace(e, rank=e.rank + offset, args={**e.args, "pool": pool.name}))
+        idle = slowest - res.step_time_s
+        for r in range(res.pp):
+            if idle > 0:
+                events.append(Event(offset + r, "compute", "waits for the slowest pool", res.step_time_s, slowest,
+                                    {"pool": pool.name}))
+            if est.cross_pool_s > 0:
+                events.append(Event(offset + r, "dp", "cross-pool gradient exchange", slowest, step,
+                                    {"pool": pool.name}))
+        memory += res.memory
+        wait += res.wait_s
+        busy = max(res.busy(r, "compute") for r in range(res.pp))
+        out.append(PoolSim(pool.name, pool.gpu.name, res, ranks, busy_s=busy, idle_s=idle))
+        offset += res.pp
+    combined = SimResult(step_time_s=step, events=events, memory=memory, pp=offset, wait_s=wait)
+    return PooledSimulation(plan=plan, step_time_s=step, analytic_step_time_s=est.step_time_s, pools=out,
+                            result=combined, cross_pool_s=est.cross_pool_s, estimate=est,
+                            notes=["one replica per pool is drawn (the one with the most micro-batches); the "
+                                   "pool's other replicas run the same timeline"])
+
+
+def _pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
+              work: Workload, params: CostParams, est: PooledEstimate) -> PooledSimulation:
+    from meshplan.cost.durations import stage_durations
+    from meshplan.cost.pools import pool_pipeline_cross
+    assert plan.pool_pp is not None
+    owner = [i for i, k in enumerate(plan.pool_pp) for _ in range(k)]
+    sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
+    ds = [stage_durations(model, pool_cluster(pool, plan.num_gpus), sub, work, params) for pool in pools]
+    base = ds[0]
+    lists = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if isinstance(getattr(base, f.name), list)}
+    spliced = {k: [getattr(ds[owner[r]], k)[r] for r in range(len(v))] for k, v in lists.items()}
+    extra = pool_pipeline_cross(model, cluster, plan, work, params, ds[0].p2p_send_s)
+    for b in range(len(owner) - 1):
+        if owner[b] != owner[b + 1]:
+            spliced["tp_fwd_exposed_s"][b] += extra
+            spliced["tp_bwd_exposed_s"][b + 1] += extra
+    d = dataclasses.replace(base, **spliced, analytic={"step_time_s": est.step_time_s},
+                            straggler_s=max(x.straggler_s for x in ds))
+    spec = spec_from_durations(d, d.output_static_bytes)
+    res = simulate(spec)
+    res.events = [dataclasses.replace(e, args={**e.args, "pool": pools[owner[e.rank]].name}) for e in res.events]
+    out = []
+    for i, pool in enumerate(pools):
+        ranks = [r for r, o in enumerate(owner) if o == i]
+        busy = max(res.busy(r, "compute") for r in ranks)
+        out.append(PoolSim(pool.name, pool.gpu.name, res, ranks, busy_s=busy,
+                           idle_s=res.step_time_s - busy))
+    return PooledSimulation(plan=plan, step_time_s=res.step_time_s, analytic_step_time_s=est.step_time_s, pools=out,
+                            result=res, cross_pool_s=est.cross_pool_s, estimate=est)
