@@ -170,3 +170,26 @@ def run_simulate(args: argparse.Namespace) -> int:
         if path:
             print(f"{label}: {path}")
     return 0
+
+
+def run_report(args: argparse.Namespace, command: str) -> int:
+    """`meshplan report --cluster POOLS.toml`: the pooled search, its best plan simulated, one page."""
+    from meshplan.cli.plan_cmd import search_space
+    from meshplan.report import write_html
+    from meshplan.report.pools import render_pooled
+    from meshplan.search.pools import search_pools
+    from meshplan.sim.pools import simulate_pooled
+    _refuse(args, "report")
+    model, pc, work, cost = load(args)
+    space = search_space(args, pc.pools[0], model)
+    objective = args.objective if args.objective in ("time", "cost") else "time"
+    res = search_pools(model, pc, work, space, params=cost.params, objective=objective, top=args.top)
+    res.model_name = model.name  # type: ignore[attr-defined]
+    sim = simulate_pooled(model, pc, res.best.plan, work, cost.params) if res.best is not None else None
+    text = render_pooled(res, sim, command)
+    write_html(args.out, text)
+    if res.best is None:
+        print(f"wrote {args.out}: no plan fits on any pool")
+    else:
+        print(f"wrote {args.out}: best plan {res.best.plan.short()}, {res.best.step_time_s:.3f} s per step")
+    return 0

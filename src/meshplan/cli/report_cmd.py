@@ -97,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
         raise MeshplanError(f"--plan {args.plan}: report takes a plan file written by `meshplan plan --out`",
                             hint="the report searches every plan; drop --plan, or give a plan .json")
     command = _command(args)  # as typed (the plan file, not what it records)
+    from meshplan.cli import pools_cmd
+    if pools_cmd.is_pooled(getattr(args, "cluster", None)):
+        return pools_cmd.run_report(args, command)
     args = resolved_args(args, required=("model", "cluster", "global_batch"))  # --plan FILE's problem
     model, clusters, tokens, space, work = problem(args)  # the model as a LayerGraph, any kind
     bar = Progress(sys.stderr) if sys.stderr.isatty() else None
