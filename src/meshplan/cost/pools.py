@@ -342,7 +342,10 @@ def estimate_pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[Cluster
     from meshplan.cost.memory import usable_gib
     rank = {"busy_s": busy, "memory_gib": [float(x) for x in total_mem[:len(owner)]],
             "usable_gib": [usable_gib(c, p) for c in clusters],
-            "cross_send_s": n_cross * 2 * extra * micro, "cross_send_gb": n_cross * 2 * nbytes * micro / 1e9 / 2}
+            # per boundary rank: its sends to the other pool in a step (activations forward on one side,
+            # gradients backward on the other), seconds beyond its own network's and GB per GPU
+            "cross_send_s": extra * micro if n_cross else 0.0,
+            "cross_send_gb": nbytes * micro / 1e9 if n_cross else 0.0}
     return res, rank
 
 

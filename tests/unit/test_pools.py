@@ -1,0 +1,247 @@
+"""Mixed GPU pools (spec.cluster.PooledCluster, cost.pools, search.pools, sim.pools, report.pools)
+and uneven data-parallel shares. GPU pools are emulated: the cost model and the simulator time
+every rank on its own pool's GPU; nothing here runs on a GPU."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplan.cli.main import main
+from meshplan.cost import estimate
+from meshplan.cost.pools import estimate_pooled, pool_cluster, replica_samples
+from meshplan.errors import MeshplanError
+from meshplan.search.pools import _best_split, compress_shares, search_pools
+from meshplan.sim.pools import simulate_pooled
+from meshplan.spec.cluster import PooledCluster
+from meshplan.spec.graph import as_graph
+from meshplan.spec.io import cluster_from_dict, load_cluster, load_model, load_plan
+from meshplan.spec.plan import Workload, parse_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "docs" / "examples" / "a100-h100-pools.toml")
+
+
+def _pools(gpu_a: str = "h100-sxm-80gb", gpu_b: str = "a100-sxm-80gb", nodes: int = 2, inter: float = 25.0,
+           latency: float = 8.0) -> PooledCluster:
+    return cluster_from_dict({"name": "mix", "pools": [
+        {"name": "a", "gpu": gpu_a, "num_nodes": nodes, "gpus_per_node": 8},
+        {"name": "b", "gpu": gpu_b, "num_nodes": nodes, "gpus_per_node": 8}],
+        "inter_pool": {"bandwidth_gbps": inter, "latency_us": latency}})  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return as_graph(load_model("llama3-8b"), 4096)
+
+
+def test_cluster_file_loads_pools_with_their_own_links():
+    c = load_cluster(EXAMPLE)
+    assert isinstance(c, PooledCluster) and c.names == ("h100", "a100") and c.num_gpus == 128
+    assert c.pool("h100").inter_node.bandwidth_gbps == 50 and c.pool("a100").inter_node.bandwidth_gbps == 25
+    assert c.inter_pool.bandwidth_gbps == 25 and c.inter_pool.name == "inter_pool"
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"pools": [{"name": "a", "gpu": "h100-sxm-80gb", "num_nodes": 1}]}, "at least two"),
+    ({"pools": [{"name": "a", "gpu": "h100-sxm-80gb", "num_nodes": 1},
+                {"name": "a", "gpu": "a100-sxm-80gb", "num_nodes": 1}]}, "used twice"),
+    ({"pools": [{"gpu": "h100-sxm-80gb", "num_nodes": 1}, {"name": "b", "gpu": "a100-sxm-80gb", "num_nodes": 1}]},
+     "needs a name"),
+    ({"gpu": "h100-sxm-80gb", "pools": [{"name": "a", "gpu": "h100-sxm-80gb", "num_nodes": 1},
+                                        {"name": "b", "gpu": "a100-sxm-80gb", "num_nodes": 1}]}, "inside each"),
+    ({"pools": "h100"}, "list of tables"),
+])
+def test_bad_pooled_cluster_files_say_what_is_wrong(data, words):
+    with pytest.raises(MeshplanError, match=words):
+        cluster_from_dict(data, where="mix.toml")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("dp=3,dp_shares=3:1", "does not divide"),
+    ("dp=2,pools=a:b", "needs pool_dp"),
+    ("dp=2,pools=a:b,pool_dp=1:2", "sums to 3"),
+    ("pp=2,dp=2,pools=a:b,pool_dp=1:1,pool_pp=1:1", "not both"),
+    ("dp=2,pool_dp=1:1", "needs pools"),
+    ("dp=2,pools=a:a,pool_dp=1:1", "twice"),
+    ("dp=2,dp_shares=x:1", "not a whole number"),
+])
+def test_bad_plan_fields(text, words):
+    with pytest.raises(MeshplanError, match=words):
+        parse_plan(text)
+
+
+def test_one_pool_alone_is_the_plain_estimate_on_that_pool(llama8b):
+    c = _pools()
+    w = Workload(global_batch=64, seq_len=4096)
+    plan = parse_plan("tp=2,dp=8,zero=3,micro_batch=1,pools=a")
+    e = estimate_pooled(llama8b, c, plan, w)
+    ref = estimate(llama8b, pool_cluster(c.pool("a"), 16), plan.replace(pools=None), w)
+    assert e.step_time_s == pytest.approx(ref.step_time_s, rel=1e-12) and e.cross_pool_s == 0
+    assert e.parts[0].gpus == 16 and e.imbalance_s == 0
+
+
+def test_identical_pools_split_as_pipeline_equal_one_cluster(llama8b):
+    """Two pools of the same GPU whose inter_pool link is their inter-node link: a pipeline over them
+    is the same plan on one cluster (every spliced term is the same, the boundary send costs the same)."""
+    c = _pools("h100-sxm-80gb", "h100-sxm-80gb", inter=50.0, latency=8.0)
+    w = Workload(global_batch=64, seq_len=4096)
+    plan = parse_plan("tp=4,pp=4,dp=2,micro_batch=1,stage_layers=10:8:8:6,pools=a:b,pool_pp=2:2")
+    e = estimate_pooled(llama8b, c, plan, w)
+    ref = estimate(llama8b, pool_cluster(c.pool("a"), 32), plan.replace(pools=None, pool_pp=None), w)
+    assert e.step_time_s == pytest.approx(ref.step_time_s, rel=1e-9)
+
+
+def test_a_slower_pool_slows_its_stages_and_its_replicas(llama8b):
+    w = Workload(global_batch=64, seq_len=4096)
+    same, mixed = _pools("h100-sxm-80gb", "h100-sxm-80gb"), _pools()
+    for text in ("tp=4,pp=4,dp=2,micro_batch=1,pools=a:b,pool_pp=2:2",
+                 "tp=4,pp=2,dp=4,micro_batch=1,pools=a:b,pool_dp=2:2"):
+        plan = parse_plan(text)
+        fast, slow = estimate_pooled(llama8b, same, plan, w), estimate_pooled(llama8b, mixed, plan, w)
+        assert slow.step_time_s > fast.step_time_s
+        assert slow.parts[1].step_s > slow.parts[0].step_s  # the A100 pool's part is the slower one
+        assert slow.parts[0].idle_s > 0 and slow.imbalance_s > 0
+
+
+def test_shares_move_work_to_the_faster_pool(llama8b):
+    c = _pools()
+    w = Workload(global_batch=64, seq_len=4096)
+    even = estimate_pooled(llama8b, c, parse_plan("tp=4,pp=2,dp=4,micro_batch=1,pools=a:b,pool_dp=2:2"), w)
+    uneven = estimate_pooled(llama8b, c, parse_plan(
+        "tp=4,pp=2,dp=4,micro_batch=1,dp_shares=5:3,pools=a:b,pool_dp=2:2"), w)
+    assert uneven.step_time_s < even.step_time_s
+    assert [p.role.split(",")[1].strip().split()[0] for p in uneven.parts] == ["20", "12"]  # micro-batches each
+
+
+def test_replica_samples_and_refusals():
+    assert replica_samples(parse_plan("dp=4,dp_shares=3:1,micro_batch=2"), 32) == [12, 12, 4, 4]
+    with pytest.raises(MeshplanError, match="whole micro-batches"):
+        replica_samples(parse_plan("dp=2,dp_shares=3:1,micro_batch=2"), 4)  # 3 and 1 samples: not whole mbs
+    with pytest.raises(MeshplanError, match="whole micro-batches"):
+        replica_samples(parse_plan("dp=2,dp_shares=2:1"), 8)
+
+
+def test_uneven_shares_on_one_gpu_type_cost_the_largest_share(llama8b):
+    c = load_cluster("h100-sxm-80gb:16")
+    w = Workload(global_batch=32, seq_len=4096)
+    even = estimate(llama8b, c, parse_plan("tp=8,dp=2,micro_batch=1"), w)
+    uneven = estimate(llama8b, c, parse_plan("tp=8,dp=2,micro_batch=1,dp_shares=3:1"), w)
+    assert uneven.step_time_s > even.step_time_s and uneven.microbatches == 24
+    assert uneven.tokens_per_s == pytest.approx(w.tokens / uneven.step_time_s)
+    assert any("uneven dp_shares" in n for n in uneven.notes)
+    with pytest.raises(MeshplanError, match="one GPU"):
+        estimate(llama8b, c, parse_plan("tp=8,dp=2,pools=a:b,pool_dp=1:1"), w)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(1, 4), st.integers(1, 3))
+def test_compress_shares_expands_back(base, block, scale):
+    shares = [s * scale for s in base for _ in range(block)]
+    c = compress_shares(shares)
+    b = len(shares) // len(c)
+    g = math.gcd(*shares)
+    assert [x for x in c for _ in range(b)] == [s // g for s in shares]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=2, max_size=3), st.integers(8, 40),
+       st.lists(st.tuples(st.floats(0, 5), st.floats(0.01, 3)), min_size=3, max_size=3))
+def test_best_split_is_optimal(n, M, lines):
+    """The integer split of the micro-batches is the best of all splits (brute force)."""
+    import itertools
+    lines = lines[:len(n)]
+    got = _best_split(n, M, lines)
+    best = math.inf
+    for ms in itertools.product(*(range(1, M // k + 1) for k in n)):
+        if sum(a * b for a, b in zip(n, ms)) == M:
+            best = min(best, max(a + b * m for (a, b), m in zip(lines, ms)))
+    if best == math.inf:
+        assert got is None
+    else:
+        assert sum(a * b for a, b in zip(n, got)) == M
+        assert max(a + b * m for (a, b), m in zip(lines, got)) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("text", [
+    "tp=4,pp=2,dp=4,micro_batch=1,dp_shares=5:3,pools=a:b,pool_dp=2:2",
+    "tp=4,pp=4,dp=2,micro_batch=1,stage_layers=10:10:6:6,pools=a:b,pool_pp=2:2",
+    "tp=2,pp=4,dp=2,cp=2,zero=3,micro_batch=1,stage_layers=9:9:7:7,pools=a:b,pool_pp=2:2",
+])
+def test_simulator_times_every_rank_on_its_pool_like_the_cost_model(llama8b, text):
+    c = _pools()
+    w = Workload(global_batch=64, seq_len=4096)
+    sim = simulate_pooled(llama8b, c, parse_plan(text), w)
+    assert sim.step_time_s == pytest.approx(sim.analytic_step_time_s, rel=0.03)
+    assert {p.name for p in sim.pools} == {"a", "b"}
+    assert sum(len(p.ranks) for p in sim.pools) == sim.result.pp
+
+
+def test_done_when_two_pools_beat_the_h100_pool_alone():
+    """Issue 16: 8x8 A100-80GB + 8x8 H100, Llama 3 70B, global batch 512 x 4096: the plan uses both
+    pools and is predicted faster than the best plan on the H100 pool alone."""
+    c = load_cluster(EXAMPLE)
+    w = Workload(global_batch=512, seq_len=4096)
+    r = search_pools(load_model("llama3-70b"), c, w)
+    best, h100 = r.best, r.alone["h100"]
+    assert best is not None and h100 is not None and best.plan.multi_pool
+    assert set(best.plan.pools) == {"h100", "a100"} and best.step_time_s < 0.9 * h100.step_time_s
+    assert best.fits and not best.at_risk
+    assert any("vs h100 alone" in line and "faster" in line for line in r.explanation)
+    assert r.best_by_kind["replicas on pools"] is not None and r.best_by_kind["stages on pools"] is not None
+
+
+def test_a_weak_link_between_pools_keeps_one_pool_and_says_why(tmp_path):
+    c = load_cluster(EXAMPLE)
+    slow = PooledCluster(name="slow", pools=c.pools, inter_pool=c.inter_pool.__class__(
+        name="inter_pool", bandwidth_gbps=0.05, latency_us=20000.0))
+    r = search_pools(load_model("llama3-70b"), slow, Workload(global_batch=512, seq_len=4096))
+    assert r.best is not None and not r.best.plan.multi_pool and r.best.plan.pools == ("h100",)
+    assert r.best_multi is not None and r.best_multi.step_time_s > r.best.step_time_s
+    assert any("slower" in line for line in r.explanation)
+
+
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_plan_estimate_simulate_report_on_pools(capsys, tmp_path):
+    common = ["--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "256", "--seq-len", "4096"]
+    rc, out, err = _run(capsys, "plan", *common, "--json", "--out", str(tmp_path / "p.json"))
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["best"]["pools"] and doc["alone"]["h100"] and doc["explanation"]
+    assert load_plan(str(tmp_path / "p.json")) == parse_plan(doc["best"]["plan"])  # the plan file reloads
+    plan = "tp=2,pp=4,dp=8,micro_batch=1,stage_layers=10:10:6:6,pools=h100:a100,pool_pp=2:2"
+    rc, out, err = _run(capsys, "estimate", *common, "--plan", plan)
+    assert rc == 0 and "pool h100" in out and "pool a100" in out and "imbalance" in out, err
+    rc, out, err = _run(capsys, "simulate", *common, "--plan", plan, "--json")
+    assert rc == 0, err
+    s = json.loads(out)
+    assert abs(s["sim_vs_analytic_pct"]) < 3 and [p["pool"] for p in s["pools"]] == ["h100", "a100"]
+    rc, out, err = _run(capsys, "report", *common, "--out", str(tmp_path / "r.html"))
+    assert rc == 0, err
+    html = (tmp_path / "r.html").read_text()
+    assert "Per-pool utilisation" in html and "Time lost to imbalance" in html and 'data-plot="gantt"' in html
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--gpus", "64"], "--gpus is not supported"),
+    (["--price-per-gpu-hour", "2"], "price_per_gpu_hour"),
+])
+def test_cli_refuses_what_pools_do_not_take(capsys, extra, words):
+    rc, out, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "64",
+                        *extra)
+    assert rc == 2 and words in err and "Traceback" not in err
+
+
+def test_cli_estimate_with_an_unknown_pool(capsys):
+    rc, out, err = _run(capsys, "estimate", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "64",
+                        "--plan", "dp=8,pools=h200:a100,pool_dp=4:4")
+    assert rc == 2 and "no pool named 'h200'" in err and "h100, a100" in err
