@@ -67,12 +67,23 @@ def _load_model(name: str, *, from_file: str | None) -> Any:
 
 
 def build_input(args: argparse.Namespace) -> Any:
+    from meshplan.cli import pools_cmd
     from meshplan.cli.planfile import resolve
     from meshplan.export import ExportInput
     from meshplan.spec.model import ModelSpec
     from meshplan.spec.plan import Workload
+    if pools_cmd.is_pooled(getattr(args, "cluster", None)):
+        raise MeshplanError(f"export: {args.cluster} is a cluster of several GPU pools; torchtitan, Megatron-LM and "
+                            "DeepSpeed launch one GPU type with even data-parallel shares",
+                            hint="give --cluster the one GPU type the plan runs on (e.g. h100-sxm-80gb:64), or run it with meshplan train")
     inputs = resolve(args, fields=("model", "cluster", "global_batch", "seq_len"))
     plan = inputs.plan
+    if plan.multi_pool or (plan.dp_shares is not None and len(set(plan.replica_shares)) > 1):
+        raise MeshplanError(f"export: {plan.short()} uses {'several pools' if plan.multi_pool else 'uneven dp_shares'}"
+                            f", which {args.to} cannot express",
+                            hint="run it with `meshplan train`, or export a plan with even shares on one pool")
+    if plan.pools or plan.dp_shares:
+        plan = plan.replace(pools=None, pool_dp=None, pool_pp=None, dp_shares=None)
     model = None
     if inputs.model_arg is not None and not inputs.from_file("model"):
         model = _load_model(inputs.model_arg, from_file=None)
