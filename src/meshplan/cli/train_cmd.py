@@ -27,6 +27,12 @@ EXAMPLES = """examples:
       --steps 12 --outer-lr 0.7 --outer-momentum 0.9      # DiLoCo: 4 workers, an outer Nesterov step every 4
   meshplan train --model tiny-llama --plan dp=4,grad_compression=powersgd,compression_rank=2,precision=fp32 \\
       --global-batch 8 --steps 12                         # DDP with PowerSGD's communication hook
+  meshplan train --model tiny-llama --plan dp=2,dp_shares=3:1,precision=fp32 --global-batch 8 --steps 5
+                                                          # replica 0 trains on 6 samples a step, replica 1 on 2
+  meshplan train --model tiny-llama --plan pp=2,pools=h100:a100,pool_pp=1:1,precision=fp32 --global-batch 8 \\
+      --steps 5                                           # pools: placement only (which ranks stand for which)
+  meshplan train --model tiny-llama --plan dp=2,precision=fp32 --global-batch 8 --steps 5 \\
+      --seq-len 64:0.6,128:0.3,256:0.1 --packing bucketed  # variable-length samples (or a histogram file)
 """
 
 
@@ -58,8 +64,14 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_override(t)
     t.add_argument("--steps", type=_positive("--steps"), required=True,
                    help="optimizer steps (in total, when resuming)")
-    t.add_argument("--seq-len", type=_positive("--seq-len"), help="tokens per sequence (default: the plan file's, "
-                   "else the model's; ingested models: ingestion's default)")
+    t.add_argument("--seq-len", type=_seq_len, help="tokens per sequence (default: the plan file's, "
+                   "else the model's; ingested models: ingestion's default), or for presets a distribution of sample "
+                   "lengths: length:probability pairs (64:0.6,128:0.3,256:0.1) or a histogram file (CSV rows "
+                   "length,count, or JSON)")
+    t.add_argument("--packing", choices=["padded", "bucketed", "packed"],
+                   help="with a --seq-len distribution: padded (default: each micro-batch padded to its longest "
+                        "sample), bucketed (the step's samples sorted by length first) or packed (documents "
+                        "concatenated into windows of the longest length)")
     t.add_argument("--nproc-per-node", type=_positive("--nproc-per-node"),
                    help="processes on this node (default: the plan's GPU count / --nnodes)")
     t.add_argument("--nnodes", type=_positive("--nnodes"), default=1)
@@ -105,6 +117,23 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     return t
 
 
+def _seq_len(text: str) -> int | str:
+    """--seq-len: a positive length (int), or a distribution / histogram file (kept as text: parsed
+    by spec.lengths.parse_lengths once --packing is known)."""
+    from meshplan.spec.lengths import looks_like_dist
+    if looks_like_dist(text):
+        return text.strip()
+    return _positive("--seq-len")(text)
+
+
+def _lengths(args: argparse.Namespace) -> Any:
+    """The LengthDist of --seq-len (with --packing), or None for one length."""
+    if not isinstance(args.seq_len, str):
+        return None
+    from meshplan.spec.lengths import parse_lengths
+    return parse_lengths(args.seq_len, getattr(args, "packing", None) or "padded")
+
+
 def _integer(name: str) -> Any:
     def conv(text: str) -> int:
         try:
@@ -129,15 +158,20 @@ def _job(args: argparse.Namespace) -> Any:
     from meshplan.runtime.launch import Job, metrics_path
     from meshplan.spec.io import load_model, load_plan
     plan = load_plan(args.plan)
+    lengths = _lengths(args)
     if is_ingested(args.model):
         if args.data:
             from meshplan.runtime.generic import data_refusal
             raise MeshplanError(data_refusal(args.model), hint="drop --data")
+        if lengths is not None:
+            raise MeshplanError(f"--seq-len {args.seq_len}: variable-length samples run for preset models only (an "
+                                "ingested model trains on synthetic batches of its example inputs)",
+                                hint="give one --seq-len")
         model: Any = args.model
         seq_len = args.seq_len
     else:
         model = load_model(args.model)
-        seq_len = args.seq_len or model.seq_len
+        seq_len = lengths.max_len if lengths is not None else args.seq_len or model.seq_len
     return Job(model_arg=args.model, plan_arg=args.plan, model=model, plan=plan,
                global_batch=args.global_batch, seq_len=seq_len, steps=args.steps,
                nproc_per_node=_procs_per_node(args, plan), nnodes=args.nnodes, node_rank=args.node_rank,
@@ -149,7 +183,7 @@ def _job(args: argparse.Namespace) -> Any:
                replan_after=getattr(args, "replan_after", None), switch=getattr(args, "switch", False),
                optimizer=getattr(args, "optimizer", "adamw"), grad_clip=getattr(args, "grad_clip", 1.0),
                outer_lr=getattr(args, "outer_lr", None), outer_momentum=getattr(args, "outer_momentum", None),
-               nodes_per_dc=getattr(args, "nodes_per_dc", None))
+               nodes_per_dc=getattr(args, "nodes_per_dc", None), lengths=lengths)
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -160,7 +194,8 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
            "--max-restarts", str(args.max_restarts), "--checkpoint-every", str(args.checkpoint_every),
            "--lr", repr(args.lr), "--seed", str(args.seed), "--pg-timeout", repr(args.pg_timeout),
            "--optimizer", getattr(args, "optimizer", "adamw"), "--grad-clip", repr(getattr(args, "grad_clip", 1.0))]
-    for flag, val in (("--seq-len", args.seq_len), ("--nproc-per-node", args.nproc_per_node), ("--data", args.data),
+    for flag, val in (("--seq-len", args.seq_len), ("--packing", getattr(args, "packing", None)),
+                      ("--nproc-per-node", args.nproc_per_node), ("--data", args.data),
                       ("--rdzv-endpoint", args.rdzv_endpoint), ("--checkpoint-dir", args.checkpoint_dir),
                       ("--metrics", args.metrics), ("--outer-lr", getattr(args, "outer_lr", None)),
                       ("--outer-momentum", getattr(args, "outer_momentum", None)),
@@ -182,9 +217,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Run `meshplan train` (launcher, or one rank when started by torchrun)."""
     from meshplan.cli.planfile import resolve_into
     from meshplan.runtime import launch
-    # --plan FILE: model, global batch and seq len from the file (written back into args for the workers)
+    # --plan FILE: model, global batch and seq len from the file (written back into args for the workers);
+    # a --seq-len distribution replaces the file's one length
+    dist_text = args.seq_len if isinstance(args.seq_len, str) else None
+    if dist_text is not None:
+        args.seq_len = None
     resolve_into(args, fields=("model", "global_batch", "seq_len"), required=("model",),
                  quiet=launch.in_torchrun())
+    if dist_text is not None:
+        args.seq_len = dist_text
+    elif getattr(args, "packing", None) and not launch.in_torchrun():
+        print(f"meshplan: note: --packing {args.packing} changes nothing with one --seq-len (every sample has "
+              "the same length)", file=sys.stderr)
     if args.global_batch is None:
         from meshplan.spec.io import load_plan
         plan = load_plan(args.plan)

@@ -2,8 +2,16 @@
 
 Batches are a pure function of (seed, step): the data position of a run is its step number,
 so a resumed run (on any plan, any number of ranks) reads exactly the batches it would have
-read uninterrupted. Each data-parallel rank takes its rows of the global batch; ``take`` cuts rows
-(a rank's, a micro-batch's) out of any model's Batch (ingest.batch.Batch).
+read uninterrupted. Each data-parallel rank takes its rows of the global batch (its block of
+``hetero.replica_span``: even, or by ``dp_shares``); ``take`` cuts rows (a rank's, a micro-batch's)
+out of any model's Batch (ingest.batch.Batch).
+
+Variable-length samples (``--seq-len 64:0.6,128:0.3,256:0.1``, spec/lengths.py): a sample of
+length n is the first n + 1 tokens of its row of the fixed-length batch at the longest length
+(``global_batch``), so the tokens are a pure function of (seed, step) as before and the lengths
+(``hetero.sample_lengths``) of (seed, step) too. ``padded_rows`` lays out a replica's samples in
+its micro-batch order, padded (inputs with token 0, targets with ``hetero.IGNORE``); ``packed_batch``
+concatenates documents of drawn lengths into windows of the longest length.
 """
 from __future__ import annotations
 
@@ -55,11 +63,54 @@ def global_batch(step: int, *, batch: int, seq_len: int, vocab: int, seed: int =
     return rows % vocab  # byte-level tokenizer: token = byte (folded when vocab < 256)
 
 
-def rank_rows(tokens: torch.Tensor, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This data-parallel rank's (inputs, targets) from the global batch."""
-    per = tokens.shape[0] // dp_size
-    mine = tokens[dp_rank * per:(dp_rank + 1) * per]
+def rank_rows(tokens: torch.Tensor, dp_rank: int, dp_size: int,
+              span: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's (inputs, targets) from the global batch: rows ``span`` (lo, hi)
+    (uneven shares: hetero.replica_span), else its even block."""
+    if span is None:
+        per = tokens.shape[0] // dp_size
+        span = (dp_rank * per, (dp_rank + 1) * per)
+    mine = tokens[span[0]:span[1]]
     return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+
+def padded_rows(tokens: torch.Tensor, lengths: Any, samples: list[int], width: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) [len(samples), width] of variable-length samples: sample i is the first
+    lengths[i] inputs of row i of ``tokens`` ([batch, longest + 1]) and their next tokens; the rest
+    of the row is padding (input token 0, target ``hetero.IGNORE``: no loss, no gradient)."""
+    from meshplan.runtime.hetero import IGNORE
+    x = torch.zeros((len(samples), width), dtype=tokens.dtype)
+    y = torch.full((len(samples), width), IGNORE, dtype=tokens.dtype)
+    for k, i in enumerate(samples):
+        n = int(lengths[i])
+        x[k, :n] = tokens[i, :n]
+        y[k, :n] = tokens[i, 1:n + 1]
+    return x, y
+
+
+def packed_batch(step: int, *, batch: int, dist: Any, vocab: int, seed: int = 0,
+                 source: str = "corpus") -> torch.Tensor:
+    """Token ids [batch, L + 1] of a packed step (L = the longest length of ``dist``): documents
+    of lengths drawn from ``dist`` (hetero.packed_documents), each a stretch of the corpus from its
+    own random start, concatenated into one stream; window i is stream[i*L : (i+1)*L + 1] (causal
+    over the whole window, no document mask; its last target is the next window's first token).
+    Synthetic tokens are uniform whatever the documents, so there the stream is drawn at once."""
+    from meshplan.runtime.hetero import packed_documents
+    L = dist.max_len
+    need = batch * L + 1
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if source == "synthetic":
+        stream = torch.randint(0, vocab, (need,), generator=gen)
+    else:
+        docs = packed_documents(dist, need, step, seed)
+        corpus = corpus_bytes()
+        if corpus.numel() <= L + 1:
+            corpus = corpus.repeat(-(-2 * (L + 1) // corpus.numel()))
+        starts = torch.randint(0, corpus.numel() - L, (len(docs),), generator=gen).tolist()
+        stream = torch.cat([corpus[s:s + int(n)] for s, n in zip(starts, docs)])[:need].long() % vocab
+    idx = torch.arange(batch).unsqueeze(1) * L + torch.arange(L + 1).unsqueeze(0)
+    return stream[idx]
 
 
 def rows(x: Any, lo: int, hi: int, n: int) -> Any:

@@ -600,6 +600,10 @@ class IngestedModel(TrainModel):
         c = self.cfg
         b = make_batch(self.built, c.global_batch, c.seed * 1_000_003 + step)
         dp_rank, dp = (mesh.dp_rank, mesh.dp) if mesh else (0, 1)
+        if c.plan.dp_shares is not None:  # uneven shares: this replica's block (runtime/hetero.py)
+            from meshplan.runtime.hetero import replica_span
+            lo, hi = replica_span(c.plan, c.global_batch, dp_rank)
+            return take(b, lo, hi, c.global_batch)
         per = c.global_batch // dp
         return take(b, dp_rank * per, (dp_rank + 1) * per, c.global_batch)
 
@@ -696,7 +700,6 @@ def preflight(job: Any) -> tuple[Any, Any]:
     estimate, preflight.MemoryEstimate or None: not priced; the LayerGraph, None where the model
     cannot be traced on the meta device)."""
     from meshplan.runtime import preflight as pre
-    from meshplan.spec.plan import checked_microbatches
     plan = job.plan
     if plan.num_gpus != job.world_size:
         raise MeshplanError(f"plan needs {plan.num_gpus} processes (tp={plan.tp} x pp={plan.pp} x dp={plan.dp} x "
@@ -705,7 +708,8 @@ def preflight(job: Any) -> tuple[Any, Any]:
     why = plan_refusal(plan)
     if why:
         raise MeshplanError(why)
-    checked_microbatches(plan, job.global_batch)
+    from meshplan.runtime.hetero import check_batch
+    check_batch(plan, job.global_batch)  # dp x micro_batch, or the dp_shares
     if plan.zero and plan.shard_group and (plan.dp * plan.cp) % plan.effective_shard:
         raise MeshplanError(f"plan: shard_group={plan.shard_group} does not divide dp={plan.dp}")
     built = build(job.model, device="meta", seq_len=job.seq_len)

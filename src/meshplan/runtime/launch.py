@@ -32,7 +32,7 @@ from typing import Any
 
 from meshplan.errors import MeshplanError
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload, checked_microbatches, microbatches
+from meshplan.spec.plan import Plan, Workload
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,9 @@ class Job:
     """--outer-momentum: DiLoCo's outer Nesterov momentum (None: periodic.OUTER_MOMENTUM)."""
     nodes_per_dc: int | None = None
     """--nodes-per-dc: nodes per datacenter (sync_scope=dc needs it)."""
+    lengths: Any = None
+    """--seq-len L:p,... or a histogram file (presets): a spec.lengths.LengthDist with --packing
+    (``seq_len`` is then its longest length); None: every sample is ``seq_len`` tokens."""
 
     @property
     def world_size(self) -> int:
@@ -119,7 +122,7 @@ class Job:
         defaults = RunConfig(model=self.model, plan=self.plan, global_batch=self.global_batch, steps=self.steps)
         return RunConfig(model=self.model, plan=self.plan, global_batch=self.global_batch, seq_len=self.seq_len,
                          steps=self.steps, lr=self.lr, seed=self.seed, data=self.data, grad_clip=self.grad_clip,
-                         optimizer=self.optimizer,
+                         optimizer=self.optimizer, lengths=self.lengths,
                          outer_lr=defaults.outer_lr if self.outer_lr is None else self.outer_lr,
                          outer_momentum=defaults.outer_momentum if self.outer_momentum is None
                          else self.outer_momentum)
@@ -154,10 +157,12 @@ def _check_job(job: Job) -> tuple[Any, Any]:
             raise MeshplanError("--checkpoint-every needs --checkpoint-dir")
         return est, graph
     assert isinstance(job.model, ModelSpec) and job.seq_len is not None
+    from meshplan.runtime import hetero
     mesh_mod.check_supported(job.model, job.plan, job.world_size, job.seq_len,
-                             micro=microbatches(job.global_batch, job.plan.dp, job.plan.micro_batch))
+                             micro=min(hetero.micro_counts(job.plan, job.global_batch)))
     preflight.check_seq_len(job.model, job.seq_len)
-    checked_microbatches(job.plan, job.global_batch)
+    hetero.check_batch(job.plan, job.global_batch)  # dp x micro_batch, or the dp_shares
+    hetero.check_lengths(job.plan, job.lengths)
     preflight.check_plan(job.model, job.plan, job.global_batch, job.seq_len, nodes=job.nnodes,  # the planner's
                          nodes_per_dc=job.nodes_per_dc)                                       # constraints
     check_checkpoint_dir(job)
@@ -543,12 +548,24 @@ def estimate_for(job: Job, device_type: str, graph: Any = None) -> dict[str, Any
         from meshplan.runtime import generic
         return generic.estimate(job, device_type, graph)
     from meshplan.cost import estimate
+    from meshplan.runtime.hetero import local_plan
+    plan = local_plan(job.plan)  # pools: placement only on this machine's one device type
+    basis_more = ""
     try:
         cluster = local_cluster(job.world_size, device_type, job.nnodes, job.nodes_per_dc)
-        r = estimate(job.model, cluster, job.plan, Workload(global_batch=job.global_batch, seq_len=job.seq_len))
+        work = Workload(global_batch=job.global_batch, seq_len=job.seq_len)
+        if job.lengths is not None and len(job.lengths.lengths) > 1:
+            try:
+                r = estimate(job.model, cluster, plan, Workload.of(job.global_batch, job.lengths))
+            except (MeshplanError, ValueError, TypeError, AttributeError):  # the cost model without lengths
+                r = estimate(job.model, cluster, plan, work)
+                basis_more = f"; estimate at the longest length ({job.seq_len}): the cost model did not price " \
+                             "the length distribution"
+        else:
+            r = estimate(job.model, cluster, plan, work)
     except MeshplanError as e:
         return {"error": str(e)}
-    out = {"cluster": cluster.name, "basis": estimate_basis(cluster.name), "step_time_s": r.step_time_s,
+    out = {"cluster": cluster.name, "basis": estimate_basis(cluster.name) + basis_more, "step_time_s": r.step_time_s,
            "peak_memory_gib": r.peak_memory_gib, "tokens_per_s": r.tokens_per_s}
     if device_type != "cuda":
         from meshplan.runtime.preflight import memory_estimate
@@ -597,6 +614,8 @@ def summary_record(job: Job, trainer: Any, records: list[Any], device_type: str,
         "steps": [records[0].step, records[-1].step] if records else None,
         "measured": measured_summary(records, trainer.tokens_per_step), "estimate": est,
         "warnings": trainer.par.notes, **extra}
+    if job.lengths is not None:  # variable lengths: seq_len above is the longest; tokens/s count real tokens
+        rec.update(lengths=job.lengths.text(), packing=job.lengths.packing, mean_length=job.lengths.mean_len)
     rec.update(spec_fields(model, cluster))
     return rec
 
@@ -648,6 +667,9 @@ def measured_summary(records: list[Any], tokens: int) -> dict[str, Any]:
     if not times:
         return {}
     st = statistics.median(times)
+    real = [r.extra["real_tokens"] for r in records if "real_tokens" in r.extra]
+    if real:  # variable lengths: the mean real tokens of a step
+        tokens = statistics.mean(real)
     return {"step_time_s": st, "tokens_per_s": tokens / st, "peak_memory_gib": max(r.peak_memory_gib for r in records)}
 
 
@@ -699,8 +721,9 @@ def worker_main(job: Job) -> int:
                 raise MeshplanError(f"plan needs {job.plan.num_gpus} processes but {dist.get_world_size()} were "
                                     "started")
         else:
+            from meshplan.runtime.hetero import micro_counts
             check_supported(job.model, job.plan, dist.get_world_size(), job.seq_len,
-                            micro=microbatches(job.global_batch, job.plan.dp, job.plan.micro_batch))
+                            micro=min(micro_counts(job.plan, job.global_batch)))
             from meshplan.runtime.preflight import check_plan  # started by torchrun by hand: no launcher checked it
             check_plan(job.model, job.plan, job.global_batch, job.seq_len, nodes=nodes_of(job),
                        nodes_per_dc=job.nodes_per_dc)
@@ -712,6 +735,12 @@ def worker_main(job: Job) -> int:
         from meshplan.runtime.periodic import inner_dp_of
         mesh = build_mesh(job.plan, device.type, inner_dp_of(job.plan, procs_per_node(job), job.nodes_per_dc))
     trainer = Trainer(job.config(), mesh, device)
+    if rank0:  # heterogeneous hardware and data (runtime/hetero.py): what this run does of them
+        from meshplan.runtime import hetero
+        for note in (hetero.pools_note(job.plan, device.type), hetero.shares_note(job.plan, job.global_batch),
+                     hetero.lengths_note(job.plan, job.lengths)):
+            if note:
+                print(f"meshplan: note: {note}", file=sys.stderr, flush=True)
     if rank0:  # plan fields this hardware cannot honour: said once, and kept with the metrics
         for note in trainer.par.notes:
             print(f"meshplan: warning: {note}", file=sys.stderr, flush=True)

@@ -146,6 +146,12 @@ class Parallelized:
     """This rank holds the first pipeline stage (it feeds the schedule the inputs)."""
     has_last: bool = True
     """This rank holds the last pipeline stage (it computes the loss)."""
+    gather_during_step: bool = False
+    """FSDP with zero 2/3 on replicas that run different numbers of micro-batches (uneven
+    dp_shares): the parameters stay gathered and the gradients unsharded from the first
+    micro-batch's forward to the last one's backward (zero=1's flags, no reshard after forward),
+    so that every replica issues the same collectives (one all-gather, one reduce-scatter) per
+    step; zero=3's memory holds between steps only."""
     _tied_checked: bool = False
 
     def loss_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -161,7 +167,10 @@ class Parallelized:
         if self.dp_mode == "ddp" and not last:
             return self.run_modules[0].no_sync()  # type: ignore[operator]
         if self.dp_mode == "fsdp":
-            set_fsdp_accumulation(self.parts, self.zero, last)
+            if self.gather_during_step:
+                for part in self.parts:
+                    part.set_reshard_after_forward(False)  # type: ignore[operator]
+            set_fsdp_accumulation(self.parts, 1 if self.gather_during_step else self.zero, last)
         return contextlib.nullcontext()
 
     def sync_tied(self) -> None:

@@ -227,9 +227,24 @@ def check_plan(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, *,
     recompute_layers, a periodic sync's groups on ``nodes`` (of ``nodes_per_dc`` per datacenter). One
     line naming every reason, or nothing."""
     from meshplan.spec.constraints import violations
-    work = Workload(global_batch=global_batch, seq_len=seq_len)
     cluster = cpu_cluster(plan.num_gpus, memory_gib=1.0, nodes=nodes, nodes_per_dc=nodes_per_dc)
-    _refuse(violations(model, cluster, plan, work, skip=NOT_PLAN_CHECKS))
+    bad: list[tuple[str, str]] = []
+    for work in replica_workloads(plan, global_batch, seq_len):
+        bad += [v for v in violations(model, cluster, plan, work, skip=NOT_PLAN_CHECKS) if v not in bad]
+    _refuse(bad)
+
+
+def replica_workloads(plan: Plan, global_batch: int, seq_len: int) -> list[Workload]:
+    """The workloads the planner's constraints check a run with: its own; with uneven dp_shares
+    (runtime/hetero.py, which checks the shares first) one per distinct micro-batch count of the
+    replicas, as if every replica ran that many (dp x micro_batch x count sequences): the
+    schedule's rules hold per replica, and the batch is cut by the shares, not by dp."""
+    from meshplan.runtime.hetero import check_batch, micro_counts
+    if plan.dp_shares is None:
+        return [Workload(global_batch=global_batch, seq_len=seq_len)]
+    check_batch(plan, global_batch)
+    return [Workload(global_batch=plan.dp * plan.micro_batch * n, seq_len=seq_len)
+            for n in micro_counts(plan, global_batch)]
 
 
 def check_graph_plan(graph: Any, plan: Plan, global_batch: int, *, nodes: int = 1,
@@ -239,11 +254,17 @@ def check_graph_plan(graph: Any, plan: Plan, global_batch: int, *, nodes: int = 
     from meshplan.spec import constraints
     cluster = cpu_cluster(plan.num_gpus, memory_gib=1.0, nodes=nodes, nodes_per_dc=nodes_per_dc)
     if graph is None:
-        ctx = constraints.Context(None, cluster, plan, Workload(global_batch=global_batch, seq_len=1))  # type: ignore[arg-type]
-        _refuse([(name, why) for name in MODEL_FREE_CHECKS if (why := constraints.CHECKS[name](ctx))])
+        bad: list[tuple[str, str]] = []
+        for work in replica_workloads(plan, global_batch, 1):
+            ctx = constraints.Context(None, cluster, plan, work)  # type: ignore[arg-type]
+            bad += [(name, why) for name in MODEL_FREE_CHECKS if (why := constraints.CHECKS[name](ctx))
+                    and (name, why) not in bad]
+        _refuse(bad)
         return
-    work = Workload(global_batch=global_batch, seq_len=graph.sample_tokens)
-    _refuse(constraints.violations(graph, cluster, plan, work, skip=NOT_PLAN_CHECKS))
+    bad: list[tuple[str, str]] = []
+    for work in replica_workloads(plan, global_batch, graph.sample_tokens):
+        bad += [v for v in constraints.violations(graph, cluster, plan, work, skip=NOT_PLAN_CHECKS) if v not in bad]
+    _refuse(bad)
 
 
 # ---- memory ------------------------------------------------------------------------------------
@@ -300,7 +321,10 @@ class MemoryEstimate:
 
 def _run_plan(plan: Plan, device_type: str) -> Plan:
     """The plan as this runtime runs it: on CPU offload flags are no-ops and fp8 runs as bf16
-    (parallelize.hardware_notes), so the estimate is of the plan without them."""
+    (parallelize.hardware_notes), so the estimate is of the plan without them. Pools are placement
+    only on one machine (runtime/hetero.py): priced without them, on this device type."""
+    from meshplan.runtime.hetero import local_plan
+    plan = local_plan(plan)
     if device_type == "cuda":
         return plan
     return plan.replace(offload_optimizer=False, offload_params=False,

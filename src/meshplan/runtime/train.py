@@ -10,7 +10,11 @@ gradient sync, clipping, metrics and checkpoints (checkpoint.py).
 The loss of a step is the mean loss over the global batch, the same number on every plan: each
 micro-batch loss is a mean over equally many rows (tokens), averaged over micro-batches (gradient
 accumulation, or the pipeline schedule's ``scale_grads``) and over data-parallel ranks (DDP/FSDP
-average their gradient reductions).
+average their gradient reductions). Where micro-batches are not alike (runtime/hetero.py), each
+micro-batch's loss is weighted instead (``Trainer._mb_weight``; pipeline schedules then sum, not
+average, their micro-batches' gradients): uneven ``dp_shares`` by dp x micro_batch / global batch,
+variable-length samples by dp x cp x its real tokens / the global batch's real tokens, so that the
+data-parallel average is the mean over the whole global batch (its real tokens).
 """
 from __future__ import annotations
 
@@ -30,12 +34,14 @@ from torch import nn
 
 from meshplan.ingest.batch import Batch
 from meshplan.runtime import data as data_mod
+from meshplan.runtime import hetero
 from meshplan.runtime.context_parallel import shard_sequence
 from meshplan.runtime.data import take
 from meshplan.runtime.expert_parallel import is_expert_param
 from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.models import build_model, loss_fn
 from meshplan.runtime.parallelize import VOCAB_PARAMS, Parallelized, logical_name, parallelize
+from meshplan.spec.lengths import LengthDist
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, checked_microbatches
 
@@ -75,15 +81,20 @@ class RunConfig:
     """grad_sync=diloco: the outer Nesterov SGD's learning rate (the paper's 0.7)."""
     outer_momentum: float = 0.9
     """grad_sync=diloco: the outer Nesterov momentum (the paper's 0.9; 0: plain outer SGD)."""
+    lengths: LengthDist | None = None
+    """Presets: sample lengths drawn from this distribution and packed as it says (spec/lengths.py;
+    ``seq_len`` is then its longest length); None: every sample is ``seq_len`` tokens."""
 
     @property
     def ingested(self) -> bool:
         return isinstance(self.model, str)
 
 
-def microbatches(cfg: RunConfig) -> int:
-    """Micro-batches per data-parallel rank per step."""
-    return checked_microbatches(cfg.plan, cfg.global_batch)
+def microbatches(cfg: RunConfig, dp_rank: int = 0) -> int:
+    """Micro-batches per step of data-parallel replica ``dp_rank`` (uneven dp_shares: its own count)."""
+    if cfg.plan.dp_shares is None:
+        return checked_microbatches(cfg.plan, cfg.global_batch)
+    return hetero.replica_microbatches(cfg.plan, cfg.global_batch)[dp_rank]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -121,6 +132,11 @@ class TrainModel:
     vocab_rows: int | None = None
     """Presets: the vocabulary (rows of ``VOCAB_PARAMS`` past it are tp padding, never saved nor
     compared); None: no padded tensors."""
+    varied: bool = False
+    """Samples of several lengths padded per micro-batch (padded or bucketed packing): micro-batch
+    losses are weighted by their real tokens (``Trainer._mb_weight``)."""
+    step_tokens: int | None = None
+    """With ``varied``: the real target tokens of the whole global batch of the last ``rank_batch``."""
 
     def parallelize(self, plan: Plan, mesh: RuntimeMesh | None, device: torch.device,
                     microbatches: int) -> Parallelized:
@@ -133,6 +149,10 @@ class TrainModel:
     def loss(self, module: nn.Module, b: Batch) -> torch.Tensor:
         """Forward of one micro-batch and its loss (a mean over its rows)."""
         raise NotImplementedError
+
+    def micro(self, b: Batch, i: int, per: int, rows: int) -> Batch:
+        """Micro-batch ``i`` (rows i*per:(i+1)*per) of a rank's batch of ``rows`` rows."""
+        return take(b, i * per, (i + 1) * per, rows)
 
     def pp_inputs(self, par: Parallelized, b: Batch) -> tuple:
         """What the first pipeline stage is given (the schedule splits them into micro-batches)."""
@@ -157,9 +177,13 @@ class PresetModel(TrainModel):
         assert isinstance(cfg.model, ModelSpec)
         self.cfg, self.spec = cfg, cfg.model
         self.name = cfg.model.name
-        self.seq_len = cfg.seq_len or cfg.model.seq_len
+        self.lengths = cfg.lengths if cfg.lengths is not None and len(cfg.lengths.lengths) > 1 else None
+        self.seq_len = self.lengths.max_len if self.lengths is not None else cfg.seq_len or cfg.model.seq_len
         self.sample_tokens = self.seq_len
         self.vocab_rows = cfg.model.vocab_size
+        self.varied = self.lengths is not None and self.lengths.packing != "packed"
+        self._widths: list[int] | None = None
+        """With ``varied`` and no pipeline: each micro-batch's padded length this step."""
 
     def parallelize(self, plan: Plan, mesh: RuntimeMesh | None, device: torch.device,
                     microbatches: int) -> Parallelized:
@@ -168,13 +192,43 @@ class PresetModel(TrainModel):
 
     def rank_batch(self, step: int, mesh: RuntimeMesh | None, device: torch.device) -> Batch:
         c = self.cfg
-        tokens = data_mod.global_batch(step, batch=c.global_batch, seq_len=self.seq_len,
-                                       vocab=self.spec.vocab_size, seed=c.seed, source=c.data)
         dp_rank, dp = (mesh.dp_rank, mesh.dp) if mesh else (0, 1)
-        x, y = data_mod.rank_rows(tokens, dp_rank, dp)
+        if self.lengths is not None and self.lengths.packing == "packed":
+            tokens = data_mod.packed_batch(step, batch=c.global_batch, dist=self.lengths, vocab=self.spec.vocab_size,
+                                           seed=c.seed, source=c.data)
+        else:
+            tokens = data_mod.global_batch(step, batch=c.global_batch, seq_len=self.seq_len,
+                                           vocab=self.spec.vocab_size, seed=c.seed, source=c.data)
+        if self.varied:
+            return self._varied_batch(tokens, step, dp_rank, device)
+        span = hetero.replica_span(c.plan, c.global_batch, dp_rank) if c.plan.dp_shares is not None else None
+        x, y = data_mod.rank_rows(tokens, dp_rank, dp, span)
         if mesh is not None and mesh.cp > 1:  # this cp rank's two chunks of every row
             x, y = (shard_sequence(t, mesh.cp, mesh.cp_rank) for t in (x, y))
         return Batch(args=(x.to(device),), targets=y.to(device))
+
+    def _varied_batch(self, tokens: torch.Tensor, step: int, dp_rank: int, device: torch.device) -> Batch:
+        """This replica's variable-length samples in its micro-batch order (hetero.step_layout),
+        padded to the longest of the replica's micro-batches (``micro`` cuts each to its own
+        longest), or under a pipeline to the longest length (the schedule needs one shape)."""
+        c = self.cfg
+        assert self.lengths is not None
+        layout = hetero.step_layout(self.lengths, c.plan, c.global_batch, step, c.seed)
+        self.step_tokens = layout.total_tokens
+        mult = c.plan.tp if c.plan.sequence_parallel else 1  # sequence parallelism splits the sequence
+        widths = [-(-w // mult) * mult for w in layout.padded_lengths(dp_rank)]
+        width = self.seq_len if c.plan.pp > 1 else max(widths)
+        self._widths = None if c.plan.pp > 1 else widths
+        samples = [i for mb in layout.replicas[dp_rank] for i in mb]
+        x, y = data_mod.padded_rows(tokens, layout.lengths, samples, width)
+        return Batch(args=(x.to(device),), targets=y.to(device))
+
+    def micro(self, b: Batch, i: int, per: int, rows: int) -> Batch:
+        mb = take(b, i * per, (i + 1) * per, rows)
+        if self._widths is None:
+            return mb
+        w = self._widths[i]  # padded to its own longest sample
+        return Batch(args=(mb.args[0][:, :w],), targets=mb.targets[:, :w])
 
     def loss(self, module: nn.Module, b: Batch) -> torch.Tensor:
         return loss_fn(module(*b.args), b.targets)  # tp > 1: on vocabulary-sharded logits (loss_parallel)
@@ -205,9 +259,29 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, mesh: RuntimeMesh | None, device: torch.device) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.n_micro = microbatches(cfg)
+        plan = cfg.plan
+        self.dp_rank = mesh.dp_rank if mesh is not None else 0
+        if plan.dp_shares is not None:
+            hetero.check_shares(plan, cfg.global_batch)
+        if not cfg.ingested:
+            hetero.check_lengths(plan, cfg.lengths)
+        self.n_micro = microbatches(cfg, self.dp_rank)
+        self.rows = self.n_micro * plan.micro_batch
+        """Samples of the global batch this replica trains on per step."""
+        self.uneven = hetero.uneven(plan, cfg.global_batch)
+        """Uneven dp_shares: the replicas run different numbers of micro-batches."""
         self.model: TrainModel = train_model(cfg)
-        self.par: Parallelized = self.model.parallelize(cfg.plan, mesh, device, self.n_micro)
+        self.weighted = self.uneven or self.model.varied
+        """Micro-batch losses weighted by ``_mb_weight`` (not averaged over micro-batches)."""
+        self.par: Parallelized = self.model.parallelize(plan, mesh, device, self.n_micro)
+        if self.weighted and self.par.schedule is not None:
+            self._weight_schedule()
+        if self.uneven and self.par.dp_mode == "fsdp" and plan.pp == 1 and plan.zero >= 2:
+            self.par.gather_during_step = True  # the same collectives on replicas of different micro-batch counts
+            self.par.notes.append(f"zero={plan.zero} with uneven dp_shares: the replicas run different numbers of "
+                                  "micro-batches, so FSDP keeps the parameters gathered and the gradients unsharded "
+                                  "from the first micro-batch to the last (one all-gather and one reduce-scatter a "
+                                  f"step, as zero=1); zero={plan.zero}'s sharding holds between steps")
         self.optimizers = [make_optimizer(cfg, p.parameters()) for p in self.par.parts]
         ep = mesh is not None and mesh.ep > 1
         self._params = [(p, ep and is_expert_param(name)) for part in self.par.parts
@@ -234,7 +308,36 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens of the last step (variable lengths: its real tokens; else global batch x sample tokens)."""
+        if self.model.varied and self.model.step_tokens is not None:
+            return self.model.step_tokens
         return self.cfg.global_batch * self.model.sample_tokens
+
+    def _mb_weight(self, targets: Any) -> Any:
+        """The weight of a micro-batch's loss (a mean over its rows or real tokens) such that the
+        data-parallel average (over dp x cp) of the summed weighted losses is the mean over the
+        global batch: variable lengths, dp x cp x its real tokens / the global batch's real tokens;
+        uneven dp_shares, dp x micro_batch / global batch (for every replica alike)."""
+        ndp = self.mesh.ndp if self.mesh is not None else 1
+        if self.model.varied:
+            assert self.model.step_tokens
+            real = (targets != hetero.IGNORE).sum()
+            return real.to(torch.float32) * (ndp / self.model.step_tokens)
+        dp = self.mesh.dp if self.mesh is not None else 1
+        return dp * self.cfg.plan.micro_batch / self.cfg.global_batch
+
+    def _weight_schedule(self) -> None:
+        """A pipeline schedule of weighted micro-batches: its loss function times ``_mb_weight`` of
+        the micro-batch's targets, gradients summed over micro-batches (``scale_grads`` off)."""
+        sched = self.par.schedule
+        if not hasattr(sched, "_loss_fn") or not hasattr(sched, "scale_grads"):
+            raise RuntimeError("torch.distributed.pipelining: this torch's schedules have no _loss_fn/scale_grads")
+        base = sched._loss_fn
+
+        def weighted(output: Any, target: Any) -> torch.Tensor:
+            return base(output, target) * self._mb_weight(target)
+        sched._loss_fn = weighted
+        sched.scale_grads = False
 
     # ---- one step ------------------------------------------------------------------------------
     def _autocast(self) -> Any:
@@ -251,17 +354,20 @@ class Trainer:
             args = self.model.pp_inputs(self.par, b) if self.par.has_first else ()
             with self._autocast(), self.par.loss_context():  # the last stage's loss and its backward
                 self.par.schedule.step(*args, **kwargs)
-            return torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
+            if not losses:
+                return torch.zeros((), device=self.device)
+            stacked = torch.stack(losses).detach()  # weighted: already scaled per micro-batch
+            return stacked.sum() if self.weighted else stacked.mean()
         module = self.par.run_modules[0]
         total = torch.zeros((), device=self.device)
-        rows = self.cfg.global_batch // (self.mesh.dp if self.mesh else 1)
-        per = rows // self.n_micro
+        rows, per = self.rows, self.cfg.plan.micro_batch
         for i in range(self.n_micro):
-            mb = take(b, i * per, (i + 1) * per, rows)
+            mb = self.model.micro(b, i, per, rows)
             # DDP: no_sync but on the last; FSDP: the ZeRO level's gather/reduce flags (parallelize.py)
             with self.par.micro_batch(last=i == self.n_micro - 1), self.par.loss_context():
                 with self._autocast():  # tp > 1: the loss on vocabulary-sharded logits (loss_parallel)
-                    loss = self.model.loss(module, mb) / self.n_micro
+                    loss = self.model.loss(module, mb)
+                    loss = loss * self._mb_weight(mb.targets) if self.weighted else loss / self.n_micro
                 loss.backward()
             total += loss.detach()
         return total
@@ -520,8 +626,9 @@ def timed_step(trainer: Trainer) -> StepRecord:
         torch.cuda.synchronize(trainer.device)
     loss, dt, mem = trainer.reduce_metrics(local, time.perf_counter() - t0, peak_memory_gib(trainer.device))
     toks = trainer.tokens_per_step
+    extra = {"real_tokens": toks} if trainer.model.varied else {}
     return StepRecord(step=trainer.step, loss=loss, step_time_s=dt, tokens_per_s=toks / dt, peak_memory_gib=mem,
-                      wall_time=time.time(), cpu_time=time.process_time())
+                      wall_time=time.time(), cpu_time=time.process_time(), extra=extra)
 
 
 def maybe_fail(step: int) -> None:
