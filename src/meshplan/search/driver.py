@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from meshplan.cost import estimate
+from meshplan.cost.lengths import estimate_lengths
 from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.uncertainty import risk_words
@@ -138,6 +139,23 @@ def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostPa
             tick(len(part))
 
 
+def evaluate_lengths(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanColumns,
+                     params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
+    """`evaluate` for a workload with varied sample lengths: the expected step of cost.lengths
+    (its imbalance term counts towards ``dominant``)."""
+    from meshplan.cost.lengths import estimate_lengths_batch
+    from meshplan.search.evaluate import EXPOSED_TERMS, FLOAT_COLUMNS, _empty
+    if cols.num_rows == 0:
+        return _empty()
+    r = estimate_lengths_batch(model, cluster, work, cols.plain(), params)
+    names = (*EXPOSED_TERMS, "imbalance")
+    terms = np.stack([np.asarray(r[f"time.{k}"], dtype=float) for k in names])
+    out = {k: np.asarray(r[k], dtype=float) for k in FLOAT_COLUMNS}
+    return out | {"fits": np.asarray(r["fits"], dtype=bool), "at_risk": np.asarray(r["at_risk"], dtype=bool),
+                  "host_fits": np.asarray(r["host_fits"], dtype=bool),
+                  "dominant": np.asarray(names)[np.argmax(terms, axis=0)]}
+
+
 def checked_request(clusters: ClusterSpec | Sequence[ClusterSpec], objective: str, top: int) -> list[ClusterSpec]:
     """The clusters of a search request as a list, after checking the request's options."""
     if objective not in OBJECTIVES:
@@ -167,6 +185,8 @@ def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | Sequence[Clust
     clusters = checked_request(clusters, objective, top)
     space = space or SearchSpace()
     model = as_graph(model, work.seq_len)
+    if work.varied and evaluator is evaluate:  # a length distribution: the expected step (cost.lengths)
+        evaluator = evaluate_lengths
     timings = {"enumerate_s": 0.0, "constraints_s": 0.0, "bounds_s": 0.0}
     scans = [_prepare(model, c, work, space, params, timings) for c in clusters]
     total, done = sum(int(s.todo.sum()) for s in scans), 0
@@ -308,7 +328,7 @@ def _best_synchronous(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, p
 def _ranked(rank: int, scan: _Scan, row: int, model: ModelSpec, work: Workload,
             params: CostParams) -> RankedPlan:
     plan = scan.cols.plan(row)
-    report = estimate(model, scan.cluster, plan, work, params)
+    report = (estimate_lengths if work.varied else estimate)(model, scan.cluster, plan, work, params)
     usd = float(usd_per_million_tokens(plan.num_gpus, scan.cluster.price_per_hour,
                                        report.step_time_s, work.tokens))
     return RankedPlan(rank=rank, plan=plan, cluster=scan.cluster, report=report, usd_per_mtok=usd,

@@ -86,6 +86,9 @@ class SimSpec:
     (drawn on every rank's data-parallel stream after the straggler wait)."""
     outer_sync_full_s: float = 0.0
     sync_every: int = 1
+    mb_stages: list[list[VStage]] | None = None
+    """Per micro-batch, its own pp * v virtual stages (micro-batches of different lengths:
+    sim.varlen); None: every micro-batch runs ``stages``."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,7 @@ def simulate(spec: SimSpec) -> SimResult:
     def run(r: int, op: Op, ts: list[float]) -> None:
         kind, i, c = op
         s = stage_of(sched, pp, r, c)
-        st = spec.stages[s]
+        st = (spec.stages if spec.mb_stages is None else spec.mb_stages[i])[s]
         ps = {"F": st.fwd, "B": st.bwd, "W": st.wgt}[kind]
         if kind == "B" and not split_w:
             ps = Pass(st.bwd.compute + st.wgt.compute, st.bwd.tp_overlapped + st.wgt.tp_overlapped,

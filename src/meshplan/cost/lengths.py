@@ -1,0 +1,629 @@
+"""The expected step of a workload whose samples have a distribution of lengths.
+
+``Workload.lengths`` (spec.lengths) gives sample lengths L_1 < ... < L_K with probabilities p_j
+and how samples become micro-batches (``packing``, defined in spec/lengths.py and run so by
+meshplan's runtime). A step's micro-batches then differ: each costs what a micro-batch of its
+padded length (its longest sample) costs, and the step ends when the slowest data-parallel replica
+is done (its gradient sync waits for it). This module prices that analytically, for many plans at
+once (the search's seam, like cost.batch.estimate_batch); docs/heterogeneous-data.md has the
+derivation and its limits.
+
+Per plan and length L (the cost model at ``seq_len = L``, transformers regenerated at L):
+
+- t(L): one micro-batch on the critical pipeline rank (its compute, TP/CP/EP and per-block FSDP
+  communication, sends: everything that scales with the micro-batch);
+- bub(L): the pipeline bubble (fill and drain) at that length, cost.schedule's closed form;
+- rest(L) = step(L) - m t(L) - bub(L): the once-per-step parts (gradient sync and optimizer,
+  their overlap with the last backward, pipelined FSDP, stragglers, overhead).
+
+A replica that runs micro-batches of padded lengths l_1..l_m takes R = sum_i t(l_i) + bub(max_i l_i)
+(a proportionate flow shop pays its fill and drain at the heaviest job), and
+
+    E[step] = E[max over the dp replicas of R] + E[rest],
+
+with rest averaged over the micro-batch lengths. By packing:
+
+- padded: a micro-batch's padded length is the max of ``micro_batch`` draws, P(l <= L_j) = F_j^b;
+  a replica's m micro-batches are independent, so R takes one value per composition of m into
+  the K lengths (multinomial counts; exact while there are at most MAX_COMPOSITIONS of them),
+  and the replicas are independent: E[max of n] = sum_v v (F_R(v)^n - F_R(v-)^n), exact on the
+  discrete support. Beyond MAX_COMPOSITIONS, R is a mixture over the replica's longest
+  micro-batch M of normals with S's exact conditional moments given M, and E[max] is integrated.
+- bucketed: the step's G = dp m b samples sorted, cut into micro-batches, micro-batch j to
+  replica j mod dp: replica dp - 1 gets the longest micro-batch of every round and the longest
+  of all, so it is the slowest on every draw and E[step] = sum_i E[t(X_(i dp b))] +
+  E[bub(X_(G)) + rest(X_(G))], with X_(r) the r-th order statistic of G draws:
+  P(X_(r) <= L_j) = P(Binomial(G, F_j) >= r). Exact.
+- packed: every micro-batch is a full window: the fixed-length estimate (no imbalance).
+
+The step at even load is what every replica would take if each micro-batch cost the mean
+micro-batch of the step: m E[t(l)] + E[bub(l)] + E[rest(l)]; the difference is the time lost to
+imbalance (``time.imbalance`` / ``imbalance_s``, between replicas and, in a pipeline, between
+micro-batches). Padding is not imbalance: it is in both. Throughput counts real tokens
+(Workload.tokens), model FLOPs those of the real samples at their own lengths. Memory is the
+longest micro-batch's (micro_batch x the longest length): the estimate at the workload's seq_len.
+
+More than EXACT_LENGTHS distinct lengths: the cost model runs at EXACT_LENGTHS anchor lengths
+(the shortest, the longest and lengths between them, geometrically spaced) and each per-length
+term is interpolated quadratically in L between the three nearest anchors (a micro-batch's time
+is a + b L + c L^2 up to the kernels' efficiency curves).
+
+An ingested (traced) layer graph has one traced length: a distribution over it is refused
+(``check_model``); a transformer (preset or ModelSpec file) is regenerated at every length.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from meshplan.cost import batch as _b
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.report import CostReport
+from meshplan.cost.uncertainty import step_band
+from meshplan.errors import MeshplanError
+from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.graph import LayerGraph, as_graph
+from meshplan.spec.lengths import LengthDist
+from meshplan.spec.model import ModelSpec
+from meshplan.spec.plan import Plan, Workload
+
+EXACT_LENGTHS = 8
+"""Most distinct lengths the cost model is run at per plan; more are interpolated between anchors."""
+MAX_COMPOSITIONS = 2000
+"""Most compositions of a replica's micro-batches into lengths enumerated exactly (padded)."""
+MIXTURE_GRID = 1024
+"""Points of the integral of E[max] under the normal-mixture approximation."""
+
+EXTRA_KEYS = ("step_time_even_s", "imbalance_s", "padding_fraction", "padded_tokens")
+"""Per-row results beyond estimate_batch's (time.imbalance too)."""
+
+__all__ = ["EXACT_LENGTHS", "MAX_COMPOSITIONS", "check_model", "emax_discrete", "emax_mixture",
+           "estimate_lengths", "estimate_lengths_batch", "graph_at", "lengths_summary",
+           "microbatch_probs", "order_stat_pmf", "replica_padded"]
+
+
+# ---- the model at one length -------------------------------------------------------------------
+
+def check_model(model: LayerGraph | ModelSpec, work: Workload) -> None:
+    """Refuse a length distribution over a traced layer graph (one traced length)."""
+    if not work.varied or isinstance(model, ModelSpec) or model.model is not None:
+        return
+    raise MeshplanError(
+        f"--seq-len {work.lengths.text() if work.lengths else work.seq_len}: {model.name} is a layer graph traced at "
+        f"{model.sample_tokens} tokens per sample; meshplan prices a length distribution only for transformer "
+        "descriptions (presets, ModelSpec files), which it regenerates at every length",
+        hint="give one length (--seq-len N, ingested at N), or --packing packed")
+
+
+def graph_at(model: LayerGraph | ModelSpec, length: int) -> LayerGraph:
+    """``model`` at ``length`` tokens per sample: a transformer regenerated (memoised); a traced
+    graph only at its own length."""
+    if isinstance(model, ModelSpec):
+        return as_graph(model, length)
+    if model.model is not None:
+        return as_graph(model.model, length)
+    if int(length) == model.sample_tokens:
+        return model
+    raise MeshplanError(f"{model.name}: a traced layer graph has one length ({model.sample_tokens} tokens); "
+                        f"cannot price {length}", hint="give one length, or a transformer preset")
+
+
+def anchor_lengths(lengths: Sequence[int], most: int = EXACT_LENGTHS) -> list[int]:
+    """The lengths the cost model runs at: all of them when there are at most ``most``, else
+    ``most`` of them, the shortest and the longest included, geometrically spaced."""
+    ls = list(lengths)
+    if len(ls) <= most:
+        return ls
+    targets = np.geomspace(ls[0], ls[-1], most)
+    arr = np.asarray(ls, dtype=float)
+    out = sorted({ls[int(np.argmin(np.abs(np.log(arr) - math.log(t))))] for t in targets} | {ls[0], ls[-1]})
+    rest = [x for x in ls if x not in out]
+    while len(out) < most and rest:  # snapping merged some: fill the widest gaps
+        gaps = [(out[i + 1] / out[i], i) for i in range(len(out) - 1)]
+        _, i = max(gaps)
+        mid = math.sqrt(out[i] * out[i + 1])
+        cand = min((x for x in rest if out[i] < x < out[i + 1]), key=lambda x: abs(math.log(x / mid)), default=None)
+        if cand is None:
+            break
+        out = sorted(out + [cand])
+        rest.remove(cand)
+    return out
+
+
+def interpolation(lengths: Sequence[int], anchors: Sequence[int]) -> np.ndarray:
+    """(K, A) weights: a per-length term at each of ``lengths`` from its values at ``anchors``
+    (exact at an anchor; else quadratic Lagrange on the three nearest anchors)."""
+    A = np.asarray(anchors, dtype=float)
+    W = np.zeros((len(lengths), len(anchors)))
+    for k, x in enumerate(lengths):
+        hit = np.nonzero(np.isclose(A, x, rtol=0, atol=0.5))[0]
+        if len(hit):
+            W[k, hit[0]] = 1.0
+            continue
+        if len(A) < 3:
+            i = int(np.clip(np.searchsorted(A, x) - 1, 0, len(A) - 2))
+            u = (x - A[i]) / (A[i + 1] - A[i])
+            W[k, i], W[k, i + 1] = 1 - u, u
+            continue
+        i = int(np.clip(np.searchsorted(A, x) - 2, 0, len(A) - 3))
+        pts = [i, i + 1, i + 2]
+        if i + 3 < len(A) and abs(A[i + 3] - x) < abs(A[i] - x):
+            pts = [i + 1, i + 2, i + 3]
+        for a in pts:
+            w = 1.0
+            for c in pts:
+                if c != a:
+                    w *= (x - A[c]) / (A[a] - A[c])
+            W[k, a] = w
+    return W
+
+
+# ---- distributions -----------------------------------------------------------------------------
+
+def microbatch_probs(probs: Sequence[float], b: int) -> np.ndarray:
+    """(K,) distribution of a padded micro-batch's length: the max of ``b`` independent samples."""
+    F = np.clip(np.cumsum(probs), 0.0, 1.0)
+    F[-1] = 1.0
+    G = F ** int(b)
+    return np.diff(np.concatenate([[0.0], G]))
+
+
+def _log_factorials(n: int) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, n + 1, dtype=float)))])
+
+
+def order_stat_pmf(probs: Sequence[float], n: int, ranks: Sequence[int]) -> np.ndarray:
+    """(len(ranks), K): P(X_(r) = L_j), X_(r) the r-th smallest of ``n`` independent draws
+    (P(X_(r) <= L_j) = P(Binomial(n, F_j) >= r)). Exact (log-space binomial) up to 4e6 draws,
+    a normal approximation of the binomial beyond."""
+    F = np.clip(np.cumsum(probs), 0.0, 1.0)
+    F[-1] = 1.0
+    r = np.asarray(ranks, dtype=np.int64)
+    cdf = np.empty((len(r), len(F)))
+    if n <= 4_000_000:
+        lf = _log_factorials(n)
+        k = np.arange(n + 1)
+        for j, f in enumerate(F):
+            if f >= 1.0:
+                cdf[:, j] = 1.0
+                continue
+            if f <= 0.0:
+                cdf[:, j] = 0.0
+                continue
+            logpmf = lf[n] - lf[k] - lf[n - k] + k * math.log(f) + (n - k) * math.log1p(-f)
+            pmf = np.exp(logpmf - logpmf.max())
+            pmf /= pmf.sum()
+            tail = np.cumsum(pmf[::-1])[::-1]  # P(Bin >= k)
+            cdf[:, j] = np.clip(tail[np.clip(r, 0, n)], 0.0, 1.0)
+    else:
+        mu, sd = n * F, np.sqrt(n * F * (1 - F))
+        z = (r[:, None] - 0.5 - mu[None, :]) / np.maximum(sd[None, :], 1e-12)
+        cdf = 1.0 - _phi(z)
+        cdf[:, F >= 1.0] = 1.0
+    return np.diff(np.concatenate([np.zeros((len(r), 1)), cdf], axis=1), axis=1).clip(min=0.0)
+
+
+@lru_cache(maxsize=256)
+def compositions(m: int, k: int) -> np.ndarray:
+    """(C(m + k - 1, k - 1), k): every way to count m micro-batches into k lengths."""
+    rows = []
+    for bars in itertools.combinations(range(m + k - 1), k - 1):
+        prev, counts = -1, []
+        for b in bars:
+            counts.append(b - prev - 1)
+            prev = b
+        counts.append(m + k - 2 - prev)
+        rows.append(counts)
+    return np.asarray(rows, dtype=np.int64).reshape(-1, k)
+
+
+def n_compositions(m: int, k: int) -> int:
+    return math.comb(m + k - 1, k - 1)
+
+
+def emax_discrete(values: np.ndarray, probs: np.ndarray, n: Any) -> np.ndarray:
+    """E[max of n independent draws] of a discrete distribution per row: ``values`` (rows, S),
+    ``probs`` (S,) or (rows, S), ``n`` scalar or (rows,). sum_v v (F(v)^n - F(v-)^n), exact."""
+    v = np.asarray(values, dtype=float)
+    w = np.broadcast_to(np.asarray(probs, dtype=float), v.shape)
+    order = np.argsort(v, axis=1, kind="stable")
+    vs = np.take_along_axis(v, order, axis=1)
+    ws = np.take_along_axis(w, order, axis=1)
+    F = np.clip(np.cumsum(ws, axis=1), 0.0, None)
+    F = F / F[:, -1:]
+    Fp = np.concatenate([np.zeros((len(F), 1)), F[:, :-1]], axis=1)
+    nn = np.broadcast_to(np.asarray(n, dtype=float), (len(v),))[:, None]
+    return (vs * (F ** nn - Fp ** nn)).sum(axis=1)
+
+
+def _phi(z: np.ndarray) -> np.ndarray:
+    """The standard normal CDF (Abramowitz and Stegun 7.1.26 for erf: |error| < 1.5e-7)."""
+    x = np.abs(z) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * x)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erf = 1.0 - poly * np.exp(-x * x)
+    return 0.5 * (1.0 + np.sign(z) * erf)
+
+
+def emax_mixture(means: np.ndarray, sds: np.ndarray, weights: np.ndarray, n: Any,
+                 grid: int = MIXTURE_GRID) -> np.ndarray:
+    """E[max of n independent draws] of a mixture of normals per row (means, sds: (rows, C);
+    weights (C,) or (rows, C)): lo + integral from lo of 1 - F^n, on a grid over +-8 sd."""
+    mu, sd = np.asarray(means, dtype=float), np.maximum(np.asarray(sds, dtype=float), 1e-12)
+    w = np.broadcast_to(np.asarray(weights, dtype=float), mu.shape)
+    live = w > 0
+    lo = np.where(live, mu - 8 * sd, np.inf).min(axis=1)
+    hi = np.where(live, mu + 8 * sd, -np.inf).max(axis=1)
+    x = lo[:, None] + (hi - lo)[:, None] * np.linspace(0.0, 1.0, grid)[None, :]  # (rows, G)
+    F = np.zeros_like(x)
+    for c in range(mu.shape[1]):
+        F += w[:, c:c + 1] * _phi((x - mu[:, c:c + 1]) / sd[:, c:c + 1])
+    F = np.clip(F / w.sum(axis=1, keepdims=True), 0.0, 1.0)
+    nn = np.broadcast_to(np.asarray(n, dtype=float), (len(mu),))[:, None]
+    g = 1.0 - F ** nn
+    dx = (hi - lo) / (grid - 1)
+    return lo + dx * (g.sum(axis=1) - 0.5 * (g[:, 0] + g[:, -1]))
+
+
+# ---- a replica's load ---------------------------------------------------------------------------
+
+def replica_padded(t: np.ndarray, bub: np.ndarray, q: np.ndarray, m: int, n: Any,
+                   exact_limit: int = MAX_COMPOSITIONS) -> tuple[np.ndarray, np.ndarray]:
+    """(E[max over n replicas of R], E[R]) per row, R = sum of m independent micro-batch times
+    t_j (prob. q_j) + bub at the longest of them. ``t``, ``bub``: (rows, K)."""
+    t, bub = np.asarray(t, dtype=float), np.asarray(bub, dtype=float)
+    K = t.shape[1]
+    q = np.asarray(q, dtype=float)
+    Q = np.clip(np.cumsum(q), 0.0, 1.0)
+    Q[-1] = 1.0
+    pM = np.diff(np.concatenate([[0.0], Q ** m]))  # P(longest micro-batch = L_j)
+    mean = m * (t @ q) + bub @ pM
+    if n_compositions(m, K) <= exact_limit:
+        N = compositions(m, K)
+        lf = _log_factorials(m)
+        with np.errstate(divide="ignore"):
+            logq = np.log(q)
+        logp = lf[m] - lf[N].sum(axis=1) + np.where(N > 0, N * logq[None, :], 0.0).sum(axis=1)
+        w = np.exp(logp)
+        keep = w > 0
+        N, w = N[keep], w[keep]
+        top = K - 1 - np.argmax(N[:, ::-1] > 0, axis=1)  # index of the longest micro-batch
+        R = t @ N.T.astype(float) + bub[:, top]
+        return emax_discrete(R, w, n), mean
+    # a normal for S given the longest micro-batch M = L_j (exact conditional moments), mixed over j
+    mus, sds, ws = [], [], []
+    for j in range(K):
+        if pM[j] <= 1e-15:
+            continue
+        qj = q[:j + 1] / Q[j]
+        mu_j = t[:, :j + 1] @ qj
+        var_j = (t[:, :j + 1] ** 2) @ qj - mu_j ** 2
+        A1 = Q[j] ** m
+        e1, e2 = A1 * m * mu_j, A1 * (m * var_j + (m * mu_j) ** 2)
+        if j > 0:
+            qi = q[:j] / Q[j - 1]
+            mu_i = t[:, :j] @ qi
+            var_i = (t[:, :j] ** 2) @ qi - mu_i ** 2
+            A0 = Q[j - 1] ** m
+            e1, e2 = e1 - A0 * m * mu_i, e2 - A0 * (m * var_i + (m * mu_i) ** 2)
+        cm = e1 / pM[j]
+        cv = np.maximum(e2 / pM[j] - cm ** 2, 0.0)
+        mus.append(cm + bub[:, j])
+        sds.append(np.sqrt(cv))
+        ws.append(pM[j])
+    return emax_mixture(np.stack(mus, 1), np.stack(sds, 1), np.asarray(ws), n), mean
+
+
+def _all_from(A: np.ndarray, c: float, M: int) -> np.ndarray:
+    """P(c micro-batches drawn without replacement from M all come from a set of A of them), for
+    a fractional c = k + phi: the k draws' product times the next draw's chance to the phi."""
+    A = np.asarray(A, dtype=float)
+    k = int(math.floor(c))
+    out = np.ones_like(A)
+    for d in range(min(k, M)):
+        out = out * np.clip((A - d) / (M - d), 0.0, 1.0)
+    phi = c - k
+    if phi > 0 and k < M:
+        out = out * np.clip((A - k) / (M - k), 0.0, 1.0) ** phi
+    return out
+
+
+def replica_padded_pipeline(t: np.ndarray, bub: np.ndarray, stall: np.ndarray, q: np.ndarray, m: int, n: Any,
+                            window: float, exact_limit: int = MAX_COMPOSITIONS) -> np.ndarray:
+    """E[max over n replicas of R] per row for a pipeline that is not a flow shop (1F1B,
+    interleaved, zero-bubble, ZBV) under padding: R = sum_i t(l_i) + Z, Z the stalls of a random
+    order of the replica's micro-batches: the first pays the bubble at its length, micro-batch i
+    what its stall exceeds of the largest in flight before it (stall_extra). Given the replica's
+    counts N (exact enumeration), Z is its expectation over the orders of N: a micro-batch longer
+    than L_k has only shorter ones in its window with chance _all_from(A_k, c(i), m - 1), A_k the
+    replica's other micro-batches no longer than L_k; beyond ``exact_limit`` compositions, each
+    micro-batch carries its expected stall over independent neighbours (stall_extra)."""
+    K = t.shape[1]
+    s = np.maximum.accumulate(np.asarray(stall, dtype=float), axis=1)
+    if n_compositions(m, K) > exact_limit:
+        eff = t + stall_extra(s, bub, q, m, window) / m
+        return replica_padded(eff, np.zeros_like(eff), q, m, n, exact_limit)[0]
+    N = compositions(m, K)
+    lf = _log_factorials(m)
+    with np.errstate(divide="ignore"):
+        logq = np.log(q)
+    w = np.exp(lf[m] - lf[N].sum(axis=1) + np.where(N > 0, N * logq[None, :], 0.0).sum(axis=1))
+    keep = w > 0
+    N, w = N[keep], w[keep]
+    A = np.cumsum(N, axis=1)[:, :-1].astype(float)  # (nc, K - 1) micro-batches no longer than L_k
+    cs = overlap_counts(window, m)[1:]
+    H = np.zeros_like(A)
+    for c in np.unique(cs).tolist():
+        H += (cs == c).sum() * _all_from(A, c, m - 1)
+    Gk = (m - A) / m * H  # (nc, K - 1): expected count of positions where the stall rises past s_k
+    Z = (N @ bub.T).T / m + (Gk @ np.diff(s, axis=1).T).T  # (rows, nc)
+    R = t @ N.T.astype(float) + Z
+    return emax_discrete(R, w, n)
+
+
+def replica_bucketed(t: np.ndarray, bub: np.ndarray, stall: np.ndarray, rest: np.ndarray,
+                     probs: Sequence[float], dp: int, m: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(E[step], E[step at even load], (K,) mean micro-batch length distribution) per row under
+    bucketing. The slowest replica (dp - 1) takes the (i dp b)-th smallest sample's length in
+    round i, so its micro-batches ascend: its pipeline pays the bubble of its first micro-batch
+    and the stalls' increments up to its last (longest of all: the once-per-step ``rest`` there
+    too), sum_i t(X_(i dp b)) + bub(X_(dp b)) + stall(X_(G)) - stall(X_(dp b)) + rest(X_(G))."""
+    G = dp * m * b
+    ranks = np.arange(1, dp * m + 1) * b  # the longest sample of micro-batch j is the (j+1) b-th
+    pmf = order_stat_pmf(probs, G, ranks)  # (dp m, K)
+    slow = pmf[dp - 1::dp]                 # replica dp - 1's micro-batches, round by round
+    c = slow.sum(axis=0)                   # expected count of its micro-batches at each length
+    first, last = slow[0], pmf[-1]
+    q_even = pmf.mean(axis=0)
+    expected = t @ c + (bub - stall) @ first + (stall + rest) @ last
+    even = m * (t @ q_even) + (bub + rest) @ q_even
+    return expected, even, q_even
+
+
+# ---- the batch -----------------------------------------------------------------------------------
+
+def _columns(plans: Sequence[Plan] | Mapping[str, Any]) -> dict[str, Any]:
+    cols = plans if isinstance(plans, Mapping) else _b.plans_to_columns(plans)
+    return {k: np.asarray(v) if k != "stage_layers" else v for k, v in cols.items()}
+
+
+def estimate_lengths_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload,
+                           plans: Sequence[Plan] | Mapping[str, Any],
+                           params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
+    """estimate_batch for a workload with a length distribution: the same keys (step_time_s the
+    expected step, tokens_per_s real tokens per second, time.* the even-load breakdown plus
+    time.imbalance, memory at the longest micro-batch) and EXTRA_KEYS. A workload without varied
+    lengths (one length, or packed) is estimate_batch's result with no imbalance."""
+    cols = _columns(plans)
+    if not work.varied:
+        out = _b.estimate_batch(model, cluster, work, cols, params)
+        n = len(out["step_time_s"])
+        padded = float(work.global_batch * work.seq_len)
+        return out | {"time.imbalance": np.zeros(n), "step_time_even_s": out["step_time_s"].copy(),
+                      "imbalance_s": np.zeros(n), "padding_fraction": np.full(n, 1.0 - work.tokens / padded),
+                      "padded_tokens": np.full(n, padded)}
+    check_model(model, work)
+    pp = cols["pp"]
+    degrees = np.unique(pp)
+    if len(pp) <= 64 or len(degrees) == 1:
+        return _estimate_group(model, cluster, work, cols, params)
+    parts = [(np.nonzero(pp == d)[0], d) for d in degrees]
+    outs = [_estimate_group(model, cluster, work, {k: v[idx] for k, v in cols.items()}, params) for idx, _ in parts]
+    width = int(degrees.max())
+    merged: dict[str, np.ndarray] = {}
+    for key, first in outs[0].items():
+        merged[key] = (np.full((len(pp), width), np.nan) if key == "stage_memory_gib"
+                       else np.empty((len(pp),), first.dtype))
+    for (idx, d), out in zip(parts, outs):
+        for key, val in out.items():
+            if key == "stage_memory_gib":
+                merged[key][idx, :int(d)] = val
+            else:
+                merged[key][idx] = val
+    return merged
+
+
+def _per_length(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
+                params: CostParams, length: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """(estimate_batch's result at ``length``, (rows,) t: one micro-batch on the critical rank,
+    (rows,) stall: what one micro-batch heavier than its neighbours adds to a pipeline's step)."""
+    w = Workload(global_batch=work.global_batch, seq_len=int(length))
+    a = _b.assemble(graph_at(model, length), cluster, w, cols, params)
+    est = _b.estimate_assembly(a, cluster, w, params)
+    tot = np.where(a.valid, a.totals, 0.0)
+    tmax = a.totals.max(axis=1)
+    blk = a.lay.is_block[None, :] * a.lay.total[None, :]
+    w_frac = (blk * a.q["bw"]).sum(1) / np.maximum(1e-30, (blk * (a.q["f"] + a.q["bi"] + a.q["bw"] + a.q["rc"])).sum(1))
+    return est, tmax, stall_seconds(tot.sum(axis=1), tmax, cols, w_frac)
+
+
+STALL_FRACTION = {"interleaved-1f1b": 0.9, "zbv": 0.9}
+"""Of sum T - max T (less W under ZBV), the stall a lone heavy micro-batch adds to these schedules
+(1 for GPipe, 1F1B and ZB-H1): measured on their orders (sim.schedules) with uniform stages,
+pp 2-8, v 2-8, F : B : W from 1 : 1 : 1 to 1 : 2.7 : 0.48: 0.87-0.92 for interleaved 1F1B,
+0.85-0.91 for ZBV, 0.97-0.99 for ZB-H1 (tests/unit/test_lengths_pipeline.py)."""
+STALL_WINDOW = {"1f1b": (1.0, -1.0), "zero-bubble": (1.0, -1.0), "zbv": (2.0, -1.0),
+                "interleaved-1f1b": (2.5, -1.0)}
+"""(a, b): a heavy micro-batch shares its stall with one d micro-batches before it by
+max(0, 1 - (d - 1) / w), w = a pp + b: the micro-batches rank 0 starts before its first backward
+(pp - 1 for 1F1B and ZB-H1, 2 pp - 1 for ZBV, whose rank 0 runs 2 pp - 1 warm-up forwards). For
+interleaved 1F1B w = 2.5 pp - 1 is measured (the shared stall, sum over d of the fraction, is
+1.2-1.3 pp for pp 2-8, v 2-8; Megatron's warm-up alone gives less); the others match their
+measured sums (pp / 2, pp) within 0.3 micro-batches."""
+
+
+def stall_seconds(tsum: np.ndarray, tmax: np.ndarray, cols: Mapping[str, Any], w_frac: np.ndarray) -> np.ndarray:
+    """(rows,) the stall of a pipeline around one micro-batch heavier than those in flight with
+    it: its passes on the other ranks, sum T - max T (GPipe's and 1F1B's fill and drain, which
+    interleaving hardly shortens for a lone heavy micro-batch: STALL_FRACTION), less its weight
+    gradients under the split-backward schedules (their W passes still fill the gaps); 0 without
+    a pipeline."""
+    sched = np.asarray(cols["schedule"])
+    split = (sched == "zero-bubble") | (sched == "zbv")
+    frac = np.ones(len(sched))
+    for name, f in STALL_FRACTION.items():
+        frac = np.where(sched == name, f, frac)
+    out = (tsum - tmax) * np.where(split, 1.0 - w_frac, 1.0) * frac
+    return np.where(np.asarray(cols["pp"]) > 1, out, 0.0)
+
+
+def stall_window(cols: Mapping[str, Any]) -> np.ndarray:
+    """(rows,) w of STALL_WINDOW (at least 1); GPipe: every earlier micro-batch, undecayed (inf)."""
+    pp = np.asarray(cols["pp"], dtype=float)
+    v = np.asarray(cols["virtual_stages"], dtype=float)
+    sched = np.asarray(cols["schedule"])
+    sched = np.where((sched == "interleaved-1f1b") & (v <= 1), "1f1b", sched)
+    w = pp - 1.0
+    for name, (a, b) in STALL_WINDOW.items():
+        w = np.where(sched == name, a * pp + b, w)
+    return np.where(sched == "gpipe", np.inf, np.maximum(w, 1.0))
+
+
+def overlap_counts(window: float, m: int) -> np.ndarray:
+    """(m,) the effective number of earlier micro-batches whose stall covers micro-batch i's:
+    sum_{d=1}^{i} max(0, 1 - (d - 1) / window) (i for GPipe's infinite window)."""
+    i = np.arange(m, dtype=float)
+    if not np.isfinite(window):
+        return i
+    k = np.minimum(i, np.floor(window) + 1)
+    return k - k * (k - 1) / (2 * window)
+
+
+def stall_extra(stall: np.ndarray, bubble: np.ndarray, q: np.ndarray, m: int, window: float) -> np.ndarray:
+    """(rows, K): the expected pipeline stall a micro-batch of length L_j brings, summed over the
+    replica's m positions (independent neighbours of distribution q): the first pays the
+    schedule's bubble at its length, micro-batch i > 0 what its stall exceeds of the largest
+    stall of those before it still in flight, E[(s_j - Y)^+], P(Y <= y) = Q_s(y)^c(i)
+    (c(i): overlap_counts, the decayed window as that many full ones)."""
+    s = np.maximum.accumulate(np.asarray(stall, dtype=float), axis=1)  # longer is never lighter
+    Q = np.clip(np.cumsum(q), 0.0, 1.0)[:-1]  # P(stall <= s_k), k < K - 1
+    c = overlap_counts(window, m)[1:]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        wq = (Q[None, :] ** c[:, None]).sum(axis=0) if len(c) else np.zeros(len(Q))  # (K - 1,)
+    ds = np.diff(s, axis=1) * wq[None, :]
+    inc = np.concatenate([np.zeros((len(s), 1)), np.cumsum(ds, axis=1)], axis=1)
+    return bubble + inc
+
+
+def _estimate_group(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
+                    params: CostParams) -> dict[str, np.ndarray]:
+    dist = work.lengths
+    assert dist is not None
+    L, p = dist.arrays
+    anchors = anchor_lengths(dist.lengths)
+    W = interpolation(dist.lengths, anchors)  # (K, A)
+    ests, ts, ss = [], [], []
+    for x in anchors:
+        e, t, s = _per_length(model, cluster, work, cols, params, x)
+        ests.append(e)
+        ts.append(t)
+        ss.append(s)
+    top = ests[-1]  # the longest length: memory, fits, the plan's checks
+
+    def per(key: str) -> np.ndarray:  # (rows, K) a per-length term at every length
+        return np.stack([e[key] for e in ests], axis=1) @ W.T
+
+    micro = np.asarray(top["microbatches"]).astype(np.int64)
+    t = np.stack(ts, axis=1) @ W.T
+    stall = np.stack(ss, axis=1) @ W.T
+    step = per("step_time_s")
+    bub = per("time.bubble")
+    rest = step - micro[:, None] * t - bub
+    n = len(micro)
+    G = work.global_batch
+    mb = np.asarray(cols["micro_batch"]).astype(np.int64)
+    dp = np.asarray(cols["dp"]).astype(np.int64)
+    window = stall_window(cols)
+    gpipe = (np.asarray(cols["schedule"]) == "gpipe") | (np.asarray(cols["pp"]) == 1)
+    expected, even = np.empty(n), np.empty(n)
+    qbar = np.empty((n, len(L)))
+    keys = np.stack([micro, mb, dp, np.where(np.isfinite(window), window * 1000, -1).astype(np.int64)], axis=1)
+    for key in np.unique(keys, axis=0).tolist():
+        m_, b_, d_, _ = key
+        rows = np.nonzero((keys == np.asarray(key)[None, :]).all(axis=1))[0]
+        w_ = float(window[rows[0]])
+        tr, br, sr, rr = t[rows], bub[rows], stall[rows], rest[rows]
+        if dist.packing == "bucketed":
+            sr = np.where(gpipe[rows, None], br, sr)  # a flow shop: fill and drain at the longest
+            e_, v_, q_ = replica_bucketed(tr, br, sr, rr, p, d_, m_, b_)
+        else:
+            q_ = microbatch_probs(p, b_)
+            v_ = m_ * (tr @ q_) + (br + rr) @ q_
+            e_ = np.empty(len(rows))
+            g = gpipe[rows]
+            if g.any():  # a flow shop: fill and drain once, at the replica's longest micro-batch
+                e_[g] = replica_padded(tr[g], br[g], q_, m_, d_)[0]
+            if (~g).any():  # each micro-batch heavier than those in flight stalls the pipeline again
+                e_[~g] = replica_padded_pipeline(tr[~g], br[~g], sr[~g], q_, m_, d_, w_)
+            e_ = e_ + rr @ q_
+        expected[rows], even[rows], qbar[rows] = e_, v_, q_
+    expected = np.maximum(expected, even)  # E[max] >= the mean (guards rounding in the mixture)
+    out = dict(top)
+    for k in [k for k in top if k.startswith("time.")]:
+        out[k] = (per(k) * qbar).sum(axis=1)
+    out["time.imbalance"] = expected - even
+    out["step_time_s"] = expected
+    out["step_time_even_s"] = even
+    out["imbalance_s"] = expected - even
+    out["tokens_per_s"] = work.tokens / expected
+    # model FLOPs of the real samples, each at its own length (padding is not useful work)
+    ngpu = np.asarray(top["num_gpus"], dtype=float)
+    mf = per("tflops_per_gpu") * step * ngpu[:, None]  # TFLOP per step of a batch of L_j-length samples
+    hf = per("hfu") / np.maximum(per("mfu"), 1e-300) * mf
+    real_mf, real_hf = mf @ p, hf @ p
+    out["tflops_per_gpu"] = real_mf / expected / ngpu
+    peak = np.asarray(top["tflops_per_gpu"]) / np.maximum(np.asarray(top["mfu"]), 1e-300)
+    out["mfu"] = out["tflops_per_gpu"] / peak
+    out["hfu"] = real_hf / expected / ngpu / peak
+    low, high = step_band(expected, cols["pp"], params)
+    out["step_time_s_low"], out["step_time_s_high"] = low, high
+    out["time_to_target_s"] = expected * np.asarray(top["token_factor"])
+    for k in ("outer_sync_s", "straggler_sync_s"):
+        out[k] = (per(k) * qbar).sum(axis=1)
+    padded = G * (qbar @ L.astype(float))
+    out["padded_tokens"] = padded
+    out["padding_fraction"] = 1.0 - work.tokens / padded
+    return out
+
+
+def report_from_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, r: dict[str, np.ndarray], i: int,
+                        params: CostParams = DEFAULT_PARAMS) -> CostReport:
+    """Row ``i`` of estimate_lengths_batch as a CostReport: time carries 'imbalance'."""
+    from meshplan.cost.step import report_from_row
+    rep = report_from_row(model, cluster, r, i, params)
+    time = dict(rep.time) | {"imbalance": float(r["time.imbalance"][i])}
+    exposed = {k: v for k, v in time.items() if not k.endswith("_overlapped")}
+    return dataclasses.replace(rep, time=time, dominant=max(exposed, key=exposed.__getitem__))
+
+
+def estimate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                     params: CostParams = DEFAULT_PARAMS) -> CostReport:
+    """cost.estimate for a workload with a length distribution (the plan checked the same way)."""
+    from meshplan.cost.step import check
+    check(model, cluster, plan, work)
+    check_model(model, work)
+    r = estimate_lengths_batch(model, cluster, work, [plan], params)
+    return report_from_lengths(model, cluster, r, 0, params)
+
+
+def lengths_summary(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                    params: CostParams = DEFAULT_PARAMS) -> dict[str, Any]:
+    """The length terms of one plan (for --json and the text views): the distribution, the
+    expected step, the even-load step, the imbalance, padding."""
+    r = estimate_lengths_batch(model, cluster, work, [plan], params)
+    d = work.lengths
+    return {"lengths": d.text() if d else str(work.seq_len), "packing": d.packing if d else "padded",
+            "mean_length": d.mean_len if d else float(work.seq_len), "max_length": work.seq_len,
+            "expected_step_s": float(r["step_time_s"][0]), "step_time_even_s": float(r["step_time_even_s"][0]),
+            "imbalance_s": float(r["imbalance_s"][0]), "padding_fraction": float(r["padding_fraction"][0]),
+            "real_tokens_per_step": int(work.tokens), "padded_tokens_per_step": float(r["padded_tokens"][0])}
+
+
+def dist_of(work: Workload) -> LengthDist | None:
+    return work.lengths
