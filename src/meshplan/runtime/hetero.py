@@ -63,8 +63,8 @@ def replica_rows(plan: Plan, global_batch: int) -> tuple[int, ...]:
                 raise MeshplanError(f"--global-batch {global_batch} is not divisible by dp x micro_batch = "
                                     f"{plan.dp} x {m}", hint="change the batch or the plan")
             raise MeshplanError(
-                f"dp_shares={_shares_text(plan)} gives replica {r} {got} of the {global_batch} samples of "
-                f"--global-batch {global_batch} (share {s} of {total}): {what}",
+                f"dp_shares={_shares_text(plan)}: replica {r}'s share of --global-batch {global_batch} is {got} "
+                f"samples ({s}/{total} of it): {what}",
                 hint=f"use a --global-batch that is a multiple of {unit} (sum of the replicas' shares x "
                      f"micro_batch), or change dp_shares or micro_batch")
         out.append(rows)
@@ -116,8 +116,9 @@ def check_shares(plan: Plan, global_batch: int, *, periodic_ok: bool = False) ->
                                 + ", ".join(few[:4]), hint="raise --global-batch, lower micro_batch, or use 1f1b")
 
 
-def shares_note(plan: Plan, global_batch: int) -> str | None:
-    """What rank 0 says about uneven shares (None: even)."""
+def shares_note(plan: Plan, global_batch: int, varied: bool = False) -> str | None:
+    """What rank 0 says about uneven shares (None: even); ``varied``: samples of several lengths
+    (their micro-batches are weighted by real tokens instead)."""
     if plan.dp_shares is None:
         return None
     rows = replica_rows(plan, global_batch)
@@ -126,9 +127,10 @@ def shares_note(plan: Plan, global_batch: int) -> str | None:
     m = plan.micro_batch
     parts = ", ".join(f"{r}: {n} ({n // m} micro-batch{'es' if n // m != 1 else ''})" for r, n in enumerate(rows[:8]))
     more = f", ... ({len(rows)} replicas)" if len(rows) > 8 else ""
+    weight = ("by dp x its real tokens / the global batch's real tokens" if varied else
+              f"by dp x micro_batch / global batch = {plan.dp * m}/{global_batch}")
     return (f"dp_shares={_shares_text(plan)}: samples per replica {parts}{more}; each micro-batch's loss weighted "
-            f"by dp x micro_batch / global batch = {plan.dp * m}/{global_batch}, so the gradient is the global "
-            "batch's mean")
+            f"{weight}, so the gradient is the global batch's mean")
 
 
 # ---- pools -------------------------------------------------------------------------------------
@@ -177,7 +179,8 @@ def pools_note(plan: Plan, device_type: str = "cpu") -> str | None:
     placed = pool_ranks(plan)
     if not placed:
         return None
-    where = "; ".join(f"{name}: ranks {_ranges(ranks)} ({what})" for name, what, ranks in placed)
+    where = "; ".join(f"{name}: rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)} ({what})"
+                      for name, what, ranks in placed)
     hw = "CPU ranks" if device_type == "cpu" else f"{device_type} devices"
     return (f"pools (placement only): {where}. All {hw} here run on the same hardware at the same speed: the pools' "
             "GPU types are emulated only by the cost model and the simulator (per-rank speed); the training math is "
@@ -304,8 +307,9 @@ def lengths_note(plan: Plan, dist: LengthDist | None) -> str | None:
         return (f"--seq-len {dist.source or dist.text()}: one length ({dist.max_len}); every sample has it, "
                 f"--packing {dist.packing} changes nothing")
     what = {"padded": "each micro-batch padded to its longest sample",
-            "bucketed": "the step's samples sorted by length, micro-batch j to replica j mod dp, each padded to its "
-                        "longest sample",
+            "bucketed": "the step's samples sorted by length, cut into micro-batches in that order, micro-batch j to "
+                        "replica j mod dp (round-robin over the replicas with room, with dp_shares), each padded to "
+                        "its longest sample",
             "packed": f"documents concatenated into windows of {dist.max_len} tokens (causal over the window)"}
     tail = ("; the loss is the mean over the real tokens of the global batch" if dist.packing != "packed" else "")
     pp = (f"; pp={plan.pp}: the pipeline needs one shape, so every micro-batch is padded to {dist.max_len}"

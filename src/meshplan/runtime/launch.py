@@ -737,7 +737,8 @@ def worker_main(job: Job) -> int:
     trainer = Trainer(job.config(), mesh, device)
     if rank0:  # heterogeneous hardware and data (runtime/hetero.py): what this run does of them
         from meshplan.runtime import hetero
-        for note in (hetero.pools_note(job.plan, device.type), hetero.shares_note(job.plan, job.global_batch),
+        for note in (hetero.pools_note(job.plan, device.type),
+                     hetero.shares_note(job.plan, job.global_batch, trainer.model.varied),
                      hetero.lengths_note(job.plan, job.lengths)):
             if note:
                 print(f"meshplan: note: {note}", file=sys.stderr, flush=True)
