@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tp=..,pp=..,dp=..,micro_batch=..,... or a plan file from `meshplan plan --out`, which "
                          "also gives the model, cluster, global batch and seq len")
     es.add_argument("--global-batch", type=positive_int("--global-batch"), help="sequences per step" + FROM_FILE)
-    es.add_argument("--seq-len", type=positive_int("--seq-len"),
-                    help="tokens per sequence (default: the plan file's, else the model's)")
+    from meshplan.cli.lengths_arg import SEQ_LEN_HELP, add_packing, seq_len_type
+    es.add_argument("--seq-len", type=seq_len_type, help=SEQ_LEN_HELP)
+    add_packing(es)
     add_override(es)
     add_cost_flags(es, policy=True)
     es.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -100,25 +101,39 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from meshplan.cli import pools_cmd
     from meshplan.cli.costing import costing
     from meshplan.cli.format import json_text
+    from meshplan.cli.lengths_arg import lengths_of, no_pools
     from meshplan.cli.model_arg import as_problem
     from meshplan.cli.planfile import resolve
     from meshplan.cli.views import estimate_text
     from meshplan.cost import estimate
+    lengths = lengths_of(args)  # a --seq-len distribution (or the plan file's), before the file is resolved
     if pools_cmd.is_pooled(getattr(args, "cluster", None)):
+        no_pools(lengths)
         return pools_cmd.run_estimate(args)
     cost = costing(args)
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
-    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len)
-    report = estimate(model, cluster, plan, work, cost.params)
+    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths)
+    extra: dict = {}
+    if work.lengths is not None:
+        from meshplan.cost.lengths import estimate_lengths, lengths_summary
+        no_pools(lengths, plan)
+        report = estimate_lengths(model, cluster, plan, work, cost.params)
+        extra = {"lengths": lengths_summary(model, cluster, plan, work, cost.params)}
+    else:
+        report = estimate(model, cluster, plan, work, cost.params)
     if args.json:
         from meshplan.cli.views import runtime_status
         out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
                                   "global_batch": work.global_batch, "seq_len": work.seq_len,
-                                  "runtime": runtime_status(model, plan, work)} | cost.to_json()
+                                  "runtime": runtime_status(model, plan, work)} | extra | cost.to_json()
         print(json_text(out))
     else:
-        print("\n".join(cost.lines() + [estimate_text(model, cluster, plan, work, report, cost.params)]))
+        text = estimate_text(model, cluster, plan, work, report, cost.params)
+        if extra:
+            from meshplan.cli.lengths_arg import insert_lines
+            text = insert_lines(text, extra["lengths"])
+        print("\n".join(cost.lines() + [text]))
     return 0
 
 

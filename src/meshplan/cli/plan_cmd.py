@@ -45,8 +45,9 @@ def add_parser(sub: Any, positive_int: Any) -> None:
                          "and links (e.g. h100-sxm-80gb)")
     pl.add_argument("--global-batch", type=positive_int("--global-batch"), required=True, action=Once,
                     help="sequences per step")
-    pl.add_argument("--seq-len", type=positive_int("--seq-len"), action=Once,
-                    help="tokens per sequence (default: the model's)")
+    from meshplan.cli.lengths_arg import SEQ_LEN_HELP, add_packing, seq_len_type
+    pl.add_argument("--seq-len", type=seq_len_type, action=Once, help=SEQ_LEN_HELP)
+    add_packing(pl, Once)
     pl.add_argument("--top", type=positive_int("--top"), default=5, action=Once, help="plans to show (default 5)")
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
     from meshplan.cli.costing import add_cost_flags
@@ -375,7 +376,10 @@ def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any
     clusters = [cost.cluster(c) for c in cluster_sizes(args)]
     tokens = train_tokens(args.train_tokens)
     deadline = deadline_days(args, tokens)
-    model, work = as_problem(load_model_arg(args.model, seq_len=args.seq_len), args.global_batch, args.seq_len)
+    from meshplan.cli.lengths_arg import lengths_of
+    lengths = lengths_of(args)  # --seq-len as a distribution: plans ranked by the expected step (cost.lengths)
+    seq = args.seq_len if lengths is None else lengths.max_len
+    model, work = as_problem(load_model_arg(args.model, seq_len=seq), args.global_batch, seq, lengths)
     if model.model is not None:
         check_positions(args, model.model, work.seq_len)
     space = search_space(args, clusters[0], model)
@@ -786,6 +790,9 @@ def _text(result: Any, tokens: float | None, price: dict[str, Any] | None = None
              f"{', '.join(str(x.num_gpus) for x in c)} x {c[0].gpu.name}")
     lines = [(f"model {result.model.name} on {where}, global batch {result.work.global_batch} x "
               f"{result.work.seq_len} tokens (objective: {result.objective})")]
+    if result.work.lengths is not None:  # a length distribution: the plans are ranked by the expected step
+        from meshplan.cli.lengths_arg import dist_line
+        lines[0] = dist_line(result)
     if price is not None:
         lines.append(price_line(price))
     if result.deadline_days is not None:
@@ -856,6 +863,8 @@ def _write_out(path: str, result: Any, cost: dict[str, str | None] | None = None
     best = result.best
     model = getattr(result.model, "source", None) or result.model.name  # an ingested graph: how to rebuild it
     extra = {k: v for k, v in (cost or {}).items() if v}  # --profile / --calibration as given
+    lengths = result.work.lengths  # a distribution: recorded beside its longest length (cli.lengths_arg reads it)
+    extra |= {"lengths": lengths.text(), "packing": lengths.packing} if lengths is not None else {}
     doc = plan_document(best.plan, model=model, cluster=best.cluster.name,
                         global_batch=result.work.global_batch, seq_len=result.work.seq_len,
                         **spec_fields(result.model, best.cluster), predicted=best.report.to_dict(), **extra)
@@ -887,6 +896,8 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.cli import pools_cmd
     from meshplan.cli.costing import costing
     if pools_cmd.is_pooled(args.cluster):
+        from meshplan.cli.lengths_arg import lengths_of, no_pools
+        no_pools(lengths_of(args))
         return pools_cmd.run_plan(args)
     if args.plot is not None:
         from meshplan.sim.output import check_plot_path
@@ -918,6 +929,9 @@ def run(args: argparse.Namespace) -> int:
             doc["train"] = [train_cost(tokens, p) for p in result.plans]
         if miss is not None:
             doc["deadline_miss"] = miss
+        if work.lengths is not None:
+            from meshplan.cli.lengths_arg import lengths_json
+            doc["lengths"] = lengths_json(result, cost.params)
         print(json_text(doc))
     else:
         print("\n".join(cost.lines() + [_text(result, tokens, price)]))

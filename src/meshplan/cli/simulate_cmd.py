@@ -31,9 +31,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "the model, cluster, global batch and seq len")
     p.add_argument("--global-batch", type=positive_int("--global-batch"),
                    help="sequences (samples, for an ingested model) per step" + FROM_FILE)
-    p.add_argument("--seq-len", type=positive_int("--seq-len"),
+    from meshplan.cli.lengths_arg import add_packing, seq_len_type
+    p.add_argument("--seq-len", type=seq_len_type,
                    help="tokens per sequence (default: the plan file's, else the model's; an ingested model "
-                        "is traced at it)")
+                        "is traced at it), or a distribution of sample lengths (2048:0.6,8192:0.3,32768:0.1 or a "
+                        "histogram file): --batches sampled steps are simulated (sim.varlen)")
+    add_packing(p)
+    p.add_argument("--batches", type=positive_int("--batches"), default=100,
+                   help="with a --seq-len distribution: sampled global batches to simulate (default 100)")
+    p.add_argument("--seed", type=int, default=0, help="with a --seq-len distribution: the sampling seed (default 0)")
     add_override(p)
     from meshplan.cli.costing import add_cost_flags
     add_cost_flags(p, policy=True)
@@ -51,7 +57,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         check_plot_path(args.plot)  # before any work: the format can be written (matplotlib if not .svg)
     from meshplan.cli import pools_cmd
+    from meshplan.cli.lengths_arg import lengths_of, no_pools
+    lengths = lengths_of(args)  # a --seq-len distribution (or the plan file's), before the file is resolved
     if pools_cmd.is_pooled(getattr(args, "cluster", None)):
+        no_pools(lengths)
         return pools_cmd.run_simulate(args)
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     from meshplan.cli.costing import costing
@@ -60,8 +69,12 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.sim import simulate_plan
     cost = costing(args)
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
-    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len)
+    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths)
     check(model, cluster, plan, work)
+    if work.varied:  # sampled batches of the distribution (sim.varlen)
+        from meshplan.cli.lengths_arg import simulate_lengths_cmd
+        no_pools(lengths, plan)
+        return simulate_lengths_cmd(args, model, cluster, plan, work, cost)
     with slow_step("simulating the step"):
         res, sim_summary = simulate_plan(model, cluster, plan, work, cost.params)
     if args.trace:

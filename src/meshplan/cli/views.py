@@ -13,7 +13,7 @@ TIME_LABELS = {
     "cp_comm": "CP communication", "ep_comm": "EP all-to-all", "dp_comm": "DP/FSDP communication",
     "pp_comm": "pipeline send/recv", "offload": "parameter offload (PCIe)", "bubble": "pipeline bubble",
     "optimizer": "optimizer step", "outer_sync": "outer sync (amortised)", "straggler": "straggler wait",
-    "overhead": "fixed overhead",
+    "overhead": "fixed overhead", "imbalance": "length imbalance",
 }
 
 

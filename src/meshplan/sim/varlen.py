@@ -65,6 +65,10 @@ class VarlenResult:
     lengths: str
     per_length: dict[int, float] = field(default_factory=dict)
     """The simulated step of a batch of one length (every sample of that length), per length."""
+    example: SimSpec | None = None
+    """The first sampled batch's slowest replica (for a trace or a plot)."""
+    example_lengths: list[int] = field(default_factory=list)
+    """Its micro-batches' padded lengths, in the order it runs them."""
 
     @property
     def mean_s(self) -> float:
@@ -163,11 +167,12 @@ def simulate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
     pieces = _Lengths(model, cluster, plan, work.global_batch, params)
     per_length = {}
     if dist is None or not work.varied:
-        step = simulate(pieces.get(work.seq_len)[1]).step_time_s
+        spec = pieces.get(work.seq_len)[1]
+        step = simulate(spec).step_time_s
         steps = np.full(batches, step)
         per_length[work.seq_len] = step
-        return VarlenResult(steps, steps.copy(), batches, seed,
-                            dist.packing if dist else "padded", dist.text() if dist else str(work.seq_len), per_length)
+        return VarlenResult(steps, steps.copy(), batches, seed, dist.packing if dist else "padded",
+                            dist.text() if dist else str(work.seq_len), per_length, spec, [work.seq_len] * m)
     rng = np.random.default_rng(seed)
     memo: dict[tuple[int, ...], float] = {}
 
@@ -177,13 +182,18 @@ def simulate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
         return memo[spec_key]
 
     steps, even = np.empty(batches), np.empty(batches)
+    example: list[int] = []
     for k in range(batches):
         lengths = dist.sample(work.global_batch, rng)
         reps = form_microbatches(lengths, plan.dp, plan.micro_batch, dist.packing)
-        steps[k] = max(run(tuple(r), lambda r=r: replica_spec(pieces, r)) for r in reps)
+        each = [run(tuple(r), lambda r=r: replica_spec(pieces, r)) for r in reps]
+        steps[k] = max(each)
+        if k == 0:
+            example = reps[int(np.argmax(each))]
         flat = [x for r in reps for x in r]
         counts = tuple(int((np.asarray(flat) == L).sum()) for L in dist.lengths)
         even[k] = run((-1, *counts), lambda flat=flat: even_spec(pieces, flat, m))
     for L in dist.lengths:
         per_length[L] = simulate(pieces.get(L)[1]).step_time_s
-    return VarlenResult(steps, even, batches, seed, dist.packing, dist.text(), per_length)
+    return VarlenResult(steps, even, batches, seed, dist.packing, dist.text(), per_length,
+                        replica_spec(pieces, example), example)

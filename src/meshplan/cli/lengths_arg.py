@@ -1,0 +1,215 @@
+"""--seq-len as one length or a distribution of sample lengths, and --packing, for the planning
+commands (estimate, plan, report, simulate; `meshplan train` has its own copy in train_cmd).
+
+``--seq-len 2048:0.6,8192:0.3,32768:0.1`` (length:probability pairs) or a histogram file (CSV rows
+``length,count``, or JSON) is a distribution (spec.lengths); ``--packing padded|bucketed|packed``
+says how samples form micro-batches. The argparse type keeps a distribution as text; ``stash``
+moves it out of ``args.seq_len`` before the plan file is resolved (a plan file records the longest
+length as ``seq_len`` and the distribution as ``lengths`` / ``packing``), ``lengths_of`` parses it
+once --packing is known. Importing this module is cheap.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from meshplan.errors import MeshplanError
+
+PACKING_HELP = ("with a --seq-len distribution: how samples form micro-batches: padded (default: each "
+                "micro-batch padded to its longest sample), bucketed (the step's samples sorted by length "
+                "first, micro-batch j to replica j mod dp) or packed (samples concatenated into windows of the "
+                "longest length)")
+SEQ_LEN_HELP = ("tokens per sequence, or a distribution of sample lengths: length:probability pairs "
+                "(2048:0.6,8192:0.3,32768:0.1) or a histogram file (CSV rows length,count, or JSON); plans are "
+                "priced by the expected step (default: the plan file's, else the model's)")
+DIST_ATTR = "seq_len_dist"
+
+
+def seq_len_type(text: str) -> int | str:
+    """An argparse type: a positive length (int), or a distribution / histogram file (kept as
+    text, parsed by ``lengths_of`` once --packing is known)."""
+    from meshplan.spec.lengths import looks_like_dist
+    t = str(text).strip()
+    if looks_like_dist(t):
+        return t
+    try:
+        v = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or a length distribution, got {text!r}") \
+            from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return v
+
+
+def add_packing(parser: argparse.ArgumentParser, action: Any = None) -> None:
+    kw = {"action": action} if action is not None else {}
+    parser.add_argument("--packing", choices=["padded", "bucketed", "packed"], default=None, help=PACKING_HELP, **kw)
+
+
+def stash(args: argparse.Namespace) -> None:
+    """Move a --seq-len distribution out of ``args.seq_len`` (to ``args.seq_len_dist``) so that the
+    plan file resolves the one length; idempotent."""
+    if isinstance(getattr(args, "seq_len", None), str):
+        setattr(args, DIST_ATTR, args.seq_len)
+        args.seq_len = None
+
+
+def _file_lengths(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(lengths, packing) a plan file given as --plan records (None, None for a plan string)."""
+    from meshplan.cli.planfile import is_file_arg
+    plan = getattr(args, "plan", None)
+    if not is_file_arg(plan):
+        return None, None
+    from meshplan.spec.io import read_data_file
+    data = read_data_file(plan)
+    if "plan" not in data:
+        return None, None
+    text, packing = data.get("lengths"), data.get("packing")
+    if text is not None and not isinstance(text, str):
+        raise MeshplanError(f"{plan}: 'lengths' must be a length:probability string; got {text!r}",
+                            hint="fix the file or give --seq-len")
+    return text, packing if isinstance(packing, str) else None
+
+
+RESOLVED_ATTR = "seq_len_lengths"
+
+
+def lengths_of(args: argparse.Namespace) -> Any:
+    """The LengthDist of --seq-len (with --packing), or of the plan file when --seq-len is not given;
+    None for one length. --packing with one length is an error. Call it before the plan file is
+    resolved into ``args`` (the answer is kept on ``args`` and copies of it)."""
+    if hasattr(args, RESOLVED_ATTR):
+        return getattr(args, RESOLVED_ATTR)
+    out = _lengths_of(args)
+    setattr(args, RESOLVED_ATTR, out)
+    return out
+
+
+def _lengths_of(args: argparse.Namespace) -> Any:
+    from meshplan.spec.lengths import parse_lengths
+    stash(args)
+    text = getattr(args, DIST_ATTR, None)
+    packing = getattr(args, "packing", None)
+    if text is None and getattr(args, "seq_len", None) is None:
+        ftext, fpacking = _file_lengths(args)
+        if ftext is not None:
+            return parse_lengths(ftext, packing or fpacking or "padded")
+    if text is None:
+        if packing is not None:
+            raise MeshplanError(f"--packing {packing} needs a --seq-len distribution (one length: every sample the "
+                                "same, nothing to pack)", hint="e.g. --seq-len 2048:0.6,8192:0.3,32768:0.1 "
+                                                                f"--packing {packing}")
+        return None
+    return parse_lengths(text, packing or "padded")
+
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    """The length terms of one plan (cost.lengths.lengths_summary) as text lines."""
+    from meshplan.cli.format import seconds
+    step, even, imb = s["expected_step_s"], s["step_time_even_s"], s["imbalance_s"]
+    share = f" ({100 * imb / step:.1f}% of the step)" if step > 0 else ""
+    return [f"lengths        {s['lengths']} ({s['packing']}): mean {s['mean_length']:,.0f} tokens, longest "
+            f"{s['max_length']:,}; {s['real_tokens_per_step']:,} real tokens per step, padding "
+            f"{100 * s['padding_fraction']:.1f}% of the tokens computed",
+            f"expected step  {seconds(step)} = {seconds(even)} at even load + {seconds(imb)} lost to imbalance"
+            f"{share} (the slowest data-parallel replica, and pipeline stalls at heavier micro-batches); memory "
+            "for the longest micro-batch"]
+
+
+def insert_lines(text: str, summary: dict[str, Any]) -> str:
+    """``text`` (cli.views.estimate_text) with the length lines after its workload line."""
+    lines = text.split("\n")
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("workload")), len(lines))
+    return "\n".join(lines[:at] + summary_lines(summary) + lines[at:])
+
+
+def no_pools(lengths: Any, plan: Any = None) -> None:
+    """A length distribution on a pooled cluster or with dp_shares / pools is not priced (yet)."""
+    if lengths is None or len(lengths.lengths) == 1 or lengths.packing == "packed":
+        return
+    if plan is None or plan.pools is not None or plan.dp_shares is not None:
+        raise MeshplanError(f"--seq-len {lengths.text()} ({lengths.packing}): a length distribution with GPU pools "
+                            "or dp_shares is not priced",
+                            hint="give one length or --packing packed, or plan without pools")
+
+
+def dist_line(result: Any) -> str:
+    """The first line of `meshplan plan` for a length distribution."""
+    c = result.clusters
+    where = (f"{c[0].num_gpus} x {c[0].gpu.name}" if len(c) == 1 else
+             f"{', '.join(str(x.num_gpus) for x in c)} x {c[0].gpu.name}")
+    d = result.work.lengths
+    return (f"model {result.model.name} on {where}, global batch {result.work.global_batch} samples of lengths "
+            f"{d.text()} ({d.packing}; mean {d.mean_len:,.0f}, longest {d.max_len:,}; objective: {result.objective}, "
+            "by the expected step: 'imbalance' is the time lost to uneven micro-batches and replicas)"
+            + _winner_line(result))
+
+
+def _winner_line(result: Any) -> str:
+    if not result.plans:
+        return ""
+    from meshplan.cli.format import seconds
+    r = result.plans[0].report
+    imb = r.time.get("imbalance", 0.0)
+    return (f"\nthe winner's expected step {seconds(r.step_time_s)}: {seconds(r.step_time_s - imb)} at even load + "
+            f"{seconds(imb)} lost to imbalance; memory for micro-batches of the longest length")
+
+
+def lengths_json(result: Any, params: Any) -> dict[str, Any]:
+    """--json's "lengths": the distribution, and the winner's expected step, even-load step and
+    imbalance (cost.lengths.lengths_summary)."""
+    d = result.work.lengths
+    out: dict[str, Any] = {"lengths": d.text(), "packing": d.packing, "mean_length": d.mean_len,
+                           "max_length": d.max_len}
+    if result.plans:
+        from meshplan.cost.lengths import lengths_summary
+        b = result.plans[0]
+        out["best"] = lengths_summary(result.model, b.cluster, b.plan, result.work, params)
+    return out
+
+
+def simulate_lengths_cmd(args: argparse.Namespace, model: Any, cluster: Any, plan: Any, work: Any, cost: Any) -> int:
+    """`meshplan simulate --seq-len DIST`: --batches sampled steps (sim.varlen) beside the cost
+    model's expected step; --trace / --plot draw the first batch's slowest replica."""
+    import json
+
+    from meshplan.cli.format import seconds, slow_step
+    from meshplan.cost.lengths import lengths_summary
+    from meshplan.sim import simulate, write_plot, write_trace
+    from meshplan.sim.varlen import simulate_lengths
+    with slow_step(f"simulating {args.batches} sampled steps"):
+        res = simulate_lengths(model, cluster, plan, work, cost.params, batches=args.batches, seed=args.seed)
+    est = lengths_summary(model, cluster, plan, work, cost.params)
+    s = res.summary()
+    mean = s["mean_step_s"]
+    out: dict[str, Any] = {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
+                           "global_batch": work.global_batch, "seq_len": work.seq_len} | s | {
+        "analytic": est, "analytic_vs_sim_pct": 100 * (est["expected_step_s"] / mean - 1),
+        "example_replica_lengths": res.example_lengths} | cost.to_json()
+    if args.trace or args.plot:
+        ex = simulate(res.example)
+        title = (f"{model.name} on {cluster.name}: {plan.short()}, the slowest replica of a sampled batch "
+                 f"({work.lengths.text()}, {work.lengths.packing})")
+        if args.trace:
+            write_trace(ex, args.trace)
+        if args.plot:
+            write_plot(ex, args.plot, title=title)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for line in cost.lines():
+        print(line)
+    print(f"simulated {res.batches} sampled steps (seed {res.seed}) of {work.global_batch} samples, lengths "
+          f"{res.lengths} ({res.packing}): mean {seconds(mean)}, p50 {seconds(s['p50_step_s'])}, p90 "
+          f"{seconds(s['p90_step_s'])} (min {seconds(s['min_step_s'])}, max {seconds(s['max_step_s'])})")
+    print(f"at even load (every micro-batch the step's mean) {seconds(s['mean_even_step_s'])}: "
+          f"{seconds(s['imbalance_s'])} lost to imbalance")
+    print(f"cost model: expected step {seconds(est['expected_step_s'])} ({out['analytic_vs_sim_pct']:+.2f}% vs the "
+          f"simulated mean), {seconds(est['step_time_even_s'])} at even load + {seconds(est['imbalance_s'])} "
+          "imbalance")
+    print("a step of one length: " + ", ".join(f"{k}: {seconds(v)}" for k, v in res.per_length.items()))
+    for label, path in (("trace", args.trace), ("plot", args.plot)):
+        if path:
+            print(f"{label} (the first batch's slowest replica): {path}")
+    return 0
