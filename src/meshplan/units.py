@@ -44,3 +44,12 @@ def gib_need(need: float, usable: float) -> str:
     if over > 0:
         text += f" (over by {over:.1f} GiB)" if over >= 0.1 else f" (over by {over:.2g} GiB)"
     return text
+
+
+def human_seconds(t: float) -> str:
+    """Seconds in a readable unit: 1.234 s, 12.34 ms, 5.6 us (the CLI's and the report's form)."""
+    if abs(t) >= 1:
+        return f"{t:.3f} s"
+    if abs(t) >= 1e-3:
+        return f"{t * 1e3:.2f} ms"
+    return f"{t * 1e6:.1f} us"

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from meshplan.errors import MeshplanError
+from meshplan.units import human_seconds as hs
 
 UNSUPPORTED = {"gpus": "--gpus", "deadline": "--deadline", "plot": "--plot", "price_per_gpu_hour":
                "--price-per-gpu-hour"}
@@ -74,9 +75,9 @@ def text(res: Any, model: Any, work: Any) -> str:
              f"searched {res.considered:,} plans in {res.search_time_s:.1f} s (every pool alone, replicas on "
              "every pool, pipeline stages on every pool)", ""]
     lines += res.explanation
-    lines += ["", f"{'step':>9} {'GPUs':>5} {'$/M tok':>8} {'MFU':>5}  plan"]
+    lines += ["", f"{'step':>10} {'GPUs':>5} {'$/M tok':>8} {'MFU':>5}  plan"]
     for e in res.plans:
-        lines.append(f"{e.step_time_s:8.2f}s {e.num_gpus:5d} {e.usd_per_m_tokens:8.3f} {100 * e.mfu:4.0f}%  "
+        lines.append(f"{hs(e.step_time_s):>10} {e.num_gpus:5d} {e.usd_per_m_tokens:8.3f} {100 * e.mfu:4.0f}%  "
                      f"{e.plan.short()}")
     return "\n".join(lines)
 
@@ -120,16 +121,16 @@ def run_estimate(args: argparse.Namespace) -> int:
 def estimate_text(e: Any, pc: Any) -> str:
     lines = [f"plan         {e.plan.short()}",
              f"cluster      {pc.name}: {pc.describe()}",
-             f"step time    {e.step_time_s:.3f} s   ({e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}% of "
+             f"step time    {hs(e.step_time_s)}   ({e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}% of "
              f"the GPUs' own peaks, ${e.usd_per_m_tokens:.3f} per M tokens)",
              f"fits         {'yes' if e.fits else 'NO'}"]
     for p in e.parts:
         lines.append(f"pool {p.name:<8}{p.gpus} of {p.gpus_total} {p.gpu}: {p.role}")
-        lines.append(f"{'':13}own part {p.step_s:.3f} s, waits {p.idle_s:.3f} s, {100 * p.busy_fraction:.0f}% busy, "
+        lines.append(f"{'':13}own part {hs(p.step_s)}, waits {hs(p.idle_s)}, {100 * p.busy_fraction:.0f}% busy, "
                      f"memory {p.peak_memory_gib:.1f} of {p.usable_memory_gib:.1f} GiB"
                      + ("" if p.fits else "  DOES NOT FIT"))
-    lines.append(f"across pools {e.cross_pool_s:.3f} s per step ({e.cross_pool_gb:.2f} GB per GPU over inter_pool)")
-    lines.append(f"imbalance    {e.imbalance_s:.3f} s per step lost waiting for the slowest pool (GPU-weighted)")
+    lines.append(f"across pools {hs(e.cross_pool_s)} per step ({e.cross_pool_gb:.2f} GB per GPU over inter_pool)")
+    lines.append(f"imbalance    {hs(e.imbalance_s)} per step lost waiting for the slowest pool (GPU-weighted)")
     lines += [f"note         {n}" for n in e.notes]
     return "\n".join(lines)
 
@@ -191,5 +192,5 @@ def run_report(args: argparse.Namespace, command: str) -> int:
     if res.best is None:
         print(f"wrote {args.out}: no plan fits on any pool")
     else:
-        print(f"wrote {args.out}: best plan {res.best.plan.short()}, {res.best.step_time_s:.3f} s per step")
+        print(f"wrote {args.out}: best plan {res.best.plan.short()}, {hs(res.best.step_time_s)} per step")
     return 0

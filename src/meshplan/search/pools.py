@@ -31,6 +31,7 @@ from meshplan.spec.cluster import PooledCluster
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
+from meshplan.units import human_seconds
 
 KINDS = {"replicas on pools": "pool_dp", "stages on pools": "pool_pp"}
 """The kinds of plan over several pools, by the Plan field that places them."""
@@ -299,8 +300,12 @@ def _apportion(total: int, weights: list[float]) -> list[int]:
     return out
 
 
+def _s(t: float) -> str:
+    return human_seconds(t)
+
+
 def _fmt(e: PooledEstimate) -> str:
-    return f"{e.step_time_s:.2f} s per step ({e.plan.short()})"
+    return f"{_s(e.step_time_s)} per step ({e.plan.short()})"
 
 
 def explain(r: PooledResult) -> list[str]:
@@ -312,12 +317,11 @@ def explain(r: PooledResult) -> list[str]:
         return lines
     used = best.plan.pools or ()
     alone = {k: v for k, v in r.alone.items() if v is not None}
-    fastest_alone = min(alone.values(), key=lambda e: e.step_time_s) if alone else None
     if len(used) > 1:
-        lines.append(f"uses {len(used)} pools ({', '.join(used)}): {best.step_time_s:.2f} s per step")
+        lines.append(f"uses {len(used)} pools ({', '.join(used)}): {_s(best.step_time_s)} per step")
         for p in best.parts:
-            lines.append(f"  {p.name} ({p.gpus} of {p.gpus_total} {p.gpu}): {p.role}; its own part {p.step_s:.2f} s, "
-                         f"waits {p.idle_s:.2f} s for the slowest pool, {100 * p.busy_fraction:.0f}% busy, "
+            lines.append(f"  {p.name} ({p.gpus} of {p.gpus_total} {p.gpu}): {p.role}; its own part {_s(p.step_s)}, "
+                         f"waits {_s(p.idle_s)} for the slowest pool, {100 * p.busy_fraction:.0f}% busy, "
                          f"{p.peak_memory_gib:.1f} of {p.usable_memory_gib:.1f} GiB")
         if best.plan.pool_dp is not None and best.plan.dp_shares is not None:
             shares = ":".join(map(str, best.plan.dp_shares))
@@ -326,9 +330,9 @@ def explain(r: PooledResult) -> list[str]:
         if best.plan.pool_pp is not None:
             lines.append(f"  stage_layers={':'.join(map(str, best.plan.stage_layers or ()))}: more layers on the "
                          "faster pool's stages, so that every stage takes about as long")
-        lines.append(f"  across pools: {best.cross_pool_s:.3f} s per step ({best.cross_pool_gb:.2f} GB per GPU over "
+        lines.append(f"  across pools: {_s(best.cross_pool_s)} per step ({best.cross_pool_gb:.2f} GB per GPU over "
                      f"inter_pool at {r.cluster.inter_pool.bandwidth_gbps:g} GB/s); time lost to imbalance "
-                     f"{best.imbalance_s:.2f} s per step (GPU-weighted)")
+                     f"{_s(best.imbalance_s)} per step (GPU-weighted)")
         for name, e in alone.items():
             gain = 100 * (1 - best.step_time_s / e.step_time_s)
             lines.append(f"  vs {name} alone ({e.num_gpus} GPUs): {_fmt(e)}: the pools together are "
@@ -341,16 +345,16 @@ def explain(r: PooledResult) -> list[str]:
                          "own GPUs' memory)")
         else:
             lines.append(f"  the best plan over several pools is slower: {_fmt(m)} (across pools "
-                         f"{m.cross_pool_s:.3f} s, imbalance {m.imbalance_s:.2f} s per step, slowest pool "
-                         f"{max(p.step_s for p in m.parts):.2f} s)")
+                         f"{_s(m.cross_pool_s)}, imbalance {_s(m.imbalance_s)} per step, slowest pool "
+                         f"{_s(max(p.step_s for p in m.parts))})")
             for p in m.parts:
-                lines.append(f"    {p.name}: {p.role}, {p.step_s:.2f} s")
+                lines.append(f"    {p.name}: {p.role}, {_s(p.step_s)}")
     for kind, e in r.best_by_kind.items():
         if e is None:
             lines.append(f"  {kind}: no plan fits with memory headroom")
         elif e is not best:
             slow = max(e.parts, key=lambda p: p.step_s)
-            lines.append(f"  best with {kind}: {_fmt(e)}: {e.step_time_s - best.step_time_s:+.2f} s; its slowest "
-                         f"pool ({slow.name}: {slow.role}) takes {slow.step_s:.2f} s, across pools "
-                         f"{e.cross_pool_s:.3f} s, imbalance {e.imbalance_s:.2f} s")
+            lines.append(f"  best with {kind}: {_fmt(e)}: {'+' if e.step_time_s >= best.step_time_s else '-'}{_s(abs(e.step_time_s - best.step_time_s))}; its slowest "
+                         f"pool ({slow.name}: {slow.role}) takes {_s(slow.step_s)}, across pools "
+                         f"{_s(e.cross_pool_s)}, imbalance {_s(e.imbalance_s)}")
     return lines
