@@ -355,7 +355,8 @@ def explain(r: PooledResult) -> list[str]:
         elif e is not best:
             slow = max(e.parts, key=lambda p: p.step_s)
             sign = "+" if e.step_time_s >= best.step_time_s else "-"
-            lines.append(f"  best with {kind}: {_fmt(e)}: {sign}{_s(abs(e.step_time_s - best.step_time_s))}; its slowest "
+            gap = _s(abs(e.step_time_s - best.step_time_s))
+            lines.append(f"  best with {kind}: {_fmt(e)}: {sign}{gap}; its slowest "
                          f"pool ({slow.name}: {slow.role}) takes {_s(slow.step_s)}, across pools "
                          f"{_s(e.cross_pool_s)}, imbalance {_s(e.imbalance_s)}")
     return lines
