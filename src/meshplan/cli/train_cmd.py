@@ -219,6 +219,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from meshplan.runtime import launch
     # --plan FILE: model, global batch and seq len from the file (written back into args for the workers);
     # a --seq-len distribution replaces the file's one length
+    if args.seq_len is None:  # a plan file that records a length distribution (cli/lengths_arg.py writes it)
+        from meshplan.cli.lengths_arg import _file_lengths
+        text, packing = _file_lengths(args)
+        if text is not None:
+            args.seq_len = text
+            if getattr(args, "packing", None) is None and packing is not None:
+                args.packing = packing
     dist_text = args.seq_len if isinstance(args.seq_len, str) else None
     if dist_text is not None:
         args.seq_len = None
