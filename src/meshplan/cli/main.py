@@ -115,13 +115,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
     model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths)
     extra: dict = {}
-    if work.lengths is not None:
-        from meshplan.cost.lengths import estimate_lengths, lengths_summary
+    if work.varied:  # the expected step over the length distribution (cost.lengths)
+        from meshplan.cost.lengths import estimate_lengths
         no_pools(lengths, plan)
         report = estimate_lengths(model, cluster, plan, work, cost.params)
-        extra = {"lengths": lengths_summary(model, cluster, plan, work, cost.params)}
     else:
         report = estimate(model, cluster, plan, work, cost.params)
+    if work.lengths is not None and plan.pools is None and plan.dp_shares is None:
+        from meshplan.cost.lengths import lengths_summary
+        extra = {"lengths": lengths_summary(model, cluster, plan, work, cost.params)}
     if args.json:
         from meshplan.cli.views import runtime_status
         out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),

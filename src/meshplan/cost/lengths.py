@@ -296,28 +296,35 @@ def replica_padded(t: np.ndarray, bub: np.ndarray, q: np.ndarray, m: int, n: Any
         top = K - 1 - np.argmax(N[:, ::-1] > 0, axis=1)  # index of the longest micro-batch
         R = t @ N.T.astype(float) + bub[:, top]
         return emax_discrete(R, w, n), mean
-    # a normal for S given the longest micro-batch M = L_j (exact conditional moments), mixed over j
-    mus, sds, ws = [], [], []
-    for j in range(K):
-        if pM[j] <= 1e-15:
-            continue
-        qj = q[:j + 1] / Q[j]
-        mu_j = t[:, :j + 1] @ qj
-        var_j = (t[:, :j + 1] ** 2) @ qj - mu_j ** 2
-        A1 = Q[j] ** m
-        e1, e2 = A1 * m * mu_j, A1 * (m * var_j + (m * mu_j) ** 2)
-        if j > 0:
-            qi = q[:j] / Q[j - 1]
-            mu_i = t[:, :j] @ qi
-            var_i = (t[:, :j] ** 2) @ qi - mu_i ** 2
-            A0 = Q[j - 1] ** m
-            e1, e2 = e1 - A0 * m * mu_i, e2 - A0 * (m * var_i + (m * mu_i) ** 2)
-        cm = e1 / pM[j]
-        cv = np.maximum(e2 / pM[j] - cm ** 2, 0.0)
-        mus.append(cm + bub[:, j])
-        sds.append(np.sqrt(cv))
-        ws.append(pM[j])
-    return emax_mixture(np.stack(mus, 1), np.stack(sds, 1), np.asarray(ws), n), mean
+    return emax_longest_exact(t, bub, q, m, n), mean
+
+
+def emax_longest_exact(t: np.ndarray, bub: np.ndarray, q: np.ndarray, m: int, n: Any) -> np.ndarray:
+    """E[max over n replicas] of R = sum of m micro-batch times + bub at the longest, with the count
+    c of micro-batches of the longest length exact (Binomial(m, q_K): the rare, costly ones that
+    skew R) and the other m - c micro-batches' sum a normal (their exact mean and variance); bub
+    is bub_K when c > 0, else its mean over the others' longest. A mixture of normals, integrated."""
+    K = t.shape[1]
+    if K == 1:
+        return m * t[:, 0] + bub[:, 0]
+    qK = float(q[-1])
+    lf = _log_factorials(m)
+    c = np.arange(m + 1)
+    with np.errstate(divide="ignore"):
+        logw = lf[m] - lf[c] - lf[m - c] + c * np.log(qK) + (m - c) * np.log1p(-qK)
+    w = np.exp(logw)
+    keep = np.nonzero(w > 1e-12 * w.max())[0]
+    qr = q[:-1] / max(1e-300, 1.0 - qK)
+    mu = t[:, :-1] @ qr
+    var = np.maximum((t[:, :-1] ** 2) @ qr - mu ** 2, 0.0)
+    Qr = np.clip(np.cumsum(qr), 0.0, 1.0)
+    Qr[-1] = 1.0
+    pM = np.diff(np.concatenate([[0.0], Qr ** m]))  # the others' longest when none is of length L_K
+    bub0 = bub[:, :-1] @ pM
+    cc = c[keep].astype(float)
+    means = cc[None, :] * t[:, -1:] + (m - cc)[None, :] * mu[:, None] + np.where(cc > 0, bub[:, -1:], bub0[:, None])
+    sds = np.sqrt((m - cc)[None, :] * var[:, None])
+    return emax_mixture(means, sds, w[keep] / w[keep].sum(), n)
 
 
 def _all_from(A: np.ndarray, c: float, M: int) -> np.ndarray:
