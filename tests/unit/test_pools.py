@@ -245,3 +245,24 @@ def test_cli_estimate_with_an_unknown_pool(capsys):
     rc, out, err = _run(capsys, "estimate", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "64",
                         "--plan", "dp=8,pools=h200:a100,pool_dp=4:4")
     assert rc == 2 and "no pool named 'h200'" in err and "h100, a100" in err
+
+
+def test_uneven_shares_under_zero3_are_priced_as_the_runtime_runs_them(llama8b):
+    """The runtime keeps parameters gathered for the step when replicas run different numbers of
+    micro-batches (zero=2/3 with uneven shares): priced as zero=1, and said."""
+    c = load_cluster("h100-sxm-80gb:16")
+    w = Workload(global_batch=32, seq_len=4096)
+    z3 = estimate(llama8b, c, parse_plan("tp=8,dp=2,zero=3,micro_batch=1,dp_shares=3:1"), w)
+    z1 = estimate(llama8b, c, parse_plan("tp=8,dp=2,zero=1,micro_batch=1,dp_shares=3:1"), w)
+    assert z3.peak_memory_gib == pytest.approx(z1.peak_memory_gib) and any("priced as zero=1" in n for n in z3.notes)
+    even = estimate(llama8b, c, parse_plan("tp=8,dp=2,zero=3,micro_batch=1,dp_shares=1:1"), w)
+    assert even.peak_memory_gib < z3.peak_memory_gib  # even shares: real zero=3
+
+
+def test_batch_check_follows_the_shares():
+    from meshplan.spec.constraints import violations
+    m, c = load_model("llama3-8b"), load_cluster("h100-sxm-80gb:16")
+    ok = violations(m, c, parse_plan("tp=8,dp=2,micro_batch=2,dp_shares=3:1"), Workload(global_batch=8, seq_len=4096))
+    assert not [r for r in ok if "split" in r[1] or "divisible" in r[1]]
+    bad = violations(m, c, parse_plan("tp=8,dp=2,micro_batch=2,dp_shares=3:1"), Workload(global_batch=4, seq_len=4096))
+    assert any("whole micro-batches" in r[1] for r in bad)

@@ -128,6 +128,16 @@ def replica_samples(plan: Plan, global_batch: int) -> list[int]:
     return out
 
 
+def as_run(plan: Plan) -> tuple[Plan, list[str]]:
+    """The plan as meshplan's runtime runs it: uneven dp_shares under zero=2/3 keep the parameters
+    gathered for the step (the replicas make different numbers of collectives), i.e. zero=1."""
+    if plan.zero >= 2 and plan.dp_shares is not None and len(set(plan.replica_shares)) > 1:
+        return plan.replace(zero=1), [f"uneven dp_shares with zero={plan.zero}: the runtime keeps the parameters "
+                                      "gathered for the step (its replicas run different numbers of micro-batches), "
+                                      "so it is priced as zero=1"]
+    return plan, []
+
+
 def pool_cluster(pool: ClusterSpec, gpus: int) -> ClusterSpec:
     """The part of ``pool`` a plan uses: ``gpus`` GPUs on whole nodes (the pool's links)."""
     per = pool.gpus_per_node
@@ -137,6 +147,8 @@ def pool_cluster(pool: ClusterSpec, gpus: int) -> ClusterSpec:
 
 
 def _sub_plan(plan: Plan, dp: int) -> Plan:
+    """A pool's replicas as a plan on that pool: ZeRO/FSDP shards within the pool (a shard_group
+    of the pool's replicas, as the search writes for HSDP across pools, is the whole pool)."""
     sg = plan.shard_group if 0 < plan.shard_group < dp * plan.cp else 0
     return plan.replace(dp=dp, dp_shares=None, pools=None, pool_dp=None, pool_pp=None, shard_group=sg)
 
@@ -158,6 +170,8 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
         pools = [cluster]
     if plan.pool_pp is not None and len(pools) > 1:
         return _estimate_pool_pp(model, cluster, pools, plan, work, params)  # type: ignore[arg-type]
+    given = plan
+    plan, notes = as_run(plan)
     per_pool = list(plan.pool_dp) if plan.pool_dp is not None else [plan.dp]
     samples = replica_samples(plan, work.global_batch)
     shape = plan.tp * plan.pp * plan.cp
@@ -195,7 +209,9 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
     for p in parts:
         p.idle_s = slowest - p.step_s
         p.busy_fraction = (p.step_s * p.busy_fraction + cross_s) / step
-    return _finish(plan, work, pools, parts, step, flops_per_sample * work.global_batch, cross_s, cross_gb)
+    est = _finish(given, work, pools, parts, step, flops_per_sample * work.global_batch, cross_s, cross_gb)
+    est.notes += notes
+    return est
 
 
 def _finish(plan: Plan, work: Workload, pools: list[ClusterSpec], parts: list[PoolPart], step: float,
@@ -368,6 +384,8 @@ def single_type_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan
     plain = plan.replace(pools=None, pool_dp=None, pool_pp=None, dp_shares=None)
     if plan.dp_shares is None or len(set(plan.replica_shares)) == 1:
         return estimate(model, cluster, plain, work, params)
+    ran, run_notes = as_run(plan)
+    plain = plain.replace(zero=ran.zero)
     samples = replica_samples(plan, work.global_batch)
     sub = Workload(global_batch=max(samples) * plan.dp, seq_len=work.seq_len, lengths=work.lengths)
     r = estimate(model, cluster, plain, sub, params)
@@ -377,7 +395,7 @@ def single_type_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan
             f"the step; the one with the fewest idles for {waits} micro-batches' time")
     return dataclasses.replace(r, tokens_per_s=work.tokens / r.step_time_s, tflops_per_gpu=r.tflops_per_gpu * k,
                                mfu=r.mfu * k, hfu=r.hfu * k, microbatches=max(samples) // plan.micro_batch,
-                               notes=[*r.notes, note])
+                               notes=[*r.notes, note, *run_notes])
 
 
 def _cross_send(a: Any, plan: Plan, link: Any, p: CostParams) -> tuple[float, float]:

@@ -164,6 +164,14 @@ def _replicas_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, w
     if len(pools) < 2:
         return None
     n = [p.num_gpus // per for p in pools]
+    if shape.zero >= 1 and len(set(n)) > 1:
+        # ZeRO/FSDP shards within each pool (HSDP across pools: shard_group = a pool's replicas), which
+        # the runtime runs only with as many replicas in every pool: use the smallest pool's count
+        n = [min(n)] * len(n)
+    if shape.zero >= 2:
+        # uneven shares under zero=2/3: the runtime keeps the parameters gathered for the step (its
+        # replicas make different numbers of collectives), as zero=1 does: plan and price it as zero=1
+        shape = shape.replace(zero=1)
     mb = shape.micro_batch
     if work.global_batch % mb:
         return None
@@ -171,7 +179,7 @@ def _replicas_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, w
     if sum(n) > M:
         return None
     base = shape.replace(dp=sum(n), pools=tuple(p.name for p in pools), pool_dp=tuple(n), dp_shares=None,
-                         shard_group=0 if shape.shard_group else 0)
+                         shard_group=n[0] * shape.cp if shape.zero >= 1 else 0)
     # each pool's step as a + b m (m micro-batches per replica), from two evaluations
     lines = []
     for i, pool in enumerate(pools):

@@ -106,6 +106,14 @@ def layers_split(c: Context) -> str | None:
 
 def batch_divides(c: Context) -> str | None:
     p, B = c.plan, c.work.global_batch
+    if p.dp_shares is not None and len(set(p.replica_shares)) > 1:  # uneven: each share whole micro-batches
+        S = sum(p.replica_shares)
+        bad = [s for s in sorted(set(p.replica_shares)) if (B * s) % S or (B * s // S) % p.micro_batch]
+        if bad:
+            return (f"global batch {B} does not split as dp_shares={':'.join(map(str, p.dp_shares))} into whole "
+                    f"micro-batches of {p.micro_batch} per replica (share {bad[0]} of {S} gets {B * bad[0] / S:g} "
+                    "samples)")
+        return None
     per = p.dp * p.micro_batch
     if B % per:
         head = f"global batch {B} is not divisible by dp*micro_batch = {p.dp}*{p.micro_batch}"
