@@ -106,23 +106,27 @@ def test_order_statistics_vs_enumeration(k, n, rnd):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(1, 2), st.integers(1, 2), st.integers(1, 2), st.randoms(use_true_random=False))
-def test_bucketed_vs_enumeration(dp, m, b, rnd):
+@given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 2), st.booleans(), st.randoms(use_true_random=False))
+def test_bucketed_vs_enumeration(dp, m, b, with_drain, rnd):
     """The bucketed expected step = the slowest replica's, every sampled batch enumerated (sorted,
-    cut into micro-batches of b, micro-batch j to replica j mod dp, ascending within a replica)."""
+    cut into micro-batches of b, micro-batch j to replica j mod dp, ascending within a replica):
+    sum t + max(bub, drain) of its last + rest of its last."""
     k = 3
     p = np.array([0.5, 0.3, 0.2])
     t = sorted(rnd.uniform(0.1, 5.0) for _ in range(k))
     bub = sorted(rnd.uniform(0.0, 2.0) for _ in range(k))
-    rest = [rnd.uniform(0.0, 1.0) for _ in range(k)]
+    drain = sorted(x + rnd.uniform(0.0, 1.0) for x in bub) if with_drain else None
+    z = drain if drain is not None else bub
+    rest = sorted(rnd.uniform(0.0, 1.0) for _ in range(k))  # every term grows with the length
     G = dp * m * b
     want = 0.0
     for seq in itertools.product(range(k), repeat=G):
         pr = math.prod(p[j] for j in seq)
         pads = sorted(seq)[b - 1::b]
         reps = [pads[r::dp] for r in range(dp)]
-        want += pr * max(sum(t[j] for j in r) + bub[r[-1]] + rest[r[-1]] for r in reps)
-    got = LL.replica_bucketed(np.array([t]), np.array([bub]), np.array([rest]), p, dp, m, b)[0][0]
+        want += pr * max(sum(t[j] for j in r) + z[r[-1]] + rest[r[-1]] for r in reps)
+    got = LL.replica_bucketed(np.array([t]), np.array([bub]), np.array([rest]), p, dp, m, b,
+                              None if drain is None else np.array([drain]))[0][0]
     assert got == pytest.approx(want, rel=1e-9)
 
 

@@ -114,9 +114,10 @@ def graph_at(model: LayerGraph | ModelSpec, length: int) -> LayerGraph:
                         f"cannot price {length}", hint="give one length, or a transformer preset")
 
 
-def anchor_lengths(lengths: Sequence[int], most: int = EXACT_LENGTHS) -> list[int]:
+def anchor_lengths(lengths: Sequence[int], most: int | None = None) -> list[int]:
     """The lengths the cost model runs at: all of them when there are at most ``most``, else
     ``most`` of them, the shortest and the longest included, geometrically spaced."""
+    most = EXACT_LENGTHS if most is None else most
     ls = list(lengths)
     if len(ls) <= most:
         return ls
@@ -375,15 +376,16 @@ def replica_padded_pipeline(t: np.ndarray, bub: np.ndarray, stall: np.ndarray, q
 
 
 def replica_bucketed(t: np.ndarray, bub: np.ndarray, rest: np.ndarray, probs: Sequence[float], dp: int,
-                     m: int, b: int, stall: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     m: int, b: int, drain: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(E[step], E[step at even load], (K,) mean micro-batch length distribution) per row under
     bucketing. The slowest replica (dp - 1) takes the (i dp b)-th smallest sample's length in
-    round i, so its micro-batches ascend, and a pipeline over ascending micro-batches pays its
-    bubble once, at the last and longest (as a flow shop does; GPipe, 1F1B, ZB-H1, ZBV): sum_i
-    t(X_(i dp b)) + bub(X_(G)) + rest(X_(G)). With ``stall`` (interleaved 1F1B, whose bubble at one
-    length is (sum T - max T) / v but whose steps up between lengths are not: an upper bound,
-    docs/heterogeneous-data.md) the first micro-batch's bubble and the stalls' increments up to the
-    last: bub(X_(dp b)) + stall(X_(G)) - stall(X_(dp b))."""
+    round i, so its micro-batches ascend and the longest of all is its last:
+    sum_i t(X_(i dp b)) + Z(X_(G)) + rest(X_(G)). Z, the pipeline's fill and drain, is paid once,
+    at the last micro-batch: bub (a flow shop's, GPipe's and 1F1B's, whose bubble is sum T - max T);
+    with ``drain`` = sum T - max T, max(bub, drain): interleaving's 1/v and the zero-bubble
+    schedules' weight-gradient credit need neighbours as heavy as the last one, which the steep end
+    of a long tail does not have (a lone heavy micro-batch at the end pays the whole sum T - max T),
+    so this bounds them from above (docs/heterogeneous-data.md)."""
     G = dp * m * b
     ranks = np.arange(1, dp * m + 1) * b  # the longest sample of micro-batch j is the (j+1) b-th
     pmf = order_stat_pmf(probs, G, ranks)  # (dp m, K)
@@ -391,8 +393,8 @@ def replica_bucketed(t: np.ndarray, bub: np.ndarray, rest: np.ndarray, probs: Se
     c = slow.sum(axis=0)                   # expected count of its micro-batches at each length
     last = pmf[-1]
     q_even = pmf.mean(axis=0)
-    stall = bub if stall is None else stall
-    expected = t @ c + (bub - stall) @ slow[0] + (stall + rest) @ last
+    z = (bub if drain is None else np.maximum(bub, drain)) @ last
+    expected = t @ c + z + rest @ last
     even = m * (t @ q_even) + (bub + rest) @ q_even
     return expected, even, q_even
 
@@ -441,9 +443,10 @@ def estimate_lengths_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, 
 
 
 def _per_length(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
-                params: CostParams, length: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """(estimate_batch's result at ``length``, (rows,) t: one micro-batch on the critical rank,
-    (rows,) stall: what one micro-batch heavier than its neighbours adds to a pipeline's step)."""
+                params: CostParams, length: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """(estimate_batch's result at ``length``, and per row: t, one micro-batch on the critical rank;
+    stall, what one micro-batch heavier than its neighbours adds to a pipeline's step; drain,
+    sum T - max T, its passes on the other ranks)."""
     w = Workload(global_batch=work.global_batch, seq_len=int(length))
     a = _b.assemble(graph_at(model, length), cluster, w, cols, params)
     est = _b.estimate_assembly(a, cluster, w, params)
@@ -451,7 +454,8 @@ def _per_length(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workl
     tmax = a.totals.max(axis=1)
     blk = a.lay.is_block[None, :] * a.lay.total[None, :]
     w_frac = (blk * a.q["bw"]).sum(1) / np.maximum(1e-30, (blk * (a.q["f"] + a.q["bi"] + a.q["bw"] + a.q["rc"])).sum(1))
-    return est, tmax, stall_seconds(tot.sum(axis=1), tmax, cols, w_frac)
+    tsum = tot.sum(axis=1)
+    return est, tmax, stall_seconds(tsum, tmax, cols, w_frac), tsum - tmax
 
 
 STALL_FRACTION = {"interleaved-1f1b": 0.9, "zbv": 0.9}
@@ -524,12 +528,13 @@ def _estimate_group(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     L, p = dist.arrays
     anchors = anchor_lengths(dist.lengths)
     W = interpolation(dist.lengths, anchors)  # (K, A)
-    ests, ts, ss = [], [], []
+    ests, ts, ss, ds = [], [], [], []
     for x in anchors:
-        e, t, s = _per_length(model, cluster, work, cols, params, x)
+        e, t, s, dr = _per_length(model, cluster, work, cols, params, x)
         ests.append(e)
         ts.append(t)
         ss.append(s)
+        ds.append(dr)
     top = ests[-1]  # the longest length: memory, fits, the plan's checks
 
     def per(key: str) -> np.ndarray:  # (rows, K) a per-length term at every length
@@ -538,6 +543,7 @@ def _estimate_group(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     micro = np.asarray(top["microbatches"]).astype(np.int64)
     t = np.stack(ts, axis=1) @ W.T
     stall = np.stack(ss, axis=1) @ W.T
+    drain = np.stack(ds, axis=1) @ W.T
     step = per("step_time_s")
     bub = per("time.bubble")
     rest = step - micro[:, None] * t - bub
@@ -547,18 +553,17 @@ def _estimate_group(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     dp = np.asarray(cols["dp"]).astype(np.int64)
     window = stall_window(cols)
     gpipe = (np.asarray(cols["schedule"]) == "gpipe") | (np.asarray(cols["pp"]) == 1)
-    inter = (np.asarray(cols["schedule"]) == "interleaved-1f1b") & (np.asarray(cols["virtual_stages"]) > 1) \
-        & (np.asarray(cols["pp"]) > 1)
+    pps = np.asarray(cols["pp"]).astype(np.int64)
     expected, even = np.empty(n), np.empty(n)
     qbar = np.empty((n, len(L)))
-    keys = np.stack([micro, mb, dp, np.where(np.isfinite(window), window * 1000, -1).astype(np.int64)], axis=1)
+    keys = np.stack([micro, mb, dp, pps, np.where(np.isfinite(window), window * 1000, -1).astype(np.int64)], axis=1)
     for key in np.unique(keys, axis=0).tolist():
-        m_, b_, d_, _ = key
+        m_, b_, d_, _, _ = key
         rows = np.nonzero((keys == np.asarray(key)[None, :]).all(axis=1))[0]
         w_ = float(window[rows[0]])
         tr, br, sr, rr = t[rows], bub[rows], stall[rows], rest[rows]
         if dist.packing == "bucketed":  # ascending micro-batches: the bubble once, at the longest
-            e_, v_, q_ = replica_bucketed(tr, br, rr, p, d_, m_, b_, np.where(inter[rows, None], sr, br))
+            e_, v_, q_ = replica_bucketed(tr, br, rr, p, d_, m_, b_, drain[rows])
         else:
             q_ = microbatch_probs(p, b_)
             v_ = m_ * (tr @ q_) + (br + rr) @ q_
