@@ -76,7 +76,13 @@ from meshplan.spec.plan import Plan, Workload
 EXACT_LENGTHS = 8
 """Most distinct lengths the cost model is run at per plan; more are interpolated between anchors."""
 MAX_COMPOSITIONS = 2000
-"""Most compositions of a replica's micro-batches into lengths enumerated exactly (padded)."""
+"""Most compositions of a replica's micro-batches into lengths kept for the exact enumeration
+(padded), after dropping those less likely than PRUNE_BELOW; beyond, a mixture of normals."""
+ENUMERATE_AT_MOST = 60_000
+"""Most compositions generated to look for the likely ones among them."""
+PRUNE_BELOW = 1e-10
+"""Compositions less likely than this are dropped (the rest renormalised): E[max] moves by at most
+this times the count of replicas times the spread of R."""
 MIXTURE_GRID = 1024
 """Points of the integral of E[max] under the normal-mixture approximation."""
 
@@ -228,6 +234,23 @@ def n_compositions(m: int, k: int) -> int:
     return math.comb(m + k - 1, k - 1)
 
 
+def likely_compositions(q: np.ndarray, m: int, limit: int = MAX_COMPOSITIONS) -> tuple[np.ndarray, np.ndarray] | None:
+    """(counts (S, K), probabilities (S,)) of the compositions of m micro-batches into the lengths
+    at least PRUNE_BELOW likely (renormalised), or None when there are more than ``limit``."""
+    K = len(q)
+    if n_compositions(m, K) > ENUMERATE_AT_MOST:
+        return None
+    N = compositions(m, K)
+    lf = _log_factorials(m)
+    with np.errstate(divide="ignore"):
+        logq = np.log(np.asarray(q, dtype=float))
+    w = np.exp(lf[m] - lf[N].sum(axis=1) + np.where(N > 0, N * logq[None, :], 0.0).sum(axis=1))
+    keep = w >= PRUNE_BELOW
+    if keep.sum() > limit:
+        return None
+    return N[keep], w[keep] / w[keep].sum()
+
+
 def emax_discrete(values: np.ndarray, probs: np.ndarray, n: Any) -> np.ndarray:
     """E[max of n independent draws] of a discrete distribution per row: ``values`` (rows, S),
     ``probs`` (S,) or (rows, S), ``n`` scalar or (rows,). sum_v v (F(v)^n - F(v-)^n), exact."""
@@ -285,19 +308,52 @@ def replica_padded(t: np.ndarray, bub: np.ndarray, q: np.ndarray, m: int, n: Any
     Q[-1] = 1.0
     pM = np.diff(np.concatenate([[0.0], Q ** m]))  # P(longest micro-batch = L_j)
     mean = m * (t @ q) + bub @ pM
-    if n_compositions(m, K) <= exact_limit:
-        N = compositions(m, K)
-        lf = _log_factorials(m)
-        with np.errstate(divide="ignore"):
-            logq = np.log(q)
-        logp = lf[m] - lf[N].sum(axis=1) + np.where(N > 0, N * logq[None, :], 0.0).sum(axis=1)
-        w = np.exp(logp)
-        keep = w > 0
-        N, w = N[keep], w[keep]
+    comp = likely_compositions(q, m, exact_limit)
+    if comp is not None:
+        N, w = comp
         top = K - 1 - np.argmax(N[:, ::-1] > 0, axis=1)  # index of the longest micro-batch
         R = t @ N.T.astype(float) + bub[:, top]
         return emax_discrete(R, w, n), mean
+    if m * q[-1] * (1.0 - q[-1]) >= LONGEST_NORMAL_VAR:  # the longest's count is itself near normal
+        return emax_by_longest(t, bub, q, m, n), mean
     return emax_longest_exact(t, bub, q, m, n), mean
+
+
+LONGEST_NORMAL_VAR = 16.0
+"""Above this variance of the count of longest micro-batches (m q_K (1 - q_K): 4 sd), the
+mixture over the longest micro-batch (emax_by_longest) replaces the exact count (emax_longest_exact):
+that count is then near normal, and the mixture has K components instead of ~ 12 sd of them."""
+
+
+def emax_by_longest(t: np.ndarray, bub: np.ndarray, q: np.ndarray, m: int, n: Any) -> np.ndarray:
+    """E[max over n replicas] of R = sum of m micro-batch times + bub at the longest M: a mixture
+    over M = L_j (weights Q_j^m - Q_(j-1)^m) of normals with the exact conditional mean and
+    variance of the sum given M."""
+    K = t.shape[1]
+    Q = np.clip(np.cumsum(q), 0.0, 1.0)
+    Q[-1] = 1.0
+    pM = np.diff(np.concatenate([[0.0], Q ** m]))
+    mus, sds, ws = [], [], []
+    for j in range(K):
+        if pM[j] <= 1e-15:
+            continue
+        qj = q[:j + 1] / Q[j]
+        mu_j = t[:, :j + 1] @ qj
+        var_j = (t[:, :j + 1] ** 2) @ qj - mu_j ** 2
+        A1 = Q[j] ** m
+        e1, e2 = A1 * m * mu_j, A1 * (m * var_j + (m * mu_j) ** 2)
+        if j > 0:
+            qi = q[:j] / Q[j - 1]
+            mu_i = t[:, :j] @ qi
+            var_i = (t[:, :j] ** 2) @ qi - mu_i ** 2
+            A0 = Q[j - 1] ** m
+            e1, e2 = e1 - A0 * m * mu_i, e2 - A0 * (m * var_i + (m * mu_i) ** 2)
+        cm = e1 / pM[j]
+        cv = np.maximum(e2 / pM[j] - cm ** 2, 0.0)
+        mus.append(cm + bub[:, j])
+        sds.append(np.sqrt(cv))
+        ws.append(pM[j])
+    return emax_mixture(np.stack(mus, 1), np.stack(sds, 1), np.asarray(ws), n)
 
 
 def emax_longest_exact(t: np.ndarray, bub: np.ndarray, q: np.ndarray, m: int, n: Any) -> np.ndarray:
@@ -352,18 +408,12 @@ def replica_padded_pipeline(t: np.ndarray, bub: np.ndarray, stall: np.ndarray, q
     than L_k has only shorter ones in its window with chance _all_from(A_k, c(i), m - 1), A_k the
     replica's other micro-batches no longer than L_k; beyond ``exact_limit`` compositions, each
     micro-batch carries its expected stall over independent neighbours (stall_extra)."""
-    K = t.shape[1]
     s = np.maximum.accumulate(np.asarray(stall, dtype=float), axis=1)
-    if n_compositions(m, K) > exact_limit:
+    comp = likely_compositions(q, m, exact_limit)
+    if comp is None:
         eff = t + stall_extra(s, bub, q, m, window) / m
         return replica_padded(eff, np.zeros_like(eff), q, m, n, exact_limit)[0]
-    N = compositions(m, K)
-    lf = _log_factorials(m)
-    with np.errstate(divide="ignore"):
-        logq = np.log(q)
-    w = np.exp(lf[m] - lf[N].sum(axis=1) + np.where(N > 0, N * logq[None, :], 0.0).sum(axis=1))
-    keep = w > 0
-    N, w = N[keep], w[keep]
+    N, w = comp
     A = np.cumsum(N, axis=1)[:, :-1].astype(float)  # (nc, K - 1) micro-batches no longer than L_k
     cs = overlap_counts(window, m)[1:]
     H = np.zeros_like(A)
