@@ -100,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.cli import pools_cmd
     if pools_cmd.is_pooled(getattr(args, "cluster", None)):
         return pools_cmd.run_report(args, command)
+    from meshplan.cli.lengths_arg import lengths_of
+    lengths_of(args)  # a --seq-len distribution (or the plan file's), before the file is resolved
     args = resolved_args(args, required=("model", "cluster", "global_batch"))  # --plan FILE's problem
     model, clusters, tokens, space, work = problem(args)  # the model as a LayerGraph, any kind
     bar = Progress(sys.stderr) if sys.stderr.isatty() else None
