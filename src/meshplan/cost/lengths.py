@@ -14,26 +14,34 @@ Per plan and length L (the cost model at ``seq_len = L``, transformers regenerat
   communication, sends: everything that scales with the micro-batch);
 - bub(L): the pipeline bubble (fill and drain) at that length, cost.schedule's closed form;
 - rest(L) = step(L) - m t(L) - bub(L): the once-per-step parts (gradient sync and optimizer,
-  their overlap with the last backward, pipelined FSDP, stragglers, overhead).
+  their overlap with the last backward, pipelined FSDP, stragglers, overhead);
+- D(L) = sum T - max T: a micro-batch's passes on the other ranks.
 
-A replica that runs micro-batches of padded lengths l_1..l_m takes R = sum_i t(l_i) + bub(max_i l_i)
-(a proportionate flow shop pays its fill and drain at the heaviest job), and
+The step is
 
-    E[step] = E[max over the dp replicas of R] + E[rest],
+    E[step] = E[max over the dp replicas of R] + E[rest],  R = sum_i t(l_i) + Z
 
-with rest averaged over the micro-batch lengths. By packing:
+for a replica that runs micro-batches of padded lengths l_1..l_m, Z its pipeline's fill, drain and
+stalls (0 without a pipeline), rest averaged over the micro-batch lengths. By packing:
 
 - padded: a micro-batch's padded length is the max of ``micro_batch`` draws, P(l <= L_j) = F_j^b;
   a replica's m micro-batches are independent, so R takes one value per composition of m into
-  the K lengths (multinomial counts; exact while there are at most MAX_COMPOSITIONS of them),
-  and the replicas are independent: E[max of n] = sum_v v (F_R(v)^n - F_R(v-)^n), exact on the
-  discrete support. Beyond MAX_COMPOSITIONS, R is a mixture over the replica's longest
-  micro-batch M of normals with S's exact conditional moments given M, and E[max] is integrated.
+  the K lengths (multinomial counts; exact while at most MAX_COMPOSITIONS are at least
+  PRUNE_BELOW likely), and the replicas are independent: E[max of n] = sum_v v (F_R(v)^n -
+  F_R(v-)^n), exact on the discrete support. Beyond, R is a mixture of normals (the count of the
+  longest micro-batches exact, or, where that count is near normal, a mixture over the longest
+  micro-batch with the sum's exact conditional moments), E[max] integrated.
+  Z: GPipe is a flow shop, Z = bub(max_i l_i). 1F1B and the others stall again at every
+  micro-batch heavier than those in flight with it: the first pays bub(l_1), micro-batch i its
+  stall s(l_i) (D, less the weight gradients under zero-bubble schedules) beyond the largest of
+  the pp - 1 before it, a_d = 1 - (d - 1)/(pp - 1) of it d back (stall_extra, STALL_SHARE),
+  averaged over the orders of the replica's composition.
 - bucketed: the step's G = dp m b samples sorted, cut into micro-batches, micro-batch j to
   replica j mod dp: replica dp - 1 gets the longest micro-batch of every round and the longest
-  of all, so it is the slowest on every draw and E[step] = sum_i E[t(X_(i dp b))] +
-  E[bub(X_(G)) + rest(X_(G))], with X_(r) the r-th order statistic of G draws:
-  P(X_(r) <= L_j) = P(Binomial(G, F_j) >= r). Exact.
+  of all, so it is the slowest on every draw: E[step] = sum_i E[t(X_(i dp b))] +
+  E[Z(X_(G)) + rest(X_(G))], X_(r) the r-th order statistic of G draws (P(X_(r) <= L_j) =
+  P(Binomial(G, F_j) >= r)); its ascending micro-batches pay the fill and drain once, at the
+  last, Z = max(bub, D) (replica_bucketed). Exact given Z.
 - packed: every micro-batch is a full window: the fixed-length estimate (no imbalance).
 
 The step at even load is what every replica would take if each micro-batch cost the mean
