@@ -6,9 +6,10 @@ the batch drawn, micro-batches formed as the runtime does, each replica's pipeli
 micro-batch at its padded length, the slowest replica ending the step), --batches of them (100).
 The done-when: the best plan's predicted step within 5% of the simulated mean.
 
-    .venv/bin/python benchmarks/varlen_sim.py [--batches 100] [--top 3] [--seed 0]
+    .venv/bin/python benchmarks/varlen_sim.py [--batches 100] [--top 3] [--seed 0] [--sweep]
 
-Writes benchmarks/results/varlen_sim.json and prints one line per plan.
+Writes benchmarks/results/varlen_sim.json and prints one line per plan; --sweep also prices and
+simulates pipelines of every schedule under both packings (results/varlen_sim_sweep.json).
 """
 from __future__ import annotations
 
@@ -85,14 +86,68 @@ def run_case(case: tuple, batches: int, top: int, seed: int) -> dict:
             "within_5pct": best is not None and abs(best["error_pct"]) <= 5.0}
 
 
+SWEEP_DISTS = ["2048:0.6,8192:0.3,32768:0.1", "1024:0.5,4096:0.4,16384:0.1", "4096:0.9,32768:0.1"]
+
+
+def sweep(batches: int, seed: int) -> dict:
+    """Not only the best plans: pipelines of every schedule (pp 2-8, Llama 3 8B on 64 H100s, global
+    batch 256), each under padding and bucketing, predicted vs simulated (the accuracy per schedule
+    that docs/heterogeneous-data.md quotes)."""
+    import numpy as np
+
+    from meshplan.cost.lengths import estimate_lengths_batch
+    from meshplan.sim.varlen import simulate_lengths
+    from meshplan.spec.constraints import violations
+    model, cluster = load_model("llama3-8b"), load_cluster("h100-sxm-80gb:64")
+    rng = np.random.default_rng(5)
+    rows = []
+    scheds = ["1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "gpipe"]
+    for k in range(50):
+        sched = scheds[k % 5]
+        pp, tp, mb = int(rng.choice([2, 4, 8])), int(rng.choice([1, 2, 4])), int(rng.choice([1, 1, 2]))
+        v = int(rng.choice([2, 4])) if sched == "interleaved-1f1b" else (2 if sched == "zbv" else 1)
+        zero, dp = (0, 1) if sched in ("zero-bubble", "zbv") else (1, 64 // (pp * tp))
+        if dp == 1:
+            tp = min(8, 64 // pp)
+        cp = 64 // (dp * pp * tp)
+        plan = parse_plan(f"tp={tp},pp={pp},dp={dp},cp={cp},zero={zero},micro_batch={mb},schedule={sched},"
+                          f"virtual_stages={v},recompute=full,sequence_parallel={int(tp > 1)}")
+        for packing in ("padded", "bucketed"):
+            dist = SWEEP_DISTS[k % 3]
+            work = Workload.of(256, parse_lengths(dist, packing))
+            if violations(model, cluster, plan, work):
+                continue
+            pred = float(estimate_lengths_batch(model, cluster, work, [plan])["step_time_s"][0])
+            sim = simulate_lengths(model, cluster, plan, work, batches=batches, seed=seed).mean_s
+            rows.append({"schedule": sched, "packing": packing, "lengths": dist, "plan": plan.short(),
+                         "predicted_step_s": pred, "simulated_mean_s": sim, "error_pct": 100 * (pred / sim - 1)})
+            print(f"  {packing:8s} {plan.short()}: {rows[-1]['error_pct']:+.1f}%", flush=True)
+    summary = {}
+    for sched in scheds:
+        for packing in ("padded", "bucketed"):
+            e = [r["error_pct"] for r in rows if r["schedule"] == sched and r["packing"] == packing]
+            if e:
+                summary[f"{sched} {packing}"] = {"plans": len(e), "mean_pct": float(np.mean(e)),
+                                                 "min_pct": float(min(e)), "max_pct": float(max(e))}
+    return {"rows": rows, "summary": summary}
+
+
 def main_(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=100)
     ap.add_argument("--top", type=int, default=3, help="plans simulated per case (the best first)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "results" / "varlen_sim.json"))
+    ap.add_argument("--sweep", action="store_true",
+                    help="also every schedule under both packings (30 batches each): results/varlen_sim_sweep.json")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    if args.sweep:
+        doc = sweep(30, args.seed)
+        (ROOT / "results" / "varlen_sim_sweep.json").write_text(json.dumps(doc, indent=2) + "\n")
+        for name, v in doc["summary"].items():
+            print(f"{name:30s} {v['plans']} plans: mean {v['mean_pct']:+.1f}%, {v['min_pct']:+.1f}% to "
+                  f"{v['max_pct']:+.1f}%")
     cases = []
     for case in CASES:
         print(f"{case[0]}: {case[1]} on {case[2]}, global batch {case[3]}, --seq-len "
