@@ -526,9 +526,9 @@ STALL_SHARE = "pp - 1"
 max(0, 1 - (d - 1) / (pp - 1)): for 1F1B and ZB-H1 the micro-batches rank 0 starts before its
 first backward, and the shared stall (the sum over d, pp / 2) matches the one measured on their
 orders within 0.2 micro-batches. ZBV and interleaved 1F1B share more for a lone pair of heavy
-micro-batches (about pp and 1.25 pp) but no window fits them on realistic mixes (errors of -22%
-to +25% against the simulator): they take the same window, which bounds their stalls from above on
-every plan measured (+5% to +25%; docs/heterogeneous-data.md)."""
+micro-batches (about pp and 1.25 pp) but no single window fits them within 15% on real plans
+(windows pp - 1 to 2.5 pp - 1 tried against the simulator): they take the same window, which bounds
+their stalls from above on every plan measured (docs/heterogeneous-data.md)."""
 
 
 def stall_seconds(tsum: np.ndarray, tmax: np.ndarray, cols: Mapping[str, Any], w_frac: np.ndarray) -> np.ndarray:
