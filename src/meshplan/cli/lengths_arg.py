@@ -62,8 +62,11 @@ def _file_lengths(args: argparse.Namespace) -> tuple[str | None, str | None]:
     if not is_file_arg(plan):
         return None, None
     from meshplan.spec.io import read_data_file
-    data = read_data_file(plan)
-    if "plan" not in data:
+    try:
+        data = read_data_file(plan)
+    except MeshplanError:  # not a readable plan file: the plan's own reading says why, in its words
+        return None, None
+    if not isinstance(data, dict) or "plan" not in data:
         return None, None
     text, packing = data.get("lengths"), data.get("packing")
     if text is not None and not isinstance(text, str):
