@@ -266,3 +266,23 @@ def test_batch_check_follows_the_shares():
     assert not [r for r in ok if "split" in r[1] or "divisible" in r[1]]
     bad = violations(m, c, parse_plan("tp=8,dp=2,micro_batch=2,dp_shares=3:1"), Workload(global_batch=4, seq_len=4096))
     assert any("whole micro-batches" in r[1] for r in bad)
+
+
+def test_pools_under_a_length_distribution(capsys):
+    """Replicas on pools are priced with each pool's part by cost.lengths (the expected step of a
+    length distribution); a pipeline over pools is not, and says so."""
+    from meshplan.spec.lengths import parse_lengths
+    c = _pools()
+    dist = parse_lengths("2048:0.6,8192:0.3,32768:0.1")
+    w = Workload.of(32, dist)
+    g = load_model("llama3-8b")
+    plan = parse_plan("tp=8,cp=2,dp=2,micro_batch=1,dp_shares=5:3,pools=a:b,pool_dp=1:1")
+    e = estimate_pooled(g, c, plan, w)
+    fixed = estimate_pooled(g, c, plan, Workload(global_batch=32, seq_len=32768))
+    assert e.step_time_s < fixed.step_time_s  # most samples are short: cheaper than all at the longest
+    assert e.parts[0].report is not None and e.parts[0].report.time.get("imbalance", 0) >= 0
+    with pytest.raises(MeshplanError, match="not priced under a length distribution"):
+        estimate_pooled(g, c, parse_plan("tp=8,pp=2,micro_batch=1,pools=a:b,pool_pp=1:1"), w)
+    rc, out, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "64",
+                        "--seq-len", "2048:0.6,8192:0.3,32768:0.1")
+    assert rc == 0 and "lengths 2048:0.6" in out and "stages on pools: not priced" in out, err

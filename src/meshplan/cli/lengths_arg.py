@@ -127,14 +127,19 @@ def insert_lines(text: str, summary: dict[str, Any]) -> str:
     return "\n".join(lines[:at] + summary_lines(summary) + lines[at:])
 
 
-def no_pools(lengths: Any, plan: Any = None) -> None:
-    """A length distribution on a pooled cluster or with dp_shares / pools is not priced (yet)."""
+def no_pools(lengths: Any, plan: Any = None, simulate: bool = False) -> None:
+    """A length distribution is priced with replicas on pools and dp_shares (each pool's part by
+    cost.lengths), not with a pipeline over pools (pool_pp), and not simulated on pools."""
     if lengths is None or len(lengths.lengths) == 1 or lengths.packing == "packed":
         return
-    if plan is None or plan.pools is not None or plan.dp_shares is not None:
-        raise MeshplanError(f"--seq-len {lengths.text()} ({lengths.packing}): a length distribution with GPU pools "
-                            "or dp_shares is not priced",
-                            hint="give one length or --packing packed, or plan without pools")
+    if plan is not None and plan.multi_pool and plan.pool_pp is not None:
+        raise MeshplanError(f"--seq-len {lengths.text()} ({lengths.packing}): a pipeline over GPU pools (pool_pp) "
+                            "is not priced under a length distribution",
+                            hint="place replicas on the pools (pool_dp), or give one length or --packing packed")
+    if simulate and (plan is None or plan.pools is not None or plan.dp_shares is not None):
+        raise MeshplanError(f"--seq-len {lengths.text()} ({lengths.packing}): the simulator draws length "
+                            "distributions on one GPU type with even shares",
+                            hint="simulate one pool's plan on that pool's cluster, or give one length")
 
 
 def dist_line(result: Any) -> str:

@@ -118,7 +118,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if work.varied:  # the expected step over the length distribution (cost.lengths)
         from meshplan.cost.lengths import estimate_lengths
         no_pools(lengths, plan)
-        report = estimate_lengths(model, cluster, plan, work, cost.params)
+        if plan.pools is not None or plan.dp_shares is not None:  # placement / uneven shares: cost.pools
+            from meshplan.cost.pools import single_type_report
+            report = single_type_report(model, cluster, plan, work, cost.params)
+        else:
+            report = estimate_lengths(model, cluster, plan, work, cost.params)
     else:
         report = estimate(model, cluster, plan, work, cost.params)
     if work.lengths is not None and plan.pools is None and plan.dp_shares is None:

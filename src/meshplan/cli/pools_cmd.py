@@ -41,7 +41,11 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     pc = load_cluster(args.cluster)
     if cost.calibration is not None:
         pc = type(pc)(name=pc.name, pools=tuple(cost.cluster(p) for p in pc.pools), inter_pool=pc.inter_pool)
-    model, work = as_problem(load_model_arg(args.model, seq_len=args.seq_len), args.global_batch, args.seq_len)
+    from meshplan.cli.lengths_arg import lengths_of, stash
+    stash(args)
+    lengths = lengths_of(args)  # a --seq-len distribution: each pool's part priced by cost.lengths
+    seq = args.seq_len if lengths is None else lengths.max_len
+    model, work = as_problem(load_model_arg(args.model, seq_len=seq), args.global_batch, seq, lengths)
     return model, pc, work, cost
 
 
@@ -70,8 +74,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def text(res: Any, model: Any, work: Any) -> str:
     pc = res.cluster
+    d = work.lengths
+    seqs = (f"{work.seq_len} tokens" if d is None else
+            f"lengths {d.text()} ({d.packing}; mean {d.mean_len:,.0f}, longest {d.max_len:,})")
     lines = [f"{model.name} on {pc.name} ({pc.describe()}; {pc.num_gpus} GPUs), global batch "
-             f"{work.global_batch} x {work.seq_len} tokens, objective {res.objective}",
+             f"{work.global_batch} x {seqs}, objective {res.objective}",
              f"searched {res.considered:,} plans in {res.search_time_s:.1f} s (every pool alone, replicas on "
              "every pool, pipeline stages on every pool)", ""]
     lines += res.explanation

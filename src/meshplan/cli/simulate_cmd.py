@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.cli.lengths_arg import lengths_of, no_pools
     lengths = lengths_of(args)  # a --seq-len distribution (or the plan file's), before the file is resolved
     if pools_cmd.is_pooled(getattr(args, "cluster", None)):
-        no_pools(lengths)
+        no_pools(lengths, simulate=True)
         return pools_cmd.run_simulate(args)
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     from meshplan.cli.costing import costing
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     check(model, cluster, plan, work)
     if work.varied:  # sampled batches of the distribution (sim.varlen)
         from meshplan.cli.lengths_arg import simulate_lengths_cmd
-        no_pools(lengths, plan)
+        no_pools(lengths, plan, simulate=True)
         return simulate_lengths_cmd(args, model, cluster, plan, work, cost)
     with slow_step("simulating the step"):
         res, sim_summary = simulate_plan(model, cluster, plan, work, cost.params)

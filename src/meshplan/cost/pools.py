@@ -128,6 +128,17 @@ def replica_samples(plan: Plan, global_batch: int) -> list[int]:
     return out
 
 
+def _priced(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+            params: CostParams) -> CostReport:
+    """The estimate of a pool's (or one type's) part: the expected step over a length
+    distribution (cost.lengths), else the one-length estimate."""
+    if work.varied:
+        from meshplan.cost.lengths import estimate_lengths
+        return estimate_lengths(model, cluster, plan, work, params)
+    from meshplan.cost.step import estimate
+    return estimate(model, cluster, plan, work, params)
+
+
 def as_run(plan: Plan) -> tuple[Plan, list[str]]:
     """The plan as meshplan's runtime runs it: uneven dp_shares under zero=2/3 keep the parameters
     gathered for the step (the replicas make different numbers of collectives), i.e. zero=1."""
@@ -156,7 +167,6 @@ def _sub_plan(plan: Plan, dp: int) -> Plan:
 def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan,
                     work: Workload, params: CostParams = DEFAULT_PARAMS) -> PooledEstimate:
     """The step of ``plan`` on ``cluster`` with every rank on its own pool's hardware."""
-    from meshplan.cost.step import estimate
     if isinstance(cluster, PooledCluster):
         if not plan.pools:
             raise MeshplanError(f"cluster {cluster.name} has pools ({', '.join(cluster.names)}): the plan must say "
@@ -189,7 +199,7 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
         sub_c = pool_cluster(pool, gpus)
         sub_p = _sub_plan(plan, n)
         sub_w = Workload(global_batch=max(mine) * n, seq_len=work.seq_len, lengths=work.lengths)
-        r = estimate(model, sub_c, sub_p, sub_w, params)
+        r = _priced(model, sub_c, sub_p, sub_w, params)
         flops_per_sample = max(flops_per_sample, r.tflops_per_gpu * 1e12 * r.step_time_s * r.num_gpus
                                / sub_w.global_batch)
         m_max, m_mean = max(mine) // plan.micro_batch, sum(mine) / n / plan.micro_batch
@@ -249,6 +259,10 @@ def _cross_pool_sync(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan
 def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
                       work: Workload, params: CostParams) -> PooledEstimate:
     """Pipeline stages on several pools: see the module docstring."""
+    if work.varied:
+        raise MeshplanError("pool_pp: a pipeline over pools is not priced under a length distribution (the "
+                            "expected step of cost.lengths takes one GPU type)",
+                            hint="place replicas on the pools (pool_dp), or give one length or --packing packed")
     assert plan.pool_pp is not None
     per_stage = plan.dp * plan.cp * plan.tp
     owner: list[int] = []
@@ -374,7 +388,6 @@ def single_type_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan
     with throughput and MFU counted on the whole global batch."""
     import dataclasses
 
-    from meshplan.cost.step import estimate
     if plan.multi_pool:
         raise MeshplanError(f"plan uses pools {':'.join(plan.pools or ())} but cluster {cluster.name} has one GPU "
                             "type", hint="give a cluster file with [[pools]] (docs/heterogeneous-hardware.md), "
@@ -383,12 +396,12 @@ def single_type_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan
         raise MeshplanError("plan: pools names no pool")
     plain = plan.replace(pools=None, pool_dp=None, pool_pp=None, dp_shares=None)
     if plan.dp_shares is None or len(set(plan.replica_shares)) == 1:
-        return estimate(model, cluster, plain, work, params)
+        return _priced(model, cluster, plain, work, params)
     ran, run_notes = as_run(plan)
     plain = plain.replace(zero=ran.zero)
     samples = replica_samples(plan, work.global_batch)
     sub = Workload(global_batch=max(samples) * plan.dp, seq_len=work.seq_len, lengths=work.lengths)
-    r = estimate(model, cluster, plain, sub, params)
+    r = _priced(model, cluster, plain, sub, params)
     k = work.global_batch / sub.global_batch
     waits = (max(samples) - min(samples)) // plan.micro_batch
     note = (f"uneven dp_shares: the replica with the most micro-batches ({max(samples) // plan.micro_batch}) sets "

@@ -228,6 +228,8 @@ def _best_split(n: list[int], M: int, lines: list[tuple[float, float]]) -> list[
 def _stages_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, work: Workload,
                      params: CostParams) -> PooledEstimate | None:
     """Every pool gets as many stages of ``shape``'s dp x cp x tp as it holds; layers by speed."""
+    if work.varied:  # cost.pools does not price a pipeline over pools under a length distribution
+        return None
     if shape.virtual_stages > 1 or shape.schedule in ("zbv", "interleaved-1f1b"):
         shape = shape.replace(virtual_stages=1, schedule="1f1b")
     g = shape.dp * shape.cp * shape.tp
@@ -358,7 +360,10 @@ def explain(r: PooledResult) -> list[str]:
             for p in m.parts:
                 lines.append(f"    {p.name}: {p.role}, {_s(p.step_s)}")
     for kind, e in r.best_by_kind.items():
-        if e is None:
+        if e is None and kind == "stages on pools" and r.work.varied:
+            lines.append(f"  {kind}: not priced under a length distribution (cost.lengths takes one GPU type "
+                         "per pipeline)")
+        elif e is None:
             lines.append(f"  {kind}: no plan fits with memory headroom")
         elif e is not best:
             slow = max(e.parts, key=lambda p: p.step_s)
