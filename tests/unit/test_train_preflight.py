@@ -186,6 +186,10 @@ def test_failure_messages() -> None:
     assert "crashed (SIGSEGV)" in failure_message([{"rank": 3, "exitcode": -signal.SIGSEGV}], 1)
     assert "terminated from outside (SIGTERM)" in failure_message([{"rank": 0, "exitcode": -signal.SIGTERM}], 1)
     assert "rank 2 exited with code 2" in failure_message([{"rank": 2, "exitcode": 2}], 1)
+    # the killed rank is named even when a peer that lost it exited first (code 2), or was SIGTERMed
+    lost = [{"rank": 0, "exitcode": 2}, {"rank": 2, "exitcode": -signal.SIGTERM},
+            {"rank": 1, "exitcode": -signal.SIGKILL}]
+    assert failure_message(lost, 1).startswith("training failed: rank 1 was killed (SIGKILL; 2 other ranks")
     assert "torchrun exit code 1" in failure_message(None, 1)
 
 

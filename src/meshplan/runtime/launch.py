@@ -367,7 +367,12 @@ def failure_message(failures: list[dict[str, Any]] | None, rc: int, memory: str 
         if rc < 0:
             return f"training failed: torchrun was killed ({signal_name(-rc)})"
         return f"training failed (torchrun exit code {rc}); see the rank errors above"
-    first = failures[0]
+    # a rank killed by a signal is the cause; the others then lose their peer and exit (code 2, after
+    # one line each) - sometimes before torchrun has noticed the killed one: name the killed rank
+    # (torchrun itself sends SIGTERM to the rest: a SIGTERM is named only when no other signal is)
+    codes = [int(f.get("exitcode", 1)) for f in failures]
+    first = next((f for f, c in zip(failures, codes) if c < 0 and -c != signal.SIGTERM),
+                 next((f for f, c in zip(failures, codes) if c < 0), failures[0]))
     rank, code = first.get("rank"), int(first.get("exitcode", 1))
     others = len(failures) - 1
     also = f"; {others} other rank{'s' if others > 1 else ''} stopped with it" if others else ""
