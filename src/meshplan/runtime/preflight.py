@@ -229,9 +229,16 @@ def check_plan(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, *,
     from meshplan.spec.constraints import violations
     cluster = cpu_cluster(plan.num_gpus, memory_gib=1.0, nodes=nodes, nodes_per_dc=nodes_per_dc)
     bad: list[tuple[str, str]] = []
+    per = per_replica(plan)
     for work in replica_workloads(plan, global_batch, seq_len):
-        bad += [v for v in violations(model, cluster, plan, work, skip=NOT_PLAN_CHECKS) if v not in bad]
+        bad += [v for v in violations(model, cluster, per, work, skip=NOT_PLAN_CHECKS) if v not in bad]
     _refuse(bad)
+
+
+def per_replica(plan: Plan) -> Plan:
+    """The plan checked against each replica's workload (replica_workloads): its shares already
+    checked (hetero.check_batch), each workload is one replica's micro-batch count on every replica."""
+    return plan.replace(dp_shares=None) if plan.dp_shares is not None else plan
 
 
 def replica_workloads(plan: Plan, global_batch: int, seq_len: int) -> list[Workload]:
@@ -256,14 +263,15 @@ def check_graph_plan(graph: Any, plan: Plan, global_batch: int, *, nodes: int = 
     if graph is None:
         bad: list[tuple[str, str]] = []
         for work in replica_workloads(plan, global_batch, 1):
-            ctx = constraints.Context(None, cluster, plan, work)  # type: ignore[arg-type]
+            ctx = constraints.Context(None, cluster, per_replica(plan), work)  # type: ignore[arg-type]
             bad += [(name, why) for name in MODEL_FREE_CHECKS if (why := constraints.CHECKS[name](ctx))
                     and (name, why) not in bad]
         _refuse(bad)
         return
     bad: list[tuple[str, str]] = []
     for work in replica_workloads(plan, global_batch, graph.sample_tokens):
-        bad += [v for v in constraints.violations(graph, cluster, plan, work, skip=NOT_PLAN_CHECKS) if v not in bad]
+        bad += [v for v in constraints.violations(graph, cluster, per_replica(plan), work, skip=NOT_PLAN_CHECKS)
+                if v not in bad]
     _refuse(bad)
 
 
