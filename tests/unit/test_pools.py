@@ -286,3 +286,55 @@ def test_pools_under_a_length_distribution(capsys):
     rc, out, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "64",
                         "--seq-len", "2048:0.6,8192:0.3,32768:0.1")
     assert rc == 0 and "lengths 2048:0.6" in out and "stages on pools: not priced" in out, err
+
+
+def test_a_pooled_plan_file_reloads_in_every_command(capsys, tmp_path):
+    """`plan --out` on a pooled cluster: estimate / simulate / report / export read the file alone."""
+    out = str(tmp_path / "p.json")
+    rc, _, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "256",
+                      "--seq-len", "4096", "--out", out)
+    assert rc == 0, err
+    rc, text, err = _run(capsys, "estimate", "--plan", out)
+    assert rc == 0 and "pool h100" in text, err
+    rc, text, err = _run(capsys, "simulate", "--plan", out, "--json")
+    assert rc == 0 and json.loads(text)["pools"], err
+    rc, text, err = _run(capsys, "report", "--plan", out, "--out", str(tmp_path / "r.html"))
+    assert rc == 0 and "Per-pool utilisation" in (tmp_path / "r.html").read_text(), err
+    rc, _, err = _run(capsys, "export", "--to", "torchtitan", "--plan", out)
+    assert rc == 2 and "several GPU pools" in err and "Traceback" not in err
+
+
+def test_pools_of_different_sizes_get_replicas_in_proportion(tmp_path):
+    """16 H100 + 8 A100: replicas on pools may differ per pool (8:4), sharded in groups that divide
+    both counts (shard_group = gcd x cp), not cut down to the smaller pool's count."""
+    c = cluster_from_dict({"name": "uneven", "pools": [
+        {"name": "h100", "gpu": "h100-sxm-80gb", "num_nodes": 2},
+        {"name": "a100", "gpu": "a100-sxm-80gb", "num_nodes": 1}]})
+    r = search_pools(load_model("llama3-8b"), c, Workload(global_batch=128, seq_len=4096))
+    e = r.best_by_kind["replicas on pools"]
+    assert e is not None and e.plan.pool_dp is not None and e.plan.pool_dp[0] > e.plan.pool_dp[1]
+    assert e.num_gpus == 24
+    sg = e.plan.shard_group
+    assert sg == 0 or all((n * e.plan.cp) % sg == 0 for n in e.plan.pool_dp)
+
+
+def test_pool_names_must_work_in_plan_strings():
+    with pytest.raises(MeshplanError, match="cannot be used in plans"):
+        cluster_from_dict({"pools": [{"name": "a:b", "gpu": "h100-sxm-80gb", "num_nodes": 1},
+                                     {"name": "c", "gpu": "a100-sxm-80gb", "num_nodes": 1}]})
+
+
+def test_the_nearest_global_batches_that_split():
+    from meshplan.cost.pools import nearest_batches
+    assert nearest_batches(parse_plan("dp=3"), 64) == (63, 66)
+    assert nearest_batches(parse_plan("dp=2,dp_shares=3:1,micro_batch=2"), 100) == (96, 104)
+    with pytest.raises(MeshplanError, match="evenly over dp=3.*--global-batch 63 or 66"):
+        replica_samples(parse_plan("dp=3"), 64)
+
+
+def test_objective_cost_says_dollars():
+    r = search_pools(load_model("llama3-70b"), load_cluster(EXAMPLE), Workload(global_batch=512, seq_len=4096),
+                     objective="cost")
+    assert r.best is not None
+    if not r.best.plan.multi_pool and r.best_multi is not None:
+        assert any("costs more" in line and "per M tokens" in line for line in r.explanation)

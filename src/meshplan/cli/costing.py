@@ -70,6 +70,11 @@ class Costing:
     calibration: Calibration | None
 
     def cluster(self, c: Any) -> Any:
+        from meshplan.spec.cluster import PooledCluster
+        if isinstance(c, PooledCluster):  # the commands that take pools route to cli.pools_cmd before this
+            raise MeshplanError(f"cluster {c.name} has several GPU pools ({', '.join(c.names)}), which this command "
+                                "does not take", hint="plan, estimate, simulate, report and train take pooled "
+                                                      "clusters; or give one pool's GPU type (e.g. GPU:COUNT)")
         return self.calibration.apply_cluster(c) if self.calibration is not None else c
 
     def lines(self) -> list[str]:

@@ -72,7 +72,7 @@ def build_input(args: argparse.Namespace) -> Any:
     from meshplan.export import ExportInput
     from meshplan.spec.model import ModelSpec
     from meshplan.spec.plan import Workload
-    if pools_cmd.is_pooled(getattr(args, "cluster", None)):
+    if pools_cmd.is_pooled(getattr(args, "cluster", None), args):
         raise MeshplanError(f"export: {args.cluster} is a cluster of several GPU pools; torchtitan, Megatron-LM and "
                             "DeepSpeed launch one GPU type with even data-parallel shares",
                             hint="give --cluster the one GPU type the plan runs on (e.g. h100-sxm-80gb:64), "

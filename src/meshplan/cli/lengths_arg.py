@@ -99,10 +99,10 @@ def _lengths_of(args: argparse.Namespace) -> Any:
         if ftext is not None:
             return parse_lengths(ftext, packing or fpacking or "padded")
     if text is None:
-        if packing is not None:
-            raise MeshplanError(f"--packing {packing} needs a --seq-len distribution (one length: every sample the "
-                                "same, nothing to pack)", hint="e.g. --seq-len 2048:0.6,8192:0.3,32768:0.1 "
-                                                                f"--packing {packing}")
+        if packing is not None:  # as `meshplan train` does: said, and the one length planned as given
+            import sys
+            print(f"meshplan: note: --packing {packing} has no effect with one --seq-len (every sample is the same "
+                  "length); give a distribution, e.g. --seq-len 2048:0.6,8192:0.3,32768:0.1", file=sys.stderr)
         return None
     return parse_lengths(text, packing or "padded")
 
@@ -114,7 +114,7 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     share = f" ({100 * imb / step:.1f}% of the step)" if step > 0 else ""
     return [f"lengths        {s['lengths']} ({s['packing']}): mean {s['mean_length']:,.0f} tokens, longest "
             f"{s['max_length']:,}; {s['real_tokens_per_step']:,} real tokens per step, padding "
-            f"{100 * s['padding_fraction']:.1f}% of the tokens computed",
+            f"{abs(100 * s['padding_fraction']):.1f}% of the tokens computed",
             f"expected step  {seconds(step)} = {seconds(even)} at even load + {seconds(imb)} lost to imbalance"
             f"{share} (the slowest data-parallel replica, and pipeline stalls at heavier micro-batches); memory "
             "for the longest micro-batch"]
@@ -148,10 +148,15 @@ def dist_line(result: Any) -> str:
     where = (f"{c[0].num_gpus} x {c[0].gpu.name}" if len(c) == 1 else
              f"{', '.join(str(x.num_gpus) for x in c)} x {c[0].gpu.name}")
     d = result.work.lengths
-    return (f"model {result.model.name} on {where}, global batch {result.work.global_batch} samples of lengths "
-            f"{d.text()} ({d.packing}; mean {d.mean_len:,.0f}, longest {d.max_len:,}; objective: {result.objective}, "
-            "by the expected step: 'imbalance' is the time lost to uneven micro-batches and replicas)"
-            + _winner_line(result))
+    if d.packing == "packed":
+        what = (f"global batch {result.work.global_batch} packed windows of {d.max_len:,} tokens (samples of lengths "
+                f"{d.text()}, mean {d.mean_len:,.0f}, concatenated; causal attention over each whole window, no "
+                f"document mask; objective: {result.objective})")
+    else:
+        what = (f"global batch {result.work.global_batch} samples of lengths {d.text()} ({d.packing}; mean "
+                f"{d.mean_len:,.0f}, longest {d.max_len:,}; objective: {result.objective}, by the expected step: "
+                "'imbalance' is the time lost to uneven micro-batches and replicas)")
+    return f"model {result.model.name} on {where}, {what}" + _winner_line(result)
 
 
 def _winner_line(result: Any) -> str:

@@ -107,7 +107,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from meshplan.cli.views import estimate_text
     from meshplan.cost import estimate
     lengths = lengths_of(args)  # a --seq-len distribution (or the plan file's), before the file is resolved
-    if pools_cmd.is_pooled(getattr(args, "cluster", None)):
+    if pools_cmd.is_pooled(getattr(args, "cluster", None), args):
         no_pools(lengths)
         return pools_cmd.run_estimate(args)
     cost = costing(args)

@@ -13,15 +13,58 @@ UNSUPPORTED = {"gpus": "--gpus", "deadline": "--deadline", "plot": "--plot", "pr
                "--price-per-gpu-hour"}
 
 
-def is_pooled(arg: Any) -> bool:
+def is_pooled(arg: Any, args: argparse.Namespace | None = None) -> bool:
+    """Whether --cluster (or, without it, the cluster a --plan file records) has several pools.
+    With ``args``, a pooled plan file's model, cluster, global batch and sequence fill the flags
+    that were not given (the file reloads as `meshplan plan --out` wrote it)."""
     from meshplan.spec.cluster import PooledCluster
     from meshplan.spec.io import load_cluster
+    if arg is None and args is not None:
+        arg = _file_cluster(args)
     if arg is None:
         return False
     try:
-        return isinstance(load_cluster(arg), PooledCluster)
+        pooled = isinstance(load_cluster(arg), PooledCluster)
     except MeshplanError:
         return False  # the command's own loading says what is wrong
+    if pooled and args is not None:
+        _fill_from_plan_file(args, arg)
+    return pooled
+
+
+def _plan_doc(args: argparse.Namespace) -> tuple[str, dict[str, Any]] | None:
+    from meshplan.cli.planfile import is_file_arg
+    from meshplan.spec.io import read_data_file
+    path = getattr(args, "plan", None)
+    if not is_file_arg(path):
+        return None
+    try:
+        doc = read_data_file(path)
+    except MeshplanError:
+        return None  # the plan's own loading says what is wrong
+    return (path, doc) if isinstance(doc, dict) and isinstance(doc.get("plan"), dict) else None
+
+
+def _file_cluster(args: argparse.Namespace) -> str | None:
+    """The pooled cluster a --plan file records (next to the file when relative)."""
+    from meshplan.cli.planfile import _near
+    got = _plan_doc(args)
+    if got is None or not isinstance(got[1].get("cluster"), str):
+        return None
+    return _near(got[1]["cluster"], got[0])
+
+
+def _fill_from_plan_file(args: argparse.Namespace, cluster: str) -> None:
+    got = _plan_doc(args)
+    if getattr(args, "cluster", None) is None:
+        args.cluster = cluster
+    if got is None:
+        return
+    doc = got[1]
+    for key in ("model", "global_batch", "seq_len"):
+        if getattr(args, key, None) is None and doc.get(key) is not None:
+            setattr(args, key, doc[key])
+    # (a recorded length distribution is read by cli.lengths_arg.lengths_of from the file itself)
 
 
 def _refuse(args: argparse.Namespace, command: str) -> None:
@@ -95,6 +138,8 @@ def write_out(path: str, res: Any, model: Any, args: argparse.Namespace) -> None
     doc = {"schema_version": 1, "kind": "plan", "plan": to_dict(best.plan), "model": getattr(model, "source", None)
            or model.name, "cluster": str(args.cluster), "global_batch": res.work.global_batch,
            "seq_len": res.work.seq_len, "predicted": best.to_dict()}
+    if res.work.lengths is not None:
+        doc |= {"lengths": res.work.lengths.text(), "packing": res.work.lengths.packing}
     doc["plan"] = {k: (":".join(map(str, v)) if isinstance(v, (list, tuple)) and k != "stage_layers" else v)
                    for k, v in doc["plan"].items() if v is not None}
     if best.plan.stage_layers:
@@ -133,8 +178,10 @@ def estimate_text(e: Any, pc: Any) -> str:
              f"fits         {'yes' if e.fits else 'NO'}"]
     for p in e.parts:
         lines.append(f"pool {p.name:<8}{p.gpus} of {p.gpus_total} {p.gpu}: {p.role}")
-        lines.append(f"{'':13}own part {hs(p.step_s)}, waits {hs(p.idle_s)}, {100 * p.busy_fraction:.0f}% busy, "
-                     f"memory {p.peak_memory_gib:.1f} of {p.usable_memory_gib:.1f} GiB"
+        share = f"{100 * p.busy_fraction:.0f}% of the step"
+        lines.append(f"{'':13}own part {hs(p.step_s)} ({share}), waits "
+                     f"{hs(p.idle_s)} for the slowest pool, memory {p.peak_memory_gib:.1f} of "
+                     f"{p.usable_memory_gib:.1f} GiB"
                      + ("" if p.fits else "  DOES NOT FIT"))
     lines.append(f"across pools {hs(e.cross_pool_s)} per step ({e.cross_pool_gb:.2f} GB per GPU over inter_pool)")
     lines.append(f"imbalance    {hs(e.imbalance_s)} per step lost waiting for the slowest pool (GPU-weighted)")
@@ -165,11 +212,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     print(f"simulated step: {seconds(sim.step_time_s)}   analytical estimate: {seconds(sim.analytic_step_time_s)} "
           f"({summary['sim_vs_analytic_pct']:+.2f}%); across pools {seconds(sim.cross_pool_s)}; time lost to "
           f"imbalance {seconds(summary['imbalance_s'])} per step (GPU-weighted)")
-    print(f"{'pool':<8} {'gpu':<16} {'ranks':<10} {'compute busy':>13} {'utilisation':>12} {'waits':>10}")
+    print(f"{'pool':<8} {'gpu':<16} {'ranks':<10} {'compute busy':>13} {'utilisation':>12} {'idle':>10}")
     for p in summary["pools"]:
         rk = f"{p['ranks'][0]}-{p['ranks'][-1]}" if len(p["ranks"]) > 1 else str(p["ranks"][0])
         print(f"{p['pool']:<8} {p['gpu']:<16} {rk:<10} {seconds(p['busy_s']):>13} {100 * p['utilisation']:>11.0f}% "
               f"{seconds(p['idle_s']):>10}")
+    print("(compute busy and utilisation: the pool's busiest rank's compute stream; idle: the rest of the step, "
+          "the pipeline's bubble included)")
     for n in sim.notes:
         print(f"note: {n}")
     print("note: the pools' GPU types are emulated by per-rank durations from the cost model; `meshplan train` "

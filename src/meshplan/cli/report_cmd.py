@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                             hint="the report searches every plan; drop --plan, or give a plan .json")
     command = _command(args)  # as typed (the plan file, not what it records)
     from meshplan.cli import pools_cmd
-    if pools_cmd.is_pooled(getattr(args, "cluster", None)):
+    if pools_cmd.is_pooled(getattr(args, "cluster", None), args):
         return pools_cmd.run_report(args, command)
     from meshplan.cli.lengths_arg import lengths_of
     lengths_of(args)  # a --seq-len distribution (or the plan file's), before the file is resolved

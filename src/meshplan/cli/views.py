@@ -50,6 +50,19 @@ def weak_link_lines(cluster: ClusterSpec, plan: Plan, r: CostReport, params: obj
     return out
 
 
+def workload_text(work: Workload, unit: str = "tokens") -> str:
+    """'global batch 256 x 4096 tokens'; with a length distribution, what a sample of the batch is
+    (padded/bucketed: samples of the mean length, up to the longest; packed: full windows)."""
+    d = work.lengths
+    if d is None or len(d.lengths) == 1:
+        return f"global batch {work.global_batch} x {work.seq_len} {unit}"
+    if d.packing == "packed":
+        return (f"global batch {work.global_batch} packed windows x {work.seq_len} {unit} (samples of mean "
+                f"{d.mean_len:,.0f} concatenated, causal over each whole window)")
+    return (f"global batch {work.global_batch} samples of {d.mean_len:,.0f} {unit} on average (longest "
+            f"{work.seq_len:,}, {d.packing})")
+
+
 def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Workload,
                   r: CostReport, params: object = None) -> str:
     unit = "tokens" if model.model is not None else f"tokens ({model.task} samples)"
@@ -57,7 +70,7 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
         model_line(model, r.params),
         f"cluster  {cluster.num_gpus} x {cluster.gpu.name} ({cluster.num_nodes} node(s) x {cluster.gpus_per_node})",
         f"plan     {plan.short()}",
-        f"workload global batch {work.global_batch} x {work.seq_len} {unit} = {human_count(work.tokens)} tokens/step, "
+        f"workload {workload_text(work, unit)} = {human_count(work.tokens)} tokens/step, "
         f"{r.microbatches} micro-batch(es) per replica",
         "",
         f"step time      {seconds(r.step_time_s)}   (90% band {seconds(r.step_time_s_low)} to "

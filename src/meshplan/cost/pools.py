@@ -119,13 +119,31 @@ def replica_samples(plan: Plan, global_batch: int) -> list[int]:
     for s in shares:
         n, rem = divmod(global_batch * s, total)
         if rem or n % plan.micro_batch or n == 0:
+            how = (f"as dp_shares={':'.join(map(str, plan.dp_shares))}" if plan.dp_shares is not None
+                   else f"evenly over dp={plan.dp} replicas")
+            lo, hi = nearest_batches(plan, global_batch)
+            near = " or ".join(str(b) for b in (lo, hi) if b)
             raise MeshplanError(
-                f"--global-batch {global_batch} does not split as dp_shares={':'.join(map(str, plan.dp_shares or ()))} "
-                f"into whole micro-batches of {plan.micro_batch} per replica",
-                hint=f"each replica's share x {global_batch} / {total} must be a multiple of micro_batch; "
-                     f"e.g. --global-batch {total * plan.micro_batch} or other shares")
+                f"--global-batch {global_batch} does not split {how} into whole micro-batches of "
+                f"{plan.micro_batch} per replica",
+                hint=f"the nearest that do: --global-batch {near}; or other shares")
         out.append(n)
     return out
+
+
+def nearest_batches(plan: Plan, global_batch: int) -> tuple[int | None, int | None]:
+    """The nearest global batches below and above ``global_batch`` that split into whole
+    micro-batches under the plan's shares (each replica's share s of S: B s / S a multiple of
+    micro_batch): the multiples of S x micro_batch / gcd over the shares."""
+    import math
+    shares, mb = plan.replica_shares, plan.micro_batch
+    S = sum(shares)
+    unit = 1
+    for s in set(shares):
+        unit = math.lcm(unit, S * mb // math.gcd(s, S * mb))  # B s / S in mb-multiples <=> unit | B
+    lo = (global_batch // unit) * unit
+    hi = lo + unit
+    return (lo if lo > 0 and lo != global_batch else None), hi
 
 
 def _priced(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,

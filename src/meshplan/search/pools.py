@@ -158,35 +158,47 @@ def compress_shares(shares: list[int]) -> tuple[int, ...]:
 
 def _replicas_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, work: Workload,
                        params: CostParams) -> PooledEstimate | None:
-    """Every pool gets as many replicas of ``shape`` as it holds; micro-batches split by speed."""
+    """Replicas of ``shape`` on every pool, micro-batches split by speed: the best of a few replica
+    counts per pool (as many as each pool holds; the same count in every pool)."""
     per = shape.tp * shape.pp * shape.cp
     pools = [p for p in cluster.pools if p.num_gpus // per >= 1]
     if len(pools) < 2:
         return None
-    n = [p.num_gpus // per for p in pools]
-    if shape.zero >= 1 and len(set(n)) > 1:
-        # ZeRO/FSDP shards within each pool (HSDP across pools: shard_group = a pool's replicas), which
-        # the runtime runs only with as many replicas in every pool: use the smallest pool's count
-        n = [min(n)] * len(n)
     if shape.zero >= 2:
         # uneven shares under zero=2/3: the runtime keeps the parameters gathered for the step (its
         # replicas make different numbers of collectives), as zero=1 does: plan and price it as zero=1
         shape = shape.replace(zero=1)
+    most = [p.num_gpus // per for p in pools]
+    variants = [most] + ([[min(most)] * len(most)] if len(set(most)) > 1 else [])
+    best = None
+    for n in variants:
+        e = _replicas(graph, cluster, pools, shape, n, work, params)
+        if e is not None and e.fits and (best is None or e.step_time_s < best.step_time_s):
+            best = e
+    return best
+
+
+def _replicas(graph: LayerGraph, cluster: PooledCluster, pools: list[Any], shape: Plan, n: list[int],
+              work: Workload, params: CostParams) -> PooledEstimate | None:
+    """n[i] replicas on pool i. ZeRO/FSDP shards within groups of gcd(n) replicas (x cp), so that
+    every group lies in one pool (HSDP across pools and groups, as meshplan's runtime runs it)."""
     mb = shape.micro_batch
     if work.global_batch % mb:
         return None
     M = work.global_batch // mb  # micro-batches in the step, all replicas together
     if sum(n) > M:
         return None
+    group = math.gcd(*n) * shape.cp
     base = shape.replace(dp=sum(n), pools=tuple(p.name for p in pools), pool_dp=tuple(n), dp_shares=None,
-                         shard_group=n[0] * shape.cp if shape.zero >= 1 else 0)
+                         shard_group=group if shape.zero >= 1 and group < sum(n) * shape.cp else 0)
     # each pool's step as a + b m (m micro-batches per replica), from two evaluations
     lines = []
     for i, pool in enumerate(pools):
         lo, hi = 1, max(2, M // sum(n))
         ts = []
         for m in (lo, hi):
-            one = base.replace(pools=(pool.name,), pool_dp=None, dp=n[i])
+            one = base.replace(pools=(pool.name,), pool_dp=None, dp=n[i],
+                               shard_group=base.shard_group if base.shard_group < n[i] * shape.cp else 0)
             w = Workload(global_batch=n[i] * m * mb, seq_len=work.seq_len, lengths=work.lengths)
             ts.append(estimate_pooled(graph, cluster, one, w, params).step_time_s)
         b = (ts[1] - ts[0]) / (hi - lo)
@@ -330,9 +342,9 @@ def explain(r: PooledResult) -> list[str]:
     if len(used) > 1:
         lines.append(f"uses {len(used)} pools ({', '.join(used)}): {_s(best.step_time_s)} per step")
         for p in best.parts:
-            lines.append(f"  {p.name} ({p.gpus} of {p.gpus_total} {p.gpu}): {p.role}; its own part {_s(p.step_s)}, "
-                         f"waits {_s(p.idle_s)} for the slowest pool, {100 * p.busy_fraction:.0f}% busy, "
-                         f"{p.peak_memory_gib:.1f} of {p.usable_memory_gib:.1f} GiB")
+            lines.append(f"  {p.name} ({p.gpus} of {p.gpus_total} {p.gpu}): {p.role}; its own part {_s(p.step_s)} "
+                         f"({100 * p.busy_fraction:.0f}% of the step), then waits {_s(p.idle_s)} for the slowest "
+                         f"pool; {p.peak_memory_gib:.1f} of {p.usable_memory_gib:.1f} GiB")
         if best.plan.pool_dp is not None and best.plan.dp_shares is not None:
             shares = ":".join(map(str, best.plan.dp_shares))
             lines.append(f"  the micro-batches are dealt by speed (dp_shares={shares}), so that the pools finish "
@@ -340,19 +352,27 @@ def explain(r: PooledResult) -> list[str]:
         if best.plan.pool_pp is not None:
             lines.append(f"  stage_layers={':'.join(map(str, best.plan.stage_layers or ()))}: more layers on the "
                          "faster pool's stages, so that every stage takes about as long")
+        link = r.cluster.inter_pool
         lines.append(f"  across pools: {_s(best.cross_pool_s)} per step ({best.cross_pool_gb:.2f} GB per GPU over "
-                     f"inter_pool at {r.cluster.inter_pool.bandwidth_gbps:g} GB/s); time lost to imbalance "
-                     f"{_s(best.imbalance_s)} per step (GPU-weighted)")
+                     f"inter_pool at {link.bandwidth_gbps:g} GB/s x {link.efficiency:.2f} achieved); time lost to "
+                     f"imbalance {_s(best.imbalance_s)} per step (GPU-weighted)")
         for name, e in alone.items():
             gain = 100 * (1 - best.step_time_s / e.step_time_s)
+            dearer = 100 * (best.usd_per_m_tokens / e.usd_per_m_tokens - 1) if e.usd_per_m_tokens else 0.0
             lines.append(f"  vs {name} alone ({e.num_gpus} GPUs): {_fmt(e)}: the pools together are "
-                         f"{gain:.0f}% {'faster' if gain >= 0 else 'slower'}")
+                         f"{abs(gain):.0f}% {'faster' if gain >= 0 else 'slower'} and cost "
+                         f"${best.usd_per_m_tokens:.3f} vs ${e.usd_per_m_tokens:.3f} per M tokens "
+                         f"({dearer:+.0f}%)")
     else:
         lines.append(f"uses pool {used[0] if used else '?'} alone: {_fmt(best)}")
         m = r.best_multi
         if m is None:
-            lines.append("  no plan over several pools fits (each pool's replicas or stages must fit in its "
-                         "own GPUs' memory)")
+            lines.append("  the search found no plan over several pools that fits with memory headroom among the "
+                         "replica and stage shapes it tried (each pool's best plans' shapes)")
+        elif r.objective == "cost":
+            lines.append(f"  the best plan over several pools costs more: ${m.usd_per_m_tokens:.3f} vs "
+                         f"${best.usd_per_m_tokens:.3f} per M tokens, though it takes {_fmt(m)} against "
+                         f"{_s(best.step_time_s)} (objective cost: dollars per token first)")
         else:
             lines.append(f"  the best plan over several pools is slower: {_fmt(m)} (across pools "
                          f"{_s(m.cross_pool_s)}, imbalance {_s(m.imbalance_s)} per step, slowest pool "
@@ -364,7 +384,7 @@ def explain(r: PooledResult) -> list[str]:
             lines.append(f"  {kind}: not priced under a length distribution (cost.lengths takes one GPU type "
                          "per pipeline)")
         elif e is None:
-            lines.append(f"  {kind}: no plan fits with memory headroom")
+            lines.append(f"  {kind}: none of the shapes tried fits with memory headroom")
         elif e is not best:
             slow = max(e.parts, key=lambda p: p.step_s)
             sign = "+" if e.step_time_s >= best.step_time_s else "-"

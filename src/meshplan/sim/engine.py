@@ -112,7 +112,8 @@ class SimResult:
     def busy(self, rank: int, stream: str) -> float:
         """Seconds the stream works (the expected straggler wait, drawn on the compute stream, is not work)."""
         return sum(e.end - e.start for e in self.events
-                   if e.rank == rank and e.stream == stream and e.name != "straggler wait")
+                   if e.rank == rank and e.stream == stream and e.name != "straggler wait"
+                   and not e.name.startswith("waits for the slowest pool"))
 
     def summary(self) -> dict:
         t = self.step_time_s

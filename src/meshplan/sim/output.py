@@ -69,11 +69,12 @@ def write_trace(res: SimResult, path: str | Path) -> None:
 # ---- the timeline figures ----------------------------------------------------------------------
 
 COLORS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", "optimizer": "#b279a2", "straggler": "#bab0ac",
-          "tp": "#e45756", "dp": "#72b7b2", "pp": "#9d755d", "outer": "#ff9da6"}
+          "tp": "#e45756", "dp": "#72b7b2", "pp": "#9d755d", "outer": "#ff9da6", "poolwait": "#d9a400"}
 """Colour of each kind of work (``event_kind``)."""
 KIND_LABELS = {"F": "forward", "B": "backward", "W": "weight gradients", "optimizer": "optimizer step",
                "straggler": "straggler wait (expected)", "tp": STREAM_NAMES["tp"], "dp": STREAM_NAMES["dp"],
-               "pp": STREAM_NAMES["pp"], "outer": "outer sync (amortised)"}
+               "pp": STREAM_NAMES["pp"], "outer": "outer sync (amortised)",
+               "poolwait": "waits for the slowest pool"}
 KINDS = tuple(KIND_LABELS)
 """Kinds of work in legend order."""
 LATER_CHUNK = "lighter: a rank's 2nd (4th, ...) model chunk"
@@ -88,6 +89,8 @@ def event_kind(stream: str, name: str) -> str:
         return "straggler"
     if name.startswith("outer sync"):
         return "outer"
+    if name.startswith("waits for the slowest pool"):
+        return "poolwait"
     if stream == "compute":
         return name[0] if name[:1] in ("F", "B", "W") else "optimizer"
     return stream

@@ -38,6 +38,7 @@ class PoolSim:
     busy_s: float = 0.0
     """Compute-stream seconds of the pool's busiest rank in the step."""
     idle_s: float = 0.0
+    """Seconds of the step the pool's busiest rank does not compute (bubble, waits, syncs)."""
 
 
 @dataclass
@@ -103,7 +104,7 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan:
         memory += res.memory
         wait += res.wait_s
         busy = max(res.busy(r, "compute") for r in range(res.pp))
-        out.append(PoolSim(pool.name, pool.gpu.name, res, ranks, busy_s=busy, idle_s=idle))
+        out.append(PoolSim(pool.name, pool.gpu.name, res, ranks, busy_s=busy, idle_s=step - busy))
         offset += res.pp
     combined = SimResult(step_time_s=step, events=events, memory=memory, pp=offset, wait_s=wait)
     return PooledSimulation(plan=plan, step_time_s=step, analytic_step_time_s=est.step_time_s, pools=out,

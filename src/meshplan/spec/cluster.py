@@ -244,6 +244,10 @@ class PooledCluster:
             raise MeshplanError(f"cluster {self.name}: a pooled cluster needs at least two [[pools]]",
                                 hint="for one GPU type, write gpu/num_nodes at the top level instead")
         names = [p.name for p in self.pools]
+        for n in names:
+            if not n.strip() or any(ch in n for ch in ":,=; \t"):
+                raise MeshplanError(f"cluster {self.name}: pool name {n!r} cannot be used in plans (pools=NAME:NAME)",
+                                    hint="name each pool with letters, digits, '-' or '_', e.g. name = \"h100\"")
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise MeshplanError(f"cluster {self.name}: pool name {dup[0]!r} is used twice",

@@ -98,7 +98,8 @@ def from_pairs(pairs: list[tuple[int, float]], packing: str = "padded", source: 
             raise MeshplanError(f"sequence-length distribution: length {n!r} must be a whole number >= 1",
                                 hint=f"e.g. {EXAMPLE}")
         if not (isinstance(w, (int, float, np.integer, np.floating)) and math.isfinite(float(w)) and w >= 0):
-            raise MeshplanError(f"sequence-length distribution: weight {w!r} of length {n} must be a number >= 0")
+            raise MeshplanError(f"sequence-length distribution: weight {w!r} of length {n} must be a number >= 0",
+                                hint=f"e.g. {EXAMPLE}")
         acc[int(n)] = acc.get(int(n), 0.0) + float(w)
     acc = {n: w for n, w in acc.items() if w > 0}
     total = sum(acc.values())
@@ -170,6 +171,9 @@ def parse_lengths(text: str, packing: str = "padded") -> LengthDist:
             raise MeshplanError(f"--seq-len {t}: probability {w.strip()!r} of length {length} is not a number",
                                 hint=f"e.g. {EXAMPLE}") from None
         pairs.append((length, weight))
+    if not pairs:
+        raise MeshplanError(f"--seq-len {t!r} holds no length:probability pair",
+                            hint=f"give one length (--seq-len 4096) or a distribution ({EXAMPLE})")
     return from_pairs(pairs, packing, source=t)
 
 
