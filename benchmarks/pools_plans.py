@@ -35,10 +35,19 @@ def _slow(bw: float, lat: float) -> PooledCluster:
                          inter_pool=LinkTier(name="inter_pool", bandwidth_gbps=bw, latency_us=lat))
 
 
+def _uneven() -> PooledCluster:
+    from meshplan.spec.io import cluster_from_dict
+    return cluster_from_dict({"name": "2x8 h100 + 1x8 a100", "pools": [  # type: ignore[return-value]
+        {"name": "h100", "gpu": "h100-sxm-80gb", "num_nodes": 2},
+        {"name": "a100", "gpu": "a100-sxm-80gb", "num_nodes": 1}]})
+
+
 SCENARIOS = [  # name, model, cluster, global batch, seq len
     ("done-when: llama3-70b on 8x8 H100 + 8x8 A100-80GB", "llama3-70b", EXAMPLE, 512, 4096),
     ("llama3-70b, global batch 128", "llama3-70b", EXAMPLE, 128, 4096),
     ("llama3-8b, global batch 512", "llama3-8b", EXAMPLE, 512, 4096),
+    ("llama3-8b on pools of different sizes: 2x8 H100 + 1x8 A100, global batch 128", "llama3-8b", "uneven", 128,
+     4096),
     ("llama3-70b, pools joined by 1 GB/s per GPU", "llama3-70b", "slow1", 512, 4096),
     ("llama3-70b, pools joined by 0.05 GB/s per GPU, 20 ms", "llama3-70b", "slow005", 512, 4096),
 ]
@@ -50,8 +59,8 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     for name, model, cluster, gb, seq in SCENARIOS:
-        c = {"slow1": lambda: _slow(1.0, 8.0), "slow005": lambda: _slow(0.05, 20000.0)}.get(cluster, lambda: None)() \
-            or load_cluster(cluster)
+        c = {"slow1": lambda: _slow(1.0, 8.0), "slow005": lambda: _slow(0.05, 20000.0),
+             "uneven": _uneven}.get(cluster, lambda: None)() or load_cluster(cluster)
         w = Workload(global_batch=gb, seq_len=seq)
         t0 = time.perf_counter()
         r = search_pools(load_model(model), c, w)
