@@ -338,3 +338,40 @@ def test_objective_cost_says_dollars():
     assert r.best is not None
     if not r.best.plan.multi_pool and r.best_multi is not None:
         assert any("costs more" in line and "per M tokens" in line for line in r.explanation)
+
+
+def test_one_share_per_pool_and_shard_groups_within_pools():
+    p = parse_plan("tp=1,dp=24,pools=h100:a100,pool_dp=16:8,dp_shares=3:1")
+    assert p.replica_shares == (3,) * 16 + (1,) * 8  # per pool, not blocks of 12
+    assert parse_plan("dp=4,dp_shares=3:1").replica_shares == (3, 3, 1, 1)  # no pools: blocks
+    with pytest.raises(MeshplanError, match="must lie in one pool"):
+        parse_plan("dp=12,zero=1,shard_group=8,pools=a:b,pool_dp=8:4")
+
+
+def test_a_small_third_pool_does_not_hide_replicas_on_the_others():
+    c = cluster_from_dict({"name": "three", "pools": [
+        {"name": "h100", "gpu": "h100-sxm-80gb", "num_nodes": 2},
+        {"name": "a100", "gpu": "a100-sxm-80gb", "num_nodes": 1},
+        {"name": "l40s", "gpu": "l40s-48gb", "num_nodes": 1, "gpus_per_node": 4}]})
+    r = search_pools(load_model("llama3-8b"), c, Workload(global_batch=128, seq_len=4096))
+    e = r.best_by_kind["replicas on pools"]
+    assert e is not None and len(e.plan.pools) >= 2
+
+
+def test_a_plan_file_saved_elsewhere_reloads_from_anywhere(capsys, tmp_path, monkeypatch):
+    sub = tmp_path / "plans"
+    sub.mkdir()
+    out = str(sub / "p.json")
+    rc, _, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "256",
+                      "--seq-len", "2048:0.6,8192:0.3,32768:0.1", "--out", out)
+    assert rc == 0, err
+    planned = json.loads(Path(out).read_text())
+    monkeypatch.chdir(tmp_path)
+    rc, text, err = _run(capsys, "estimate", "--plan", out, "--json")
+    assert rc == 0, err
+    doc = json.loads(text)
+    assert doc["step_time_s"] == pytest.approx(planned["predicted"]["step_time_s"])  # the distribution kept
+    assert doc["lengths"]["lengths"].startswith("2048:0.6")
+    rc, text, err = _run(capsys, "report", "--plan", out, "--out", str(tmp_path / "r.html"))
+    assert rc == 0 and f"{planned['predicted']['step_time_s']:.3f}" in text, err
+    assert "lengths 2048:0.6" in (tmp_path / "r.html").read_text()

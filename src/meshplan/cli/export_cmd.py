@@ -75,8 +75,8 @@ def build_input(args: argparse.Namespace) -> Any:
     if pools_cmd.is_pooled(getattr(args, "cluster", None), args):
         raise MeshplanError(f"export: {args.cluster} is a cluster of several GPU pools; torchtitan, Megatron-LM and "
                             "DeepSpeed launch one GPU type with even data-parallel shares",
-                            hint="give --cluster the one GPU type the plan runs on (e.g. h100-sxm-80gb:64), "
-                                 "or run it with meshplan train")
+                            hint="run it with meshplan train; to export, plan on one pool's GPU type (e.g. "
+                                 "meshplan plan --cluster h100-sxm-80gb:64 ... --out p.json) and export that plan")
     inputs = resolve(args, fields=("model", "cluster", "global_batch", "seq_len"))
     plan = inputs.plan
     if plan.multi_pool or (plan.dp_shares is not None and len(set(plan.replica_shares)) > 1):

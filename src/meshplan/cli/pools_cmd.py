@@ -62,6 +62,8 @@ def _fill_from_plan_file(args: argparse.Namespace, cluster: str) -> None:
         return
     doc = got[1]
     for key in ("model", "global_batch", "seq_len"):
+        if key == "seq_len" and doc.get("lengths"):
+            continue  # a recorded distribution: cli.lengths_arg.lengths_of reads it (and its longest) from the file
         if getattr(args, key, None) is None and doc.get(key) is not None:
             setattr(args, key, doc[key])
     # (a recorded length distribution is read by cli.lengths_arg.lengths_of from the file itself)
@@ -117,11 +119,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def text(res: Any, model: Any, work: Any) -> str:
     pc = res.cluster
+    from meshplan.cli.views import workload_text
     d = work.lengths
-    seqs = (f"{work.seq_len} tokens" if d is None else
-            f"lengths {d.text()} ({d.packing}; mean {d.mean_len:,.0f}, longest {d.max_len:,})")
-    lines = [f"{model.name} on {pc.name} ({pc.describe()}; {pc.num_gpus} GPUs), global batch "
-             f"{work.global_batch} x {seqs}, objective {res.objective}",
+    dist = "" if d is None or len(d.lengths) == 1 else f" (lengths {d.text()})"
+    lines = [f"{model.name} on {pc.name} ({pc.describe()}; {pc.num_gpus} GPUs), {workload_text(work)}{dist}, "
+             f"objective {res.objective}",
              f"searched {res.considered:,} plans in {res.search_time_s:.1f} s (every pool alone, replicas on "
              "every pool, pipeline stages on every pool)", ""]
     lines += res.explanation
@@ -135,8 +137,12 @@ def text(res: Any, model: Any, work: Any) -> str:
 def write_out(path: str, res: Any, model: Any, args: argparse.Namespace) -> None:
     from meshplan.spec.io import dump_toml, to_dict
     best = res.best
+    import os
+    cluster = str(args.cluster)
+    if os.path.isfile(cluster):  # relative to the plan file, which cli.planfile._near reads it next to
+        cluster = os.path.relpath(os.path.abspath(cluster), os.path.dirname(os.path.abspath(path)))
     doc = {"schema_version": 1, "kind": "plan", "plan": to_dict(best.plan), "model": getattr(model, "source", None)
-           or model.name, "cluster": str(args.cluster), "global_batch": res.work.global_batch,
+           or model.name, "cluster": cluster, "global_batch": res.work.global_batch,
            "seq_len": res.work.seq_len, "predicted": best.to_dict()}
     if res.work.lengths is not None:
         doc |= {"lengths": res.work.lengths.text(), "packing": res.work.lengths.packing}
@@ -162,23 +168,34 @@ def run_estimate(args: argparse.Namespace) -> int:
     from meshplan.spec.io import load_plan
     model, pc, work, cost = load(args)
     plan = load_plan(args.plan)
+    from meshplan.cli.lengths_arg import no_pools
+    no_pools(work.lengths, plan)
     e = estimate_pooled(model, pc, plan, work, cost.params)
+    lengths = None if work.lengths is None else {"lengths": work.lengths.text(), "packing": work.lengths.packing,
+                                                 "mean_length": work.lengths.mean_len,
+                                                 "max_length": work.lengths.max_len}
     if getattr(args, "json", False):
-        print(json_text(e.to_dict() | cost.to_json()))
+        print(json_text(e.to_dict() | {"global_batch": work.global_batch, "seq_len": work.seq_len}
+                        | ({"lengths": lengths} if lengths else {}) | cost.to_json()))
         return 0
-    print(estimate_text(e, pc))
+    print(estimate_text(e, pc, work))
     return 0
 
 
-def estimate_text(e: Any, pc: Any) -> str:
+def estimate_text(e: Any, pc: Any, work: Any = None) -> str:
     lines = [f"plan         {e.plan.short()}",
              f"cluster      {pc.name}: {pc.describe()}",
              f"step time    {hs(e.step_time_s)}   ({e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}% of "
              f"the GPUs' own peaks, ${e.usd_per_m_tokens:.3f} per M tokens)",
              f"fits         {'yes' if e.fits else 'NO'}"]
+    if work is not None:
+        from meshplan.cli.views import workload_text
+        lines.insert(2, f"workload     {workload_text(work)} = {work.tokens:,} tokens/step"
+                     + ("; each pool's part is its expected step over the distribution (cost.lengths)"
+                        if work.varied else ""))
     for p in e.parts:
         lines.append(f"pool {p.name:<8}{p.gpus} of {p.gpus_total} {p.gpu}: {p.role}")
-        share = f"{100 * p.busy_fraction:.0f}% of the step"
+        share = f"busy {100 * p.busy_fraction:.0f}% of the step on average"
         lines.append(f"{'':13}own part {hs(p.step_s)} ({share}), waits "
                      f"{hs(p.idle_s)} for the slowest pool, memory {p.peak_memory_gib:.1f} of "
                      f"{p.usable_memory_gib:.1f} GiB"

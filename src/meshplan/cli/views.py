@@ -5,6 +5,7 @@ from meshplan.cli.format import seconds, table
 from meshplan.cost.report import CostReport
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
+from meshplan.spec.lengths import workload_text
 from meshplan.spec.plan import Plan, Workload
 from meshplan.units import human_count
 
@@ -48,19 +49,6 @@ def weak_link_lines(cluster: ClusterSpec, plan: Plan, r: CostReport, params: obj
                    f"(step_jitter {100 * cluster.step_jitter:g}%"
                    + (f"; {seconds(r.straggler_sync_s)} if it synced every step)" if plan.periodic else ")"))
     return out
-
-
-def workload_text(work: Workload, unit: str = "tokens") -> str:
-    """'global batch 256 x 4096 tokens'; with a length distribution, what a sample of the batch is
-    (padded/bucketed: samples of the mean length, up to the longest; packed: full windows)."""
-    d = work.lengths
-    if d is None or len(d.lengths) == 1:
-        return f"global batch {work.global_batch} x {work.seq_len} {unit}"
-    if d.packing == "packed":
-        return (f"global batch {work.global_batch} packed windows x {work.seq_len} {unit} (samples of mean "
-                f"{d.mean_len:,.0f} concatenated, causal over each whole window)")
-    return (f"global batch {work.global_batch} samples of {d.mean_len:,.0f} {unit} on average (longest "
-            f"{work.seq_len:,}, {d.packing})")
 
 
 def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Workload,

@@ -223,8 +223,9 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
         m_max, m_mean = max(mine) // plan.micro_batch, sum(mine) / n / plan.micro_batch
         each = f"{m_max} micro-batch{'es' * (m_max > 1)} each" if min(mine) == max(mine) else \
             f"{min(mine) // plan.micro_batch}-{m_max} micro-batches each"
+        unit = "windows" if work.lengths is not None and work.lengths.packing == "packed" else "samples"
         role = (f"{n} replica{'s' * (n > 1)} x {shape} GPU{'s' * (shape > 1)}, {each} ({sum(mine)} of "
-                f"{work.global_batch} samples)")
+                f"{work.global_batch} {unit})")
         parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=gpus, gpus_total=pool.num_gpus, role=role,
                               step_s=r.step_time_s, busy_fraction=m_mean / max(1, m_max),
                               peak_memory_gib=r.peak_memory_gib, usable_memory_gib=r.usable_memory_gib,

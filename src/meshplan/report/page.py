@@ -20,6 +20,7 @@ from meshplan.sim.engine import STREAMS
 from meshplan.sim.output import STREAM_NAMES
 from meshplan.spec.base import json_safe
 from meshplan.spec.graph import LayerGraph
+from meshplan.spec.lengths import workload_text
 from meshplan.svg import esc, fixed3, plot_css
 from meshplan.units import human_count
 
@@ -158,7 +159,9 @@ def _problem(r: SearchResult, command: str | None) -> str:
     if c0.step_jitter > 0:
         cluster.insert(-1, ("step jitter", f"{100 * c0.step_jitter:g}% per GPU (priced as stragglers)"))
     unit = "samples" if isinstance(m, LayerGraph) and m.model is None else "sequences"
-    work = [("global batch", f"{w.global_batch:,} {unit} x {w.seq_len:,} tokens = {w.tokens:,} tokens per step"),
+    work = [("global batch", f"{w.global_batch:,} {unit} x {w.seq_len:,} tokens = {w.tokens:,} tokens per step"
+             if w.lengths is None or len(w.lengths.lengths) == 1 else
+             f"{workload_text(w)}{_dist(w)} = {w.tokens:,} real tokens per step"),
             ("objective", {"time": "fastest step", "cost": "fewest dollars per token",
                            "time-to-target": "soonest to a target loss (step time x token-efficiency factor)"}
              .get(r.objective, r.objective)),
@@ -339,6 +342,12 @@ def _explanation(r: SearchResult) -> str:
     return "".join(out)
 
 
+def _dist(work: Any) -> str:
+    """' (lengths 2048:0.6,...)' for a distribution of several lengths, else ''."""
+    d = work.lengths
+    return "" if d is None or len(d.lengths) == 1 else f" (lengths {d.text()})"
+
+
 def render(result: SearchResult, *, usable_gib: float, sim: Any = None, sim_summary: dict[str, Any] | None = None,
            sim_error: str | None = None, train: list[dict[str, float] | None] | None = None,
            command: str | None = None) -> str:
@@ -367,7 +376,7 @@ def render(result: SearchResult, *, usable_gib: float, sim: Any = None, sim_summ
         f"<title>meshplan report: {esc(heading)}</title>",
         f"<script>{JS_GUARD}</script><style>{CSS}</style></head><body><main>",
         f"<h1>meshplan report: {esc(heading)}</h1>",
-        f'<p class="mut">global batch {r.work.global_batch:,} x {r.work.seq_len:,} tokens; '
+        f'<p class="mut">{esc(workload_text(r.work))}{esc(_dist(r.work))}; '
         f"{r.considered:,} plans searched, {r.feasible:,} feasible</p><nav>{nav}</nav>",
         _verdict(r, train), _problem(r, command), top, _pareto(r, usable_gib), _breakdowns(r),
         _simulation(r, sim, sim_summary, sim_error), _explanation(r),

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from meshplan import __version__
-from meshplan.report.page import CSS, JS_GUARD, JS_MAIN, _json_script
+from meshplan.report.page import CSS, JS_GUARD, JS_MAIN, _dist, _json_script
+from meshplan.spec.lengths import workload_text
 from meshplan.svg import esc
 
 
@@ -102,7 +103,7 @@ def render_pooled(res: Any, sim: Any = None, command: str | None = None) -> str:
         f"<title>meshplan report: {heading}</title>",
         f"<script>{JS_GUARD}</script><style>{CSS}</style></head><body><main>",
         f"<h1>meshplan report: {heading}</h1>",
-        f'<p class="mut">global batch {work.global_batch:,} x {work.seq_len:,} tokens; {res.considered:,} plans '
+        f'<p class="mut">{esc(workload_text(work))}{esc(_dist(work))}; {res.considered:,} plans '
         f"searched over {len(pc.pools)} pools" + (f"; <code>{esc(command)}</code>" if command else "")
         + f"</p><nav>{nav}</nav>", verdict, parts_html,
         f'<section id="plans"><h2>Plans</h2><ul>{kinds}</ul><table class=sortable><thead><tr><th>#</th>'

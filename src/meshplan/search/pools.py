@@ -160,21 +160,24 @@ def _replicas_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, w
                        params: CostParams) -> PooledEstimate | None:
     """Replicas of ``shape`` on every pool, micro-batches split by speed: the best of a few replica
     counts per pool (as many as each pool holds; the same count in every pool)."""
+    import itertools
     per = shape.tp * shape.pp * shape.cp
-    pools = [p for p in cluster.pools if p.num_gpus // per >= 1]
-    if len(pools) < 2:
+    able = [p for p in cluster.pools if p.num_gpus // per >= 1]
+    if len(able) < 2:
         return None
     if shape.zero >= 2:
         # uneven shares under zero=2/3: the runtime keeps the parameters gathered for the step (its
         # replicas make different numbers of collectives), as zero=1 does: plan and price it as zero=1
         shape = shape.replace(zero=1)
-    most = [p.num_gpus // per for p in pools]
-    variants = [most] + ([[min(most)] * len(most)] if len(set(most)) > 1 else [])
     best = None
-    for n in variants:
-        e = _replicas(graph, cluster, pools, shape, n, work, params)
-        if e is not None and e.fits and (best is None or e.step_time_s < best.step_time_s):
-            best = e
+    for k in range(len(able), 1, -1):  # every subset of two or more pools (a small pool may hurt)
+        for pools in itertools.combinations(able, k):
+            most = [p.num_gpus // per for p in pools]
+            variants = [most] + ([[min(most)] * len(most)] if len(set(most)) > 1 else [])
+            for n in variants:
+                e = _replicas(graph, cluster, list(pools), shape, n, work, params)
+                if e is not None and e.fits and (best is None or e.step_time_s < best.step_time_s):
+                    best = e
     return best
 
 
@@ -206,8 +209,8 @@ def _replicas(graph: LayerGraph, cluster: PooledCluster, pools: list[Any], shape
     split = _best_split(n, M, lines)
     if split is None:
         return None
-    shares = [m for m, k in zip(split, n) for _ in range(k)]
-    plan = base.replace(dp_shares=compress_shares(shares))
+    g = math.gcd(*split)
+    plan = base.replace(dp_shares=tuple(m // g for m in split))  # one share per pool (Plan.replica_shares)
     return estimate_pooled(graph, cluster, plan, work, params)
 
 
@@ -327,7 +330,7 @@ def _s(t: float) -> str:
 
 
 def _fmt(e: PooledEstimate) -> str:
-    return f"{_s(e.step_time_s)} per step ({e.plan.short()})"
+    return f"{_s(e.step_time_s)} per step, ${e.usd_per_m_tokens:.3f} per M tokens ({e.plan.short()})"
 
 
 def explain(r: PooledResult) -> list[str]:
@@ -342,9 +345,9 @@ def explain(r: PooledResult) -> list[str]:
     if len(used) > 1:
         lines.append(f"uses {len(used)} pools ({', '.join(used)}): {_s(best.step_time_s)} per step")
         for p in best.parts:
-            lines.append(f"  {p.name} ({p.gpus} of {p.gpus_total} {p.gpu}): {p.role}; its own part {_s(p.step_s)} "
-                         f"({100 * p.busy_fraction:.0f}% of the step), then waits {_s(p.idle_s)} for the slowest "
-                         f"pool; {p.peak_memory_gib:.1f} of {p.usable_memory_gib:.1f} GiB")
+            lines.append(f"  {p.name} ({p.gpus} of {p.gpus_total} {p.gpu}): {p.role}; its own part {_s(p.step_s)}, "
+                         f"then waits {_s(p.idle_s)} for the slowest pool (busy {100 * p.busy_fraction:.0f}% of the "
+                         f"step on average); {p.peak_memory_gib:.1f} of {p.usable_memory_gib:.1f} GiB")
         if best.plan.pool_dp is not None and best.plan.dp_shares is not None:
             shares = ":".join(map(str, best.plan.dp_shares))
             lines.append(f"  the micro-batches are dealt by speed (dp_shares={shares}), so that the pools finish "

@@ -237,3 +237,16 @@ def _as_float(v: Any, p: Path, i: int) -> float:
         return float(v)
     except (TypeError, ValueError):
         raise MeshplanError(f"{p}: entry {i}: count {v!r} is not a number") from None
+
+
+def workload_text(work: Any, unit: str = "tokens") -> str:
+    """'global batch 256 x 4096 tokens'; with a length distribution, what a sample of the batch is
+    (padded/bucketed: samples of the mean length, up to the longest; packed: full windows)."""
+    d = work.lengths
+    if d is None or len(d.lengths) == 1:
+        return f"global batch {work.global_batch} x {work.seq_len} {unit}"
+    if d.packing == "packed":
+        return (f"global batch {work.global_batch} packed windows x {work.seq_len} {unit} (samples of mean "
+                f"{d.mean_len:,.0f} concatenated, causal over each whole window)")
+    return (f"global batch {work.global_batch} samples of {d.mean_len:,.0f} {unit} on average (longest "
+            f"{work.seq_len:,}, {d.packing})")

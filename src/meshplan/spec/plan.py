@@ -6,6 +6,7 @@ Megatron/torchtitan). The innermost axis gets the fastest links.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 
@@ -119,8 +120,9 @@ class Plan:
     """Optional explicit transformer blocks per pipeline stage (length pp, sums to num_layers)."""
     dp_shares: tuple[int, ...] | None = None
     """Uneven data parallelism: relative shares of the global batch per data-parallel replica
-    (``dp_shares=3:1``). Its length divides dp: entry i applies to the i-th block of dp/len
-    consecutive replicas. Replica r trains on share_r / sum(shares) of the global batch (as whole
+    (``dp_shares=3:1``). With pool_dp and one entry per pool, entry i is the share of each of
+    pool i's replicas; otherwise its length divides dp: entry i applies to the i-th block of
+    dp/len consecutive replicas. Replica r trains on share_r / sum(shares) of the global batch (as whole
     micro-batches) and its gradients are weighted by its share, so that the step equals training
     on the whole global batch. None: even shares."""
     pools: tuple[str, ...] | None = None
@@ -177,9 +179,10 @@ class Plan:
         self._check_shares_and_pools()
 
     def _check_shares_and_pools(self) -> None:
+        per_pool = self.pool_dp is not None and self.dp_shares is not None and len(self.dp_shares) == len(self.pool_dp)
         if self.dp_shares is not None:
             k = len(self.dp_shares)
-            if k == 0 or self.dp % k:
+            if k == 0 or (self.dp % k and not per_pool):
                 raise MeshplanError(f"plan: dp_shares has {k} entries, which does not divide dp={self.dp}",
                                     hint="give one share per replica, or per equal block of replicas "
                                          "(dp=8,dp_shares=3:1 gives replicas 0-3 share 3 and 4-7 share 1)")
@@ -211,6 +214,11 @@ class Plan:
                                     hint=f"the counts per pool add up to {f[5:]}")
         if self.pool_dp is not None and self.pool_pp is not None:
             raise MeshplanError("plan: give pool_dp (replicas per pool) or pool_pp (stages per pool), not both")
+        if self.pool_dp is not None and self.shard_group and self.zero and \
+                any((n * self.cp) % self.shard_group for n in self.pool_dp):
+            raise MeshplanError(f"plan: shard_group={self.shard_group} does not divide every pool's replicas x cp "
+                                f"({', '.join(str(n * self.cp) for n in self.pool_dp)}): a shard group must lie in "
+                                "one pool", hint=f"e.g. shard_group={math.gcd(*self.pool_dp) * self.cp}")
         if len(self.pools) > 1 and self.pool_dp is None and self.pool_pp is None:
             raise MeshplanError(f"plan: pools={':'.join(self.pools)} needs pool_dp (replicas per pool) or "
                                 "pool_pp (pipeline stages per pool)", hint="e.g. pool_dp=3:1 or pool_pp=2:2")
@@ -220,6 +228,8 @@ class Plan:
         """dp_shares expanded to one share per data-parallel replica (all 1 without dp_shares)."""
         if self.dp_shares is None:
             return (1,) * self.dp
+        if self.pool_dp is not None and len(self.dp_shares) == len(self.pool_dp):  # one share per pool
+            return tuple(s for s, n in zip(self.dp_shares, self.pool_dp) for _ in range(n))
         block = self.dp // len(self.dp_shares)
         return tuple(s for s in self.dp_shares for _ in range(block))
 
