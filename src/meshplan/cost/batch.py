@@ -495,14 +495,19 @@ def estimate_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Wo
     graph = as_graph(model, work.seq_len)
     cols = plans if isinstance(plans, Mapping) else plans_to_columns(plans)
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in cols.items()}
+    return by_pipeline_depth(cols, lambda c: _estimate(graph, cluster, work, c, params))
+
+
+def by_pipeline_depth(cols: dict[str, Any], fn: Any) -> dict[str, np.ndarray]:
+    """``fn(cols)`` (an estimate_batch-style result) over many rows, one pipeline depth at a
+    time (the stage axis is then no wider than needed), merged back in row order;
+    stage_memory_gib is (rows, the deepest pp) with NaN beyond each row's pp."""
     pp = cols["pp"]
     degrees = np.unique(pp)
     if len(pp) <= 64 or len(degrees) == 1:
-        return _estimate(graph, cluster, work, cols, params)
-    # Rows of one pipeline depth at a time: the stage axis is then no wider than needed.
+        return fn(cols)
     parts = [(np.nonzero(pp == d)[0], d) for d in degrees]
-    outs = [_estimate(graph, cluster, work, {k: v[idx] for k, v in cols.items()}, params)
-            for idx, _ in parts]
+    outs = [fn({k: v[idx] for k, v in cols.items()}) for idx, _ in parts]
     width = int(degrees.max())
     merged: dict[str, np.ndarray] = {}
     for key, first in outs[0].items():

@@ -480,24 +480,7 @@ def estimate_lengths_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, 
                       "imbalance_s": np.zeros(n), "padding_fraction": np.full(n, 1.0 - work.tokens / padded),
                       "padded_tokens": np.full(n, padded)}
     check_model(model, work)
-    pp = cols["pp"]
-    degrees = np.unique(pp)
-    if len(pp) <= 64 or len(degrees) == 1:
-        return _estimate_group(model, cluster, work, cols, params)
-    parts = [(np.nonzero(pp == d)[0], d) for d in degrees]
-    outs = [_estimate_group(model, cluster, work, {k: v[idx] for k, v in cols.items()}, params) for idx, _ in parts]
-    width = int(degrees.max())
-    merged: dict[str, np.ndarray] = {}
-    for key, first in outs[0].items():
-        merged[key] = (np.full((len(pp), width), np.nan) if key == "stage_memory_gib"
-                       else np.empty((len(pp),), first.dtype))
-    for (idx, d), out in zip(parts, outs):
-        for key, val in out.items():
-            if key == "stage_memory_gib":
-                merged[key][idx, :int(d)] = val
-            else:
-                merged[key][idx] = val
-    return merged
+    return _b.by_pipeline_depth(cols, lambda c: _estimate_group(model, cluster, work, c, params))
 
 
 def _per_length(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
