@@ -868,6 +868,11 @@ def _write_out(path: str, result: Any, cost: dict[str, str | None] | None = None
     doc = plan_document(best.plan, model=model, cluster=best.cluster.name,
                         global_batch=result.work.global_batch, seq_len=result.work.seq_len,
                         **spec_fields(result.model, best.cluster), predicted=best.report.to_dict(), **extra)
+    write_plan_file(path, doc)
+
+
+def write_plan_file(path: str, doc: dict[str, Any]) -> None:
+    """--out: a plan document as TOML (a .toml path) or JSON; numpy values as plain numbers."""
     try:
         with open(path, "w") as f:
             if path.lower().endswith(".toml"):

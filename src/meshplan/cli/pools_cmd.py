@@ -3,7 +3,6 @@ with [[pools]]; spec.cluster.PooledCluster, cost.pools, search.pools, sim.pools)
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from meshplan.errors import MeshplanError
@@ -69,7 +68,7 @@ def _fill_from_plan_file(args: argparse.Namespace, cluster: str) -> None:
     # (a recorded length distribution is read by cli.lengths_arg.lengths_of from the file itself)
 
 
-def _refuse(args: argparse.Namespace, command: str) -> None:
+def _refuse(args: argparse.Namespace) -> None:
     for key, flag in UNSUPPORTED.items():
         if getattr(args, key, None) not in (None, False):
             raise MeshplanError(f"{flag} is not supported with a cluster of several pools ({args.cluster})",
@@ -97,7 +96,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 def run_plan(args: argparse.Namespace) -> int:
     from meshplan.cli.plan_cmd import search_space
     from meshplan.search.pools import search_pools
-    _refuse(args, "plan")
+    _refuse(args)
     model, pc, work, cost = load(args)
     space = search_space(args, pc.pools[0], model)
     objective = args.objective if args.objective in ("time", "cost") else "time"
@@ -135,30 +134,22 @@ def text(res: Any, model: Any, work: Any) -> str:
 
 
 def write_out(path: str, res: Any, model: Any, args: argparse.Namespace) -> None:
-    from meshplan.spec.io import dump_toml, to_dict
-    best = res.best
+    """--out: the winner as a plan file that every command reloads (cli.pools_cmd.is_pooled reads
+    its cluster, recorded relative to the file, which cli.planfile._near resolves)."""
     import os
+
+    from meshplan.cli.plan_cmd import write_plan_file
+    from meshplan.spec.io import plan_document
+    best = res.best
     cluster = str(args.cluster)
-    if os.path.isfile(cluster):  # relative to the plan file, which cli.planfile._near reads it next to
+    if os.path.isfile(cluster):
         cluster = os.path.relpath(os.path.abspath(cluster), os.path.dirname(os.path.abspath(path)))
-    doc = {"schema_version": 1, "kind": "plan", "plan": to_dict(best.plan), "model": getattr(model, "source", None)
-           or model.name, "cluster": cluster, "global_batch": res.work.global_batch,
-           "seq_len": res.work.seq_len, "predicted": best.to_dict()}
-    if res.work.lengths is not None:
-        doc |= {"lengths": res.work.lengths.text(), "packing": res.work.lengths.packing}
-    doc["plan"] = {k: (":".join(map(str, v)) if isinstance(v, (list, tuple)) and k != "stage_layers" else v)
-                   for k, v in doc["plan"].items() if v is not None}
-    if best.plan.stage_layers:
-        doc["plan"]["stage_layers"] = ":".join(map(str, best.plan.stage_layers))
-    try:
-        with open(path, "w") as f:
-            if path.lower().endswith(".toml"):
-                f.write(dump_toml(json.loads(json.dumps(doc, default=str))))
-            else:
-                json.dump(doc, f, indent=2, default=str)
-                f.write("\n")
-    except OSError as e:
-        raise MeshplanError(f"cannot write --out {path}: {e.strerror or e}") from None
+    extra = ({"lengths": res.work.lengths.text(), "packing": res.work.lengths.packing}
+             if res.work.lengths is not None else {})
+    doc = plan_document(best.plan, model=getattr(model, "source", None) or model.name, cluster=cluster,
+                        global_batch=res.work.global_batch, seq_len=res.work.seq_len, predicted=best.to_dict(),
+                        **extra)
+    write_plan_file(path, doc)
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -253,7 +244,7 @@ def run_report(args: argparse.Namespace, command: str) -> int:
     from meshplan.report.pools import render_pooled
     from meshplan.search.pools import search_pools
     from meshplan.sim.pools import simulate_pooled
-    _refuse(args, "report")
+    _refuse(args)
     model, pc, work, cost = load(args)
     space = search_space(args, pc.pools[0], model)
     objective = args.objective if args.objective in ("time", "cost") else "time"
