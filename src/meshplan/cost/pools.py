@@ -175,6 +175,43 @@ def pool_cluster(pool: ClusterSpec, gpus: int) -> ClusterSpec:
     return pool.replace(num_nodes=-(-gpus // per))
 
 
+@dataclass(frozen=True)
+class ReplicaPart:
+    """One pool's replicas under pool_dp (or all of dp on one GPU type), as a plan of their own."""
+
+    pool: ClusterSpec
+    replicas: int
+    samples: list[int]
+    """Samples per replica of this pool (replica_samples)."""
+    cluster: ClusterSpec
+    """The part of the pool they use (pool_cluster)."""
+    plan: Plan
+    """Their plan on it (_sub_plan)."""
+    work: Workload
+    """Every replica at the pool's largest share: the replica that sets the pool's step."""
+
+
+def replica_parts(pools: list[ClusterSpec], plan: Plan, work: Workload) -> list[ReplicaPart]:
+    """The pools' replicas of a pool_dp plan (``plan`` as the runtime runs it: as_run), shared by
+    the cost model (estimate_pooled) and the simulator (sim.pools), so the two time the same parts."""
+    per_pool = list(plan.pool_dp) if plan.pool_dp is not None else [plan.dp]
+    samples = replica_samples(plan, work.global_batch)
+    shape = plan.tp * plan.pp * plan.cp
+    out, start = [], 0
+    for pool, n in zip(pools, per_pool):
+        mine = samples[start:start + n]
+        start += n
+        gpus = n * shape
+        if gpus > pool.num_gpus:
+            raise MeshplanError(f"pool {pool.name}: {n} replicas x {shape} GPUs = {gpus} GPUs, but it has "
+                                f"{pool.num_gpus}", hint="fewer replicas on that pool (pool_dp), or a smaller "
+                                                        "tp x pp x cp")
+        out.append(ReplicaPart(pool=pool, replicas=n, samples=mine, cluster=pool_cluster(pool, gpus),
+                               plan=_sub_plan(plan, n),
+                               work=Workload(global_batch=max(mine) * n, seq_len=work.seq_len, lengths=work.lengths)))
+    return out
+
+
 def _sub_plan(plan: Plan, dp: int) -> Plan:
     """A pool's replicas as a plan on that pool: ZeRO/FSDP shards within the pool (a shard_group
     of the pool's replicas, as the search writes for HSDP across pools, is the whole pool)."""
@@ -201,25 +238,15 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
     given = plan
     plan, notes = as_run(plan)
     per_pool = list(plan.pool_dp) if plan.pool_dp is not None else [plan.dp]
-    samples = replica_samples(plan, work.global_batch)
     shape = plan.tp * plan.pp * plan.cp
     parts: list[PoolPart] = []
     flops_per_sample = 0.0
-    start = 0
-    for pool, n in zip(pools, per_pool):
-        mine = samples[start:start + n]
-        start += n
+    for part in replica_parts(pools, plan, work):
+        pool, n, mine = part.pool, part.replicas, part.samples
         gpus = n * shape
-        if gpus > pool.num_gpus:
-            raise MeshplanError(f"pool {pool.name}: {n} replicas x {shape} GPUs = {gpus} GPUs, but it has "
-                                f"{pool.num_gpus}", hint="fewer replicas on that pool (pool_dp), or a smaller "
-                                                        "tp x pp x cp")
-        sub_c = pool_cluster(pool, gpus)
-        sub_p = _sub_plan(plan, n)
-        sub_w = Workload(global_batch=max(mine) * n, seq_len=work.seq_len, lengths=work.lengths)
-        r = _priced(model, sub_c, sub_p, sub_w, params)
+        r = _priced(model, part.cluster, part.plan, part.work, params)
         flops_per_sample = max(flops_per_sample, r.tflops_per_gpu * 1e12 * r.step_time_s * r.num_gpus
-                               / sub_w.global_batch)
+                               / part.work.global_batch)
         m_max, m_mean = max(mine) // plan.micro_batch, sum(mine) / n / plan.micro_batch
         each = f"{m_max} micro-batch{'es' * (m_max > 1)} each" if min(mine) == max(mine) else \
             f"{min(mine) // plan.micro_batch}-{m_max} micro-batches each"

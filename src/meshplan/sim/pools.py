@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.cost.pools import PooledEstimate, estimate_pooled, pool_cluster, replica_samples
+from meshplan.cost.pools import PooledEstimate, as_run, estimate_pooled, pool_cluster, replica_parts
 from meshplan.sim.build import spec_from_durations
 from meshplan.sim.engine import Event, SimResult, simulate
 from meshplan.spec.cluster import ClusterSpec, PooledCluster
@@ -70,18 +70,11 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan:
     pools = [cluster.pool(n) for n in (plan.pools or ())]
     if plan.pool_pp is not None and len(pools) > 1:
         return _pipeline(model, cluster, pools, plan, work, params, est)
-    per_pool = list(plan.pool_dp) if plan.pool_dp is not None else [plan.dp]
-    samples = replica_samples(plan, work.global_batch)
-    shape = plan.tp * plan.pp * plan.cp
-    sims, start = [], 0
-    for pool, n in zip(pools, per_pool):
-        mine = samples[start:start + n]
-        start += n
-        sub_p = plan.replace(dp=n, dp_shares=None, pools=None, pool_dp=None, pool_pp=None,
-                             shard_group=plan.shard_group if 0 < plan.shard_group < n * plan.cp else 0)
-        sub_w = Workload(global_batch=max(mine) * n, seq_len=work.seq_len, lengths=work.lengths)
-        res, _ = simulate_plan(model, pool_cluster(pool, n * shape), sub_p, sub_w, params)
-        sims.append((pool, res))
+    ran, _ = as_run(plan)  # the replicas as the cost model times them
+    sims = []
+    for part in replica_parts(pools, ran, work):
+        res, _ = simulate_plan(model, part.cluster, part.plan, part.work, params)
+        sims.append((part.pool, res))
     slowest = max(r.step_time_s for _, r in sims)
     step = slowest + est.cross_pool_s
     events: list[Event] = []
