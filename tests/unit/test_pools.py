@@ -15,7 +15,7 @@ from meshplan.cli.main import main
 from meshplan.cost import estimate
 from meshplan.cost.pools import estimate_pooled, pool_cluster, replica_samples
 from meshplan.errors import MeshplanError
-from meshplan.search.pools import _best_split, compress_shares, search_pools
+from meshplan.search.pools import _best_split, search_pools
 from meshplan.sim.pools import simulate_pooled
 from meshplan.spec.cluster import PooledCluster
 from meshplan.spec.graph import as_graph
@@ -136,16 +136,6 @@ def test_uneven_shares_on_one_gpu_type_cost_the_largest_share(llama8b):
     assert any("uneven dp_shares" in n for n in uneven.notes)
     with pytest.raises(MeshplanError, match="one GPU"):
         estimate(llama8b, c, parse_plan("tp=8,dp=2,pools=a:b,pool_dp=1:1"), w)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(1, 4), st.integers(1, 3))
-def test_compress_shares_expands_back(base, block, scale):
-    shares = [s * scale for s in base for _ in range(block)]
-    c = compress_shares(shares)
-    b = len(shares) // len(c)
-    g = math.gcd(*shares)
-    assert [x for x in c for _ in range(b)] == [s // g for s in shares]
 
 
 @settings(max_examples=60, deadline=None)

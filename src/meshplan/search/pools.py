@@ -123,7 +123,7 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
     """Shapes without their dp (a shape is what a replica or a stage is), first come first kept."""
     seen, out = set(), []
     for p in plans:
-        k = p.replace(dp=1, shard_group=0, stage_layers=None, pp=1 if p.pp == 1 else p.pp).short()
+        k = p.replace(dp=1, shard_group=0, stage_layers=None).short()
         if k not in seen:
             seen.add(k)
             out.append(p)
@@ -140,20 +140,6 @@ def _dedupe(es: list[PooledEstimate]) -> list[PooledEstimate]:
             seen.add(k)
             out.append(e)
     return out
-
-
-def compress_shares(shares: list[int]) -> tuple[int, ...]:
-    """The shortest dp_shares that expands to ``shares`` (equal blocks), divided by their gcd."""
-    g = math.gcd(*shares)
-    s = [x // g for x in shares]
-    n = len(s)
-    for k in range(1, n + 1):
-        if n % k:
-            continue
-        b = n // k
-        if all(s[i] == s[(i // b) * b] for i in range(n)):
-            return tuple(s[j * b] for j in range(k))
-    return tuple(s)
 
 
 def _replicas_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, work: Workload,
@@ -251,10 +237,8 @@ def _stages_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, wor
     pools = [p for p in cluster.pools if p.num_gpus // g >= 1]
     if len(pools) < 2:
         return None
-    layers = graph.num_blocks if hasattr(graph, "num_blocks") else None
-    if not layers:
-        from meshplan.spec.capabilities import capabilities
-        layers = capabilities(graph).blocks
+    from meshplan.spec.capabilities import capabilities
+    layers = graph.num_blocks or capabilities(graph).blocks
     k = [min(p.num_gpus // g, max(1, layers // len(pools))) for p in pools]
     pp = sum(k)
     if pp > layers or pp < 2:
