@@ -135,6 +135,12 @@ class Plan:
     """With several pools: pipeline stages per pool (sums to pp), the first pool's stages first.
     Every pool holds dp x cp x tp GPUs per stage; the sends between the pools' boundary stages
     cross the link between pools."""
+    buckets: tuple[str, ...] | None = None
+    """A data-aware plan for samples of several lengths (spec/buckets.py): per length bucket,
+    ``MAX_LENxMICRO_BATCHcpCP`` (``buckets=4096x4cp1:32768x1cp4``): the step's samples up to each
+    limit in micro-batches of that many samples, each on that many context-parallel ranks (the
+    largest is the plan's cp). ``micro_batch`` is then the longest bucket's. None: one
+    micro-batch size and cp for every sample."""
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages"):
@@ -177,6 +183,29 @@ class Plan:
             if any(n < 0 for n in self.stage_layers):
                 raise MeshplanError("plan: stage_layers entries must be >= 0")
         self._check_shares_and_pools()
+        if self.buckets is not None:
+            self._check_buckets()
+
+    def _check_buckets(self) -> None:
+        from meshplan.spec.buckets import check_buckets, normalise, parse_buckets
+        object.__setattr__(self, "buckets", normalise(self.buckets))  # canonical text: 4096x4cp1
+        bs = parse_buckets(self.buckets)
+        check_buckets(bs, self.cp, self.pp, self.ep)
+        if self.micro_batch != bs[-1].micro_batch:
+            raise MeshplanError(f"plan: micro_batch={self.micro_batch} but the longest bucket's is "
+                                f"{bs[-1].micro_batch} (buckets={':'.join(self.buckets)})",
+                                hint=f"set micro_batch={bs[-1].micro_batch} (or leave it out: parse_plan fills it in)")
+        if self.dp_shares is not None or self.pools is not None:
+            raise MeshplanError("plan: buckets with dp_shares or pools is not supported",
+                                hint="drop dp_shares/pools, or buckets")
+
+    @property
+    def bucket_specs(self) -> tuple:
+        """The buckets as spec.buckets.Bucket records (() without buckets)."""
+        if self.buckets is None:
+            return ()
+        from meshplan.spec.buckets import parse_buckets
+        return parse_buckets(self.buckets)
 
     def _check_shares_and_pools(self) -> None:
         per_pool = self.pool_dp is not None and self.dp_shares is not None and len(self.dp_shares) == len(self.pool_dp)
@@ -317,14 +346,14 @@ def parse_stage_layers(text: str, where: str = "plan: stage_layers") -> tuple[in
     return tuple(out)
 
 
-COLON_LISTS = ("dp_shares", "pools", "pool_dp", "pool_pp")
+COLON_LISTS = ("dp_shares", "pools", "pool_dp", "pool_pp", "buckets")
 """Plan fields written as colon-separated lists in plan strings (dp_shares=3:1, pools=h100:a100)."""
 
 
 def parse_colon_list(text: str, key: str) -> tuple:
     """``3:1`` -> (3, 1) for the count fields, ``h100:a100`` -> ('h100', 'a100') for pools."""
     parts = [t.strip() for t in str(text).replace(";", ":").split(":")]
-    if key == "pools":
+    if key in ("pools", "buckets"):
         return tuple(parts)
     out = []
     for t in parts:
@@ -382,6 +411,9 @@ def parse_plan(text: str) -> Plan:
             kwargs[key] = parse_colon_list(value, key)
             continue
         kwargs[key] = _coerce(value, hints[key], f"plan: {key}")
+    if kwargs.get("buckets") and "micro_batch" not in kwargs:  # the longest bucket's
+        from meshplan.spec.buckets import parse_bucket
+        kwargs["micro_batch"] = parse_bucket(kwargs["buckets"][-1]).micro_batch  # type: ignore[index]
     return Plan(**kwargs)  # type: ignore[arg-type]
 
 
