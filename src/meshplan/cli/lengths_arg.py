@@ -112,9 +112,15 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     from meshplan.cli.format import seconds
     step, even, imb = s["expected_step_s"], s["step_time_even_s"], s["imbalance_s"]
     share = f" ({100 * imb / step:.1f}% of the step)" if step > 0 else ""
-    return [f"lengths        {s['lengths']} ({s['packing']}): mean {s['mean_length']:,.0f} tokens, longest "
-            f"{s['max_length']:,}; {s['real_tokens_per_step']:,} real tokens per step, padding "
-            f"{abs(100 * s['padding_fraction']):.1f}% of the tokens computed",
+    head = (f"lengths        {s['lengths']} ({'sorted into the plan buckets' if 'buckets' in s else s['packing']}): "
+            f"mean {s['mean_length']:,.0f} tokens, longest {s['max_length']:,}; {s['real_tokens_per_step']:,} real "
+            f"tokens per step, padding {abs(100 * s['padding_fraction']):.1f}% of the tokens computed")
+    if "buckets" in s:  # a data-aware plan (spec/buckets.py)
+        return [head, f"buckets        {s['buckets']}; micro-batches dealt to ranks heaviest first (spec/buckets.py)",
+                f"expected step  {seconds(step)} = {seconds(even)} at even load + {seconds(imb)} lost to imbalance"
+                f"{share} (the busiest rank, waits for context-parallel peers included; gradient sync exposed after "
+                "the last micro-batch); memory for the heaviest bucket's micro-batch"]
+    return [head,
             f"expected step  {seconds(step)} = {seconds(even)} at even load + {seconds(imb)} lost to imbalance"
             f"{share} (the slowest data-parallel replica, and pipeline stalls at heavier micro-batches); memory "
             "for the longest micro-batch"]
@@ -165,8 +171,27 @@ def _winner_line(result: Any) -> str:
     from meshplan.cli.format import seconds
     r = result.plans[0].report
     imb = r.time.get("imbalance", 0.0)
+    mem = ("the heaviest bucket's micro-batches" if result.plans[0].plan.buckets is not None else
+           "micro-batches of the longest length")
     return (f"\nthe winner's expected step {seconds(r.step_time_s)}: {seconds(r.step_time_s - imb)} at even load + "
-            f"{seconds(imb)} lost to imbalance; memory for micro-batches of the longest length")
+            f"{seconds(imb)} lost to imbalance; memory for {mem}")
+
+
+def data_aware_lines(info: dict[str, Any]) -> list[str]:
+    """What the data-aware stage of the search (search.buckets) tried and found."""
+    from meshplan.cli.format import seconds
+    tried = (f"data-aware: {info['candidates']} bucket plans (micro-batch and cp per length bucket) built from "
+             f"{len(info['bases'])} one-shape plan(s) without a pipeline, {info['fitting']} fit")
+    best, one = info.get("best"), info.get("best_one_shape")
+    if best is None:
+        return [tried + ("; none fits with headroom" if info["candidates"] else
+                         " (no base plan without a pipeline to build them from)")]
+    out = [tried, f"  best bucket plan {best['plan']}: {seconds(best['step_time_s'])} expected"]
+    if one is not None:
+        gain = 100 * (1 - best["step_time_s"] / one["step_time_s"])
+        out.append(f"  best one-shape plan {one['plan']}: {seconds(one['step_time_s'])} "
+                   f"({'buckets save' if gain >= 0 else 'buckets lose'} {abs(gain):.1f}%)")
+    return out
 
 
 def lengths_json(result: Any, params: Any) -> dict[str, Any]:
@@ -200,6 +225,9 @@ def simulate_lengths_cmd(args: argparse.Namespace, model: Any, cluster: Any, pla
                            "global_batch": work.global_batch, "seq_len": work.seq_len} | s | {
         "analytic": est, "analytic_vs_sim_pct": 100 * (est["expected_step_s"] / mean - 1),
         "example_replica_lengths": res.example_lengths} | cost.to_json()
+    if (args.trace or args.plot) and res.example is None:
+        raise MeshplanError(f"--trace/--plot: {plan.short()} is a bucket plan; its ranks are timed by sim.buckets, "
+                            "which draws no per-pass timeline", hint="drop --trace/--plot (the summary is printed)")
     if args.trace or args.plot:
         ex = simulate(res.example)
         title = (f"{model.name} on {cluster.name}: {plan.short()}, the slowest replica of a sampled batch "
@@ -221,7 +249,8 @@ def simulate_lengths_cmd(args: argparse.Namespace, model: Any, cluster: Any, pla
     print(f"cost model: expected step {seconds(est['expected_step_s'])} ({out['analytic_vs_sim_pct']:+.2f}% vs the "
           f"simulated mean), {seconds(est['step_time_even_s'])} at even load + {seconds(est['imbalance_s'])} "
           "imbalance")
-    print("a step of one length: " + ", ".join(f"{k}: {seconds(v)}" for k, v in res.per_length.items()))
+    if res.per_length:
+        print("a step of one length: " + ", ".join(f"{k}: {seconds(v)}" for k, v in res.per_length.items()))
     for label, path in (("trace", args.trace), ("plot", args.plot)):
         if path:
             print(f"{label} (the first batch's slowest replica): {path}")

@@ -802,6 +802,9 @@ def _text(result: Any, tokens: float | None, price: dict[str, Any] | None = None
                f"{result.feasible:,} feasible, {result.evaluated:,} priced by the cost model"), ""]
     if result.plans:
         lines += [_table(result, tokens), ""]
+    if result.data_aware is not None:
+        from meshplan.cli.lengths_arg import data_aware_lines
+        lines += data_aware_lines(result.data_aware) + [""]
     if result.other_plans and [p.plan.short() for p in result.other_plans] != [p.plan.short() for p in result.plans]:
         what = {"time": "step time", "time-to-target": "time to target"}[result.other_objective]
         lines += [f"by {what} instead:"] + [

@@ -59,7 +59,8 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
         f"cluster  {cluster.num_gpus} x {cluster.gpu.name} ({cluster.num_nodes} node(s) x {cluster.gpus_per_node})",
         f"plan     {plan.short()}",
         f"workload {workload_text(work, unit)} = {human_count(work.tokens)} tokens/step, "
-        f"{r.microbatches} micro-batch(es) per replica",
+        + (f"{r.microbatches} micro-batch(es) per replica" if plan.buckets is None else
+         "micro-batches per rank vary by step (the plan's buckets)"),
         "",
         f"step time      {seconds(r.step_time_s)}   (90% band {seconds(r.step_time_s_low)} to "
         f"{seconds(r.step_time_s_high)}, from the cost model's out-of-sample errors)",

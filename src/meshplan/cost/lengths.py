@@ -658,6 +658,9 @@ def report_from_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, r: 
 def estimate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
                      params: CostParams = DEFAULT_PARAMS) -> CostReport:
     """cost.estimate for a workload with a length distribution (the plan checked the same way)."""
+    if plan.buckets is not None:
+        from meshplan.cost.buckets import estimate_buckets
+        return estimate_buckets(model, cluster, plan, work, params)
     from meshplan.cost.step import check
     check(model, cluster, plan, work)
     check_model(model, work)
@@ -668,14 +671,21 @@ def estimate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
 def lengths_summary(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
                     params: CostParams = DEFAULT_PARAMS) -> dict[str, Any]:
     """The length terms of one plan (for --json and the text views): the distribution, the
-    expected step, the even-load step, the imbalance, padding."""
-    r = estimate_lengths_batch(model, cluster, work, [plan], params)
+    expected step, the even-load step, the imbalance, padding; with buckets, what they are)."""
+    if plan.buckets is not None:
+        from meshplan.cost.buckets import estimate_buckets_batch
+        from meshplan.spec.buckets import describe
+        r = estimate_buckets_batch(model, cluster, work, [plan], params)
+        extra = {"buckets": describe(plan.bucket_specs)}
+    else:
+        r = estimate_lengths_batch(model, cluster, work, [plan], params)
+        extra = {}
     d = work.lengths
     return {"lengths": d.text() if d else str(work.seq_len), "packing": d.packing if d else "padded",
             "mean_length": d.mean_len if d else float(work.seq_len), "max_length": work.seq_len,
             "expected_step_s": float(r["step_time_s"][0]), "step_time_even_s": float(r["step_time_even_s"][0]),
             "imbalance_s": float(r["imbalance_s"][0]), "padding_fraction": float(r["padding_fraction"][0]),
-            "real_tokens_per_step": int(work.tokens), "padded_tokens_per_step": float(r["padded_tokens"][0])}
+            "real_tokens_per_step": int(work.tokens), "padded_tokens_per_step": float(r["padded_tokens"][0])} | extra
 
 
 def dist_of(work: Workload) -> LengthDist | None:

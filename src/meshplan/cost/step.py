@@ -31,6 +31,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
     if plan.pools is not None or plan.dp_shares is not None:  # placement on pools, uneven shares: cost.pools
         from meshplan.cost.pools import single_type_report
         return single_type_report(model, cluster, plan, work, params)
+    if plan.buckets is not None:  # a data-aware plan: micro-batch and cp per length bucket
+        from meshplan.cost.buckets import estimate_buckets
+        return estimate_buckets(model, cluster, plan, work, params)
     check(model, cluster, plan, work)
     r = estimate_batch(model, cluster, work, [plan], params)
     return report_from_row(model, cluster, r, 0, params)

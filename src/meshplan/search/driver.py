@@ -203,6 +203,9 @@ def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | Sequence[Clust
     t2 = time.perf_counter()
     result = _collect(model, work, scans, params, objective, top)
     result.headroom = space.headroom
+    if work.varied and evaluator is evaluate_lengths and space.buckets:  # micro-batch and cp per length bucket
+        from meshplan.search.buckets import data_aware
+        data_aware(result, params)
     timings |= {"evaluate_s": t2 - t1, "rank_s": time.perf_counter() - t2}
     if result.feasible == 0:
         from meshplan.search.nearest import nearest_options

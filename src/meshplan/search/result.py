@@ -138,6 +138,9 @@ class SearchResult:
     step uncompressed (the baseline for the cross-site traffic and the time to target)."""
     best_per_step: RankedPlan | None = None
     """... and the soonest to target that syncs every step, compressed or not."""
+    data_aware: dict[str, Any] | None = None
+    """Under a length distribution: the bucket plans tried (search.buckets): bases, candidates,
+    fitting, the best bucket plan and the best one-shape plan."""
 
     @property
     def best(self) -> RankedPlan | None:
@@ -169,6 +172,8 @@ class SearchResult:
             doc["best_synchronous"] = self.best_synchronous.to_dict()
         if self.best_per_step is not None:
             doc["best_per_step_sync"] = self.best_per_step.to_dict()
+        if self.data_aware is not None:
+            doc["data_aware"] = {k: v for k, v in self.data_aware.items() if timing or k != "time_s"}
         if self.deadline_days is not None:
             doc["fastest_ignoring_deadline"] = self.fastest.to_dict() if self.fastest is not None else None
         if timing:

@@ -128,6 +128,9 @@ class SearchSpace:
     False never."""
     headroom: bool = True
     """Reject plans at risk of running out of memory (search.constraints.AT_RISK)."""
+    buckets: bool = True
+    """Under a length distribution, also try data-aware plans (micro-batch and cp per length
+    bucket, search.buckets) built from the best one-shape plans."""
     allow_export_only: bool = False
     """Keep plans that meshplan's runtime would refuse or run as something else but an export
     target runs as planned (spec.support), marked as such."""

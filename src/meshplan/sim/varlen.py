@@ -161,6 +161,12 @@ def simulate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
     if plan.dp_shares is not None or plan.pools is not None:
         raise MeshplanError("simulating a length distribution with dp_shares or pools is not supported",
                             hint="simulate the plan without them, or with one length")
+    if plan.buckets is not None:  # a data-aware plan: sim.buckets times every rank of the layout
+        from meshplan.sim.buckets import simulate_buckets
+        b = simulate_buckets(model, cluster, plan, work, params, batches=batches, seed=seed)
+        d = work.lengths
+        return VarlenResult(b.steps, b.even, batches, seed, d.packing if d else "padded",
+                            d.text() if d else str(work.seq_len))
     check_model(model, work)
     m = checked_microbatches(plan, work.global_batch)
     dist: LengthDist | None = work.lengths

@@ -1,0 +1,155 @@
+"""The data-aware stage of the search: micro-batch size and context-parallel degree per length
+bucket (spec/buckets.py), for a workload whose samples have a distribution of lengths.
+
+After the search has ranked one-shape plans by their expected step (cost.lengths), this stage
+takes the best distinct configurations without a pipeline (tensor parallelism, the dp x cp ranks,
+ZeRO, recomputation, precision...) and, for each, tries bucket plans built by a token budget:
+
+- the budget is the tokens per rank of the base plan's micro-batch (micro_batch x the longest
+  length / its cp): what it already holds in memory;
+- bucket limits: the longest length alone (one bucket: every sample over the same cp, sorted and
+  dealt by weight), or split at one or two of the distribution's lengths (at most
+  LIMIT_CANDIDATES of them, spread geometrically);
+- each bucket takes the smallest context-parallel degree (a power of two) at which a sample of
+  its limit fits the budget, and as many samples per micro-batch as the budget holds at that
+  degree; the plan's cp is the last bucket's, and a variant doubles every bucket's cp past 1
+  (shorter ranks of attention for the longest samples, at more communication);
+- a candidate needs the context-parallel groups to divide the base plan's dp x cp ranks.
+
+Every candidate is priced by cost.buckets (memory of its heaviest bucket, its imbalance); those
+that fit with the search's headroom join the ranking, which is then cut to ``top`` again. The
+stage says what it tried and how the best bucket plan compares with the best one-shape plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from meshplan.cost.buckets import estimate_buckets_batch
+from meshplan.cost.lengths import anchor_lengths
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.search.result import RankedPlan, SearchResult, rank_key
+from meshplan.spec.buckets import Bucket
+from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.support import export_targets, microbatches
+
+BASES = 3
+"""Distinct base configurations (best first) the stage builds bucket plans from."""
+LIMIT_CANDIDATES = 5
+"""Most distribution lengths tried as bucket limits (below the longest)."""
+MAX_SAMPLES = 64
+"""Most samples per micro-batch a bucket is given."""
+
+
+def _pow2_at_least(x: float) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1.0, x))))
+
+
+def bucket_sets(work: Workload) -> list[tuple[int, ...]]:
+    """Limit sets: (longest,), (a, longest), (a, b, longest) over LIMIT_CANDIDATES lengths."""
+    d = work.lengths
+    assert d is not None
+    below = list(d.lengths[:-1])
+    cand = anchor_lengths(below, LIMIT_CANDIDATES) if below else []
+    out: list[tuple[int, ...]] = [(d.max_len,)]
+    for k in (1, 2):
+        out += [(*c, d.max_len) for c in itertools.combinations(cand, k)]
+    return out
+
+
+def candidates(base: Plan, work: Workload) -> list[Plan]:
+    """Bucket plans built from ``base`` by its token budget (module docstring)."""
+    d = work.lengths
+    assert d is not None
+    ranks = base.dp * base.cp
+    budget = base.micro_batch * d.max_len / base.cp
+    out: list[Plan] = []
+    for limits in bucket_sets(work):
+        cps = [min(_pow2_at_least(n / budget), ranks) for n in limits]
+        for double in (False, True):
+            cs = [c * 2 if double and c > 1 else c for c in cps]
+            if double and cs == cps:
+                continue
+            C = cs[-1]
+            if ranks % C or any(C % c for c in cs):
+                continue
+            bs = tuple(Bucket(n, max(1, min(MAX_SAMPLES, int(budget * c // n))), c) for n, c in zip(limits, cs))
+            try:
+                out.append(base.replace(cp=C, dp=ranks // C, micro_batch=bs[-1].micro_batch,
+                                        buckets=tuple(b.text() for b in bs)))
+            except Exception:  # noqa: BLE001 - a combination the plan rules refuse: not a candidate
+                continue
+    return out
+
+
+def _base_key(p: Plan) -> tuple:
+    """A configuration up to its split of dp x cp and its micro-batch."""
+    return tuple(sorted((k, v) for k, v in vars(p).items() if k not in ("dp", "cp", "micro_batch", "buckets",
+                                                                        "shard_group")))
+
+
+def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS) -> None:
+    """Add fitting bucket plans to ``result``'s ranking (one cluster: the first) and record the
+    stage in ``result.data_aware``."""
+    work = result.work
+    if not work.varied or not result.plans:
+        return
+    t0 = time.perf_counter()
+    cluster = result.plans[0].cluster
+    seen: set[tuple] = set()
+    bases: list[Plan] = []
+    pool = [p.plan for p in result.plans if p.cluster is cluster] + [q.plan for q in result.pareto]
+    for plan in pool:
+        if plan.pp != 1 or plan.ep != 1 or plan.buckets is not None or plan.periodic \
+                or plan.num_gpus != cluster.num_gpus:
+            continue
+        key = _base_key(plan)
+        if key in seen:
+            continue
+        seen.add(key)
+        bases.append(plan)
+        if len(bases) == BASES:
+            break
+    cands: list[Plan] = []
+    for b in bases:
+        for c in candidates(b, work):
+            if c not in cands:
+                cands.append(c)
+    info: dict[str, Any] = {"bases": [b.short() for b in bases], "candidates": len(cands), "fitting": 0,
+                            "best": None, "best_one_shape": None}
+    best_uniform = next((p for p in result.plans if p.plan.buckets is None), None)
+    if best_uniform is not None:
+        info["best_one_shape"] = {"plan": best_uniform.plan.short(), "step_time_s": best_uniform.report.step_time_s}
+    if cands:
+        r = estimate_buckets_batch(result.model, cluster, work, cands, params)
+        ok = r["fits"] & np.isfinite(r["step_time_s"]) & np.asarray(r["host_fits"], dtype=bool)
+        if result.headroom:
+            ok &= ~np.asarray(r["at_risk"], dtype=bool)
+        ranked: list[RankedPlan] = []
+        from meshplan.cost.buckets import estimate_buckets
+        from meshplan.search.pareto import usd_per_million_tokens
+        for i in np.argsort(r["step_time_s"]):
+            if not ok[i] or len(ranked) >= len(result.plans):
+                continue
+            plan = cands[int(i)]
+            try:
+                report = estimate_buckets(result.model, cluster, plan, work, params)
+            except Exception:  # noqa: BLE001 - a sub-plan the cost model's checks refuse
+                continue
+            usd = float(usd_per_million_tokens(plan.num_gpus, cluster.price_per_hour, report.step_time_s, work.tokens))
+            targets = export_targets(plan, microbatches(plan, work.global_batch), result.model)
+            ranked.append(RankedPlan(rank=0, plan=plan, cluster=cluster, report=report, usd_per_mtok=usd,
+                                     export_only=targets))
+        info["fitting"] = int(ok.sum())
+        if ranked:
+            best = min(ranked, key=lambda p: rank_key(p, result.objective))
+            info["best"] = {"plan": best.plan.short(), "step_time_s": best.report.step_time_s}
+            merged = sorted(result.plans + ranked, key=lambda p: rank_key(p, result.objective))[:len(result.plans)]
+            result.plans = [dataclasses.replace(p, rank=k + 1) for k, p in enumerate(merged)]
+    info["time_s"] = time.perf_counter() - t0
+    result.data_aware = info
