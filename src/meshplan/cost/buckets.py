@@ -47,7 +47,7 @@ from meshplan.spec.lengths import LengthDist
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
-COST_DRAWS = 32
+COST_DRAWS = 64
 """Steps drawn (fixed seed) for a bucket plan's expected imbalance (the busiest rank's end less
 the even share of the step's work, which varies far less from step to step than the work)."""
 WORK_DRAWS = 2048
