@@ -95,7 +95,7 @@ def test_layout_invariants(case):
         for j in run:
             mb = lay.micro_batches[j]
             assert mb.unit * mb.cp <= r < (mb.unit + 1) * mb.cp
-    for j, mb in enumerate(lay.micro_batches):
+    for mb in lay.micro_batches:
         members = range(mb.unit * mb.cp, (mb.unit + 1) * mb.cp)
         positions = {tuple(k for k in lay.ranks[r] if lay.micro_batches[k].cp >= mb.cp) for r in members}
         assert len(positions) == 1  # the same shared sequence on every member
