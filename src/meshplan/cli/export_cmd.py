@@ -83,6 +83,11 @@ def build_input(args: argparse.Namespace) -> Any:
         raise MeshplanError(f"export: {plan.short()} uses {'several pools' if plan.multi_pool else 'uneven dp_shares'}"
                             f", which {args.to} cannot express",
                             hint="run it with `meshplan train`, or export a plan with even shares on one pool")
+    if plan.buckets is not None:
+        raise MeshplanError(f"export: {plan.short()} sets the micro-batch and context parallelism per length bucket, "
+                            f"which {args.to} cannot express (one micro-batch size and cp for every sample)",
+                            hint="run it with `meshplan train`, or export the one-shape plan without buckets "
+                                 f"(micro_batch={plan.micro_batch}, cp={plan.cp})")
     if plan.pools or plan.dp_shares:
         plan = plan.replace(pools=None, pool_dp=None, pool_pp=None, dp_shares=None)
     model = None
