@@ -13,11 +13,16 @@
 - **Variable-length samples** (``spec.lengths.LengthDist``): ``step_layout`` draws the step's
   sample lengths from the seed and forms micro-batches exactly as spec/lengths.py defines padded
   and bucketed packing; packed windows are made by ``data.packed_batch``.
+- **Bucket plans** (``Plan.buckets``, spec/buckets.py): ``bucket_step`` forms the step's
+  micro-batches (a micro-batch size and a cp degree per length bucket) and deals them to units of
+  ranks with ``spec.buckets.bucket_layout``, from the same lengths; ``check_buckets`` says what
+  the runtime refuses of them.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -285,7 +290,11 @@ def micro_counts(plan: Plan, global_batch: int) -> list[int]:
 def check_lengths(plan: Plan, dist: LengthDist | None) -> None:
     """What the runtime refuses with samples of several lengths padded per micro-batch, in one line:
     context parallelism (it splits every sequence into 2 x cp equal chunks) and local SGD / DiLoCo
-    (the token weights are over the global batch, which their workers do not share every step)."""
+    (the token weights are over the global batch, which their workers do not share every step).
+    A bucket plan is checked by ``check_buckets`` instead (its cp is per micro-batch)."""
+    if plan.buckets:
+        check_buckets(plan, dist)
+        return
     if dist is None or len(dist.lengths) < 2 or dist.packing == "packed":
         return
     if plan.cp > 1:
@@ -303,6 +312,13 @@ def lengths_note(plan: Plan, dist: LengthDist | None) -> str | None:
     """What the launcher says about variable-length samples (None: none)."""
     if dist is None:
         return None
+    if plan.buckets and len(dist.lengths) > 1:
+        from meshplan.spec.buckets import buckets_text, describe
+        bs = plan.bucket_specs
+        return (f"--seq-len {dist.text()} (mean {dist.mean_len:.1f} tokens), buckets={buckets_text(bs)}: "
+                f"{describe(bs)}; every step's samples sorted by length, cut per bucket into "
+                "micro-batches padded to their longest sample and dealt to units of ranks by load; the loss is the "
+                "mean over the real tokens of the global batch")
     if len(dist.lengths) == 1:
         return (f"--seq-len {dist.source or dist.text()}: one length ({dist.max_len}); every sample has it, "
                 f"--packing {dist.packing} changes nothing")
@@ -323,3 +339,37 @@ def local_plan(plan: Plan) -> Plan:
     if plan.pools is None:
         return plan
     return plan.replace(pools=None, pool_dp=None, pool_pp=None)
+
+
+# ---- bucket plans ------------------------------------------------------------------------------
+def bucket_step(dist: LengthDist, plan: Plan, global_batch: int, step: int, seed: int, knee: float) -> Any:
+    """Step ``step``'s micro-batches under a bucket plan and who runs them (a
+    ``spec.buckets.BucketLayout``): the lengths of ``sample_lengths`` (the same samples as any
+    other plan's), formed and dealt by ``spec.buckets.bucket_layout``."""
+    from meshplan.spec.buckets import bucket_layout
+    lengths = sample_lengths(dist, global_batch, step, seed)
+    return bucket_layout(lengths, plan.bucket_specs, plan.dp, plan.cp, knee)
+
+
+def check_buckets(plan: Plan, dist: LengthDist | None, *, ingested: bool = False) -> None:
+    """What the runtime refuses of a bucket plan, in one line: an ingested model (its batches have
+    one shape), a workload without several unpacked lengths or with a sample longer than the last
+    bucket (``spec.buckets.check_workload``), and local SGD / DiLoCo (the token weights are over the
+    global batch). The plan's own rules (pp = 1, ep = 1, cp degrees) are Plan's."""
+    if not plan.buckets:
+        return
+    from meshplan.spec.buckets import buckets_text, check_workload
+    text = buckets_text(plan.bucket_specs)
+    if ingested:
+        raise MeshplanError(f"buckets={text} on an ingested model: bucket plans need samples of several lengths, "
+                            "which only preset models have (an ingested model's batches have one shape)",
+                            hint="drop buckets, or train a preset model with --seq-len L:p,...")
+    if plan.periodic:
+        raise MeshplanError(f"buckets={text} with grad_sync={plan.grad_sync}: the micro-batches are weighted by the "
+                            "real tokens of the whole global batch, which local SGD / DiLoCo workers do not share "
+                            "every step", hint="use a synchronous grad_sync, or drop buckets")
+    varied = dist is not None and len(dist.lengths) > 1 and dist.packing != "packed"
+    why = check_workload(plan.bucket_specs, dist.max_len if dist is not None else 0, varied)
+    if why:
+        raise MeshplanError(why, hint="or drop buckets" if not varied else
+                            "or leave the longer lengths out of --seq-len")

@@ -148,7 +148,8 @@ def _check_job(job: Job) -> tuple[Any, Any]:
     from meshplan.runtime.replan import check_flags
     check_flags(job)
     if job.ingested:
-        from meshplan.runtime import generic
+        from meshplan.runtime import generic, hetero
+        hetero.check_buckets(job.plan, job.lengths, ingested=True)
         if job.data != "corpus":
             raise MeshplanError(generic.data_refusal(job.model), hint="drop --data")
         est, graph = generic.preflight(job)

@@ -166,6 +166,28 @@ class RuntimeMesh:
             cache["group"] = mine
         return cache["group"]
 
+    def unit_groups(self, cps: list[int]) -> dict[int, dist.ProcessGroup]:
+        """Bucket plans (pp = 1): this rank's unit group for each bucket cp degree in ``cps`` above 1.
+        A unit of cp c is c consecutive ranks of dp x cp (rank d x C + c', C = the plan's cp) at this
+        rank's tp coordinate; for c = C that is the cp group. Collective: every rank creates every
+        unit's group of every c < C (in the same order, the smaller c first)."""
+        ranks = self.world.mesh[self.pp_rank].reshape(self.dp * self.cp, self.tp)  # (dp x cp, tp)
+        me = dist.get_rank()
+        out: dict[int, dist.ProcessGroup] = {}
+        for c in sorted(set(cps)):
+            if c <= 1:
+                continue
+            if c == self.cp:
+                out[c] = self.cp_group
+                continue
+            for u in range(self.dp * self.cp // c):
+                for t in range(self.tp):
+                    members = ranks[u * c:(u + 1) * c, t].tolist()
+                    group = dist.new_group(members)
+                    if me in members:
+                        out[c] = group
+        return out
+
     def fsdp_mesh(self) -> DeviceMesh:
         if self.workers > 1:  # periodic: sharded within the inner group, never replicated across
             return self.fsdp["dp_shard"]

@@ -33,6 +33,8 @@ preset Transformer (``parallelize``):
                     ``loss_parallel()`` (torchtitan's; ``Parallelized.loss_context``, the whole
                     pipeline schedule step under PP), never gathering the logits;
 4. CP               cp > 1: global positions and all-gather attention (``context_parallel``);
+                    bucket plans: switchable per micro-batch (``Parallelized.sequence``), a
+                    process group per unit of every bucket cp;
 5. recompute        checkpoint_wrapper per block (full, first recompute_layers of each stage),
                     around the core attention (selective), or op-level SAC (op); it wraps the
                     TP-annotated modules so recomputation replays their collectives;
@@ -96,7 +98,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshplan.errors import MeshplanError
-from meshplan.runtime.context_parallel import apply_cp
+from meshplan.runtime.context_parallel import apply_bucket_cp, apply_cp
 from meshplan.runtime.expert_parallel import shard_experts
 from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.models import Transformer, loss_fn
@@ -152,7 +154,17 @@ class Parallelized:
     micro-batch's forward to the last one's backward (zero=1's flags, no reshard after forward),
     so that every replica issues the same collectives (one all-gather, one reduce-scatter) per
     step; zero=3's memory holds between steps only."""
+    unit_groups: dict[int, Any] = field(default_factory=dict)
+    """Bucket plans: this rank's unit group per bucket cp degree above 1 (``RuntimeMesh.unit_groups``)."""
     _tied_checked: bool = False
+
+    def sequence(self, cp: int, rank: int, width: int,
+                 device: torch.device | None = None) -> contextlib.AbstractContextManager[Any]:
+        """A bucket plan's micro-batch (its forward and backward inside): cp 1, the whole sequence;
+        cp > 1, this rank's chunks (index ``rank`` in its unit) of a sequence of ``width`` tokens,
+        attention over its unit's group (``context_parallel.bucket_sequence``)."""
+        from meshplan.runtime.context_parallel import bucket_sequence
+        return bucket_sequence(self.parts[0], self.unit_groups.get(cp), cp, rank, width, device)
 
     def loss_context(self) -> contextlib.AbstractContextManager[Any]:
         """Where a step's forward and backward run (the pipeline schedule's step as a whole):
@@ -717,6 +729,8 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
             notes.append("offload: not applied to a one-process run (FSDP2's CPUOffloadPolicy needs a "
                          "process group)")
         model.to(device)
+        if plan.buckets:
+            apply_bucket_cp(model)
         apply_ac(model, block_paths(model), plan)
         if compile_blocks:
             apply_compile(model, plan)
@@ -739,7 +753,9 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
                 shard_experts(block.feed_forward, mesh.ep_group, plan.ep, mesh.ep_rank)
         if plan.tp > 1:
             apply_tp(part, mesh.sub("tp"), plan.sequence_parallel)
-        if plan.cp > 1:
+        if plan.buckets:  # cp per micro-batch (Parallelized.sequence)
+            apply_bucket_cp(part)
+        elif plan.cp > 1:
             apply_cp(part, mesh.cp_group, plan.cp, mesh.cp_rank, seq_len or model.spec.seq_len, device)
         apply_ac(part, block_paths(part), plan)
         if compile_blocks:
@@ -750,6 +766,8 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
                        autocast=autocast_dtype(plan, dp_mode), notes=notes, zero=plan.zero,
                        vocab_parallel=plan.tp > 1, has_first=any(p.embed is not None for p in parts),
                        has_last=any(p.output is not None for p in parts))
+    if plan.buckets:  # collective on every rank: every unit's group
+        out.unit_groups = mesh.unit_groups([b.cp for b in plan.bucket_specs])
     if tied:  # the parameters as TP / FSDP left them (FSDP2 registers new sharded Parameters)
         out.tied = [p.embed.tok.weight for p in parts if p.embed is not None] \
             + [p.output.weight for p in parts if is_tied_copy(p)]

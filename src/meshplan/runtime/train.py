@@ -15,6 +15,13 @@ micro-batch's loss is weighted instead (``Trainer._mb_weight``; pipeline schedul
 average, their micro-batches' gradients): uneven ``dp_shares`` by dp x micro_batch / global batch,
 variable-length samples by dp x cp x its real tokens / the global batch's real tokens, so that the
 data-parallel average is the mean over the whole global batch (its real tokens).
+
+Bucket plans (``Plan.buckets``, spec/buckets.py; presets, pp = 1): every rank forms the step's
+micro-batches and their units from the step's lengths (``hetero.bucket_step``) and runs its own
+list in order (``Trainer._bucket_forward_backward``), each with its cp degree switched on for its
+forward and backward (``Parallelized.sequence``), weighted by real tokens as above. Ranks run
+different numbers of micro-batches, so every one runs without data-parallel gradient sync and the
+step ends with a one-token pass weighted 0 on every rank that carries the reduction.
 """
 from __future__ import annotations
 
@@ -168,6 +175,21 @@ class TrainModel:
         return name, value
 
 
+@dataclass(frozen=True)
+class BucketRun:
+    """One micro-batch of a bucket plan as this rank runs it (``PresetModel.bucket_runs``)."""
+
+    batch: Batch
+    """This rank's rows: the whole padded samples (cp 1), or its two chunks of them."""
+    cp: int
+    index: int
+    """This rank's index in the micro-batch's unit (0 for cp 1)."""
+    width: int
+    """The padded length of the whole samples (a multiple of 2 x cp when cp > 1)."""
+    real: int
+    """Real (not padding) target tokens of ``batch``: its weight (0: its loss is multiplied by 0)."""
+
+
 class PresetModel(TrainModel):
     """A Transformer built from a ModelSpec (runtime/models.py): token ids in, next-token
     cross-entropy out; the vocabulary padded for tp and tied embeddings under a pipeline are its
@@ -184,6 +206,9 @@ class PresetModel(TrainModel):
         self.varied = self.lengths is not None and self.lengths.packing != "packed"
         self._widths: list[int] | None = None
         """With ``varied`` and no pipeline: each micro-batch's padded length this step."""
+        from meshplan.spec.buckets import model_knee
+        self.knee = model_knee(cfg.model)
+        """Bucket plans: the attention knee the micro-batches are dealt by (spec.buckets.model_knee)."""
 
     def parallelize(self, plan: Plan, mesh: RuntimeMesh | None, device: torch.device,
                     microbatches: int) -> Parallelized:
@@ -222,6 +247,45 @@ class PresetModel(TrainModel):
         samples = [i for mb in layout.replicas[dp_rank] for i in mb]
         x, y = data_mod.padded_rows(tokens, layout.lengths, samples, width)
         return Batch(args=(x.to(device),), targets=y.to(device))
+
+    def bucket_runs(self, step: int, mesh: RuntimeMesh | None, device: torch.device) -> list[BucketRun]:
+        """This rank's micro-batches of step ``step`` under a bucket plan, in run order
+        (``hetero.bucket_step``: ``layout.ranks[d x C + c]``): the samples of each padded to its
+        longest, rounded up to a multiple of 2 x cp (cp > 1; x tp with sequence parallelism), and cut
+        to this rank's two chunks when cp > 1 (index in the unit = rank - unit x cp). A shard without
+        a real target token (possible when the rounding pads a whole chunk) gets one target token 0
+        and the weight 0: a finite loss, no gradient."""
+        c = self.cfg
+        assert self.lengths is not None
+        layout = hetero.bucket_step(self.lengths, c.plan, c.global_batch, step, c.seed, self.knee)
+        self.step_tokens = layout.total_tokens
+        tokens = data_mod.global_batch(step, batch=c.global_batch, seq_len=self.seq_len, vocab=self.spec.vocab_size,
+                                       seed=c.seed, source=c.data)
+        me = mesh.dp_rank * mesh.cp + mesh.cp_rank if mesh is not None else 0
+        tp = c.plan.tp if c.plan.sequence_parallel else 1  # sequence parallelism splits the sequence
+        out = []
+        for j in layout.ranks[me]:
+            mb = layout.micro_batches[j]
+            mult = (2 * mb.cp if mb.cp > 1 else 1) * tp
+            width = -(-mb.width // mult) * mult
+            x, y = data_mod.padded_rows(tokens, layout.lengths, list(mb.samples), width)
+            index = me - mb.unit * mb.cp
+            if mb.cp > 1:
+                x, y = (shard_sequence(t, mb.cp, index) for t in (x, y))
+            real = int((y != hetero.IGNORE).sum())
+            if real == 0:
+                y = y.clone()
+                y[0, 0] = 0
+            out.append(BucketRun(Batch(args=(x.to(device),), targets=y.to(device)), cp=mb.cp, index=index,
+                                 width=width, real=real))
+        return out
+
+    def closing_batch(self, device: torch.device) -> Batch:
+        """The step's closing pass under a bucket plan: one sample of one token (tp tokens with
+        sequence parallelism), input and target token 0."""
+        n = self.cfg.plan.tp if self.cfg.plan.sequence_parallel else 1
+        z = torch.zeros((1, n), dtype=torch.long, device=device)
+        return Batch(args=(z,), targets=z.clone())
 
     def micro(self, b: Batch, i: int, per: int, rows: int) -> Batch:
         mb = take(b, i * per, (i + 1) * per, rows)
@@ -263,8 +327,11 @@ class Trainer:
         self.dp_rank = mesh.dp_rank if mesh is not None else 0
         if plan.dp_shares is not None:
             hetero.check_shares(plan, cfg.global_batch)
+        hetero.check_buckets(plan, cfg.lengths, ingested=cfg.ingested)
         if not cfg.ingested:
             hetero.check_lengths(plan, cfg.lengths)
+        self.bucketed = bool(plan.buckets)
+        """A bucket plan: each rank runs its own list of micro-batches (``_bucket_forward_backward``)."""
         self.n_micro = microbatches(cfg, self.dp_rank)
         self.rows = self.n_micro * plan.micro_batch
         """Samples of the global batch this replica trains on per step."""
@@ -282,6 +349,10 @@ class Trainer:
                                   "micro-batches, so FSDP keeps the parameters gathered and the gradients unsharded "
                                   "from the first micro-batch to the last (one all-gather and one reduce-scatter a "
                                   f"step, as zero=1); zero={plan.zero}'s sharding holds between steps")
+        self._closing = self.bucketed and self.par.dp_mode in ("ddp", "fsdp")
+        """Bucket plans under DDP / FSDP: the step ends with a pass weighted 0 that carries the gradient sync."""
+        if self._closing:
+            self._bucket_sync_setup()
         self.optimizers = [make_optimizer(cfg, p.parameters()) for p in self.par.parts]
         ep = mesh is not None and mesh.ep > 1
         self._params = [(p, ep and is_expert_param(name)) for part in self.par.parts
@@ -301,6 +372,22 @@ class Trainer:
         self.step = 0  # optimizer steps done; also the data position
         self.grad_norm: torch.Tensor | None = None
         """Global gradient norm of the last step (before clipping), left on the device."""
+
+    def _bucket_sync_setup(self) -> None:
+        """FSDP keeps the parameters gathered through the step (as with uneven dp_shares), and the
+        note that says how a bucket plan's gradients are synchronised."""
+        plan = self.cfg.plan
+        how = "DDP's all-reduce"
+        if self.par.dp_mode == "fsdp":
+            self.par.gather_during_step = True  # the same collectives on ranks of different micro-batch counts
+            how = "FSDP's reduce-scatter" + (f" (zero={plan.zero}: parameters kept gathered and gradients unsharded "
+                                             "through the step, one all-gather and one reduce-scatter, as zero=1; "
+                                             f"zero={plan.zero}'s sharding holds between steps)" if plan.zero >= 2
+                                             else "")
+        from meshplan.spec.buckets import buckets_text
+        self.par.notes.append(f"buckets={buckets_text(plan.bucket_specs)}: ranks run different numbers of "
+                              "micro-batches, so each runs without gradient sync and every step ends with a one-token "
+                              f"pass whose loss is multiplied by 0 on every rank, whose backward carries {how}")
 
     @property
     def sample_tokens(self) -> int:
@@ -370,6 +457,33 @@ class Trainer:
                     loss = loss * self._mb_weight(mb.targets) if self.weighted else loss / self.n_micro
                 loss.backward()
             total += loss.detach()
+        return total
+
+    def _bucket_forward_backward(self) -> torch.Tensor:
+        """A bucket plan's step on this rank: its micro-batches (``PresetModel.bucket_runs``) in
+        order, each with its cp degree (``Parallelized.sequence``) and weighted by its real tokens
+        (``_mb_weight``), all without gradient sync (DDP ``no_sync``; FSDP accumulating with the
+        parameters gathered); then, under DDP / FSDP, the closing pass: one token, its loss times 0
+        (its gradient adds exactly 0), gradient sync on, so that every rank issues the data-parallel
+        reduction once, at the same point, whatever its micro-batch count. Returns the local loss."""
+        model = self.model
+        assert isinstance(model, PresetModel)
+        module = self.par.run_modules[0]
+        total = torch.zeros((), device=self.device)
+        for run in model.bucket_runs(self.step, self.mesh, self.device):
+            with self.par.micro_batch(last=False), self.par.sequence(run.cp, run.index, run.width, self.device), \
+                    self.par.loss_context():
+                with self._autocast():
+                    loss = model.loss(module, run.batch)
+                    weight = self._mb_weight(run.batch.targets) if run.real else 0.0
+                    loss = loss * weight
+                loss.backward()
+            total += loss.detach()
+        if self._closing:
+            with self.par.micro_batch(last=True), self.par.sequence(1, 0, 1, self.device), self.par.loss_context():
+                with self._autocast():
+                    loss = model.loss(module, model.closing_batch(self.device)) * 0.0
+                loss.backward()
         return total
 
     def _finish_grads(self) -> None:
@@ -517,7 +631,10 @@ class Trainer:
         (a tensor, not reduced: ``reduce_metrics`` makes it global)."""
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        local = self._forward_backward(self.model.rank_batch(self.step, self.mesh, self.device))
+        if self.bucketed:
+            local = self._bucket_forward_backward()
+        else:
+            local = self._forward_backward(self.model.rank_batch(self.step, self.mesh, self.device))
         self._finish_grads()
         self.grad_norm = self._clip()
         for opt in self.optimizers:
