@@ -229,3 +229,18 @@ def test_refused_in_process() -> None:
         hetero.check_lengths(parse_plan("cp=2"), parse_lengths(LENGTHS))
     with pytest.raises(MeshplanError, match="not packed"):
         hetero.check_lengths(plan, parse_lengths(LENGTHS, "packed"))
+
+
+def test_pipeline_with_cp_pads_to_the_longest(reference: dict) -> None:
+    """One-shape cp=2 under a pipeline (pp=2 x cp=2, 4 processes): every micro-batch is padded to the
+    longest length (the schedule needs one shape), so it splits into 2 x cp chunks as one length
+    does; a rank's chunks of two short samples hold no real target token (a 16-token sample's chunks
+    1 and 2 of 4 are padding), which gives a finite loss weighted 0."""
+    from meshplan.runtime import hetero
+    from meshplan.spec.lengths import parse_lengths
+    from meshplan.spec.plan import parse_plan
+    plan = "pp=2,cp=2,micro_batch=2,precision=fp32"
+    lay = [hetero.step_layout(parse_lengths(LENGTHS), parse_plan(plan), 8, s, 0) for s in range(STEPS)]
+    assert any(int(x.lengths[list(mb)].max()) <= 16 for x in lay for mb in x.replicas[0])
+    got, _ = train(reference["dir"], "pp2cp2", plan, nproc=4)
+    close(reference["losses"], got)

@@ -289,7 +289,9 @@ def micro_counts(plan: Plan, global_batch: int) -> list[int]:
 
 def check_lengths(plan: Plan, dist: LengthDist | None) -> None:
     """What the runtime refuses with samples of several lengths padded per micro-batch, in one line:
-    context parallelism (it splits every sequence into 2 x cp equal chunks) and local SGD / DiLoCo
+    context parallelism without a pipeline and without buckets (a micro-batch of its own width
+    splits into 2 x cp chunks only under a bucket plan; under a pipeline every micro-batch is
+    padded to the longest length, which splits as one length does) and local SGD / DiLoCo
     (the token weights are over the global batch, which their workers do not share every step).
     A bucket plan is checked by ``check_buckets`` instead (its cp is per micro-batch)."""
     if plan.buckets:
@@ -297,10 +299,13 @@ def check_lengths(plan: Plan, dist: LengthDist | None) -> None:
         return
     if dist is None or len(dist.lengths) < 2 or dist.packing == "packed":
         return
-    if plan.cp > 1:
-        raise MeshplanError(f"--seq-len {dist.source or dist.text()} with cp={plan.cp}: context parallelism splits "
-                            "every sequence into 2 x cp equal chunks; samples of several lengths padded per "
-                            "micro-batch do not split so", hint="use --packing packed, or cp=1")
+    if plan.cp > 1 and plan.pp == 1:
+        mb = plan.micro_batch
+        raise MeshplanError(f"--seq-len {dist.source or dist.text()} with cp={plan.cp} and no buckets: without a "
+                            "pipeline each micro-batch is padded to its own longest sample, which context "
+                            "parallelism splits only under a bucket plan (cp per micro-batch, each at its width)",
+                            hint=f"add buckets={dist.max_len}x{mb}cp{plan.cp} (every sample over cp={plan.cp}; "
+                                 "`meshplan plan` tries more), or use --packing packed, or cp=1")
     if plan.periodic:
         raise MeshplanError(f"--seq-len {dist.source or dist.text()} with grad_sync={plan.grad_sync}: variable-length "
                             "samples are weighted by the real tokens of the whole global batch, which local SGD / "

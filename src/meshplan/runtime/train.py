@@ -206,6 +206,8 @@ class PresetModel(TrainModel):
         self.varied = self.lengths is not None and self.lengths.packing != "packed"
         self._widths: list[int] | None = None
         """With ``varied`` and no pipeline: each micro-batch's padded length this step."""
+        self._cp: int | None = None
+        """With ``varied``, a pipeline and cp > 1: this rank's cp index (its chunks of every row)."""
         from meshplan.spec.buckets import model_knee
         self.knee = model_knee(cfg.model)
         """Bucket plans: the attention knee the micro-batches are dealt by (spec.buckets.model_knee)."""
@@ -225,6 +227,7 @@ class PresetModel(TrainModel):
             tokens = data_mod.global_batch(step, batch=c.global_batch, seq_len=self.seq_len,
                                            vocab=self.spec.vocab_size, seed=c.seed, source=c.data)
         if self.varied:
+            self._cp = mesh.cp_rank if mesh is not None and mesh.cp > 1 else None
             return self._varied_batch(tokens, step, dp_rank, device)
         span = hetero.replica_span(c.plan, c.global_batch, dp_rank) if c.plan.dp_shares is not None else None
         x, y = data_mod.rank_rows(tokens, dp_rank, dp, span)
@@ -246,6 +249,8 @@ class PresetModel(TrainModel):
         self._widths = None if c.plan.pp > 1 else widths
         samples = [i for mb in layout.replicas[dp_rank] for i in mb]
         x, y = data_mod.padded_rows(tokens, layout.lengths, samples, width)
+        if c.plan.pp > 1 and c.plan.cp > 1 and self._cp is not None:  # every row padded to the longest
+            x, y = (shard_sequence(t, c.plan.cp, self._cp) for t in (x, y))  # length: cut like one length
         return Batch(args=(x.to(device),), targets=y.to(device))
 
     def bucket_runs(self, step: int, mesh: RuntimeMesh | None, device: torch.device) -> list[BucketRun]:
@@ -422,7 +427,13 @@ class Trainer:
         base = sched._loss_fn
 
         def weighted(output: Any, target: Any) -> torch.Tensor:
-            return base(output, target) * self._mb_weight(target)
+            weight = self._mb_weight(target)
+            if self.model.varied and not bool((target != hetero.IGNORE).any()):
+                # a cp shard of short samples padded to the longest length may hold no real target
+                # token: one token 0 gives a finite loss (not the mean over nothing), weighted 0
+                target = target.clone()
+                target.view(-1)[0] = 0
+            return base(output, target) * weight
         sched._loss_fn = weighted
         sched.scale_grads = False
 

@@ -79,6 +79,8 @@ def candidates(base: Plan, work: Workload) -> list[Plan]:
             if ranks % C or any(C % c for c in cs):
                 continue
             bs = tuple(Bucket(n, max(1, min(MAX_SAMPLES, int(budget * c // n))), c) for n, c in zip(limits, cs))
+            if any((a.micro_batch, a.cp) == (b.micro_batch, b.cp) for a, b in zip(bs, bs[1:])):
+                continue  # two neighbours alike: the same plan as the set without the limit between them
             try:
                 out.append(base.replace(cp=C, dp=ranks // C, micro_batch=bs[-1].micro_batch,
                                         buckets=tuple(b.text() for b in bs)))
