@@ -2,6 +2,7 @@
 brute force, the fixed-length limit, invariants, and the CLI (--seq-len DIST, --packing)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from meshplan.cost import batch as B
 from meshplan.cost import lengths as LL
+from meshplan.cost.params import DEFAULT_PARAMS
 from meshplan.errors import MeshplanError
 from meshplan.spec.io import load_cluster, load_model
 from meshplan.spec.lengths import LengthDist, parse_lengths
@@ -148,6 +150,10 @@ def test_interpolation_exact_at_anchors_and_on_quadratics():
     assert np.allclose(W @ np.array([f(a) for a in anchors]), [f(x) for x in lengths], rtol=1e-9)
 
 
+VARIABLE = dataclasses.replace(DEFAULT_PARAMS, pipeline_variable_shapes=True)
+"""A profile whose pipelines run each micro-batch at its own length (what the stall model prices)."""
+
+
 # ---- the cost model ------------------------------------------------------------------------------
 
 def test_one_length_equals_the_fixed_length_estimate(problem):
@@ -176,12 +182,12 @@ def test_packed_has_no_imbalance(problem):
 def test_expected_at_least_even_load_and_memory_at_the_longest(problem, packing):
     model, cluster = problem
     work = Workload.of(256, parse_lengths(DIST, packing))
-    got = LL.estimate_lengths_batch(model, cluster, work, _plans())
+    got = LL.estimate_lengths_batch(model, cluster, work, _plans(), VARIABLE)
     assert (got["step_time_s"] >= got["step_time_even_s"] - 1e-12).all()
     assert (got["imbalance_s"] > 0).all()
     terms = sum(got[f"time.{k}"] for k in B.TIME_KEYS if not k.endswith("_overlapped")) + got["time.imbalance"]
     assert np.allclose(terms, got["step_time_s"])
-    longest = B.estimate_batch(model, cluster, Workload(global_batch=256, seq_len=32768), _plans())
+    longest = B.estimate_batch(model, cluster, Workload(global_batch=256, seq_len=32768), _plans(), VARIABLE)
     assert np.array_equal(got["peak_memory_gib"], longest["peak_memory_gib"])
     assert np.allclose(got["tokens_per_s"], work.tokens / got["step_time_s"])
 
@@ -192,8 +198,28 @@ def test_expected_step_grows_with_the_tail(problem, packing):
     steps = []
     for tail in (0.01, 0.05, 0.1, 0.2, 0.4):
         d = parse_lengths(f"2048:{0.7 * (1 - tail)},8192:{0.3 * (1 - tail)},32768:{tail}", packing)
-        steps.append(LL.estimate_lengths_batch(model, cluster, Workload.of(256, d), _plans())["step_time_s"])
+        steps.append(LL.estimate_lengths_batch(model, cluster, Workload.of(256, d), _plans(), VARIABLE)["step_time_s"])
     assert (np.diff(np.stack(steps), axis=0) > 0).all()
+
+
+@pytest.mark.parametrize("packing", ["padded", "bucketed"])
+def test_a_pipeline_of_one_shape_is_priced_at_the_longest_length(problem, packing):
+    """meshplan's runtime (and the built-in profiles) pad a pipeline's micro-batches to the longest
+    length: those rows are the fixed-length estimate there (no imbalance), with real-token
+    throughput; without a pipeline nothing changes."""
+    model, cluster = problem
+    work = Workload.of(256, parse_lengths(DIST, packing))
+    plans = _plans()
+    got = LL.estimate_lengths_batch(model, cluster, work, plans)
+    var = LL.estimate_lengths_batch(model, cluster, work, plans, VARIABLE)
+    longest = B.estimate_batch(model, cluster, Workload(global_batch=256, seq_len=32768), plans)
+    piped = np.asarray([p.pp > 1 for p in plans])
+    assert piped.any() and (~piped).any()
+    assert np.array_equal(got["step_time_s"][piped], longest["step_time_s"][piped])
+    assert not got["imbalance_s"][piped].any()
+    assert np.allclose(got["tokens_per_s"], work.tokens / got["step_time_s"])
+    assert (got["step_time_s"][piped] > var["step_time_s"][piped]).all()
+    assert np.array_equal(got["step_time_s"][~piped], var["step_time_s"][~piped])
 
 
 def test_bucketing_beats_padding_at_larger_micro_batches(problem):

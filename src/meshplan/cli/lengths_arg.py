@@ -183,10 +183,17 @@ def data_aware_lines(info: dict[str, Any]) -> list[str]:
     tried = (f"data-aware: {info['candidates']} bucket plans (micro-batch and cp per length bucket) built from "
              f"{len(info['bases'])} one-shape plan(s) without a pipeline, {info['fitting']} fit")
     best, one = info.get("best"), info.get("best_one_shape")
+    if info.get("replaced"):
+        tried += (f"; {info['replaced']} one-shape plan(s) with cp > 1 and no pipeline left the ranking (meshplan "
+                  "train splits a micro-batch of its own width over cp ranks only under buckets)")
+    piped = ([f"  note: {info['pipelines_padded']} ranked plan(s) with a pipeline are priced with each micro-batch at "
+              "its own padded length (a pipeline of variable shapes, as Megatron-LM's --variable-seq-lengths runs); "
+              "meshplan train pads every micro-batch to the longest length under a pipeline (one shape per schedule)"]
+             if info.get("pipelines_padded") else [])
     if best is None:
         return [tried + ("; none fits with headroom" if info["candidates"] else
-                         " (no base plan without a pipeline to build them from)")]
-    out = [tried, f"  best bucket plan {best['plan']}: {seconds(best['step_time_s'])} expected"]
+                         " (no base plan without a pipeline to build them from)")] + piped
+    out = [tried, f"  best bucket plan {best['plan']}: {seconds(best['step_time_s'])} expected"] + piped
     if one is not None:
         gain = 100 * (1 - best["step_time_s"] / one["step_time_s"])
         out.append(f"  best one-shape plan {one['plan']}: {seconds(one['step_time_s'])} "

@@ -43,6 +43,10 @@ stalls (0 without a pipeline), rest averaged over the micro-batch lengths. By pa
   P(Binomial(G, F_j) >= r)); its ascending micro-batches pay the fill and drain once, at the
   last, Z = max(bub, D) (replica_bucketed). Exact given Z.
 - packed: every micro-batch is a full window: the fixed-length estimate (no imbalance).
+- a pipeline whose schedule has one shape (``CostParams.pipeline_variable_shapes`` False:
+  meshplan's runtime, torchtitan, DeepSpeed, Megatron without --variable-seq-lengths): every
+  micro-batch padded to the longest length, the fixed-length estimate at it (no imbalance, the
+  padding counted); the stalls below price a pipeline of variable shapes (the profile setting True).
 
 The step at even load is what every replica would take if each micro-batch cost the mean
 micro-batch of the step: m E[t(l)] + E[bub(l)] + E[rest(l)]; the difference is the time lost to
@@ -617,6 +621,12 @@ def _estimate_group(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
             e_ = e_ + rr @ q_
         expected[rows], even[rows], qbar[rows] = e_, v_, q_
     expected = np.maximum(expected, even)  # E[max] >= the mean (guards rounding in the mixture)
+    if not params.pipeline_variable_shapes:  # a schedule of one shape: every micro-batch at the longest
+        fixed = pps > 1
+        expected = np.where(fixed, np.asarray(top["step_time_s"]), expected)
+        even = np.where(fixed, expected, even)
+        qbar[fixed] = 0.0
+        qbar[fixed, -1] = 1.0
     out = dict(top)
     for k in [k for k in top if k.startswith("time.")]:
         out[k] = (per(k) * qbar).sum(axis=1)

@@ -106,6 +106,12 @@ class CostParams:
     GPUs (a DGX H100 has 2 TiB). Plans that offload more are 'out of host memory'."""
     step_overhead_s: float = 0.0
     """Fixed per-step host overhead (data loading, logging, launch), seconds."""
+    pipeline_variable_shapes: bool = False
+    """Under a sample-length distribution, whether a pipeline runs each micro-batch at its own
+    padded length (an implementation profile's choice: Megatron-LM with --variable-seq-lengths,
+    which sends each micro-batch's shape first). False (meshplan's runtime, torchtitan, DeepSpeed's
+    pipeline engine, Megatron's default): a schedule has one shape, every micro-batch of a pipeline
+    is padded to the longest length (cost.lengths then prices it as that one length)."""
     attention_kernel: str = "flash2"
     """The attention kernel a plan with ``flash_attention`` runs (an implementation profile's
     choice): flash1, flash2, flash3, sdpa, cudnn; or, regardless of the plan's flag, an unfused
@@ -199,7 +205,8 @@ PARAM_KINDS: dict[str, str] = {
     "framework_overhead_gib": "fitted", "memory_margin": "derived", "max_oom_risk": "derived",
     "headroom_gib": "derived", "band_scale": "derived", "profile": "derived",
     "host_memory_per_gpu_gib": "derived",
-    "step_overhead_s": "derived", "attention_kernel": "derived", "elementwise_kernels": "derived",
+    "step_overhead_s": "derived", "pipeline_variable_shapes": "derived",
+    "attention_kernel": "derived", "elementwise_kernels": "derived",
     "dp_overlap": "derived", "param_gather_overlap": "derived", "dp_bucket_buffers": "derived", "main_grads": "derived",
     "loss_kernel": "derived", "logits_fp32": "derived", "optimizer_temp_bytes": "derived",
     "cuda_context_gib": "derived", "nccl_buffer_gib": "derived", "token_efficiency_file": "derived",

@@ -48,6 +48,7 @@ PROFILE_FIELDS: dict[str, Any] = {
     "cuda_context_gib": (float, 0.0),
     "nccl_buffer_gib": (float, 0.0),
     "framework_overhead_gib": (float, 0.0),
+    "pipeline_variable_shapes": bool,
 }
 
 #: What each value means, for Profile.describe().
@@ -77,6 +78,8 @@ _SAYS: dict[str, Any] = {
                               "fused": "fused in-place cross-entropy",
                               "chunked": "chunked fused linear + CE (Liger)"}[v],
     "logits_fp32": lambda v: "upcast to fp32" if v else "16-bit",
+    "pipeline_variable_shapes": lambda v: ("each micro-batch of a pipeline at its own length" if v else
+                                           "a pipeline's micro-batches padded to the longest length"),
     "optimizer_temp_bytes": lambda v: f"{v:g} B/param temporaries (foreach)" if v else "fused (no temporaries)",
     "cuda_context_gib": lambda v: f"{v:g} GiB" if v else "in the memory margin",
     "nccl_buffer_gib": lambda v: f"{v:g} GiB extra" if v else "in the framework overhead",
@@ -88,7 +91,7 @@ _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise",
           "fsdp_reduce_bytes": "FSDP reduce-scatter", "fsdp_prefetch_layers": "FSDP prefetch",
           "loss_kernel": "loss", "logits_fp32": "logits at the loss", "optimizer_temp_bytes": "optimizer step",
           "cuda_context_gib": "CUDA context", "nccl_buffer_gib": "NCCL buffers",
-          "framework_overhead_gib": "framework overhead"}
+          "framework_overhead_gib": "framework overhead", "pipeline_variable_shapes": "pipeline shapes"}
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,12 @@ def _base_key(p: Plan) -> tuple:
                                                                         "shard_group")))
 
 
+def _needs_buckets(plan: Plan) -> bool:
+    """A one-shape plan that meshplan's runtime refuses on samples of several lengths (cp > 1
+    without a pipeline: runtime.hetero.check_lengths)."""
+    return plan.buckets is None and plan.cp > 1 and plan.pp == 1
+
+
 def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS) -> None:
     """Add fitting bucket plans to ``result``'s ranking (one cluster: the first) and record the
     stage in ``result.data_aware``."""
@@ -117,6 +123,7 @@ def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS) -> Non
         bases.append(plan)
         if len(bases) == BASES:
             break
+    ranked: list[RankedPlan] = []
     cands: list[Plan] = []
     for b in bases:
         for c in candidates(b, work):
@@ -132,7 +139,6 @@ def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS) -> Non
         ok = r["fits"] & np.isfinite(r["step_time_s"]) & np.asarray(r["host_fits"], dtype=bool)
         if result.headroom:
             ok &= ~np.asarray(r["at_risk"], dtype=bool)
-        ranked: list[RankedPlan] = []
         from meshplan.cost.buckets import estimate_buckets
         from meshplan.search.pareto import usd_per_million_tokens
         for i in np.argsort(r["step_time_s"]):
@@ -151,7 +157,20 @@ def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS) -> Non
         if ranked:
             best = min(ranked, key=lambda p: rank_key(p, result.objective))
             info["best"] = {"plan": best.plan.short(), "step_time_s": best.report.step_time_s}
-            merged = sorted(result.plans + ranked, key=lambda p: rank_key(p, result.objective))[:len(result.plans)]
-            result.plans = [dataclasses.replace(p, rank=k + 1) for k, p in enumerate(merged)]
+    # one-shape plans with cp > 1 and no pipeline: meshplan's runtime splits a micro-batch of its own
+    # width into cp chunks only under a bucket plan (their single-bucket twins are among the candidates)
+    keep = [p for p in result.plans if not _needs_buckets(p.plan)]
+    info["replaced"] = len(result.plans) - len(keep)
+    top = len(result.plans)
+    merged = sorted(keep + ranked, key=lambda p: rank_key(p, result.objective))[:top]
+    result.plans = [dataclasses.replace(p, rank=k + 1) for k, p in enumerate(merged)]
+    result.pareto = [q for q in result.pareto if not _needs_buckets(q.plan)]
+    po = result.passed_over
+    if po is not None:
+        from meshplan.spec.plan import parse_plan
+        best_now = result.plans[0].report.step_time_s if result.plans else float("inf")
+        if _needs_buckets(parse_plan(po["plan"])) or po["step_time_s"] >= best_now:
+            result.passed_over = None
+    info["pipelines_padded"] = sum(1 for p in result.plans if p.plan.pp > 1)
     info["time_s"] = time.perf_counter() - t0
     result.data_aware = info

@@ -19,6 +19,7 @@ the best plan on each pool alone, with the numbers.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -84,8 +85,10 @@ def search_pools(model: LayerGraph | ModelSpec, cluster: PooledCluster, work: Wo
     alone: dict[str, PooledEstimate | None] = {}
     shapes: list[Plan] = []
     considered = 0
+    from meshplan.search.space import SearchSpace
+    no_buckets = dataclasses.replace(space or SearchSpace(), buckets=False)  # bucket plans run on one GPU type
     for pool in cluster.pools:
-        res = search(graph, pool, work, space, params=params, objective=objective, top=SHORTLIST * 4)
+        res = search(graph, pool, work, no_buckets, params=params, objective=objective, top=SHORTLIST * 4)
         considered += res.considered
         best = None
         for rp in res.plans:

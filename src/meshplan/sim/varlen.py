@@ -172,7 +172,8 @@ def simulate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
     dist: LengthDist | None = work.lengths
     pieces = _Lengths(model, cluster, plan, work.global_batch, params)
     per_length = {}
-    if dist is None or not work.varied:
+    if dist is None or not work.varied or (plan.pp > 1 and not params.pipeline_variable_shapes):
+        # one length, packed, or a pipeline of one shape (every micro-batch padded to the longest)
         spec = pieces.get(work.seq_len)[1]
         step = simulate(spec).step_time_s
         steps = np.full(batches, step)
