@@ -31,12 +31,16 @@ from meshplan.spec.plan import Workload, parse_plan  # noqa: E402
 
 TAIL = "2048:0.6,8192:0.3,32768:0.1"
 HIST = str(ROOT / "data" / "lengths_longtail.csv")
+VARIABLE = str(ROOT / "data" / "variable_shapes.toml")
+"""A profile whose pipelines run each micro-batch at its own length (the stall model's case)."""
 CASES = [
     # (name, model, cluster, global batch, lengths, packing, extra plan flags)
     ("llama3-8b padded", "llama3-8b", "h100-sxm-80gb:64", 256, TAIL, "padded", []),
     ("llama3-8b bucketed", "llama3-8b", "h100-sxm-80gb:64", 256, TAIL, "bucketed", []),
-    ("llama3-8b padded, pp=4 (1F1B)", "llama3-8b", "h100-sxm-80gb:64", 256, TAIL, "padded",
-     ["--fix", "pp=4,schedule=1f1b"]),
+    ("llama3-8b padded, pp=4 (1F1B), one shape (every micro-batch at the longest)", "llama3-8b",
+     "h100-sxm-80gb:64", 256, TAIL, "padded", ["--fix", "pp=4,schedule=1f1b"]),
+    ("llama3-8b padded, pp=4 (1F1B), variable shapes (profile)", "llama3-8b", "h100-sxm-80gb:64", 256, TAIL,
+     "padded", ["--fix", "pp=4,schedule=1f1b", "--profile", VARIABLE]),
     ("llama3-70b padded", "llama3-70b", "h100-sxm-80gb:64", 128, TAIL, "padded", []),
     ("llama3-70b bucketed (pp=2 wins)", "llama3-70b", "h100-sxm-80gb:64", 128, TAIL, "bucketed", []),
     ("llama2-13b padded, long-tail histogram", "llama2-13b", "a100-sxm-80gb:32", 128, HIST, "padded", []),
@@ -53,6 +57,14 @@ def plan_json(argv: list[str]) -> dict:
     return json.loads(out.getvalue())
 
 
+def _params(extra: list[str]):  # noqa: ANN202
+    from meshplan.cost.params import DEFAULT_PARAMS
+    from meshplan.cost.profile import get_profile
+    if "--profile" in extra:
+        return get_profile(extra[extra.index("--profile") + 1]).apply(DEFAULT_PARAMS)
+    return DEFAULT_PARAMS
+
+
 def run_case(case: tuple, batches: int, top: int, seed: int) -> dict:
     from meshplan.sim.varlen import simulate_lengths
     name, model_name, cluster_name, gb, lengths, packing, extra = case
@@ -63,11 +75,12 @@ def run_case(case: tuple, batches: int, top: int, seed: int) -> dict:
     search_s = time.perf_counter() - t0
     model, cluster = load_model(model_name), load_cluster(cluster_name)
     work = Workload.of(gb, parse_lengths(lengths, packing))
+    params = _params(extra)
     plans = []
     for i, p in enumerate(doc["plans"][:top]):
         plan = parse_plan(p["short"])
         t1 = time.perf_counter()
-        sim = simulate_lengths(model, cluster, plan, work, batches=batches, seed=seed)
+        sim = simulate_lengths(model, cluster, plan, work, params, batches=batches, seed=seed)
         s = sim.summary()
         pred = p["cost"]["step_time_s"]
         row = {"rank": i + 1, "plan": p["short"], "predicted_step_s": pred,
@@ -92,7 +105,8 @@ SWEEP_DISTS = ["2048:0.6,8192:0.3,32768:0.1", "1024:0.5,4096:0.4,16384:0.1", "40
 def sweep(batches: int, seed: int) -> dict:
     """Not only the best plans: pipelines of every schedule (pp 2-8, Llama 3 8B on 64 H100s, global
     batch 256), each under padding and bucketing, predicted vs simulated (the accuracy per schedule
-    that docs/heterogeneous-data.md quotes)."""
+    that docs/heterogeneous-data.md quotes), with pipelines of variable shapes (the VARIABLE profile:
+    with one shape, every micro-batch at the longest, both are exact)."""
     import numpy as np
 
     from meshplan.cost.lengths import estimate_lengths_batch
@@ -117,8 +131,9 @@ def sweep(batches: int, seed: int) -> dict:
             work = Workload.of(256, parse_lengths(dist, packing))
             if violations(model, cluster, plan, work):
                 continue
-            pred = float(estimate_lengths_batch(model, cluster, work, [plan])["step_time_s"][0])
-            sim = simulate_lengths(model, cluster, plan, work, batches=batches, seed=seed).mean_s
+            params = _params(["--profile", VARIABLE])
+            pred = float(estimate_lengths_batch(model, cluster, work, [plan], params)["step_time_s"][0])
+            sim = simulate_lengths(model, cluster, plan, work, params, batches=batches, seed=seed).mean_s
             rows.append({"schedule": sched, "packing": packing, "lengths": dist, "plan": plan.short(),
                          "predicted_step_s": pred, "simulated_mean_s": sim, "error_pct": 100 * (pred / sim - 1)})
             print(f"  {packing:8s} {plan.short()}: {rows[-1]['error_pct']:+.1f}%", flush=True)
