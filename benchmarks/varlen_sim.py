@@ -42,7 +42,7 @@ CASES = [
     ("llama3-8b padded, pp=4 (1F1B), variable shapes (profile)", "llama3-8b", "h100-sxm-80gb:64", 256, TAIL,
      "padded", ["--fix", "pp=4,schedule=1f1b", "--profile", VARIABLE]),
     ("llama3-70b padded", "llama3-70b", "h100-sxm-80gb:64", 128, TAIL, "padded", []),
-    ("llama3-70b bucketed (pp=2 wins)", "llama3-70b", "h100-sxm-80gb:64", 128, TAIL, "bucketed", []),
+    ("llama3-70b bucketed", "llama3-70b", "h100-sxm-80gb:64", 128, TAIL, "bucketed", []),
     ("llama2-13b padded, long-tail histogram", "llama2-13b", "a100-sxm-80gb:32", 128, HIST, "padded", []),
     ("llama2-13b bucketed, long-tail histogram", "llama2-13b", "a100-sxm-80gb:32", 128, HIST, "bucketed", []),
 ]
@@ -94,7 +94,12 @@ def run_case(case: tuple, batches: int, top: int, seed: int) -> dict:
               f"{row['simulated_p90_s']:.3f}, imbalance {row['simulated_imbalance_s']:.3f}): "
               f"{row['error_pct']:+.2f}%", flush=True)
     best = plans[0] if plans else None
+    da = doc.get("data_aware")
+    if da and da.get("best") and da.get("best_one_shape"):
+        print(f"  data-aware: best bucket plan {da['best']['step_time_s']:.3f} s vs best one-shape plan "
+              f"{da['best_one_shape']['step_time_s']:.3f} s ({da['candidates']} tried, {da['fitting']} fit)")
     return {"name": name, "command": "meshplan " + " ".join(argv), "search_s": search_s, "plans": plans,
+            "data_aware": da,
             "best_error_pct": best["error_pct"] if best else None,
             "within_5pct": best is not None and abs(best["error_pct"]) <= 5.0}
 
