@@ -176,3 +176,43 @@ def test_search_adds_bucket_plans_that_beat_one_shape(problem):
 
 def test_parse_bucket_accepts_underscores_and_default_cp():
     assert parse_bucket("32_768x2") == Bucket(32768, 2, 1)
+
+
+@st.composite
+def bucket_plans(draw):
+    cps = draw(st.sampled_from([(1,), (2,), (1, 2), (1, 4), (2, 4), (1, 2, 8), (1, 1, 4)]))
+    limits = sorted(draw(st.sets(st.integers(1, 10**6), min_size=len(cps), max_size=len(cps))))
+    bs = [Bucket(n, draw(st.integers(1, 64)), c) for n, c in zip(limits, cps)]
+    return Plan(tp=draw(st.sampled_from([1, 2, 8])), dp=draw(st.integers(1, 512)), cp=cps[-1],
+                zero=draw(st.integers(0, 3)), micro_batch=bs[-1].micro_batch,
+                buckets=tuple(b.text() for b in bs))
+
+
+@settings(max_examples=150, deadline=None)
+@given(bucket_plans())
+def test_bucket_plan_round_trips(plan):
+    """The plan string, JSON (to_dict/from_dict), plan files (load_plan) all give the plan back."""
+    import json
+
+    from meshplan.spec.base import from_dict, to_dict
+    from meshplan.spec.io import load_plan
+    assert from_dict(Plan, json.loads(json.dumps(to_dict(plan)))) == plan
+    assert parse_plan(plan.short()) == plan
+    assert load_plan(plan.short()) == plan
+    assert tuple(b.text() for b in plan.bucket_specs) == plan.buckets
+
+
+def test_bucket_plan_file_round_trip(tmp_path, problem):
+    """meshplan plan --out then the file back (its plan and lengths) for a bucket winner."""
+    import json
+
+    from meshplan.cli.main import main
+    out = tmp_path / "p.json"
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:64", "--global-batch", "256",
+                 "--seq-len", TAIL, "--top", "2", "--out", str(out)]) == 0
+    from meshplan.spec.io import load_plan
+    doc = json.loads(out.read_text())
+    plan = load_plan(str(out))
+    assert plan.buckets is not None and parse_plan(doc["plan"] if isinstance(doc["plan"], str) else
+                                                   plan.short()) == plan
+    assert main(["estimate", "--plan", str(out)]) == 0
