@@ -33,8 +33,8 @@ EXAMPLES = """examples:
       --steps 5                                           # pools: placement only (which ranks stand for which)
   meshplan train --model tiny-llama --plan dp=2,precision=fp32 --global-batch 8 --steps 5 \\
       --seq-len 64:0.6,128:0.3,256:0.1 --packing bucketed  # variable-length samples (or a histogram file)
-  meshplan train --model tiny-llama --plan cp=2,buckets=128x2cp1:256x1cp2,precision=fp32 --global-batch 8 \
-      --steps 5 --seq-len 64:0.6,128:0.3,256:0.1     # per length bucket a micro-batch size and a cp degree
+  meshplan train --model tiny-llama --plan cp=2,buckets=128x2cp1:256x1cp2,precision=fp32 --global-batch 8 \\
+      --steps 5 --seq-len 64:0.6,128:0.3,256:0.1          # per length bucket a micro-batch size and a cp degree
 """
 
 

@@ -126,8 +126,14 @@ def runtime_status(model: LayerGraph, plan: Plan, work: Workload) -> dict[str, o
     micro = microbatches(plan, work.global_batch)
     bad = runtime_violations(plan, micro, spec)
     targets = export_targets(plan, micro, spec)
-    return {"runs_as_planned": not bad, "issues": [{"rule": rule.name, "kind": rule.kind, "reason": why}
-                                                   for rule, why in bad],
+    issues = [{"rule": rule.name, "kind": rule.kind, "reason": why} for rule, why in bad]
+    if work.varied and plan.buckets is None and plan.cp > 1 and plan.pp == 1:  # runtime.hetero.check_lengths
+        d = work.lengths
+        issues.append({"rule": "context parallelism on samples of several lengths", "kind": "refused",
+                       "reason": f"cp={plan.cp} without buckets: meshplan train splits a micro-batch of its own "
+                                 f"width over cp ranks only under a bucket plan (buckets={d.max_len if d else ''}"
+                                 f"x{plan.micro_batch}cp{plan.cp} runs every sample over cp={plan.cp})"})
+    return {"runs_as_planned": not issues, "issues": issues,
             "export_targets": None if targets is None else list(targets)}
 
 

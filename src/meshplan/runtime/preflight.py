@@ -363,9 +363,17 @@ def memory_estimate(model: ModelSpec, plan: Plan, global_batch: int, seq_len: in
     cost model does not price the plan (the runtime's own checks speak for it)."""
     from meshplan.cost import estimate
     run_plan = _run_plan(plan, device_type)
+    cluster = cpu_cluster(plan.num_gpus, nodes=nodes, nodes_per_dc=nodes_per_dc)
     try:
-        r = estimate(model, cpu_cluster(plan.num_gpus, nodes=nodes, nodes_per_dc=nodes_per_dc), run_plan,
-                     Workload(global_batch=global_batch, seq_len=seq_len))
+        if plan.buckets is not None:  # the heaviest bucket: its micro-batch at its limit (cost.buckets)
+            from meshplan.cost.buckets import sub_plan
+            reports = [estimate(model, cluster, sub_plan(run_plan, b, b.micro_batch),
+                                Workload(global_batch=run_plan.dp * run_plan.cp // b.cp * b.micro_batch,
+                                         seq_len=min(b.max_len, seq_len)))
+                       for b in run_plan.bucket_specs]
+            r = max(reports, key=lambda x: x.peak_memory_gib)
+        else:
+            r = estimate(model, cluster, run_plan, Workload(global_batch=global_batch, seq_len=seq_len))
     except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
         return None
     # the cost model counts fp32 activations at 4 bytes itself (cost.layer.act_scale)

@@ -2,8 +2,10 @@
 bucket (spec/buckets.py), for a workload whose samples have a distribution of lengths.
 
 After the search has ranked one-shape plans by their expected step (cost.lengths), this stage
-takes the best distinct configurations without a pipeline (tensor parallelism, the dp x cp ranks,
-ZeRO, recomputation, precision...) and, for each, tries bucket plans built by a token budget:
+takes the best distinct configurations without a pipeline that meshplan's runtime runs (tensor
+parallelism, the dp x cp ranks, ZeRO, recomputation, precision...; BASES of them among the best
+POOL one-shape plans, whatever the request's ``top``) and, for each, tries bucket plans built by a
+token budget:
 
 - the budget is the tokens per rank of the base plan's micro-batch (micro_batch x the longest
   length / its cp): what it already holds in memory;
@@ -38,8 +40,10 @@ from meshplan.spec.buckets import Bucket
 from meshplan.spec.plan import Plan, Workload
 from meshplan.spec.support import export_targets, microbatches
 
-BASES = 3
+BASES = 6
 """Distinct base configurations (best first) the stage builds bucket plans from."""
+POOL = 40
+"""One-shape plans the search collects for the bases, whatever its ``top``."""
 LIMIT_CANDIDATES = 5
 """Most distribution lengths tried as bucket limits (below the longest)."""
 MAX_SAMPLES = 64
@@ -78,7 +82,8 @@ def candidates(base: Plan, work: Workload) -> list[Plan]:
             C = cs[-1]
             if ranks % C or any(C % c for c in cs):
                 continue
-            bs = tuple(Bucket(n, max(1, min(MAX_SAMPLES, int(budget * c // n))), c) for n, c in zip(limits, cs))
+            bs = tuple(Bucket(n, max(1, min(MAX_SAMPLES, work.global_batch * c // ranks,  # a unit's share at most
+                                            int(budget * c // n))), c) for n, c in zip(limits, cs))
             if any((a.micro_batch, a.cp) == (b.micro_batch, b.cp) for a, b in zip(bs, bs[1:])):
                 continue  # two neighbours alike: the same plan as the set without the limit between them
             try:
@@ -89,10 +94,44 @@ def candidates(base: Plan, work: Workload) -> list[Plan]:
     return out
 
 
-def _base_key(p: Plan) -> tuple:
-    """A configuration up to its split of dp x cp and its micro-batch."""
-    return tuple(sorted((k, v) for k, v in vars(p).items() if k not in ("dp", "cp", "micro_batch", "buckets",
-                                                                        "shard_group")))
+def base_key(p: Plan) -> tuple:
+    """A configuration up to its split of dp x cp, its micro-batch and its ZeRO sharding (the best
+    of those stands for it), but with its token budget (micro_batch / cp: the tokens per rank it
+    holds, relative to the longest length)."""
+    fields = tuple(sorted((k, v) for k, v in vars(p).items() if k not in ("dp", "cp", "micro_batch", "buckets",
+                                                                          "shard_group", "zero")))
+    return (*fields, ("budget", p.micro_batch / p.cp))
+
+
+def pick_bases(result: SearchResult, params: CostParams, pool: list[Plan] | None) -> list[Plan]:
+    """BASES configurations to build bucket plans from: the ``pool`` (distinct configurations
+    without a pipeline, fastest first; default: the ranking's), re-ranked by their expected step
+    under bucketed packing (a bucket plan sorts the step's samples itself, so the bases must not
+    depend on the request's packing), among those meshplan's runtime runs with buckets."""
+    from meshplan.cost.lengths import estimate_lengths_batch
+    cluster = result.plans[0].cluster
+    if pool is None:
+        pool = [p.plan for p in result.plans if p.cluster is cluster]
+    keep: list[Plan] = []
+    seen: set[tuple] = set()
+    for plan in pool:
+        key = base_key(plan)
+        if plan.pp != 1 or plan.ep != 1 or plan.buckets is not None or plan.periodic or key in seen \
+                or plan.num_gpus != cluster.num_gpus:
+            continue
+        probe = plan.replace(buckets=(f"{result.work.seq_len}x{plan.micro_batch}cp{plan.cp}",))
+        if export_targets(probe, microbatches(probe, result.work.global_batch), result.model) is not None:
+            continue  # the runtime refuses it (e.g. an optimizer offloaded alone): so would it its buckets
+        seen.add(key)
+        keep.append(plan)
+    if not keep:
+        return []
+    d = result.work.lengths
+    assert d is not None
+    sorted_work = Workload.of(result.work.global_batch, d.with_packing("bucketed"))
+    steps = estimate_lengths_batch(result.model, cluster, sorted_work, keep, params)["step_time_s"]
+    order = np.argsort(steps, kind="stable")
+    return [keep[int(i)] for i in order[:BASES]]
 
 
 def _needs_buckets(plan: Plan) -> bool:
@@ -101,39 +140,35 @@ def _needs_buckets(plan: Plan) -> bool:
     return plan.buckets is None and plan.cp > 1 and plan.pp == 1
 
 
-def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS) -> None:
-    """Add fitting bucket plans to ``result``'s ranking (one cluster: the first) and record the
-    stage in ``result.data_aware``."""
+def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS, top: int | None = None,
+               one_shape: RankedPlan | None = None, base_pool: list[Plan] | None = None) -> None:
+    """Add fitting bucket plans to ``result``'s ranking (one cluster: the first), cut it to ``top``
+    (default: its length; the driver collects POOL one-shape plans for the bases, whatever
+    ``top``) and record the stage in ``result.data_aware``; ``one_shape``: the best one-shape plan
+    the runtime runs (what the bucket plans are compared with; else the best in the ranking)."""
     work = result.work
+    top = len(result.plans) if top is None else top
     if not work.varied or not result.plans:
+        result.plans = result.plans[:top]
         return
     t0 = time.perf_counter()
     cluster = result.plans[0].cluster
-    seen: set[tuple] = set()
-    bases: list[Plan] = []
-    pool = [p.plan for p in result.plans if p.cluster is cluster] + [q.plan for q in result.pareto]
-    for plan in pool:
-        if plan.pp != 1 or plan.ep != 1 or plan.buckets is not None or plan.periodic \
-                or plan.num_gpus != cluster.num_gpus:
-            continue
-        key = _base_key(plan)
-        if key in seen:
-            continue
-        seen.add(key)
-        bases.append(plan)
-        if len(bases) == BASES:
-            break
-    ranked: list[RankedPlan] = []
+    bases = pick_bases(result, params, base_pool)
     cands: list[Plan] = []
     for b in bases:
         for c in candidates(b, work):
-            if c not in cands:
-                cands.append(c)
+            if c not in cands and export_targets(c, microbatches(c, work.global_batch), result.model) is None:
+                cands.append(c)  # (the runtime runs it as planned: spec.support)
     info: dict[str, Any] = {"bases": [b.short() for b in bases], "candidates": len(cands), "fitting": 0,
                             "best": None, "best_one_shape": None}
-    best_uniform = next((p for p in result.plans if p.plan.buckets is None), None)
-    if best_uniform is not None:
-        info["best_one_shape"] = {"plan": best_uniform.plan.short(), "step_time_s": best_uniform.report.step_time_s}
+    runnable = [p for p in result.plans if not _needs_buckets(p.plan) and p.export_only is None]
+    runnable += [one_shape] if one_shape is not None else []
+    if runnable:
+        one = min(runnable, key=lambda p: rank_key(p, result.objective))
+        info["best_one_shape"] = {"plan": one.plan.short(), "step_time_s": one.report.step_time_s}
+    ranked: list[RankedPlan] = []
+    fitting: list[int] = []
+    r: dict[str, np.ndarray] = {}
     if cands:
         r = estimate_buckets_batch(result.model, cluster, work, cands, params)
         ok = r["fits"] & np.isfinite(r["step_time_s"]) & np.asarray(r["host_fits"], dtype=bool)
@@ -142,29 +177,30 @@ def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS) -> Non
         from meshplan.cost.buckets import estimate_buckets
         from meshplan.search.pareto import usd_per_million_tokens
         for i in np.argsort(r["step_time_s"]):
-            if not ok[i] or len(ranked) >= len(result.plans):
+            if not ok[i]:
                 continue
             plan = cands[int(i)]
             try:
                 report = estimate_buckets(result.model, cluster, plan, work, params)
             except Exception:  # noqa: BLE001 - a sub-plan the cost model's checks refuse
                 continue
-            usd = float(usd_per_million_tokens(plan.num_gpus, cluster.price_per_hour, report.step_time_s, work.tokens))
-            targets = export_targets(plan, microbatches(plan, work.global_batch), result.model)
-            ranked.append(RankedPlan(rank=0, plan=plan, cluster=cluster, report=report, usd_per_mtok=usd,
-                                     export_only=targets))
-        info["fitting"] = int(ok.sum())
+            fitting.append(int(i))
+            if len(ranked) < top:
+                usd = float(usd_per_million_tokens(plan.num_gpus, cluster.price_per_hour, report.step_time_s,
+                                                   work.tokens))
+                ranked.append(RankedPlan(rank=0, plan=plan, cluster=cluster, report=report, usd_per_mtok=usd))
+        info["fitting"] = len(fitting)
         if ranked:
             best = min(ranked, key=lambda p: rank_key(p, result.objective))
             info["best"] = {"plan": best.plan.short(), "step_time_s": best.report.step_time_s}
     # one-shape plans with cp > 1 and no pipeline: meshplan's runtime splits a micro-batch of its own
     # width into cp chunks only under a bucket plan (their single-bucket twins are among the candidates)
     keep = [p for p in result.plans if not _needs_buckets(p.plan)]
-    info["replaced"] = len(result.plans) - len(keep)
-    top = len(result.plans)
+    info["replaced"] = sum(1 for p in result.plans[:top] if _needs_buckets(p.plan))
     merged = sorted(keep + ranked, key=lambda p: rank_key(p, result.objective))[:top]
     result.plans = [dataclasses.replace(p, rank=k + 1) for k, p in enumerate(merged)]
-    result.pareto = [q for q in result.pareto if not _needs_buckets(q.plan)]
+    result.other_plans = result.other_plans[:top]
+    _pareto_with(result, cands, r, fitting, cluster)
     po = result.passed_over
     if po is not None:
         from meshplan.spec.plan import parse_plan
@@ -174,3 +210,23 @@ def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS) -> Non
     info["pipelines_padded"] = sum(1 for p in result.plans if p.plan.pp > 1)
     info["time_s"] = time.perf_counter() - t0
     result.data_aware = info
+
+
+def _pareto_with(result: SearchResult, cands: list[Plan], r: dict[str, np.ndarray], fitting: list[int],
+                 cluster: Any) -> None:
+    """The Pareto front (time, memory, $) without the one-shape plans the runtime refuses, with the
+    fitting bucket plans."""
+    from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
+    from meshplan.search.result import ParetoPoint
+    pts = [q for q in result.pareto if not _needs_buckets(q.plan)]
+    for i in fitting:
+        t = float(r["step_time_s"][i])
+        pts.append(ParetoPoint(cands[i], t, float(r["peak_memory_gib"][i]),
+                               float(usd_per_million_tokens(cands[i].num_gpus, cluster.price_per_hour, t,
+                                                            result.work.tokens))))
+    if not pts:
+        result.pareto = []
+        return
+    arr = np.asarray([[q.step_time_s, q.peak_memory_gib, q.usd_per_mtok] for q in pts])
+    keep = np.nonzero(pareto_mask(arr))[0]
+    result.pareto = sorted((pts[int(k)] for k in keep), key=lambda q: (q.step_time_s, q.peak_memory_gib))

@@ -201,11 +201,16 @@ def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | Sequence[Clust
     for s in scans:
         _evaluate_scan(model, work, s, params, prune, chunk, tick, evaluator, space.headroom)
     t2 = time.perf_counter()
-    result = _collect(model, work, scans, params, objective, top)
-    result.headroom = space.headroom
-    if work.varied and evaluator is evaluate_lengths and space.buckets:  # micro-batch and cp per length bucket
-        from meshplan.search.buckets import data_aware
-        data_aware(result, params)
+    bucket_stage = work.varied and evaluator is evaluate_lengths and space.buckets
+    if bucket_stage:  # micro-batch and cp per length bucket, built from the best one-shape plans
+        from meshplan.search.buckets import POOL, data_aware
+        result = _collect(model, work, scans, params, objective, max(top, POOL))
+        result.headroom = space.headroom
+        data_aware(result, params, top, _best_runnable_one_shape(scans, model, work, params, objective),
+                   _base_pool(scans, work))
+    else:
+        result = _collect(model, work, scans, params, objective, top)
+        result.headroom = space.headroom
     timings |= {"evaluate_s": t2 - t1, "rank_s": time.perf_counter() - t2}
     if result.feasible == 0:
         from meshplan.search.nearest import nearest_options
@@ -214,6 +219,55 @@ def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | Sequence[Clust
     result.search_time_s = time.perf_counter() - t0
     result.timings = timings | {"nearest_s": result.search_time_s - sum(timings.values())}
     return result
+
+
+def _base_pool(scans: list[_Scan], work: Workload, most: int = 30) -> list[Plan]:
+    """Under a length distribution: feasible plans without a pipeline that the runtime runs (or
+    would, as a bucket plan), one per configuration of search.buckets' key, fastest first, on the
+    largest cluster size: the bucket stage's candidate bases."""
+    from meshplan.search.buckets import base_key
+    s = max(scans, key=lambda x: x.cluster.num_gpus)
+    feas = np.nonzero(s.reason == -1)[0]
+    pp, ep = np.asarray(s.cols["pp"])[feas], np.asarray(s.cols["ep"])[feas]
+    rows = feas[(pp == 1) & (ep == 1)]
+    out: list[Plan] = []
+    seen: set[tuple] = set()
+    for j in rows[np.argsort(s.res["step_time_s"][rows], kind="stable")]:
+        plan = s.cols.plan(int(j))
+        key = base_key(plan)
+        if key in seen or plan.periodic:
+            continue
+        seen.add(key)
+        out.append(plan)
+        if len(out) == most:
+            break
+    return out
+
+
+def _best_runnable_one_shape(scans: list[_Scan], model: ModelSpec, work: Workload, params: CostParams,
+                             objective: str) -> RankedPlan | None:
+    """Under a length distribution: the best feasible one-shape plan meshplan's runtime runs as
+    planned (not cp > 1 without a pipeline, which it runs only as a bucket plan), by ``objective``
+    ("cost" by dollars, which grow with time on one cluster size)."""
+    key = "time_to_target_s" if objective == "time-to-target" else "step_time_s"
+    best: tuple[float, _Scan, int] | None = None
+    for s in scans:
+        feas = np.nonzero(s.reason == -1)[0]
+        if not len(feas):
+            continue
+        cp, pp = np.asarray(s.cols["cp"])[feas], np.asarray(s.cols["pp"])[feas]
+        ok = feas[~((cp > 1) & (pp == 1))]
+        for j in ok[np.argsort(s.res[key][ok])][:8]:  # the first the runtime runs as planned
+            if export_targets(s.cols.plan(int(j)), microbatches(s.cols.plan(int(j)), work.global_batch), model) \
+                    is not None:
+                continue
+            v = float(s.res[key][j])
+            if objective == "cost":
+                v = float(_usd(s, np.asarray([j]), work)[0])
+            if best is None or v < best[0]:
+                best = (v, s, int(j))
+            break
+    return None if best is None else _ranked(0, best[1], best[2], model, work, params)
 
 
 # ---- collecting ----------------------------------------------------------------------------

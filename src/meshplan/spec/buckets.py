@@ -87,13 +87,13 @@ def check_buckets(buckets: Sequence[Bucket], cp: int, pp: int = 1, ep: int = 1) 
         raise MeshplanError(f"plan: buckets={text}: the length limits must ascend, each bucket once",
                             hint=f"e.g. {EXAMPLE}")
     cps = sorted({b.cp for b in buckets})
-    if cps[-1] != cp:
-        raise MeshplanError(f"plan: buckets={text}: the largest bucket cp is {cps[-1]} but the plan's cp={cp}",
-                            hint=f"the plan's cp is its context-parallel groups' size: set cp={cps[-1]}")
     for lo, hi in zip(cps, cps[1:]):
         if hi % lo:
             raise MeshplanError(f"plan: buckets={text}: bucket cp {lo} does not divide {hi}",
                                 hint="use cp degrees that divide each other (1, 2, 4, 8)")
+    if cps[-1] != cp:
+        raise MeshplanError(f"plan: buckets={text}: the largest bucket cp is {cps[-1]} but the plan's cp={cp}",
+                            hint=f"the plan's cp is its context-parallel groups' size: set cp={cps[-1]}")
     if pp > 1:
         raise MeshplanError(f"plan: buckets={text} with pp={pp}: a pipeline needs one micro-batch shape and "
                             "count on every stage", hint="use pp=1 with buckets, or drop buckets")
@@ -106,8 +106,9 @@ def check_workload(buckets: Sequence[Bucket], max_len: int, varied: bool) -> str
     """Why the buckets cannot train this workload (None: they can)."""
     text = ":".join(b.text() for b in buckets)
     if not varied:
-        return (f"buckets={text} needs samples of several lengths that are not packed (--seq-len "
-                "2048:0.6,8192:0.3,32768:0.1 with --packing padded or bucketed)")
+        example = ",".join(f"{b.max_len}:{1 / len(buckets):.2g}" for b in buckets)
+        return (f"buckets={text} needs samples of several lengths that are not packed into full windows (e.g. "
+                f"--seq-len {example} with --packing padded or bucketed; packed windows all have one length)")
     if buckets[-1].max_len < max_len:
         return (f"buckets={text}: the last limit {buckets[-1].max_len} is below the longest sample "
                 f"({max_len}); raise it to {max_len}")

@@ -194,7 +194,8 @@ class Plan:
         if self.micro_batch != bs[-1].micro_batch:
             raise MeshplanError(f"plan: micro_batch={self.micro_batch} but the longest bucket's is "
                                 f"{bs[-1].micro_batch} (buckets={':'.join(self.buckets)})",
-                                hint=f"set micro_batch={bs[-1].micro_batch} (or leave it out: parse_plan fills it in)")
+                                hint=f"set micro_batch={bs[-1].micro_batch}, or leave micro_batch out of the plan "
+                                     "string (it is then the longest bucket's)")
         if self.dp_shares is not None or self.pools is not None:
             raise MeshplanError("plan: buckets with dp_shares or pools is not supported",
                                 hint="drop dp_shares/pools, or buckets")
