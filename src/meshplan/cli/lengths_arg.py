@@ -196,7 +196,7 @@ def data_aware_lines(info: dict[str, Any]) -> list[str]:
     out = [tried, f"  best bucket plan {best['plan']}: {seconds(best['step_time_s'])} expected"] + piped
     if one is not None:
         gain = 100 * (1 - best["step_time_s"] / one["step_time_s"])
-        out.append(f"  best one-shape plan {one['plan']}: {seconds(one['step_time_s'])} "
+        out.append(f"  best one-shape plan meshplan train runs, {one['plan']}: {seconds(one['step_time_s'])} "
                    f"({'buckets save' if gain >= 0 else 'buckets lose'} {abs(gain):.1f}%)")
     return out
 
