@@ -86,7 +86,7 @@ def test_cp2_ddp(reference: dict) -> None:
     exercised(plan)
     got, err = train(reference["dir"], "cp2", plan, nproc=2)
     close(reference["losses"], got)
-    assert "buckets=32x2cp1:64x1cp2: <= 32 tokens: 2 per micro-batch on 1 rank" in err
+    assert "buckets=32x2cp1:64x1cp2: <= 32 tokens: 2 per micro-batch without context parallelism" in err
     assert "whose backward carries DDP's all-reduce" in err and err.count("one-token pass") == 1
 
 

@@ -210,10 +210,11 @@ def buckets_text(buckets: Sequence[Bucket]) -> str:
 
 
 def describe(buckets: Sequence[Bucket]) -> str:
-    """'samples <= 4096 tokens: 4 per micro-batch on 1 rank; <= 32768: 1 per micro-batch over 4 ranks'."""
+    """'<= 4,096 tokens: 4 per micro-batch without context parallelism; 4,097-32,768 tokens: 1 per
+    micro-batch over 4 context-parallel ranks' (a rank: the plan's tp ranks together)."""
     parts = []
     for i, b in enumerate(buckets):
         lo = f"<= {b.max_len:,}" if i == 0 else f"{buckets[i - 1].max_len + 1:,}-{b.max_len:,}"
-        on = "on 1 rank" if b.cp == 1 else f"over {b.cp} context-parallel ranks"
+        on = "without context parallelism" if b.cp == 1 else f"over {b.cp} context-parallel ranks"
         parts.append(f"{lo} tokens: {b.micro_batch} per micro-batch {on}")
     return "; ".join(parts)
