@@ -216,3 +216,27 @@ def test_bucket_plan_file_round_trip(tmp_path, problem):
     assert plan.buckets is not None and parse_plan(doc["plan"] if isinstance(doc["plan"], str) else
                                                    plan.short()) == plan
     assert main(["estimate", "--plan", str(out)]) == 0
+
+
+def test_simulate_trace_of_a_bucket_plan(tmp_path, problem):
+    """`meshplan simulate --trace` of a bucket plan: one row per dp x cp rank, a micro-batch's
+    passes on every rank of its unit at the same time, the step = the simulator's first batch."""
+    import json
+
+    from meshplan.cli.main import main
+    from meshplan.sim.buckets import bucket_timeline
+    model, cluster, work = problem
+    text = "tp=2,dp=8,cp=4,zero=1,buckets=8192x1cp1:32768x1cp4"
+    out = tmp_path / "t.json"
+    assert main(["simulate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:64", "--global-batch", "256",
+                 "--seq-len", TAIL, "--plan", text, "--batches", "5", "--trace", str(out)]) == 0
+    names = {e["args"]["name"] for e in json.loads(out.read_text())["traceEvents"] if e["name"] == "process_name"}
+    assert names == {f"dp x cp rank {r}" for r in range(32)}
+    plan = parse_plan(text)
+    res = bucket_timeline(model, cluster, plan, work, seed=0)
+    assert res.step_time_s == pytest.approx(simulate_buckets(model, cluster, plan, work, batches=1).steps[0])
+    wide = [e for e in res.events if e.args.get("cp") == 4 and e.name.startswith("F")]
+    by_mb: dict[str, set[float]] = {}
+    for e in wide:
+        by_mb.setdefault(e.name, set()).add(e.start)
+    assert by_mb and all(len(v) == 1 for v in by_mb.values())  # the unit's ranks start it together

@@ -232,13 +232,16 @@ def simulate_lengths_cmd(args: argparse.Namespace, model: Any, cluster: Any, pla
                            "global_batch": work.global_batch, "seq_len": work.seq_len} | s | {
         "analytic": est, "analytic_vs_sim_pct": 100 * (est["expected_step_s"] / mean - 1),
         "example_replica_lengths": res.example_lengths} | cost.to_json()
-    if (args.trace or args.plot) and res.example is None:
-        raise MeshplanError(f"--trace/--plot: {plan.short()} is a bucket plan; its ranks are timed by sim.buckets, "
-                            "which draws no per-pass timeline", hint="drop --trace/--plot (the summary is printed)")
     if args.trace or args.plot:
-        ex = simulate(res.example)
-        title = (f"{model.name} on {cluster.name}: {plan.short()}, the slowest replica of a sampled batch "
-                 f"({work.lengths.text()}, {work.lengths.packing})")
+        if plan.buckets is not None:  # every dp x cp rank of the first sampled batch (sim.buckets)
+            from meshplan.sim.buckets import bucket_timeline
+            ex = bucket_timeline(model, cluster, plan, work, cost.params, seed=args.seed)
+            title = (f"{model.name} on {cluster.name}: {plan.short()}, every rank of a sampled batch "
+                     f"({work.lengths.text()})")
+        else:
+            ex = simulate(res.example)
+            title = (f"{model.name} on {cluster.name}: {plan.short()}, the slowest replica of a sampled batch "
+                     f"({work.lengths.text()}, {work.lengths.packing})")
         if args.trace:
             write_trace(ex, args.trace)
         if args.plot:
@@ -260,5 +263,5 @@ def simulate_lengths_cmd(args: argparse.Namespace, model: Any, cluster: Any, pla
         print("a step of one length: " + ", ".join(f"{k}: {seconds(v)}" for k, v in res.per_length.items()))
     for label, path in (("trace", args.trace), ("plot", args.plot)):
         if path:
-            print(f"{label} (the first batch's slowest replica): {path}")
+            print(f"{label} (the first batch's {'ranks' if plan.buckets else 'slowest replica'}): {path}")
     return 0

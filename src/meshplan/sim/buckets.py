@@ -21,7 +21,7 @@ from meshplan.cost.lengths import check_model, graph_at
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.sim.build import spec_from_durations
-from meshplan.sim.engine import SimSpec, simulate
+from meshplan.sim.engine import Event, SimResult, SimSpec, simulate
 from meshplan.spec.buckets import bucket_layout, model_knee
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
@@ -101,3 +101,40 @@ def simulate_buckets(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
         steps[i] = t.max() + rest
         even[i] = work_s / n + rest
     return BucketSimResult(steps, even, batches, seed, ends)
+
+
+def bucket_timeline(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                    params: CostParams = DEFAULT_PARAMS, *, seed: int = 0) -> SimResult:
+    """The first sampled batch of ``simulate_buckets(..., seed=seed)`` as a per-rank timeline (one
+    row per dp x cp rank, for --trace / --plot): each micro-batch's forward and backward on the
+    compute stream (named by bucket, samples, width and cp; drawn as 1/3 forward, 2/3 backward),
+    the waits for context-parallel peers as gaps, then the closing
+    pass's gradient sync (exposed) and the optimizer step."""
+    why = bucket_plan_problem(plan, work)
+    if plan.buckets is None or why:
+        raise MeshplanError(why or f"{plan.short()} has no buckets")
+    dist = work.lengths
+    assert dist is not None
+    timer = _Timer(model, cluster, plan, params)
+    rest = timer.rest(work.seq_len)
+    rng = np.random.default_rng([seed, BUCKET_SEED])
+    lay = bucket_layout(dist.sample(work.global_batch, rng), plan.bucket_specs, plan.dp, plan.cp, model_knee(model))
+    n = plan.dp * plan.cp
+    t = np.zeros(n)
+    events: list[Event] = []
+    for j, mb in enumerate(lay.micro_batches):
+        d = timer.micro_batch(mb.bucket, len(mb.samples), mb.width)
+        members = range(mb.unit * mb.cp, (mb.unit + 1) * mb.cp)
+        start = float(max(t[r] for r in members))
+        what = f"mb {j} (bucket {mb.bucket}: {len(mb.samples)} x {mb.width} tokens, cp {mb.cp})"
+        info = {"bucket": mb.bucket, "samples": len(mb.samples), "width": mb.width, "cp": mb.cp}
+        fwd = d / 3  # forward : backward as 1 : 2 (drawn apart; timed as one micro-batch)
+        for r in members:
+            events.append(Event(r, "compute", f"F {what}", start, start + fwd, info))
+            events.append(Event(r, "compute", f"B {what}", start + fwd, start + d, info))
+            t[r] = start + d
+    end = float(t.max())
+    for r in range(n):
+        events.append(Event(r, "dp", "gradient sync + optimizer (closing pass)", end, end + rest))
+    return SimResult(step_time_s=end + rest, events=events, memory=[[(0.0, 0.0)] for _ in range(n)], pp=n,
+                     wait_s=[end - float(x) for x in t], rank_label="dp x cp rank")

@@ -108,6 +108,8 @@ class SimResult:
     memory: list[list[tuple[float, float]]]   # per rank: (time s, bytes) steps
     pp: int
     wait_s: list[float]                       # per rank: compute idle waiting for inputs
+    rank_label: str = "pp rank"
+    """What a row of the timeline is ('pp rank'; 'dp x cp rank' for a bucket plan's ranks)."""
 
     def busy(self, rank: int, stream: str) -> float:
         """Seconds the stream works (the expected straggler wait, drawn on the compute stream, is not work)."""

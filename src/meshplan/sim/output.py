@@ -42,7 +42,7 @@ def trace_dict(res: SimResult) -> dict[str, Any]:
     """Chrome trace-event format: ph=X events, pid = pipeline rank, tid = stream, microseconds."""
     ev: list[dict[str, Any]] = []
     for r in range(res.pp):
-        ev.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"pp rank {r}"}})
+        ev.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"{res.rank_label} {r}"}})
         ev.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
         for s, tid in TIDS.items():
             ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": STREAM_NAMES[s]}})
@@ -161,7 +161,7 @@ def gantt(res: SimResult) -> str:
                             f'text-anchor="end">r{r} {esc(STREAM_NAMES[s])}</text>')
         else:
             body.append(f'<text class="lane" x="{f1(left - 6)}" y="{f1(y0 + lanes * lane / 2)}" dy="0.32em" '
-                        f'text-anchor="end">pp rank {r}</text>')
+                        f'text-anchor="end">{res.rank_label} {r}</text>')
         for i, s in enumerate(STREAMS):
             events = by_lane.get((r, s), [])
             busy: dict[tuple[str, bool], list[float]] = {}
@@ -285,7 +285,9 @@ def write_plot(res: SimResult, path: str | Path, title: str = "") -> None:
     """The step's Gantt chart and memory over time (the report's timeline figures, ``gantt`` and
     ``sim_memory``) under a heading, written to exactly ``path`` in the format of its extension."""
     step = f"simulated step {fixed3(res.step_time_s)} s"
-    write_figures([gantt(res), sim_memory(res)], path, f"{title}: {step}" if title else step)
+    timed_memory = any(b for series in res.memory for _, b in series)  # (a bucket plan's ranks: no memory timeline)
+    figures = [gantt(res), sim_memory(res)] if timed_memory else [gantt(res)]
+    write_figures(figures, path, f"{title}: {step}" if title else step)
 
 
 def write_figures(figures: list[str], path: str | Path, heading: str = "") -> None:
