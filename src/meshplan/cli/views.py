@@ -60,7 +60,7 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
         f"plan     {plan.short()}",
         f"workload {workload_text(work, unit)} = {human_count(work.tokens)} tokens/step, "
         + (f"{r.microbatches} micro-batch(es) per replica" if plan.buckets is None else
-         "micro-batches per rank vary by step (the plan's buckets)"),
+         f"about {r.microbatches} micro-batch(es) per rank, varying by step (the plan's buckets)"),
         "",
         f"step time      {seconds(r.step_time_s)}   (90% band {seconds(r.step_time_s_low)} to "
         f"{seconds(r.step_time_s_high)}, from the cost model's out-of-sample errors)",

@@ -244,7 +244,7 @@ def estimate_buckets_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, 
             from_worst = k.startswith("memory.") or k in MEMORY_FIELDS
             out[k][i] = np.asarray((worst_e if from_worst else top)[k])[worst if from_worst else last]
         out["stage_memory_gib"][i, 0] = worst_gib
-        out["microbatches"][i] = 0  # it varies per rank and step
+        out["microbatches"][i] = max(1, round(float(e1 @ occupy) / (plan.dp * plan.cp)))  # per rank, on average
         # model FLOPs of the real samples at their own lengths (per sample, from the top sub-plan)
         mf = np.asarray([_tflop_per_sample(at[x][0], last) for x in anchors]) @ W.T
         real = work.global_batch * float(mf @ np.asarray(dist.probs))
