@@ -240,3 +240,16 @@ def test_simulate_trace_of_a_bucket_plan(tmp_path, problem):
     for e in wide:
         by_mb.setdefault(e.name, set()).add(e.start)
     assert by_mb and all(len(v) == 1 for v in by_mb.values())  # the unit's ranks start it together
+
+
+def test_without_the_bucket_stage_cp_without_a_pipeline_is_rejected(problem):
+    """Where no bucket plans are searched (one search per GPU pool), one-shape plans with cp > 1 and
+    no pipeline are rejected under a length distribution, with the reason: the runtime runs them
+    only as bucket plans."""
+    from meshplan.search import search
+    from meshplan.search.constraints import VARIED_CP
+    from meshplan.search.space import SearchSpace
+    model, cluster, work = problem
+    res = search(model, cluster, work, SearchSpace(base=Plan(), buckets=False), top=5)
+    assert res.rejected.get(VARIED_CP, 0) > 0 and "bucket plan" in res.reject_examples[VARIED_CP]
+    assert all(not (p.plan.cp > 1 and p.plan.pp == 1) for p in res.plans)

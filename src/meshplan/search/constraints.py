@@ -47,6 +47,11 @@ AT_RISK = "at risk of running out of memory"
 NO_EXPORT_TARGET = "no export target runs it as planned"
 """With ``export_only``: the plan breaks runtime rules that export targets run, but no one
 target runs them all (spec.support.export_targets is empty)."""
+VARIED_CP = "context parallelism on samples of several lengths without buckets"
+"""A one-shape plan with cp > 1 and no pipeline under a length distribution, where the search
+builds no bucket plans (``SearchSpace.buckets`` False, e.g. per GPU pool): meshplan's runtime
+splits a micro-batch of its own width over cp ranks only under a bucket plan
+(runtime.hetero.check_lengths). With the bucket stage on, such plans are its bases instead."""
 COST_MODEL_REFUSED = "refused by the cost model"
 """A plan every constraint accepts but `estimate` raised on (should not happen; counted, with
 the estimate's message as its example, rather than stopping the search)."""
@@ -311,8 +316,8 @@ SEARCH_CHECKS = RUNTIME_CHECKS  # the search-only rules are the runtime's
 
 def reason_names() -> list[str]:
     """Every rejection reason, in counting order."""
-    return list(CHECKS) + list(RUNTIME_CHECKS) + [NO_EXPORT_TARGET, COST_MODEL_REFUSED, OUT_OF_MEMORY, HOST_OOM,
-                                                  AT_RISK]
+    return list(CHECKS) + list(RUNTIME_CHECKS) + [NO_EXPORT_TARGET, VARIED_CP, COST_MODEL_REFUSED, OUT_OF_MEMORY,
+                                                  HOST_OOM, AT_RISK]
 
 
 def _scalar_mask(name: str, model: ModelSpec, cluster: ClusterSpec, work: Workload,

@@ -38,6 +38,7 @@ from meshplan.search.constraints import (
     NO_EXPORT_TARGET,
     OUT_OF_MEMORY,
     RUNTIME_CHECKS,
+    VARIED_CP,
     first_violation,
     reason_names,
     violation_masks,
@@ -88,6 +89,9 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: Sear
     t1 = time.perf_counter()
     masks = violation_masks(model, cluster, work, cols, export_only=space.allow_export_only)
     reason = first_violation(masks, n)
+    if work.varied and not space.buckets:  # no bucket stage: cp > 1 without a pipeline does not run
+        cp, pp = np.asarray(cols["cp"]), np.asarray(cols["pp"])
+        reason[(reason < 0) & (cp > 1) & (pp == 1)] = reason_names().index(VARIED_CP)
     reason[reason < 0] = -2
     ok = np.nonzero(reason == -2)[0]
     t2 = time.perf_counter()
@@ -440,6 +444,10 @@ def _examples(model: ModelSpec, work: Workload, scans: list[_Scan], names: list[
 
 
 def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload) -> str:
+    if name == VARIED_CP:
+        return (f"{plan.short()}: cp={plan.cp} without a pipeline on samples of several lengths: meshplan train splits "
+                "a micro-batch of its own width over cp ranks only under a bucket plan, which is not searched here "
+                "(one GPU type per bucket plan)")
     if name == NO_EXPORT_TARGET:
         return _no_target_message(model, plan, work)
     if name in RUNTIME_CHECKS:
