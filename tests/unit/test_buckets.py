@@ -253,3 +253,32 @@ def test_without_the_bucket_stage_cp_without_a_pipeline_is_rejected(problem):
     res = search(model, cluster, work, SearchSpace(base=Plan(), buckets=False), top=5)
     assert res.rejected.get(VARIED_CP, 0) > 0 and "bucket plan" in res.reject_examples[VARIED_CP]
     assert all(not (p.plan.cp > 1 and p.plan.pp == 1) for p in res.plans)
+
+
+def test_report_simulates_the_bucket_winner_on_sampled_batches(problem):
+    """The report's timeline of a bucket winner is the sampled-batch simulation (its mean against the
+    expected step), not one step of the plan at the longest length."""
+    from meshplan.report import build_report
+    from meshplan.report.page import render
+    model, cluster, work = problem
+    rep = build_report(model, cluster, work, top=3)
+    best = rep.result.best
+    assert best.plan.buckets is not None
+    s = rep.sim_summary
+    assert s["sampled"]["batches"] == 100 and s["analytic_step_time_s"] == pytest.approx(best.report.step_time_s)
+    assert abs(s["sim_vs_analytic_pct"]) < 5
+    assert {e.rank for e in rep.sim.events} == set(range(best.plan.dp * best.plan.cp))
+    html = render(rep.result, usable_gib=rep.usable_gib, sim=rep.sim, sim_summary=s)
+    assert "100 sampled steps" in html and "every data-parallel x context-parallel rank" in html
+
+
+def test_zero3_bucket_plan_says_it_is_priced_as_zero1(problem):
+    """The runtime keeps a bucket plan's parameters gathered: zero=3 costs what zero=1 does, and the
+    estimate says so; the search writes such candidates as zero=1."""
+    from meshplan.search.buckets import candidates
+    model, cluster, work = problem
+    z3 = estimate_buckets(model, cluster, parse_plan("tp=2,dp=8,cp=4,zero=3,buckets=8192x1cp1:32768x1cp4"), work)
+    z1 = estimate_buckets(model, cluster, parse_plan("tp=2,dp=8,cp=4,zero=1,buckets=8192x1cp1:32768x1cp4"), work)
+    assert z3.step_time_s == pytest.approx(z1.step_time_s) and z3.peak_memory_gib == pytest.approx(z1.peak_memory_gib)
+    assert any("priced, in time and memory, as zero=1" in n for n in z3.notes) and not z1.notes
+    assert all(c.zero == 1 for c in candidates(parse_plan("tp=2,dp=8,cp=4,zero=3"), work))

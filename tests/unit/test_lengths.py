@@ -296,7 +296,8 @@ def test_cli_histogram_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("value,needle", [
     ("2048:abc", "not a number"), ("2048:0,4096:0", "every weight is 0"), ("nope.csv", "no such histogram"),
-    ("2048:0.5,x:0.5", "not a whole number"), ("2048", None)])
+    ("2048:0.5,x:0.5", "not a whole number"), ("2048", None),
+    ("2048:0.6,8192:0.6", "sum to 1.2, not 1"), ("2048:0.5,,8192:0.5", "empty item")])
 def test_cli_bad_lengths_one_line(capsys, value, needle):
     if needle is None:  # one length with --packing: a note saying it has no effect (as train says), then the estimate
         rc, out, err = run(capsys, *EST, "--seq-len", value, "--packing", "bucketed")
@@ -323,3 +324,25 @@ def test_cli_plan_out_records_the_distribution(tmp_path, capsys):
     rc, est, _ = run(capsys, "estimate", "--plan", str(out), "--json")
     assert rc == 0
     assert json.loads(est)["step_time_s"] == pytest.approx(doc["predicted"]["step_time_s"])
+
+
+def test_counts_are_normalised_and_rounded_probabilities_pass():
+    a = parse_lengths("2048:600,8192:300,32768:100")
+    assert a.probs == pytest.approx((0.6, 0.3, 0.1))
+    assert sum(parse_lengths("2048:0.333,4096:0.333,8192:0.333").probs) == pytest.approx(1.0)
+
+
+def test_plan_file_distribution_is_replaced_only_with_override(tmp_path, capsys):
+    """A plan file records its length distribution and packing: a different --seq-len DIST or
+    --packing is an error unless --override, which says what replaces what."""
+    f = tmp_path / "p.json"
+    rc, _, _ = run(capsys, "plan", *BASE, "--seq-len", DIST, "--top", "1", "--out", str(f))
+    assert rc == 0 and f.exists()
+    same = run(capsys, "estimate", "--plan", str(f), "--seq-len", DIST)
+    assert same[0] == 0
+    rc, _, err = run(capsys, "estimate", "--plan", str(f), "--seq-len", "2048:0.5,32768:0.5")
+    one_line_error(rc, err, "disagrees with the plan file's", "--override")
+    rc, _, err = run(capsys, "estimate", "--plan", str(f), "--packing", "bucketed")
+    one_line_error(rc, err, "--packing bucketed disagrees")
+    rc, out, err = run(capsys, "estimate", "--plan", str(f), "--seq-len", "2048:0.5,32768:0.5", "--override")
+    assert rc == 0 and "replaces the plan file's" in err and "2048:0.5,32768:0.5" in out

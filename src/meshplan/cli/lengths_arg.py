@@ -94,17 +94,45 @@ def _lengths_of(args: argparse.Namespace) -> Any:
     stash(args)
     text = getattr(args, DIST_ATTR, None)
     packing = getattr(args, "packing", None)
-    if text is None and getattr(args, "seq_len", None) is None:
-        ftext, fpacking = _file_lengths(args)
-        if ftext is not None:
-            return parse_lengths(ftext, packing or fpacking or "padded")
+    ftext, fpacking = _file_lengths(args)
+    if ftext is not None and (text is not None or packing is not None):
+        _check_file_lengths(args, ftext, fpacking, text, packing)  # replaced only with --override
+    if text is None and getattr(args, "seq_len", None) is None and ftext is not None:
+        return parse_lengths(ftext, packing or fpacking or "padded")
     if text is None:
         if packing is not None:  # as `meshplan train` does: said, and the one length planned as given
             import sys
             print(f"meshplan: note: --packing {packing} has no effect with one --seq-len (every sample is the same "
                   "length); give a distribution, e.g. --seq-len 2048:0.6,8192:0.3,32768:0.1", file=sys.stderr)
         return None
-    return parse_lengths(text, packing or "padded")
+    return parse_lengths(text, packing or fpacking or "padded")
+
+
+def _check_file_lengths(args: argparse.Namespace, ftext: str, fpacking: str | None, text: str | None,
+                        packing: str | None) -> None:
+    """--seq-len DIST / --packing against the distribution a plan file records: the same
+    distribution (to the file's precision) and packing pass; otherwise an error unless --override,
+    which says what replaces what (as planfile.resolve does for the other recorded inputs)."""
+    import sys
+
+    from meshplan.spec.lengths import parse_lengths
+    theirs = parse_lengths(ftext, fpacking or "padded")
+    clashes = []
+    if text is not None:
+        mine = parse_lengths(text, packing or theirs.packing)
+        same = (mine.lengths == theirs.lengths
+                and all(abs(a - b) <= 1e-5 for a, b in zip(mine.probs, theirs.probs)))
+        if not same:
+            clashes.append(f"--seq-len {mine.text()} disagrees with the plan file's {theirs.text()}")
+    if packing is not None and packing != theirs.packing:
+        clashes.append(f"--packing {packing} disagrees with the plan file's {theirs.packing}")
+    if not clashes:
+        return
+    if not getattr(args, "override", False):
+        raise MeshplanError("; ".join(clashes) + "; drop the flag or pass --override",
+                            hint=f"{args.plan} records the length distribution it was planned for")
+    print("meshplan: note: --override: " + "; ".join(c.replace("disagrees with", "replaces") for c in clashes),
+          file=sys.stderr)
 
 
 def summary_lines(s: dict[str, Any]) -> list[str]:

@@ -139,7 +139,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if extra:
             from meshplan.cli.lengths_arg import insert_lines
             text = insert_lines(text, extra["lengths"])
-        print("\n".join(cost.lines() + [text]))
+        notes = [f"note     {n}" for n in getattr(report, "notes", None) or () if n not in text]
+        print("\n".join(cost.lines() + [text] + notes))
     return 0
 
 

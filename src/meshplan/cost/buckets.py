@@ -304,4 +304,9 @@ def estimate_buckets(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
             check(model, cluster, sub_plan(plan, b, b.micro_batch), Workload(
                 global_batch=plan.dp * plan.cp // b.cp * b.micro_batch, seq_len=max(held)))
     r = estimate_buckets_batch(model, cluster, work, [plan], params)
-    return report_from_lengths(model, cluster, r, 0, params)
+    rep = report_from_lengths(model, cluster, r, 0, params)
+    if plan.zero >= 2:
+        rep.notes.append(f"zero={plan.zero} with buckets: the runtime keeps the parameters gathered and the "
+                         "gradients unsharded from the first micro-batch to the last (its units run different "
+                         "numbers of micro-batches), so the plan is priced, in time and memory, as zero=1")
+    return rep

@@ -83,9 +83,13 @@ def simulate_winner(result: SearchResult, params: CostParams = DEFAULT_PARAMS, m
         return None, None, (f"the winner runs {n:,} pipeline passes per step, over the report's limit of "
                             f"{max_passes:,} that keeps it fast; simulate it with: meshplan simulate --model "
                             f"{model or model_arg(result.model)} --cluster {best.cluster.name} --global-batch "
-                            f"{w.global_batch} --seq-len {w.seq_len} --plan {best.plan.short()} --trace trace.json")
+                            f"{w.global_batch} --seq-len {w.lengths.text() if w.varied and w.lengths else w.seq_len} "
+                            f"--plan {best.plan.short()} --trace trace.json")
     try:
-        res, summary = sim.simulate_plan(result.model, best.cluster, best.plan, result.work, params)
+        if result.work.varied:  # sampled batches of the length distribution (sim.simulate_varied)
+            res, summary = sim.simulate_varied(result.model, best.cluster, best.plan, result.work, params)
+        else:
+            res, summary = sim.simulate_plan(result.model, best.cluster, best.plan, result.work, params)
     except MeshplanError as e:
         return None, None, str(e)
     return res, summary, None

@@ -290,15 +290,27 @@ def _simulation(r: SearchResult, sim: Any, summary: dict[str, Any] | None, error
         for k in s["ranks"][:64])
     more = f"<p class='mut'>first 64 of {len(s['ranks'])} ranks</p>" if len(s["ranks"]) > 64 else ""
     usable = r.best.report.usable_memory_gib
-    return (head + f"<p>Discrete-event simulation of one step of {_plan(r.best.plan.short())} "
-            f"(schedule {esc(s['schedule'])}, {s['microbatches']} micro-batches per pipeline"
-            + (f", {s['virtual_stages']} virtual stages" if s.get("virtual_stages", 1) > 1 else "")
-            + f"): <b>{fixed3(s['step_time_s'])} s</b> against the analytical estimate of "
-            f"{fixed3(s['analytic_step_time_s'])} s ({s['sim_vs_analytic_pct']:+.2f}%); pipeline ranks wait for "
-            f"inputs {100 * s['bubble_fraction']:.1f}% of the step. Each pipeline rank has four lanes: compute, "
-            "TP/CP/EP communication, data-parallel/FSDP communication and pipeline sends. Move the mouse over "
-            "the chart for the time.</p>" + g + "<h3>Memory per GPU during the step</h3>"
-            + charts.sim_memory(sim, usable)
+    smp = s.get("sampled")
+    if smp:  # a length distribution: sampled steps (sim.simulate_varied)
+        text = (f"<p>Discrete-event simulation of {smp['batches']} sampled steps of {_plan(r.best.plan.short())} "
+                f"(lengths {esc(smp['lengths'])}, {esc(smp['packing'])}; seed {smp['seed']}): mean "
+                f"<b>{fixed3(s['step_time_s'])} s</b> (p50 {fixed3(smp['p50_step_s'])} s, p90 "
+                f"{fixed3(smp['p90_step_s'])} s; {fixed3(smp['imbalance_s'])} s lost to imbalance) against the "
+                f"cost model's expected step of {fixed3(s['analytic_step_time_s'])} s "
+                f"({s['sim_vs_analytic_pct']:+.2f}%). The chart shows {esc(smp['timeline'])} "
+                f"({fixed3(smp['timeline_step_s'])} s); move the mouse over it for the time.</p>")
+        mem = charts.sim_memory(sim, usable) if any(len(m) > 1 for m in sim.memory) else ""
+    else:
+        text = (f"<p>Discrete-event simulation of one step of {_plan(r.best.plan.short())} "
+                f"(schedule {esc(s['schedule'])}, {s['microbatches']} micro-batches per pipeline"
+                + (f", {s['virtual_stages']} virtual stages" if s.get("virtual_stages", 1) > 1 else "")
+                + f"): <b>{fixed3(s['step_time_s'])} s</b> against the analytical estimate of "
+                f"{fixed3(s['analytic_step_time_s'])} s ({s['sim_vs_analytic_pct']:+.2f}%); pipeline ranks wait for "
+                f"inputs {100 * s['bubble_fraction']:.1f}% of the step. Each pipeline rank has four lanes: compute, "
+                "TP/CP/EP communication, data-parallel/FSDP communication and pipeline sends. Move the mouse over "
+                "the chart for the time.</p>")
+        mem = charts.sim_memory(sim, usable)
+    return (head + text + g + ("<h3>Memory per GPU during the step</h3>" + mem if mem else "")
             + '<details><summary>busy seconds per rank and stream</summary><table class="sortable" id="ranks">'
               '<thead><tr><th data-sort="num">rank</th>'
             + "".join(f'<th data-sort="num">{esc(STREAM_NAMES[st])}</th>' for st in STREAMS)

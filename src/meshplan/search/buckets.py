@@ -72,6 +72,8 @@ def candidates(base: Plan, work: Workload) -> list[Plan]:
     assert d is not None
     ranks = base.dp * base.cp
     budget = base.micro_batch * d.max_len / base.cp
+    if base.zero >= 2:  # the runtime runs bucket plans with parameters gathered (cost.buckets.as_run): say so
+        base = base.replace(zero=1, shard_group=0)
     out: list[Plan] = []
     for limits in bucket_sets(work):
         cps = [min(_pow2_at_least(n / budget), ranks) for n in limits]

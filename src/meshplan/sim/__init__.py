@@ -18,7 +18,7 @@ from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
 __all__ = ["STREAMS", "Pass", "RankStep", "SimResult", "SimSpec", "VStage", "simulate", "simulate_plan",
-           "spec_from_durations", "spec_from_plan", "trace_dict",
+           "simulate_varied", "spec_from_durations", "spec_from_plan", "trace_dict",
            "write_plot", "write_trace"]
 
 
@@ -28,3 +28,35 @@ def simulate_plan(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Pla
     the analytical estimate (``analytic_step_time_s``) and the relative difference."""
     spec, d = spec_from_plan(model, cluster, plan, work, params)
     return run_and_summarise(spec, d)
+
+
+def simulate_varied(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                    params: CostParams = DEFAULT_PARAMS, *, batches: int = 100,
+                    seed: int = 0) -> tuple[SimResult, dict[str, Any]]:
+    """``simulate_plan`` for a workload with a length distribution: ``batches`` sampled steps
+    (sim.varlen; a bucket plan's by sim.buckets) beside the cost model's expected step, and as
+    the timeline the first sampled batch (a bucket plan: every dp x cp rank; else the slowest
+    replica). The summary has simulate_plan's keys (``step_time_s``: the mean sampled step) and
+    ``sampled`` (batches, seed, lengths, packing, p50/p90, imbalance, what the timeline shows)."""
+    from meshplan.cost.lengths import lengths_summary
+    from meshplan.sim.varlen import simulate_lengths
+    res = simulate_lengths(model, cluster, plan, work, params, batches=batches, seed=seed)
+    est = lengths_summary(model, cluster, plan, work, params)
+    if plan.buckets is not None:
+        from meshplan.sim.buckets import bucket_timeline
+        ex = bucket_timeline(model, cluster, plan, work, params, seed=seed)
+        shows = "every data-parallel x context-parallel rank of the first sampled batch"
+    else:
+        ex = simulate(res.example)
+        shows = "the slowest replica of the first sampled batch"
+    rs = res.summary()
+    mean, a = rs["mean_step_s"], est["expected_step_s"]
+    s = ex.summary()
+    s |= {"step_time_s": mean, "analytic_step_time_s": a, "sim_vs_analytic_pct": 100 * (mean / a - 1),
+          "microbatches": est.get("microbatches", "varied"), "schedule": plan.schedule if plan.pp > 1 else "none",
+          "virtual_stages": plan.virtual_stages if plan.pp > 1 else 1,
+          "sampled": {"batches": rs["batches"], "seed": rs["seed"], "lengths": est["lengths"],
+                      "packing": est["packing"], "p50_step_s": rs["p50_step_s"], "p90_step_s": rs["p90_step_s"],
+                      "imbalance_s": rs["imbalance_s"], "timeline": shows,
+                      "timeline_step_s": ex.step_time_s}}
+    return ex, s

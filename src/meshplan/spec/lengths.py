@@ -137,6 +137,11 @@ def looks_like_dist(text: str) -> bool:
     return ":" in t or "," in t or not t.isdigit()
 
 
+PROB_SUM_TOL = 0.005
+"""How far from 1 inline probabilities (every weight at most 1) may sum (rounded shares such as
+0.33,0.33,0.33 pass); weights above 1 are counts, normalised."""
+
+
 def parse_lengths(text: str, packing: str = "padded") -> LengthDist:
     """``2048:0.6,8192:0.3,32768:0.1`` or a histogram file path -> LengthDist."""
     t = str(text).strip()
@@ -155,7 +160,8 @@ def parse_lengths(text: str, packing: str = "padded") -> LengthDist:
     for part in t.split(","):
         part = part.strip()
         if not part:
-            continue
+            raise MeshplanError(f"--seq-len {t}: an empty item between commas",
+                                hint=f"one length:probability pair between commas, e.g. {EXAMPLE}")
         n, sep, w = part.partition(":")
         if not sep:
             raise MeshplanError(f"--seq-len {t}: {part!r} is not length:probability",
@@ -174,6 +180,11 @@ def parse_lengths(text: str, packing: str = "padded") -> LengthDist:
     if not pairs:
         raise MeshplanError(f"--seq-len {t!r} holds no length:probability pair",
                             hint=f"give one length (--seq-len 4096) or a distribution ({EXAMPLE})")
+    total = sum(w for _, w in pairs)
+    if total > 0 and all(0 <= w <= 1 for _, w in pairs) and abs(total - 1) > PROB_SUM_TOL:
+        raise MeshplanError(f"--seq-len {t}: the probabilities sum to {total:.4g}, not 1",
+                            hint="fix them so that they sum to 1, or give counts (e.g. 2048:600,8192:300,"
+                                 "32768:100), which are normalised")
     return from_pairs(pairs, packing, source=t)
 
 
