@@ -365,3 +365,28 @@ def test_a_plan_file_saved_elsewhere_reloads_from_anywhere(capsys, tmp_path, mon
     rc, text, err = _run(capsys, "report", "--plan", out, "--out", str(tmp_path / "r.html"))
     assert rc == 0 and f"{planned['predicted']['step_time_s']:.3f}" in text, err
     assert "lengths 2048:0.6" in (tmp_path / "r.html").read_text()
+
+
+def test_a_pool_alone_may_win_with_a_bucket_plan():
+    """Under a length distribution each pool's own search has its data-aware stage: a bucket plan on
+    the H100 pool alone beats every one-shape plan over both pools, and the pooled search says so;
+    the plan (pools=h100 with buckets) prices as the same plan on that pool's cluster, and the
+    simulator's sampled mean agrees with it."""
+    from meshplan.cost import estimate
+    from meshplan.search.pools import search_pools
+    from meshplan.sim.pools import simulate_pooled
+    from meshplan.spec.lengths import parse_lengths
+    c = _pools(nodes=8)
+    w = Workload.of(256, parse_lengths("2048:0.6,8192:0.3,32768:0.1"))
+    g = load_model("llama3-8b")
+    r = search_pools(g, c, w, top=5)
+    best = r.best
+    assert best.plan.buckets is not None and best.plan.pools == ("a",)
+    assert r.best_multi is not None and r.best_multi.step_time_s > best.step_time_s
+    assert any("bucket plans run on one GPU type" in x for x in r.explanation)
+    plain = estimate(g, c.pool("a"), best.plan.replace(pools=None), w)
+    assert best.step_time_s == pytest.approx(plain.step_time_s)
+    sim = simulate_pooled(g, c, best.plan, w)
+    assert abs(sim.step_time_s / best.step_time_s - 1) < 0.05
+    with pytest.raises(MeshplanError, match="several pools"):
+        parse_plan("tp=2,dp=8,cp=4,buckets=8192x1cp1:32768x1cp4,pools=a:b,pool_dp=4:4")

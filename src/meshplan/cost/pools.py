@@ -253,6 +253,11 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
         unit = "windows" if work.lengths is not None and work.lengths.packing == "packed" else "samples"
         role = (f"{n} replica{'s' * (n > 1)} x {shape} GPU{'s' * (shape > 1)}, {each} ({sum(mine)} of "
                 f"{work.global_batch} {unit})")
+        if plan.buckets is not None:  # a data-aware plan (spec.buckets): micro-batches dealt by length
+            from meshplan.spec.buckets import describe
+            role = (f"a data-aware plan on {gpus} GPUs ({n} data-parallel x {plan.cp} context-parallel x {plan.tp} "
+                    "tensor-parallel ranks): "
+                    f"{describe(plan.bucket_specs)}")
         parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=gpus, gpus_total=pool.num_gpus, role=role,
                               step_s=r.step_time_s, busy_fraction=m_mean / max(1, m_max),
                               peak_memory_gib=r.peak_memory_gib, usable_memory_gib=r.usable_memory_gib,

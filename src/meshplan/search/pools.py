@@ -86,18 +86,21 @@ def search_pools(model: LayerGraph | ModelSpec, cluster: PooledCluster, work: Wo
     shapes: list[Plan] = []
     considered = 0
     from meshplan.search.space import SearchSpace
-    no_buckets = dataclasses.replace(space or SearchSpace(), buckets=False)  # bucket plans run on one GPU type
+    # Bucket plans run on one GPU type: a pool alone may use them (its own search's data-aware stage);
+    # the shapes placed over several pools are one-shape plans.
+    own = space or SearchSpace()
+    data_aware = work.varied and own.buckets
+    no_buckets = dataclasses.replace(own, buckets=False)
     for pool in cluster.pools:
         res = search(graph, pool, work, no_buckets, params=params, objective=objective, top=SHORTLIST * 4)
         considered += res.considered
-        best = None
-        for rp in res.plans:
-            if rp.export_only is not None:
-                continue
-            if best is None:
-                best = estimate_pooled(graph, cluster, rp.plan.replace(pools=(pool.name,)), work, params)
-            shapes.append(rp.plan)
-        alone[pool.name] = best
+        firsts = [rp.plan for rp in res.plans if rp.export_only is None]
+        shapes += firsts
+        if data_aware:  # the pool's own search with its data-aware stage: its best may be a bucket plan
+            res_b = search(graph, pool, work, own, params=params, objective=objective, top=1)
+            firsts = [rp.plan for rp in res_b.plans if rp.export_only is None][:1] + firsts[:1]
+        ests = [estimate_pooled(graph, cluster, p.replace(pools=(pool.name,)), work, params) for p in firsts[:2]]
+        alone[pool.name] = min(ests, key=lambda e: _key(e, objective)) if ests else None
     shapes = _distinct(shapes)
     headroom = getattr(space, "headroom", True)
     cands: list[PooledEstimate] = [e for e in alone.values() if e is not None]
@@ -355,6 +358,9 @@ def explain(r: PooledResult) -> list[str]:
                          f"({dearer:+.0f}%)")
     else:
         lines.append(f"uses pool {used[0] if used else '?'} alone: {_fmt(best)}")
+        if best.plan.buckets is not None:
+            lines.append("  a data-aware plan (context parallelism and micro-batch by length bucket) of that pool's own "
+                         "search: bucket plans run on one GPU type, so the plans over several pools are one-shape plans")
         m = r.best_multi
         if m is None:
             lines.append("  the search found no plan over several pools that fits with memory headroom among the "

@@ -72,23 +72,30 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan:
         return _pipeline(model, cluster, pools, plan, work, params, est)
     ran, _ = as_run(plan)  # the replicas as the cost model times them
     sims = []
+    steps: list[float] = []
     for part in replica_parts(pools, ran, work):
-        res, _ = simulate_plan(model, part.cluster, part.plan, part.work, params)
+        if work.varied:  # each pool's step: the mean over sampled batches; its timeline: the first batch
+            from meshplan.sim import simulate_varied
+            res, s = simulate_varied(model, part.cluster, part.plan, part.work, params)
+            steps.append(s["step_time_s"])
+        else:
+            res, _ = simulate_plan(model, part.cluster, part.plan, part.work, params)
+            steps.append(res.step_time_s)
         sims.append((part.pool, res))
-    slowest = max(r.step_time_s for _, r in sims)
+    slowest = max(steps)
     step = slowest + est.cross_pool_s
     events: list[Event] = []
     memory: list = []
     wait: list[float] = []
     out: list[PoolSim] = []
     offset = 0
-    for pool, res in sims:
+    for (pool, res), own in zip(sims, steps):
         ranks = list(range(offset, offset + res.pp))
         for e in res.events:
             events.append(dataclasses.replace(e, rank=e.rank + offset, args={**e.args, "pool": pool.name}))
-        idle = slowest - res.step_time_s
+        idle = slowest - own
         for r in range(res.pp):
-            if idle > 0:
+            if idle > 0 and res.step_time_s < slowest:
                 events.append(Event(offset + r, "compute", "waits for the slowest pool", res.step_time_s, slowest,
                                     {"pool": pool.name}))
             if est.cross_pool_s > 0:
@@ -99,11 +106,16 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan:
         busy = max(res.busy(r, "compute") for r in range(res.pp))
         out.append(PoolSim(pool.name, pool.gpu.name, res, ranks, busy_s=busy, idle_s=step - busy))
         offset += res.pp
-    combined = SimResult(step_time_s=step, events=events, memory=memory, pp=offset, wait_s=wait)
+    labels = {r.rank_label for _, r in sims}
+    combined = SimResult(step_time_s=step, events=events, memory=memory, pp=offset, wait_s=wait,
+                         rank_label=labels.pop() if len(labels) == 1 else "rank")
     return PooledSimulation(plan=plan, step_time_s=step, analytic_step_time_s=est.step_time_s, pools=out,
                             result=combined, cross_pool_s=est.cross_pool_s, estimate=est,
                             notes=["one replica per pool is drawn (the one with the most micro-batches); the "
-                                   "pool's other replicas run the same timeline"])
+                                   "pool's other replicas run the same timeline"]
+                            + (["under the length distribution each pool's step is the mean of 100 sampled batches "
+                                "(sim.varlen; a bucket plan's by sim.buckets), and its timeline is the first of them"]
+                               if work.varied else []))
 
 
 def _pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,

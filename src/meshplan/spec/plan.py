@@ -196,9 +196,10 @@ class Plan:
                                 f"{bs[-1].micro_batch} (buckets={':'.join(self.buckets)})",
                                 hint=f"set micro_batch={bs[-1].micro_batch}, or leave micro_batch out of the plan "
                                      "string (it is then the longest bucket's)")
-        if self.dp_shares is not None or self.pools is not None:
-            raise MeshplanError("plan: buckets with dp_shares or pools is not supported",
-                                hint="drop dp_shares/pools, or buckets")
+        if self.dp_shares is not None or (self.pools is not None and len(self.pools) > 1):
+            raise MeshplanError("plan: buckets with dp_shares or several pools is not supported (a bucket plan "
+                                "runs on one GPU type: pools=NAME places it on one pool)",
+                                hint="drop dp_shares, name one pool, or drop buckets")
 
     @property
     def bucket_specs(self) -> tuple:
