@@ -359,8 +359,9 @@ def explain(r: PooledResult) -> list[str]:
     else:
         lines.append(f"uses pool {used[0] if used else '?'} alone: {_fmt(best)}")
         if best.plan.buckets is not None:
-            lines.append("  a data-aware plan (context parallelism and micro-batch by length bucket) of that pool's own "
-                         "search: bucket plans run on one GPU type, so the plans over several pools are one-shape plans")
+            lines.append("  a data-aware plan (context parallelism and micro-batch by length bucket) of that pool's "
+                         "own search: bucket plans run on one GPU type, so the plans over several pools are "
+                         "one-shape plans")
         m = r.best_multi
         if m is None:
             lines.append("  the search found no plan over several pools that fits with memory headroom among the "
