@@ -346,3 +346,20 @@ def test_plan_file_distribution_is_replaced_only_with_override(tmp_path, capsys)
     one_line_error(rc, err, "--packing bucketed disagrees")
     rc, out, err = run(capsys, "estimate", "--plan", str(f), "--seq-len", "2048:0.5,32768:0.5", "--override")
     assert rc == 0 and "replaces the plan file's" in err and "2048:0.5,32768:0.5" in out
+
+
+def test_histogram_file_errors_name_the_file(tmp_path, capsys):
+    bad = tmp_path / "h.csv"
+    bad.write_text("length,count\n2048,600\n4096,-3\n")
+    rc, _, err = run(capsys, *EST, "--seq-len", str(bad))
+    one_line_error(rc, err, str(bad), "-3", "fix that row")
+    rc, _, err = run(capsys, *EST, "--seq-len", str(tmp_path))
+    one_line_error(rc, err, "a directory")
+
+
+def test_cp_communication_is_shown_when_hidden():
+    """Ring attention's all-gathers hidden under attention still appear, as overlapped time."""
+    from meshplan.cost import estimate
+    r = estimate(load_model("llama3-8b"), load_cluster("h100-sxm-80gb:64"), parse_plan("tp=2,dp=8,cp=4,zero=1"),
+                 Workload(global_batch=64, seq_len=32768))
+    assert r.time["cp_comm_overlapped"] > 0 and r.time["cp_comm"] >= 0

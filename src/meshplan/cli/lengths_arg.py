@@ -144,14 +144,17 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
             f"mean {s['mean_length']:,.0f} tokens, longest {s['max_length']:,}; {s['real_tokens_per_step']:,} real "
             f"tokens per step, padding {abs(100 * s['padding_fraction']):.1f}% of the tokens computed")
     if "buckets" in s:  # a data-aware plan (spec/buckets.py)
-        return [head, f"buckets        {s['buckets']}; micro-batches dealt to ranks heaviest first (spec/buckets.py)",
+        return [head, f"buckets        {s['buckets']}; micro-batches dealt to ranks heaviest first",
                 f"expected step  {seconds(step)} = {seconds(even)} at even load + {seconds(imb)} lost to imbalance"
                 f"{share} (the busiest rank, waits for context-parallel peers included; gradient sync exposed after "
                 "the last micro-batch); memory for the heaviest bucket's micro-batch"]
     return [head,
             f"expected step  {seconds(step)} = {seconds(even)} at even load + {seconds(imb)} lost to imbalance"
-            f"{share} (the slowest data-parallel replica, and pipeline stalls at heavier micro-batches); memory "
-            "for the longest micro-batch"]
+            f"{share} ("
+            + ("a pipeline runs every micro-batch at the longest length" if s.get("pipeline_one_shape") else
+               "the slowest data-parallel replica, and pipeline stalls at heavier micro-batches" if s.get("pp", 1) > 1
+               else "the slowest data-parallel replica")
+            + "); memory for the longest micro-batch"]
 
 
 def insert_lines(text: str, summary: dict[str, Any]) -> str:

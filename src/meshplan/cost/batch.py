@@ -70,7 +70,7 @@ from meshplan.units import GiB
 BLOCK_KEY = ("tp", "cp", "micro_batch", "precision", "recompute", "sequence_parallel",
              "compile", "flash_attention", "ep", "fused_loss")
 #: Exposed time terms (they sum to the step time) and overlapped ones, in report order.
-TIME_KEYS = ("compute", "recompute", "tp_comm", "tp_comm_overlapped", "cp_comm", "ep_comm",
+TIME_KEYS = ("compute", "recompute", "tp_comm", "tp_comm_overlapped", "cp_comm", "cp_comm_overlapped", "ep_comm",
              "dp_comm", "dp_comm_overlapped", "pp_comm", "offload", "bubble", "optimizer", "outer_sync",
              "outer_sync_overlapped", "straggler", "overhead")
 MEMORY_KEYS = ("weights", "grads", "optimizer", "activations", "transient", "overhead")
@@ -385,7 +385,8 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
                       np.where(pp > 1, send * p.pp_p2p_exposed, 0))
     tp_t = tp_fwd + tp_bwd
     terms = {"compute": compute, "recompute": recompute, "tp_comm": tp_t * async_f,
-             "tp_comm_overlapped": tp_t * (1 - async_f), "cp_comm": cp_f + cp_b, "ep_comm": ep_s,
+             "tp_comm_overlapped": tp_t * (1 - async_f), "cp_comm": cp_f + cp_b,
+             "cp_comm_overlapped": cp_fo + cp_bo, "ep_comm": ep_s,
              "dp_comm": dp_f_blk + dp_b_blk, "dp_comm_overlapped": dp_f_ovl + dp_b_ovl,
              "pp_comm": p2p, "offload": offload}
     exposed = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm", "offload")

@@ -695,7 +695,9 @@ def lengths_summary(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
             "mean_length": d.mean_len if d else float(work.seq_len), "max_length": work.seq_len,
             "expected_step_s": float(r["step_time_s"][0]), "step_time_even_s": float(r["step_time_even_s"][0]),
             "imbalance_s": float(r["imbalance_s"][0]), "padding_fraction": float(r["padding_fraction"][0]),
-            "real_tokens_per_step": int(work.tokens), "padded_tokens_per_step": float(r["padded_tokens"][0])} | extra
+            "real_tokens_per_step": int(work.tokens), "padded_tokens_per_step": float(r["padded_tokens"][0]),
+            "pp": plan.pp, "pipeline_one_shape": bool(plan.pp > 1 and not params.pipeline_variable_shapes
+                                       and (d is None or d.packing != "packed"))} | extra
 
 
 def dist_of(work: Workload) -> LengthDist | None:

@@ -312,7 +312,7 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
     """Pipeline stages on several pools: see the module docstring."""
     if work.varied:
         raise MeshplanError("pool_pp: a pipeline over pools is not priced under a length distribution (the "
-                            "expected step of cost.lengths takes one GPU type)",
+                            "expected step over lengths is priced for pipelines on one GPU type)",
                             hint="place replicas on the pools (pool_dp), or give one length or --packing packed")
     assert plan.pool_pp is not None
     per_stage = plan.dp * plan.cp * plan.tp

@@ -378,8 +378,8 @@ def explain(r: PooledResult) -> list[str]:
                 lines.append(f"    {p.name}: {p.role}, {_s(p.step_s)}")
     for kind, e in r.best_by_kind.items():
         if e is None and kind == "stages on pools" and r.work.varied:
-            lines.append(f"  {kind}: not priced under a length distribution (cost.lengths takes one GPU type "
-                         "per pipeline)")
+            lines.append(f"  {kind}: not priced under a length distribution (the expected step over "
+                         "lengths is priced for pipelines on one GPU type)")
         elif e is None:
             lines.append(f"  {kind}: none of the shapes tried fits with memory headroom")
         elif e is not best:

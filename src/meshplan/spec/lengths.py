@@ -152,6 +152,9 @@ def parse_lengths(text: str, packing: str = "padded") -> LengthDist:
     if ":" not in t or path.suffix.lower() in (".csv", ".json", ".tsv", ".txt"):
         if path.is_file():
             return load_length_file(path, packing)
+        if path.is_dir():
+            raise MeshplanError(f"--seq-len {t}: a directory, not a histogram file",
+                                hint="give a CSV of length,count rows or a JSON histogram")
         if path.suffix or "/" in t:
             raise MeshplanError(f"--seq-len {t}: no such histogram file",
                                 hint="give a CSV of length,count rows, a JSON histogram, or length:probability "
@@ -230,7 +233,12 @@ def load_length_file(path: str | Path, packing: str = "padded") -> LengthDist:
             pairs.append((_as_int(cells[0], p, i), _as_float(cells[1], p, i)))
     if not pairs:
         raise MeshplanError(f"{p}: the histogram is empty", hint="rows of length,count, e.g. 2048,600")
-    return from_pairs(pairs, packing, source=str(p))
+    try:
+        return from_pairs(pairs, packing, source=str(p))
+    except MeshplanError as e:  # say which file (its rows are length,count; no --seq-len syntax to suggest)
+        raise MeshplanError(f"{p}: {e.message.removeprefix('sequence-length distribution: ')}",
+                            hint="fix that row of the histogram (length,count: a whole length >= 1, a count "
+                                 ">= 0)") from None
 
 
 def _as_int(v: Any, p: Path, i: int) -> int:
