@@ -24,6 +24,7 @@ from meshplan.search.pools import search_pools  # noqa: E402
 from meshplan.sim.pools import simulate_pooled  # noqa: E402
 from meshplan.spec.cluster import LinkTier, PooledCluster  # noqa: E402
 from meshplan.spec.io import load_cluster, load_model  # noqa: E402
+from meshplan.spec.lengths import parse_lengths  # noqa: E402
 from meshplan.spec.plan import Workload  # noqa: E402
 
 EXAMPLE = str(ROOT / "docs/examples/a100-h100-pools.toml")
@@ -50,6 +51,8 @@ SCENARIOS = [  # name, model, cluster, global batch, seq len
      4096),
     ("llama3-70b, pools joined by 1 GB/s per GPU", "llama3-70b", "slow1", 512, 4096),
     ("llama3-70b, pools joined by 0.05 GB/s per GPU, 20 ms", "llama3-70b", "slow005", 512, 4096),
+    ("llama3-8b, global batch 256, lengths 2048:0.6,8192:0.3,32768:0.1 (a bucket plan runs on one pool)",
+     "llama3-8b", EXAMPLE, 256, "2048:0.6,8192:0.3,32768:0.1"),
 ]
 
 
@@ -61,7 +64,8 @@ def main() -> int:
     for name, model, cluster, gb, seq in SCENARIOS:
         c = {"slow1": lambda: _slow(1.0, 8.0), "slow005": lambda: _slow(0.05, 20000.0),
              "uneven": _uneven}.get(cluster, lambda: None)() or load_cluster(cluster)
-        w = Workload(global_batch=gb, seq_len=seq)
+        w = (Workload(global_batch=gb, seq_len=seq) if isinstance(seq, int)
+             else Workload.of(gb, parse_lengths(seq)))
         t0 = time.perf_counter()
         r = search_pools(load_model(model), c, w)
         took = time.perf_counter() - t0
@@ -70,6 +74,7 @@ def main() -> int:
         alone = {k: (v.step_time_s if v else None) for k, v in r.alone.items()}
         fastest_alone = min(v for v in alone.values() if v)
         row = {"scenario": name, "model": model, "cluster": c.name, "global_batch": gb, "seq_len": seq,
+               "best_multi_pool_step_s": r.best_multi.step_time_s if r.best_multi else None,
                "search_s": took, "considered": r.considered,
                "best": best.to_dict() if best else None,
                "uses_pools": list(best.plan.pools or ()) if best else [],
