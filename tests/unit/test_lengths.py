@@ -363,3 +363,10 @@ def test_cp_communication_is_shown_when_hidden():
     r = estimate(load_model("llama3-8b"), load_cluster("h100-sxm-80gb:64"), parse_plan("tp=2,dp=8,cp=4,zero=1"),
                  Workload(global_batch=64, seq_len=32768))
     assert r.time["cp_comm_overlapped"] > 0 and r.time["cp_comm"] >= 0
+
+
+def test_one_length_does_not_silently_replace_a_plan_files_distribution(tmp_path, capsys):
+    f = tmp_path / "p.json"
+    assert run(capsys, "plan", *BASE, "--seq-len", DIST, "--top", "1", "--out", str(f))[0] == 0
+    rc, _, err = run(capsys, "estimate", "--plan", str(f), "--seq-len", "32768")
+    one_line_error(rc, err, "disagrees with the plan file's length distribution", DIST)

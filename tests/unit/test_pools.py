@@ -390,3 +390,14 @@ def test_a_pool_alone_may_win_with_a_bucket_plan():
     assert abs(sim.step_time_s / best.step_time_s - 1) < 0.05
     with pytest.raises(MeshplanError, match="several pools"):
         parse_plan("tp=2,dp=8,cp=4,buckets=8192x1cp1:32768x1cp4,pools=a:b,pool_dp=4:4")
+
+
+def test_simulate_a_one_pool_plan_under_a_length_distribution(capsys):
+    rc, out, err = _run(capsys, "simulate", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "64",
+                        "--seq-len", "2048:0.6,8192:0.3,32768:0.1", "--batches", "5",
+                        "--plan", "tp=2,dp=4,cp=4,zero=1,pools=h100,buckets=8192x1cp1:32768x1cp4")
+    assert rc == 0 and "simulated on that pool" in err and "simulated 5 sampled steps" in out, err
+    rc, out, err = _run(capsys, "simulate", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "64",
+                        "--seq-len", "2048:0.6,8192:0.3,32768:0.1",
+                        "--plan", "tp=8,dp=8,micro_batch=1,dp_shares=5:3,pools=h100:a100,pool_dp=4:4")
+    assert rc == 2 and "one GPU type with even shares" in err

@@ -97,6 +97,15 @@ def _lengths_of(args: argparse.Namespace) -> Any:
     ftext, fpacking = _file_lengths(args)
     if ftext is not None and (text is not None or packing is not None):
         _check_file_lengths(args, ftext, fpacking, text, packing)  # replaced only with --override
+    one = getattr(args, "seq_len", None)
+    if ftext is not None and text is None and one is not None:  # one length for the file's distribution
+        import sys
+        if not getattr(args, "override", False):
+            raise MeshplanError(f"--seq-len {one} disagrees with the plan file's length distribution {ftext}; "
+                                "drop --seq-len or pass --override",
+                                hint=f"{args.plan} records the length distribution it was planned for")
+        print(f"meshplan: note: --override: --seq-len {one} (every sample that long) replaces the plan file's "
+              f"length distribution {ftext}", file=sys.stderr)
     if text is None and getattr(args, "seq_len", None) is None and ftext is not None:
         return parse_lengths(ftext, packing or fpacking or "padded")
     if text is None:

@@ -3,6 +3,7 @@ with [[pools]]; spec.cluster.PooledCluster, cost.pools, search.pools, sim.pools)
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from meshplan.errors import MeshplanError
@@ -205,6 +206,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     from meshplan.spec.io import load_plan
     model, pc, work, cost = load(args)
     plan = load_plan(args.plan)
+    if work.varied:  # sampled batches on one GPU type: a plan on one pool (a bucket plan, say) on that pool
+        from meshplan.cli.lengths_arg import no_pools, simulate_lengths_cmd
+        if plan.pools is not None and len(plan.pools) == 1 and plan.dp_shares is None:
+            print(f"meshplan: note: the plan runs on pool {plan.pools[0]} alone: simulated on that pool",
+                  file=sys.stderr)
+            return simulate_lengths_cmd(args, model, pc.pool(plan.pools[0]), plan.replace(pools=None), work, cost)
+        no_pools(work.lengths, plan, simulate=True)
     with slow_step("simulating the step"):
         sim = simulate_pooled(model, pc, plan, work, cost.params)
     res = sim.result

@@ -60,8 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.cli.lengths_arg import lengths_of, no_pools
     lengths = lengths_of(args)  # a --seq-len distribution (or the plan file's), before the file is resolved
     if pools_cmd.is_pooled(getattr(args, "cluster", None), args):
-        no_pools(lengths, simulate=True)
-        return pools_cmd.run_simulate(args)
+        return pools_cmd.run_simulate(args)  # under a length distribution: a plan on one pool only
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     from meshplan.cli.costing import costing
     from meshplan.cli.model_arg import as_problem

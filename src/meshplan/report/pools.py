@@ -91,7 +91,10 @@ def render_pooled(res: Any, sim: Any = None, command: str | None = None) -> str:
                     f"<p>Simulated {sim.step_time_s:.3f} s vs the cost model's {sim.analytic_step_time_s:.3f} s "
                     f"({100 * (sim.step_time_s / sim.analytic_step_time_s - 1):+.2f}%). Rows by pool: {esc(labels)}. "
                     "Every rank runs at its own pool's speed (the durations come from the cost model per GPU "
-                    "type).</p>" + gantt(sim.result) + sim_memory(sim.result, usable) + "</section>")
+                    "type)." + "".join(f" {esc(n[0].upper() + n[1:])}." for n in sim.notes) + "</p>"
+                    + gantt(sim.result)
+                    + (sim_memory(sim.result, usable) if any(len(m) > 1 for m in sim.result.memory) else "")
+                    + "</section>")
     doc = {"search": res.to_dict(), "simulation": sim.summary() if sim is not None else None}
     nav = "".join(f'<a href="#{a}">{t}</a>' for a, t in (("pools", "per pool"), ("plans", "plans"),
                                                         ("timeline", "timeline"), ("explanation", "why")))

@@ -107,7 +107,8 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan:
         out.append(PoolSim(pool.name, pool.gpu.name, res, ranks, busy_s=busy, idle_s=step - busy))
         offset += res.pp
     labels = {r.rank_label for _, r in sims}
-    combined = SimResult(step_time_s=step, events=events, memory=memory, pp=offset, wait_s=wait,
+    drawn = max([step] + [r.step_time_s + est.cross_pool_s for _, r in sims])  # a sampled batch may run longer
+    combined = SimResult(step_time_s=drawn, events=events, memory=memory, pp=offset, wait_s=wait,
                          rank_label=labels.pop() if len(labels) == 1 else "rank")
     return PooledSimulation(plan=plan, step_time_s=step, analytic_step_time_s=est.step_time_s, pools=out,
                             result=combined, cross_pool_s=est.cross_pool_s, estimate=est,

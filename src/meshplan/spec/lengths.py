@@ -138,8 +138,8 @@ def looks_like_dist(text: str) -> bool:
 
 
 PROB_SUM_TOL = 0.005
-"""How far from 1 inline probabilities (every weight at most 1) may sum (rounded shares such as
-0.33,0.33,0.33 pass); weights above 1 are counts, normalised."""
+"""How far from 1 inline probabilities may sum (rounded shares such as 0.333,0.333,0.333 pass).
+Weights that are all whole numbers are counts, normalised."""
 
 
 def parse_lengths(text: str, packing: str = "padded") -> LengthDist:
@@ -184,9 +184,10 @@ def parse_lengths(text: str, packing: str = "padded") -> LengthDist:
         raise MeshplanError(f"--seq-len {t!r} holds no length:probability pair",
                             hint=f"give one length (--seq-len 4096) or a distribution ({EXAMPLE})")
     total = sum(w for _, w in pairs)
-    if total > 0 and all(0 <= w <= 1 for _, w in pairs) and abs(total - 1) > PROB_SUM_TOL:
+    counts = all(float(w).is_integer() for _, w in pairs)  # whole weights are counts; others probabilities
+    if total > 0 and not counts and all(w >= 0 for _, w in pairs) and abs(total - 1) > PROB_SUM_TOL:
         raise MeshplanError(f"--seq-len {t}: the probabilities sum to {total:.4g}, not 1",
-                            hint="fix them so that they sum to 1, or give counts (e.g. 2048:600,8192:300,"
+                            hint="fix them so that they sum to 1, or give whole-number counts (e.g. 2048:600,8192:300,"
                                  "32768:100), which are normalised")
     return from_pairs(pairs, packing, source=t)
 
