@@ -47,3 +47,39 @@ def meshplan_train(*args: str, timeout: float = LAUNCH_TIMEOUT_S, env: dict[str,
                    cwd: Path | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "meshplan.cli.train_cmd", *args]
     return subprocess.run(cmd, env=env or run_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def run_ok(p: subprocess.CompletedProcess) -> None:
+    """A `meshplan train` run that exited 0 (else its stderr's tail)."""
+    assert p.returncode == 0, p.stderr[-4000:]
+
+
+def metric_losses(path: Path) -> list[float]:
+    """The per-step losses of a --metrics JSONL file."""
+    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
+
+
+def train_losses(base: list[str], tmp: Path, name: str, plan: str, *extra: str,
+                 nproc: int) -> tuple[list[float], str]:
+    """(per-step losses, stderr) of `meshplan train BASE --plan PLAN` on ``nproc`` processes."""
+    m = tmp / f"{name}.jsonl"
+    p = meshplan_train(*base, "--plan", plan, "--nproc-per-node", str(nproc), "--metrics", str(m), *extra)
+    run_ok(p)
+    return metric_losses(m), p.stderr
+
+
+def losses_close(a: list[float], b: list[float], tol: float, steps: int) -> float:
+    """The largest per-step difference of two runs of ``steps`` steps, asserted below ``tol``."""
+    assert len(a) == len(b) == steps, (a, b)
+    worst = max(abs(x - y) for x, y in zip(a, b))
+    assert worst < tol, (worst, a, b)
+    return worst
+
+
+def one_error_line(p: subprocess.CompletedProcess, *needles: str) -> None:
+    """A run refused before any rank starts: exit 2, one 'meshplan: error:' line holding every needle."""
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    lines = [x for x in p.stderr.splitlines() if x.startswith("meshplan: error:")]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    for n in needles:
+        assert n in lines[0], lines[0]

@@ -13,13 +13,11 @@ unweighted mean of the micro-batches' means is 5.2e-4 away at step 1 (``test_unw
 """
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, meshplan_train
+from conftest import ROOT, losses_close, meshplan_train, one_error_line, train_losses
 
 TOL = 1e-5
 STEPS = 4
@@ -28,26 +26,12 @@ BASE = ["--model", "tiny-llama", "--global-batch", "8", "--steps", str(STEPS), "
         "--seq-len", LENGTHS]
 
 
-def ok(p: subprocess.CompletedProcess) -> None:
-    assert p.returncode == 0, p.stderr[-4000:]
-
-
-def losses(path: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
-
-
 def train(tmp: Path, name: str, plan: str, *extra: str, nproc: int) -> tuple[list[float], str]:
-    m = tmp / f"{name}.jsonl"
-    p = meshplan_train(*BASE, "--plan", plan, "--nproc-per-node", str(nproc), "--metrics", str(m), *extra)
-    ok(p)
-    return losses(m), p.stderr
+    return train_losses(BASE, tmp, name, plan, *extra, nproc=nproc)
 
 
 def close(a: list[float], b: list[float], tol: float = TOL) -> float:
-    assert len(a) == len(b) == STEPS, (a, b)
-    worst = max(abs(x - y) for x, y in zip(a, b))
-    assert worst < tol, (worst, a, b)
-    return worst
+    return losses_close(a, b, tol, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -188,14 +172,6 @@ def test_unweighted_would_differ() -> None:
     weighted = sum(x * n for x, n in per) / sum(n for _, n in per)
     unweighted = sum(x for x, _ in per) / len(per)
     assert abs(weighted - unweighted) > 20 * TOL, (weighted, unweighted)
-
-
-def one_error_line(p: subprocess.CompletedProcess, *needles: str) -> None:
-    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
-    lines = [x for x in p.stderr.splitlines() if x.startswith("meshplan: error:")]
-    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 def test_refused() -> None:

@@ -13,12 +13,10 @@ mean of micro-batch means) are 5e-4 to 7.5e-4 away at step 1 already (``test_unw
 """
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import meshplan_train
+from conftest import losses_close, meshplan_train, one_error_line, train_losses
 
 TOL = 1e-5
 STEPS = 4
@@ -26,26 +24,12 @@ BASE = ["--model", "tiny-llama", "--global-batch", "8", "--steps", str(STEPS), "
 LENGTHS = "64:0.6,128:0.3,256:0.1"
 
 
-def ok(p: subprocess.CompletedProcess) -> None:
-    assert p.returncode == 0, p.stderr[-4000:]
-
-
-def losses(path: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
-
-
 def train(tmp: Path, name: str, plan: str, *extra: str, nproc: int = 2) -> tuple[list[float], str]:
-    m = tmp / f"{name}.jsonl"
-    p = meshplan_train(*BASE, "--plan", plan, "--nproc-per-node", str(nproc), "--metrics", str(m), *extra)
-    ok(p)
-    return losses(m), p.stderr
+    return train_losses(BASE, tmp, name, plan, *extra, nproc=nproc)
 
 
 def close(a: list[float], b: list[float], tol: float = TOL) -> float:
-    assert len(a) == len(b) == STEPS, (a, b)
-    worst = max(abs(x - y) for x, y in zip(a, b))
-    assert worst < tol, (worst, a, b)
-    return worst
+    return losses_close(a, b, tol, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -167,14 +151,6 @@ def test_layouts() -> None:
     assert [mb[0] for mb in uneven.replicas[1]] == [int(np.argsort(pad.lengths, kind="stable")[j]) for j in (1, 3)]
     docs = hetero.packed_documents(dist, 8 * 256 + 1, 3, 0)
     assert docs.sum() >= 8 * 256 + 1 > docs[:-1].sum()
-
-
-def one_error_line(p: subprocess.CompletedProcess, *needles: str) -> None:
-    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
-    lines = [x for x in p.stderr.splitlines() if x.startswith("meshplan: error:")]
-    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 def test_bad_input() -> None:
