@@ -11,6 +11,7 @@ once --packing is known. Importing this module is cheap.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from meshplan.errors import MeshplanError
@@ -99,18 +100,16 @@ def _lengths_of(args: argparse.Namespace) -> Any:
         _check_file_lengths(args, ftext, fpacking, text, packing)  # replaced only with --override
     one = getattr(args, "seq_len", None)
     if ftext is not None and text is None and one is not None:  # one length for the file's distribution
-        import sys
         if not getattr(args, "override", False):
             raise MeshplanError(f"--seq-len {one} disagrees with the plan file's length distribution {ftext}; "
                                 "drop --seq-len or pass --override",
                                 hint=f"{args.plan} records the length distribution it was planned for")
         print(f"meshplan: note: --override: --seq-len {one} (every sample that long) replaces the plan file's "
               f"length distribution {ftext}", file=sys.stderr)
-    if text is None and getattr(args, "seq_len", None) is None and ftext is not None:
+    if text is None and one is None and ftext is not None:
         return parse_lengths(ftext, packing or fpacking or "padded")
     if text is None:
         if packing is not None:  # as `meshplan train` does: said, and the one length planned as given
-            import sys
             print(f"meshplan: note: --packing {packing} has no effect with one --seq-len (every sample is the same "
                   "length); give a distribution, e.g. --seq-len 2048:0.6,8192:0.3,32768:0.1", file=sys.stderr)
         return None
@@ -122,8 +121,6 @@ def _check_file_lengths(args: argparse.Namespace, ftext: str, fpacking: str | No
     """--seq-len DIST / --packing against the distribution a plan file records: the same
     distribution (to the file's precision) and packing pass; otherwise an error unless --override,
     which says what replaces what (as planfile.resolve does for the other recorded inputs)."""
-    import sys
-
     from meshplan.spec.lengths import parse_lengths
     theirs = parse_lengths(ftext, fpacking or "padded")
     clashes = []
@@ -261,7 +258,7 @@ def simulate_lengths_cmd(args: argparse.Namespace, model: Any, cluster: Any, pla
 
     from meshplan.cli.format import seconds, slow_step
     from meshplan.cost.lengths import lengths_summary
-    from meshplan.sim import simulate, write_plot, write_trace
+    from meshplan.sim import varied_timeline, write_plot, write_trace
     from meshplan.sim.varlen import simulate_lengths
     with slow_step(f"simulating {args.batches} sampled steps"):
         res = simulate_lengths(model, cluster, plan, work, cost.params, batches=args.batches, seed=args.seed)
@@ -273,15 +270,9 @@ def simulate_lengths_cmd(args: argparse.Namespace, model: Any, cluster: Any, pla
         "analytic": est, "analytic_vs_sim_pct": 100 * (est["expected_step_s"] / mean - 1),
         "example_replica_lengths": res.example_lengths} | cost.to_json()
     if args.trace or args.plot:
-        if plan.buckets is not None:  # every dp x cp rank of the first sampled batch (sim.buckets)
-            from meshplan.sim.buckets import bucket_timeline
-            ex = bucket_timeline(model, cluster, plan, work, cost.params, seed=args.seed)
-            title = (f"{model.name} on {cluster.name}: {plan.short()}, every rank of a sampled batch "
-                     f"({work.lengths.text()})")
-        else:
-            ex = simulate(res.example)
-            title = (f"{model.name} on {cluster.name}: {plan.short()}, the slowest replica of a sampled batch "
-                     f"({work.lengths.text()}, {work.lengths.packing})")
+        ex, shows = varied_timeline(model, cluster, plan, work, cost.params, res.example, args.seed)
+        title = (f"{model.name} on {cluster.name}: {plan.short()}, {shows} ({work.lengths.text()}, "
+                 f"{work.lengths.packing})")
         if args.trace:
             write_trace(ex, args.trace)
         if args.plot:

@@ -206,15 +206,12 @@ def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | Sequence[Clust
         _evaluate_scan(model, work, s, params, prune, chunk, tick, evaluator, space.headroom)
     t2 = time.perf_counter()
     bucket_stage = work.varied and evaluator is evaluate_lengths and space.buckets
+    from meshplan.search.buckets import POOL, data_aware
+    result = _collect(model, work, scans, params, objective, max(top, POOL) if bucket_stage else top)
+    result.headroom = space.headroom
     if bucket_stage:  # micro-batch and cp per length bucket, built from the best one-shape plans
-        from meshplan.search.buckets import POOL, data_aware
-        result = _collect(model, work, scans, params, objective, max(top, POOL))
-        result.headroom = space.headroom
         data_aware(result, params, top, _best_runnable_one_shape(scans, model, work, params, objective),
                    _base_pool(scans, work))
-    else:
-        result = _collect(model, work, scans, params, objective, top)
-        result.headroom = space.headroom
     timings |= {"evaluate_s": t2 - t1, "rank_s": time.perf_counter() - t2}
     if result.feasible == 0:
         from meshplan.search.nearest import nearest_options
@@ -262,8 +259,8 @@ def _best_runnable_one_shape(scans: list[_Scan], model: ModelSpec, work: Workloa
         cp, pp = np.asarray(s.cols["cp"])[feas], np.asarray(s.cols["pp"])[feas]
         ok = feas[~((cp > 1) & (pp == 1))]
         for j in ok[np.argsort(s.res[key][ok])][:8]:  # the first the runtime runs as planned
-            if export_targets(s.cols.plan(int(j)), microbatches(s.cols.plan(int(j)), work.global_batch), model) \
-                    is not None:
+            plan = s.cols.plan(int(j))
+            if export_targets(plan, microbatches(plan, work.global_batch), model) is not None:
                 continue
             v = float(s.res[key][j])
             if objective == "cost":

@@ -94,12 +94,13 @@ def search_pools(model: LayerGraph | ModelSpec, cluster: PooledCluster, work: Wo
     for pool in cluster.pools:
         res = search(graph, pool, work, no_buckets, params=params, objective=objective, top=SHORTLIST * 4)
         considered += res.considered
-        firsts = [rp.plan for rp in res.plans if rp.export_only is None]
-        shapes += firsts
+        runnable = [rp.plan for rp in res.plans if rp.export_only is None]
+        shapes += runnable
+        best = runnable[:1]
         if data_aware:  # the pool's own search with its data-aware stage: its best may be a bucket plan
             res_b = search(graph, pool, work, own, params=params, objective=objective, top=1)
-            firsts = [rp.plan for rp in res_b.plans if rp.export_only is None][:1] + firsts[:1]
-        ests = [estimate_pooled(graph, cluster, p.replace(pools=(pool.name,)), work, params) for p in firsts[:2]]
+            best += [rp.plan for rp in res_b.plans if rp.export_only is None][:1]
+        ests = [estimate_pooled(graph, cluster, p.replace(pools=(pool.name,)), work, params) for p in best]
         alone[pool.name] = min(ests, key=lambda e: _key(e, objective)) if ests else None
     shapes = _distinct(shapes)
     headroom = getattr(space, "headroom", True)

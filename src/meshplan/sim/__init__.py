@@ -18,7 +18,7 @@ from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
 __all__ = ["STREAMS", "Pass", "RankStep", "SimResult", "SimSpec", "VStage", "simulate", "simulate_plan",
-           "simulate_varied", "spec_from_durations", "spec_from_plan", "trace_dict",
+           "simulate_varied", "spec_from_durations", "varied_timeline", "spec_from_plan", "trace_dict",
            "write_plot", "write_trace"]
 
 
@@ -30,8 +30,23 @@ def simulate_plan(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Pla
     return run_and_summarise(spec, d)
 
 
+VARIED_BATCHES = 100
+"""Sampled batches per simulated step of a length distribution (the report's, a pooled simulation's)."""
+
+
+def varied_timeline(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                    params: CostParams, example: SimSpec, seed: int) -> tuple[SimResult, str]:
+    """(timeline, what it shows) of the first sampled batch of a length distribution: a bucket
+    plan's every dp x cp rank (sim.buckets), else ``example``, sim.varlen's slowest replica."""
+    if plan.buckets is not None:
+        from meshplan.sim.buckets import bucket_timeline
+        return (bucket_timeline(model, cluster, plan, work, params, seed=seed),
+                "every data-parallel x context-parallel rank of the first sampled batch")
+    return simulate(example), "the slowest replica of the first sampled batch"
+
+
 def simulate_varied(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
-                    params: CostParams = DEFAULT_PARAMS, *, batches: int = 100,
+                    params: CostParams = DEFAULT_PARAMS, *, batches: int = VARIED_BATCHES,
                     seed: int = 0) -> tuple[SimResult, dict[str, Any]]:
     """``simulate_plan`` for a workload with a length distribution: ``batches`` sampled steps
     (sim.varlen; a bucket plan's by sim.buckets) beside the cost model's expected step, and as
@@ -42,18 +57,12 @@ def simulate_varied(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
     from meshplan.sim.varlen import simulate_lengths
     res = simulate_lengths(model, cluster, plan, work, params, batches=batches, seed=seed)
     est = lengths_summary(model, cluster, plan, work, params)
-    if plan.buckets is not None:
-        from meshplan.sim.buckets import bucket_timeline
-        ex = bucket_timeline(model, cluster, plan, work, params, seed=seed)
-        shows = "every data-parallel x context-parallel rank of the first sampled batch"
-    else:
-        ex = simulate(res.example)
-        shows = "the slowest replica of the first sampled batch"
+    ex, shows = varied_timeline(model, cluster, plan, work, params, res.example, seed)
     rs = res.summary()
     mean, a = rs["mean_step_s"], est["expected_step_s"]
     s = ex.summary()
     s |= {"step_time_s": mean, "analytic_step_time_s": a, "sim_vs_analytic_pct": 100 * (mean / a - 1),
-          "microbatches": est.get("microbatches", "varied"), "schedule": plan.schedule if plan.pp > 1 else "none",
+          "microbatches": "varied", "schedule": plan.schedule if plan.pp > 1 else "none",
           "virtual_stages": plan.virtual_stages if plan.pp > 1 else 1,
           "sampled": {"batches": rs["batches"], "seed": rs["seed"], "lengths": est["lengths"],
                       "packing": est["packing"], "p50_step_s": rs["p50_step_s"], "p90_step_s": rs["p90_step_s"],

@@ -65,7 +65,7 @@ class PooledSimulation:
 def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
                     params: CostParams = DEFAULT_PARAMS) -> PooledSimulation:
     """Simulate one step of a plan over pools (see the module docstring)."""
-    from meshplan.sim import simulate_plan
+    from meshplan.sim import VARIED_BATCHES, simulate_plan, simulate_varied
     est = estimate_pooled(model, cluster, plan, work, params)
     pools = [cluster.pool(n) for n in (plan.pools or ())]
     if plan.pool_pp is not None and len(pools) > 1:
@@ -75,7 +75,6 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan:
     steps: list[float] = []
     for part in replica_parts(pools, ran, work):
         if work.varied:  # each pool's step: the mean over sampled batches; its timeline: the first batch
-            from meshplan.sim import simulate_varied
             res, s = simulate_varied(model, part.cluster, part.plan, part.work, params)
             steps.append(s["step_time_s"])
         else:
@@ -114,8 +113,9 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan:
                             result=combined, cross_pool_s=est.cross_pool_s, estimate=est,
                             notes=["one replica per pool is drawn (the one with the most micro-batches); the "
                                    "pool's other replicas run the same timeline"]
-                            + (["under the length distribution each pool's step is the mean of 100 sampled batches "
-                                "(sim.varlen; a bucket plan's by sim.buckets), and its timeline is the first of them"]
+                            + ([f"under the length distribution each pool's step is the mean of {VARIED_BATCHES} "
+                                "sampled batches (sim.varlen; a bucket plan's by sim.buckets), and its timeline is "
+                                "the first of them"]
                                if work.varied else []))
 
 
