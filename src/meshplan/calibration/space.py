@@ -75,6 +75,12 @@ GPU_FIELDS: dict[str, tuple[float, float, float, float]] = {  # field: (low, hig
 #: Links. Prior: NCCL rings reach ~80% of line rate as bus bandwidth (nccl-tests on DGX A100/H100).
 LINK_BOUNDS = (0.15, 0.98)
 LINK_PRIOR = (0.8, 0.3)
+#: Link kinds whose NCCL bus bandwidth was measured apart from any training run (prior, log sigma).
+#: Omni-Path: BigScience's all_reduce benchmark on Jean Zay's A100 nodes (bigscience repository,
+#: experiments/bandwidth/all_reduce_bench-a100-n4.txt: 4 nodes x 8 GPUs, 4 GB fp32) ran NCCL's
+#: ring through one 100 Gb/s HFI per node (NCCL_DEBUG: both channels send via NET/IB/3) at a steady
+#: 40.5 Gb/s bus bandwidth: 0.405 of that HFI's line rate.
+LINK_PRIORS: dict[str, tuple[float, float]] = {"omnipath": (0.405, 0.2)}
 
 
 def gpu_param(field: str, family: str) -> Fittable:
@@ -85,7 +91,7 @@ def gpu_param(field: str, family: str) -> Fittable:
 
 
 def link_param(tier: str, kind: str) -> Fittable:
-    return Fittable(link_key(tier, kind), *LINK_BOUNDS, *LINK_PRIOR, True, "time",
+    return Fittable(link_key(tier, kind), *LINK_BOUNDS, *LINK_PRIORS.get(kind, LINK_PRIOR), True, "time",
                     f"achieved fraction of {kind} line rate ({tier}) by NCCL collectives")
 
 
