@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import shlex
+import sys
 import time
 from typing import Any
 
@@ -253,6 +255,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                 ch["bench_value"] = start[n]
         changes[n] = ch
     info: dict[str, Any] = {"fitted_from": {"date": datetime.date.today().isoformat()}, "changes": changes}
+    info["fitted_from"]["command"] = "meshplan " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if runs is not None:
         info["fitted_from"].update({
             "runs": args.runs, **({"metrics": metrics} if metrics else {}), "rows": len(runs),
