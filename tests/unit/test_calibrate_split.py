@@ -123,3 +123,82 @@ def test_an_empty_few_is_a_one_line_error(tmp_path, capsys):
     lines = [x for x in err.splitlines() if x.strip()]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("meshplan: error: ") and "no runs" in lines[0], err
     assert not (tmp_path / "c.json").exists()
+
+
+# --- nothing dropped or reinterpreted silently (a user's CSV with mistakes in it) ---
+
+
+def test_bad_rows_and_cells_are_reported_not_dropped_silently(capsys, tmp_path):
+    few = [dict(ROWS[i]) for i in BY_SOURCE["BLOOM_PREQ_0225"][:4]]
+    few[0]["num_layers"] = "abc"            # the row cannot be expressed: skipped, with its reason
+    few[1]["reported_step_time_s"] = "fast"  # a measurement cell that is not a number: ignored, and said
+    few[2]["precision"] = "fp7"              # not understood: assumed, and said
+    out_file = tmp_path / "c.json"
+    rc, out, err = run(capsys, "calibrate", "--runs", _write(tmp_path / "few.csv", few), "--out", str(out_file))
+    _no_traceback(out, err)
+    assert rc == 0, err
+    assert f"skipped row {few[0]['row_id']}" in err and "num_layers='abc' is not a number" in err
+    assert "reported_step_time_s='fast' is not a positive number" in err
+    assert "precision 'fp7' not understood" in err
+    info = json.loads(out_file.read_text())["fitted_from"]
+    assert [x["row"] for x in info["skipped_rows"]] == [few[0]["row_id"]]
+    notes = {x["row"]: x["note"] for x in info["cells_not_understood"]}
+    assert "fast" in notes[few[1]["row_id"]] and "fp7" in notes[few[2]["row_id"]]
+    assert info["command"].startswith("meshplan calibrate --runs ")
+
+
+def test_out_of_memory_only_runs_warn_and_bounds_are_flagged(capsys, tmp_path):
+    rc, out, err = run(capsys, "calibrate", "--runs", _write(tmp_path / "oom.csv", [ROWS[i] for i in OOM]),
+                       "--out", str(tmp_path / "c.json"))
+    _no_traceback(out, err)
+    assert rc == 0, err
+    assert "every run here ran out of memory" in out
+    cal = load_calibration(str(tmp_path / "c.json"))
+    for name, v in cal.values.items():  # a value at a bound of its range is said to be there
+        f = by_name(name)
+        if min(abs(v - f.low), abs(v - f.high)) <= 1e-3 * (f.high - f.low):
+            assert f"warning: {name} ended at the" in out
+
+
+def test_unchanged_parameters_are_marked_and_not_credited(capsys, tmp_path):
+    few = [ROWS[i] for i in BY_SOURCE["BLOOM_PREQ_0225"][:3]]
+    rc, out, err = run(capsys, "calibrate", "--runs", _write(tmp_path / "few.csv", few),
+                       "--out", str(tmp_path / "c.json"))
+    assert rc == 0, err
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith("(unchanged)"):
+            assert i + 1 == len(lines) or "from runs of" not in lines[i + 1], line
+
+
+def test_missing_required_column_is_an_error(capsys, tmp_path):
+    fields = [c for c in FIELDS if c != "num_layers"]
+    p = tmp_path / "missing.csv"
+    with open(p, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(ROWS[:3])
+    for cmd in (["validate", "--runs", str(p)], ["calibrate", "--runs", str(p), "--out", str(tmp_path / "c.json")]):
+        rc, out, err = run(capsys, *cmd)
+        _no_traceback(out, err)
+        assert rc == 2 and "missing column num_layers" in err, (cmd, err)
+
+
+def test_describe_names_this_meshplans_built_in_values(tmp_path):
+    from meshplan.calibration.store import Calibration
+    base = builtin().values
+    name = "hbm_efficiency"
+    cal = Calibration({name: 0.7, "overlap_slowdown": base["overlap_slowdown"]}, "x.json",
+                      {"changes": {name: {"from": 0.123, "to": 0.7}}})  # a stale 'from' in an old file
+    lines = dict(line.split(" = ", 1) for line in cal.describe())
+    assert lines[name] == f"0.7 (built-in {base[name]:.4g})"
+    assert lines["overlap_slowdown"].endswith("(the built-in value)")
+
+
+def test_validate_text_shows_the_verdict_and_the_outcome(capsys):
+    rc, out, err = run(capsys, "validate")
+    assert rc == 0, err
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.split() and ln.split()[0].isdigit()}
+    oom = ROWS[OOM[0]]["row_id"]
+    assert "ran OOM" in lines[oom]
+    assert any(v in lines[oom] for v in ("fits (", "at-risk (", "does-not-fit ("))

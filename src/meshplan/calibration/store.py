@@ -53,7 +53,7 @@ class Calibration:
         before, after = fit.get("step_mape_pct_before"), fit.get("step_mape_pct_after")
         prior = (self.info.get("fitted_from") or {}).get("prior")
         if prior != "builtin" or not isinstance(before, (int, float)) or not isinstance(after, (int, float)) \
-                or before <= 0:
+                or before <= 0 or self.measured_on_cpu:
             return 1.0
         return max(MIN_BAND_SCALE, min(1.0, after / before))
 
@@ -78,24 +78,28 @@ class Calibration:
 
     @property
     def measured_on_cpu(self) -> bool:
-        """Whether the values were measured on CPU (`meshplan calibrate --bench` without a GPU)."""
+        """Whether the values were measured on CPU (`meshplan calibrate --bench` without a GPU, or
+        --metrics of a `meshplan train` run on CPU processes)."""
         return self.info.get("device_kind") == "cpu"
 
     def warnings(self) -> list[str]:
         """What a command using this calibration should warn about (one line each)."""
         if self.measured_on_cpu:
-            return [f"--calibration {self.source} was measured on CPU (`meshplan calibrate --bench` without a "
-                    "GPU): its values describe this machine's CPU, not a GPU; use it to test the pipeline, not to "
-                    "plan GPU runs"]
+            return [f"--calibration {self.source} was measured on CPU (micro-benchmarks or a training run on CPU "
+                    "processes): its values describe this machine's CPU, not a GPU; use it to test the pipeline, "
+                    "not to plan GPU runs"]
         return []
 
     def describe(self) -> list[str]:
-        """One line per value: name = value (and what it was before, when the file says)."""
-        changes = self.info.get("changes", {})
+        """One line per value: name = value, and the built-in value it replaces (this meshplan's, not
+        the one the file was fitted against) where it differs."""
+        base = builtin().values
         out = []
         for k, v in sorted(self.values.items()):
-            was = changes.get(k, {}).get("from")
-            out.append(f"{k} = {v:.4g}" + (f" (built-in {was:.4g})" if isinstance(was, (int, float)) else ""))
+            was = base.get(k)
+            same = isinstance(was, (int, float)) and abs(v - was) <= 1e-6 * max(abs(was), 1e-12)
+            out.append(f"{k} = {v:.4g}" + ("" if not isinstance(was, (int, float))
+                                          else " (the built-in value)" if same else f" (built-in {was:.4g})"))
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -192,6 +192,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
                                      (f"--metrics {','.join(metrics)}" if metrics else "")) if x)
     cases = (_cases(args.runs) if args.runs is not None else []) + (_metrics_cases(metrics) if metrics else [])
     runs = runs_from_cases(cases) if cases else None
+    skipped, unread = _unused(cases, runs)
+    for line in _unused_lines(skipped, unread):
+        print(f"meshplan: calibrate: {line}", file=sys.stderr)
+    on_cpu = any(_on_cpu(c) for c in (runs.cases if runs is not None else []))
     if runs is not None and not len(runs):
         raise MeshplanError(f"{flags}: no run has a measured step time, peak memory or "
                             "out-of-memory outcome that meshplan can express",
@@ -255,12 +259,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
                 ch["bench_value"] = start[n]
         changes[n] = ch
     info: dict[str, Any] = {"fitted_from": {"date": datetime.date.today().isoformat()}, "changes": changes}
-    info["fitted_from"]["command"] = "meshplan " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    info["fitted_from"]["command"] = "meshplan " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
     if runs is not None:
         info["fitted_from"].update({
             "runs": args.runs, **({"metrics": metrics} if metrics else {}), "rows": len(runs),
             "sources": {s: int((runs.source == s).sum()) for s in dict.fromkeys(runs.source.tolist())},
             "prior": args.prior})
+        if skipped:
+            info["fitted_from"]["skipped_rows"] = skipped
+        if unread:
+            info["fitted_from"]["cells_not_understood"] = unread
+        if on_cpu:
+            info["device_kind"] = "cpu"
         info |= fit_info(results, round(took, 1), m0, m1)
     if bf is not None:
         info["fitted_from"]["bench"] = {k: bf.summary.get(k) for k in ("device_kind", "device_name", "reference",
@@ -280,6 +290,46 @@ def run_calibrate(args: argparse.Namespace) -> int:
         return 0
     print("\n".join(_calibrate_text(args, cal, runs, bf, before, took, m0, m1)))
     return 0
+
+
+def _on_cpu(case: Any) -> bool:
+    """A `meshplan train --metrics` run measured on CPU processes (the local-cpu device)."""
+    name = getattr(getattr(case, "cluster", None), "name", "") or ""
+    return name.startswith("local-cpu")
+
+
+def _unused(cases: list[Any], runs: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(the rows the fit leaves out, with why; the cells of the rows it uses that were not
+    understood), so that nothing is dropped or reinterpreted silently."""
+    from meshplan.spec.constraints import violations
+    kept = {id(c) for c in (runs.cases if runs is not None else [])}
+    skipped, unread = [], []
+    for c in cases:
+        row = str(getattr(c, "row_id", "?"))
+        if id(c) not in kept:
+            if not getattr(c, "ok", False):
+                why = getattr(c, "reason", "") or "unsupported"
+            elif c.measured_step_time_s is None and c.measured_peak_mem_gib is None and c.measured_fits is None:
+                why = "no measured step time, peak memory or out-of-memory outcome"
+            else:
+                why = "; ".join(r for _, r in violations(c.model, c.cluster, c.plan, c.work)) or "not expressible"
+            skipped.append({"row": row, "source": str(getattr(c, "source_id", "")), "reason": why})
+            continue
+        for a in getattr(c, "assumptions", []) or []:
+            if "not understood" in a or "not a positive number" in a or "status=" in a:
+                unread.append({"row": row, "source": str(getattr(c, "source_id", "")), "note": a})
+    return skipped, unread
+
+
+def _unused_lines(skipped: list[dict[str, str]], unread: list[dict[str, str]], cap: int = 8) -> list[str]:
+    out = [f"skipped row {x['row']} ({x['source']}): {x['reason']}" for x in skipped[:cap]]
+    if len(skipped) > cap:
+        out.append(f"... and {len(skipped) - cap} more skipped rows (the calibration file lists them: "
+                   "fitted_from.skipped_rows)")
+    out += [f"row {x['row']} ({x['source']}): {x['note']}" for x in unread[:cap]]
+    if len(unread) > cap:
+        out.append(f"... and {len(unread) - cap} more cells not understood (fitted_from.cells_not_understood)")
+    return out
 
 
 def _bands(runs: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -305,6 +355,8 @@ def _informing_sources(runs: Any, name: str) -> list[str]:
 
 def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, before: dict[str, float], took: float,
                     m0: float | None, m1: float | None) -> list[str]:
+    import numpy as np
+
     from meshplan.calibration.fit import fittable
     lines = []
     fitted = list(cal.values)
@@ -328,15 +380,29 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
         ns = len(dict.fromkeys(runs.source.tolist()))
         lines.append(f"runs: {len(runs)} run{'s' * (len(runs) != 1)} from {ns} source{'s' * (ns != 1)} "
                      f"(prior: {args.prior})")
-    lines.append(f"calibrated {len(fitted)} parameter{'s' * (len(fitted) != 1)} in {took:.1f} s "
+    moved = sum(1 for n in fitted if not isinstance(cal.info["changes"][n].get("from"), (int, float))
+                or abs(cal.values[n] - cal.info["changes"][n]["from"])
+                > 1e-4 * max(abs(cal.info["changes"][n]["from"]), 1e-12))
+    lines.append(f"calibrated {len(fitted)} parameter{'s' * (len(fitted) != 1)} ({moved} changed) in {took:.1f} s "
                  "(name, from -> to, range, from which measurements):")
+    warns = []
     for n in fitted:
         f = fittable(n)
         ch = cal.info["changes"][n]
         was = ch.get("from")
         shown = "-" if was is None else f"{was:.4g}"
-        mark = " (clamped)" if ch.get("clamped") else ""
-        lines.append(f"  {n:42s} {shown:>9} -> {cal.values[n]:<9.4g} [{f.low:g}, {f.high:g}]{mark}")
+        v = cal.values[n]
+        unchanged = was is not None and abs(v - was) <= 1e-4 * max(abs(was), 1e-12)
+        at_bound = min(abs(v - f.low), abs(v - f.high)) <= 1e-3 * max(f.high - f.low, 1e-12)
+        mark = " (clamped)" if ch.get("clamped") else " (unchanged)" if unchanged else ""
+        if at_bound and not unchanged:
+            mark += f" (at its {'lower' if abs(v - f.low) < abs(v - f.high) else 'upper'} bound)"
+            warns.append(f"warning: {n} ended at the {'lower' if abs(v - f.low) < abs(v - f.high) else 'upper'} "
+                         f"bound of its physical range [{f.low:g}, {f.high:g}]: the measurements ask for more than "
+                         "it can explain (check them, or the profile and settings the rows state)")
+        lines.append(f"  {n:42s} {shown:>9} -> {v:<9.4g} [{f.low:g}, {f.high:g}]{mark}")
+        if unchanged:
+            continue
         ms = ch.get("measurements") or []
         bench_ids = [x for x in ms if not x.startswith("runs: ")]
         if bench_ids:
@@ -348,6 +414,20 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
     if m0 is not None and m1 is not None:
         lines.append(f"step-time MAPE on these runs (in sample): {m0:.1f}% with the built-in calibration, "
                      f"{m1:.1f}% with this one")
+        if m1 > m0 + 0.05:
+            lines.append("note: this calibration fits these runs no better than the built-in one: the fit weighs "
+                         "each run's log error with a robust loss against the parameters' priors, not this "
+                         "MAPE; with few or scattered runs, keeping the built-in calibration is as good")
+    if runs is not None:
+        has_time = bool((~np.isnan(runs.step)).any())
+        has_mem = bool((~np.isnan(runs.mem)).any())
+        if not has_time and not has_mem and bool((runs.fits < 0).any()) and not bool((runs.fits > 0).any()):
+            warns.append("warning: every run here ran out of memory: outcomes like these can only push the memory "
+                         "parameters up; add runs that trained (or measured peaks) before planning with this file")
+        if cal.info.get("device_kind") == "cpu" and bf is None:
+            warns.append("warning: measured on CPU (a `meshplan train` run on CPU processes): the values describe "
+                         "this CPU, not a GPU; --calibration with this file warns so")
+    lines += warns
     for note in (cal.info.get("notes") or []):
         lines.append(f"note: {note}")
     if bf is not None and bf.device_kind == "cpu":
@@ -388,7 +468,10 @@ def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
     from meshplan.calibration.fit import cross_validate, pooled, runs_from_cases
     t0 = time.perf_counter()
     runs = runs_from_cases(cases)
-    folds = cross_validate(runs)
+    n_src = len(set(runs.source.tolist()))
+    print(f"meshplan: validate: leaving out each of the {n_src} sources in turn ({n_src} fits from the priors, in "
+          "parallel processes; a few minutes) ...", file=sys.stderr, flush=True)
+    folds = cross_validate(runs, progress=lambda s: print(f"meshplan: validate: {s.strip()}", file=sys.stderr))
     oom_verdicts(residuals(runs, folds), folds)
     took = time.perf_counter() - t0
     entries = [f.summary() for f in folds]

@@ -218,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # what was run (a calibration records it)
         if args.version:
             from meshplan import __version__
             print(__version__)

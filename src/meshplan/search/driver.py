@@ -360,7 +360,12 @@ def _rank(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str
 
     def short(j: int) -> str:
         return scans[which[j]].cols.plan(int(rows[j])).short()
-    head.sort(key=lambda j: (obj[j], pts["num_gpus"][j], pts["peak_memory_gib"][j], short(j)))
+
+    def axes(j: int) -> int:
+        """Parallel dimensions beyond data parallelism: on an exact tie the simpler plan ranks first."""
+        p = scans[which[j]].cols.plan(int(rows[j]))
+        return sum(int(x > 1) for x in (p.tp, p.pp, p.cp, p.ep, p.virtual_stages))
+    head.sort(key=lambda j: (obj[j], pts["num_gpus"][j], pts["peak_memory_gib"][j], axes(j), short(j)))
     return head[:top]
 
 

@@ -118,7 +118,8 @@ def compare_line(win: RankedPlan | tuple[Plan, CostReport], other: RankedPlan | 
         head = (f"{label} is {_pct(dtt, wr.time_to_target_s)} to the target loss (tokens x{orp.token_factor:.2f} "
                 f"vs x{wr.token_factor:.2f}) and {_pct(dt, wr.step_time_s)} per step ({_secs(dt, signed=True)})")
     elif dt == 0:
-        head = f"{label} ties on predicted step time (ranked by the tie-break: fewer GPUs, less memory, plan string)"
+        head = (f"{label} ties on predicted step time (ranked by the tie-break: fewer GPUs, less memory, "
+                "fewer parallel dimensions, plan string)")
     else:
         head = f"{label} is {_pct(dt, wr.step_time_s)} ({_secs(dt, signed=True)} per step)"
     terms = "; ".join(f"{TERM_LABELS.get(k, k)} {_secs(d, signed=True)}" for k, d in term_differences(wr, orp))

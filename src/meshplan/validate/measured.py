@@ -68,7 +68,7 @@ def default_peak_tflops(gpu: str | None, gpu_type: str, precision: str,
     return None, ""
 
 
-_OK_STATUS = re.compile(r"^(ok|success|succeeded|completed|done|trained)\b")
+OK_STATUS = re.compile(r"^(ok|success|succeeded|completed|done|trained)\b")
 _NO_OOM = re.compile(r"\bno[\s_-]*oom\b|oom[\s_-]*free|without[\s_-]*oom")
 _GPU_OOM = re.compile(r"(?<![a-z])oom(?![a-z])|out[\s_-]*of[\s_-]*memory|memory[\s_-]*limit[\s_-]*exceeded"
                       r"|exceeded[\s_-]*(gpu[\s_-]*)?memory")
@@ -79,7 +79,7 @@ def did_not_fit(status: str) -> bool:
     """A `status` cell that says the run ran out of GPU memory ('oom', 'failed (OOM)', 'CUDA out
     of memory', 'memory limit exceeded'); not 'ok (no OOM)', nor a host OOM-killer."""
     t = status.strip().lower()
-    if _OK_STATUS.match(t) or _NO_OOM.search(t) or _HOST_OOM.search(t):
+    if OK_STATUS.match(t) or _NO_OOM.search(t) or _HOST_OOM.search(t):
         return False
     return bool(_GPU_OOM.search(t))
 
@@ -203,6 +203,6 @@ def fit_from_status(run_status: str, how: str) -> tuple[bool | None, str]:
     GPU memory, None for another failure, True otherwise; ``how`` says so when it is blank."""
     if did_not_fit(run_status):
         return False, how or f"none (status={run_status}: the run did not fit)"
-    if not _OK_STATUS.match(run_status):
+    if not OK_STATUS.match(run_status):
         return None, how or f"none (status={run_status})"
     return True, how

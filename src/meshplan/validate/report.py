@@ -188,6 +188,15 @@ def _fits(x: bool | None) -> str:
     return "-" if x is None else ("yes" if x else "no")
 
 
+def _verdict(r: dict[str, Any]) -> str:
+    """The three-level verdict with the chance of running out of memory ('at-risk (40%)')."""
+    v = r.get("verdict")
+    if v is None:
+        return _fits(r.get("predicted_fits"))
+    p = r.get("oom_probability")
+    return v if p is None else f"{v} ({100 * p:.0f}%)"
+
+
 def _src_table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     head = ["source", "rows", "step-time MAPE %", "max abs err %", "memory MAPE %"]
     body = [[src, str(s["rows"]), _f(s["mape_pct"], ".1f"), _f(s["max_abs_pct"], ".1f"),
@@ -198,18 +207,19 @@ def _src_table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def _row_table(result: dict[str, Any], width: int | None) -> tuple[list[str], list[list[str]]]:
     head = ["row", "source", "model", "status", "meas s", "pred s", "err %", "meas GiB",
-            "pred GiB", "mem err %", "fits", "note"]
+            "pred GiB", "mem err %", "verdict (P(OOM))", "note"]
     body = []
     for r in result["rows"]:
         note = r["reason"] if r["status"] != "ok" else r["measured_from"]
         if width and len(note) > width:
             note = note[: width - 3] + "..."
-        body.append([str(r["row_id"]), r["source_id"], r["model"], r["status"],
+        status = r["status"] + (" (ran OOM)" if r["status"] == "ok" and r.get("measured_fits") is False else "")
+        body.append([str(r["row_id"]), r["source_id"], r["model"], status,
                      _f(r["measured_step_time_s"], ".3g"), _f(r["predicted_step_time_s"], ".3g"),
                      _f(r["step_time_error_pct"], ".1f", True),
                      _f(r["measured_peak_memory_gib"], ".1f"),
                      _f(r["predicted_peak_memory_gib"], ".1f"),
-                     _f(r["memory_error_pct"], ".1f", True), _fits(r["predicted_fits"]), note])
+                     _f(r["memory_error_pct"], ".1f", True), _verdict(r), note])
     return head, body
 
 

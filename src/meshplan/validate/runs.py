@@ -37,7 +37,9 @@ from meshplan.validate.clusters import build_cluster, gpu_preset, gpu_preset_for
 from meshplan.validate.formulas import flops_kor22_hardware, flops_kor22_model, flops_meg21
 from meshplan.validate.frameworks import detect_framework, profile_of
 from meshplan.validate.measured import (
+    OK_STATUS,
     default_peak_tflops,
+    did_not_fit,
     fit_from_status,
     measure_peak_mem,
     measure_step_time,
@@ -160,6 +162,13 @@ def case_from_row(raw: dict[str, Any], index: int = 0) -> RunCase:
     s = work.seq_len if work else _safe_int(row, "seq_len")
     if n is None:
         n = _safe_int(row, "num_gpus")
+    for col in MEASURED_COLUMNS:  # a measurement cell that is not a number is said, not silently skipped
+        cell = (row.text(col) or "").strip()
+        if cell and row.positive_number(col) is None:
+            assume(f"{col}={cell!r} is not a positive number: ignored")
+    if not (did_not_fit(run_status) or OK_STATUS.match(run_status)):
+        assume(f"status={run_status!r} is neither a run that trained nor one that ran out of GPU memory: "
+               "its outcome is not used")
     try:
         t, how = measure_step_time(row, B=B, s=s, n=n, model=model,
                                    recompute=plan.recompute if plan else "none", fw=fw, gpu=gpu,
@@ -184,6 +193,17 @@ def _safe_int(row: Row, name: str) -> int | None:
         return None
 
 
+#: The cells a row's measurements are read from (a filled one that is not a positive number is
+#: reported on the row).
+MEASURED_COLUMNS = ("reported_step_time_s", "reported_tokens_per_s_per_gpu", "reported_tokens_per_s_total",
+                    "reported_samples_per_s", "reported_tflops_per_gpu", "reported_mfu_pct", "reported_hfu_pct",
+                    "reported_peak_mem_gib")
+
+
+#: Columns every row needs (the model's shape and the GPU count): a header without one is refused.
+REQUIRED_COLUMNS = ("num_layers", "hidden_size", "num_gpus")
+
+
 def load_runs(path: str | Path) -> list[RunCase]:
     """Read a published-runs CSV into one RunCase per row (none dropped)."""
     p = Path(path)
@@ -204,4 +224,9 @@ def load_runs(path: str | Path) -> list[RunCase]:
                             f"{', '.join(sorted(needed))} is present",
                             hint="see the README next to published_runs_dev.csv "
                                  "(src/meshplan/data/README.md) for the format")
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if rows and missing:
+        raise MeshplanError(f"{p}: missing column{'s' * (len(missing) > 1)} {', '.join(missing)} (no row can be "
+                            "priced without it)",
+                            hint="add the column to the header; src/meshplan/data/README.md describes the format")
     return [case_from_row(r, i) for i, r in enumerate(rows)]
