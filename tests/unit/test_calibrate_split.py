@@ -202,3 +202,15 @@ def test_validate_text_shows_the_verdict_and_the_outcome(capsys):
     oom = ROWS[OOM[0]]["row_id"]
     assert "ran OOM" in lines[oom]
     assert any(v in lines[oom] for v in ("fits (", "at-risk (", "does-not-fit ("))
+
+
+def test_fit_names_a_family_or_link_when_it_is_missing_and_a_directory_is_not_a_csv(capsys, tmp_path):
+    few = _write(tmp_path / "few.csv", [ROWS[i] for i in BY_SOURCE["BLOOM_PREQ_0225"][:3]])
+    for name, needle in (("gemm_efficiency", "gemm_efficiency@ampere"),
+                         ("attention_efficiency@hoper", "attention_efficiency@FAMILY"),
+                         ("link_efficiency", "link_efficiency@TIER:KIND")):
+        rc, out, err = run(capsys, "calibrate", "--runs", few, "--fit", name, "--out", str(tmp_path / "c.json"))
+        _no_traceback(out, err)
+        assert rc == 2 and needle in err, (name, err)
+    rc, out, err = run(capsys, "validate", "--runs", str(tmp_path))
+    assert rc == 2 and "is a directory, not a runs CSV" in err, err

@@ -219,7 +219,14 @@ def fittable(name: str) -> Fittable:
     try:
         return by_name(name)
     except KeyError:
-        from meshplan.calibration.space import all_names_help
+        from meshplan.calibration.space import FAMILIES, GPU_FIELDS, all_names_help
+        field = name.partition("@")[0]
+        if field in GPU_FIELDS:  # a GPU family's field without (or with a misspelt) family
+            raise MeshplanError(f"--fit: {name!r} needs a GPU family: {field}@FAMILY",
+                                hint=f"e.g. {field}@ampere or {field}@hopper (FAMILY: {', '.join(FAMILIES)})") from None
+        if field == "link_efficiency":
+            raise MeshplanError(f"--fit: {name!r} needs a link tier and kind: link_efficiency@TIER:KIND",
+                                hint="e.g. link_efficiency@inter_node:infiniband; " + all_names_help()) from None
         raise MeshplanError(f"--fit: unknown parameter {name!r}", hint=f"parameters: {all_names_help()}") from None
 
 

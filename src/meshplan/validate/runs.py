@@ -208,6 +208,9 @@ def load_runs(path: str | Path) -> list[RunCase]:
     """Read a published-runs CSV into one RunCase per row (none dropped)."""
     p = Path(path)
     try:
+        if p.is_dir():
+            raise MeshplanError(f"--runs {p} is a directory, not a runs CSV",
+                                hint="give the CSV file (the format of src/meshplan/data/published_runs_dev.csv)")
         if not p.is_file():
             raise MeshplanError(f"runs file not found: {p}")
         with p.open(newline="", encoding="utf-8-sig") as f:
