@@ -144,18 +144,21 @@ def _links(cluster: Any) -> set[str]:
     return out
 
 
+def unusable(case: Any) -> str | None:
+    """Why a fit cannot use ``case`` (None: it can): not expressible, nothing measured, or a plan
+    that cannot run."""
+    from meshplan.spec.constraints import violations
+    if not getattr(case, "ok", False):
+        return getattr(case, "reason", "") or "unsupported"
+    if case.measured_step_time_s is None and case.measured_peak_mem_gib is None and case.measured_fits is None:
+        return "no measured step time, peak memory or out-of-memory outcome"
+    bad = violations(case.model, case.cluster, case.plan, case.work)
+    return "; ".join(r for _, r in bad) if bad else None
+
+
 def runs_from_cases(cases: Sequence[Any], base: CostParams = DEFAULT_PARAMS) -> Runs:
     """The expressible runs with a measured step time, peak memory or fit outcome."""
-    from meshplan.spec.constraints import violations
-    keep = []
-    for c in cases:
-        if not getattr(c, "ok", False):
-            continue
-        if c.measured_step_time_s is None and c.measured_peak_mem_gib is None and c.measured_fits is None:
-            continue
-        if violations(c.model, c.cluster, c.plan, c.work):
-            continue
-        keep.append(c)
+    keep = [c for c in cases if unusable(c) is None]
     return Runs(
         cases=keep, bases=[case_params(c, base) for c in keep],
         step=np.array([c.measured_step_time_s or np.nan for c in keep], dtype=float),

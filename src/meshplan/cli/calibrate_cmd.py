@@ -192,7 +192,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                                      (f"--metrics {','.join(metrics)}" if metrics else "")) if x)
     cases = (_cases(args.runs) if args.runs is not None else []) + (_metrics_cases(metrics) if metrics else [])
     runs = runs_from_cases(cases) if cases else None
-    skipped, unread = _unused(cases, runs)
+    skipped, unread = _unused(cases)
     for line in _unused_lines(skipped, unread):
         print(f"meshplan: calibrate: {line}", file=sys.stderr)
     on_cpu = any(_on_cpu(c) for c in (runs.cases if runs is not None else []))
@@ -298,21 +298,15 @@ def _on_cpu(case: Any) -> bool:
     return name.startswith("local-cpu")
 
 
-def _unused(cases: list[Any], runs: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+def _unused(cases: list[Any]) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """(the rows the fit leaves out, with why; the cells of the rows it uses that were not
     understood), so that nothing is dropped or reinterpreted silently."""
-    from meshplan.spec.constraints import violations
-    kept = {id(c) for c in (runs.cases if runs is not None else [])}
+    from meshplan.calibration.fit import unusable
     skipped, unread = [], []
     for c in cases:
         row = str(getattr(c, "row_id", "?"))
-        if id(c) not in kept:
-            if not getattr(c, "ok", False):
-                why = getattr(c, "reason", "") or "unsupported"
-            elif c.measured_step_time_s is None and c.measured_peak_mem_gib is None and c.measured_fits is None:
-                why = "no measured step time, peak memory or out-of-memory outcome"
-            else:
-                why = "; ".join(r for _, r in violations(c.model, c.cluster, c.plan, c.work)) or "not expressible"
+        why = unusable(c)
+        if why is not None:
             skipped.append({"row": row, "source": str(getattr(c, "source_id", "")), "reason": why})
             continue
         for a in getattr(c, "assumptions", []) or []:
@@ -380,9 +374,10 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
         ns = len(dict.fromkeys(runs.source.tolist()))
         lines.append(f"runs: {len(runs)} run{'s' * (len(runs) != 1)} from {ns} source{'s' * (ns != 1)} "
                      f"(prior: {args.prior})")
-    moved = sum(1 for n in fitted if not isinstance(cal.info["changes"][n].get("from"), (int, float))
-                or abs(cal.values[n] - cal.info["changes"][n]["from"])
-                > 1e-4 * max(abs(cal.info["changes"][n]["from"]), 1e-12))
+    def unchanged(n: str) -> bool:
+        was = cal.info["changes"][n].get("from")
+        return isinstance(was, (int, float)) and abs(cal.values[n] - was) <= 1e-4 * max(abs(was), 1e-12)
+    moved = sum(not unchanged(n) for n in fitted)
     lines.append(f"calibrated {len(fitted)} parameter{'s' * (len(fitted) != 1)} ({moved} changed) in {took:.1f} s "
                  "(name, from -> to, range, from which measurements):")
     warns = []
@@ -392,16 +387,16 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
         was = ch.get("from")
         shown = "-" if was is None else f"{was:.4g}"
         v = cal.values[n]
-        unchanged = was is not None and abs(v - was) <= 1e-4 * max(abs(was), 1e-12)
-        at_bound = min(abs(v - f.low), abs(v - f.high)) <= 1e-3 * max(f.high - f.low, 1e-12)
-        mark = " (clamped)" if ch.get("clamped") else " (unchanged)" if unchanged else ""
-        if at_bound and not unchanged:
-            mark += f" (at its {'lower' if abs(v - f.low) < abs(v - f.high) else 'upper'} bound)"
-            warns.append(f"warning: {n} ended at the {'lower' if abs(v - f.low) < abs(v - f.high) else 'upper'} "
-                         f"bound of its physical range [{f.low:g}, {f.high:g}]: the measurements ask for more than "
-                         "it can explain (check them, or the profile and settings the rows state)")
+        same = unchanged(n)
+        mark = " (clamped)" if ch.get("clamped") else " (unchanged)" if same else ""
+        if not same and min(abs(v - f.low), abs(v - f.high)) <= 1e-3 * max(f.high - f.low, 1e-12):
+            side = "lower" if abs(v - f.low) < abs(v - f.high) else "upper"
+            mark += f" (at its {side} bound)"
+            warns.append(f"warning: {n} ended at the {side} bound of its physical range [{f.low:g}, {f.high:g}]: "
+                         "the measurements ask for more than it can explain (check them, or the profile and "
+                         "settings the rows state)")
         lines.append(f"  {n:42s} {shown:>9} -> {v:<9.4g} [{f.low:g}, {f.high:g}]{mark}")
-        if unchanged:
+        if same:
             continue
         ms = ch.get("measurements") or []
         bench_ids = [x for x in ms if not x.startswith("runs: ")]
@@ -424,13 +419,10 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
         if not has_time and not has_mem and bool((runs.fits < 0).any()) and not bool((runs.fits > 0).any()):
             warns.append("warning: every run here ran out of memory: outcomes like these can only push the memory "
                          "parameters up; add runs that trained (or measured peaks) before planning with this file")
-        if cal.info.get("device_kind") == "cpu" and bf is None:
-            warns.append("warning: measured on CPU (a `meshplan train` run on CPU processes): the values describe "
-                         "this CPU, not a GPU; --calibration with this file warns so")
     lines += warns
     for note in (cal.info.get("notes") or []):
         lines.append(f"note: {note}")
-    if bf is not None and bf.device_kind == "cpu":
+    if cal.measured_on_cpu:  # CPU micro-benchmarks, or a `meshplan train` run on CPU processes
         lines.append("warning: measured on CPU: the values describe this CPU, not a GPU; --calibration with this "
                      "file warns so")
     lines.append(f"wrote {args.out}: pass it to estimate/plan/simulate/report/validate with --calibration {args.out}")
