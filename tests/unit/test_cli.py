@@ -1,9 +1,12 @@
-"""The `meshplan` command line for step 1: presets, estimate, validate; bad input."""
+"""The `meshplan` command line for step 1: presets, estimate, validate; bad input; progress for slow steps;
+no Python warnings from any command."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from clirun import run
@@ -109,3 +112,47 @@ def test_documented_cluster_file_loads_with_its_datacenter_tier():
     assert c.num_gpus == 512 and c.inter_dc is not None and c.nodes_per_dc == 32
     assert float(Group.of(c, 2, 256).bytes_per_s) == c.inter_dc.bytes_per_s  # crosses the DCs
     assert float(Group.of(c, 2, 128).bytes_per_s) == c.inter_node.bytes_per_s
+
+
+def test_slow_steps_show_progress_quick_ones_do_not():
+    from meshplan.cli.format import slow_step
+    buf = io.StringIO()
+    with slow_step("quick", after_s=5, stream=buf):
+        pass
+    assert buf.getvalue() == ""
+    buf = io.StringIO()
+    with slow_step("drawing the plot (9 events)", after_s=0.05, stream=buf):
+        time.sleep(0.3)
+    text = buf.getvalue()
+    assert text.startswith("meshplan: drawing the plot (9 events) ...") and "done in" in text
+    assert text.count("\n") == 1
+
+
+# ---- no Python warnings from our code paths ----------------------------------------------------
+
+def test_commands_print_no_python_warnings(tmp_path):
+    pytest.importorskip("matplotlib")
+    p = tmp_path / "p.json"
+    script = f"""
+import sys, warnings
+warnings.simplefilter("error")  # any warning is a failure
+from meshplan.cli.main import main
+calls = [
+    ["presets"], ["presets", "--json"],
+    ["plan", "--model", "tiny-llama", "--cluster", "h100-sxm-80gb:4", "--global-batch", "8", "--seq-len", "64",
+     "--out", {str(p)!r}],
+    ["estimate", "--plan", {str(p)!r}],
+    ["simulate", "--plan", {str(p)!r}, "--plot", {str(tmp_path / "s.png")!r}, "--trace", {str(tmp_path / "t.json")!r}],
+    ["simulate", "--model", "tiny-llama", "--cluster", "h100-sxm-80gb:1", "--plan", "dp=1", "--global-batch", "1",
+     "--seq-len", "1", "--plot", {str(tmp_path / "one.svg")!r}],
+    ["export", "--plan", {str(p)!r}, "--to", "deepspeed", "--out", {str(tmp_path / "ds.json")!r}],
+    ["report", "--plan", {str(p)!r}, "--out", {str(tmp_path / "r.html")!r}],
+    ["estimate", "--plan", {str(p)!r}, "--global-batch", "16", "--override"],
+]
+for argv in calls:
+    rc = main(argv)
+    assert rc == 0, (argv, rc)
+"""
+    r = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Warning" not in r.stderr, r.stderr

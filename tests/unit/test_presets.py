@@ -1,9 +1,12 @@
-"""Built-in presets: every file loads, and every model's parameter count matches its source."""
+"""Built-in presets: every file loads, every model's parameter count matches its source, and `meshplan
+presets` shows their specs (text and JSON)."""
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
+from clirun import run
 
 from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import GPUSpec
@@ -259,3 +262,38 @@ def test_gpus_per_node_must_be_a_positive_integer(bad):
                 intra_node_bandwidth_gbps=10.0, gpus_per_node=bad)
     with pytest.raises(MeshplanError, match="gpus_per_node"):
         GPUSpec(**base)
+
+
+# ---- presets with their specs ------------------------------------------------------------------
+
+def test_presets_show_the_specs(capsys):
+    rc, out, _ = run(capsys, "presets")
+    assert rc == 0
+    for head in ("params", "layers", "hidden", "heads", "seq len", "HBM GiB", "bf16 TFLOP/s", "fp8 TFLOP/s",
+                 "HBM GB/s", "$/GPU-h", "GPUs/node", "intra-node", "inter-node"):
+        assert head in out, head
+    line = next(x for x in out.splitlines() if x.split() and x.split()[0] == "llama3-8b")
+    assert line.split()[1:7] == ["8.03B", "32", "4096", "32", "8", "8192"]
+    h100 = next(x for x in out.splitlines() if x.split() and x.split()[0] == "h100-sxm-80gb").split()
+    assert h100[1:7] == ["79.6", "989", "1,979", "3,350", "2.50", "8"]
+    a100 = next(x for x in out.splitlines() if x.split() and x.split()[0] == "a100-sxm-80gb").split()
+    assert a100[3] == "-"  # no fp8
+    jz = next(x for x in out.splitlines() if x.split() and x.split()[0] == "jean-zay-a100")
+    assert "a100-sxm-80gb" in jz and "384 (48 x 8)" in jz and "omnipath 6.25 GB/s" in jz and "1.80" in jz
+    assert "8 x top-2" in out  # mixtral's experts
+
+
+def test_presets_json_is_complete(capsys):
+    rc, out, _ = run(capsys, "presets", "--json")
+    d = json.loads(out)
+    assert rc == 0 and set(d) == {"models", "gpus", "clusters"}
+    m = d["models"]["llama3-8b"]
+    assert m["params"] == 8_030_261_248 and m["num_layers"] == 32 and m["seq_len"] == 8192
+    assert m["meta"]["params_published"] == 8_030_261_248
+    g = d["gpus"]["h100-sxm-80gb"]
+    assert g["peak_tflops"]["fp8"] == pytest.approx(1978.9) and g["price_per_hour_usd"] == 2.5
+    assert g["gpus_per_node"] == 8 and g["hbm_bandwidth_gbps"] == 3350
+    c = d["clusters"]["jean-zay-a100"]
+    assert c["num_gpus"] == 384 and c["inter_node"]["bandwidth_gbps"] == 6.25 and c["gpu"]["name"] == "a100-sxm-80gb"
+    rc, out, _ = run(capsys, "presets", "gpus", "--json")
+    assert set(json.loads(out)) == {"gpus"}

@@ -413,7 +413,7 @@ MOE = dict(num_experts=8, experts_per_token=2)
 # (check name, plan, model changes, cluster shorthand, workload, words the reason must contain)
 GRAPH_ONLY_CHECKS = ("no layer for tensor parallel", "model cannot be pipelined",
                      "no replicated activations for sequence parallel", "no attention for context parallel")
-"""Rules a transformer description cannot break; tests/unit/test_unified.py breaks each on a graph."""
+"""Rules a transformer description cannot break; tests/unit/test_layer_graph.py breaks each on a graph."""
 
 BAD_PLANS = [
     ("invalid gradient sync", Plan(dp=64, zero=3, grad_compression="powersgd"), {}, None, WORK,
@@ -487,7 +487,7 @@ BAD_PLANS = [
 def test_every_check_has_a_bad_plan():
     # the rules a transformer description cannot break (it has attention, TP-split layers, a
     # replicated hidden state and a pipeline-able forward) are exercised on layer graphs in
-    # tests/unit/test_unified.py
+    # tests/unit/test_layer_graph.py
     assert {case[0] for case in BAD_PLANS} | set(GRAPH_ONLY_CHECKS) == set(constraints.CHECKS)
 
 

@@ -1,4 +1,4 @@
-"""`meshplan train` review fixes, without starting a rank (torchrun and the in-process worker are
+"""`meshplan train` without starting a rank (torchrun and the in-process worker are
 stubbed): the planner's constraints in the launcher's pre-flight [2], an existing checkpoint without
 --resume [3], the CPU-corrected memory beside the measurement [12], more processes than CPU cores [19],
 the step-time estimate before launch [13b], and the one FSDP2 view warning filtered as a false

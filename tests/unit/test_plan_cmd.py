@@ -1,4 +1,4 @@
-"""`meshplan plan` after the new-user review: --fix offload, flags the runtime does not run,
+"""`meshplan plan`: --fix offload, flags the runtime does not run,
 at-risk marks, the zero=3-under-a-pipeline explanation, conflicting flags, formatting, sequence
 lengths past the model's positions, more GPUs than a batch can use, and error wording."""
 from __future__ import annotations
