@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshplan.errors import MeshplanError
+from meshplan.spec.axes import AX, ParallelDims
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
 from meshplan.spec.support import runtime_violations
@@ -134,7 +135,7 @@ class RuntimeMesh:
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
-        return self.world.get_group("pp")
+        return self.world.get_group(AX.PP)
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -143,12 +144,12 @@ class RuntimeMesh:
 
     @property
     def cp_group(self) -> dist.ProcessGroup:
-        return self.world.get_group("cp")
+        return self.world.get_group(AX.CP)
 
     @property
     def ep_group(self) -> dist.ProcessGroup:
         assert self.experts is not None
-        return self.experts.get_group("ep")
+        return self.experts.get_group(AX.EP)
 
     def end_stage_group(self) -> dist.ProcessGroup | None:
         """The group of pipeline ranks 0 and pp-1 at this rank's (dp, cp, tp) coordinate, where the
@@ -203,22 +204,23 @@ class RuntimeMesh:
 def build_mesh(plan: Plan, device_type: str, inner_dp: int | None = None) -> RuntimeMesh:
     """The meshes for ``plan`` (the process group must already exist); ``inner_dp``: the dp ranks of
     an inner group of a periodic plan (periodic.inner_dp_of; None: synchronous)."""
-    n = plan.dp * plan.cp
-    base = init_device_mesh(device_type, (plan.pp, n, plan.tp), mesh_dim_names=("pp", "dp_cp", "tp"))
-    world = base._unflatten("dp_cp", (plan.dp, plan.cp), ("dp", "cp"))
+    dims = ParallelDims.of(plan)
+    n = dims.dp_cp
+    base = init_device_mesh(device_type, dims.root_shape, mesh_dim_names=dims.root_dims)
+    world = base._unflatten(AX.DP_CP, (plan.dp, plan.cp), (AX.DP, AX.CP))
     workers = plan.dp // inner_dp if plan.periodic and inner_dp else 1
     split = (workers, n // workers) if workers > 1 else dp_split(plan)
-    fsdp = base._unflatten("dp_cp", split, ("dp_replicate", "dp_shard"))
+    fsdp = base._unflatten(AX.DP_CP, split, ("dp_replicate", "dp_shard"))
     experts = expert_dp = None
     if plan.ep > 1:
-        experts = base._unflatten("dp_cp", (*expert_split(plan), plan.ep), ("edp_replicate", "edp_shard", "ep"))
+        experts = base._unflatten(AX.DP_CP, (*expert_split(plan), plan.ep), ("edp_replicate", "edp_shard", AX.EP))
         expert_dp = experts["edp_replicate", "edp_shard"]._flatten("edp")
-    return RuntimeMesh(world=world, fsdp=fsdp, dp_mesh=base["dp_cp"], experts=experts, expert_dp=expert_dp,
+    return RuntimeMesh(world=world, fsdp=fsdp, dp_mesh=base[AX.DP_CP], experts=experts, expert_dp=expert_dp,
                        pp=plan.pp, dp=plan.dp,
-                       cp=plan.cp, tp=plan.tp, ep=plan.ep, pp_rank=world.get_local_rank("pp"),
-                       dp_rank=world.get_local_rank("dp"), cp_rank=world.get_local_rank("cp"),
-                       tp_rank=world.get_local_rank("tp"),
-                       ep_rank=experts.get_local_rank("ep") if experts is not None else 0,
+                       cp=plan.cp, tp=plan.tp, ep=plan.ep, pp_rank=world.get_local_rank(AX.PP),
+                       dp_rank=world.get_local_rank(AX.DP), cp_rank=world.get_local_rank(AX.CP),
+                       tp_rank=world.get_local_rank(AX.TP),
+                       ep_rank=experts.get_local_rank(AX.EP) if experts is not None else 0,
                        sync_mesh=fsdp["dp_shard"] if workers > 1 else None,
                        outer=fsdp["dp_replicate"] if workers > 1 else None, workers=workers,
                        worker=fsdp.get_local_rank("dp_replicate") if workers > 1 else 0)

@@ -11,20 +11,9 @@ import typing
 from dataclasses import dataclass
 
 from meshplan.errors import MeshplanError
+from meshplan.spec.axes import AXES, AXIS_DESCRIPTIONS  # noqa: F401  (re-exported: the axis object owns them)
 from meshplan.spec.base import _closest, _coerce, _show, choice, positive
 from meshplan.spec.lengths import LengthDist
-
-AXES = ("pp", "dp", "cp", "tp")
-"""The mesh axes of a plan, outermost to innermost (the innermost gets the fastest links). Expert
-parallelism (ep) is not an axis of its own: it folds into dp x cp."""
-AXIS_DESCRIPTIONS = {
-    "pp": "pipeline parallel: stages of consecutive layers",
-    "dp": "data parallel: replicas, or ZeRO/FSDP shards",
-    "cp": "context parallel: the sequence split (ring attention)",
-    "tp": "tensor parallel: attention and MLP matmuls split (Megatron column/row)",
-    "ep": "expert parallel (MoE): the experts spread over dp x cp",
-}
-"""Every parallel degree of a Plan, described: the mesh axes in AXES order, then ep."""
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 RECOMPUTE = ("none", "selective", "op", "full")
