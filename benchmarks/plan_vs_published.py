@@ -26,7 +26,7 @@ with TP, DeepSpeed's all-reduce with ZeRO-1), export-only plans are allowed too
 
 (a) with meshplan's default cost model: what `meshplan plan` with no --profile/--calibration
     does (the meshplan profile; its memory band is torchtitan's);
-(b) with the row's own implementation profile (meshplan.calibration.fit.case_params: the
+(b) with the row's own implementation profile (meshplan.cases.case_params: the
     codebase's profile and the row's own cells): does meshplan beat the published plan in the
     codebase it ran in?
 
@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _evaluators import EVALUATORS, commit  # noqa: E402
 
-from meshplan.calibration.fit import case_params  # noqa: E402
+from meshplan.cases import case_params  # noqa: E402
 from meshplan.cost import estimate  # noqa: E402
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams  # noqa: E402
 from meshplan.cost.profile import get_profile  # noqa: E402
@@ -266,7 +266,7 @@ def to_markdown(rows: list[dict[str, Any]], sums: dict[str, dict[str, Any]],
              "`meshplan plan` with the "
              "row's `plan_flags` (in the JSON; e.g. BLOOM's `--compile --no-flash-attention --fix "
              "grad_sync=all-reduce,p2p_sharded=0 --allow-export-only`), priced (a) as with no --profile, (b) with the "
-             "row's profile and its own cells (calibration.fit.case_params, e.g. Megatron's fused-softmax attention). "
+             "row's profile and its own cells (meshplan.cases.case_params, e.g. Megatron's fused-softmax attention). "
              "Export-only plans mark the targets that run them as planned; an empty list (BLOOM's "
              "rows) means no single target does: Megatron-DeepSpeed's mix of unfused attention and all-reduce "
              "with ZeRO-1, which the published plan has too.", "",

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _evaluators import commit  # noqa: E402
 
-from meshplan.calibration.fit import case_params  # noqa: E402
+from meshplan.cases import case_params  # noqa: E402
 from meshplan.cost import check, estimate  # noqa: E402
 from meshplan.cost.durations import stage_totals  # noqa: E402
 from meshplan.sim import Pass, RankStep, SimSpec, VStage, simulate, simulate_plan  # noqa: E402

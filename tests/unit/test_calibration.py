@@ -15,7 +15,7 @@ from clirun import one_line_error, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshplan.calibration.builtin import builtin_values, gpu_key, link_key
+from meshplan.builtin_calibration import builtin_values, gpu_key, link_key
 from meshplan.calibration.fit import (
     NOISE,
     cross_validate,

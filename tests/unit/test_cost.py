@@ -104,7 +104,7 @@ def test_group_partial_members_per_node():
 
 def test_preset_cluster_tiers():
     """h100-sxm-80gb: NVSwitch 450 GB/s and NDR 50 GB/s, each x its link kind's calibrated efficiency."""
-    from meshplan.calibration.builtin import builtin_link_value
+    from meshplan.builtin_calibration import builtin_link_value
     nvl = builtin_link_value("intra_node", "nvswitch")
     nic = builtin_link_value("inter_node", "infiniband")
     c = cluster("h100-sxm-80gb:64")

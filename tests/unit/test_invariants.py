@@ -236,7 +236,7 @@ def test_memory_band_covers_the_allocator_measured_runs():
     leave-one-source-out errors, `meshplan calibrate --bands`)."""
     import math
 
-    from meshplan.calibration.fit import case_params
+    from meshplan.cases import case_params
     from meshplan.cost.uncertainty import memory_params
     from meshplan.validate import default_runs_path, load_runs, validate
     cases = load_runs(default_runs_path())

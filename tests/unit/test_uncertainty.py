@@ -82,7 +82,7 @@ def test_memory_band_uses_the_profile_then_the_alias_then_all_codebases():
 
 
 def test_builtin_bands_come_from_the_shipped_calibration():
-    from meshplan.calibration.builtin import builtin_calibration
+    from meshplan.builtin_calibration import builtin_calibration
     unc = builtin_calibration()["uncertainty"]
     b = builtin_bands()
     assert set(b.step) >= {"pipeline", "no-pipeline", POOLED}

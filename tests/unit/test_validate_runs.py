@@ -13,8 +13,8 @@ from meshplan.spec.constraints import violations
 from meshplan.spec.io import preset_names
 from meshplan.units import parse_count
 from meshplan.validate import default_runs_path, load_runs, to_markdown, to_text, validate
+from meshplan.cases import RunCase
 from meshplan.validate.runs import (
-    RunCase,
     case_from_row,
     flops_kor22_hardware,
     flops_kor22_model,

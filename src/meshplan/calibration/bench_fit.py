@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.calibration.builtin import gpu_key, link_key
+from meshplan.builtin_calibration import gpu_key, link_key
 from meshplan.calibration.space import FAMILIES, by_name
 from meshplan.errors import MeshplanError
 

@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.calibration.builtin import gpu_key, link_key
+from meshplan.builtin_calibration import gpu_key, link_key
 from meshplan.calibration.space import GLOBAL, GPU_FIELDS, Fittable, by_name
 from meshplan.calibration.store import Calibration
+from meshplan.cases import case_params
 from meshplan.cost.batch import estimate_batch
 from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
@@ -85,14 +86,6 @@ def refinement_of(cal: Calibration, how: str = REFINE) -> dict[str, Any]:
     """``refinement`` of a calibration: its file's 'posterior_sd' and pooled ('*') step band."""
     band = ((cal.info.get("uncertainty") or {}).get("step") or {}).get("*")
     return refinement(cal.info.get("posterior_sd"), None if not band else (band["log_q05"], band["log_q95"]), how)
-
-
-def case_params(case: Any, base: CostParams = DEFAULT_PARAMS) -> CostParams:
-    """A run's CostParams: its codebase's profile and its own cells (e.g. its attention kernel)."""
-    from meshplan.cost.profile import get_profile
-    p = get_profile(getattr(case, "profile", None) or None).apply(base)
-    over = getattr(case, "overrides", None) or {}
-    return p.replace(**over) if over else p
 
 
 @dataclass

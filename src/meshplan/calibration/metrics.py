@@ -1,4 +1,4 @@
-"""`meshplan train --metrics` files -> calibration cases (RunCase, as validate.runs builds them).
+"""`meshplan train --metrics` files -> calibration cases (meshplan.cases.RunCase, as validate.runs builds them).
 
 A metrics file is JSON lines: one record per step (``step``, ``loss``, ``step_time_s``, ...), records
 with a ``kind`` (``warning``, ``replan-check``, ``calibration``, ``ranking``, ``switch``) and, at the
@@ -28,8 +28,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from meshplan.cases import RunCase
 from meshplan.errors import MeshplanError
-from meshplan.validate.runs import RunCase
 
 PROFILE = "meshplan"
 """The implementation profile of runs of meshplan's own runtime (cost.profile)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshplan.calibration.builtin import gpu_key, link_key
+from meshplan.builtin_calibration import gpu_key, link_key
 
 
 @dataclass(frozen=True)

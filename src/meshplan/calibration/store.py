@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshplan.calibration.builtin import builtin_calibration, gpu_key, link_key, part_efficiency
+from meshplan.builtin_calibration import builtin_calibration, gpu_key, link_key, part_efficiency
 from meshplan.calibration.space import GPU_FIELDS, all_names_help, by_name
 from meshplan.cost.params import CostParams
 from meshplan.errors import MeshplanError

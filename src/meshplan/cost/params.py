@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from meshplan.builtin_calibration import builtin_values
+
 
 @dataclass(frozen=True, kw_only=True)
 class CostParams:
@@ -183,7 +185,6 @@ def _builtin_params() -> CostParams:
     """CostParams with the built-in calibration's fitted values (meshplan/data/calibration.json):
     the class defaults above are the priors, the calibration fitted to the development runs
     replaces the fitted ones."""
-    from meshplan.calibration.builtin import builtin_values
     vals = {k: v for k, v in builtin_values().items() if "@" not in k}
     return CostParams().replace(**vals) if vals else CostParams()
 

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from meshplan.builtin_calibration import builtin_calibration
+
 Z95 = 1.6448536269514722
 """One-sided 95% quantile of the standard normal: peak_memory_gib_high is the 95th percentile."""
 MIN_BAND_SCALE = 0.9
@@ -96,7 +98,6 @@ def bands_from_dict(d: dict[str, Any] | None) -> Bands | None:
 @lru_cache(maxsize=1)
 def builtin_bands() -> Bands:
     """The bands of the built-in calibration (meshplan/data/calibration.json, "uncertainty")."""
-    from meshplan.calibration.builtin import builtin_calibration
     b = bands_from_dict(builtin_calibration().get("uncertainty"))
     return b if b is not None else Bands({POOLED: _FALLBACK_STEP}, {POOLED: _FALLBACK_MEMORY})
 

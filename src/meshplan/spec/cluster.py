@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from meshplan.builtin_calibration import builtin_link_value
 from meshplan.errors import MeshplanError
 from meshplan.spec.base import positive
 
@@ -215,7 +216,6 @@ def default_links(gpu: GPUSpec, *, nic_gbps: float | None = None) -> tuple[LinkT
     50 GB/s = 400 Gb/s NDR (DGX H100). Latencies: NVLink ~3 us, InfiniBand ~8 us per hop
     (NCCL tests, typical ring latency per step).
     """
-    from meshplan.calibration.builtin import builtin_link_value
     nic_gbps = gpu.default_nic_gbps if nic_gbps is None else nic_gbps
     e_intra = builtin_link_value("intra_node", gpu.intra_node_link) or NVLINK_EFFICIENCY
     e_inter = builtin_link_value("inter_node", "infiniband") or NIC_EFFICIENCY

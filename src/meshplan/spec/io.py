@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from meshplan.calibration.builtin import builtin_gpu_value, builtin_link_value, part_efficiency
+from meshplan.builtin_calibration import builtin_gpu_value, builtin_link_value, part_efficiency
 from meshplan.errors import MeshplanError
 from meshplan.spec.base import SCHEMA_VERSION, _coerce, from_dict, positive, to_dict
 from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, PooledCluster, default_links

@@ -2,7 +2,7 @@
 
 ``validate(cases, estimate_fn)`` calls ``estimate_fn(model, cluster, plan, work)`` on every
 supported case; without ``estimate_fn`` it runs ``meshplan.cost.estimate`` with each case's own
-CostParams (its codebase's profile and its cells, calibration.fit.case_params) under the
+CostParams (its codebase's profile and its cells, meshplan.cases.case_params) under the
 built-in calibration or the one given. The result must have attributes
 ``step_time_s``, ``peak_memory_gib`` and ``fits``. A :class:`MeshplanError` from the estimate
 turns that row unsupported with the error's message; any other exception is a bug and is
@@ -16,9 +16,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from meshplan.cases import RunCase, case_params
 from meshplan.cost.uncertainty import verdict as verdict_of
 from meshplan.errors import MeshplanError
-from meshplan.validate.runs import RunCase
 
 DEV_CSV = "published_runs_dev.csv"
 
@@ -74,7 +74,6 @@ def _max_abs(xs: list[float]) -> float | None:
 def case_estimate(calibration: Any = None) -> Callable[[RunCase], Any]:
     """case -> CostReport with the case's own profile and cells, under ``calibration`` (a
     calibration.store.Calibration; None: the built-in one)."""
-    from meshplan.calibration.fit import case_params
     from meshplan.cost import estimate
 
     def one(c: RunCase) -> Any:  # as calibration.fit.predict: the case's profile, then the calibration

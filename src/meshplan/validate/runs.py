@@ -1,7 +1,7 @@
 """Published training runs -> validation cases.
 
 Each CSV row (columns as in shared/data/published_runs_dev.csv, see its README) becomes a
-:class:`RunCase`: a ModelSpec, a ClusterSpec, a Plan and a Workload, plus the measured step
+:class:`meshplan.cases.RunCase`: a ModelSpec, a ClusterSpec, a Plan and a Workload, plus the measured step
 time converted with the source's own formula and the measured peak memory.
 
 Rules:
@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshplan.cases import RunCase
 from meshplan.cost.profile import DEFAULT_PROFILE
 from meshplan.errors import MeshplanError
-from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import violations
-from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload
 from meshplan.validate.clusters import build_cluster, gpu_preset, gpu_preset_for, known_system, system_cluster
 from meshplan.validate.formulas import flops_kor22_hardware, flops_kor22_model, flops_meg21
 from meshplan.validate.frameworks import detect_framework, profile_of
@@ -50,53 +47,8 @@ from meshplan.validate.plans import plan_from_row
 from meshplan.validate.rows import Row, Unsupported, norm_key
 
 # Imported from here by callers (tests): the published formulas and the GPU mapping.
-__all__ = ["RunCase", "case_from_row", "default_peak_tflops", "flops_kor22_hardware", "flops_kor22_model",
+__all__ = ["case_from_row", "default_peak_tflops", "flops_kor22_hardware", "flops_kor22_model",
            "flops_meg21", "gpu_preset_for", "load_runs"]
-
-
-@dataclass(frozen=True)
-class RunCase:
-    """One published run, ready to be estimated and compared."""
-
-    row_id: str
-    source_id: str
-    model_name: str
-    status: str
-    """'ok' (expressible) or 'unsupported' (see ``reason``)."""
-    reason: str = ""
-    """Why the row is unsupported ('' when ok)."""
-    assumptions: list[str] = field(default_factory=list)
-    """Every default the loader had to assume, one line each."""
-    model: ModelSpec | None = None
-    cluster: ClusterSpec | None = None
-    plan: Plan | None = None
-    work: Workload | None = None
-    measured_step_time_s: float | None = None
-    measured_peak_mem_gib: float | None = None
-    measured_from: str = ""
-    """Which column and formula gave ``measured_step_time_s`` ('' if none)."""
-    memory_by_nvidia_smi: bool = False
-    """``measured_peak_mem_gib`` is nvidia-smi's (the row says so), not torch's allocator's."""
-    raw: dict[str, str] = field(default_factory=dict)
-    """The CSV row as read (column name -> cell text)."""
-    run_status: str = "ok"
-    """The row's own status column: 'ok', 'oom', 'failed', ... (blank read as 'ok')."""
-    measured_fits: bool | None = None
-    """False for an 'oom' row, True for an 'ok' row with a measurement, else None."""
-    framework: str = "unknown"
-    """megatron, torchtitan, llm-foundry, deepspeed or unknown (drives the defaults)."""
-    gpu_preset: str | None = None
-    """The GPU preset name the row's gpu_type mapped to."""
-    profile: str = "meshplan"
-    """The implementation profile of the row's codebase (meshplan.cost.profile.get_profile):
-    from an explicit ``framework`` cell, else the detected framework."""
-    overrides: dict = field(default_factory=dict)
-    """The row's CostParams settings beyond its profile (e.g. {'attention_kernel': 'eager'} from
-    the attention_impl cell): params = get_profile(profile).apply(base).replace(**overrides)."""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
 
 
 def case_from_row(raw: dict[str, Any], index: int = 0) -> RunCase:
