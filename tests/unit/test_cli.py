@@ -103,6 +103,17 @@ def test_planning_never_imports_torch():
     assert r.returncode == 0, r.stderr
 
 
+def test_python_dash_m_meshplan_is_the_meshplan_command():
+    from meshplan import __version__
+    r = subprocess.run([sys.executable, "-m", "meshplan", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == __version__, r.stderr
+    r = subprocess.run([sys.executable, "-m", "meshplan", "presets", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0 and "llama3-8b" in json.loads(r.stdout)["models"], r.stderr
+    r = subprocess.run([sys.executable, "-m", "meshplan", "estimate", "--model", "no-such-model"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("meshplan: error:") and "Traceback" not in r.stderr
+
+
 def test_documented_cluster_file_loads_with_its_datacenter_tier():
     from pathlib import Path
 
