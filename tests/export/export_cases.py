@@ -1,7 +1,6 @@
 """Plans exported in the real-parser tests: together they use every plan field an exporter maps."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 from meshplan.export import ExportInput
@@ -9,7 +8,7 @@ from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.io import cluster_from_dict, load_cluster, load_model
 from meshplan.spec.plan import Plan, parse_plan
 
-HAS_OVERLAP = "sync_overlap" in {f.name for f in dataclasses.fields(Plan)}
+HAS_OVERLAP = "sync_overlap" in Plan.flat_hints()
 """Plan.sync_overlap (streaming DiLoCo's delayed outer sync), where this meshplan has it."""
 OVERLAP = ",sync_overlap=1" if HAS_OVERLAP else ""
 

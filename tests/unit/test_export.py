@@ -2,7 +2,6 @@
 lists, the file formats and the command line (tests/export checks against the real parsers)."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import shlex
@@ -28,7 +27,7 @@ TARGETS = ("torchtitan", "megatron", "deepspeed")
 LLAMA = load_model("llama3-8b")
 GPT = load_model("gpt3-1.3b")
 MIXTRAL = load_model("mixtral-8x7b")
-HAS_OVERLAP = "sync_overlap" in {f.name for f in dataclasses.fields(Plan)}
+HAS_OVERLAP = "sync_overlap" in Plan.flat_hints()
 SYNC_FIELDS = ("grad_sync", "sync_every", "sync_scope", "grad_compression", "compression_rank") + \
     (("sync_overlap",) if HAS_OVERLAP else ())
 """The gradient-sync fields of a Plan (local SGD / DiLoCo, compression): each is exported or listed."""

@@ -35,7 +35,7 @@ MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelSpec)]
 GPU_FIELDS = [f.name for f in dataclasses.fields(GPUSpec)]
 LINK_FIELDS = [f.name for f in dataclasses.fields(LinkTier)]
 CLUSTER_FIELDS = [f.name for f in dataclasses.fields(ClusterSpec)]
-PLAN_FIELDS = [f.name for f in dataclasses.fields(Plan)]
+PLAN_FIELDS = list(Plan.flat_hints())
 META_KEYS = ["schema_version", "kind", "meta"]
 
 

@@ -189,7 +189,7 @@ def test_cluster_file_with_preset_gpu_and_partial_links(tmp_path):
     assert c.inter_node.latency_us == default_links(c.gpu)[1].latency_us
 
 
-HAS_OVERLAP = "sync_overlap" in {f.name for f in dataclasses.fields(Plan)}
+HAS_OVERLAP = "sync_overlap" in Plan.flat_hints()
 
 
 @st.composite

@@ -233,14 +233,11 @@ def check_runtime_runs(space: Any, model: Any = None) -> None:
 
 def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[str]:
     """Parse --fix into base plan fields and search-space restrictions; the keys given."""
-    import dataclasses
-    import typing
-
     from meshplan.search.space import SEARCHED
     from meshplan.spec.base import _coerce
     from meshplan.spec.plan import Plan
-    hints = typing.get_type_hints(Plan)
-    fields = {f.name for f in dataclasses.fields(Plan)}
+    hints = Plan.flat_hints()
+    fields = set(hints)
     seen: set[str] = set()
     fixable = "fixable: " + ", ".join(SEARCHABLE_FIX) + ", offload, sequence_parallel, and the fields the search " \
               "does not choose (precision, compile, flash_attention, fused_loss, grad_sync, p2p_sharded, async_tp)"

@@ -6,7 +6,6 @@ second axis per pipeline rank where stated).
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,24 +15,24 @@ from meshplan.cost.comm import Group, exposed_under
 from meshplan.cost.memory import MAIN_GRAD_BYTES
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.spec.cluster import ClusterSpec
-from meshplan.spec.plan import COLON_LISTS, Plan
+from meshplan.spec.plan import COLON_LISTS, PLAN_FIELDS, Plan
 
 
 def plans_to_columns(plans: Sequence[Plan]) -> dict[str, np.ndarray]:
     """Plans -> one array per Plan field (str fields as str arrays, None as -1 / object)."""
     cols: dict[str, Any] = {}
-    for f in dataclasses.fields(Plan):
-        vals = [getattr(p, f.name) for p in plans]
-        if f.name == "stage_layers":
+    for name in PLAN_FIELDS:
+        vals = [getattr(p, name) for p in plans]
+        if name == "stage_layers":
             arr = np.empty(len(vals), dtype=object)
             arr[:] = vals
-            cols[f.name] = arr
-        elif f.name == "recompute_layers":
-            cols[f.name] = np.array([-1 if v is None else v for v in vals], dtype=np.int64)
-        elif f.name in COLON_LISTS:  # dp_shares, pools, ...: their plan-string form, '' = None
-            cols[f.name] = np.array(["" if v is None else ":".join(str(x) for x in v) for v in vals])
+            cols[name] = arr
+        elif name == "recompute_layers":
+            cols[name] = np.array([-1 if v is None else v for v in vals], dtype=np.int64)
+        elif name in COLON_LISTS:  # dp_shares, pools, ...: their plan-string form, '' = None
+            cols[name] = np.array(["" if v is None else ":".join(str(x) for x in v) for v in vals])
         else:
-            cols[f.name] = np.array(vals)
+            cols[name] = np.array(vals)
     return cols
 
 

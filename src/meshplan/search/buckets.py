@@ -100,7 +100,7 @@ def base_key(p: Plan) -> tuple:
     """A configuration up to its split of dp x cp, its micro-batch and its ZeRO sharding (the best
     of those stands for it), but with its token budget (micro_batch / cp: the tokens per rank it
     holds, relative to the longest length)."""
-    fields = tuple(sorted((k, v) for k, v in vars(p).items() if k not in ("dp", "cp", "micro_batch", "buckets",
+    fields = tuple(sorted((k, v) for k, v in p.flat_dict().items() if k not in ("dp", "cp", "micro_batch", "buckets",
                                                                           "shard_group", "zero")))
     return (*fields, ("budget", p.micro_batch / p.cp))
 

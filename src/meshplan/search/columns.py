@@ -15,7 +15,6 @@ columns always hold every field.
 """
 from __future__ import annotations
 
-import dataclasses
 import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,26 +31,24 @@ NONE_CODE = -1
 
 def _field_kinds() -> dict[str, str]:
     """Plan field -> 'int' | 'bool' | 'cat' | 'str' | 'optint' | 'stages'."""
-    hints = typing.get_type_hints(Plan)
     kinds: dict[str, str] = {}
-    for f in dataclasses.fields(Plan):
-        tp = hints[f.name]
-        if f.name == "stage_layers":
-            kinds[f.name] = "stages"
-        elif f.name in COLON_LISTS:
-            kinds[f.name] = "colon"
-        elif f.name in CATEGORIES:
-            kinds[f.name] = "cat"
+    for name, tp in Plan.flat_hints().items():
+        if name == "stage_layers":
+            kinds[name] = "stages"
+        elif name in COLON_LISTS:
+            kinds[name] = "colon"
+        elif name in CATEGORIES:
+            kinds[name] = "cat"
         elif tp is bool:
-            kinds[f.name] = "bool"
+            kinds[name] = "bool"
         elif tp is str:
-            kinds[f.name] = "str"
+            kinds[name] = "str"
         elif tp is int:
-            kinds[f.name] = "int"
+            kinds[name] = "int"
         elif typing.get_origin(tp) in (typing.Union, types.UnionType) and int in typing.get_args(tp):
-            kinds[f.name] = "optint"
+            kinds[name] = "optint"
         else:  # pragma: no cover - a new field type needs an encoding here
-            raise TypeError(f"Plan.{f.name}: no columnar encoding for type {tp}")
+            raise TypeError(f"Plan.{name}: no columnar encoding for type {tp}")
     return kinds
 
 

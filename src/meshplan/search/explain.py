@@ -7,7 +7,6 @@ may run on other cluster sizes, where step times do not compare, dollars do.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
@@ -15,7 +14,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport
 from meshplan.search.constraints import AT_RISK, COST_MODEL_REFUSED, HOST_OOM, OUT_OF_MEMORY
 from meshplan.search.result import OVER_DEADLINE, RankedPlan, SearchResult, token_count, train_days
-from meshplan.spec.plan import Plan, format_stage_layers
+from meshplan.spec.plan import PLAN_FIELDS, Plan, format_stage_layers
 
 TERM_LABELS = {
     "compute": "compute", "recompute": "recompute", "tp_comm": "TP communication",
@@ -65,10 +64,10 @@ def term_differences(a: CostReport, b: CostReport, n: int = 3) -> list[tuple[str
 def plan_differences(a: Plan, b: Plan) -> list[str]:
     """'field a->b' for every field that differs."""
     out = []
-    for f in dataclasses.fields(Plan):
-        va, vb = getattr(a, f.name), getattr(b, f.name)
+    for name in PLAN_FIELDS:
+        va, vb = getattr(a, name), getattr(b, name)
         if va != vb:
-            out.append(f"{f.name} {_show(va, f.name)}->{_show(vb, f.name)}")
+            out.append(f"{name} {_show(va, name)}->{_show(vb, name)}")
     return out
 
 

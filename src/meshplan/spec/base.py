@@ -119,8 +119,10 @@ def from_dict(cls: type[T], data: dict[str, Any], *, where: str | None = None) -
     where = where or cls.__name__
     if not isinstance(data, dict):
         raise MeshplanError(f"{where}: expected a table/object, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    flat_hints = getattr(cls, "flat_hints", None)  # a record written flat (Plan: its sub-records' keys)
+    hints = flat_hints() if flat_hints is not None else typing.get_type_hints(cls)
+    fields = dict.fromkeys(hints) if flat_hints is not None else \
+        {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key in ("schema_version", "kind") and key not in fields:  # file header (LinkTier has a kind)
@@ -131,7 +133,7 @@ def from_dict(cls: type[T], data: dict[str, Any], *, where: str | None = None) -
                 hint="known fields: " + ", ".join(sorted(fields)),
             )
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
-    missing = [n for n, f in fields.items() if n not in kwargs
+    missing = [n for n, f in fields.items() if n not in kwargs and f is not None
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise MeshplanError(f"{where}: missing required field(s): {', '.join(missing)}")
@@ -144,6 +146,8 @@ def from_dict(cls: type[T], data: dict[str, Any], *, where: str | None = None) -
 def to_dict(obj: Any) -> Any:
     """Dataclass -> plain JSON-able dict (tuples as lists, nested specs as dicts)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if hasattr(obj, "flat_dict"):  # a record written flat (Plan: its sub-records' fields in one table)
+            return {k: to_dict(v) for k, v in obj.flat_dict().items()}
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]

@@ -406,10 +406,8 @@ def _check_not_empty(arg: str, what: str) -> None:
 def _check_holds_plan(arg: str, data: dict[str, Any]) -> None:
     """A file without a 'plan' table must hold plan fields (a model or cluster file, or ``{}``, is
     not a plan: it would load as the default plan)."""
-    import dataclasses
-
-    from meshplan.spec.plan import PLAN_KEY_ALIASES
-    fields = {f.name for f in dataclasses.fields(Plan)} | set(PLAN_KEY_ALIASES)
+    from meshplan.spec.plan import PLAN_FIELDS, PLAN_KEY_ALIASES
+    fields = set(PLAN_FIELDS) | set(PLAN_KEY_ALIASES)
     keys = {str(k).lower() for k in data} - {"schema_version", "kind", "meta"}
     kind = data.get("kind")
     if isinstance(kind, str) and kind not in ("plan", "plans"):

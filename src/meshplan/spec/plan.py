@@ -8,10 +8,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from meshplan.errors import MeshplanError
-from meshplan.spec.axes import AXES, AXIS_DESCRIPTIONS  # noqa: F401  (re-exported: the axis object owns them)
+from meshplan.spec.axes import AXES, AXIS_DESCRIPTIONS, AX, DEGREES, ParallelDims  # noqa: F401  (AXES, AXIS_DESCRIPTIONS re-exported)
 from meshplan.spec.base import _closest, _coerce, _show, choice, positive
 from meshplan.spec.lengths import LengthDist
 
@@ -31,8 +32,8 @@ SCHEDULE_ALIASES = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
-    """A parallel execution plan. Degrees multiply to the number of GPUs: tp*pp*dp*cp."""
+class Degrees:
+    """The parallel degrees (spec.axes): GPUs = tp x pp x dp x cp; ep folds into dp x cp."""
 
     tp: int = 1
     """Tensor-parallel degree (Megatron column/row split of attention and MLP)."""
@@ -44,17 +45,84 @@ class Plan:
     """Context-parallel degree (sequence split, ring attention)."""
     ep: int = 1
     """Expert-parallel degree (MoE); must divide dp*cp and the number of experts."""
+
+    def __post_init__(self) -> None:
+        for f in DEGREES:
+            positive(f"plan: {f}", getattr(self, f))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sharding:
+    """ZeRO/FSDP sharding of the model states and their offload to host memory."""
+
     zero: int = 0
     """0 = DDP, 1 = optimizer states sharded, 2 = + gradients, 3 = + parameters (FSDP)."""
     shard_group: int = 0
     """Hybrid sharding: ZeRO/FSDP shards within groups of this many dp ranks and replicates
     across groups (HSDP). 0 = shard over all of dp."""
+    offload_optimizer: bool = False
+    """Keep optimizer states (and the step) in host memory."""
+    offload_params: bool = False
+    """Keep parameters in host memory between uses (ZeRO-Infinity / FSDP CPU offload)."""
+
+    def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise MeshplanError(f"plan: zero must be 0, 1, 2 or 3; got {self.zero}")
+        positive("plan: shard_group", self.shard_group, allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batching:
+    """How a replica's share of the global batch forms micro-batches."""
+
     micro_batch: int = 1
     """Sequences per micro-batch per data-parallel rank."""
+    buckets: tuple[str, ...] | None = None
+    """A data-aware plan for samples of several lengths (spec/buckets.py): per length bucket,
+    ``MAX_LENxMICRO_BATCHcpCP`` (``buckets=4096x4cp1:32768x1cp4``): the step's samples up to each
+    limit in micro-batches of that many samples, each on that many context-parallel ranks (the
+    largest is the plan's cp). ``micro_batch`` is then the longest bucket's. None: one
+    micro-batch size and cp for every sample."""
+
+    def __post_init__(self) -> None:
+        positive("plan: micro_batch", self.micro_batch)
+        if self.buckets is None:
+            return
+        from meshplan.spec.buckets import normalise, parse_buckets
+        object.__setattr__(self, "buckets", normalise(self.buckets))  # canonical text: 4096x4cp1
+        bs = parse_buckets(self.buckets)
+        if self.micro_batch != bs[-1].micro_batch:
+            raise MeshplanError(f"plan: micro_batch={self.micro_batch} but the longest bucket's is "
+                                f"{bs[-1].micro_batch} (buckets={':'.join(self.buckets)})",
+                                hint=f"set micro_batch={bs[-1].micro_batch}, or leave micro_batch out of the plan "
+                                     "string (it is then the longest bucket's)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    """The pipeline schedule and how the layers split into stages."""
+
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedules)."""
     schedule: str = "1f1b"
     """gpipe, 1f1b, interleaved-1f1b, zero-bubble (ZB-H1) or zbv."""
+    p2p_sharded: bool = True
+    """Pipeline sends carry 1/tp of the activation (Megatron's scatter-gather, or sequence
+    parallel); False: every TP rank sends the whole tensor (DeepSpeed's pipeline engine)."""
+    stage_layers: tuple[int, ...] | None = None
+    """Optional explicit transformer blocks per pipeline stage (length pp, sums to num_layers)."""
+
+    def __post_init__(self) -> None:
+        positive("plan: virtual_stages", self.virtual_stages)
+        choice("plan: schedule", self.schedule, SCHEDULES)
+        if self.stage_layers is not None and any(n < 0 for n in self.stage_layers):
+            raise MeshplanError("plan: stage_layers entries must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kernels:
+    """What each GPU computes, and how: recomputation, precision, fused kernels, overlap."""
+
     recompute: str = "none"
     """Activation recomputation: none; selective (Megatron: the attention core only); op
     (torchtitan op-level SAC: every other matmul and all elementwise ops); full (whole block)."""
@@ -62,10 +130,6 @@ class Plan:
     """With recompute=full: how many blocks per pipeline stage are recomputed (None = all)."""
     sequence_parallel: bool = False
     """Shard norms/dropout activations along the sequence over the TP group."""
-    offload_optimizer: bool = False
-    """Keep optimizer states (and the step) in host memory."""
-    offload_params: bool = False
-    """Keep parameters in host memory between uses (ZeRO-Infinity / FSDP CPU offload)."""
     precision: str = "bf16"
     """Compute precision of matmuls: bf16, fp16, fp8 (fp8 linears, bf16 elsewhere) or fp32."""
     compile: bool = False
@@ -76,6 +140,22 @@ class Plan:
     fused_loss: bool = False
     """Cross-entropy fused with the logits (in-place softmax/grad, no fp32 copy of the logits:
     ~4 B per logit alive instead of ~10 B), as llm-foundry's fused_crossentropy or Liger."""
+    async_tp: bool = False
+    """Overlap TP communication with the matmuls (torchtitan AsyncTP / Megatron tp-comm-overlap)."""
+
+    def __post_init__(self) -> None:
+        choice("plan: recompute", self.recompute, RECOMPUTE)
+        choice("plan: precision", self.precision, PRECISIONS)
+        if self.recompute_layers is not None:
+            positive("plan: recompute_layers", self.recompute_layers, allow_zero=True)
+            if self.recompute != "full":
+                raise MeshplanError("plan: recompute_layers needs recompute=full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradSync:
+    """How the data-parallel ranks synchronise: the collective, its period and its compression."""
+
     grad_sync: str = "auto"
     """Data-parallel gradient collective: auto (all-reduce for zero=0, reduce-scatter for
     zero>=1), all-reduce (DeepSpeed's bf16 optimizer all-reduces fp32 gradients even with
@@ -100,46 +180,8 @@ class Plan:
     or powersgd (rank-compression_rank factors with error feedback; Vogels et al. 2019)."""
     compression_rank: int = 1
     """With grad_compression=powersgd: the rank of the low-rank approximation."""
-    p2p_sharded: bool = True
-    """Pipeline sends carry 1/tp of the activation (Megatron's scatter-gather, or sequence
-    parallel); False: every TP rank sends the whole tensor (DeepSpeed's pipeline engine)."""
-    async_tp: bool = False
-    """Overlap TP communication with the matmuls (torchtitan AsyncTP / Megatron tp-comm-overlap)."""
-    stage_layers: tuple[int, ...] | None = None
-    """Optional explicit transformer blocks per pipeline stage (length pp, sums to num_layers)."""
-    dp_shares: tuple[int, ...] | None = None
-    """Uneven data parallelism: relative shares of the global batch per data-parallel replica
-    (``dp_shares=3:1``). With pool_dp and one entry per pool, entry i is the share of each of
-    pool i's replicas; otherwise its length divides dp: entry i applies to the i-th block of
-    dp/len consecutive replicas. Replica r trains on share_r / sum(shares) of the global batch (as whole
-    micro-batches) and its gradients are weighted by its share, so that the step equals training
-    on the whole global batch. None: even shares."""
-    pools: tuple[str, ...] | None = None
-    """On a cluster of several GPU pools: the pools the plan uses, in order (a pool not named
-    is left out). None on a cluster of one GPU type."""
-    pool_dp: tuple[int, ...] | None = None
-    """With several pools: data-parallel replicas per pool (sums to dp). Every replica lives in
-    one pool, with the plan's tp, pp and cp; the pools' replicas sync gradients across pools."""
-    pool_pp: tuple[int, ...] | None = None
-    """With several pools: pipeline stages per pool (sums to pp), the first pool's stages first.
-    Every pool holds dp x cp x tp GPUs per stage; the sends between the pools' boundary stages
-    cross the link between pools."""
-    buckets: tuple[str, ...] | None = None
-    """A data-aware plan for samples of several lengths (spec/buckets.py): per length bucket,
-    ``MAX_LENxMICRO_BATCHcpCP`` (``buckets=4096x4cp1:32768x1cp4``): the step's samples up to each
-    limit in micro-batches of that many samples, each on that many context-parallel ranks (the
-    largest is the plan's cp). ``micro_batch`` is then the longest bucket's. None: one
-    micro-batch size and cp for every sample."""
 
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages"):
-            positive(f"plan: {f}", getattr(self, f))
-        if self.zero not in (0, 1, 2, 3):
-            raise MeshplanError(f"plan: zero must be 0, 1, 2 or 3; got {self.zero}")
-        positive("plan: shard_group", self.shard_group, allow_zero=True)
-        choice("plan: schedule", self.schedule, SCHEDULES)
-        choice("plan: recompute", self.recompute, RECOMPUTE)
-        choice("plan: precision", self.precision, PRECISIONS)
         choice("plan: grad_sync", self.grad_sync, GRAD_SYNC)
         choice("plan: sync_scope", self.sync_scope, SYNC_SCOPES)
         choice("plan: grad_compression", self.grad_compression, GRAD_COMPRESSION)
@@ -162,50 +204,32 @@ class Plan:
         if self.compression_rank != 1 and self.grad_compression != "powersgd":
             raise MeshplanError("plan: compression_rank needs grad_compression=powersgd",
                                 hint="add grad_compression=powersgd, or drop compression_rank")
-        if self.recompute_layers is not None:
-            positive("plan: recompute_layers", self.recompute_layers, allow_zero=True)
-            if self.recompute != "full":
-                raise MeshplanError("plan: recompute_layers needs recompute=full")
-        if self.stage_layers is not None:
-            if len(self.stage_layers) != self.pp:
-                raise MeshplanError(f"plan: stage_layers has {len(self.stage_layers)} entries but pp={self.pp}")
-            if any(n < 0 for n in self.stage_layers):
-                raise MeshplanError("plan: stage_layers entries must be >= 0")
-        self._check_shares_and_pools()
-        if self.buckets is not None:
-            self._check_buckets()
 
-    def _check_buckets(self) -> None:
-        from meshplan.spec.buckets import check_buckets, normalise, parse_buckets
-        object.__setattr__(self, "buckets", normalise(self.buckets))  # canonical text: 4096x4cp1
-        bs = parse_buckets(self.buckets)
-        check_buckets(bs, self.cp, self.pp, self.ep)
-        if self.micro_batch != bs[-1].micro_batch:
-            raise MeshplanError(f"plan: micro_batch={self.micro_batch} but the longest bucket's is "
-                                f"{bs[-1].micro_batch} (buckets={':'.join(self.buckets)})",
-                                hint=f"set micro_batch={bs[-1].micro_batch}, or leave micro_batch out of the plan "
-                                     "string (it is then the longest bucket's)")
-        if self.dp_shares is not None or (self.pools is not None and len(self.pools) > 1):
-            raise MeshplanError("plan: buckets with dp_shares or several pools is not supported (a bucket plan "
-                                "runs on one GPU type: pools=NAME places it on one pool)",
-                                hint="drop dp_shares, name one pool, or drop buckets")
 
-    @property
-    def bucket_specs(self) -> tuple:
-        """The buckets as spec.buckets.Bucket records (() without buckets)."""
-        if self.buckets is None:
-            return ()
-        from meshplan.spec.buckets import parse_buckets
-        return parse_buckets(self.buckets)
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where the replicas and stages run on a cluster of several GPU pools, and uneven shares."""
 
-    def _check_shares_and_pools(self) -> None:
-        per_pool = self.pool_dp is not None and self.dp_shares is not None and len(self.dp_shares) == len(self.pool_dp)
-        if self.dp_shares is not None:
-            k = len(self.dp_shares)
-            if k == 0 or (self.dp % k and not per_pool):
-                raise MeshplanError(f"plan: dp_shares has {k} entries, which does not divide dp={self.dp}",
-                                    hint="give one share per replica, or per equal block of replicas "
-                                         "(dp=8,dp_shares=3:1 gives replicas 0-3 share 3 and 4-7 share 1)")
+    dp_shares: tuple[int, ...] | None = None
+    """Uneven data parallelism: relative shares of the global batch per data-parallel replica
+    (``dp_shares=3:1``). With pool_dp and one entry per pool, entry i is the share of each of
+    pool i's replicas; otherwise its length divides dp: entry i applies to the i-th block of
+    dp/len consecutive replicas. Replica r trains on share_r / sum(shares) of the global batch (as whole
+    micro-batches) and its gradients are weighted by its share, so that the step equals training
+    on the whole global batch. None: even shares."""
+    pools: tuple[str, ...] | None = None
+    """On a cluster of several GPU pools: the pools the plan uses, in order (a pool not named
+    is left out). None on a cluster of one GPU type."""
+    pool_dp: tuple[int, ...] | None = None
+    """With several pools: data-parallel replicas per pool (sums to dp). Every replica lives in
+    one pool, with the plan's tp, pp and cp; the pools' replicas sync gradients across pools."""
+    pool_pp: tuple[int, ...] | None = None
+    """With several pools: pipeline stages per pool (sums to pp), the first pool's stages first.
+    Every pool holds dp x cp x tp GPUs per stage; the sends between the pools' boundary stages
+    cross the link between pools."""
+
+    def __post_init__(self) -> None:
+        if self.dp_shares is not None:  # (no entries: Plan says so, with dp)
             if any(not isinstance(x, int) or x < 1 for x in self.dp_shares):
                 raise MeshplanError(f"plan: dp_shares entries must be whole numbers >= 1; got "
                                     f"{':'.join(str(x) for x in self.dp_shares)}", hint="e.g. dp_shares=3:1")
@@ -219,7 +243,7 @@ class Plan:
             raise MeshplanError("plan: pools must name at least one pool", hint="e.g. pools=h100:a100")
         if len(set(self.pools)) != len(self.pools):
             raise MeshplanError(f"plan: pools names a pool twice: {':'.join(self.pools)}")
-        for f, total in (("pool_dp", self.dp), ("pool_pp", self.pp)):
+        for f in ("pool_dp", "pool_pp"):
             v = getattr(self, f)
             if v is None:
                 continue
@@ -229,19 +253,128 @@ class Plan:
             if any(not isinstance(x, int) or x < 1 for x in v):
                 raise MeshplanError(f"plan: {f} entries must be whole numbers >= 1 (leave a pool out of pools "
                                     "instead of giving it 0)")
-            if sum(v) != total:
-                raise MeshplanError(f"plan: {f} sums to {sum(v)} but {f[5:]}={total}",
-                                    hint=f"the counts per pool add up to {f[5:]}")
         if self.pool_dp is not None and self.pool_pp is not None:
             raise MeshplanError("plan: give pool_dp (replicas per pool) or pool_pp (stages per pool), not both")
+        if len(self.pools) > 1 and self.pool_dp is None and self.pool_pp is None:
+            raise MeshplanError(f"plan: pools={':'.join(self.pools)} needs pool_dp (replicas per pool) or "
+                                "pool_pp (pipeline stages per pool)", hint="e.g. pool_dp=3:1 or pool_pp=2:2")
+
+    @property
+    def multi_pool(self) -> bool:
+        """More than one GPU pool."""
+        return self.pools is not None and len(self.pools) > 1
+
+
+PLAN_PARTS: dict[str, type] = {
+    "degrees": Degrees, "sharding": Sharding, "batching": Batching, "pipeline": Pipeline,
+    "kernels": Kernels, "sync": GradSync, "placement": Placement}
+"""Plan's sub-records: the attribute that holds each, and its type (the order they validate in)."""
+
+PLAN_FIELDS: tuple[str, ...] = (
+    *DEGREES, "zero", "shard_group", "micro_batch", "virtual_stages", "schedule", "recompute",
+    "recompute_layers", "sequence_parallel", "offload_optimizer", "offload_params", "precision", "compile",
+    "flash_attention", "fused_loss", "grad_sync", "sync_every", "sync_scope", "sync_overlap",
+    "grad_compression", "compression_rank", "p2p_sharded", "async_tp", "stage_layers", "dp_shares", "pools",
+    "pool_dp", "pool_pp", "buckets")
+"""Every flat plan key (the keys of plan strings, plan JSON and plan files), in their written order."""
+
+FIELD_PART: dict[str, str] = {f.name: part for part, cls in PLAN_PARTS.items() for f in dataclasses.fields(cls)}
+"""Flat plan key -> the sub-record that holds it."""
+assert sorted(FIELD_PART) == sorted(PLAN_FIELDS), "every flat plan key lives in exactly one sub-record"
+
+
+@dataclass(frozen=True, init=False, repr=False)
+class Plan:
+    """A parallel execution plan. Degrees multiply to the number of GPUs: tp*pp*dp*cp.
+
+    Its fields are a few sub-records (``plan.degrees``, ``plan.sharding``, ...), each validating its
+    own fields; the rules that span records are here. Every sub-record field reads flat as well
+    (``plan.tp``), ``Plan(tp=4, zero=3)`` builds one from flat keys, ``plan.replace(tp=8)`` changes
+    them, and ``flat_dict()`` is the flat table of plan strings, JSON and plan files (PLAN_FIELDS)."""
+
+    degrees: Degrees = field(default_factory=Degrees)
+    sharding: Sharding = field(default_factory=Sharding)
+    batching: Batching = field(default_factory=Batching)
+    pipeline: Pipeline = field(default_factory=Pipeline)
+    kernels: Kernels = field(default_factory=Kernels)
+    sync: GradSync = field(default_factory=GradSync)
+    placement: Placement = field(default_factory=Placement)
+
+    def __init__(self, **kwargs: Any) -> None:
+        """``Plan(tp=4, zero=3, ...)`` with flat keys, or with sub-records (``degrees=Degrees(...)``);
+        flat keys given beside a sub-record change that record's fields (dataclasses.replace)."""
+        changes: dict[str, dict[str, Any]] = {}
+        for key, value in kwargs.items():
+            if key in PLAN_PARTS:
+                continue
+            part = FIELD_PART.get(key)
+            if part is None:
+                raise TypeError(f"Plan.__init__() got an unexpected keyword argument {key!r}")
+            changes.setdefault(part, {})[key] = value
+        for part, cls in PLAN_PARTS.items():
+            rec = kwargs.get(part)
+            if rec is None:
+                rec = cls(**changes[part]) if part in changes else _DEFAULT_PARTS[part]
+            elif not isinstance(rec, cls):
+                raise TypeError(f"Plan: {part} must be a {cls.__name__}, got {type(rec).__name__}")
+            elif part in changes:
+                rec = dataclasses.replace(rec, **changes[part])
+            object.__setattr__(self, part, rec)
+        self._check()
+
+    def _check(self) -> None:
+        """The rules that span sub-records."""
+        if self.stage_layers is not None and len(self.stage_layers) != self.pp:
+            raise MeshplanError(f"plan: stage_layers has {len(self.stage_layers)} entries but pp={self.pp}")
+        self._check_shares_and_pools()
+        if self.buckets is not None:
+            from meshplan.spec.buckets import check_buckets
+            check_buckets(self.bucket_specs, self.cp, self.pp, self.ep)
+            if self.dp_shares is not None or self.multi_pool:
+                raise MeshplanError("plan: buckets with dp_shares or several pools is not supported (a bucket plan "
+                                    "runs on one GPU type: pools=NAME places it on one pool)",
+                                    hint="drop dp_shares, name one pool, or drop buckets")
+
+    def _check_shares_and_pools(self) -> None:
+        per_pool = self.pool_dp is not None and self.dp_shares is not None and len(self.dp_shares) == len(self.pool_dp)
+        if self.dp_shares is not None and (not self.dp_shares or (self.dp % len(self.dp_shares) and not per_pool)):
+            raise MeshplanError(f"plan: dp_shares has {len(self.dp_shares)} entries, which does not divide "
+                                f"dp={self.dp}",
+                                hint="give one share per replica, or per equal block of replicas "
+                                     "(dp=8,dp_shares=3:1 gives replicas 0-3 share 3 and 4-7 share 1)")
+        if self.pools is None:
+            return
+        for f, total in (("pool_dp", self.dp), ("pool_pp", self.pp)):
+            v = getattr(self, f)
+            if v is not None and sum(v) != total:
+                raise MeshplanError(f"plan: {f} sums to {sum(v)} but {f[5:]}={total}",
+                                    hint=f"the counts per pool add up to {f[5:]}")
         if self.pool_dp is not None and self.shard_group and self.zero and \
                 any((n * self.cp) % self.shard_group for n in self.pool_dp):
             raise MeshplanError(f"plan: shard_group={self.shard_group} does not divide every pool's replicas x cp "
                                 f"({', '.join(str(n * self.cp) for n in self.pool_dp)}): a shard group must lie in "
                                 "one pool", hint=f"e.g. shard_group={math.gcd(*self.pool_dp) * self.cp}")
-        if len(self.pools) > 1 and self.pool_dp is None and self.pool_pp is None:
-            raise MeshplanError(f"plan: pools={':'.join(self.pools)} needs pool_dp (replicas per pool) or "
-                                "pool_pp (pipeline stages per pool)", hint="e.g. pool_dp=3:1 or pool_pp=2:2")
+
+    def __repr__(self) -> str:
+        return f"Plan({', '.join(f'{k}={v!r}' for k, v in self.flat_dict().items())})"
+
+    def flat_dict(self) -> dict[str, Any]:
+        """The flat table of the plan: every key of PLAN_FIELDS and its value, in that order (what
+        plan JSON and plan files hold; spec.base.to_dict writes a Plan as this)."""
+        return {k: getattr(getattr(self, FIELD_PART[k]), k) for k in PLAN_FIELDS}
+
+    @classmethod
+    def flat_hints(cls) -> dict[str, Any]:
+        """Flat plan key -> its annotated type (PLAN_FIELDS order)."""
+        return _FLAT_HINTS
+
+    @property
+    def bucket_specs(self) -> tuple:
+        """The buckets as spec.buckets.Bucket records (() without buckets)."""
+        if self.buckets is None:
+            return ()
+        from meshplan.spec.buckets import parse_buckets
+        return parse_buckets(self.buckets)
 
     @property
     def replica_shares(self) -> tuple[int, ...]:
@@ -256,7 +389,12 @@ class Plan:
     @property
     def multi_pool(self) -> bool:
         """The plan spans more than one GPU pool."""
-        return self.pools is not None and len(self.pools) > 1
+        return self.placement.multi_pool
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel degrees as the axis object (mesh shapes)."""
+        return ParallelDims.of(self)
 
     @property
     def num_gpus(self) -> int:
@@ -276,14 +414,15 @@ class Plan:
         return self.shard_group if 0 < self.shard_group < full else full
 
     def replace(self, **changes: object) -> Plan:
+        """A copy with flat keys (``tp=8``) or sub-records changed."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def short(self) -> str:
         """Compact one-line form, accepted back by parse_plan."""
-        d = dataclasses.asdict(self)
-        default = dataclasses.asdict(Plan())
-        keys = ["tp", "pp", "dp", "cp", "ep", "zero", "micro_batch"]
-        parts = [f"{k}={d[k]}" for k in keys if k in ("tp", "pp", "dp", "micro_batch") or d[k] != default[k]]
+        d = self.flat_dict()
+        default = _DEFAULT_FLAT
+        keys = [*DEGREES, "zero", "micro_batch"]
+        parts = [f"{k}={d[k]}" for k in keys if k in (AX.TP, AX.PP, AX.DP, "micro_batch") or d[k] != default[k]]
         for k, v in d.items():
             if k in keys or v == default[k]:
                 continue
@@ -295,6 +434,22 @@ class Plan:
                 v = ":".join(str(x) for x in v)
             parts.append(f"{k}={v}")
         return ",".join(parts)
+
+
+def _flat_property(part: str, name: str) -> property:
+    def get(self: Plan) -> Any:
+        return getattr(getattr(self, part), name)
+    get.__name__ = name
+    get.__doc__ = f"``plan.{part}.{name}``"
+    return property(get)
+
+
+for _name, _part in FIELD_PART.items():
+    setattr(Plan, _name, _flat_property(_part, _name))
+_DEFAULT_PARTS: dict[str, Any] = {part: cls() for part, cls in PLAN_PARTS.items()}
+_FLAT_HINTS: dict[str, Any] = {k: v for part, cls in PLAN_PARTS.items() for k, v in typing.get_type_hints(cls).items()}
+_FLAT_HINTS = {k: _FLAT_HINTS[k] for k in PLAN_FIELDS}
+_DEFAULT_FLAT = Plan().flat_dict()
 
 
 def format_stage_layers(layers: tuple[int, ...] | list[int]) -> str:
@@ -371,8 +526,8 @@ def parse_plan(text: str) -> Plan:
     """Parse 'tp=8,pp=8,dp=16,micro_batch=1,schedule=interleaved-1f1b,...' into a Plan."""
     if not isinstance(text, str) or not text.strip():
         raise MeshplanError("empty plan string", hint="e.g. --plan tp=8,pp=4,dp=16,micro_batch=1")
-    fields = {f.name: f for f in dataclasses.fields(Plan)}
-    hints = typing.get_type_hints(Plan)
+    fields = dict.fromkeys(PLAN_FIELDS)
+    hints = Plan.flat_hints()
     kwargs: dict[str, object] = {}
     for part in text.split(","):
         part = part.strip()
