@@ -28,8 +28,8 @@ from meshplan.search.driver import search
 from meshplan.sim import simulate_plan
 from meshplan.spec.constraints import violations
 from meshplan.spec.io import load_cluster, load_model, load_plan, parse_cluster_shorthand, plan_document
-from meshplan.spec.plan import Plan, Workload, parse_plan
-from meshplan.spec.support import microbatches, runtime_violations
+from meshplan.spec.plan import Plan, Workload, microbatches, parse_plan
+from meshplan.spec.support import runtime_violations
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much,
                                                                             HealthCheck.too_slow])
@@ -82,13 +82,13 @@ def cases(draw, *, max_nodes: int = 8, min_layers: int = 2, min_heads: int = 8):
                 recompute=recompute, sequence_parallel=tp > 1, compile=draw(st.booleans()),
                 offload_params=zero == 3 and draw(st.integers(0, 5)) == 0)
     assume(not violations(model, cluster, plan, work))
-    assume(not runtime_violations(plan, microbatches(plan, work.global_batch), model))
+    assume(not runtime_violations(plan, microbatches(work.global_batch, plan.dp, plan.micro_batch), model))
     return model, cluster, plan, work
 
 
 def _valid(model, cluster, plan, work) -> bool:
     return not violations(model, cluster, plan, work) and not runtime_violations(
-        plan, microbatches(plan, work.global_batch), model)
+        plan, microbatches(work.global_batch, plan.dp, plan.micro_batch), model)
 
 
 @SETTINGS
@@ -184,7 +184,7 @@ def test_the_simulator_agrees_with_the_estimate(case, profile):
     # estimate hides, 4.5% at 2 pp micro-batches, 2.6% at 4 (known deviation, the same before
     # issue 12; docs/simulation.md).
     model, cluster, plan, work = case
-    m = microbatches(plan, work.global_batch)
+    m = microbatches(work.global_batch, plan.dp, plan.micro_batch)
     assume(plan.pp <= 4 and 2 * plan.pp <= m <= 16 and not (plan.offload_params and plan.pp > 1))
     assume(not (plan.zero == 3 and plan.pp > 1 and plan.virtual_stages > 1 and m < 4 * plan.pp))
     params = PROFILES[profile].apply(DEFAULT_PARAMS)  # under every codebase's profile
@@ -222,7 +222,7 @@ def test_every_top_plan_passes_the_runtime_checks_and_fits_with_headroom(case):
     for ranked in result.plans:
         p = ranked.plan
         assert violations(model, cluster, p, work) == []
-        assert runtime_violations(p, microbatches(p, work.global_batch), model) == [], p.short()
+        assert runtime_violations(p, microbatches(work.global_batch, p.dp, p.micro_batch), model) == [], p.short()
         assert ranked.export_only is None
         assert ranked.report.fits and not ranked.report.at_risk, p.short()
         assert ranked.report.oom_probability <= DEFAULT_PARAMS.max_oom_risk

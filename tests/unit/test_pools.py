@@ -15,7 +15,8 @@ from meshplan.cli.main import main
 from meshplan.cost import estimate
 from meshplan.cost.pools import estimate_pooled, pool_cluster, replica_samples
 from meshplan.errors import MeshplanError
-from meshplan.search.pools import _best_split, search_pools
+from meshplan.search import search
+from meshplan.search.pools import _best_split
 from meshplan.sim.pools import simulate_pooled
 from meshplan.spec.cluster import PooledCluster
 from meshplan.spec.graph import as_graph
@@ -176,8 +177,8 @@ def test_done_when_two_pools_beat_the_h100_pool_alone():
     pools and is predicted faster than the best plan on the H100 pool alone."""
     c = load_cluster(EXAMPLE)
     w = Workload(global_batch=512, seq_len=4096)
-    r = search_pools(load_model("llama3-70b"), c, w)
-    best, h100 = r.best, r.alone["h100"]
+    r = search(load_model("llama3-70b"), c, w)
+    best, h100 = r.best_pooled, r.alone["h100"]
     assert best is not None and h100 is not None and best.plan.multi_pool
     assert set(best.plan.pools) == {"h100", "a100"} and best.step_time_s < 0.9 * h100.step_time_s
     assert best.fits and not best.at_risk
@@ -189,9 +190,10 @@ def test_a_weak_link_between_pools_keeps_one_pool_and_says_why(tmp_path):
     c = load_cluster(EXAMPLE)
     slow = PooledCluster(name="slow", pools=c.pools, inter_pool=c.inter_pool.__class__(
         name="inter_pool", bandwidth_gbps=0.05, latency_us=20000.0))
-    r = search_pools(load_model("llama3-70b"), slow, Workload(global_batch=512, seq_len=4096))
-    assert r.best is not None and not r.best.plan.multi_pool and r.best.plan.pools == ("h100",)
-    assert r.best_multi is not None and r.best_multi.step_time_s > r.best.step_time_s
+    r = search(load_model("llama3-70b"), slow, Workload(global_batch=512, seq_len=4096))
+    best = r.best_pooled
+    assert best is not None and not best.plan.multi_pool and best.plan.pools == ("h100",)
+    assert r.best_multi is not None and r.best_multi.step_time_s > best.step_time_s
     assert any("slower" in line for line in r.explanation)
 
 
@@ -221,14 +223,11 @@ def test_cli_plan_estimate_simulate_report_on_pools(capsys, tmp_path):
     assert "Per-pool utilisation" in html and "Time lost to imbalance" in html and 'data-plot="gantt"' in html
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--gpus", "64"], "--gpus is not supported"),
-    (["--price-per-gpu-hour", "2"], "price_per_gpu_hour"),
-])
-def test_cli_refuses_what_pools_do_not_take(capsys, extra, words):
+def test_cli_price_override_on_pools(capsys):
+    """--price-per-gpu-hour on pools: one price for every pool, or POOL=USD pairs; unknown pools refused."""
     rc, out, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "64",
-                        *extra)
-    assert rc == 2 and words in err and "Traceback" not in err
+                        "--price-per-gpu-hour", "h200=2")
+    assert rc == 2 and "no pool 'h200'" in err and "h100, a100" in err and "Traceback" not in err
 
 
 def test_cli_estimate_with_an_unknown_pool(capsys):
@@ -300,7 +299,7 @@ def test_pools_of_different_sizes_get_replicas_in_proportion(tmp_path):
     c = cluster_from_dict({"name": "uneven", "pools": [
         {"name": "h100", "gpu": "h100-sxm-80gb", "num_nodes": 2},
         {"name": "a100", "gpu": "a100-sxm-80gb", "num_nodes": 1}]})
-    r = search_pools(load_model("llama3-8b"), c, Workload(global_batch=128, seq_len=4096))
+    r = search(load_model("llama3-8b"), c, Workload(global_batch=128, seq_len=4096))
     e = r.best_by_kind["replicas on pools"]
     assert e is not None and e.plan.pool_dp is not None and e.plan.pool_dp[0] > e.plan.pool_dp[1]
     assert e.num_gpus == 24
@@ -323,10 +322,10 @@ def test_the_nearest_global_batches_that_split():
 
 
 def test_objective_cost_says_dollars():
-    r = search_pools(load_model("llama3-70b"), load_cluster(EXAMPLE), Workload(global_batch=512, seq_len=4096),
+    r = search(load_model("llama3-70b"), load_cluster(EXAMPLE), Workload(global_batch=512, seq_len=4096),
                      objective="cost")
-    assert r.best is not None
-    if not r.best.plan.multi_pool and r.best_multi is not None:
+    assert r.best_pooled is not None
+    if not r.best_pooled.plan.multi_pool and r.best_multi is not None:
         assert any("costs more" in line and "per M tokens" in line for line in r.explanation)
 
 
@@ -343,7 +342,7 @@ def test_a_small_third_pool_does_not_hide_replicas_on_the_others():
         {"name": "h100", "gpu": "h100-sxm-80gb", "num_nodes": 2},
         {"name": "a100", "gpu": "a100-sxm-80gb", "num_nodes": 1},
         {"name": "l40s", "gpu": "l40s-48gb", "num_nodes": 1, "gpus_per_node": 4}]})
-    r = search_pools(load_model("llama3-8b"), c, Workload(global_batch=128, seq_len=4096))
+    r = search(load_model("llama3-8b"), c, Workload(global_batch=128, seq_len=4096))
     e = r.best_by_kind["replicas on pools"]
     assert e is not None and len(e.plan.pools) >= 2
 
@@ -373,14 +372,13 @@ def test_a_pool_alone_may_win_with_a_bucket_plan():
     the plan (pools=h100 with buckets) prices as the same plan on that pool's cluster, and the
     simulator's sampled mean agrees with it."""
     from meshplan.cost import estimate
-    from meshplan.search.pools import search_pools
     from meshplan.sim.pools import simulate_pooled
     from meshplan.spec.lengths import parse_lengths
     c = _pools(nodes=8)
     w = Workload.of(256, parse_lengths("2048:0.6,8192:0.3,32768:0.1"))
     g = load_model("llama3-8b")
-    r = search_pools(g, c, w, top=5)
-    best = r.best
+    r = search(g, c, w, top=5)
+    best = r.best_pooled
     assert best.plan.buckets is not None and best.plan.pools == ("a",)
     assert r.best_multi is not None and r.best_multi.step_time_s > best.step_time_s
     assert any("bucket plans run on one GPU type" in x for x in r.explanation)

@@ -113,12 +113,13 @@ def test_headline_winners_fit_with_headroom_and_the_runtime_accepts_them(case):
     pytest.importorskip("torch")
     from meshplan.runtime.mesh import check_supported
     from meshplan.search import search
-    from meshplan.spec.support import microbatches
+    from meshplan.spec.plan import microbatches
     m, c, w = load_model(case[0]), load_cluster(case[1]), Workload(global_batch=case[2], seq_len=case[3])
     r = search(m, c, w, top=3)
     for p in r.plans:
         assert p.report.fits and not p.report.at_risk and p.export_only is None
-        check_supported(m, p.plan, p.plan.num_gpus, w.seq_len, micro=microbatches(p.plan, w.global_batch))
+        check_supported(m, p.plan, p.plan.num_gpus, w.seq_len, micro=microbatches(w.global_batch, p.plan.dp,
+                                                                                       p.plan.micro_batch))
 
 
 def test_report_refuses_an_out_file_that_is_not_html(capsys, tmp_path):

@@ -14,8 +14,8 @@ from meshplan.search import SearchSpace, enumerate_space, search
 from meshplan.search.sizes import nice_sizes, parse_gpus, resized
 from meshplan.spec.constraints import violations
 from meshplan.spec.io import load_cluster, load_model
-from meshplan.spec.plan import Plan, Workload
-from meshplan.spec.support import microbatches, runtime_violations
+from meshplan.spec.plan import Plan, Workload, microbatches
+from meshplan.spec.support import runtime_violations
 
 
 @functools.cache
@@ -43,7 +43,7 @@ def _exhaustive_best(m, c, w, space):
     memory, short())."""
     best, fitting = None, 0
     for p in enumerate_space(m, c, w, space).plans():
-        if violations(m, c, p, w) or runtime_violations(p, microbatches(p, w.global_batch), m):
+        if violations(m, c, p, w) or runtime_violations(p, microbatches(w.global_batch, p.dp, p.micro_batch), m):
             continue
         r = estimate(m, c, p, w)
         if r.fits and not r.at_risk:

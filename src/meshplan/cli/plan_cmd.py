@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import sys
 import threading
@@ -234,7 +233,7 @@ def check_runtime_runs(space: Any, model: Any = None) -> None:
 def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[str]:
     """Parse --fix into base plan fields and search-space restrictions; the keys given."""
     from meshplan.search.space import SEARCHED
-    from meshplan.spec.base import _coerce
+    from meshplan.spec.base import coerce
     from meshplan.spec.plan import Plan
     hints = Plan.flat_hints()
     fields = set(hints)
@@ -252,24 +251,24 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[
             raise MeshplanError(f"--fix: {key} given twice", hint=f"list alternatives as {key}=a|b")
         seen.add(key)
         if key in ("tp", "pp", "cp", "ep", "zero", "micro_batch"):
-            changes[key] = tuple(_coerce(v, int, f"--fix {key}") for v in alts)
+            changes[key] = tuple(coerce(v, int, f"--fix {key}") for v in alts)
         elif key == "schedule":
             changes["schedules"] = tuple(alts)
         elif key == "recompute":
             changes["recompute"] = tuple(alts)
             changes["recompute_fractions"] = ()
         elif key == "offload":
-            vals = {bool(_coerce(v, bool, "--fix offload")) for v in alts}
+            vals = {bool(coerce(v, bool, "--fix offload")) for v in alts}
             if vals == {True}:  # only the offload variants
                 changes["offload"], changes["offload_only"] = True, True
             elif vals == {False}:
                 changes["offload"] = False
         elif key == "sequence_parallel":
-            vals = {bool(_coerce(v, bool, "--fix sequence_parallel")) for v in alts}
+            vals = {bool(coerce(v, bool, "--fix sequence_parallel")) for v in alts}
             if vals == {False}:
                 changes["sequence_parallel"] = False
         elif key in fields and key not in SEARCHED:
-            vals = [_coerce(v, hints[key], f"--fix {key}") for v in alts]
+            vals = [coerce(v, hints[key], f"--fix {key}") for v in alts]
             if len(set(vals)) > 1:
                 raise MeshplanError(f"--fix {key}: give one value ({key} is not searched, so there are no "
                                     "alternatives to choose from)", hint=f"e.g. --fix {key}={alts[0]}")
@@ -285,16 +284,25 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[
 
 
 def cluster_sizes(args: argparse.Namespace) -> list[Any]:
-    """--cluster, at each size of --gpus (if given), at --price-per-gpu-hour (if given)."""
+    """--cluster, at each size of --gpus (if given), at --price-per-gpu-hour (if given). On a
+    cluster of several pools a size is a budget of GPUs in all, taken fastest pool first
+    (search.sizes.resized; sizes above the GPUs the pools hold are left out, with a note)."""
     from meshplan.search.sizes import node_size, parse_gpus, resized
     from meshplan.spec.io import load_cluster
-    cluster = load_cluster(args.cluster)
-    price = price_per_gpu_hour(getattr(args, "price_per_gpu_hour", None))
-    if price is not None:
-        cluster = cluster.replace(price_per_gpu_hour_usd=price)
+    cluster = with_price(load_cluster(args.cluster), getattr(args, "price_per_gpu_hour", None))
     if args.gpus is None:
         return [cluster]
     sizes = parse_gpus(args.gpus, node_size(cluster))
+    if len(cluster.pools) > 1:  # a budget over the GPUs the pools hold
+        held = sum(p.num_gpus for p in cluster.pools)
+        over = [n for n in sizes if n > held]
+        sizes = [n for n in sizes if n <= held]
+        if not sizes:
+            raise MeshplanError(f"--gpus {args.gpus}: the pools of {cluster.name} hold {held:,} GPUs in all",
+                                hint=f"give sizes up to {held}, e.g. --gpus {node_size(cluster)}..{held}")
+        if over:
+            note(args, f"--gpus {args.gpus}: the pools of {cluster.name} hold {held:,} GPUs in all: "
+                       f"{', '.join(map(str, over))} left out")
     text = str(args.cluster)
     name, colon, count = text.partition(":")
     if colon and count and not text.lower().endswith((".toml", ".json")):
@@ -310,10 +318,37 @@ def price_per_gpu_hour(text: str | None) -> float | None:
     try:
         v = float(text.strip().lstrip("$"))
     except ValueError:
-        raise MeshplanError(f"--price-per-gpu-hour {text!r}: expected US$ per GPU-hour, e.g. 2.5") from None
+        raise MeshplanError(f"--price-per-gpu-hour {text!r}: expected US$ per GPU-hour, e.g. 2.5, or POOL=USD "
+                            "pairs on a cluster of several pools, e.g. h100=4,a100=2") from None
     if not 0 <= v < float("inf"):
         raise MeshplanError(f"--price-per-gpu-hour must be zero or positive; got {text!r}")
     return v
+
+
+def with_price(cluster: Any, text: str | None) -> Any:
+    """``cluster`` at --price-per-gpu-hour: one price for every GPU (every pool's), or, on a cluster
+    of several pools, POOL=USD pairs (the pools not named keep their price)."""
+    if text is None:
+        return cluster
+    if "=" not in text:
+        price = price_per_gpu_hour(text)
+        if len(cluster.pools) == 1:
+            return cluster.replace(price_per_gpu_hour_usd=price)
+        return cluster.replace(pools=tuple(p.replace(price_per_gpu_hour_usd=price) for p in cluster.pools))
+    if len(cluster.pools) == 1:
+        raise MeshplanError(f"--price-per-gpu-hour {text!r}: POOL=USD pairs are for a cluster of several pools; "
+                            f"{cluster.name} has one GPU type", hint="give one price, e.g. --price-per-gpu-hour 2.5")
+    prices: dict[str, float] = {}
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        name, _, usd = (y.strip() for y in part.partition("="))
+        if name not in cluster.names:
+            raise MeshplanError(f"--price-per-gpu-hour {text!r}: {cluster.name} has no pool {name!r}",
+                                hint=f"its pools: {', '.join(cluster.names)}")
+        if name in prices:
+            raise MeshplanError(f"--price-per-gpu-hour {text!r}: pool {name} priced twice")
+        prices[name] = price_per_gpu_hour(usd)  # type: ignore[assignment]
+    return cluster.replace(pools=tuple(p.replace(price_per_gpu_hour_usd=prices[p.name]) if p.name in prices else p
+                                       for p in cluster.pools))
 
 
 def price_source(args: argparse.Namespace, cluster: Any) -> str:
@@ -379,11 +414,11 @@ def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any
     model, work = as_problem(load_model_arg(args.model, seq_len=seq), args.global_batch, seq, lengths)
     if model.model is not None:
         check_positions(args, model.model, work.seq_len)
-    space = search_space(args, clusters[0], model)
+    space = search_space(args, clusters[0].pools[0], model)
     if args.objective is None:  # by time (to a target, where sync methods trade tokens for time), or by
         # dollars under a deadline
         from meshplan.search.space import base_sync, sync_options
-        weak = any(sync_options(c, space) != [base_sync(space.base)] for c in clusters)
+        weak = any(sync_options(p, space) != [base_sync(space.base)] for c in clusters for p in c.pools)
         args.objective = "cost" if deadline is not None else ("time-to-target" if weak else "time")
     return model, clusters, tokens, space, work
 
@@ -406,9 +441,12 @@ def check_positions(args: argparse.Namespace | None, model: Any, seq_len: int) -
 
 def check_gpus(model: Any, cluster: Any, work: Any, space: Any) -> None:
     """More GPUs than any plan can use (`search.space.most_gpus`): one line with the most the
-    global batch, heads, layers and sequence allow, and a size to try."""
+    global batch, heads, layers and sequence allow, and a size to try. (A cluster of several
+    pools is not checked: its plans may use part of it, e.g. one pool alone.)"""
     from meshplan.search.sizes import nice_sizes, node_size
     from meshplan.search.space import most_gpus
+    if len(cluster.pools) > 1:
+        return
     most, d = most_gpus(model, cluster, work, space)
     n = cluster.num_gpus
     if n <= most:
@@ -559,16 +597,14 @@ def _searcher(model: Any, work: Any, space: Any, objective: str, top: int, token
               deadline: float | None, progress: Progress | None, params: Any = None) -> Callable[[Any], Any]:
     """cluster -> SearchResult of that one size (the deadline applied)."""
     from meshplan.cost.params import DEFAULT_PARAMS
-    from meshplan.search.driver import search
-    from meshplan.search.result import apply_deadline
+    from meshplan.search import search
 
     def one(cluster: Any) -> Any:
         check_gpus(model, cluster, work, space)
-        r = search(model, [cluster], work, space, objective=objective, top=top, progress=progress,
-                   params=DEFAULT_PARAMS if params is None else params)
+        r = search(model, cluster, work, space, objective=objective, top=top, progress=progress,
+                   params=DEFAULT_PARAMS if params is None else params,
+                   deadline=(tokens, deadline) if deadline is not None and tokens is not None else None)
         r.train_tokens = tokens
-        if deadline is not None and tokens is not None:
-            apply_deadline(r, tokens, deadline)
         return r
     return one
 
@@ -744,18 +780,23 @@ def _check_policy(args: argparse.Namespace, clusters: list[Any], params: Any) ->
                                                 or getattr(args, "max_oom_risk", None) is not None):
         raise MeshplanError("--no-headroom accepts every plan that fits, so --headroom/--max-oom-risk would do nothing",
                             hint="give --no-headroom, or the policy (--max-oom-risk P, --headroom GiB), not both")
-    usable = max(usable_gib(c, params) for c in clusters)
+    usable = max(usable_gib(p, params) for c in clusters for p in c.pools)
     if params.headroom_gib >= usable:
         raise MeshplanError(f"--headroom {params.headroom_gib:g} GiB: a GPU here has only {usable:.1f} GiB usable, so "
                             "no plan can leave that much free", hint=f"give --headroom below {usable:.0f}")
 
 
 def _per_size(result: Any, tokens: float | None) -> list[str]:
-    """One line per cluster size: its best plan, or the main reason it has none."""
+    """One line per cluster size: its best plan, or the main reason it has none (on pools a size
+    is a budget of GPUs in all: the winner's is the size whose best plan it is)."""
     from meshplan.search.explain import usd
     from meshplan.search.result import train_days
     lines = ["best per cluster size:"]
     win = result.best.plan.num_gpus if result.best is not None else None
+    if result.best_pooled is not None:
+        b = result.best_pooled
+        win = next((c.num_gpus for c in result.per_cluster if (c.best_step_time_s, c.best_usd_per_mtok)
+                    == (b.step_time_s, b.usd_per_m_tokens)), None)
     for pc in result.per_cluster:
         n = f"  {pc.num_gpus:>6,} GPU{'' if pc.num_gpus == 1 else 's'}: "
         if pc.best_step_time_s is None:
@@ -850,39 +891,18 @@ def _pareto_lines(result: Any, tokens: float | None) -> list[str]:
     return out
 
 
-def _json_default(obj: Any) -> Any:
-    """numpy scalars and arrays (a vectorised cost model may return them) as plain JSON."""
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
-
-
 def _write_out(path: str, result: Any, cost: dict[str, str | None] | None = None) -> None:
-    from meshplan.cli.planfile import spec_fields  # the full model and cluster: the file reloads them exactly
-    from meshplan.spec.io import plan_document
+    from meshplan.spec.io import plan_document, spec_fields, write_plan_file
     best = result.best
     model = getattr(result.model, "source", None) or result.model.name  # an ingested graph: how to rebuild it
     extra = {k: v for k, v in (cost or {}).items() if v}  # --profile / --calibration as given
     lengths = result.work.lengths  # a distribution: recorded beside its longest length (cli.lengths_arg reads it)
     extra |= {"lengths": lengths.text(), "packing": lengths.packing} if lengths is not None else {}
+    # spec_fields: the full model and cluster, so that the file reloads them exactly
     doc = plan_document(best.plan, model=model, cluster=best.cluster.name,
                         global_batch=result.work.global_batch, seq_len=result.work.seq_len,
                         **spec_fields(result.model, best.cluster), predicted=best.report.to_dict(), **extra)
     write_plan_file(path, doc)
-
-
-def write_plan_file(path: str, doc: dict[str, Any]) -> None:
-    """--out: a plan document as TOML (a .toml path) or JSON; numpy values as plain numbers."""
-    try:
-        with open(path, "w") as f:
-            if path.lower().endswith(".toml"):
-                from meshplan.spec.io import dump_toml
-                f.write(dump_toml(json.loads(json.dumps(doc, default=_json_default))))
-            else:
-                json.dump(doc, f, indent=2, default=_json_default)
-                f.write("\n")
-    except OSError as e:
-        raise MeshplanError(f"cannot write --out {path}: {e.strerror or e}") from None
 
 
 def plot_pareto(path: str, result: Any) -> None:
@@ -892,18 +912,16 @@ def plot_pareto(path: str, result: Any) -> None:
     from meshplan.cost.memory import usable_gib
     from meshplan.report.charts import pareto_plot
     from meshplan.sim.output import write_figures
-    ref = result.best.cluster if result.best is not None else result.clusters[-1]
+    if result.best_pooled is not None:  # on pools: the tightest pool the winner uses
+        usable = min(p.usable_memory_gib for p in result.best_pooled.parts)
+    else:
+        usable = usable_gib(result.best.cluster if result.best is not None else result.clusters[-1])
     heading = f"{result.model.name}: {result.feasible:,} feasible of {result.considered:,}"
-    write_figures([pareto_plot(result, "memory", usable_gib(ref))], path, heading)
+    write_figures([pareto_plot(result, "memory", usable)], path, heading)
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshplan.cli import pools_cmd
     from meshplan.cli.costing import costing
-    if pools_cmd.is_pooled(args.cluster):
-        from meshplan.cli.lengths_arg import lengths_of, no_pools
-        no_pools(lengths_of(args))
-        return pools_cmd.run_plan(args)
     if args.plot is not None:
         from meshplan.sim.output import check_plot_path
         check_plot_path(args.plot)  # before the search: the format can be written
@@ -921,9 +939,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    price = {"usd_per_gpu_hour": clusters[0].price_per_hour, "source": price_source(args, clusters[0])}
+    price = price_info(args, clusters[0])
     _small_batch_note(args, result, work)
     result.notes += [n for n in getattr(args, "plan_notes", None) or () if n not in result.notes]
+    if result.pooled:  # a cluster of several pools: the plans of every kind over them (search.pools)
+        return _pooled_output(args, result, cost, tokens, price)
     if args.json:
         from meshplan.cli.format import json_text
         from meshplan.search.explain import explain
@@ -950,6 +970,11 @@ def run(args: argparse.Namespace) -> int:
         _write_out(args.out, result, {"profile": getattr(args, "profile", None),
                                       "calibration": getattr(args, "calibration", None),
                                       "token_efficiency": getattr(args, "token_efficiency", None)})
+    _plot(args, result)
+    return 0
+
+
+def _plot(args: argparse.Namespace, result: Any) -> None:
     if args.plot is not None:
         bar = progress_bar()
         try:
@@ -958,4 +983,91 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
+
+
+def price_info(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
+    """The price per GPU-hour and where it comes from (--json's "price"); on pools, each pool's."""
+    if len(cluster.pools) > 1:
+        return {"usd_per_gpu_hour": {p.name: p.price_per_hour for p in cluster.pools},
+                "source": "--price-per-gpu-hour" if getattr(args, "price_per_gpu_hour", None) is not None
+                else f"cluster {args.cluster} (each pool's price_per_gpu_hour_usd, else its GPU preset's)"}
+    return {"usd_per_gpu_hour": cluster.price_per_hour, "source": price_source(args, cluster)}
+
+
+def _pooled_output(args: argparse.Namespace, result: Any, cost: Any, tokens: float | None,
+                   price: dict[str, Any]) -> int:
+    """`meshplan plan` on a cluster of several pools: the text or --json of search.pools' result,
+    the options' parts (--gpus: the best per size; --deadline; --price-per-gpu-hour) only when given."""
+    work, model = result.work, result.model
+    extra: dict[str, Any] = {}
+    if len(result.per_cluster) > 1:
+        extra["per_cluster"] = [vars(c) for c in result.per_cluster]
+    if result.deadline_days is not None:
+        extra |= {"train_tokens": result.train_tokens, "deadline_days": result.deadline_days,
+                  "rejected": dict(result.rejected), "reject_examples": dict(result.reject_examples)}
+    if price["source"] == "--price-per-gpu-hour":
+        extra["price"] = price
+    if args.json:
+        from meshplan.cli.format import json_text
+        print(json_text(result.to_json() | extra | cost.to_json()))
+    else:
+        print("\n".join(cost.lines() + [pooled_text(result, tokens, price)]))
+    if result.best_pooled is None:
+        if result.deadline_days is not None and result.rejected.get("over the deadline"):
+            raise MeshplanError(f"no plan trains {tokens:,.0f} tokens of {model.name} within {result.deadline_days:g} "
+                                f"days on {result.clusters[0].name}: "
+                                + result.reject_examples.get("over the deadline", ""),
+                                hint="raise --deadline, train fewer tokens, or add GPUs to the pools")
+        raise MeshplanError(f"no plan fits {model.name} on any pool of {result.clusters[0].name} with global batch "
+                            f"{work.global_batch} x {work.seq_len}",
+                            hint="more GPUs, a smaller global batch or sequence, or a GPU with more memory")
+    if args.out is not None:
+        _write_pooled_out(args.out, result, str(args.cluster))
+    _plot(args, result)
     return 0
+
+
+def pooled_text(result: Any, tokens: float | None = None, price: dict[str, Any] | None = None) -> str:
+    """The text of `meshplan plan` on a cluster of several pools."""
+    from meshplan.cli.views import workload_text
+    from meshplan.units import human_seconds
+    pc, work = result.clusters[0], result.work
+    d = work.lengths
+    dist = "" if d is None or len(d.lengths) == 1 else f" (lengths {d.text()})"
+    lines = [f"{result.model.name} on {pc.name} ({pc.describe()}; {pc.num_gpus} GPUs), {workload_text(work)}{dist}, "
+             f"objective {result.objective}"]
+    if price is not None and price["source"] == "--price-per-gpu-hour":
+        each = ", ".join(f"{k} ${v:,.2f}" for k, v in price["usd_per_gpu_hour"].items())
+        lines.append(f"price per GPU-hour (--price-per-gpu-hour): {each}")
+    if result.deadline_days is not None:
+        from meshplan.search.result import token_count
+        lines.append(f"deadline: {result.deadline_days:g} days to train {token_count(tokens)} tokens "
+                     "(plans that take longer are rejected)")
+    lines += [f"searched {result.considered:,} plans in {result.search_time_s:.1f} s (every pool alone, replicas on "
+              "every pool, pipeline stages on every pool)", ""]
+    lines += result.explanation
+    lines += ["", f"{'step':>10} {'GPUs':>5} {'$/M tok':>8} {'MFU':>5}  plan"]
+    for e in result.pooled_plans:
+        lines.append(f"{human_seconds(e.step_time_s):>10} {e.num_gpus:5d} {e.usd_per_m_tokens:8.3f} {100 * e.mfu:4.0f}%  "
+                     f"{e.plan.short()}")
+    if len(result.per_cluster) > 1:
+        lines += [""] + _per_size(result, tokens)
+    if result.deadline_days is not None and result.reject_examples.get("over the deadline"):
+        lines += ["", f"over the deadline ({result.rejected['over the deadline']:,}): e.g. "
+                  + result.reject_examples["over the deadline"]]
+    return "\n".join(lines)
+
+
+def _write_pooled_out(path: str, result: Any, cluster: str) -> None:
+    """--out on pools: the winner as a plan file that every command reloads, its cluster file
+    recorded relative to the plan file (cli.planfile resolves it there)."""
+    import os
+
+    from meshplan.spec.io import plan_document, write_plan_file
+    best, work, model = result.best_pooled, result.work, result.model
+    if os.path.isfile(cluster):
+        cluster = os.path.relpath(os.path.abspath(cluster), os.path.dirname(os.path.abspath(path)))
+    extra = ({"lengths": work.lengths.text(), "packing": work.lengths.packing} if work.lengths is not None else {})
+    doc = plan_document(best.plan, model=getattr(model, "source", None) or model.name, cluster=cluster,
+                        global_batch=work.global_batch, seq_len=work.seq_len, predicted=best.to_dict(), **extra)
+    write_plan_file(path, doc)

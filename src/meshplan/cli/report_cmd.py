@@ -89,17 +89,15 @@ def _check_out(path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshplan.cli.plan_cmd import Progress, problem, train_cost
-    from meshplan.cli.planfile import is_file_arg, resolved_args
+    from meshplan.cli.planfile import resolved_args
     from meshplan.report import build_report, write_html
+    from meshplan.spec.io import is_file_arg
     t0 = time.perf_counter()
     _check_out(args.out)
     if args.plan is not None and not is_file_arg(args.plan):
         raise MeshplanError(f"--plan {args.plan}: report takes a plan file written by `meshplan plan --out`",
                             hint="the report searches every plan; drop --plan, or give a plan .json")
     command = _command(args)  # as typed (the plan file, not what it records)
-    from meshplan.cli import pools_cmd
-    if pools_cmd.is_pooled(getattr(args, "cluster", None), args):
-        return pools_cmd.run_report(args, command)
     from meshplan.cli.lengths_arg import lengths_of
     lengths_of(args)  # a --seq-len distribution (or the plan file's), before the file is resolved
     args = resolved_args(args, required=("model", "cluster", "global_batch"))  # --plan FILE's problem
@@ -121,7 +119,12 @@ def run(args: argparse.Namespace) -> int:
     write_html(args.out, text)
     size = f"{len(text.encode()) / 1024:,.0f} KiB"
     took = f"{time.perf_counter() - t0:.1f} s"
-    if result.best is not None:
+    if result.pooled:  # a cluster of several pools (report.pools)
+        from meshplan.units import human_seconds
+        b = result.best_pooled
+        print(f"wrote {args.out}: " + (f"best plan {b.plan.short()}, {human_seconds(b.step_time_s)} per step"
+                                       if b is not None else "no plan fits on any pool"))
+    elif result.best is not None:
         from meshplan.cli.format import seconds
         b = result.best
         print(f"wrote {args.out} ({size}, {took}): best plan {b.plan.short()} on {b.plan.num_gpus} GPUs, "

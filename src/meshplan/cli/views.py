@@ -6,7 +6,7 @@ from meshplan.cost.report import CostReport
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.lengths import workload_text
-from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.plan import Plan, Workload, microbatches
 from meshplan.units import human_count
 
 TIME_LABELS = {
@@ -121,9 +121,9 @@ def host_lines(r: CostReport) -> list[str]:
 
 def runtime_status(model: LayerGraph, plan: Plan, work: Workload) -> dict[str, object]:
     """Whether meshplan's runtime runs ``plan`` as planned (spec.support), for the JSON output."""
-    from meshplan.spec.support import export_targets, microbatches, runtime_violations
+    from meshplan.spec.support import export_targets, runtime_violations
     spec = model
-    micro = microbatches(plan, work.global_batch)
+    micro = microbatches(work.global_batch, plan.dp, plan.micro_batch)
     bad = runtime_violations(plan, micro, spec)
     targets = export_targets(plan, micro, spec)
     issues = [{"rule": rule.name, "kind": rule.kind, "reason": why} for rule, why in bad]

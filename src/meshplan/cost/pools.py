@@ -38,7 +38,7 @@ from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import ClusterSpec, PooledCluster
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.plan import Plan, Workload, share_split, share_unit, split_fault
 
 
 @dataclass
@@ -113,12 +113,9 @@ class PooledEstimate:
 
 def replica_samples(plan: Plan, global_batch: int) -> list[int]:
     """Samples per data-parallel replica under plan.dp_shares (whole micro-batches each)."""
-    shares = plan.replica_shares
-    total = sum(shares)
     out = []
-    for s in shares:
-        n, rem = divmod(global_batch * s, total)
-        if rem or n % plan.micro_batch or n == 0:
+    for n, rem in share_split(plan.replica_shares, global_batch):
+        if split_fault(n, rem, plan.micro_batch) is not None:
             how = (f"as dp_shares={':'.join(map(str, plan.dp_shares))}" if plan.dp_shares is not None
                    else f"evenly over dp={plan.dp} replicas")
             lo, hi = nearest_batches(plan, global_batch)
@@ -135,12 +132,7 @@ def nearest_batches(plan: Plan, global_batch: int) -> tuple[int | None, int | No
     """The nearest global batches below and above ``global_batch`` that split into whole
     micro-batches under the plan's shares (each replica's share s of S: B s / S a multiple of
     micro_batch): the multiples of S x micro_batch / gcd over the shares."""
-    import math
-    shares, mb = plan.replica_shares, plan.micro_batch
-    S = sum(shares)
-    unit = 1
-    for s in set(shares):
-        unit = math.lcm(unit, S * mb // math.gcd(s, S * mb))  # B s / S in mb-multiples <=> unit | B
+    unit = share_unit(plan.replica_shares, plan.micro_batch)
     lo = (global_batch // unit) * unit
     hi = lo + unit
     return (lo if lo > 0 and lo != global_batch else None), hi

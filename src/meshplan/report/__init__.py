@@ -20,9 +20,9 @@ from typing import Any
 from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
-from meshplan.search.driver import search
+from meshplan.search import search
 from meshplan.search.result import SearchResult
-from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.cluster import ClusterSpec, PooledCluster
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Workload
@@ -46,6 +46,9 @@ class Report:
     command: str | None = None
 
     def html(self) -> str:
+        if self.result.pooled:  # a cluster of several pools: what each pool does (report.pools)
+            from meshplan.report.pools import render_pooled
+            return render_pooled(self.result, self.sim, self.sim_summary, self.command)
         from meshplan.report.page import render
         return render(self.result, usable_gib=self.usable_gib, sim=self.sim, sim_summary=self.sim_summary,
                       sim_error=self.sim_error, train=self.train, command=self.command)
@@ -74,6 +77,15 @@ def simulate_winner(result: SearchResult, params: CostParams = DEFAULT_PARAMS, m
     too long to simulate quickly, or the simulator cannot run its plan. ``model``: the --model of the command the page
     suggests for a long step (default: ``model_arg`` of the result's model)."""
     import meshplan.sim as sim
+    if result.pooled:  # every rank on its own pool's hardware (sim.simulate of a plan over pools)
+        if result.best_pooled is None:
+            return None, None, "no plan fits"
+        try:
+            res, summary = sim.simulate(result.model, result.clusters[0], result.best_pooled.plan, result.work,
+                                        params)
+        except MeshplanError as e:
+            return None, None, str(e)
+        return res, summary, None
     best = result.best
     if best is None:
         return None, None, "no plan fits"
@@ -85,31 +97,33 @@ def simulate_winner(result: SearchResult, params: CostParams = DEFAULT_PARAMS, m
                             f"{model or model_arg(result.model)} --cluster {best.cluster.name} --global-batch "
                             f"{w.global_batch} --seq-len {w.lengths.text() if w.varied and w.lengths else w.seq_len} "
                             f"--plan {best.plan.short()} --trace trace.json")
-    try:
-        if result.work.varied:  # sampled batches of the length distribution (sim.simulate_varied)
-            res, summary = sim.simulate_varied(result.model, best.cluster, best.plan, result.work, params)
-        else:
-            res, summary = sim.simulate_plan(result.model, best.cluster, best.plan, result.work, params)
+    try:  # under a length distribution: sampled batches (sim.simulate)
+        res, summary = sim.simulate(result.model, best.cluster, best.plan, result.work, params)
     except MeshplanError as e:
         return None, None, str(e)
     return res, summary, None
 
 
-def build_report(model: ModelSpec | LayerGraph, clusters: ClusterSpec | list[ClusterSpec], work: Workload,
+def build_report(model: ModelSpec | LayerGraph, clusters: ClusterSpec | PooledCluster | list[Any], work: Workload,
                  space: Any = None, *, objective: str = "time", top: int = 5,
                  params: CostParams = DEFAULT_PARAMS, progress: Any = None, simulate: bool = True,
                  command: str | None = None, model_name: str | None = None) -> Report:
     """Search, then simulate the winner: the inputs of the page.
 
     ``space``: a SearchSpace (None: the default space). ``model_name``: the --model the page's
-    commands use (default ``model_arg(model)``)."""
-    clusters = [clusters] if isinstance(clusters, ClusterSpec) else list(clusters)
-    result = search(model, clusters, work, space, params=params, objective=objective, top=top,
-                    progress=progress)
+    commands use (default ``model_arg(model)``). ``clusters``: any cluster, or several sizes
+    (search.search)."""
+    clusters = [clusters] if isinstance(clusters, (ClusterSpec, PooledCluster)) else list(clusters)
+    result = search(model, clusters[0] if len(clusters) == 1 else clusters, work, space, params=params,
+                    objective=objective, top=top, progress=progress)
     sim, summary, err = (simulate_winner(result, params, model=model_name) if simulate
                          else (None, None, "simulation switched off"))
-    ref = result.best.cluster if result.best is not None else clusters[-1]
-    return Report(result=result, usable_gib=usable_gib(ref, params), sim=sim, sim_summary=summary,
+    if result.best_pooled is not None:
+        usable = min(p.usable_memory_gib for p in result.best_pooled.parts)
+    else:
+        ref = result.best.cluster if result.best is not None else clusters[-1]
+        usable = usable_gib(ref.pools[0], params)
+    return Report(result=result, usable_gib=usable, sim=sim, sim_summary=summary,
                   sim_error=err, command=command)
 
 

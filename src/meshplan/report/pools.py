@@ -1,4 +1,4 @@
-"""The report page of a search over several GPU pools (search.pools): what each pool does, its
+"""The report page of a search over several GPU pools (search.search's pools stage): what each pool does, its
 utilisation, the time lost to imbalance, the plans of every kind, and the simulated timeline
 with every rank on its own pool's hardware (sim.pools). Self-contained HTML, like report.page."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshplan import __version__
-from meshplan.report.page import CSS, JS_GUARD, JS_MAIN, _dist, _json_script
+from meshplan.report.page import CSS, JS_GUARD, JS_MAIN, json_script, lengths_note
 from meshplan.spec.lengths import workload_text
 from meshplan.svg import esc
 
@@ -48,11 +48,12 @@ class _Bar:
             p.name, p.gpus, p.idle_s, p.busy_fraction, cross
 
 
-def render_pooled(res: Any, sim: Any = None, command: str | None = None) -> str:
-    """The whole page for a PooledResult ``res`` and the simulation of its best plan."""
+def render_pooled(res: Any, sim: Any = None, summary: dict[str, Any] | None = None, command: str | None = None) -> str:
+    """The whole page for the SearchResult ``res`` of a cluster of several pools and the simulation
+    of its best plan (sim.simulate: its timeline ``sim`` and ``summary``)."""
     from meshplan.sim.output import gantt, sim_memory
-    pc, work, best = res.cluster, res.work, res.best
-    heading = f"{esc(str(getattr(res, 'model_name', '')))} on {esc(pc.name)} ({esc(pc.describe())})"
+    pc, work, best = res.clusters[0], res.work, res.best_pooled
+    heading = f"{esc(str(res.model.name))} on {esc(pc.name)} ({esc(pc.describe())})"
     parts_html = ""
     if best is not None:
         rows = "".join(
@@ -77,25 +78,28 @@ def render_pooled(res: Any, sim: Any = None, command: str | None = None) -> str:
         f"<tr{' class=win' if i == 0 else ''}><td>{i + 1}</td><td data-v='{e.step_time_s}'>{e.step_time_s:.2f}</td>"
         f"<td>{e.num_gpus}</td><td data-v='{e.usd_per_m_tokens}'>{e.usd_per_m_tokens:.3f}</td>"
         f"<td data-v='{e.imbalance_s}'>{e.imbalance_s:.2f}</td><td class='l plan'><code>{esc(e.plan.short())}</code>"
-        "</td></tr>" for i, e in enumerate(res.plans))
+        "</td></tr>" for i, e in enumerate(res.pooled_plans))
     kinds = "".join(
         f"<li><b>{esc(k)}</b>: " + (f"{e.step_time_s:.2f} s, <code>{esc(e.plan.short())}</code>" if e else
                                     "no plan fits with memory headroom") + "</li>"
         for k, e in [*[(f"{n} alone", v) for n, v in res.alone.items()], *res.best_by_kind.items()])
     timeline = ""
-    if sim is not None:
+    if sim is not None and summary is not None:
         usable = min(p.usable_memory_gib for p in best.parts) if best else None
-        labels = ", ".join(f"{p.name}: ranks {p.ranks[0]}-{p.ranks[-1]}" if len(p.ranks) > 1 else
-                           f"{p.name}: rank {p.ranks[0]}" for p in sim.pools)
+        used = best.plan.pools[0] if best is not None and best.plan.pools else ""
+        labels = ", ".join(f"{p['pool']}: ranks {p['ranks'][0]}-{p['ranks'][-1]}" if len(p["ranks"]) > 1 else
+                           f"{p['pool']}: rank {p['ranks'][0]}" for p in summary.get("pools", ())) \
+            or f"{used}: every rank"  # a plan on one pool alone
+        t, a = summary["step_time_s"], summary["analytic_step_time_s"]
         timeline = ('<section id="timeline"><h2>Simulated step</h2>'
-                    f"<p>Simulated {sim.step_time_s:.3f} s vs the cost model's {sim.analytic_step_time_s:.3f} s "
-                    f"({100 * (sim.step_time_s / sim.analytic_step_time_s - 1):+.2f}%). Rows by pool: {esc(labels)}. "
+                    f"<p>Simulated {t:.3f} s vs the cost model's {a:.3f} s "
+                    f"({100 * (t / a - 1):+.2f}%). Rows by pool: {esc(labels)}. "
                     "Every rank runs at its own pool's speed (the durations come from the cost model per GPU "
-                    "type)." + "".join(f" {esc(n[0].upper() + n[1:])}." for n in sim.notes) + "</p>"
-                    + gantt(sim.result)
-                    + (sim_memory(sim.result, usable) if any(len(m) > 1 for m in sim.result.memory) else "")
+                    "type)." + "".join(f" {esc(n[0].upper() + n[1:])}." for n in summary.get("notes", ())) + "</p>"
+                    + gantt(sim)
+                    + (sim_memory(sim, usable) if any(len(m) > 1 for m in sim.memory) else "")
                     + "</section>")
-    doc = {"search": res.to_dict(), "simulation": sim.summary() if sim is not None else None}
+    doc = {"search": res.to_json(), "simulation": summary}
     nav = "".join(f'<a href="#{a}">{t}</a>' for a, t in (("pools", "per pool"), ("plans", "plans"),
                                                         ("timeline", "timeline"), ("explanation", "why")))
     verdict = ("<div class=verdict><div class=big>" + esc(res.explanation[0] if res.explanation else "") + "</div>"
@@ -106,7 +110,7 @@ def render_pooled(res: Any, sim: Any = None, command: str | None = None) -> str:
         f"<title>meshplan report: {heading}</title>",
         f"<script>{JS_GUARD}</script><style>{CSS}</style></head><body><main>",
         f"<h1>meshplan report: {heading}</h1>",
-        f'<p class="mut">{esc(workload_text(work))}{esc(_dist(work))}; {res.considered:,} plans '
+        f'<p class="mut">{esc(workload_text(work))}{esc(lengths_note(work))}; {res.considered:,} plans '
         f"searched over {len(pc.pools)} pools" + (f"; <code>{esc(command)}</code>" if command else "")
         + f"</p><nav>{nav}</nav>", verdict, parts_html,
         f'<section id="plans"><h2>Plans</h2><ul>{kinds}</ul><table class=sortable><thead><tr><th>#</th>'
@@ -117,5 +121,5 @@ def render_pooled(res: Any, sim: Any = None, command: str | None = None) -> str:
         + "".join(f"<li>{esc(x.strip())}</li>" for x in res.explanation) + "</ul></section>",
         f"<footer>meshplan {esc(__version__)}: cost model estimates per pool, simulated timeline from the same "
         "durations. Self-contained (no network).</footer></main>",
-        _json_script(doc),
+        json_script(doc),
         f"<script>{JS_MAIN}</script></body></html>\n"])

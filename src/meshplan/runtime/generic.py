@@ -718,10 +718,10 @@ def preflight(job: Any) -> tuple[Any, Any]:
     topo = {"nodes": job.nnodes, "nodes_per_dc": getattr(job, "nodes_per_dc", None)}
     if graph is not None:  # the planner's tables on the traced graph first: their reasons are the search's
         pre.check_graph_plan(graph, plan, job.global_batch, **topo)
-        from meshplan.spec.support import microbatches as micro_of
+        from meshplan.spec.plan import microbatches
         from meshplan.spec.support import runtime_violations
-        refused = [why for rule, why in runtime_violations(plan, micro_of(plan, job.global_batch), graph)
-                   if rule.kind == "refused"]
+        micro = microbatches(job.global_batch, plan.dp, plan.micro_batch)
+        refused = [why for rule, why in runtime_violations(plan, micro, graph) if rule.kind == "refused"]
         if refused:
             raise MeshplanError("plan: " + "; ".join(refused))
     if plan.pp > 1:

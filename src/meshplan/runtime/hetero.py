@@ -20,7 +20,6 @@
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ import numpy as np
 
 from meshplan.errors import MeshplanError
 from meshplan.spec.lengths import LengthDist
-from meshplan.spec.plan import Plan
+from meshplan.spec.plan import Plan, share_split, share_unit, split_fault
 
 IGNORE = -100
 """Target id of padding: cross-entropy's default ignore_index (its loss and gradient are 0)."""
@@ -41,14 +40,6 @@ def _shares_text(plan: Plan) -> str:
     return ":".join(str(s) for s in plan.dp_shares or ())
 
 
-def share_unit(plan: Plan) -> int:
-    """The smallest global batch every replica's share of which is a whole number of micro-batches
-    (valid global batches are its multiples)."""
-    shares = plan.replica_shares
-    total = sum(shares) * plan.micro_batch
-    return total // math.gcd(total, math.gcd(*shares))
-
-
 def replica_rows(plan: Plan, global_batch: int) -> tuple[int, ...]:
     """Samples of the global batch per data-parallel replica: ``global_batch * share / sum(shares)``
     (even shares: global_batch / dp). A one-line MeshplanError when a replica's share is not a
@@ -57,13 +48,11 @@ def replica_rows(plan: Plan, global_batch: int) -> tuple[int, ...]:
     total = sum(shares)
     m = plan.micro_batch
     out = []
-    for r, s in enumerate(shares):
-        rows, rem = divmod(global_batch * s, total)
-        if rem or rows == 0 or rows % m:
-            unit = share_unit(plan)
+    for r, (s, (rows, rem)) in enumerate(zip(shares, share_split(shares, global_batch))):
+        what = split_fault(rows, rem, m)
+        if what is not None:
+            unit = share_unit(shares, m)
             got = f"{global_batch * s / total:.4g}"
-            what = ("not a whole number of samples" if rem else "no sample at all" if rows == 0
-                    else f"not a whole number of micro-batches of micro_batch={m}")
             if plan.dp_shares is None:
                 raise MeshplanError(f"--global-batch {global_batch} is not divisible by dp x micro_batch = "
                                     f"{plan.dp} x {m}", hint="change the batch or the plan")

@@ -97,7 +97,7 @@ class RunConfig:
         return isinstance(self.model, str)
 
 
-def microbatches(cfg: RunConfig, dp_rank: int = 0) -> int:
+def rank_microbatches(cfg: RunConfig, dp_rank: int = 0) -> int:
     """Micro-batches per step of data-parallel replica ``dp_rank`` (uneven dp_shares: its own count)."""
     if cfg.plan.dp_shares is None:
         return checked_microbatches(cfg.plan, cfg.global_batch)
@@ -337,7 +337,7 @@ class Trainer:
             hetero.check_lengths(plan, cfg.lengths)
         self.bucketed = bool(plan.buckets)
         """A bucket plan: each rank runs its own list of micro-batches (``_bucket_forward_backward``)."""
-        self.n_micro = microbatches(cfg, self.dp_rank)
+        self.n_micro = rank_microbatches(cfg, self.dp_rank)
         self.rows = self.n_micro * plan.micro_batch
         """Samples of the global batch this replica trains on per step."""
         self.uneven = hetero.uneven(plan, cfg.global_batch)

@@ -32,13 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.buckets import estimate_buckets_batch
+from meshplan.cost.buckets import plan_batch, plan_report
 from meshplan.cost.lengths import anchor_lengths
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.search.result import RankedPlan, SearchResult, rank_key
+from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
+from meshplan.search.result import ParetoPoint, RankedPlan, SearchResult, rank_key
 from meshplan.spec.buckets import Bucket
-from meshplan.spec.plan import Plan, Workload
-from meshplan.spec.support import export_targets, microbatches
+from meshplan.spec.plan import Plan, Workload, microbatches, parse_plan
+from meshplan.spec.support import export_targets
 
 BASES = 6
 """Distinct base configurations (best first) the stage builds bucket plans from."""
@@ -110,7 +111,6 @@ def pick_bases(result: SearchResult, params: CostParams, pool: list[Plan] | None
     without a pipeline, fastest first; default: the ranking's), re-ranked by their expected step
     under bucketed packing (a bucket plan sorts the step's samples itself, so the bases must not
     depend on the request's packing), among those meshplan's runtime runs with buckets."""
-    from meshplan.cost.lengths import estimate_lengths_batch
     cluster = result.plans[0].cluster
     if pool is None:
         pool = [p.plan for p in result.plans if p.cluster is cluster]
@@ -122,7 +122,8 @@ def pick_bases(result: SearchResult, params: CostParams, pool: list[Plan] | None
                 or plan.num_gpus != cluster.num_gpus:
             continue
         probe = plan.replace(buckets=(f"{result.work.seq_len}x{plan.micro_batch}cp{plan.cp}",))
-        if export_targets(probe, microbatches(probe, result.work.global_batch), result.model) is not None:
+        micro = microbatches(result.work.global_batch, probe.dp, probe.micro_batch)
+        if export_targets(probe, micro, result.model) is not None:
             continue  # the runtime refuses it (e.g. an optimizer offloaded alone): so would it its buckets
         seen.add(key)
         keep.append(plan)
@@ -131,7 +132,7 @@ def pick_bases(result: SearchResult, params: CostParams, pool: list[Plan] | None
     d = result.work.lengths
     assert d is not None
     sorted_work = Workload.of(result.work.global_batch, d.with_packing("bucketed"))
-    steps = estimate_lengths_batch(result.model, cluster, sorted_work, keep, params)["step_time_s"]
+    steps = plan_batch(result.model, cluster, sorted_work, keep, params)["step_time_s"]
     order = np.argsort(steps, kind="stable")
     return [keep[int(i)] for i in order[:BASES]]
 
@@ -159,7 +160,8 @@ def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS, top: i
     cands: list[Plan] = []
     for b in bases:
         for c in candidates(b, work):
-            if c not in cands and export_targets(c, microbatches(c, work.global_batch), result.model) is None:
+            micro = microbatches(work.global_batch, c.dp, c.micro_batch)
+            if c not in cands and export_targets(c, micro, result.model) is None:
                 cands.append(c)  # (the runtime runs it as planned: spec.support)
     info: dict[str, Any] = {"bases": [b.short() for b in bases], "candidates": len(cands), "fitting": 0,
                             "best": None, "best_one_shape": None}
@@ -172,18 +174,16 @@ def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS, top: i
     fitting: list[int] = []
     r: dict[str, np.ndarray] = {}
     if cands:
-        r = estimate_buckets_batch(result.model, cluster, work, cands, params)
+        r = plan_batch(result.model, cluster, work, cands, params)
         ok = r["fits"] & np.isfinite(r["step_time_s"]) & np.asarray(r["host_fits"], dtype=bool)
         if result.headroom:
             ok &= ~np.asarray(r["at_risk"], dtype=bool)
-        from meshplan.cost.buckets import estimate_buckets
-        from meshplan.search.pareto import usd_per_million_tokens
         for i in np.argsort(r["step_time_s"]):
             if not ok[i]:
                 continue
             plan = cands[int(i)]
             try:
-                report = estimate_buckets(result.model, cluster, plan, work, params)
+                report = plan_report(result.model, cluster, plan, work, params)
             except Exception:  # noqa: BLE001 - a sub-plan the cost model's checks refuse
                 continue
             fitting.append(int(i))
@@ -205,7 +205,6 @@ def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS, top: i
     _pareto_with(result, cands, r, fitting, cluster)
     po = result.passed_over
     if po is not None:
-        from meshplan.spec.plan import parse_plan
         best_now = result.plans[0].report.step_time_s if result.plans else float("inf")
         if _needs_buckets(parse_plan(po["plan"])) or po["step_time_s"] >= best_now:
             result.passed_over = None
@@ -218,8 +217,6 @@ def _pareto_with(result: SearchResult, cands: list[Plan], r: dict[str, np.ndarra
                  cluster: Any) -> None:
     """The Pareto front (time, memory, $) without the one-shape plans the runtime refuses, with the
     fitting bucket plans."""
-    from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
-    from meshplan.search.result import ParetoPoint
     pts = [q for q in result.pareto if not _needs_buckets(q.plan)]
     for i in fitting:
         t = float(r["step_time_s"][i])

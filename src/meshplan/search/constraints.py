@@ -28,6 +28,8 @@ import numpy as np
 from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
 from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec import constraints as sc
+from meshplan.spec import support as su
 from meshplan.spec.constraints import CHECKS, Context
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
@@ -307,10 +309,52 @@ def periodic_ep(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) ->
     return is_periodic(np.asarray(cols["grad_sync"])) & (_i64(cols, "ep") > 1)
 
 
-# The vectorised twin of each scalar predicate has the scalar one's function name (without "_").
-VECTOR_CHECKS: dict[str, Masker] = {name: globals()[fn.__name__] for name, fn in CHECKS.items()}
-RUNTIME_CHECKS: dict[str, Masker] = {name: globals()[rule.why.__name__.lstrip("_")]
-                                     for name, rule in RULES.items()}
+TWINS: dict[Callable[..., str | None], Masker] = {
+    # spec.constraints.CHECKS: the scalar predicate (a Context -> its reason, or None) -> its vectorised twin
+    sc.gpus_match: gpus_match,
+    sc.tp_divides_heads: tp_divides_heads,
+    sc.tp_divides_widths: tp_divides_widths,
+    sc.tp_has_layers: tp_has_layers,
+    sc.tp_within_node: tp_within_node,
+    sc.pipeline_allowed: pipeline_allowed,
+    sc.layers_split: layers_split,
+    sc.batch_divides: batch_divides,
+    sc.schedule_fits: schedule_fits,
+    sc.cp_has_attention: cp_has_attention,
+    sc.cp_divides_seq: cp_divides_seq,
+    sc.sp_needs_tp: sp_needs_tp,
+    sc.sp_has_activations: sp_has_activations,
+    sc.ep_valid: ep_valid,
+    sc.hybrid_valid: hybrid_valid,
+    sc.offload_valid: offload_valid,
+    sc.zero2_pipeline: zero2_pipeline,
+    sc.recompute_layers_valid: recompute_layers_valid,
+    sc.precision_supported: precision_supported,
+    sc.sync_valid: sync_valid,
+    # spec.support.RULES: the runtime's rule (Rule.why: plan, micro-batches, model -> its reason) -> its twin
+    su.zero_bubble_dp: zero_bubble_dp,
+    su.few_microbatches: few_microbatches,
+    su.fp8_tp: fp8_tp,
+    su.allreduce_sharded: allreduce_sharded,
+    su.unfused_attention: unfused_attention,
+    su.fused_loss: fused_loss,
+    su.p2p_sends: p2p_sends,
+    su.async_tp_eager: async_tp_eager,
+    su.offload_optimizer_only: offload_optimizer_only,
+    su.kv_replicated: kv_replicated,
+    su.traced_sp: traced_sp,
+    su.traced_cp: traced_cp,
+    su.traced_ep: traced_ep,
+    su.traced_recompute: traced_recompute,
+    su.traced_fp8: traced_fp8,
+    su.powersgd_fsdp: powersgd_fsdp,
+    su.periodic_ep: periodic_ep,
+}
+"""The one table pairing each rule's scalar check with its vectorised twin (True where a plan breaks
+it). The rules' names, order and reasons are the spec tables' (spec.constraints.CHECKS and
+spec.support.RULES); the masks below are generated from them through this table."""
+VECTOR_CHECKS: dict[str, Masker] = {name: TWINS[fn] for name, fn in CHECKS.items() if fn in TWINS}
+RUNTIME_CHECKS: dict[str, Masker] = {name: TWINS[rule.why] for name, rule in RULES.items()}
 SEARCH_CHECKS = RUNTIME_CHECKS  # the search-only rules are the runtime's
 
 

@@ -2,6 +2,11 @@
 
     search(model, clusters, work, space) -> SearchResult
 
+``clusters``: one cluster, several sizes of one GPU type, or a cluster of several GPU pools
+(a PooledCluster: each pool's own search as below, then the pools stage, search.pools);
+``work``: one length, or a length distribution (the expected step, cost.lengths, and the
+data-aware bucket stage, search.buckets, after step 5).
+
 Per cluster size:
   1. enumerate the declared space as columns (`space.enumerate_space`);
   2. vectorised constraints; each rejected row counted once under its first reason;
@@ -16,6 +21,7 @@ The top plans are re-estimated for their full CostReport (time breakdown for the
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from meshplan.cost import estimate
-from meshplan.cost.lengths import estimate_lengths
+from meshplan.cost.buckets import plan_batch, plan_report
 from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.uncertainty import risk_words
@@ -43,17 +49,20 @@ from meshplan.search.constraints import (
     reason_names,
     violation_masks,
 )
-from meshplan.search.evaluate import evaluate
+from meshplan.search.buckets import POOL, base_key, data_aware
+from meshplan.search.evaluate import EXPOSED_TERMS, FLOAT_COLUMNS, empty_columns, evaluate
+from meshplan.search.nearest import nearest_options
 from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
-from meshplan.search.result import ClusterCount, ParetoPoint, RankedPlan, SearchResult
+from meshplan.search.pools import SHORTLIST, budget_pools, rank_over_pools
+from meshplan.search.result import ClusterCount, ParetoPoint, RankedPlan, SearchResult, apply_deadline, merge
 from meshplan.search.sizes import MAX_GPUS
 from meshplan.search.space import SearchSpace, enumerate_space
-from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.cluster import ClusterSpec, PooledCluster
 from meshplan.spec.constraints import violations
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload
-from meshplan.spec.support import RULES, export_targets, microbatches, runtime_violations
+from meshplan.spec.plan import Plan, Workload, microbatches
+from meshplan.spec.support import RULES, export_targets, runtime_violations
 from meshplan.units import gib_need
 
 Progress = Callable[[int, int], None]
@@ -147,11 +156,9 @@ def evaluate_lengths(model: ModelSpec, cluster: ClusterSpec, work: Workload, col
                      params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
     """`evaluate` for a workload with varied sample lengths: the expected step of cost.lengths
     (its imbalance term counts towards ``dominant``)."""
-    from meshplan.cost.lengths import estimate_lengths_batch
-    from meshplan.search.evaluate import EXPOSED_TERMS, FLOAT_COLUMNS, _empty
     if cols.num_rows == 0:
-        return _empty()
-    r = estimate_lengths_batch(model, cluster, work, cols.plain(), params)
+        return empty_columns()
+    r = plan_batch(model, cluster, work, cols.plain(), params)
     names = (*EXPOSED_TERMS, "imbalance")
     terms = np.stack([np.asarray(r[f"time.{k}"], dtype=float) for k in names])
     out = {k: np.asarray(r[k], dtype=float) for k in FLOAT_COLUMNS}
@@ -176,15 +183,28 @@ def checked_request(clusters: ClusterSpec | Sequence[ClusterSpec], objective: st
     return clusters
 
 
-def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | Sequence[ClusterSpec], work: Workload,
-           space: SearchSpace | None = None, *, params: CostParams = DEFAULT_PARAMS,
+def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | PooledCluster | Sequence[ClusterSpec],
+           work: Workload, space: SearchSpace | None = None, *, params: CostParams = DEFAULT_PARAMS,
            objective: str = "time", top: int = 10, prune: bool = True,
            progress: Progress | None = None, chunk: int = 32768,
-           evaluator: Evaluator = evaluate) -> SearchResult:
-    """Find the best plans for ``model`` on each of ``clusters`` (one or several sizes).
+           evaluator: Evaluator = evaluate, deadline: tuple[float, float] | None = None) -> SearchResult:
+    """Find the best plans for ``model`` on each of ``clusters`` (one or several sizes of one GPU
+    type), or on a cluster of several GPU pools (a PooledCluster: the pools stage, search.pools).
+    ``work`` is one length or a length distribution (then the data-aware bucket stage runs too,
+    search.buckets, unless ``space.buckets`` is off).
 
     ``evaluator`` has the signature and contract of `meshplan.search.evaluate.evaluate` (the
-    default); ``chunk`` is how many rows it receives per call."""
+    default); ``chunk`` is how many rows it receives per call. ``deadline``: (tokens to train,
+    days): plans that take longer are rejected (`search.result.apply_deadline`; exact on one
+    cluster size). A PooledCluster's ``max_gpus`` is a budget of GPUs in all
+    (`search.pools.budget_pools`)."""
+    if isinstance(clusters, PooledCluster):
+        return _search_pools(model, clusters, work, space, params=params, objective=objective, top=top,
+                             deadline=deadline)
+    if not isinstance(clusters, ClusterSpec) and any(isinstance(c, PooledCluster) for c in clusters):
+        # several GPU budgets of one cluster of pools: each searched, then merged (search.result.merge)
+        return merge([_search_pools(model, c, work, space, params=params, objective=objective, top=top,
+                                    deadline=deadline) for c in clusters], top)
     t0 = time.perf_counter()
     clusters = checked_request(clusters, objective, top)
     space = space or SearchSpace()
@@ -206,7 +226,6 @@ def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | Sequence[Clust
         _evaluate_scan(model, work, s, params, prune, chunk, tick, evaluator, space.headroom)
     t2 = time.perf_counter()
     bucket_stage = work.varied and evaluator is evaluate_lengths and space.buckets
-    from meshplan.search.buckets import POOL, data_aware
     result = _collect(model, work, scans, params, objective, max(top, POOL) if bucket_stage else top)
     result.headroom = space.headroom
     if bucket_stage:  # micro-batch and cp per length bucket, built from the best one-shape plans
@@ -214,11 +233,39 @@ def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | Sequence[Clust
                    _base_pool(scans, work))
     timings |= {"evaluate_s": t2 - t1, "rank_s": time.perf_counter() - t2}
     if result.feasible == 0:
-        from meshplan.search.nearest import nearest_options
         result.nearest = nearest_options(model, max(clusters, key=lambda c: c.num_gpus), work,
                                          space, params)
     result.search_time_s = time.perf_counter() - t0
     result.timings = timings | {"nearest_s": result.search_time_s - sum(timings.values())}
+    if deadline is not None:
+        apply_deadline(result, *deadline)
+    return result
+
+
+def _search_pools(model: LayerGraph | ModelSpec, cluster: PooledCluster, work: Workload, space: SearchSpace | None,
+                  *, params: CostParams, objective: str, top: int,
+                  deadline: tuple[float, float] | None) -> SearchResult:
+    """The search on a cluster of several pools: each pool's own search (the stages above: its
+    shortlist of one-shape plans, and under a length distribution its data-aware stage, whose best
+    may be a bucket plan on that pool alone), then the pools stage (search.pools.rank_over_pools)
+    places replicas and pipeline stages over several pools and ranks every kind together.
+    ``objective`` time-to-target ranks by step time (the sync methods are not searched over pools)."""
+    t0 = time.perf_counter()
+    objective = objective if objective in ("time", "cost") else "time"
+    checked_request(list(cluster.pools), objective, top)
+    graph = as_graph(model, work.seq_len)
+    own = space or SearchSpace()
+    no_buckets = dataclasses.replace(own, buckets=False)  # the shapes placed over several pools: one-shape plans
+    pools = budget_pools(cluster)
+    per_pool: dict[str, list[SearchResult]] = {}
+    for pool in pools:
+        runs = [search(graph, pool, work, no_buckets, params=params, objective=objective, top=SHORTLIST * 4)]
+        if work.varied and own.buckets:  # bucket plans run on one GPU type: a pool alone may use them
+            runs.append(search(graph, pool, work, own, params=params, objective=objective, top=1))
+        per_pool[pool.name] = runs
+    result = rank_over_pools(graph, cluster, work, per_pool, pools=pools, headroom=own.headroom,
+                             params=params, objective=objective, top=top, deadline=deadline)
+    result.search_time_s = time.perf_counter() - t0
     return result
 
 
@@ -226,7 +273,6 @@ def _base_pool(scans: list[_Scan], work: Workload, most: int = 30) -> list[Plan]
     """Under a length distribution: feasible plans without a pipeline that the runtime runs (or
     would, as a bucket plan), one per configuration of search.buckets' key, fastest first, on the
     largest cluster size: the bucket stage's candidate bases."""
-    from meshplan.search.buckets import base_key
     s = max(scans, key=lambda x: x.cluster.num_gpus)
     feas = np.nonzero(s.reason == -1)[0]
     pp, ep = np.asarray(s.cols["pp"])[feas], np.asarray(s.cols["ep"])[feas]
@@ -260,7 +306,7 @@ def _best_runnable_one_shape(scans: list[_Scan], model: ModelSpec, work: Workloa
         ok = feas[~((cp > 1) & (pp == 1))]
         for j in ok[np.argsort(s.res[key][ok])][:8]:  # the first the runtime runs as planned
             plan = s.cols.plan(int(j))
-            if export_targets(plan, microbatches(plan, work.global_batch), model) is not None:
+            if export_targets(plan, microbatches(work.global_batch, plan.dp, plan.micro_batch), model) is not None:
                 continue
             v = float(s.res[key][j])
             if objective == "cost":
@@ -391,11 +437,13 @@ def _best_synchronous(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, p
 def _ranked(rank: int, scan: _Scan, row: int, model: ModelSpec, work: Workload,
             params: CostParams) -> RankedPlan:
     plan = scan.cols.plan(row)
-    report = (estimate_lengths if work.varied else estimate)(model, scan.cluster, plan, work, params)
+    # TODO(issue 25, F1): cost.estimate as the one front door for a workload of any lengths
+    report = (plan_report if work.varied else estimate)(model, scan.cluster, plan, work, params)
     usd = float(usd_per_million_tokens(plan.num_gpus, scan.cluster.price_per_hour,
                                        report.step_time_s, work.tokens))
+    micro = microbatches(work.global_batch, plan.dp, plan.micro_batch)
     return RankedPlan(rank=rank, plan=plan, cluster=scan.cluster, report=report, usd_per_mtok=usd,
-                      export_only=export_targets(plan, microbatches(plan, work.global_batch), model))
+                      export_only=export_targets(plan, micro, model))
 
 
 def _pareto(scans: list[_Scan], which: np.ndarray, rows: np.ndarray,
@@ -453,7 +501,7 @@ def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work
     if name == NO_EXPORT_TARGET:
         return _no_target_message(model, plan, work)
     if name in RUNTIME_CHECKS:
-        reason = RULES[name].why(plan, microbatches(plan, work.global_batch), model)
+        reason = RULES[name].why(plan, microbatches(work.global_batch, plan.dp, plan.micro_batch), model)
         return f"{plan.short()}: {reason or name}"
     reasons = dict(violations(model, cluster, plan, work))
     return f"{plan.short()}: {reasons.get(name, name)}"
@@ -461,7 +509,7 @@ def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work
 
 def _no_target_message(model: ModelSpec, plan: Plan, work: Workload) -> str:
     """The rules ``plan`` breaks, each with the export targets that run it as planned."""
-    bad = runtime_violations(plan, microbatches(plan, work.global_batch), model)
+    bad = runtime_violations(plan, microbatches(work.global_batch, plan.dp, plan.micro_batch), model)
     rules = "; ".join(f"{rule.name}: {' or '.join(rule.targets) or 'no target'}" for rule, _ in bad)
     return (f"{plan.short()}: no export target runs every runtime rule it breaks (the targets that run each "
             f"as planned: {rules}); drop the options behind the rules that the chosen target does not run")

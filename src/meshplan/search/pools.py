@@ -16,21 +16,37 @@ Three kinds of plan compete, every one priced by cost.pools (each rank on its ow
 
 The result ranks them together and says what each pool does, and why the winner wins: against
 the best plan on each pool alone, with the numbers.
+
+This is a stage of the one search (search.driver.search on a PooledCluster): the driver runs
+each pool's own search (kind 1, and the shortlist of shapes), then `rank_over_pools` builds and
+prices kinds 2 and 3 and returns the SearchResult (its pooled fields: ``pooled_plans``,
+``alone``, ``best_multi``, ``best_by_kind``, ``explanation``). A GPU budget (--gpus) cuts the
+pools first (`budget_pools`).
 """
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import math
-import time
-from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.pools import PooledEstimate, estimate_pooled
 from meshplan.errors import MeshplanError
-from meshplan.spec.cluster import PooledCluster
-from meshplan.spec.graph import LayerGraph, as_graph
-from meshplan.spec.model import ModelSpec
+from meshplan.search.pareto import pareto_mask
+from meshplan.search.result import (
+    OVER_DEADLINE,
+    ClusterCount,
+    ParetoPoint,
+    SearchResult,
+    pooled_key,
+    token_count,
+    train_days,
+)
+from meshplan.spec.capabilities import capabilities
+from meshplan.spec.cluster import ClusterSpec, PooledCluster
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.plan import Plan, Workload
 from meshplan.units import human_seconds
 
@@ -40,90 +56,124 @@ SHORTLIST = 12
 """Replica / stage shapes tried per pool (the best distinct shapes of its own search)."""
 
 
-@dataclass
-class PooledResult:
-    cluster: PooledCluster
-    work: Workload
-    objective: str
-    plans: list[PooledEstimate]
-    """Fitting plans of every kind, best first."""
-    alone: dict[str, PooledEstimate | None]
-    """The best plan on each pool alone (None: nothing fits there)."""
-    considered: int = 0
-    search_time_s: float = 0.0
-    explanation: list[str] = field(default_factory=list)
-    best_multi: PooledEstimate | None = None
-    """The best plan that uses more than one pool (whether or not it wins)."""
-    best_by_kind: dict[str, PooledEstimate | None] = field(default_factory=dict)
-    """The best fitting plan of each kind: 'replicas on pools' (pool_dp), 'stages on pools' (pool_pp)."""
-
-    @property
-    def best(self) -> PooledEstimate | None:
-        return self.plans[0] if self.plans else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"cluster": self.cluster.name, "pools": [p.name for p in self.cluster.pools],
-                "objective": self.objective, "considered": self.considered, "search_time_s": self.search_time_s,
-                "best": self.best.to_dict() if self.best else None,
-                "best_multi_pool": self.best_multi.to_dict() if self.best_multi else None,
-                "alone": {k: (v.to_dict() if v else None) for k, v in self.alone.items()},
-                "best_by_kind": {k: (v.to_dict() if v else None) for k, v in self.best_by_kind.items()},
-                "plans": [p.to_dict() for p in self.plans], "explanation": list(self.explanation)}
+def fastest_first(cluster: PooledCluster) -> list[ClusterSpec]:
+    """The pools, fastest GPU (its dense 16-bit peak) first; ties in the cluster file's order."""
+    return sorted(cluster.pools, key=lambda p: -p.gpu.peak("bf16"))
 
 
-def _key(e: PooledEstimate, objective: str) -> tuple:
-    first = e.usd_per_m_tokens if objective == "cost" else e.step_time_s
-    return (first, e.num_gpus, e.plan.short())
+def budget_pools(cluster: PooledCluster) -> list[ClusterSpec]:
+    """The pools a search of ``cluster`` uses under its budget of ``max_gpus`` GPUs in all
+    (--gpus): the GPUs taken fastest pool first (`fastest_first`), whole nodes (or a divisor of a
+    node below one), up to the budget; a pool that gets none is left out. Without a budget: every
+    GPU of every pool. Each pool keeps its name; the list is in the cluster's order."""
+    gpus = cluster.max_gpus
+    if gpus is None:
+        return list(cluster.pools)
+    from meshplan.search.sizes import resized
+    left, cut = gpus, {}
+    for p in fastest_first(cluster):
+        n = min(left, p.num_gpus)
+        per = p.gpus_per_node
+        n = n if n == p.num_gpus or (n < per and per % n == 0) else (n // per) * per
+        if n > 0:
+            cut[p.name] = p if n == p.num_gpus else resized(p, n).replace(name=p.name)
+            left -= n
+        if left <= 0:
+            break
+    return [cut[p.name] for p in cluster.pools if p.name in cut]
 
 
-def search_pools(model: LayerGraph | ModelSpec, cluster: PooledCluster, work: Workload, space: Any = None, *,
-                 params: CostParams = DEFAULT_PARAMS, objective: str = "time", top: int = 10) -> PooledResult:
-    """Rank plans over ``cluster``'s pools (see the module docstring)."""
-    from meshplan.search.driver import search
-    t0 = time.perf_counter()
-    graph = as_graph(model, work.seq_len)
+def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
+                    per_pool: dict[str, list[SearchResult]], *, pools: list[ClusterSpec] | None = None,
+                    headroom: bool = True, params: CostParams = DEFAULT_PARAMS, objective: str = "time",
+                    top: int = 10, deadline: tuple[float, float] | None = None) -> SearchResult:
+    """The pools stage of the search (module docstring): ``per_pool`` holds each pool's own searches
+    (the driver runs them: the first without bucket plans, ranked for the shortlist of shapes; a
+    second, under a length distribution, with its data-aware stage); plans over several pools are
+    built on ``pools`` (default: every pool of ``cluster``; `budget_pools` under a GPU budget).
+    ``deadline``: (tokens to train, days): the plans that take longer are rejected."""
     alone: dict[str, PooledEstimate | None] = {}
     shapes: list[Plan] = []
     considered = 0
-    from meshplan.search.space import SearchSpace
-    # Bucket plans run on one GPU type: a pool alone may use them (its own search's data-aware stage);
-    # the shapes placed over several pools are one-shape plans.
-    own = space or SearchSpace()
-    data_aware = work.varied and own.buckets
-    no_buckets = dataclasses.replace(own, buckets=False)
-    for pool in cluster.pools:
-        res = search(graph, pool, work, no_buckets, params=params, objective=objective, top=SHORTLIST * 4)
-        considered += res.considered
-        runnable = [rp.plan for rp in res.plans if rp.export_only is None]
+    for name, results in per_pool.items():
+        considered += results[0].considered
+        runnable = [rp.plan for rp in results[0].plans if rp.export_only is None]
         shapes += runnable
         best = runnable[:1]
-        if data_aware:  # the pool's own search with its data-aware stage: its best may be a bucket plan
-            res_b = search(graph, pool, work, own, params=params, objective=objective, top=1)
+        for res_b in results[1:]:  # the pool's own search with its data-aware stage: its best may be a bucket plan
             best += [rp.plan for rp in res_b.plans if rp.export_only is None][:1]
-        ests = [estimate_pooled(graph, cluster, p.replace(pools=(pool.name,)), work, params) for p in best]
-        alone[pool.name] = min(ests, key=lambda e: _key(e, objective)) if ests else None
+        ests = [estimate_pooled(graph, cluster, p.replace(pools=(name,)), work, params) for p in best]
+        alone[name] = min(ests, key=lambda e: pooled_key(e, objective)) if ests else None
     shapes = _distinct(shapes)
-    headroom = getattr(space, "headroom", True)
-    cands: list[PooledEstimate] = [e for e in alone.values() if e is not None]
     multi: list[PooledEstimate] = []
-    for shape in shapes:
+    on: PooledCluster | None = cluster
+    if pools is not None and [p.num_gpus for p in pools] != [p.num_gpus for p in cluster.pools]:
+        on = (PooledCluster(name=cluster.name, pools=tuple(pools), inter_pool=cluster.inter_pool)
+              if len(pools) >= 2 else None)
+    for shape in shapes if on is not None else ():
         for build in (_replicas_on_pools, _stages_on_pools):
             try:
-                e = build(graph, cluster, shape, work, params)
+                e = build(graph, on, shape, work, params)
             except MeshplanError:
                 continue
             considered += 1
             if e is not None and e.fits and not (headroom and e.at_risk):
                 multi.append(e)
-    multi = _dedupe(sorted(multi, key=lambda e: _key(e, objective)))
-    ranked = sorted(cands + multi, key=lambda e: _key(e, objective))
-    out = PooledResult(cluster=cluster, work=work, objective=objective, plans=ranked[:top], alone=alone,
-                       considered=considered, best_multi=multi[0] if multi else None)
+    over: list[PooledEstimate] = []
+    if deadline is not None:
+        late = _late(work, *deadline)
+        over = [e for e in [*alone.values(), *multi] if e is not None and late(e)]
+        alone = {k: (None if v is not None and late(v) else v) for k, v in alone.items()}
+        multi = [e for e in multi if not late(e)]
+    multi = _dedupe(sorted(multi, key=lambda e: pooled_key(e, objective)))
+    ranked = sorted([e for e in alone.values() if e is not None] + multi, key=lambda e: pooled_key(e, objective))
+    out = SearchResult(model=graph, clusters=[cluster], work=work, objective=objective, plans=[],
+                       considered=considered, evaluated=sum(r.evaluated for rs in per_pool.values() for r in rs),
+                       feasible=len(ranked), rejected={}, search_time_s=0.0, pareto=_front(ranked),
+                       points=_points(ranked, work), params=params, headroom=headroom,
+                       pooled_plans=ranked[:top], alone=alone, best_multi=multi[0] if multi else None)
+    why = None if ranked else (f"no plan meets the {deadline[1]:g}-day deadline" if over else
+                               "no plan fits on any pool, alone or together")
+    out.per_cluster = [ClusterCount(cluster.num_gpus, considered, len(ranked),
+                                    ranked[0].step_time_s if ranked else None,
+                                    ranked[0].usd_per_m_tokens if ranked else None, over_deadline=len(over),
+                                    reason=why)]
+    if deadline is not None:
+        out.train_tokens, out.deadline_days = deadline
+        if over:
+            out.rejected[OVER_DEADLINE] = len(over)
+            e = min(over, key=lambda x: (x.step_time_s, x.plan.short()))
+            days = float(train_days(e.step_time_s, work.tokens, deadline[0]))
+            out.reject_examples[OVER_DEADLINE] = (
+                f"{e.plan.short()} on {e.num_gpus:,} GPUs: {days:,.1f} days to train {token_count(deadline[0])} "
+                f"tokens, over the {deadline[1]:g}-day deadline")
     for kind, field_ in KINDS.items():
         out.best_by_kind[kind] = next((e for e in multi if getattr(e.plan, field_) is not None), None)
     out.explanation = explain(out)
-    out.search_time_s = time.perf_counter() - t0
     return out
+
+
+def _late(work: Workload, tokens: float, days: float) -> Any:
+    return lambda e: float(train_days(e.step_time_s, work.tokens, tokens)) > days
+
+
+def _points(plans: list[PooledEstimate], work: Workload) -> dict[str, np.ndarray]:
+    """Every fitting plan's step time, peak memory, dollars and GPUs (the --plot figure's cloud)."""
+    return {"step_time_s": np.asarray([e.step_time_s for e in plans], dtype=float),
+            "peak_memory_gib": np.asarray([e.peak_memory_gib for e in plans], dtype=float),
+            "usd_per_mtok": np.asarray([e.usd_per_m_tokens for e in plans], dtype=float),
+            "num_gpus": np.asarray([e.num_gpus for e in plans], dtype=float),
+            "time_to_target_s": np.asarray([e.step_time_s for e in plans], dtype=float)}
+
+
+def _front(plans: list[PooledEstimate]) -> list[ParetoPoint]:
+    """The Pareto front over (step time, peak memory per GPU, dollars per million tokens)."""
+    if not plans:
+        return []
+    arr = np.asarray([[e.step_time_s, e.peak_memory_gib, e.usd_per_m_tokens] for e in plans], dtype=float)
+    keep = [plans[int(i)] for i in np.nonzero(pareto_mask(arr))[0]]
+    keep.sort(key=lambda e: (e.step_time_s, e.peak_memory_gib))
+    return [ParetoPoint(e.plan, e.step_time_s, e.peak_memory_gib, e.usd_per_m_tokens) for e in keep]
 
 
 def _distinct(plans: list[Plan]) -> list[Plan]:
@@ -153,7 +203,6 @@ def _replicas_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, w
                        params: CostParams) -> PooledEstimate | None:
     """Replicas of ``shape`` on every pool, micro-batches split by speed: the best of a few replica
     counts per pool (as many as each pool holds; the same count in every pool)."""
-    import itertools
     per = shape.tp * shape.pp * shape.cp
     able = [p for p in cluster.pools if p.num_gpus // per >= 1]
     if len(able) < 2:
@@ -244,7 +293,6 @@ def _stages_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, wor
     pools = [p for p in cluster.pools if p.num_gpus // g >= 1]
     if len(pools) < 2:
         return None
-    from meshplan.spec.capabilities import capabilities
     layers = graph.num_blocks or capabilities(graph).blocks
     k = [min(p.num_gpus // g, max(1, layers // len(pools))) for p in pools]
     pp = sum(k)
@@ -324,10 +372,10 @@ def _fmt(e: PooledEstimate) -> str:
     return f"{_s(e.step_time_s)} per step, ${e.usd_per_m_tokens:.3f} per M tokens ({e.plan.short()})"
 
 
-def explain(r: PooledResult) -> list[str]:
+def explain(r: SearchResult) -> list[str]:
     """What each pool does in the winner, and why it wins, with the numbers."""
     lines: list[str] = []
-    best = r.best
+    best = r.best_pooled
     if best is None:
         lines.append("no plan fits on any pool, alone or together")
         return lines
@@ -346,7 +394,7 @@ def explain(r: PooledResult) -> list[str]:
         if best.plan.pool_pp is not None:
             lines.append(f"  stage_layers={':'.join(map(str, best.plan.stage_layers or ()))}: more layers on the "
                          "faster pool's stages, so that every stage takes about as long")
-        link = r.cluster.inter_pool
+        link = r.clusters[0].inter_pool
         lines.append(f"  across pools: {_s(best.cross_pool_s)} per step ({best.cross_pool_gb:.2f} GB per GPU over "
                      f"inter_pool at {link.bandwidth_gbps:g} GB/s x {link.efficiency:.2f} achieved); time lost to "
                      f"imbalance {_s(best.imbalance_s)} per step (GPU-weighted)")

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from meshplan.cost.pools import PooledEstimate
 from meshplan.cost.report import CostReport
 from meshplan.search.pareto import pareto_mask
 from meshplan.spec.base import to_dict
@@ -141,13 +142,50 @@ class SearchResult:
     data_aware: dict[str, Any] | None = None
     """Under a length distribution: the bucket plans tried (search.buckets): bases, candidates,
     fitting, the best bucket plan and the best one-shape plan."""
+    # ---- a cluster of several GPU pools (the pools stage, search.pools) ----
+    pooled_plans: list[PooledEstimate] | None = None
+    """On a cluster of several pools (``clusters`` is that one PooledCluster): the fitting plans of
+    every kind (one pool alone, replicas on pools, stages on pools), best first, each priced by
+    cost.pools with every rank on its own pool's hardware. None on a cluster of one GPU type."""
+    alone: dict[str, PooledEstimate | None] = field(default_factory=dict)
+    """The best plan on each pool alone (None: nothing fits there)."""
+    best_multi: PooledEstimate | None = None
+    """The best plan that uses more than one pool (whether or not it wins)."""
+    best_by_kind: dict[str, PooledEstimate | None] = field(default_factory=dict)
+    """The best fitting plan of each kind: 'replicas on pools' (pool_dp), 'stages on pools' (pool_pp)."""
+    explanation: list[str] = field(default_factory=list)
+    """On pools: what each pool does in the winner and why it wins (search.pools.explain)."""
 
     @property
     def best(self) -> RankedPlan | None:
         return self.plans[0] if self.plans else None
 
+    @property
+    def pooled(self) -> bool:
+        """Whether this is the search of a cluster of several pools (``pooled_plans``)."""
+        return self.pooled_plans is not None
+
+    @property
+    def best_pooled(self) -> PooledEstimate | None:
+        """On pools: the winner (the first of ``pooled_plans``)."""
+        return self.pooled_plans[0] if self.pooled_plans else None
+
+    def pooled_json(self) -> dict[str, Any]:
+        """The --json document of a search over pools."""
+        pc = self.clusters[0]
+        best = self.best_pooled
+        return {"cluster": pc.name, "pools": [p.name for p in pc.pools],
+                "objective": self.objective, "considered": self.considered, "search_time_s": self.search_time_s,
+                "best": best.to_dict() if best else None,
+                "best_multi_pool": self.best_multi.to_dict() if self.best_multi else None,
+                "alone": {k: (v.to_dict() if v else None) for k, v in self.alone.items()},
+                "best_by_kind": {k: (v.to_dict() if v else None) for k, v in self.best_by_kind.items()},
+                "plans": [p.to_dict() for p in self.pooled_plans or ()], "explanation": list(self.explanation)}
+
     def to_json(self, *, timing: bool = True) -> dict[str, Any]:
         """The --json document. ``timing=False`` drops search_time_s (for comparing runs)."""
+        if self.pooled:
+            return self.pooled_json()
         doc: dict[str, Any] = {
             "model": self.model.name, "clusters": [c.name for c in self.clusters],
             "gpu": self.clusters[0].gpu.name if self.clusters else None,
@@ -287,6 +325,8 @@ def merge(results: Sequence[SearchResult], top: int) -> SearchResult:
         raise ValueError("nothing to merge")
     if len(results) == 1:
         return results[0]
+    if all(r.pooled for r in results):
+        return _merge_pooled(results, top)
     first = results[0]
     objective = first.objective
     plans = sorted((p for r in results for p in r.plans), key=lambda p: rank_key(p, objective))[:top]
@@ -328,3 +368,45 @@ def merge(results: Sequence[SearchResult], top: int) -> SearchResult:
         fastest=min(fastest, key=lambda p: (p.step_time_s, p.peak_memory_gib)) if fastest else None,
         passed_over=min(passed, key=lambda po: po["step_time_s"]) if passed else None, params=first.params,
         headroom=first.headroom)
+
+
+def pooled_key(e: PooledEstimate, objective: str) -> tuple:
+    """The ranking order of plans over pools: dollars per token with objective cost, else step
+    time; then fewer GPUs; then the plan string."""
+    first = e.usd_per_m_tokens if objective == "cost" else e.step_time_s
+    return (first, e.num_gpus, e.plan.short())
+
+
+def _merge_pooled(results: Sequence[SearchResult], top: int) -> SearchResult:
+    """Searches of one cluster of several pools under several GPU budgets (--gpus): the winning
+    budget's result (its explanation, its best plan on each pool alone and over several pools),
+    with the top ``top`` distinct plans over every budget, summed counts and one count per budget."""
+    objective = results[0].objective
+
+    def best_key(r: SearchResult) -> tuple:
+        b = r.best_pooled
+        return (0, *pooled_key(b, objective)) if b is not None else (1,)
+    win = min(results, key=best_key)
+    seen: set[str] = set()
+    plans = []
+    for e in sorted((e for r in results for e in r.pooled_plans or ()), key=lambda e: pooled_key(e, objective)):
+        if e.plan.short() not in seen:
+            seen.add(e.plan.short())
+            plans.append(e)
+    out = dataclasses.replace(win, pooled_plans=plans[:top])
+    if win.best_pooled is None:  # nothing anywhere: the largest budget speaks for all
+        out = dataclasses.replace(max(results, key=lambda r: r.clusters[0].num_gpus), pooled_plans=[])
+    out.considered = sum(r.considered for r in results)
+    out.evaluated = sum(r.evaluated for r in results)
+    out.feasible = sum(r.feasible for r in results)
+    out.search_time_s = sum(r.search_time_s for r in results)
+    out.per_cluster = [c for r in results for c in r.per_cluster]
+    rejected: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    for r in results:
+        for k, v in r.rejected.items():
+            rejected[k] = rejected.get(k, 0) + v
+        for k, v in r.reject_examples.items():
+            examples.setdefault(k, v)
+    out.rejected, out.reject_examples = rejected, examples
+    return out

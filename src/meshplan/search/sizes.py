@@ -1,24 +1,33 @@
-"""Cluster sizes: resize a cluster of one GPU type, and the sizes a --gpus range searches."""
+"""Cluster sizes: resize a cluster (of one GPU type, or a GPU budget over several pools), and the
+sizes a --gpus range searches."""
 from __future__ import annotations
 
 from meshplan.errors import MeshplanError
-from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.cluster import ClusterSpec, PooledCluster
 
 MAX_GPUS = 2**31 - 1
 """Largest cluster the search takes: plan degrees are int32 columns (and divisors of the GPU
 count are found by trial division, so far larger counts would not finish)."""
 
-def node_size(cluster: ClusterSpec) -> int:
+def node_size(cluster: ClusterSpec | PooledCluster) -> int:
     """GPUs per node when the cluster grows: its own node size, or, for a single node with fewer
     GPUs (e.g. `h100-sxm-80gb:2`), the GPU's typical node (GPUSpec.gpus_per_node: 8 for
-    DGX/HGX parts, 4 for GH200), as the cluster shorthand uses."""
+    DGX/HGX parts, 4 for GH200), as the cluster shorthand uses. Several pools: the smallest
+    pool's node."""
+    if isinstance(cluster, PooledCluster):
+        return min(node_size(p) for p in cluster.pools)
     g = cluster.gpus_per_node
     return max(g, cluster.gpu.gpus_per_node) if cluster.num_nodes == 1 else g
 
 
-def resized(cluster: ClusterSpec, num_gpus: int) -> ClusterSpec:
+def resized(cluster: ClusterSpec | PooledCluster, num_gpus: int) -> ClusterSpec | PooledCluster:
     """The same GPUs and links with ``num_gpus`` GPUs in whole nodes (or one partial node
-    when ``num_gpus`` is smaller than a node)."""
+    when ``num_gpus`` is smaller than a node). Several pools: the same pools under a budget of
+    ``num_gpus`` GPUs in all (PooledCluster.max_gpus: plans take them fastest pool first)."""
+    if isinstance(cluster, PooledCluster):
+        if num_gpus <= 0:
+            raise MeshplanError(f"cluster size must be positive; got {num_gpus}")
+        return cluster.replace(max_gpus=num_gpus)
     g = node_size(cluster)
     name = f"{cluster.gpu.name}:{num_gpus}"
     if num_gpus <= 0:

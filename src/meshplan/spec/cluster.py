@@ -238,8 +238,13 @@ class PooledCluster:
     pools: tuple[ClusterSpec, ...]
     inter_pool: LinkTier
     """The link between pools, per GPU (the slower pool's NIC when they share one fabric)."""
+    max_gpus: int | None = None
+    """A budget of GPUs in all (`meshplan plan --gpus` on pools): plans use at most this many,
+    taken fastest pool first (search.pools.budget_pools). None: every GPU of every pool."""
 
     def __post_init__(self) -> None:
+        if self.max_gpus is not None:
+            positive(f"cluster {self.name}: max_gpus", self.max_gpus)
         if len(self.pools) < 2:
             raise MeshplanError(f"cluster {self.name}: a pooled cluster needs at least two [[pools]]",
                                 hint="for one GPU type, write gpu/num_nodes at the top level instead")
@@ -261,7 +266,12 @@ class PooledCluster:
 
     @property
     def num_gpus(self) -> int:
-        return sum(p.num_gpus for p in self.pools)
+        """GPUs in all (at most ``max_gpus``)."""
+        n = sum(p.num_gpus for p in self.pools)
+        return n if self.max_gpus is None else min(n, self.max_gpus)
+
+    def replace(self, **changes: object) -> PooledCluster:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload, microbatches
+from meshplan.spec.plan import Plan, Workload, microbatches, share_split
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,8 @@ def batch_divides(c: Context) -> str | None:
     p, B = c.plan, c.work.global_batch
     if p.dp_shares is not None and len(set(p.replica_shares)) > 1:  # uneven: each share whole micro-batches
         S = sum(p.replica_shares)
-        bad = [s for s in sorted(set(p.replica_shares)) if (B * s) % S or (B * s // S) % p.micro_batch]
+        split = dict(zip(p.replica_shares, share_split(p.replica_shares, B)))
+        bad = [s for s in sorted(split) if split[s][1] or split[s][0] % p.micro_batch]
         if bad:
             return (f"global batch {B} does not split as dp_shares={':'.join(map(str, p.dp_shares))} into whole "
                     f"micro-batches of {p.micro_batch} per replica (share {bad[0]} of {S} gets {B * bad[0] / S:g} "

@@ -336,7 +336,7 @@ def pooled_from_dict(d: dict[str, Any], where: str) -> PooledCluster:
 def load_cluster(arg: str) -> ClusterSpec:
     """--cluster: shorthand GPU:COUNT, a cluster preset, or a .toml/.json file (or a name that
     carries its loaded spec, cli.planfile.Loaded: a plan file's cluster)."""
-    if isinstance(getattr(arg, "loaded", None), ClusterSpec):
+    if isinstance(getattr(arg, "loaded", None), (ClusterSpec, PooledCluster)):
         return arg.loaded  # type: ignore[attr-defined]
     if not isinstance(arg, str) or not arg.strip():
         raise MeshplanError("empty --cluster", hint="e.g. --cluster h100-sxm-80gb:64")

@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshplan.errors import MeshplanError
-from meshplan.spec.axes import AXES, AXIS_DESCRIPTIONS, AX, DEGREES, ParallelDims  # noqa: F401  (AXES, AXIS_DESCRIPTIONS re-exported)
+from meshplan.spec.axes import AX, AXES, AXIS_DESCRIPTIONS, DEGREES, ParallelDims  # noqa: F401  (re-exported)
 from meshplan.spec.base import _closest, _coerce, _show, choice, positive
 from meshplan.spec.lengths import LengthDist
 
@@ -561,6 +562,34 @@ def parse_plan(text: str) -> Plan:
         from meshplan.spec.buckets import parse_bucket
         kwargs["micro_batch"] = parse_bucket(kwargs["buckets"][-1]).micro_batch  # type: ignore[index]
     return Plan(**kwargs)  # type: ignore[arg-type]
+
+
+def share_split(shares: Sequence[int], global_batch: int) -> tuple[tuple[int, int], ...]:
+    """The uneven data-parallel split, the one definition (spec.constraints, cost, the simulator and
+    the runtime use it): replica r of share s_r trains on global_batch x s_r / sum(shares) samples.
+    (samples, remainder) per replica; a replica's share is usable when the remainder is 0 and the
+    samples are a whole, non-zero number of micro-batches (``split_fault``)."""
+    total = sum(shares)
+    return tuple(divmod(global_batch * s, total) for s in shares)
+
+
+def split_fault(samples: int, remainder: int, micro_batch: int) -> str | None:
+    """Why one replica's part of ``share_split`` is not usable (None: it is)."""
+    if remainder:
+        return "not a whole number of samples"
+    if samples == 0:
+        return "no sample at all"
+    if samples % micro_batch:
+        return f"not a whole number of micro-batches of micro_batch={micro_batch}"
+    return None
+
+
+def share_unit(shares: Sequence[int], micro_batch: int) -> int:
+    """The smallest global batch every replica's share of which is a whole number of micro-batches
+    (the usable global batches are its multiples): S x micro_batch / gcd(S x micro_batch, shares),
+    S = sum(shares)."""
+    total = sum(shares) * micro_batch
+    return total // math.gcd(total, math.gcd(*shares))
 
 
 def microbatches(global_batch, dp, micro_batch):  # type: ignore[no-untyped-def]

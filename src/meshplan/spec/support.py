@@ -27,7 +27,6 @@ from functools import lru_cache
 from meshplan.spec.graph import LayerGraph, as_graph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
-from meshplan.spec.plan import microbatches as plan_microbatches
 
 Model = LayerGraph | ModelSpec | None
 
@@ -60,7 +59,7 @@ def sequence_parallel_runs(m: Model) -> bool:
     return not is_traced(m)
 
 
-def _kv_replicated(p: Plan, micro: int, m: Model = None) -> str | None:
+def kv_replicated(p: Plan, micro: int, m: Model = None) -> str | None:
     g = _graph(m)
     if g is None or p.tp == 1:
         return None
@@ -79,34 +78,34 @@ def is_traced(m: Model) -> bool:
     return g is not None and g.model is None
 
 
-def _traced_sp(p: Plan, micro: int, m: Model = None) -> str | None:
+def traced_sp(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.sequence_parallel and p.tp > 1 and not sequence_parallel_runs(m):
         return ("sequence_parallel=1 on a traced model: the runtime applies sequence parallelism to the transformers "
                 "it builds (presets, model files) only; use sequence_parallel=0")
     return None
 
 
-def _traced_cp(p: Plan, micro: int, m: Model = None) -> str | None:
+def traced_cp(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.cp > 1 and is_traced(m):
         return (f"cp={p.cp} on a traced model: the runtime runs context parallelism on the transformers it builds "
                 "(presets, model files) only; use cp=1")
     return None
 
 
-def _traced_ep(p: Plan, micro: int, m: Model = None) -> str | None:
+def traced_ep(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.ep > 1 and is_traced(m):
         return f"ep={p.ep} on a traced model: the runtime does not split a traced model's experts; use ep=1"
     return None
 
 
-def _traced_recompute(p: Plan, micro: int, m: Model = None) -> str | None:
+def traced_recompute(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.recompute in ("selective", "op") and is_traced(m):
         return (f"recompute={p.recompute} on a traced model: the runtime recomputes a traced model's blocks whole "
                 "(it does not know which ops are the attention core); use recompute=full or none")
     return None
 
 
-def _traced_fp8(p: Plan, micro: int, m: Model = None) -> str | None:
+def traced_fp8(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.precision == "fp8" and is_traced(m):
         return "precision=fp8 on a traced model: the runtime's fp8 linears are the built transformers'; use bf16"
     return None
@@ -126,21 +125,21 @@ def traced_refusal(plan: Plan) -> str | None:
     return None
 
 
-def _zero_bubble_dp(p: Plan, micro: int, m: Model = None) -> str | None:
+def zero_bubble_dp(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.schedule in SPLIT_BACKWARD and p.pp > 1 and p.dp * p.cp > 1:
         return (f"schedule={p.schedule} with dp*cp={p.dp * p.cp}: zero-bubble schedules with FSDP2/DDP give "
                 "wrong gradients on torch 2.13; use 1f1b/interleaved-1f1b, or no data parallelism")
     return None
 
 
-def _few_microbatches(p: Plan, micro: int, m: Model = None) -> str | None:
+def few_microbatches(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.pp > 1 and p.schedule in ("interleaved-1f1b", *SPLIT_BACKWARD) and micro < p.pp:
         return (f"schedule={p.schedule} needs at least pp={p.pp} micro-batches per step, got {micro} "
                 "(torch.distributed.pipelining); raise the global batch, lower micro_batch, or use 1f1b/gpipe")
     return None
 
 
-def _offload_optimizer_only(p: Plan, micro: int, m: Model = None) -> str | None:
+def offload_optimizer_only(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.offload_optimizer and not p.offload_params:
         return ("offload_optimizer without offload_params: FSDP2 has no optimizer-only offload, so the runtime "
                 "offloads the parameters too (other time and memory); DeepSpeed and Megatron offload the "
@@ -148,45 +147,45 @@ def _offload_optimizer_only(p: Plan, micro: int, m: Model = None) -> str | None:
     return None
 
 
-def _fp8_tp(p: Plan, micro: int, m: Model = None) -> str | None:
+def fp8_tp(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.precision == "fp8" and p.tp > 1:
         return "precision=fp8 with tp > 1: the runtime's fp8 linears do not compose with its TP; it runs bf16"
     return None
 
 
-def _allreduce_sharded(p: Plan, micro: int, m: Model = None) -> str | None:
+def allreduce_sharded(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.grad_sync == "all-reduce" and p.zero >= 1:
         return "grad_sync=all-reduce with zero >= 1: the runtime (FSDP2) always reduce-scatters gradients"
     return None
 
 
-def _unfused_attention(p: Plan, micro: int, m: Model = None) -> str | None:
+def unfused_attention(p: Plan, micro: int, m: Model = None) -> str | None:
     if not p.flash_attention:
         return "flash_attention=0: the runtime always runs fused attention (SDPA)"
     return None
 
 
-def _fused_loss(p: Plan, micro: int, m: Model = None) -> str | None:
+def fused_loss(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.fused_loss:
         return "fused_loss=1: the runtime computes an unfused cross-entropy (more memory at the loss)"
     return None
 
 
-def _p2p_sends(p: Plan, micro: int, m: Model = None) -> str | None:
+def p2p_sends(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.pp > 1 and p.tp > 1 and p.p2p_sharded != p.sequence_parallel:
         return (f"p2p_sharded={int(p.p2p_sharded)} with sequence_parallel={int(p.sequence_parallel)}: the "
                 "runtime's pipeline sends carry the sequence-parallel shard exactly when sequence_parallel=1")
     return None
 
 
-def _async_tp_eager(p: Plan, micro: int, m: Model = None) -> str | None:
+def async_tp_eager(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.async_tp and p.tp > 1 and not p.compile:
         return ("async_tp without compile: the overlap is an inductor pass, so the runtime compiles the blocks "
                 "(compile=1 costs)")
     return None
 
 
-def _powersgd_fsdp(p: Plan, micro: int, m: Model = None) -> str | None:
+def powersgd_fsdp(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.grad_compression == "powersgd" and not p.periodic and (p.offload_params or p.offload_optimizer):
         return ("grad_compression=powersgd with offload: on a GPU the runtime offloads through FSDP2, which "
                 "takes no communication hook, so it reduces the gradients in bf16 (MixedPrecisionPolicy "
@@ -194,7 +193,7 @@ def _powersgd_fsdp(p: Plan, micro: int, m: Model = None) -> str | None:
     return None
 
 
-def _periodic_ep(p: Plan, micro: int, m: Model = None) -> str | None:
+def periodic_ep(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.periodic and p.ep > 1:
         return (f"grad_sync={p.grad_sync} with ep={p.ep}: the runtime's expert groups span all of dp x cp, not an "
                 "inner group; use ep=1, or a synchronous grad_sync")
@@ -203,24 +202,24 @@ def _periodic_ep(p: Plan, micro: int, m: Model = None) -> str | None:
 
 RULES: dict[str, Rule] = {r.name: r for r in (
     Rule("zero-bubble schedule with data parallel gives wrong gradients in torch 2.13", "refused", (),
-         _zero_bubble_dp),
-    Rule("too few micro-batches for the schedule", "refused", (), _few_microbatches),
-    Rule("fp8 with tensor parallel", "runs-as", ("torchtitan", "megatron"), _fp8_tp),
-    Rule("all-reduce gradient sync with sharding", "runs-as", ("deepspeed",), _allreduce_sharded),
-    Rule("unfused attention", "runs-as", ("megatron",), _unfused_attention),
-    Rule("fused loss", "runs-as", ("megatron",), _fused_loss),
-    Rule("pipeline sends not as planned", "runs-as", (), _p2p_sends),
-    Rule("async TP without compile", "runs-as", ("megatron",), _async_tp_eager),
+         zero_bubble_dp),
+    Rule("too few micro-batches for the schedule", "refused", (), few_microbatches),
+    Rule("fp8 with tensor parallel", "runs-as", ("torchtitan", "megatron"), fp8_tp),
+    Rule("all-reduce gradient sync with sharding", "runs-as", ("deepspeed",), allreduce_sharded),
+    Rule("unfused attention", "runs-as", ("megatron",), unfused_attention),
+    Rule("fused loss", "runs-as", ("megatron",), fused_loss),
+    Rule("pipeline sends not as planned", "runs-as", (), p2p_sends),
+    Rule("async TP without compile", "runs-as", ("megatron",), async_tp_eager),
     Rule("optimizer offload without parameter offload", "runs-as", ("megatron", "deepspeed"),
-         _offload_optimizer_only),
-    Rule("kv heads replicated under tensor parallel", "refused", ("megatron",), _kv_replicated),
-    Rule("sequence parallel on a traced model", "refused", (), _traced_sp),
-    Rule("context parallel on a traced model", "refused", (), _traced_cp),
-    Rule("expert parallel on a traced model", "refused", (), _traced_ep),
-    Rule("selective recompute on a traced model", "refused", (), _traced_recompute),
-    Rule("fp8 on a traced model", "refused", (), _traced_fp8),
-    Rule("PowerSGD under FSDP2", "runs-as", (), _powersgd_fsdp),
-    Rule("periodic sync with expert parallel", "refused", (), _periodic_ep),
+         offload_optimizer_only),
+    Rule("kv heads replicated under tensor parallel", "refused", ("megatron",), kv_replicated),
+    Rule("sequence parallel on a traced model", "refused", (), traced_sp),
+    Rule("context parallel on a traced model", "refused", (), traced_cp),
+    Rule("expert parallel on a traced model", "refused", (), traced_ep),
+    Rule("selective recompute on a traced model", "refused", (), traced_recompute),
+    Rule("fp8 on a traced model", "refused", (), traced_fp8),
+    Rule("PowerSGD under FSDP2", "runs-as", (), powersgd_fsdp),
+    Rule("periodic sync with expert parallel", "refused", (), periodic_ep),
 )}
 """Every rule, in counting order (the search counts a rejected plan under its first)."""
 
@@ -235,11 +234,6 @@ def _traced_probe() -> LayerGraph:
         ops={"b": LayerOps(params=1.0)})
 
 
-
-
-def microbatches(plan: Plan, global_batch: int) -> int:
-    """Micro-batches per step on each data-parallel replica."""
-    return plan_microbatches(global_batch, plan.dp, plan.micro_batch)
 
 
 def runtime_violations(plan: Plan, micro: int, model: Model = None) -> list[tuple[Rule, str]]:

@@ -1,0 +1,130 @@
+"""`meshplan plan` options on a cluster of several GPU pools (issue 25): --gpus (a budget of GPUs in
+all, fastest pool first), --price-per-gpu-hour (every pool's price, or POOL=USD), --deadline (the
+cheapest plan that meets it, each pool at its own price) and --plot (the pooled Pareto front).
+A tiny model on two one-node pools, so that each search takes a second or two."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshplan.cli.main import main
+from meshplan.search import search
+from meshplan.search.pools import budget_pools
+from meshplan.spec.io import cluster_from_dict, load_model
+from meshplan.spec.plan import Workload
+
+POOLS = {"schema_version": 1, "kind": "cluster", "name": "mix", "pools": [
+    {"name": "a100", "gpu": "a100-sxm-80gb", "num_nodes": 1, "gpus_per_node": 8},
+    {"name": "h100", "gpu": "h100-sxm-80gb", "num_nodes": 1, "gpus_per_node": 8}],
+    "inter_pool": {"bandwidth_gbps": 25.0, "latency_us": 8.0}}
+ARGS = ["--model", "gpt3-125m", "--global-batch", "64", "--seq-len", "2048"]
+
+
+@pytest.fixture(scope="module")
+def cluster_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pools") / "mix.json"
+    path.write_text(json.dumps(POOLS))
+    return str(path)
+
+
+def _plan(capsys, cluster_file, *extra):
+    rc = main(["plan", *ARGS, "--cluster", cluster_file, *extra])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def base(cluster_file):
+    """The --json of the plain pooled search (module scope: computed once)."""
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", *ARGS, "--cluster", cluster_file, "--json"]) == 0
+    return json.loads(buf.getvalue())
+
+
+def test_budget_takes_the_fastest_pool_first():
+    c = cluster_from_dict(POOLS)
+    assert [(p.name, p.num_gpus) for p in budget_pools(c.replace(max_gpus=4))] == [("h100", 4)]
+    assert [(p.name, p.num_gpus) for p in budget_pools(c.replace(max_gpus=12))] == [("a100", 4), ("h100", 8)]
+    assert [p.num_gpus for p in budget_pools(c)] == [8, 8] and c.replace(max_gpus=12).num_gpus == 12
+
+
+def test_search_is_one_front_door_for_pools():
+    """search.search on pools: one SearchResult with the pooled parts, every plan within the budget."""
+    c = cluster_from_dict(POOLS)
+    r = search(load_model("gpt3-125m"), c.replace(max_gpus=12), Workload(global_batch=64, seq_len=2048))
+    assert r.pooled and r.best_pooled is not None and r.explanation
+    assert all(e.num_gpus <= 12 for e in r.pooled_plans)
+    assert set(r.alone) == {"a100", "h100"} and r.per_cluster[0].num_gpus == 12
+    assert r.best_multi is not None and r.best_multi.plan.pool_dp == (4, 8)
+
+
+def test_gpus_lists_each_budget_with_its_best_plan(capsys, cluster_file, base):
+    rc, out, err = _plan(capsys, cluster_file, "--gpus", "8..32", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    sizes = {c["num_gpus"]: c for c in doc["per_cluster"]}
+    assert sorted(sizes) == [8, 16] and "32 left out" in err  # the pools hold 16 GPUs
+    assert sizes[8]["best_step_time_s"] > sizes[16]["best_step_time_s"]  # the H100 pool alone vs both
+    assert doc["best"]["step_time_s"] == pytest.approx(base["best"]["step_time_s"])  # 16 = the whole cluster
+    assert all(p["num_gpus"] <= 16 for p in doc["plans"])
+    rc, text, err = _plan(capsys, cluster_file, "--gpus", "8,16")
+    assert rc == 0 and "best per cluster size:" in text and "<- winner" in text, err
+    assert [line for line in text.splitlines() if line.strip().startswith(("8 GPUs", "16 GPUs"))]
+
+
+def test_price_override_scales_dollars_by_the_price_ratio(capsys, cluster_file, base):
+    rc, out, err = _plan(capsys, cluster_file, "--price-per-gpu-hour", "10", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["price"]["usd_per_gpu_hour"] == {"a100": 10.0, "h100": 10.0}
+    b0, b1 = base["best"], doc["best"]
+    assert b1["plan"] == b0["plan"]  # the ranking is by time: the winner does not change
+    a100, h100 = (cluster_from_dict(POOLS).pool(n).price_per_hour for n in ("a100", "h100"))
+    gpus = {p["pool"]: p["gpus"] for p in b0["pools"]}
+    paid = gpus.get("a100", 0) * a100 + gpus.get("h100", 0) * h100
+    want = b0["usd_per_m_tokens"] * 10 * sum(gpus.values()) / paid
+    assert b1["usd_per_m_tokens"] == pytest.approx(want, rel=1e-9)
+    # one pool's price alone: only that pool's plans get dearer
+    rc, out, err = _plan(capsys, cluster_file, "--price-per-gpu-hour", f"a100={2 * a100}", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    h = doc["alone"]["h100"]
+    assert h["usd_per_m_tokens"] == pytest.approx(base["alone"]["h100"]["usd_per_m_tokens"], rel=1e-12)
+    assert doc["alone"]["a100"]["usd_per_m_tokens"] == pytest.approx(
+        2 * base["alone"]["a100"]["usd_per_m_tokens"], rel=1e-9)
+    rc, text, err = _plan(capsys, cluster_file, "--price-per-gpu-hour", "3")
+    assert rc == 0 and "price per GPU-hour (--price-per-gpu-hour): a100 $3.00, h100 $3.00" in text, err
+
+
+def test_deadline_keeps_the_cheapest_plan_that_meets_it(capsys, cluster_file, base):
+    tokens_per_step = 64 * 2048
+    steps = [p["step_time_s"] for p in base["plans"]]
+    # a deadline between the fastest and the slowest of the ranked plans
+    cut = sorted(steps)[len(steps) // 2]
+    days = cut * 1e9 / tokens_per_step / 86400
+    rc, out, err = _plan(capsys, cluster_file, "--train-tokens", "1B", "--deadline", f"{days:.9f}", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["objective"] == "cost" and doc["deadline_days"] == pytest.approx(days)
+    kept = doc["plans"]
+    assert kept and all(p["step_time_s"] * 1e9 / tokens_per_step / 86400 <= days for p in kept)
+    usd = [p["usd_per_m_tokens"] for p in kept]
+    assert usd == sorted(usd)  # the cheapest that meets it first
+    assert doc["rejected"]["over the deadline"] >= 1 and "over the" in doc["reject_examples"]["over the deadline"]
+    # nothing meets a deadline shorter than the fastest plan: one-line error naming it
+    fastest = min(steps) * 1e9 / tokens_per_step / 86400
+    rc, out, err = _plan(capsys, cluster_file, "--train-tokens", "1B", "--deadline", f"{fastest / 2:.9f}")
+    assert rc == 2 and "within" in err and "over the" in err and "Traceback" not in err
+
+
+def test_plot_draws_the_pooled_pareto_front(capsys, cluster_file, tmp_path, base):
+    path = tmp_path / "front.svg"
+    rc, out, err = _plan(capsys, cluster_file, "--plot", str(path))
+    assert rc == 0, err
+    svg = path.read_text()
+    assert svg.lstrip().startswith("<") and 'class="front"' in svg and 'data-mark="front"' in svg
+    assert "usable" in svg  # the tightest pool's usable memory
