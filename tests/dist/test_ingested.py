@@ -83,15 +83,15 @@ def searched() -> dict[str, str]:
     """The best plan of each family on a 2-process CPU cluster (graph search, fp32, only what the
     runtime runs: runtime.generic.search_space)."""
     from meshplan.ingest import ingest
-    from meshplan.runtime import launch
+    from meshplan.runtime import local
     from meshplan.runtime.generic import search_space
     from meshplan.search import search
     from meshplan.spec.plan import Plan, Workload
     sys.path.insert(0, str(MODULES))
-    old = launch.cpu_tflops
-    launch.cpu_tflops = lambda seconds=0.2: 0.05  # a fixed CPU rate: the same winner on every machine
+    old = local.cpu_tflops
+    local.cpu_tflops = lambda seconds=0.2: 0.05  # a fixed CPU rate: the same winner on every machine
     try:
-        cluster = launch.local_cluster(2, "cpu")
+        cluster = local.local_cluster(2, "cpu")
         out = {}
         for fam, src in SOURCES.items():
             graph = ingest(src, seq_len=SEQ.get(fam))
@@ -101,7 +101,7 @@ def searched() -> dict[str, str]:
             out[fam] = result.plans[0].plan.short()
         return out
     finally:
-        launch.cpu_tflops = old
+        local.cpu_tflops = old
         sys.path.remove(str(MODULES))
 
 

@@ -75,13 +75,13 @@ def saved_bytes(source: str, batch: int, seq_len: int | None, dtype: str = "floa
 
 @pytest.fixture(scope="module")
 def cpu_cluster():
-    from meshplan.runtime import launch
-    old = launch.cpu_tflops
-    launch.cpu_tflops = lambda seconds=0.2: 0.05  # memory does not depend on it; skip the measurement
+    from meshplan.runtime import local
+    old = local.cpu_tflops
+    local.cpu_tflops = lambda seconds=0.2: 0.05  # memory does not depend on it; skip the measurement
     try:
-        return launch.local_cluster(1, "cpu")
+        return local.local_cluster(1, "cpu")
     finally:
-        launch.cpu_tflops = old
+        local.cpu_tflops = old
 
 
 @pytest.mark.parametrize("name", list(CASES))

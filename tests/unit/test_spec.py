@@ -551,7 +551,7 @@ TWO_DCS = ClusterSpec(name="two-dcs", gpu=load_gpu("h100-sxm-80gb"), num_nodes=4
 def test_sync_fields_round_trip_through_plan_files(tmp_path_factory, plan, suffix):
     """What `meshplan plan --out` writes (plan_document, with the cluster spec) reads back exactly:
     the plan by load_plan, the cluster (step_jitter, a shared inter_dc link) by cluster_from_dict."""
-    from meshplan.cli.planfile import read_plan_file, spec_fields
+    from meshplan.spec.io import read_plan_file, spec_fields
     from meshplan.spec.io import cluster_from_dict
     doc = plan_document(plan, model="llama3-8b", cluster="two-dcs", global_batch=64,
                         **spec_fields(None, TWO_DCS))

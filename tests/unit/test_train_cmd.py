@@ -14,7 +14,7 @@ from clirun import error_line
 
 from meshplan.cli.main import main
 from meshplan.errors import MeshplanError
-from meshplan.runtime import preflight
+from meshplan.runtime import local, preflight
 from meshplan.spec.graph import LayerGraph, LayerSpec
 from meshplan.spec.io import load_model, load_plan
 
@@ -66,7 +66,7 @@ def test_check_plan_is_the_planners_check_but_for_the_hardware() -> None:
                  "pp=2,virtual_stages=2,schedule=zbv", "pp=2,dp=2,zero=2", "dp=2,offload_params=1", "precision=fp8"):
         plan = load_plan(text)
         try:
-            check(model, preflight.cpu_cluster(plan.num_gpus, memory_gib=1.0), plan, _work(8, 32))
+            check(model, local.cpu_cluster(plan.num_gpus, memory_gib=1.0), plan, _work(8, 32))
             planner = None
         except MeshplanError as e:
             planner = str(e)
@@ -191,7 +191,8 @@ def test_checkpoint_contents() -> None:
 # ---- [12] the CPU-corrected memory beside the measurement --------------------------------------------
 def test_the_summary_memory_is_the_cpu_corrected_figure() -> None:
     pytest.importorskip("torch")
-    from meshplan.runtime.launch import CPU_MEMORY_BASIS, Job, estimate_for, summary_text
+    from meshplan.runtime.launch import Job, estimate_for, summary_text
+    from meshplan.runtime.local import CPU_MEMORY_BASIS
     model, plan = load_model("tiny-llama"), load_plan("dp=2,zero=3,precision=fp32")
     job = Job(model_arg="tiny-llama", plan_arg="", model=model, plan=plan, global_batch=8, seq_len=64, steps=20,
               nproc_per_node=2)
@@ -267,7 +268,7 @@ def test_step_time_note_and_durations() -> None:
 
 def test_cpu_rate_is_measured_on_one_thread() -> None:
     torch = pytest.importorskip("torch")
-    from meshplan.runtime.launch import cpu_tflops
+    from meshplan.runtime.local import cpu_tflops
     threads = torch.get_num_threads()
     assert cpu_tflops(0.02) > 0 and torch.get_num_threads() == threads
 

@@ -17,7 +17,7 @@ import pytest
 from clirun import error_line
 
 from meshplan.errors import MeshplanError
-from meshplan.runtime import preflight
+from meshplan.runtime import local, preflight
 from meshplan.spec.graph import LayerGraph, LayerSpec
 from meshplan.spec.io import load_model, load_plan
 
@@ -33,7 +33,8 @@ def test_bad_learning_rate_is_one_line(capsys: pytest.CaptureFixture[str], lr: s
 
 
 def test_learning_rate_type_and_check() -> None:
-    assert preflight.learning_rate("3e-4") == pytest.approx(3e-4)
+    from meshplan.cli.train_cmd import learning_rate
+    assert learning_rate("3e-4") == pytest.approx(3e-4)
     for bad in (-1.0, 0.0, math.nan, math.inf, True):
         with pytest.raises(MeshplanError, match="--lr must be a finite number > 0"):
             preflight.check_lr(bad)
@@ -41,7 +42,7 @@ def test_learning_rate_type_and_check() -> None:
 
 def test_check_job_refuses_a_bad_lr_given_programmatically() -> None:
     pytest.importorskip("torch")
-    from meshplan.runtime.launch import Job, check_job
+    from meshplan.runtime.job import Job, check_job
     job = Job(model_arg="tiny-llama", plan_arg="dp=1", model=load_model("tiny-llama"), plan=load_plan("dp=1"),
               global_batch=8, seq_len=32, steps=1, nproc_per_node=1, lr=-1.0)
     with pytest.raises(MeshplanError, match="--lr"):
@@ -220,7 +221,8 @@ def test_torchrun_goes_through_the_reporting_wrapper() -> None:
 # ---- 6. the CPU estimate is labelled --------------------------------------------------------------
 def test_cpu_estimate_is_labelled() -> None:
     pytest.importorskip("torch")
-    from meshplan.runtime.launch import estimate_basis, summary_text
+    from meshplan.runtime.launch import summary_text
+    from meshplan.runtime.local import estimate_basis
     basis = estimate_basis("local-cpu:2")
     assert basis.startswith("cost model for a `local-cpu` device; indicative only on CPU")
     text = summary_text({"step_time_s": 0.1, "tokens_per_s": 10.0, "peak_memory_gib": 0.3},
@@ -280,7 +282,7 @@ def test_graph_memory_estimate_is_the_graph_cost_model_with_the_cpu_corrections(
     from meshplan.spec.plan import Workload
     g, plan = toy_graph(2048), load_plan("dp=2,micro_batch=2,precision=fp32")
     est = preflight.graph_memory_estimate(g, plan, 8, "cpu", preflight.HF_PROCESS_GIB)
-    r = estimate(g, preflight.cpu_cluster(2), plan, Workload(global_batch=8, seq_len=g.sample_tokens))
+    r = estimate(g, local.cpu_cluster(2), plan, Workload(global_batch=8, seq_len=g.sample_tokens))
     assert est is not None and est.parts["overhead"] == preflight.HF_PROCESS_GIB
     # activations as the graph model counts them (already 4-byte for fp32: no x 2 as for presets)
     assert est.parts["activations"] == pytest.approx(r.memory["activations"])
@@ -375,7 +377,7 @@ def test_ingested_check_job(monkeypatch: pytest.MonkeyPatch, host_24gib: None) -
     """Programmatic jobs get the lr check; a run that fits returns the estimate (hf: an idle rank
     with transformers imported)."""
     pytest.importorskip("transformers")
-    from meshplan.runtime.launch import Job, check_job
+    from meshplan.runtime.job import Job, check_job
     job = Job(model=f"hf:{HF / 'llama-tiny.json'}", plan=load_plan("dp=2,precision=fp32"),
               global_batch=4, steps=1, seq_len=32, nproc_per_node=2)
     est = check_job(job)
@@ -458,7 +460,7 @@ def test_ddp_unused_parameters_of_hf_models() -> None:
 
 def test_untraceable_model_is_launched_without_a_memory_check(nets: str, capsys: pytest.CaptureFixture[str],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from meshplan.runtime.launch import Job, check_job
+    from meshplan.runtime.job import Job, check_job
     job = Job(model=f"module:{nets}:reads_values", plan=load_plan("dp=2,precision=fp32"),
               global_batch=4, steps=1, seq_len=None, nproc_per_node=2)
     assert check_job(job) is None

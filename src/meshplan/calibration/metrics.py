@@ -6,7 +6,7 @@ end of each run (or of the part of a run before ``--switch`` moved it to another
 ``{"kind": "summary"}`` record. Each summary is one case:
 
 - the model: ``model_spec`` (a ModelSpec, or the LayerGraph an ingested model was traced to, as
-  plan files record them: cli.planfile.spec_fields);
+  plan files record them: spec.io.spec_fields);
 - the cluster: ``cluster_spec``, the one the runtime's estimate used (a GPU preset of the CUDA
   device, or on CPU the ``local-cpu`` device with its measured matmul rate);
 - the plan: ``plan_as_run`` (the plan as this hardware runs it: on CPU offload flags are no-ops and

@@ -138,12 +138,8 @@ def _bench_raw(args: argparse.Namespace) -> dict[str, Any] | None:
         data = read_json_file(args.bench_from, "--bench-from",
                               "give the JSON file `meshplan calibrate --bench --bench-out` wrote")
         return check_raw(data, f"--bench-from {args.bench_from}")
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise MeshplanError("--bench needs torch (it measures through torch)",
-                            hint="install torch (scripts/setup.sh), or fit --runs / --metrics only") from None
-    from meshplan.runtime.bench import BenchRequest, run_bench
+    from meshplan.runtime.bench import BenchRequest, require_torch, run_bench
+    require_torch()
     req = BenchRequest(gpu=args.gpu, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                        node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
     raw = run_bench(req, progress=lambda s: print(f"meshplan: bench: {s}", file=sys.stderr, flush=True))

@@ -108,8 +108,7 @@ def recorded(args: argparse.Namespace) -> dict[str, str]:
     was priced with."""
     import os
 
-    from meshplan.cli.planfile import is_file_arg
-    from meshplan.spec.io import read_data_file
+    from meshplan.spec.io import is_file_arg, read_data_file
     path = getattr(args, "plan", None)
     if not is_file_arg(path):
         return {}

@@ -56,13 +56,12 @@ def stash(args: argparse.Namespace) -> None:
         args.seq_len = None
 
 
-def _file_lengths(args: argparse.Namespace) -> tuple[str | None, str | None]:
+def file_lengths(args: argparse.Namespace) -> tuple[str | None, str | None]:
     """(lengths, packing) a plan file given as --plan records (None, None for a plan string)."""
-    from meshplan.cli.planfile import is_file_arg
+    from meshplan.spec.io import is_file_arg, read_data_file
     plan = getattr(args, "plan", None)
     if not is_file_arg(plan):
         return None, None
-    from meshplan.spec.io import read_data_file
     try:
         data = read_data_file(plan)
     except MeshplanError:  # not a readable plan file: the plan's own reading says why, in its words
@@ -95,7 +94,7 @@ def _lengths_of(args: argparse.Namespace) -> Any:
     stash(args)
     text = getattr(args, DIST_ATTR, None)
     packing = getattr(args, "packing", None)
-    ftext, fpacking = _file_lengths(args)
+    ftext, fpacking = file_lengths(args)
     if ftext is not None and (text is not None or packing is not None):
         _check_file_lengths(args, ftext, fpacking, text, packing)  # replaced only with --override
     one = getattr(args, "seq_len", None)

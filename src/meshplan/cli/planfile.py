@@ -1,29 +1,29 @@
-"""Plan files as the source of truth: what `meshplan plan --out p.json` records, and how
-estimate, simulate, report, train and export read it back.
+"""Plan files as the source of truth: how estimate, simulate, report, train and export resolve their
+command lines against what `meshplan plan --out p.json` recorded.
 
-A plan file holds the plan plus the problem it was planned for: ``model`` and ``cluster`` (the
+Reading and writing the file itself is spec.io's (read_plan_file, spec_fields, write_plan_file). A
+plan file holds the plan plus the problem it was planned for: ``model`` and ``cluster`` (the
 names shown to people), ``model_spec`` and ``cluster_spec`` (the full specs, so a model or
 cluster from a file, or a layer graph, reloads exactly and without torch), ``global_batch`` and
 ``seq_len``. Given ``--plan p.json`` a command takes each of these from the file; a
 command-line value that disagrees with the file is an error naming both values, unless
 ``--override`` is given: then the command-line value wins and one note on stderr says so.
-Importing this module is cheap (no numpy, no torch).
+Importing this module is cheap (no numpy, no torch): spec.io is imported when a command runs.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from meshplan.errors import MeshplanError
 
-CONTEXT = ("model", "cluster", "global_batch", "seq_len")
-"""What a plan file records besides the plan (the Namespace attribute of each flag)."""
+if TYPE_CHECKING:
+    from meshplan.spec.io import PlanFile
 
-FLAGS = {"model": "--model", "cluster": "--cluster", "global_batch": "--global-batch", "seq_len": "--seq-len"}
-WHAT = {"model": "model", "cluster": "cluster", "global_batch": "global batch", "seq_len": "sequence length"}
+CONTEXT = ("model", "cluster", "global_batch", "seq_len")
+"""What a plan file records besides the plan (the Namespace attribute of each flag; spec.io.PLAN_CONTEXT)."""
 
 OVERRIDE_HELP = ("with --plan FILE: let --model/--cluster/--global-batch/--seq-len replace the plan file's "
                  "values (without it, a value that disagrees with the file is an error)")
@@ -33,72 +33,6 @@ FROM_FILE = " (default with --plan FILE: the plan file's)"
 def add_override(parser: argparse.ArgumentParser) -> None:
     """The ``--override`` flag of every command that reads plan files."""
     parser.add_argument("--override", action="store_true", help=OVERRIDE_HELP)
-
-
-# ---- writing ---------------------------------------------------------------------------------
-
-def spec_fields(model: Any, cluster: Any) -> dict[str, Any]:
-    """``model_spec`` and ``cluster_spec`` of a plan document: the full specs planned with
-    (a ModelSpec or a LayerGraph; a ClusterSpec), so the file reloads them exactly."""
-    from meshplan.spec.base import to_dict
-    out: dict[str, Any] = {}
-    if model is not None:  # a generated graph records the description it was generated from
-        out["model_spec"] = to_dict(getattr(model, "model", None) or model)
-    if cluster is not None:
-        out["cluster_spec"] = to_dict(cluster)
-    return out
-
-
-# ---- reading ---------------------------------------------------------------------------------
-
-def is_file_arg(arg: Any) -> bool:
-    return isinstance(arg, str) and arg.lower().endswith((".json", ".toml"))
-
-
-@dataclass(frozen=True)
-class PlanFile:
-    """The context a plan document records (only the keys it has)."""
-
-    path: str
-    values: dict[str, Any]
-    """model, cluster (names), global_batch, seq_len (positive ints)."""
-    model_spec: dict[str, Any] | None = None
-    cluster_spec: dict[str, Any] | None = None
-
-
-def read_plan_file(arg: Any, fields: tuple[str, ...] = CONTEXT) -> PlanFile | None:
-    """The context of a plan document written by `meshplan plan --out` (None for a plan string,
-    or a file holding only plan fields). Only ``fields`` are read and checked."""
-    if not is_file_arg(arg):
-        return None
-    from meshplan.spec.io import read_data_file
-    data = read_data_file(arg)
-    if "plan" not in data:
-        return None
-    values: dict[str, Any] = {}
-    for key in fields:
-        v = data.get(key)
-        if v is None:
-            continue
-        flag = FLAGS[key]
-        if key in ("model", "cluster"):
-            if not isinstance(v, str) or not v.strip():
-                raise MeshplanError(f"{arg}: '{key}' must be a {WHAT[key]} name; got {v!r}",
-                                    hint=f"fix the file or give {flag}")
-            values[key] = v.strip()
-        else:
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise MeshplanError(f"{arg}: '{key}' must be a positive integer; got {v!r}",
-                                    hint=f"fix the file or give {flag}")
-            values[key] = v
-    specs: dict[str, dict[str, Any] | None] = {}
-    for key in ("model", "cluster"):
-        spec = data.get(f"{key}_spec") if key in fields else None
-        if spec is not None and not isinstance(spec, dict):
-            raise MeshplanError(f"{arg}: '{key}_spec' must be an object/table of {WHAT[key]} fields; "
-                                f"got {type(spec).__name__}", hint=f"fix the file or give {FLAGS[key]}")
-        specs[key] = spec
-    return PlanFile(path=arg, values=values, model_spec=specs["model"], cluster_spec=specs["cluster"])
 
 
 # ---- resolving the command line against the file ----------------------------------------------
@@ -148,6 +82,7 @@ class Inputs:
 
     def _load_model(self) -> Any:
         from meshplan.cli.model_arg import load_model_arg
+        from meshplan.spec.io import beside_plan_file, model_from_plan_spec
         arg, seq = self.model_arg, self.seq_len
         if arg is None:  # pragma: no cover - resolve() requires it where a command needs it
             raise MeshplanError("no --model given", hint="give --model, or --plan a plan file that records it")
@@ -156,17 +91,17 @@ class Inputs:
         assert self.file is not None
         spec = self.file.model_spec
         if spec is not None:
-            loaded = _model_from_spec(spec, self.file.path, seq)
+            loaded = model_from_plan_spec(spec, self.file.path, seq)
             if loaded is not None:
                 return loaded
         try:
-            return load_model_arg(_near(arg, self.file.path), seq_len=seq)
+            return load_model_arg(beside_plan_file(arg, self.file.path), seq_len=seq)
         except MeshplanError as e:
             raise MeshplanError(f"{self.file.path}: the plan file's model {arg!r} cannot be loaded ({e.message})",
                                 hint="give --model with the preset or file it was planned with") from None
 
     def _load_cluster(self) -> Any:
-        from meshplan.spec.io import cluster_from_dict, load_cluster
+        from meshplan.spec.io import beside_plan_file, cluster_from_dict, load_cluster
         arg = self.cluster_arg
         if arg is None:  # pragma: no cover - resolve() requires it where a command needs it
             raise MeshplanError("no --cluster given", hint="give --cluster, or --plan a plan file that records it")
@@ -176,7 +111,7 @@ class Inputs:
         if self.file.cluster_spec is not None:
             return cluster_from_dict(self.file.cluster_spec, where=f"{self.file.path}: cluster_spec")
         try:
-            return load_cluster(_near(arg, self.file.path))
+            return load_cluster(beside_plan_file(arg, self.file.path))
         except MeshplanError as e:
             raise MeshplanError(f"{self.file.path}: the plan file's cluster {arg!r} cannot be loaded "
                                 f"({e.message})", hint="give --cluster with the one it was planned for") from None
@@ -187,34 +122,11 @@ def _cli_loaded(inputs: Inputs, key: str) -> Any:
     return inputs._loaded.pop(f"cli_{key}", None)
 
 
-def _near(arg: str, plan_path: str) -> str:
-    """A file named in a plan file: as written, else next to the plan file."""
-    if is_file_arg(arg) and not os.path.isabs(arg) and not os.path.exists(arg):
-        beside = os.path.join(os.path.dirname(plan_path), arg)
-        if os.path.exists(beside):
-            return beside
-    return arg
-
-
-def _model_from_spec(spec: dict[str, Any], path: str, seq_len: int | None) -> Any:
-    """The plan file's model_spec: a ModelSpec (like load_model_arg, whatever ``seq_len``: the
-    workload carries it), or a LayerGraph (it has 'layers'); None when a graph was traced at
-    another sequence length than asked (then it is ingested again)."""
-    from meshplan.spec.base import from_dict
-    from meshplan.spec.graph import LayerGraph
-    from meshplan.spec.io import model_from_dict
-    where = f"{path}: model_spec"
-    if isinstance(spec.get("layers"), list):
-        data = {k: v for k, v in spec.items() if k not in ("schema_version", "kind", "meta")}
-        graph = from_dict(LayerGraph, data, where=where)
-        return graph if seq_len is None or seq_len == graph.sample_tokens else None
-    return model_from_dict(spec, where=where)  # as planned: the workload carries the seq len
-
-
 def _same_model(cli: str, pf: PlanFile, inputs: Inputs) -> bool:
     from meshplan.cli.model_arg import is_ingested, load_model_arg
     from meshplan.spec.base import to_dict
     from meshplan.spec.graph import LayerGraph
+    from meshplan.spec.io import beside_plan_file, is_file_arg
     theirs = pf.values["model"]
     if cli.strip() == theirs or (cli.strip().lower() == theirs.lower() and not is_file_arg(cli)):
         return True
@@ -229,7 +141,7 @@ def _same_model(cli: str, pf: PlanFile, inputs: Inputs) -> bool:
     spec = pf.model_spec
     if spec is None:
         try:
-            spec = to_dict(load_model_arg(_near(theirs, pf.path)))
+            spec = to_dict(load_model_arg(beside_plan_file(theirs, pf.path)))
         except MeshplanError:
             return False
     return _shape(to_dict(mine)) == _shape(spec)
@@ -242,7 +154,7 @@ def _shape(d: dict[str, Any]) -> dict[str, Any]:
 
 def _same_cluster(cli: str, pf: PlanFile, inputs: Inputs) -> bool:
     from meshplan.spec.base import to_dict
-    from meshplan.spec.io import load_cluster
+    from meshplan.spec.io import beside_plan_file, is_file_arg, load_cluster
     theirs = pf.values["cluster"]
     if cli.strip().lower() == theirs.lower() and not is_file_arg(cli):
         return True
@@ -251,7 +163,7 @@ def _same_cluster(cli: str, pf: PlanFile, inputs: Inputs) -> bool:
     spec = pf.cluster_spec
     if spec is None:
         try:
-            spec = to_dict(load_cluster(_near(theirs, pf.path)))
+            spec = to_dict(load_cluster(beside_plan_file(theirs, pf.path)))
         except MeshplanError:
             return False
     mine_d = to_dict(mine)
@@ -272,7 +184,9 @@ def resolve(args: argparse.Namespace, *, fields: tuple[str, ...] = CONTEXT, requ
     (the same string, or a spec that loads to the same thing) unless --override, which lets the
     command line win and prints one note (not when ``quiet``). ``required`` fields missing from
     both are an error."""
-    from meshplan.spec.io import load_plan
+    from meshplan.spec.io import PLAN_CONTEXT_FLAGS as FLAGS
+    from meshplan.spec.io import PLAN_CONTEXT_WHAT as WHAT
+    from meshplan.spec.io import load_plan, read_plan_file
     plan_arg = getattr(args, "plan", None)
     plan = load_plan(plan_arg) if plan_arg is not None else None
     pf = read_plan_file(plan_arg, fields) if plan_arg is not None else None
@@ -320,6 +234,7 @@ def resolve(args: argparse.Namespace, *, fields: tuple[str, ...] = CONTEXT, requ
 
 
 def _clash_text(clashes: list[tuple[str, Any, Any]]) -> str:
+    from meshplan.spec.io import PLAN_CONTEXT_FLAGS as FLAGS
     first, *rest = clashes
     text = f"{FLAGS[first[0]]} {first[1]} disagrees with the plan file's {first[2]}"
     for k, cli, theirs in rest:
@@ -331,12 +246,13 @@ def resolve_into(args: argparse.Namespace, *, fields: tuple[str, ...], required:
                  quiet: bool = False) -> Inputs:
     """resolve(), then write the resolved values back into ``args`` (for commands that pass
     their arguments on, like `meshplan train` to its torchrun workers)."""
+    from meshplan.spec.io import beside_plan_file
     inputs = resolve(args, fields=fields, required=required, quiet=quiet)
     for key in fields:
         if key in inputs.values:
             value = inputs.values[key]
             if inputs.from_file(key) and inputs.file is not None and isinstance(value, str):
-                value = _near(value, inputs.file.path)  # a file named in the plan file, from here
+                value = beside_plan_file(value, inputs.file.path)  # a file named in the plan file, from here
             setattr(args, key, value)
     return inputs
 

@@ -7,8 +7,9 @@ COMMANDS. torch is imported only when the command runs. Run standalone for devel
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from meshplan.errors import MeshplanError
@@ -46,6 +47,37 @@ def _positive(name: str, allow_zero: bool = False) -> Any:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
         if v < 0 or (v == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"{name} must be {'>= 0' if allow_zero else 'positive'}, got {text!r}")
+        return v
+    return conv
+
+
+def learning_rate(text: str) -> float:
+    """argparse type of --lr: a float, finite and > 0 (runtime.preflight.check_lr)."""
+    from meshplan.runtime import preflight  # no torch
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lr must be a number, got {text!r}") from None
+    try:
+        return preflight.check_lr(value)
+    except MeshplanError as e:
+        raise argparse.ArgumentTypeError(f"--lr must be a finite number > 0, got {text!r}") from e
+
+
+def number_in(flag: str, low: float, high: float | None = None, *, low_open: bool = True,
+              example: str = "") -> Callable[[str], float]:
+    """argparse type of a finite float in (low, high) (``low_open``: low excluded; high always
+    excluded; None: no upper bound)."""
+    words = f"{'>' if low_open else '>='} {low:g}" + (f" and < {high:g}" if high is not None else "")
+
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
+        if not math.isfinite(v) or v < low or (low_open and v == low) or (high is not None and v >= high):
+            raise argparse.ArgumentTypeError(f"{flag} must be a finite number {words}, got {text!r}"
+                                             + (f" (e.g. {flag} {example})" if example else ""))
         return v
     return conv
 
@@ -89,10 +121,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="delete the checkpoint already in --checkpoint-dir (meta.json, step-* folders) and start "
                         "again; without it (or --resume) a --checkpoint-dir holding a checkpoint is refused")
     t.add_argument("--metrics", help="append one JSON object per step (and a summary) to this file")
-    from meshplan.runtime.preflight import learning_rate  # no torch
     t.add_argument("--lr", type=learning_rate, default=1e-3, help="AdamW learning rate, > 0 (default 1e-3)")
     t.add_argument("--seed", type=_positive("--seed", True), default=0)
-    from meshplan.runtime.preflight import number_in  # no torch
     t.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
                    help="the optimizer (the inner one of local-sgd/diloco): adamw (betas 0.9, 0.95, weight decay "
                         "0.1) or sgd (momentum 0.9); default adamw")
@@ -157,7 +187,8 @@ def _procs_per_node(args: argparse.Namespace, plan: Any) -> int:
 def _job(args: argparse.Namespace) -> Any:
     """The job of a preset model or file, or of an ingested model (hf:/module:, by its source)."""
     from meshplan.cli.model_arg import is_ingested
-    from meshplan.runtime.launch import Job, metrics_path
+    from meshplan.runtime.job import Job
+    from meshplan.runtime.launch import metrics_path
     from meshplan.spec.io import load_model, load_plan
     plan = load_plan(args.plan)
     lengths = _lengths(args)
@@ -222,8 +253,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # --plan FILE: model, global batch and seq len from the file (written back into args for the workers);
     # a --seq-len distribution replaces the file's one length
     if args.seq_len is None:  # a plan file that records a length distribution (cli/lengths_arg.py writes it)
-        from meshplan.cli.lengths_arg import _file_lengths
-        text, packing = _file_lengths(args)
+        from meshplan.cli.lengths_arg import file_lengths
+        text, packing = file_lengths(args)
         if text is not None:
             args.seq_len = text
             if getattr(args, "packing", None) is None and packing is not None:

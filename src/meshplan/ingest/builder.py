@@ -64,7 +64,7 @@ def build(source: str | Source, *, device: str | torch.device = "cpu", seq_len: 
         config = hf.load_config(src)
         cls, task = hf.pick_class(config, str(src.path))
         notes = []
-        if "pixel_values" in hf._forward_params(cls):
+        if "pixel_values" in hf.forward_params(cls):
             hf.check_patches(config, src.text)
             if seq_len is not None:
                 notes.append(f"seq_len={seq_len} ignored: the image size comes from the config")
@@ -98,4 +98,4 @@ def build_hf_module(src: Source, config: Any, cls: type, dtype: torch.dtype, dev
         raise
     except Exception as e:  # noqa: BLE001 - transformers' own errors become one line
         raise MeshplanError(f"{src.text}: transformers could not build {cls.__name__}: "
-                            f"{type(e).__name__}: {hf._one_line(e)}", hint="fix the config field it names") from None
+                            f"{type(e).__name__}: {hf.one_line(e)}", hint="fix the config field it names") from None

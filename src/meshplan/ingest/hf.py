@@ -123,7 +123,7 @@ def load_config(src: Source) -> Any:
         with quiet_transformers():
             return CONFIG_MAPPING[mt].from_dict(kw)
     except Exception as e:  # noqa: BLE001 - any config error becomes one line
-        raise MeshplanError(f"{str(src.path)!r}: transformers rejects the config: {_one_line(e)}",
+        raise MeshplanError(f"{str(src.path)!r}: transformers rejects the config: {one_line(e)}",
                             hint="fix the field it names") from None
 
 
@@ -262,7 +262,7 @@ def vocab_size(config: Any) -> int:
 
 def make_batch_fn(config: Any, task: str, cls: type, seq_len: int, device: str, dtype: torch.dtype):
     """batch_size -> Batch of synthetic inputs and labels for the task (deterministic, seed 0)."""
-    image = "pixel_values" in _forward_params(cls)
+    image = "pixel_values" in forward_params(cls)
     if not image:
         check_seq_len(config, seq_len)
 
@@ -291,7 +291,7 @@ def make_batch_fn(config: Any, task: str, cls: type, seq_len: int, device: str, 
                 labels = torch.randint(0, int(getattr(config, "num_labels", 2)), (batch_size,), generator=g)
             else:
                 labels = ids
-        if "use_cache" in _forward_params(cls):
+        if "use_cache" in forward_params(cls):
             kw["use_cache"] = False
         return Batch(kwargs=kw, targets=labels.to(device))
 
@@ -314,7 +314,7 @@ def loss_for(task: str):
 
 
 def sample_tokens(config: Any, task: str, cls: type, seq_len: int) -> int:
-    if "pixel_values" in _forward_params(cls):
+    if "pixel_values" in forward_params(cls):
         size, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
         if isinstance(size, int) and isinstance(patch, int) and patch > 0:
             return (size // patch) ** 2 + 1  # patches + the class token (ViT)
@@ -355,7 +355,7 @@ def head_counts(config: Any) -> tuple[int | None, int | None]:
     return heads, kv or heads
 
 
-def _forward_params(cls: type) -> set[str]:
+def forward_params(cls: type) -> set[str]:
     import inspect
 
     try:
@@ -364,6 +364,6 @@ def _forward_params(cls: type) -> set[str]:
         return set()
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__

@@ -122,7 +122,7 @@ def _is_fused(m: nn.Module) -> bool:
             and m.down_proj.dim() == 3)
 
 
-def _is_list(m: nn.Module) -> bool:
+def is_expert_list(m: nn.Module) -> bool:
     experts, gate = getattr(m, "experts", None), getattr(m, "gate", None)
     return (isinstance(experts, (nn.ModuleList, nn.ModuleDict)) and len(experts) > 1 and isinstance(gate, nn.Linear)
             and gate.out_features == len(experts)
@@ -136,7 +136,7 @@ def uniform_routing(model: nn.Module) -> Iterator[list[MoeLayer]]:
     layers: list[MoeLayer] = []
     for name, m in model.named_modules():
         fused = _is_fused(m)
-        fn = _uniform_fused if fused else _uniform_list if _is_list(m) else None
+        fn = _uniform_fused if fused else _uniform_list if is_expert_list(m) else None
         if fn is None:
             continue
         had = "forward" in vars(m)

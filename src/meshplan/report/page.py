@@ -98,7 +98,7 @@ def _plan(text: str) -> str:
     return "<code>" + ",<wbr>".join(esc(p) for p in text.split(",")) + "</code>"
 
 
-def _json_script(doc: Any) -> str:
+def json_script(doc: Any) -> str:
     text = json.dumps(json_safe(doc), allow_nan=False, separators=(",", ":"))
     text = text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     return f'<script type="application/json" id="meshplan-data">{text}</script>'
@@ -161,7 +161,7 @@ def _problem(r: SearchResult, command: str | None) -> str:
     unit = "samples" if isinstance(m, LayerGraph) and m.model is None else "sequences"
     work = [("global batch", f"{w.global_batch:,} {unit} x {w.seq_len:,} tokens = {w.tokens:,} tokens per step"
              if w.lengths is None or len(w.lengths.lengths) == 1 else
-             f"{workload_text(w)}{_dist(w)} = {w.tokens:,} real tokens per step"),
+             f"{workload_text(w)}{lengths_note(w)} = {w.tokens:,} real tokens per step"),
             ("objective", {"time": "fastest step", "cost": "fewest dollars per token",
                            "time-to-target": "soonest to a target loss (step time x token-efficiency factor)"}
              .get(r.objective, r.objective)),
@@ -354,7 +354,7 @@ def _explanation(r: SearchResult) -> str:
     return "".join(out)
 
 
-def _dist(work: Any) -> str:
+def lengths_note(work: Any) -> str:
     """' (lengths 2048:0.6,...)' for a distribution of several lengths, else ''."""
     d = work.lengths
     return "" if d is None or len(d.lengths) == 1 else f" (lengths {d.text()})"
@@ -388,11 +388,11 @@ def render(result: SearchResult, *, usable_gib: float, sim: Any = None, sim_summ
         f"<title>meshplan report: {esc(heading)}</title>",
         f"<script>{JS_GUARD}</script><style>{CSS}</style></head><body><main>",
         f"<h1>meshplan report: {esc(heading)}</h1>",
-        f'<p class="mut">{esc(workload_text(r.work))}{esc(_dist(r.work))}; '
+        f'<p class="mut">{esc(workload_text(r.work))}{esc(lengths_note(r.work))}; '
         f"{r.considered:,} plans searched, {r.feasible:,} feasible</p><nav>{nav}</nav>",
         _verdict(r, train), _problem(r, command), top, _pareto(r, usable_gib), _breakdowns(r),
         _simulation(r, sim, sim_summary, sim_error), _explanation(r),
         f"<footer>meshplan {esc(__version__)}: cost model estimates, simulated timeline from the same "
         "durations. This page is self-contained (no network); the data behind it is in the "
         "<code>meshplan-data</code> JSON block.</footer></main>",
-        _json_script(doc), f"<script>{JS_MAIN}</script></body></html>\n"])
+        json_script(doc), f"<script>{JS_MAIN}</script></body></html>\n"])

@@ -23,7 +23,7 @@ cost model's ``local-cpu`` device is one core per process). On CPU everything is
 takes seconds) and labelled ``device_kind: "cpu"``: it tests the pipeline end to end; its numbers
 are not GPU numbers. The reference the numbers are compared with (peaks, HBM and link bandwidths)
 is the GPU preset of the CUDA device (or ``--gpu``), on CPU the ``local-cpu`` device with a
-measured single-thread matmul rate (runtime.preflight.cpu_cluster), recorded in the results as a
+measured single-thread matmul rate (runtime.local.cpu_cluster), recorded in the results as a
 cluster (``reference.cluster``) so that calibration.bench_fit needs no torch.
 """
 from __future__ import annotations
@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from meshplan.errors import MeshplanError
+from meshplan.runtime.launch import exit_worker, in_torchrun, run_reporting_lost_peers, run_torchrun
+from meshplan.runtime.local import CUDA_PRESETS, cpu_cluster, cpu_tflops
 
 BENCH_SCHEMA_VERSION = 1
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -199,7 +201,6 @@ def gpu_preset(req: BenchRequest, kind: str) -> str | None:
                                 + (f"; did you mean {', '.join(close)}?" if close else ""),
                                 hint="`meshplan presets` lists the GPU presets")
         return name
-    from meshplan.runtime.launch import CUDA_PRESETS
     dev = device_name(kind)
     for frag, preset in CUDA_PRESETS:
         if frag in dev:
@@ -216,8 +217,6 @@ def reference_cluster(req: BenchRequest, kind: str, nproc: int) -> Any:
     if preset is not None:
         from meshplan.spec.io import parse_cluster_shorthand
         return parse_cluster_shorthand(f"{preset}:{req.nnodes}x{nproc}")
-    from meshplan.runtime.launch import cpu_tflops
-    from meshplan.runtime.preflight import cpu_cluster
     c = cpu_cluster(nproc, cpu_tflops())
     return c.replace(name=f"local-cpu:{req.nnodes}x{nproc}", num_nodes=req.nnodes)
 
@@ -545,7 +544,6 @@ def torchrun_argv(req: BenchRequest, nproc: int, out_path: str) -> list[str]:
 
 def run_collectives(req: BenchRequest, nproc: int, progress: Callable[[str], None]) -> dict[str, Any] | None:
     """Start the collectives worker under torchrun; its results (None on a node other than 0)."""
-    from meshplan.runtime.launch import run_torchrun
     with tempfile.TemporaryDirectory(prefix="meshplan-bench-") as tmp:
         path = str(Path(tmp) / "collectives.json")
         progress(f"collectives: {nproc * req.nnodes} processes under torchrun")
@@ -557,6 +555,15 @@ def run_collectives(req: BenchRequest, nproc: int, progress: Callable[[str], Non
         if not Path(path).is_file():
             return None
         return json.loads(Path(path).read_text())
+
+
+def require_torch() -> None:
+    """--bench measures through torch: a one-line MeshplanError where it is not installed."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise MeshplanError("--bench needs torch (it measures through torch)",
+                            hint="install torch (scripts/setup.sh), or fit --runs / --metrics only") from None
 
 
 def run_bench(req: BenchRequest, progress: Callable[[str], None] | None = None) -> dict[str, Any] | None:
@@ -619,12 +626,10 @@ def worker_cli(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "--worker":
         print("usage: python -m meshplan.runtime.bench --worker OUT.json (started by torchrun)", file=sys.stderr)
         return 2
-    from meshplan.runtime.launch import run_reporting_lost_peers
     return run_reporting_lost_peers(worker_main, argv[1])
 
 
 if __name__ == "__main__":
-    from meshplan.runtime.launch import exit_worker, in_torchrun
     _rc = worker_cli(sys.argv[1:])
     if in_torchrun():
         exit_worker(int(_rc or 0))

@@ -52,6 +52,8 @@ import torch
 import torch.distributed as dist
 
 from meshplan.errors import MeshplanError
+from meshplan.runtime.parallelize import VOCAB_PARAMS
+from meshplan.runtime.train import clean_fqn
 from meshplan.spec.base import to_dict
 
 META = "meta.json"
@@ -79,8 +81,6 @@ def _param_of(key: str, optim: bool) -> tuple[str, str, str]:
 def _logical(model: Any, part: Any, sd: dict[str, Any], optim: bool) -> list[Entry]:
     """The entries of one part's state dict under their checkpoint keys (see the module doc);
     ``model``: the trainer's TrainModel."""
-    from meshplan.runtime.parallelize import VOCAB_PARAMS
-    from meshplan.runtime.train import clean_fqn
     vocab = model.vocab_rows
     out = []
     for key, value in sd.items():

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
+from meshplan.runtime.models import CoreAttention
+
 
 def local_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
     """Global token indices held by cp rank ``rank``: chunks rank and 2cp-1-rank of 2cp."""
@@ -112,7 +114,6 @@ class BucketAttention(nn.Module):
 
     def __init__(self, causal: bool) -> None:
         super().__init__()
-        from meshplan.runtime.models import CoreAttention
         self.plain = CoreAttention(causal)
         self.causal = causal
         self.unit: tuple[dist.ProcessGroup, int, int] | None = None

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from meshplan.runtime.hetero import IGNORE, packed_documents
+
 CORPUS_BYTES = 1 << 18
 """Size of the generated corpus: 256 KiB of text, enough for tiny-model runs."""
 _WORDS = (
@@ -79,7 +81,6 @@ def padded_rows(tokens: torch.Tensor, lengths: Any, samples: list[int], width: i
     """(inputs, targets) [len(samples), width] of variable-length samples: sample i is the first
     lengths[i] inputs of row i of ``tokens`` ([batch, longest + 1]) and their next tokens; the rest
     of the row is padding (input token 0, target ``hetero.IGNORE``: no loss, no gradient)."""
-    from meshplan.runtime.hetero import IGNORE
     x = torch.zeros((len(samples), width), dtype=tokens.dtype)
     y = torch.full((len(samples), width), IGNORE, dtype=tokens.dtype)
     for k, i in enumerate(samples):
@@ -96,7 +97,6 @@ def packed_batch(step: int, *, batch: int, dist: Any, vocab: int, seed: int = 0,
     own random start, concatenated into one stream; window i is stream[i*L : (i+1)*L + 1] (causal
     over the whole window, no document mask; its last target is the next window's first token).
     Synthetic tokens are uniform whatever the documents, so there the stream is drawn at once."""
-    from meshplan.runtime.hetero import packed_documents
     L = dist.max_len
     need = batch * L + 1
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)

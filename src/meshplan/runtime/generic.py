@@ -60,7 +60,10 @@ from meshplan.ingest.batch import Batch, class_logits
 from meshplan.ingest.builder import Built, build
 from meshplan.ingest.layers import Unit, find_units, pipeline_refusal
 from meshplan.ingest.tp import ModelTP, TPInfo, model_tp
+from meshplan.runtime import preflight as pre
 from meshplan.runtime.data import take
+from meshplan.runtime.hetero import check_batch, replica_span
+from meshplan.runtime.local import cpu_memory, estimate_basis, local_cluster
 from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.parallelize import (
     Parallelized,
@@ -71,8 +74,10 @@ from meshplan.runtime.parallelize import (
     hardware_notes,
     resolve,
     split_pipeline,
+    vocab_parallel_embedding,
+    vocab_parallel_output,
 )
-from meshplan.runtime.train import RunConfig, TrainModel
+from meshplan.runtime.run_config import RunConfig, TrainModel
 from meshplan.spec.plan import Plan
 from meshplan.spec.stages import stage_layer_counts, stage_layer_ranges
 
@@ -462,7 +467,6 @@ def apply_vocab_parallel(model: nn.Module, prefix: str, split: ModelTP, tp_mesh:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from meshplan.runtime.parallelize import vocab_parallel_embedding, vocab_parallel_output
     mods = [resolve(model, prefix + p) for p in split.tables]
     head = resolve(model, prefix + split.head) if split.head is not None else None
     owned = [m for m in mods if _owned(m)] + ([head] if head is not None and _owned(head) else [])
@@ -517,7 +521,7 @@ def unused_parameters(built: Built) -> str | None:
     device keeps the safe setting."""
     from meshplan.ingest import moe
     from meshplan.ingest.measure import measure
-    routed = next((n for n, m in built.module.named_modules() if moe._is_list(m)), None)
+    routed = next((n for n, m in built.module.named_modules() if moe.is_expert_list(m)), None)
     if routed is not None:
         return f"the experts of {routed} are chosen per token (an expert may get no token in a step)"
     try:
@@ -601,7 +605,6 @@ class IngestedModel(TrainModel):
         b = make_batch(self.built, c.global_batch, c.seed * 1_000_003 + step)
         dp_rank, dp = (mesh.dp_rank, mesh.dp) if mesh else (0, 1)
         if c.plan.dp_shares is not None:  # uneven shares: this replica's block (runtime/hetero.py)
-            from meshplan.runtime.hetero import replica_span
             lo, hi = replica_span(c.plan, c.global_batch, dp_rank)
             return take(b, lo, hi, c.global_batch)
         per = c.global_batch // dp
@@ -699,7 +702,6 @@ def preflight(job: Any) -> tuple[Any, Any]:
     pipeline ...) and last the memory pre-flight check on it (``check_memory``). Returns (the memory
     estimate, preflight.MemoryEstimate or None: not priced; the LayerGraph, None where the model
     cannot be traced on the meta device)."""
-    from meshplan.runtime import preflight as pre
     plan = job.plan
     if plan.num_gpus != job.world_size:
         raise MeshplanError(f"plan needs {plan.num_gpus} processes (tp={plan.tp} x pp={plan.pp} x dp={plan.dp} x "
@@ -708,7 +710,6 @@ def preflight(job: Any) -> tuple[Any, Any]:
     why = plan_refusal(plan)
     if why:
         raise MeshplanError(why)
-    from meshplan.runtime.hetero import check_batch
     check_batch(plan, job.global_batch)  # dp x micro_batch, or the dp_shares
     if plan.zero and plan.shard_group and (plan.dp * plan.cp) % plan.effective_shard:
         raise MeshplanError(f"plan: shard_group={plan.shard_group} does not divide dp={plan.dp}")
@@ -759,8 +760,7 @@ def trace(built: Built) -> Any:
 def process_gib(job: Any) -> float:
     """Host memory of one idle rank of this job (preflight: hf: ranks import transformers)."""
     from meshplan.ingest.source import parse_source
-    from meshplan.runtime import preflight
-    return preflight.HF_PROCESS_GIB if parse_source(job.model).kind == "hf" else preflight.CPU_PROCESS_GIB
+    return pre.HF_PROCESS_GIB if parse_source(job.model).kind == "hf" else pre.CPU_PROCESS_GIB
 
 
 def check_memory(job: Any, built: Built, graph: Any) -> Any:
@@ -768,25 +768,23 @@ def check_memory(job: Any, built: Built, graph: Any) -> Any:
     (``built``, a meta model, traced at the run's sequence length), against host memory (every
     process of the node counted) or device 0's memory."""
     from meshplan.ingest import ingest
-    from meshplan.runtime import preflight
     kw: dict[str, Any] = {"nproc_per_node": job.nproc_per_node, "nnodes": job.nnodes, "name": built.name,
                           "seq_len": built.seq_len, "process_gib": process_gib(job),
                           "retrace": lambda s: ingest(job.model, seq_len=s),
                           "nodes_per_dc": getattr(job, "nodes_per_dc", None)}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        return preflight.check_graph_memory(graph, job.plan, job.global_batch, device_type="cuda",
+        return pre.check_graph_memory(graph, job.plan, job.global_batch, device_type="cuda",
                                             available_gib=props.total_memory / 2**30, device_name=props.name, **kw)
-    return preflight.check_graph_memory(graph, job.plan, job.global_batch, device_type="cpu", **kw)
+    return pre.check_graph_memory(graph, job.plan, job.global_batch, device_type="cpu", **kw)
 
 
 def estimate(job: Any, device_type: str, graph: Any = None) -> dict[str, Any]:
     """The graph cost model's prediction of this run on this machine (launch.estimate_for), on
     ``graph`` (the LayerGraph at the run's sequence length; traced here when None). On CPU the peak
-    memory is the pre-flight check's CPU-corrected figure (launch.cpu_memory)."""
+    memory is the pre-flight check's CPU-corrected figure (local.cpu_memory)."""
     from meshplan.cost import estimate as cost_estimate
     from meshplan.ingest import ingest
-    from meshplan.runtime.launch import cpu_memory, estimate_basis, local_cluster
     from meshplan.spec.plan import Workload
     try:
         if graph is None:
@@ -800,8 +798,7 @@ def estimate(job: Any, device_type: str, graph: Any = None) -> dict[str, Any]:
            "peak_memory_gib": r.peak_memory_gib, "tokens_per_s": r.tokens_per_s,
            "activations_gib": r.memory.get("activations")}
     if device_type != "cuda":
-        from meshplan.runtime.preflight import graph_memory_estimate
-        return cpu_memory(out, graph_memory_estimate(graph, job.plan, job.global_batch, "cpu", process_gib(job),
+        return cpu_memory(out, pre.graph_memory_estimate(graph, job.plan, job.global_batch, "cpu", process_gib(job),
                                                      nodes=job.nnodes, nodes_per_dc=getattr(job, "nodes_per_dc", None)))
     return out
 

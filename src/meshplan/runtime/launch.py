@@ -25,188 +25,38 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from meshplan.errors import MeshplanError
-from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload
+from meshplan.runtime import hetero, preflight, replan
+from meshplan.runtime.hetero import local_plan, micro_counts
+from meshplan.runtime.job import Job, check_checkpoint_dir, check_flags, check_steps, checked_job
+from meshplan.runtime.local import (
+    cpu_memory,
+    estimate_basis,
+    local_cluster,
+    run_model,
+    run_plan,
+    this_device_type,
+)
+from meshplan.runtime.preflight import check_output_file, check_plan, check_weak_links, memory_estimate
+from meshplan.spec.plan import Workload
 
 log = logging.getLogger(__name__)
 
-CPU_MEMORY_BANDWIDTH_GBPS = 20.0
-"""Assumed DRAM bandwidth of the local CPU 'device' (one socket, a few channels); order of magnitude."""
-LOOPBACK_GBPS = 2.0
-"""Assumed gloo-over-loopback bandwidth between local processes, GB/s; order of magnitude."""
-CUDA_PRESETS = (("H200", "h200-sxm-141gb"), ("H100", "h100-sxm-80gb"), ("A100-SXM4-40GB", "a100-sxm-40gb"),
-                ("A100", "a100-sxm-80gb"), ("B200", "b200-sxm-192gb"), ("L40S", "l40s-48gb"),
-                ("V100", "v100-sxm-32gb"))
-"""CUDA device-name fragments -> GPU presets for the estimate printed beside the measurement."""
 SWITCH_ENV = "MESHPLAN_SWITCH_FILE"
 """Where the ranks (local rank 0 of each node) write the plan a --switch moved the run to, as JSON for
 the launcher, which then starts the run again under it (``launch``)."""
 FAILURE_ENV = "MESHPLAN_TORCHRUN_FAILURE"
 """Where the torchrun wrapper (``torchrun_main``) writes the failed ranks as JSON for the launcher."""
-CPU_ESTIMATE_BASIS = ("cost model for a `local-cpu` device; indicative only on CPU: gloo and Python overheads "
-                      "are not modelled")
-"""The label of the estimate printed beside a CPU measurement (text and summary record)."""
-CPU_MEMORY_BASIS = ("the pre-flight check's CPU-corrected figure: the cost model's 1 GiB GPU framework overhead "
-                    "replaced by the host memory of an idle rank, fp32 activations counted at 4 bytes, offload "
-                    "and fp8 as run on CPU")
-"""The label of the estimated peak memory beside a CPU measurement (preflight.memory_estimate, not
-the cost model's raw GPU figure, which is kept as ``cost_model_peak_memory_gib``)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Job:
-    """Everything `meshplan train` was asked to do."""
-
-    model: ModelSpec | str
-    """A preset (ModelSpec) or an ingested model's source (``hf:config.json``, ``module:pkg.mod:factory``)."""
-    plan: Plan
-    global_batch: int
-    seq_len: int | None
-    """Presets: the run's (the model's by default); ingested models: None for ingestion's default."""
-    steps: int
-    nproc_per_node: int
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None
-    max_restarts: int = 0
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    overwrite: bool = False
-    """--overwrite: delete the checkpoint already in checkpoint_dir before launch (not with resume)."""
-    metrics: str | None = None
-    lr: float = 1e-3
-    seed: int = 0
-    data: str = "corpus"
-    pg_timeout_s: float = 300.0
-    model_arg: str = ""
-    """--model as given (a preset name, a file, a source)."""
-    plan_arg: str = ""
-    extra_argv: list[str] = field(default_factory=list)
-    replan_after: int | None = None
-    """--replan-after N: after N steps of this launch, check the measurement against the cost model's
-    band; outside it, fit a calibration and rank the plans again (runtime/replan.py). None: no check."""
-    switch: bool = False
-    """--switch: at that check, checkpoint and continue under a plan predicted better."""
-    optimizer: str = "adamw"
-    """--optimizer: the (inner) optimizer, adamw or sgd."""
-    grad_clip: float = 1.0
-    """--grad-clip: the largest global gradient norm (0: no clipping)."""
-    outer_lr: float | None = None
-    """--outer-lr: DiLoCo's outer learning rate (None: periodic.OUTER_LR)."""
-    outer_momentum: float | None = None
-    """--outer-momentum: DiLoCo's outer Nesterov momentum (None: periodic.OUTER_MOMENTUM)."""
-    nodes_per_dc: int | None = None
-    """--nodes-per-dc: nodes per datacenter (sync_scope=dc needs it)."""
-    lengths: Any = None
-    """--seq-len L:p,... or a histogram file (presets): a spec.lengths.LengthDist with --packing
-    (``seq_len`` is then its longest length); None: every sample is ``seq_len`` tokens."""
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
-
-    @property
-    def ingested(self) -> bool:
-        return isinstance(self.model, str)
-
-    def config(self) -> Any:
-        """The RunConfig every rank trains."""
-        from meshplan.runtime.train import RunConfig
-        defaults = RunConfig(model=self.model, plan=self.plan, global_batch=self.global_batch, steps=self.steps)
-        return RunConfig(model=self.model, plan=self.plan, global_batch=self.global_batch, seq_len=self.seq_len,
-                         steps=self.steps, lr=self.lr, seed=self.seed, data=self.data, grad_clip=self.grad_clip,
-                         optimizer=self.optimizer, lengths=self.lengths,
-                         outer_lr=defaults.outer_lr if self.outer_lr is None else self.outer_lr,
-                         outer_momentum=defaults.outer_momentum if self.outer_momentum is None
-                         else self.outer_momentum)
-
-
-def check_job(job: Job) -> Any:
-    """Bad input, caught before anything starts: one-line MeshplanErrors. Ends with the memory
-    pre-flight check (preflight.check_memory: the cost model's estimate against host memory on
-    CPU, every process of the node counted, or against the GPU's memory); returns its estimate
-    (None: not priced). Ingested models: ``generic.preflight`` in place of the preset checks."""
-    return _check_job(job)[0]
-
-
-def _check_job(job: Job) -> tuple[Any, Any]:
-    """``check_job``; also the traced LayerGraph of an ingested model (None: a preset, or a model
-    that cannot be traced on the meta device)."""
-    from meshplan.runtime import mesh as mesh_mod  # imports torch; only reached by `train`
-    from meshplan.runtime import preflight
-    preflight.check_lr(job.lr)
-    preflight.check_weak_links(job.plan, nnodes=job.nnodes, nodes_per_dc=job.nodes_per_dc, outer_lr=job.outer_lr,
-                               outer_momentum=job.outer_momentum)
-    preflight.check_output_file("--metrics", job.metrics)
-    from meshplan.runtime.replan import check_flags
-    check_flags(job)
-    if job.ingested:
-        from meshplan.runtime import generic, hetero
-        hetero.check_buckets(job.plan, job.lengths, ingested=True)
-        if job.data != "corpus":
-            raise MeshplanError(generic.data_refusal(job.model), hint="drop --data")
-        est, graph = generic.preflight(job)
-        check_checkpoint_dir(job)
-        if job.checkpoint_every and not job.checkpoint_dir:
-            raise MeshplanError("--checkpoint-every needs --checkpoint-dir")
-        return est, graph
-    assert isinstance(job.model, ModelSpec) and job.seq_len is not None
-    from meshplan.runtime import hetero
-    mesh_mod.check_supported(job.model, job.plan, job.world_size, job.seq_len,
-                             micro=min(hetero.micro_counts(job.plan, job.global_batch)))
-    preflight.check_seq_len(job.model, job.seq_len)
-    hetero.check_batch(job.plan, job.global_batch)  # dp x micro_batch, or the dp_shares
-    hetero.check_lengths(job.plan, job.lengths)
-    preflight.check_plan(job.model, job.plan, job.global_batch, job.seq_len, nodes=job.nnodes,  # the planner's
-                         nodes_per_dc=job.nodes_per_dc)                                       # constraints
-    check_checkpoint_dir(job)
-    if job.checkpoint_every and not job.checkpoint_dir:
-        raise MeshplanError("--checkpoint-every needs --checkpoint-dir")
-    return check_memory(job), None
-
-
-def check_checkpoint_dir(job: Any) -> int:
-    """--checkpoint-dir, --resume and --overwrite (any job with those fields): with --resume a
-    checkpoint of this model before --steps; without, a directory that holds no checkpoint yet (or
-    --overwrite). Returns the step the run starts from."""
-    from meshplan.runtime import preflight
-    if job.overwrite and job.resume:
-        raise MeshplanError("--overwrite and --resume contradict each other",
-                            hint="--resume continues the checkpoint, --overwrite deletes it; drop one")
-    if job.overwrite and not job.checkpoint_dir:
-        raise MeshplanError("--overwrite needs --checkpoint-dir", hint="drop --overwrite")
-    if job.resume:
-        if not job.checkpoint_dir:
-            raise MeshplanError("--resume needs --checkpoint-dir")
-        from meshplan.runtime.checkpoint import check_outer, check_resumable, read_meta
-        step = check_resumable(job.checkpoint_dir, job.model, steps=job.steps)
-        check_outer(job.checkpoint_dir, read_meta(job.checkpoint_dir) or {}, job.plan, workers_of(job))
-        return step
-    preflight.check_new_checkpoint_dir(job.checkpoint_dir, overwrite=job.overwrite)
-    return 0
-
-
-def workers_of(job: Any, procs_per_node: int | None = None) -> int:
-    """Inner groups of the job's plan on its topology (1: synchronous; periodic.inner_dp_of)."""
-    plan = job.plan
-    if not plan.periodic:
-        return 1
-    from meshplan.runtime.periodic import inner_dp_of
-    return plan.dp // inner_dp_of(plan, procs_per_node or job.nproc_per_node, getattr(job, "nodes_per_dc", None))
 
 
 def before_launch(job: Any, est: dict[str, Any] | None, device_type: str, steps: int) -> None:
     """What the launcher says (stderr) once the checks pass: more processes than CPU cores (a
     warning), the cost model's step time for the run (``est``: estimate_for's dict), and, with
     --overwrite, the old checkpoint deleted."""
-    from meshplan.runtime import preflight
     warn = preflight.oversubscription_warning(job.nproc_per_node, device_type)
     if warn:
         print(f"meshplan: warning: {warn}", file=sys.stderr, flush=True)
@@ -218,27 +68,6 @@ def before_launch(job: Any, est: dict[str, Any] | None, device_type: str, steps:
         if gone:
             print(f"meshplan: note: --overwrite: deleted the checkpoint in {job.checkpoint_dir} "
                   f"({', '.join(gone)})", file=sys.stderr, flush=True)
-
-
-def this_device_type() -> str:
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def check_memory(job: Job) -> Any:
-    """preflight.check_memory for this preset job on this machine (CUDA: device 0's memory)."""
-    import torch
-
-    from meshplan.runtime import preflight
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return preflight.check_memory(job.model, job.plan, job.global_batch, job.seq_len,
-                                      nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, device_type="cuda",
-                                      available_gib=props.total_memory / 2**30, device_name=props.name,
-                                      nodes_per_dc=job.nodes_per_dc)
-    return preflight.check_memory(job.model, job.plan, job.global_batch, job.seq_len,
-                                  nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, device_type="cpu",
-                                  nodes_per_dc=job.nodes_per_dc)
 
 
 def torchrun_argv(job: Job, worker_argv: list[str]) -> list[str]:
@@ -265,8 +94,7 @@ def launch(job: Job, worker_argv: list[str]) -> int:
 
 def _launch_once(job: Job, worker_argv: list[str]) -> dict[str, Any] | None:
     """One launch of the job (checks, then the ranks); the switch the ranks asked for, or None."""
-    from meshplan.runtime.replan import check_steps
-    est, graph = _check_job(job)
+    est, graph = checked_job(job)
     dev = this_device_type()
     start = check_checkpoint_dir(job)
     check_steps(job, start)
@@ -319,7 +147,6 @@ def switched_argv(argv: list[str], plan: str) -> list[str]:
 def memory_context(job: Any, est: Any = None) -> str:
     """What a rank killed by SIGKILL is told about memory: the pre-flight estimate (``est``, else
     the preset cost model's) beside what there is (preflight.memory_text)."""
-    from meshplan.runtime import preflight
     if est is None and isinstance(job, Job) and not job.ingested:
         try:
             est = preflight.memory_estimate(job.model, job.plan, job.global_batch, job.seq_len, nodes=job.nnodes,
@@ -468,83 +295,6 @@ def lost_peer_message(e: BaseException) -> str | None:
 
 
 # ---- inside a rank ---------------------------------------------------------------------------
-_CLUSTERS: dict[tuple[int, str, int, int | None], Any] = {}
-"""local_cluster's ClusterSpecs in this process: the CPU rate is measured once, so the estimate, the
---replan-after check and the summary's cluster_spec describe the same cluster."""
-_GRAPHS: dict[tuple[str, int | None], Any] = {}
-"""run_model's traced LayerGraphs of ingested models in this process (None: not traceable)."""
-
-
-def local_cluster(nproc: int, device_type: str, nodes: int = 1, nodes_per_dc: int | None = None) -> Any:
-    """A ClusterSpec of this machine for the cost model: a GPU preset on CUDA, a measured CPU
-    'GPU' (one process = one device) otherwise, over ``nodes`` nodes (``nodes_per_dc`` per
-    datacenter, as --nnodes/--nodes-per-dc); one per process, size and topology (``_CLUSTERS``)."""
-    key = (nproc, device_type, nodes, nodes_per_dc)
-    if key not in _CLUSTERS:
-        _CLUSTERS[key] = _local_cluster(nproc, device_type, nodes, nodes_per_dc)
-    return _CLUSTERS[key]
-
-
-def _local_cluster(nproc: int, device_type: str, nodes: int = 1, nodes_per_dc: int | None = None) -> Any:
-    from meshplan.spec.io import parse_cluster_shorthand
-    if device_type == "cuda":
-        import torch
-        name = torch.cuda.get_device_name()
-        if nodes < 1 or nproc % nodes:
-            nodes = 1
-        for frag, preset in CUDA_PRESETS:
-            if frag in name:
-                c = parse_cluster_shorthand(f"{preset}:{nodes}x{nproc // nodes}")
-                if nodes_per_dc and nodes_per_dc < nodes and nodes % nodes_per_dc == 0:
-                    from meshplan.spec.cluster import LinkTier
-                    c = c.replace(inter_dc=LinkTier(name="inter_dc", bandwidth_gbps=c.inter_node.bandwidth_gbps,
-                                                    kind="wan"), nodes_per_dc=nodes_per_dc)
-                return c
-    from meshplan.runtime.preflight import cpu_cluster
-    return cpu_cluster(nproc, cpu_tflops(), nodes=nodes, nodes_per_dc=nodes_per_dc)
-
-
-CPU_TFLOPS_ENV = "MESHPLAN_CPU_TFLOPS"
-"""The CPU rate the launcher measured, passed to its ranks so that the estimate before the launch, the
---replan-after check and the summary price the same machine."""
-
-
-def cpu_tflops(seconds: float = 0.2) -> float:
-    """fp32 matmul TFLOP/s of one thread (256x256), measured for ``seconds`` after a warm-up. One
-    thread whatever this process runs with (a rank runs one; the launcher, before any rank starts,
-    would otherwise measure torch's default thread pool, which on a loaded machine was 10-60x slower)."""
-    known = os.environ.get(CPU_TFLOPS_ENV)
-    if known:
-        try:
-            return float(known)
-        except ValueError:
-            pass
-    import torch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a = torch.randn(256, 256)
-        for _ in range(3):
-            a @ a
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            a @ a
-            n += 1
-        rate = 2 * 256**3 * n / (time.perf_counter() - t0) / 1e12
-    finally:
-        torch.set_num_threads(threads)
-    os.environ[CPU_TFLOPS_ENV] = repr(rate)  # the ranks (and a --switch restart) inherit it: one estimate
-    return rate
-
-
-def estimate_basis(cluster_name: str) -> str:
-    """What the estimate beside a measurement is: on CPU, the cost model for a `local-cpu` device,
-    indicative only; on GPUs, the cost model for the device's GPU preset."""
-    if cluster_name.startswith("local-cpu"):
-        return CPU_ESTIMATE_BASIS
-    return f"cost model for {cluster_name} (the GPU preset of this device)"
-
-
 def estimate_for(job: Job, device_type: str, graph: Any = None) -> dict[str, Any]:
     """The cost model's prediction of this run on this machine (``local_cluster``): presets'
     ``cost.estimate`` on the ModelSpec; ingested models' on ``graph`` (their LayerGraph at the
@@ -554,7 +304,6 @@ def estimate_for(job: Job, device_type: str, graph: Any = None) -> dict[str, Any
         from meshplan.runtime import generic
         return generic.estimate(job, device_type, graph)
     from meshplan.cost import estimate
-    from meshplan.runtime.hetero import local_plan
     plan = local_plan(job.plan)  # pools: placement only on this machine's one device type
     basis_more = ""
     try:
@@ -574,31 +323,9 @@ def estimate_for(job: Job, device_type: str, graph: Any = None) -> dict[str, Any
     out = {"cluster": cluster.name, "basis": estimate_basis(cluster.name) + basis_more, "step_time_s": r.step_time_s,
            "peak_memory_gib": r.peak_memory_gib, "tokens_per_s": r.tokens_per_s}
     if device_type != "cuda":
-        from meshplan.runtime.preflight import memory_estimate
         return cpu_memory(out, memory_estimate(job.model, job.plan, job.global_batch, job.seq_len, "cpu",
                                                nodes=job.nnodes, nodes_per_dc=job.nodes_per_dc))
     return out
-
-
-def run_model(job: Job) -> Any:
-    """What the cost model prices for this job: a preset's ModelSpec, an ingested model's LayerGraph
-    at the run's sequence length (traced once per process; None when it cannot be traced)."""
-    if not job.ingested:
-        return job.model
-    key = (str(job.model), job.seq_len)
-    if key not in _GRAPHS:
-        from meshplan.ingest import ingest
-        try:
-            _GRAPHS[key] = ingest(job.model, seq_len=job.seq_len)
-        except MeshplanError:
-            _GRAPHS[key] = None
-    return _GRAPHS[key]
-
-
-def run_plan(plan: Plan, device_type: str) -> Plan:
-    """The plan as this hardware runs it (on CPU: offload flags are no-ops, fp8 runs as bf16)."""
-    from meshplan.runtime.preflight import _run_plan
-    return _run_plan(plan, device_type)
 
 
 def summary_record(job: Job, trainer: Any, records: list[Any], device_type: str, **extra: Any) -> dict[str, Any]:
@@ -606,7 +333,7 @@ def summary_record(job: Job, trainer: Any, records: list[Any], device_type: str,
     measurement (``measured_summary``) beside the estimate, and what makes it a calibration case
     (calibration.metrics.case_from_summary): the model's spec (a ModelSpec, or an ingested model's
     LayerGraph), the cluster the estimate used, the plan as run, the batch and tokens per sample."""
-    from meshplan.cli.planfile import spec_fields
+    from meshplan.spec.io import spec_fields
     model = run_model(job)
     est = estimate_for(job, device_type, model if job.ingested else None)
     seq = (model.sample_tokens if model is not None else None) if job.ingested else job.seq_len
@@ -624,17 +351,6 @@ def summary_record(job: Job, trainer: Any, records: list[Any], device_type: str,
         rec.update(lengths=job.lengths.text(), packing=job.lengths.packing, mean_length=job.lengths.mean_len)
     rec.update(spec_fields(model, cluster))
     return rec
-
-
-def cpu_memory(est: dict[str, Any], mem: Any) -> dict[str, Any]:
-    """An estimate dict (``estimate_for``) with the pre-flight check's CPU-corrected peak memory per
-    process (``mem``: preflight.MemoryEstimate, the fullest rank) in place of the cost model's GPU
-    figure, labelled (``peak_memory_basis``); the raw figure is kept as
-    ``cost_model_peak_memory_gib``. Unchanged when ``mem`` is None (not priced)."""
-    if mem is None:
-        return est
-    return {**est, "peak_memory_gib": mem.per_process_gib, "peak_memory_basis": CPU_MEMORY_BASIS,
-            "cost_model_peak_memory_gib": est.get("peak_memory_gib")}
 
 
 def _write(path: str | None, record: dict[str, Any]) -> None:
@@ -715,8 +431,6 @@ def worker_main(job: Job) -> int:
     if job.ingested:
         from meshplan.runtime.generic import quiet_false_positives
         quiet_false_positives()
-    from meshplan.runtime.preflight import check_weak_links
-    from meshplan.runtime.replan import check_flags
     check_flags(job)  # started by torchrun by hand: no launcher checked them
     check_weak_links(job.plan, nnodes=nodes_of(job), nodes_per_dc=job.nodes_per_dc, outer_lr=job.outer_lr,
                      outer_momentum=job.outer_momentum)
@@ -727,10 +441,8 @@ def worker_main(job: Job) -> int:
                 raise MeshplanError(f"plan needs {job.plan.num_gpus} processes but {dist.get_world_size()} were "
                                     "started")
         else:
-            from meshplan.runtime.hetero import micro_counts
             check_supported(job.model, job.plan, dist.get_world_size(), job.seq_len,
                             micro=min(micro_counts(job.plan, job.global_batch)))
-            from meshplan.runtime.preflight import check_plan  # started by torchrun by hand: no launcher checked it
             check_plan(job.model, job.plan, job.global_batch, job.seq_len, nodes=nodes_of(job),
                        nodes_per_dc=job.nodes_per_dc)
     else:
@@ -742,7 +454,6 @@ def worker_main(job: Job) -> int:
         mesh = build_mesh(job.plan, device.type, inner_dp_of(job.plan, procs_per_node(job), job.nodes_per_dc))
     trainer = Trainer(job.config(), mesh, device)
     if rank0:  # heterogeneous hardware and data (runtime/hetero.py): what this run does of them
-        from meshplan.runtime import hetero
         for note in (hetero.pools_note(job.plan, device.type),
                      hetero.shares_note(job.plan, job.global_batch, trainer.model.varied),
                      hetero.lengths_note(job.plan, job.lengths)):
@@ -799,7 +510,6 @@ def replan_check(job: Job, trainer: Any, records: list[Any], device_type: str, r
     broadcast), or None."""
     import torch.distributed as dist
 
-    from meshplan.runtime import replan
     msg: dict[str, Any] = {"to": None}
     failure: BaseException | None = None
     if rank0:
@@ -860,7 +570,6 @@ def switch_plan(job: Job, trainer: Any, records: list[Any], device_type: str, ra
 
 def metrics_path(path: str | None) -> str | None:
     """--metrics, checked: a file in an existing, writable directory (no directory is created)."""
-    from meshplan.runtime.preflight import check_output_file
     return check_output_file("--metrics", path)
 
 

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshplan.errors import MeshplanError
+from meshplan.runtime.local import cpu_cluster
+from meshplan.runtime.preflight import refuse
 from meshplan.spec.axes import AX, ParallelDims
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
@@ -61,14 +63,13 @@ def check_supported(model: ModelSpec, plan: Plan, world_size: int, seq_len: int 
             f"plan needs {plan.num_gpus} processes (tp={plan.tp} x pp={plan.pp} x dp={plan.dp} x "
             f"cp={plan.cp}) but {world_size} were started",
             hint=f"use --nproc-per-node {plan.num_gpus} (x --nnodes) or change the plan")
-    from meshplan.runtime.preflight import _refuse, cpu_cluster
     from meshplan.spec.capabilities import MODEL_CHECKS
     from meshplan.spec.constraints import CHECKS, violations
     from meshplan.spec.plan import Workload
     # the model's rules of the planner's table (the launcher's preflight.check_plan runs the rest)
     work = Workload(global_batch=plan.dp * plan.micro_batch * (micro or plan.pp), seq_len=seq_len or model.seq_len)
     skip = tuple(name for name in CHECKS if name not in MODEL_CHECKS)
-    _refuse(violations(model, cpu_cluster(plan.num_gpus, memory_gib=1.0), plan, work, skip=skip))
+    refuse(violations(model, cpu_cluster(plan.num_gpus, memory_gib=1.0), plan, work, skip=skip))
     refused = [why for rule, why in runtime_violations(plan, micro, model) if rule.kind == "refused"] \
         if micro is not None else []
     if refused:  # the runtime's rules, shared with the search (spec.support)

@@ -98,10 +98,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshplan.errors import MeshplanError
-from meshplan.runtime.context_parallel import apply_bucket_cp, apply_cp
+from meshplan.runtime.context_parallel import apply_bucket_cp, apply_cp, bucket_sequence
 from meshplan.runtime.expert_parallel import shard_experts
 from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.models import Transformer, loss_fn
+from meshplan.runtime.periodic import compression_of, fp8_reduce_scatter
 from meshplan.spec.plan import Plan
 from meshplan.spec.stages import stage_ids_for_rank, stage_layer_ranges
 
@@ -163,7 +164,6 @@ class Parallelized:
         """A bucket plan's micro-batch (its forward and backward inside): cp 1, the whole sequence;
         cp > 1, this rank's chunks (index ``rank`` in its unit) of a sequence of ``width`` tokens,
         attention over its unit's group (``context_parallel.bucket_sequence``)."""
-        from meshplan.runtime.context_parallel import bucket_sequence
         return bucket_sequence(self.parts[0], self.unit_groups.get(cp), cp, rank, width, device)
 
     def loss_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -562,7 +562,6 @@ def apply_fsdp(parts: list[nn.Module], blocks: list[list[str]], plan: Plan, mesh
     def shard(module: nn.Module, **kwargs: Any) -> None:
         fully_shard(module, **kwargs)
         if fp8:  # fp8 on the wire: FSDP2's custom reduce-scatter, on every module it shards
-            from meshplan.runtime.periodic import fp8_reduce_scatter
             module.set_custom_reduce_scatter(fp8_reduce_scatter())  # type: ignore[operator]
     for part, paths in zip(parts, blocks):
         mods = [m for m in (resolve(part, p) for p in paths) if next(m.parameters(), None) is not None]
@@ -632,7 +631,6 @@ def apply_data_parallel(parts: list[nn.Module], blocks: list[list[str]], plan: P
         return parts, "manual"                            # asserts on stages with few parameters (torch 2.13)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from meshplan.runtime.periodic import compression_of
     why = unused() if unused is not None else None
     if why and notes is not None:
         notes.append(f"DDP with find_unused_parameters=True: {why}")

@@ -32,7 +32,6 @@ above what is there are refused.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -45,6 +44,8 @@ from typing import Any
 
 from meshplan import paths
 from meshplan.errors import MeshplanError
+from meshplan.runtime.hetero import check_batch, micro_counts
+from meshplan.runtime.local import cpu_cluster, run_plan
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
@@ -64,36 +65,6 @@ def check_lr(lr: float) -> float:
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise MeshplanError(f"--lr must be a finite number > 0, got {lr!r}", hint="e.g. --lr 1e-3")
     return float(lr)
-
-
-def learning_rate(text: str) -> float:
-    """argparse type of --lr: a float, finite and > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--lr must be a number, got {text!r}") from None
-    try:
-        return check_lr(value)
-    except MeshplanError as e:
-        raise argparse.ArgumentTypeError(f"--lr must be a finite number > 0, got {text!r}") from e
-
-
-def number_in(flag: str, low: float, high: float | None = None, *, low_open: bool = True,
-              example: str = "") -> Callable[[str], float]:
-    """argparse type of a finite float in (low, high) (``low_open``: low excluded; high always
-    excluded; None: no upper bound)."""
-    words = f"{'>' if low_open else '>='} {low:g}" + (f" and < {high:g}" if high is not None else "")
-
-    def conv(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
-        if not math.isfinite(v) or v < low or (low_open and v == low) or (high is not None and v >= high):
-            raise argparse.ArgumentTypeError(f"{flag} must be a finite number {words}, got {text!r}"
-                                             + (f" (e.g. {flag} {example})" if example else ""))
-        return v
-    return conv
 
 
 def check_weak_links(plan: Plan, *, nnodes: int, nodes_per_dc: int | None, outer_lr: float | None,
@@ -213,7 +184,8 @@ MODEL_FREE_CHECKS = ("batch not divisible", "schedule incompatible", "invalid hy
 that cannot be traced on the meta device (no LayerGraph)."""
 
 
-def _refuse(bad: list[tuple[str, str]]) -> None:
+def refuse(bad: list[tuple[str, str]]) -> None:
+    """Raise the planner's constraint violations ``bad`` (name, reason) as one MeshplanError."""
     if bad:
         raise MeshplanError("plan cannot run: " + "; ".join(reason for _, reason in bad),
                             hint="the planner's constraints: `meshplan estimate` refuses this plan too")
@@ -232,7 +204,7 @@ def check_plan(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, *,
     per = per_replica(plan)
     for work in replica_workloads(plan, global_batch, seq_len):
         bad += [v for v in violations(model, cluster, per, work, skip=NOT_PLAN_CHECKS) if v not in bad]
-    _refuse(bad)
+    refuse(bad)
 
 
 def per_replica(plan: Plan) -> Plan:
@@ -246,7 +218,6 @@ def replica_workloads(plan: Plan, global_batch: int, seq_len: int) -> list[Workl
     (runtime/hetero.py, which checks the shares first) one per distinct micro-batch count of the
     replicas, as if every replica ran that many (dp x micro_batch x count sequences): the
     schedule's rules hold per replica, and the batch is cut by the shares, not by dp."""
-    from meshplan.runtime.hetero import check_batch, micro_counts
     if plan.dp_shares is None:
         return [Workload(global_batch=global_batch, seq_len=seq_len)]
     check_batch(plan, global_batch)
@@ -266,13 +237,13 @@ def check_graph_plan(graph: Any, plan: Plan, global_batch: int, *, nodes: int = 
             ctx = constraints.Context(None, cluster, per_replica(plan), work)  # type: ignore[arg-type]
             bad += [(name, why) for name in MODEL_FREE_CHECKS if (why := constraints.CHECKS[name](ctx))
                     and (name, why) not in bad]
-        _refuse(bad)
+        refuse(bad)
         return
     bad: list[tuple[str, str]] = []
     for work in replica_workloads(plan, global_batch, graph.sample_tokens):
         bad += [v for v in constraints.violations(graph, cluster, per_replica(plan), work, skip=NOT_PLAN_CHECKS)
                 if v not in bad]
-    _refuse(bad)
+    refuse(bad)
 
 
 # ---- memory ------------------------------------------------------------------------------------
@@ -288,33 +259,6 @@ def mem_available_gib(path: str = MEMINFO) -> float | None:
     return None
 
 
-def cpu_cluster(nproc: int, tflops: float = 1.0, memory_gib: float | None = None, *, nodes: int = 1,
-                nodes_per_dc: int | None = None) -> Any:
-    """A ClusterSpec of this machine's CPU as ``nproc`` 'GPUs' (one process each) for the cost
-    model: fp32 matmul rate ``tflops`` (memory estimates do not depend on it), host memory; spread
-    over ``nodes`` nodes (when they divide ``nproc``) of ``nodes_per_dc`` per datacenter (several
-    datacenters: an inter_dc tier at the loopback rate), as `meshplan train --nnodes --nodes-per-dc`
-    runs it (what decides a periodic plan's inner groups, spec.sync)."""
-    from meshplan.runtime.launch import CPU_MEMORY_BANDWIDTH_GBPS, LOOPBACK_GBPS
-    from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, default_links
-    if memory_gib is None:
-        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-    gpu = GPUSpec(name="local-cpu", vendor_name="this machine's CPU, one core per process",
-                  peak_tflops={"fp32": tflops, "bf16": tflops, "fp16": tflops}, memory_gib=memory_gib,
-                  hbm_bandwidth_gbps=CPU_MEMORY_BANDWIDTH_GBPS, intra_node_bandwidth_gbps=LOOPBACK_GBPS,
-                  intra_node_link="pcie", default_nic_gbps=LOOPBACK_GBPS, gemm_efficiency=1.0,
-                  source="measured fp32 matmul rate of one thread")
-    intra, inter = default_links(gpu)
-    if nodes < 1 or nproc % nodes:
-        nodes = 1
-    dc = None
-    if nodes_per_dc and nodes_per_dc < nodes and nodes % nodes_per_dc == 0:
-        dc = LinkTier(name="inter_dc", bandwidth_gbps=LOOPBACK_GBPS, kind="loopback")
-    name = f"local-cpu:{nproc}" if nodes == 1 else f"local-cpu:{nodes}x{nproc // nodes}"
-    return ClusterSpec(name=name, gpu=gpu, num_nodes=nodes, gpus_per_node=nproc // nodes,
-                       intra_node=intra, inter_node=inter, inter_dc=dc, nodes_per_dc=nodes_per_dc if dc else None)
-
-
 @dataclass(frozen=True)
 class MemoryEstimate:
     """The cost model's memory per process of one run on this runtime, GiB."""
@@ -325,18 +269,6 @@ class MemoryEstimate:
     """The mean over pipeline stages (every stage has as many ranks)."""
     parts: dict[str, float] = field(default_factory=dict)
     """The fullest rank by part: weights, grads, optimizer, activations, transient, overhead."""
-
-
-def _run_plan(plan: Plan, device_type: str) -> Plan:
-    """The plan as this runtime runs it: on CPU offload flags are no-ops and fp8 runs as bf16
-    (parallelize.hardware_notes), so the estimate is of the plan without them. Pools are placement
-    only on one machine (runtime/hetero.py): priced without them, on this device type."""
-    from meshplan.runtime.hetero import local_plan
-    plan = local_plan(plan)
-    if device_type == "cuda":
-        return plan
-    return plan.replace(offload_optimizer=False, offload_params=False,
-                        precision="bf16" if plan.precision == "fp8" else plan.precision)
 
 
 def _corrected(r: Any, *, activation_scale: float, device_type: str, process_gib: float) -> MemoryEstimate | None:
@@ -362,18 +294,18 @@ def memory_estimate(model: ModelSpec, plan: Plan, global_batch: int, seq_len: in
     """Memory per process of ``plan`` on this runtime (see the module docstring); None when the
     cost model does not price the plan (the runtime's own checks speak for it)."""
     from meshplan.cost import estimate
-    run_plan = _run_plan(plan, device_type)
+    as_run = run_plan(plan, device_type)
     cluster = cpu_cluster(plan.num_gpus, nodes=nodes, nodes_per_dc=nodes_per_dc)
     try:
         if plan.buckets is not None:  # the heaviest bucket: its micro-batch at its limit (cost.buckets)
             from meshplan.cost.buckets import sub_plan
-            reports = [estimate(model, cluster, sub_plan(run_plan, b, b.micro_batch),
-                                Workload(global_batch=run_plan.dp * run_plan.cp // b.cp * b.micro_batch,
+            reports = [estimate(model, cluster, sub_plan(as_run, b, b.micro_batch),
+                                Workload(global_batch=as_run.dp * as_run.cp // b.cp * b.micro_batch,
                                          seq_len=min(b.max_len, seq_len)))
-                       for b in run_plan.bucket_specs]
+                       for b in as_run.bucket_specs]
             r = max(reports, key=lambda x: x.peak_memory_gib)
         else:
-            r = estimate(model, cluster, run_plan, Workload(global_batch=global_batch, seq_len=seq_len))
+            r = estimate(model, cluster, as_run, Workload(global_batch=global_batch, seq_len=seq_len))
     except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
         return None
     # the cost model counts fp32 activations at 4 bytes itself (cost.layer.act_scale)
@@ -387,9 +319,9 @@ def graph_memory_estimate(graph: Any, plan: Plan, global_batch: int, device_type
     length): ``cost.estimate`` with this runtime's CPU corrections (module docstring). None when
     the cost model does not price the plan (the runtime's own checks speak for it)."""
     from meshplan.cost import estimate
-    run_plan = _run_plan(plan, device_type)
+    as_run = run_plan(plan, device_type)
     try:
-        r = estimate(graph, cpu_cluster(plan.num_gpus, nodes=nodes, nodes_per_dc=nodes_per_dc), run_plan,
+        r = estimate(graph, cpu_cluster(plan.num_gpus, nodes=nodes, nodes_per_dc=nodes_per_dc), as_run,
                      Workload(global_batch=global_batch, seq_len=graph.sample_tokens))
     except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
         return None

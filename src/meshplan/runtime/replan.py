@@ -15,7 +15,7 @@ CostReport's ``step_time_s_low``/``step_time_s_high`` and ``peak_memory_gib_high
    the processes of this launch, so every plan has the current world size; the search space the
    runtime runs on the model: presets everything the search offers, ingested models
    ``generic.search_space``; on CPU without offload, a no-op there), and the fastest plan that passes
-   the launcher's own pre-flight checks (``launch._check_job``: the runtime's support, the planner's
+   the launcher's own pre-flight checks (``job.checked_job``: the runtime's support, the planner's
    constraints, memory) is compared with the current plan, both priced under the calibration;
 4. **the rule**: a different plan is *better* when its predicted step time is at least ``MARGIN``
    (5%) shorter than the current plan's. Without --switch it is reported (stderr and a ``ranking``
@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from meshplan.errors import MeshplanError
+from meshplan.runtime.job import calibration_path, checked_job
+from meshplan.runtime.local import local_cluster, run_model, run_plan
 
 MARGIN = 0.05
 """Switch only to a plan whose predicted step time (under the fitted calibration) is at least 5%
@@ -47,57 +49,8 @@ CANDIDATES = 20
 first, for the best one that runs."""
 SHOWN = 5
 """Plans of the new ranking written to the ``ranking`` record."""
-CALIBRATION_NAME = "replan-calibration.json"
-"""The calibration's file name in --checkpoint-dir (without --metrics)."""
 PROFILE = "meshplan"
 """The implementation profile of meshplan's own runtime (cost.profile)."""
-
-
-# ---- the request -----------------------------------------------------------------------------
-def calibration_path(job: Any) -> str | None:
-    """Where the check writes its calibration: ``RUN.calibration.json`` beside --metrics RUN.jsonl,
-    else ``replan-calibration.json`` in --checkpoint-dir; None when neither is given."""
-    if job.metrics:
-        p = Path(job.metrics)
-        return str(p.with_name((p.stem if p.suffix else p.name) + ".calibration.json"))
-    if job.checkpoint_dir:
-        return str(Path(job.checkpoint_dir) / CALIBRATION_NAME)
-    return None
-
-
-def check_flags(job: Any) -> None:
-    """--replan-after and --switch against the rest of the request (before anything starts)."""
-    n, switch = getattr(job, "replan_after", None), getattr(job, "switch", False)
-    if switch and n is None:
-        raise MeshplanError("--switch needs --replan-after N (it switches plans at that check)",
-                            hint="e.g. --replan-after 3 --switch: check the plan after 3 steps, switch if a better "
-                                 "one is predicted")
-    if n is None:
-        return
-    if n < 2:
-        raise MeshplanError(f"--replan-after {n}: the check needs at least 2 steps (the first step is warm-up, "
-                            "left out of the measured step time)",
-                            hint="pass --replan-after 2 or more, or leave it out")
-    if switch and not job.checkpoint_dir:
-        raise MeshplanError("--switch needs --checkpoint-dir: the run is checkpointed at the check and resumed "
-                            "under the better plan from that checkpoint", hint="add --checkpoint-dir DIR")
-    path = calibration_path(job)
-    if path is None:
-        raise MeshplanError("--replan-after writes the calibration it fits beside --metrics FILE or into "
-                            "--checkpoint-dir, and neither is given", hint="add --metrics run.jsonl")
-    if job.metrics:
-        from meshplan.paths import check_output_file
-        check_output_file("--replan-after's calibration", path)
-
-
-def check_steps(job: Any, start: int) -> None:
-    """The check must leave steps to run: N steps after ``start`` (the resumed step) before --steps."""
-    n = getattr(job, "replan_after", None)
-    if n and start + n >= job.steps:
-        left = job.steps - start
-        raise MeshplanError(f"--replan-after {n}: the run has {left} step{'s' * (left != 1)} to go "
-                            f"(--steps {job.steps}{f', resumed at step {start}' if start else ''}), so no step would "
-                            "run after the check", hint=f"pass --replan-after below {left}, or more --steps")
 
 
 # ---- the band --------------------------------------------------------------------------------
@@ -152,7 +105,7 @@ class Problem:
     model: Any
     """ModelSpec (presets) or LayerGraph (ingested models)."""
     cluster: Any
-    """The run's cluster (launch.local_cluster: the estimate's, recorded in the summary)."""
+    """The run's cluster (local.local_cluster: the estimate's, recorded in the summary)."""
     work: Any
     plan: Any
     """The plan as this hardware runs it."""
@@ -163,16 +116,15 @@ class Problem:
 def problem_of(job: Any, device_type: str) -> Problem:
     from meshplan.cost.params import DEFAULT_PARAMS
     from meshplan.cost.profile import get_profile
-    from meshplan.runtime import launch
     from meshplan.spec.plan import Workload
-    model = launch.run_model(job)
+    model = run_model(job)
     if model is None:
         raise MeshplanError(f"{job.model_arg or job.model}: the model cannot be traced on the meta device, so the "
                             "cost model has no estimate to check against")
     seq = model.sample_tokens if job.ingested else job.seq_len
-    return Problem(model=model, cluster=launch.local_cluster(job.world_size, device_type),
+    return Problem(model=model, cluster=local_cluster(job.world_size, device_type),
                    work=Workload(global_batch=job.global_batch, seq_len=seq),
-                   plan=launch.run_plan(job.plan, device_type), params=get_profile(PROFILE).apply(DEFAULT_PARAMS))
+                   plan=run_plan(job.plan, device_type), params=get_profile(PROFILE).apply(DEFAULT_PARAMS))
 
 
 # ---- calibration -----------------------------------------------------------------------------
@@ -220,11 +172,10 @@ def search_space(job: Any, prob: Problem, device_type: str) -> Any:
 def refusal(job: Any, plan: Any) -> str | None:
     """Why the launcher would refuse to run ``plan`` in this job's place (its own pre-flight checks:
     the runtime's support, the planner's constraints, memory), None when it runs."""
-    from meshplan.runtime import launch
     cand = dataclasses.replace(job, plan=plan, plan_arg=plan.short(), checkpoint_dir=None, checkpoint_every=0,
                                resume=False, overwrite=False, replan_after=None, switch=False)
     try:
-        launch._check_job(cand)
+        checked_job(cand)
     except MeshplanError as e:
         return str(e)
     return None

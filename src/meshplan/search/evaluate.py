@@ -46,7 +46,7 @@ EXPOSED_TERMS = tuple(k for k in TIME_KEYS if not k.endswith("_overlapped"))
 """Time terms that add up to the step time, in CostReport.time order."""
 
 
-def _empty() -> dict[str, np.ndarray]:
+def empty_columns() -> dict[str, np.ndarray]:
     return {k: np.zeros(0) for k in FLOAT_COLUMNS} | {
         "fits": np.zeros(0, dtype=bool), "at_risk": np.zeros(0, dtype=bool), "host_fits": np.zeros(0, dtype=bool),
         "dominant": np.zeros(0, dtype=str)}
@@ -56,7 +56,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: PlanC
              params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
     """Predicted cost of every row of ``cols`` (see the module docstring for the columns)."""
     if cols.num_rows == 0:
-        return _empty()
+        return empty_columns()
     r = estimate_batch(model, cluster, work, cols.plain(), params)
     terms = np.stack([np.asarray(r[f"time.{k}"], dtype=float) for k in EXPOSED_TERMS])
     out = {k: np.asarray(r[k], dtype=float) for k in FLOAT_COLUMNS}
@@ -77,7 +77,7 @@ def evaluate_loop(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols: 
     """The same columns from one `estimate()` call per row (the reference for tests)."""
     n = cols.num_rows
     if n == 0:
-        return _empty()
+        return empty_columns()
     out = {k: np.full(n, np.nan) for k in FLOAT_COLUMNS}
     fits = np.zeros(n, dtype=bool)
     at_risk = np.zeros(n, dtype=bool)

@@ -62,7 +62,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.search.columns import CATEGORIES, FIELDS, NONE_CODE, PlanColumns
 from meshplan.search.stages import balanced_stage_layers, split_layers
-from meshplan.spec.base import _show
+from meshplan.spec.base import short_repr
 from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph, as_graph
@@ -169,7 +169,7 @@ def check_space(space: Any, where: str, degrees: tuple[str, ...]) -> None:
     for name in degrees:
         for v in getattr(space, name) or ():
             if not 1 <= v <= MAX_DEGREE:
-                raise MeshplanError(f"{where}: {name} must be between 1 and {MAX_DEGREE:,}; got {_show(v)}")
+                raise MeshplanError(f"{where}: {name} must be between 1 and {MAX_DEGREE:,}; got {short_repr(v)}")
 
 
 def divisors(n: int) -> list[int]:

@@ -19,14 +19,14 @@ SCHEMA_VERSION = 1
 T = TypeVar("T")
 
 
-def _closest(name: str, options: typing.Iterable[str]) -> str:
+def closest(name: str, options: typing.Iterable[str]) -> str:
     if not isinstance(name, str):
         return ""
     best = difflib.get_close_matches(name, list(options), n=1)
     return f"; did you mean {best[0]!r}?" if best else ""
 
 
-def _show(value: Any, limit: int = 60) -> str:
+def short_repr(value: Any, limit: int = 60) -> str:
     """repr() for error messages: short, and safe for ints too long to print."""
     try:
         text = repr(value)
@@ -35,7 +35,7 @@ def _show(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
+def coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert a JSON/TOML value to the annotated type ``tp`` or raise MeshplanError."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -47,25 +47,25 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             if a is type(None):
                 continue
             try:
-                return _coerce(value, a, where)
+                return coerce(value, a, where)
             except MeshplanError as e:
                 errors.append(str(e))
-        raise MeshplanError(errors[0] if errors else f"{where}: unexpected value {_show(value)}")
+        raise MeshplanError(errors[0] if errors else f"{where}: unexpected value {short_repr(value)}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise MeshplanError(f"{where}: expected a list, got {_show(value)}")
+            raise MeshplanError(f"{where}: expected a list, got {short_repr(value)}")
         inner = args[0] if args else Any
-        return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
+        return tuple(coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            raise MeshplanError(f"{where}: expected a table/object, got {_show(value)}")
+            raise MeshplanError(f"{where}: expected a table/object, got {short_repr(value)}")
         vt = args[1] if len(args) == 2 else Any
-        return {str(k): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+        return {str(k): coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise MeshplanError(f"{where}: expected a table/object, got {_show(value)}")
+            raise MeshplanError(f"{where}: expected a table/object, got {short_repr(value)}")
         return from_dict(tp, value, where=where)
     if tp is Any:
         return value
@@ -76,10 +76,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return bool(value)
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
-        raise MeshplanError(f"{where}: expected true/false, got {_show(value)}")
+        raise MeshplanError(f"{where}: expected true/false, got {short_repr(value)}")
     if tp is int:
         if isinstance(value, bool):
-            raise MeshplanError(f"{where}: expected an integer, got {_show(value)}")
+            raise MeshplanError(f"{where}: expected an integer, got {short_repr(value)}")
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -89,10 +89,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return int(value.strip())
             except ValueError:
                 pass
-        raise MeshplanError(f"{where}: expected an integer, got {_show(value)}")
+        raise MeshplanError(f"{where}: expected an integer, got {short_repr(value)}")
     if tp is float:
         if isinstance(value, bool):
-            raise MeshplanError(f"{where}: expected a number, got {_show(value)}")
+            raise MeshplanError(f"{where}: expected a number, got {short_repr(value)}")
         number: float | None = None
         if isinstance(value, (int, float)):
             try:
@@ -106,11 +106,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 pass
         if number is not None and not math.isnan(number):
             return number
-        raise MeshplanError(f"{where}: expected a number, got {_show(value)}")
+        raise MeshplanError(f"{where}: expected a number, got {short_repr(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise MeshplanError(f"{where}: expected a string, got {_show(value)}")
+        raise MeshplanError(f"{where}: expected a string, got {short_repr(value)}")
     return value
 
 
@@ -129,10 +129,10 @@ def from_dict(cls: type[T], data: dict[str, Any], *, where: str | None = None) -
             continue
         if key not in fields:
             raise MeshplanError(
-                f"{where}: unknown field {_show(key)}{_closest(key, fields)}",
+                f"{where}: unknown field {short_repr(key)}{closest(key, fields)}",
                 hint="known fields: " + ", ".join(sorted(fields)),
             )
-        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+        kwargs[key] = coerce(value, hints[key], f"{where}.{key}")
     missing = [n for n, f in fields.items() if n not in kwargs and f is not None
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -175,7 +175,7 @@ def choice(where: str, value: str, options: typing.Iterable[str]) -> None:
     """Raise a helpful error if ``value`` is not one of ``options``."""
     opts = list(options)
     if value not in opts:
-        raise MeshplanError(f"{where} must be one of {', '.join(opts)}; got {value!r}{_closest(value, opts)}")
+        raise MeshplanError(f"{where} must be one of {', '.join(opts)}; got {value!r}{closest(value, opts)}")
 
 
 def positive(where: str, value: float, *, allow_zero: bool = False) -> None:

@@ -9,15 +9,18 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import tomllib
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from meshplan.builtin_calibration import builtin_gpu_value, builtin_link_value, part_efficiency
 from meshplan.errors import MeshplanError
-from meshplan.spec.base import SCHEMA_VERSION, _coerce, from_dict, positive, to_dict
+from meshplan.spec.base import SCHEMA_VERSION, coerce, from_dict, positive, to_dict
 from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, PooledCluster, default_links
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, parse_plan
 
@@ -71,7 +74,7 @@ def read_data_file(path: str | Path) -> dict[str, Any]:
         raise MeshplanError(f"{p}: expected an object/table at the top level")
     version = data.get("schema_version", SCHEMA_VERSION)
     try:
-        version = _coerce(version, int, f"{p}.schema_version")
+        version = coerce(version, int, f"{p}.schema_version")
     except MeshplanError:
         pass  # reported just below, as it was written
     if version != SCHEMA_VERSION:
@@ -283,7 +286,7 @@ def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> ClusterSp
         raise MeshplanError(f"{where}: gpu must be a preset name like 'h100-sxm-80gb' or a [gpu] table; "
                             f"got {type(gpu).__name__}")
     if d.get("nodes_per_dc") is not None:  # ClusterSpec would divide by it before checking it
-        d["nodes_per_dc"] = _coerce(d["nodes_per_dc"], int, f"{where}.nodes_per_dc")
+        d["nodes_per_dc"] = coerce(d["nodes_per_dc"], int, f"{where}.nodes_per_dc")
         positive(f"{where}: nodes_per_dc", d["nodes_per_dc"])
     g = d["gpu"] if isinstance(d["gpu"], GPUSpec) else gpu_from_dict(d["gpu"], where=f"{where}.gpu")
     d["gpu"] = g
@@ -371,7 +374,6 @@ def load_plan(arg: str) -> Plan:
         data = {**data, **{k: parse_colon_list(data[k], k) for k in COLON_LISTS if isinstance(data.get(k), str)}}
         return from_dict(Plan, data, where=arg)
     if isinstance(arg, str) and "=" not in arg and _looks_like_path(arg):
-        import os
         what = ("is a directory, not a plan file" if os.path.isdir(arg) else
                 "is not a plan file (plan files are .json or .toml, written by `meshplan plan --out`)"
                 if os.path.exists(arg) else "is no such file, nor a plan string (key=value,...)")
@@ -381,7 +383,6 @@ def load_plan(arg: str) -> Plan:
 
 def _looks_like_path(arg: str) -> bool:
     """A --plan value meant as a file: it exists, or has a directory part or a file extension."""
-    import os
     import re
     try:
         if os.path.exists(arg):
@@ -393,7 +394,6 @@ def _looks_like_path(arg: str) -> bool:
 
 def _check_not_empty(arg: str, what: str) -> None:
     """An empty file (before it is parsed, which would only say "not valid JSON")."""
-    import os
     try:
         empty = os.path.isfile(arg) and os.path.getsize(arg) == 0
     except OSError:
@@ -460,3 +460,123 @@ def dump_toml(obj: Any) -> str:
         out.append(f"\n[{json.dumps(name)}]")
         out += [f"{json.dumps(k)} = {toml_value(x)}" for k, x in table.items() if x is not None]
     return "\n".join(out) + "\n"
+
+
+# ---- plan files ----------------------------------------------------------------------------------
+# What `meshplan plan --out p.json` writes and what estimate, simulate, report, export and train read
+# back: the plan (plan_document) plus the problem it was planned for: ``model`` and ``cluster`` (the
+# names shown to people), ``model_spec`` and ``cluster_spec`` (the full specs, so a model or cluster
+# from a file, or a layer graph, reloads exactly and without torch), ``global_batch`` and ``seq_len``.
+# cli.planfile resolves a command's flags against them.
+
+PLAN_CONTEXT = ("model", "cluster", "global_batch", "seq_len")
+"""What a plan file records besides the plan."""
+
+PLAN_CONTEXT_FLAGS = {"model": "--model", "cluster": "--cluster", "global_batch": "--global-batch",
+                      "seq_len": "--seq-len"}
+PLAN_CONTEXT_WHAT = {"model": "model", "cluster": "cluster", "global_batch": "global batch",
+                     "seq_len": "sequence length"}
+
+
+def spec_fields(model: Any, cluster: Any) -> dict[str, Any]:
+    """``model_spec`` and ``cluster_spec`` of a plan document: the full specs planned with
+    (a ModelSpec or a LayerGraph; a ClusterSpec), so the file reloads them exactly."""
+    out: dict[str, Any] = {}
+    if model is not None:  # a generated graph records the description it was generated from
+        out["model_spec"] = to_dict(getattr(model, "model", None) or model)
+    if cluster is not None:
+        out["cluster_spec"] = to_dict(cluster)
+    return out
+
+
+def plain_json(obj: Any) -> Any:
+    """json's ``default=``: numpy scalars and arrays (a vectorised cost model may return them) as
+    plain JSON."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def write_plan_file(path: str, doc: dict[str, Any]) -> None:
+    """--out: a plan document as TOML (a .toml path) or JSON; numpy values as plain numbers."""
+    try:
+        with open(path, "w") as f:
+            if path.lower().endswith(".toml"):
+                f.write(dump_toml(json.loads(json.dumps(doc, default=plain_json))))
+            else:
+                json.dump(doc, f, indent=2, default=plain_json)
+                f.write("\n")
+    except OSError as e:
+        raise MeshplanError(f"cannot write --out {path}: {e.strerror or e}") from None
+
+
+def is_file_arg(arg: Any) -> bool:
+    """A command-line value naming a .json or .toml file (not a name or a shorthand)."""
+    return isinstance(arg, str) and arg.lower().endswith((".json", ".toml"))
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """The context a plan document records (only the keys it has)."""
+
+    path: str
+    values: dict[str, Any]
+    """model, cluster (names), global_batch, seq_len (positive ints)."""
+    model_spec: dict[str, Any] | None = None
+    cluster_spec: dict[str, Any] | None = None
+
+
+def read_plan_file(arg: Any, fields: tuple[str, ...] = PLAN_CONTEXT) -> PlanFile | None:
+    """The context of a plan document written by `meshplan plan --out` (None for a plan string,
+    or a file holding only plan fields). Only ``fields`` are read and checked."""
+    if not is_file_arg(arg):
+        return None
+    data = read_data_file(arg)
+    if "plan" not in data:
+        return None
+    values: dict[str, Any] = {}
+    for key in fields:
+        v = data.get(key)
+        if v is None:
+            continue
+        flag = PLAN_CONTEXT_FLAGS[key]
+        if key in ("model", "cluster"):
+            if not isinstance(v, str) or not v.strip():
+                raise MeshplanError(f"{arg}: '{key}' must be a {PLAN_CONTEXT_WHAT[key]} name; got {v!r}",
+                                    hint=f"fix the file or give {flag}")
+            values[key] = v.strip()
+        else:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise MeshplanError(f"{arg}: '{key}' must be a positive integer; got {v!r}",
+                                    hint=f"fix the file or give {flag}")
+            values[key] = v
+    specs: dict[str, dict[str, Any] | None] = {}
+    for key in ("model", "cluster"):
+        spec = data.get(f"{key}_spec") if key in fields else None
+        if spec is not None and not isinstance(spec, dict):
+            raise MeshplanError(f"{arg}: '{key}_spec' must be an object/table of {PLAN_CONTEXT_WHAT[key]} "
+                                f"fields; got {type(spec).__name__}",
+                                hint=f"fix the file or give {PLAN_CONTEXT_FLAGS[key]}")
+        specs[key] = spec
+    return PlanFile(path=arg, values=values, model_spec=specs["model"], cluster_spec=specs["cluster"])
+
+
+def beside_plan_file(arg: str, plan_path: str) -> str:
+    """A file named in a plan file: as written, else next to the plan file."""
+    if is_file_arg(arg) and not os.path.isabs(arg) and not os.path.exists(arg):
+        beside = os.path.join(os.path.dirname(plan_path), arg)
+        if os.path.exists(beside):
+            return beside
+    return arg
+
+
+def model_from_plan_spec(spec: dict[str, Any], path: str, seq_len: int | None) -> Any:
+    """A plan file's model_spec: a ModelSpec (like load_model_arg, whatever ``seq_len``: the
+    workload carries it), or a LayerGraph (it has 'layers'); None when a graph was traced at
+    another sequence length than asked (then it is ingested again)."""
+    where = f"{path}: model_spec"
+    if isinstance(spec.get("layers"), list):
+        data = {k: v for k, v in spec.items() if k not in ("schema_version", "kind", "meta")}
+        graph = from_dict(LayerGraph, data, where=where)
+        return graph if seq_len is None or seq_len == graph.sample_tokens else None
+    return model_from_dict(spec, where=where)  # as planned: the workload carries the seq len
