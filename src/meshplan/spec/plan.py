@@ -14,7 +14,7 @@ from typing import Any
 
 from meshplan.errors import MeshplanError
 from meshplan.spec.axes import AX, AXES, AXIS_DESCRIPTIONS, DEGREES, ParallelDims  # noqa: F401  (re-exported)
-from meshplan.spec.base import _closest, _coerce, _show, choice, positive
+from meshplan.spec.base import choice, closest, coerce, positive, short_repr
 from meshplan.spec.lengths import LengthDist
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
@@ -480,14 +480,14 @@ def parse_stage_layers(text: str, where: str = "plan: stage_layers") -> tuple[in
         size, sep, count = part.lower().partition("x")
         if not (sep and size.strip().lstrip("-").isdigit() and count.strip().lstrip("-").isdigit()):
             size, sep = part, ""  # not SIZExCOUNT: one entry (an error names it as written)
-        n = _coerce(count.strip(), int, where) if sep else 1
+        n = coerce(count.strip(), int, where) if sep else 1
         if sep and n < 1:
             raise MeshplanError(f"{where}: {part!r} repeats a stage size {n} times; the count after 'x' "
                                 "must be at least 1",
                                 hint="e.g. stage_layers=4x31:2 is 31 stages of 4 layers, then one of 2")
         if n > MAX_STAGES:
             raise MeshplanError(f"{where}: {part!r} makes more than {MAX_STAGES:,} stages")
-        out += [_coerce(size.strip(), int, where)] * n
+        out += [coerce(size.strip(), int, where)] * n
         if len(out) > MAX_STAGES:
             raise MeshplanError(f"{where}: more than {MAX_STAGES:,} stages")
     return tuple(out)
@@ -543,7 +543,7 @@ def parse_plan(text: str) -> Plan:
         if raw_key == "fsdp":  # fsdp=1/true means ZeRO-3; fsdp=0/false means no sharding
             value = "3" if value.strip().lower() in ("1", "true", "yes", "on", "fsdp") else "0"
         if key not in fields:
-            raise MeshplanError(f"plan: unknown key {key!r}{_closest(key, fields)}",
+            raise MeshplanError(f"plan: unknown key {key!r}{closest(key, fields)}",
                                 hint="known keys: " + ", ".join(fields))
         if key in kwargs:
             raise MeshplanError(f"plan: {key!r} given twice")
@@ -557,7 +557,7 @@ def parse_plan(text: str) -> Plan:
         if key in COLON_LISTS:
             kwargs[key] = parse_colon_list(value, key)
             continue
-        kwargs[key] = _coerce(value, hints[key], f"plan: {key}")
+        kwargs[key] = coerce(value, hints[key], f"plan: {key}")
     if kwargs.get("buckets") and "micro_batch" not in kwargs:  # the longest bucket's
         from meshplan.spec.buckets import parse_bucket
         kwargs["micro_batch"] = parse_bucket(kwargs["buckets"][-1]).micro_batch  # type: ignore[index]
@@ -629,7 +629,7 @@ class Workload:
             value = getattr(self, name)
             positive(f"workload: {name}", value)
             if value > MAX_COUNT:
-                raise MeshplanError(f"workload: {name} must be at most {MAX_COUNT:,}; got {_show(value)}")
+                raise MeshplanError(f"workload: {name} must be at most {MAX_COUNT:,}; got {short_repr(value)}")
         if self.lengths is not None and self.lengths.max_len != self.seq_len:
             raise MeshplanError(f"workload: seq_len={self.seq_len} must be the longest length of the "
                                 f"distribution ({self.lengths.max_len})")
