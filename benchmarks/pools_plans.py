@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from meshplan.search.pools import search_pools  # noqa: E402
+from meshplan.search import search  # noqa: E402
 from meshplan.sim.pools import simulate_pooled  # noqa: E402
 from meshplan.spec.cluster import LinkTier, PooledCluster  # noqa: E402
 from meshplan.spec.io import load_cluster, load_model  # noqa: E402
@@ -67,9 +67,9 @@ def main() -> int:
         w = (Workload(global_batch=gb, seq_len=seq) if isinstance(seq, int)
              else Workload.of(gb, parse_lengths(seq)))
         t0 = time.perf_counter()
-        r = search_pools(load_model(model), c, w)
+        r = search(load_model(model), c, w)
         took = time.perf_counter() - t0
-        best = r.best
+        best = r.best_pooled
         sim = simulate_pooled(load_model(model), c, best.plan, w) if best else None
         alone = {k: (v.step_time_s if v else None) for k, v in r.alone.items()}
         fastest_alone = min(v for v in alone.values() if v)
