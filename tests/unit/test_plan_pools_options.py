@@ -128,3 +128,19 @@ def test_plot_draws_the_pooled_pareto_front(capsys, cluster_file, tmp_path, base
     svg = path.read_text()
     assert svg.lstrip().startswith("<") and 'class="front"' in svg and 'data-mark="front"' in svg
     assert "usable" in svg  # the tightest pool's usable memory
+
+
+def test_no_search_module_imports_the_driver():
+    """The stages (pools, buckets, ...) are run by the driver; none of them imports it back."""
+    import ast
+    from pathlib import Path
+
+    import meshplan.search as pkg
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        if path.name in ("driver.py", "__init__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [a.name for a in node.names]
+                assert node.module != "meshplan.search.driver", path.name
+                assert not (node.module == "meshplan.search" and "search" in names), path.name

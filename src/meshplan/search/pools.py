@@ -35,6 +35,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.pools import PooledEstimate, estimate_pooled
 from meshplan.errors import MeshplanError
 from meshplan.search.pareto import pareto_mask
+from meshplan.search.sizes import resized
 from meshplan.search.result import (
     OVER_DEADLINE,
     ClusterCount,
@@ -69,7 +70,6 @@ def budget_pools(cluster: PooledCluster) -> list[ClusterSpec]:
     gpus = cluster.max_gpus
     if gpus is None:
         return list(cluster.pools)
-    from meshplan.search.sizes import resized
     left, cut = gpus, {}
     for p in fastest_first(cluster):
         n = min(left, p.num_gpus)
