@@ -17,10 +17,10 @@ from meshplan.sim import simulate_plan
 from meshplan.spec.base import from_dict, to_dict
 from meshplan.spec.capabilities import PIPELINE_NOTE, capabilities
 from meshplan.spec.constraints import violations
-from meshplan.spec.graph import Attention, Gemm, LayerGraph, LayerOps, LayerSpec, as_graph
+from meshplan.spec.graph import Attention, Gemm, LayerGraph, LayerOps, LayerSpec
 from meshplan.spec.io import load_cluster, load_model
 from meshplan.spec.plan import Plan, Workload
-from meshplan.spec.transformer import transformer_graph
+from meshplan.spec.transformer import as_graph, transformer_graph
 
 GRAPH_ONLY_CHECKS = ("no layer for tensor parallel", "model cannot be pipelined",
                      "no replicated activations for sequence parallel", "no attention for context parallel")

@@ -245,7 +245,7 @@ def test_many_lengths_interpolated_close_to_exact(problem, monkeypatch):
 
 
 def test_traced_graph_refuses_a_distribution():
-    from meshplan.spec.graph import as_graph
+    from meshplan.spec.transformer import as_graph
     g = as_graph(load_model("tiny-llama"), 256)
     traced = type(g)(**{**{f: getattr(g, f) for f in g.__dataclass_fields__}, "model": None})
     with pytest.raises(MeshplanError, match="traced"):

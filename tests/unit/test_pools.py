@@ -19,9 +19,9 @@ from meshplan.search import search
 from meshplan.search.pools import _best_split
 from meshplan.sim.pools import simulate_pooled
 from meshplan.spec.cluster import PooledCluster
-from meshplan.spec.graph import as_graph
 from meshplan.spec.io import cluster_from_dict, load_cluster, load_model, load_plan
 from meshplan.spec.plan import Workload, parse_plan
+from meshplan.spec.transformer import as_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "docs" / "examples" / "a100-h100-pools.toml")

@@ -58,8 +58,8 @@ def as_problem(model: ModelSpec | LayerGraph, global_batch: int, seq_len: int | 
     spec.lengths.LengthDist: --seq-len as a distribution) the workload carries it and the graph is
     generated at its longest length; a traced graph takes only packing or one length, at the length
     it was traced at (cost.lengths.check_model says why)."""
-    from meshplan.spec.graph import as_graph
     from meshplan.spec.plan import Workload
+    from meshplan.spec.transformer import as_graph
     if lengths is not None:
         work = Workload.of(global_batch, lengths)
         if isinstance(model, LayerGraph) and model.model is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from meshplan.errors import MeshplanError
@@ -282,18 +282,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     return launch.launch(job, worker_argv(args))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry of the torchrun workers (`python -m meshplan.cli.train_cmd ARGS`): the same as
-    `meshplan train ARGS`, with the CLI's one-line error handling."""
-    from meshplan.cli.main import main as cli_main
-    from meshplan.runtime.launch import run_reporting_lost_peers
-    args = list(sys.argv[1:] if argv is None else argv)
-    return run_reporting_lost_peers(cli_main, args if args and args[0] == "train" else ["train", *args])
-
-
-if __name__ == "__main__":
-    from meshplan.runtime.launch import exit_worker, in_torchrun
-    _rc = main()
+if __name__ == "__main__":  # the torchrun workers: `python -m meshplan.cli.train_cmd ARGS` is `meshplan train ARGS`
+    from meshplan.cli.main import main  # (with the CLI's one-line error handling)
+    from meshplan.runtime.launch import exit_worker, in_torchrun, run_reporting_lost_peers
+    _args = sys.argv[1:]
+    _rc = run_reporting_lost_peers(main, _args if _args and _args[0] == "train" else ["train", *_args])
     if in_torchrun():
         exit_worker(int(_rc or 0))
     sys.exit(_rc)

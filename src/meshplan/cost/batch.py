@@ -60,10 +60,11 @@ from meshplan.cost.sync import (
 from meshplan.cost.sync import groups as sync_groups
 from meshplan.cost.uncertainty import memory_high, step_band, verdicts
 from meshplan.spec.cluster import ClusterSpec
-from meshplan.spec.graph import LayerGraph, as_graph, derived, layer_ops
+from meshplan.spec.graph import LayerGraph, derived, layer_ops
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload, microbatches
 from meshplan.spec.stages import stage_ids_for_rank, stage_layer_ranges
+from meshplan.spec.transformer import as_graph
 from meshplan.units import GiB
 
 #: Plan fields that determine the per-layer quantities (cost.layer.Combo).

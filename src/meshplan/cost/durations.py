@@ -30,9 +30,10 @@ from meshplan.cost.parts import optimizer_seconds, root_fsdp
 from meshplan.cost.schedule import in_flight_array
 from meshplan.cost.sync import reduce_bytes
 from meshplan.spec.cluster import ClusterSpec
-from meshplan.spec.graph import LayerGraph, as_graph
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.transformer import as_graph
 
 
 @dataclass(frozen=True)

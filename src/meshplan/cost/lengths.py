@@ -80,10 +80,11 @@ from meshplan.cost.report import CostReport
 from meshplan.cost.uncertainty import step_band
 from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import ClusterSpec
-from meshplan.spec.graph import LayerGraph, as_graph
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.lengths import LengthDist
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.transformer import as_graph
 
 EXACT_LENGTHS = 8
 """Most distinct lengths the cost model is run at per plan; more are interpolated between anchors."""

@@ -289,7 +289,7 @@ def _cross_pool_sync(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan
     fewest replicas holds the largest shard and sets the time."""
     from meshplan.cost.parts import plans_to_columns
     from meshplan.cost.sync import reduce_bytes
-    from meshplan.spec.graph import as_graph
+    from meshplan.spec.transformer import as_graph
     n_params = as_graph(model, 1).num_params() if isinstance(model, ModelSpec) else model.num_params()
     rb = float(reduce_bytes(plans_to_columns([plan]), params)[0])
     shard_bytes = n_params * rb / (plan.tp * plan.pp * plan.cp * min(per_pool))
@@ -378,7 +378,7 @@ def estimate_pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[Cluster
 
     from meshplan.cost import batch as _b
     from meshplan.cost.parts import optimizer_seconds, plans_to_columns
-    from meshplan.spec.graph import as_graph
+    from meshplan.spec.transformer import as_graph
     p = params
     graph = as_graph(model, work.seq_len)
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in plans_to_columns([plan]).items()}
@@ -469,7 +469,7 @@ def pool_pipeline_cross(model: LayerGraph | ModelSpec, cluster: PooledCluster, p
     """Extra exposed seconds of one send between two pools' boundary stages (for the simulator)."""
     from meshplan.cost import batch as _b
     from meshplan.cost.parts import plans_to_columns
-    from meshplan.spec.graph import as_graph
+    from meshplan.spec.transformer import as_graph
     first = cluster.pool(plan.pools[0]) if plan.pools else cluster.pools[0]
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in plans_to_columns([plan]).items()}
     a = _b.assemble(as_graph(model, work.seq_len), pool_cluster(first, plan.num_gpus), work, cols, params)

@@ -31,9 +31,10 @@ from meshplan.cost.memory import model_state_arrays
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.parts import plans_to_columns, shard_degree
 from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
-from meshplan.spec.graph import LayerGraph, as_graph
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
+from meshplan.spec.transformer import as_graph
 from meshplan.units import GiB
 
 _STATE_KEYS = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "offload_optimizer",

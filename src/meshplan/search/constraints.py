@@ -31,10 +31,11 @@ from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec import constraints as sc
 from meshplan.spec import support as su
 from meshplan.spec.constraints import CHECKS, Context
-from meshplan.spec.graph import LayerGraph, as_graph
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Workload, microbatches
 from meshplan.spec.support import RULES, TARGETS, is_traced, sequence_parallel_runs
+from meshplan.spec.transformer import as_graph
 
 log = logging.getLogger(__name__)
 

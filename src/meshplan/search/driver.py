@@ -59,10 +59,11 @@ from meshplan.search.sizes import MAX_GPUS
 from meshplan.search.space import SearchSpace, enumerate_space
 from meshplan.spec.cluster import ClusterSpec, PooledCluster
 from meshplan.spec.constraints import violations
-from meshplan.spec.graph import LayerGraph, as_graph
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload, microbatches
 from meshplan.spec.support import RULES, export_targets, runtime_violations
+from meshplan.spec.transformer import as_graph
 from meshplan.units import gib_need
 
 Progress = Callable[[int, int], None]

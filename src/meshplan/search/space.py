@@ -65,10 +65,11 @@ from meshplan.search.stages import balanced_stage_layers, split_layers
 from meshplan.spec.base import short_repr
 from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.cluster import ClusterSpec
-from meshplan.spec.graph import LayerGraph, as_graph
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import COLON_LISTS, RECOMPUTE, SCHEDULES, Plan, Workload
 from meshplan.spec.support import sequence_parallel_runs
+from meshplan.spec.transformer import as_graph
 
 MAX_DEGREE = 2**31 - 1
 """Largest value of a parallel degree or micro-batch (plan columns are int32)."""

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.cluster import ClusterSpec
-from meshplan.spec.graph import LayerGraph, as_graph
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload, microbatches, share_split
+from meshplan.spec.transformer import as_graph
 
 
 @dataclass(frozen=True)

@@ -306,15 +306,6 @@ def derived(graph: LayerGraph, key: str, make: Any) -> Any:
     return value
 
 
-def as_graph(model: LayerGraph | ModelSpec, seq_len: int) -> LayerGraph:
-    """The one model representation: a LayerGraph as it is; a transformer ModelSpec generated at
-    ``seq_len`` tokens per sample (spec.transformer.transformer_graph, memoised)."""
-    if isinstance(model, LayerGraph):
-        return model
-    from meshplan.spec.transformer import transformer_graph
-    return transformer_graph(model, int(seq_len))
-
-
 def layer_ops(graph: LayerGraph) -> dict[str, LayerOps]:
     """Block id -> LayerOps: the graph's own, else derived from each block's per-layer totals
     (graphs written before ingestion recorded operations; see ``derived_ops``)."""

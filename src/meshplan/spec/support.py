@@ -24,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from meshplan.spec.graph import LayerGraph, as_graph
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan
+from meshplan.spec.transformer import as_graph
 
 Model = LayerGraph | ModelSpec | None
 

@@ -167,3 +167,11 @@ def _tp_max(model: ModelSpec) -> int:
     import math
     f = model.expert_ffn if model.is_moe else model.ffn_hidden_size
     return math.gcd(model.kv_heads, model.num_attention_heads, f)
+
+
+def as_graph(model: LayerGraph | ModelSpec, seq_len: int) -> LayerGraph:
+    """The one model representation: a LayerGraph as it is; a transformer ModelSpec generated at
+    ``seq_len`` tokens per sample (transformer_graph, memoised)."""
+    if isinstance(model, LayerGraph):
+        return model
+    return transformer_graph(model, int(seq_len))
