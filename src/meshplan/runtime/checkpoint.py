@@ -3,7 +3,7 @@
 A checkpoint directory holds ``step-NNNNNNNN/`` DCP folders, ``meta.json`` (model, plan, last
 step; written by rank 0 after a save completes) and nothing else. The same for every model: a
 preset (``model`` in meta.json is its ModelSpec) or an ingested one (``{"name", "source"}``: its
-``hf:``/``module:`` source); the model's own part is ``train.TrainModel.logical`` (names and values
+``hf:``/``module:`` source); the model's own part is ``run_config.TrainModel.logical`` (names and values
 of its tensors in the single-process model). State is keyed by clean
 parameter names (no wrapper prefixes) with a flattened optimizer state, so DCP reshards it on
 load: a run saved under one plan resumes under another (other world size, TP, PP, FSDP).

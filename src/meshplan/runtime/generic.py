@@ -3,7 +3,7 @@ to them. Everything else (the training loop, data-parallel sync, clipping, pipel
 FSDP/DDP, precision, metrics, checkpoints, the launcher) is the presets' (train.py, parallelize.py,
 checkpoint.py, launch.py).
 
-``IngestedModel`` is the trainer's view (train.TrainModel): the real module of
+``IngestedModel`` is the trainer's view (run_config.TrainModel): the real module of
 ``meshplan.ingest.build`` (random weights, the same seed on every rank), its synthetic batches and
 loss; its layers are ingestion's units (``ingest.layers.find_units``: the repeated blocks, kind
 "block", and outside them the embeddings, stem, final norm and head). The plan is applied in the
@@ -694,7 +694,7 @@ def parallelize_ingested(built: Built, plan: Plan, mesh: RuntimeMesh | None, dev
 
 # ---- the launcher's checks and estimate ------------------------------------------------------------
 def preflight(job: Any) -> tuple[Any, Any]:
-    """The pre-flight checks particular to an ingested model (launch.check_job runs them after the
+    """The pre-flight checks particular to an ingested model (job.check_job runs them after the
     learning rate and --metrics): the process count, what the runtime runs, then the model built on
     the meta device (its config, --seq-len against its positions: ingest.hf.check_seq_len), its
     pipeline and TP structure, the stages against its blocks, the planner's constraints on the

@@ -1,13 +1,13 @@
 """`meshplan train`: start torchrun (or run inside it), train, checkpoint, measure, compare.
 
-``launch`` checks the request (``check_job``, with the pre-flight checks of ``preflight``: learning
+``launch`` checks the request (``job.check_job``, with the pre-flight checks of ``preflight``: learning
 rate, output paths, positions, the planner's constraints, the checkpoint directory, memory), says
 what it is about to run (``before_launch``: more processes than CPU cores, the cost model's step
 time; --overwrite deletes the old checkpoint) and runs ``python -m meshplan.runtime.launch ... -m
 meshplan.cli.train_cmd ARGS``: torchrun's own launcher (``torch.distributed.run``), in a process that
 reports a failed rank in one line (``failure_message``: killed by a signal, exit code) instead of
 torchrun's ChildFailedError traceback. Inside torchrun ``worker_main`` trains on every rank. A
-one-process plan runs in the calling process (no torchrun, no process group). One ``Job`` for
+one-process plan runs in the calling process (no torchrun, no process group). One ``Job`` (job.py) for
 every model: a preset (``model`` a ModelSpec) or an ingested model (``model`` its ``hf:``/``module:``
 source; the checks particular to it, on its traced LayerGraph, are ``generic.preflight``).
 With ``--replan-after N`` the ranks check the plan after N steps (``replan_check``, runtime/replan.py);
@@ -544,7 +544,7 @@ def switch_plan(job: Job, trainer: Any, records: list[Any], device_type: str, ra
     import torch.distributed as dist
 
     from meshplan.runtime import checkpoint as ckpt
-    assert job.checkpoint_dir is not None  # replan.check_flags
+    assert job.checkpoint_dir is not None  # job.check_flags
     if not (job.checkpoint_every and trainer.step % job.checkpoint_every == 0):  # not saved by run_step already
         ckpt.save(trainer, job.checkpoint_dir)
     sw = {"kind": "switch", "step": trainer.step, "from": job.plan.short(), "to": to,
