@@ -59,6 +59,7 @@ from meshplan.cost.sync import (
 )
 from meshplan.cost.sync import groups as sync_groups
 from meshplan.cost.uncertainty import memory_high, step_band, verdicts
+from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph, derived, layer_ops
 from meshplan.spec.model import ModelSpec
@@ -68,8 +69,8 @@ from meshplan.spec.transformer import as_graph
 from meshplan.units import GiB
 
 #: Plan fields that determine the per-layer quantities (cost.layer.Combo).
-BLOCK_KEY = ("tp", "cp", "micro_batch", "precision", "recompute", "sequence_parallel",
-             "compile", "flash_attention", "ep", "fused_loss")
+BLOCK_KEY = (AX.TP, AX.CP, "micro_batch", "precision", "recompute", "sequence_parallel",
+             "compile", "flash_attention", AX.EP, "fused_loss")
 #: Exposed time terms (they sum to the step time) and overlapped ones, in report order.
 TIME_KEYS = ("compute", "recompute", "tp_comm", "tp_comm_overlapped", "cp_comm", "cp_comm_overlapped", "ep_comm",
              "dp_comm", "dp_comm_overlapped", "pp_comm", "offload", "bubble", "optimizer", "outer_sync",
@@ -185,7 +186,7 @@ def _placement(lay: Layout, cols: Mapping[str, np.ndarray], width: int) -> np.nd
     """(rows, width, B): how many of each distinct layer each pipeline rank holds."""
     sl = cols["stage_layers"]
     explicit = np.array([x is not None for x in sl], dtype=bool) if len(sl) else np.zeros(0, dtype=bool)
-    pp, v = np.asarray(cols["pp"]).astype(np.int64), np.asarray(cols["virtual_stages"]).astype(np.int64)
+    pp, v = np.asarray(cols[AX.PP]).astype(np.int64), np.asarray(cols["virtual_stages"]).astype(np.int64)
     zbv = (np.asarray(cols["schedule"]) == "zbv").astype(np.int64)
     inter = (np.asarray(cols["schedule"]) == "interleaved-1f1b").astype(np.int64)
     key = (pp * 1024 + v) * 4 + zbv * 2 + inter  # the placement depends on pp, v and the V shape only
@@ -284,11 +285,11 @@ class Counts:
 def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
              p: CostParams) -> Assembly:
     lay = layout(graph)
-    tp, pp, dp, cp, ep = (cols[k].astype(float) for k in ("tp", "pp", "dp", "cp", "ep"))
+    tp, pp, dp, cp, ep = (cols[k].astype(float) for k in (AX.TP, AX.PP, AX.DP, AX.CP, AX.EP))
     zero, mb, v = cols["zero"], cols["micro_batch"].astype(float), cols["virtual_stages"].astype(float)
     n = len(tp)
     shard = shard_degree(cols, cluster)
-    micro = microbatches(work.global_batch, cols["dp"], cols["micro_batch"])
+    micro = microbatches(work.global_batch, cols[AX.DP], cols["micro_batch"])
     tokens = mb * work.seq_len / cp
     scale = act_scale(cols["precision"])
     qa = _quantities(lay, cluster, work, cols, p)
@@ -423,7 +424,7 @@ def stage_params(graph: LayerGraph, cols: Mapping[str, Any]) -> tuple[np.ndarray
     block) for plain plan columns with tp, ep, pp, virtual_stages, schedule, stage_layers: the
     placement of assemble, for the search's memory lower bound."""
     lay = layout(graph)
-    tp, pp, ep = (np.asarray(cols[k]).astype(float) for k in ("tp", "pp", "ep"))
+    tp, pp, ep = (np.asarray(cols[k]).astype(float) for k in (AX.TP, AX.PP, AX.EP))
     width = int(pp.max())
     counts = _placement(lay, cols, width)
     j = np.arange(width)[None, :]
@@ -448,7 +449,7 @@ def drain(a: Assembly, p: CostParams) -> np.ndarray:
     (GPipe, 1F1B, interleaved 1F1B with b_j per chunk). A rank's end-of-step gradient sync and
     optimizer start there (the simulator runs the same). Split-backward schedules end with W
     passes that do not chain: 0 (the step's end is then every rank's)."""
-    pp, v = np.asarray(a.cols["pp"]), np.asarray(a.cols["virtual_stages"]).astype(float)
+    pp, v = np.asarray(a.cols[AX.PP]), np.asarray(a.cols["virtual_stages"]).astype(float)
     fwd = stage_forward(a)
     per = np.where(a.valid, np.where(np.isfinite(a.totals), a.totals, 0.0) - fwd, 0.0) / v[:, None]
     before = np.cumsum(per, axis=1) - per  # sum over j < r
@@ -472,9 +473,9 @@ def _rank_passes(a: Assembly, p: CostParams) -> RankPasses:
     bwd = np.where(a.valid, a.totals, 0.0) - fwd - wgt
     chunk1 = None
     if a.zbv.any():
-        pp = col(a.cols["pp"])
+        pp = col(a.cols[AX.PP])
         j = np.arange(a.valid.shape[1])[None, :]
-        one = col(np.where(a.cols["pp"] > 1, a.send * p.pp_p2p_exposed, 0))
+        one = col(np.where(a.cols[AX.PP] > 1, a.send * p.pp_p2p_exposed, 0))
         suf = a.lay.suffix[None, :]
         out_f, out_b, out_w = (a.last * (a.q[k] * suf).sum(1)[:, None] for k in ("f", "bi", "bw"))
         f1 = (fwd - a.fwd_x - a.p2p / 2) / 2 + out_f + one * (j > 0)
@@ -504,7 +505,7 @@ def by_pipeline_depth(cols: dict[str, Any], fn: Any) -> dict[str, np.ndarray]:
     """``fn(cols)`` (an estimate_batch-style result) over many rows, one pipeline depth at a
     time (the stage axis is then no wider than needed), merged back in row order;
     stage_memory_gib is (rows, the deepest pp) with NaN beyond each row's pp."""
-    pp = cols["pp"]
+    pp = cols[AX.PP]
     degrees = np.unique(pp)
     if len(pp) <= 64 or len(degrees) == 1:
         return fn(cols)
@@ -528,8 +529,8 @@ def end_of_step(a: Assembly, cluster: ClusterSpec, p: CostParams) -> tuple[np.nd
     """(exposed, overlapped) (rows, ranks) seconds of each rank's gradient sync / ZeRO gathers of
     its own parameters, plus the tied weights' all-reduce on the ranks holding them."""
     cols = a.cols
-    tp, dp, cp, pp = (np.asarray(cols[k]).astype(float) for k in ("tp", "dp", "cp", "pp"))
-    c2 = {k: np.asarray(cols[k])[:, None] for k in ("zero", "pp", "grad_sync", "precision", "grad_compression")}
+    tp, dp, cp, pp = (np.asarray(cols[k]).astype(float) for k in (AX.TP, AX.DP, AX.CP, AX.PP))
+    c2 = {k: np.asarray(cols[k])[:, None] for k in ("zero", AX.PP, "grad_sync", "precision", "grad_compression")}
     _, n_in, _ = sync_groups(cols, cluster)  # a local-sgd/diloco row syncs its inner group every step
     psgd, psgd_t = powersgd_terms(a, cluster, p)
     e_r, o_r = dp_end_of_step(cluster, c2, p, tp[:, None], n_in[:, None].astype(float), cp[:, None],
@@ -548,7 +549,7 @@ def powersgd_terms(a: Assembly, cluster: ClusterSpec, p: CostParams) -> tuple[np
     psgd = np.asarray(cols["grad_compression"]) == "powersgd"
     if not psgd.any():
         return None, 0.0
-    tp, ep = (np.asarray(cols[k], dtype=float) for k in ("tp", "ep"))
+    tp, ep = (np.asarray(cols[k], dtype=float) for k in (AX.TP, AX.EP))
     lp = local_params(a.lay, tp, ep)
     sent = powersgd_bytes(a.lay, a.C, lp, tp, ep, np.asarray(cols["compression_rank"]))
     hbm = cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency
@@ -571,7 +572,7 @@ def weak_link_terms(a: Assembly, cluster: ClusterSpec, p: CostParams, step: np.n
     cols = a.cols
     periodic, n_in, n_out = sync_groups(cols, cluster)
     rows = np.arange(len(step))
-    n = cols["tp"] * cols["pp"] * cols["dp"] * cols["cp"]
+    n = cols[AX.TP] * cols[AX.PP] * cols[AX.DP] * cols[AX.CP]
     out = {"outer_exposed": np.zeros(len(rows)), "outer_overlapped": np.zeros(len(rows)),
            "outer_sync_s": np.zeros(len(rows))}
     if periodic.any():
@@ -601,7 +602,7 @@ def cross_site(a: Assembly, cluster: ClusterSpec, p: CostParams) -> np.ndarray:
     n_rows = len(a.micro)
     if cluster.num_dcs < 2:
         return np.zeros(n_rows)
-    tp, pp, dp, cp = (np.asarray(cols[k], dtype=float) for k in ("tp", "pp", "dp", "cp"))
+    tp, pp, dp, cp = (np.asarray(cols[k], dtype=float) for k in (AX.TP, AX.PP, AX.DP, AX.CP))
     zero = np.asarray(cols["zero"])
     periodic, n_in, n_out = sync_groups(cols, cluster)
     n_in = n_in.astype(float)
@@ -656,7 +657,7 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
     ``rank_ends``: (end-of-step exposed, overlapped, optimizer) seconds per (row, rank) computed
     by the caller, for ranks on different hardware (cost.pools); default: from ``cluster``."""
     p, cols = params, a.cols
-    tp, pp, v = (cols[k].astype(float) for k in ("tp", "pp", "virtual_stages"))
+    tp, pp, v = (cols[k].astype(float) for k in (AX.TP, AX.PP, "virtual_stages"))
     zero, micro, totals, valid = cols["zero"], a.micro, a.totals, a.valid
     crit = np.argmax(totals, axis=1)
     rows = np.arange(len(crit))
@@ -732,10 +733,10 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     def flag(x: Any) -> np.ndarray:
         return np.asarray(x, dtype=bool)[:, None]
 
-    zero, pp = col(cols["zero"]), col(cols["pp"])
+    zero, pp = col(cols["zero"]), col(cols[AX.PP])
     plocal = a.plocal
     w, g, o, buffers = model_state_arrays(plocal, col(a.lp_unit), zero, col(a.shard), flag(cols["offload_params"]),
-                                          flag(cols["offload_optimizer"]), col(cols["dp"] * cols["cp"]), p,
+                                          flag(cols["offload_optimizer"]), col(cols[AX.DP] * cols[AX.CP]), p,
                                           np.asarray(cols["precision"])[:, None])
     per_step = (zero == 3) & (pp > 1)  # pipelined FSDP keeps unsharded bf16 params + fp32 grads
     w, g = w + per_step * 2 * plocal, g + per_step * 4 * plocal
@@ -754,7 +755,7 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
         one_block = np.maximum(one_block, np.where(C.slices[b] > 0, redo, 0.0))
     transient = np.where(full_mode | op_mode, t * one_block, 0.0)
     width = plocal.shape[1]
-    inflight = in_flight_array(col(cols["pp"]), col(cols["virtual_stages"]), cols["schedule"][:, None],
+    inflight = in_flight_array(col(cols[AX.PP]), col(cols["virtual_stages"]), cols["schedule"][:, None],
                                np.arange(width)[None, :], a.micro[:, None])
     acts = kept * inflight
     logits = np.zeros(C.shape)
@@ -781,7 +782,7 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     o = o + (outer_state + np.where(overlap, 4.0, 0.0)) * held_params(a)
     if (np.asarray(cols["grad_compression"]) == "powersgd").any():
         psgd = (np.asarray(cols["grad_compression"]) == "powersgd")[:, None]
-        tp_, ep_ = (np.asarray(cols[k], dtype=float) for k in ("tp", "ep"))
+        tp_, ep_ = (np.asarray(cols[k], dtype=float) for k in (AX.TP, AX.EP))
         _, sides = matrix_elements(a.lay, tp_, ep_)
         factors = 4.0 * col(cols["compression_rank"]) * C.sum(sides)
         g = g + np.where(psgd, 4.0 * plocal + factors, 0.0)
@@ -801,7 +802,7 @@ def logit_bytes(a: Assembly, b: int, p: CostParams = DEFAULT_PARAMS) -> np.ndarr
     (split over TP when vocabulary-parallel) at the bytes per element of the loss's kernels
     (compute.loss_kind; fp32 upcast or not, CostParams.logits_fp32). A chunked loss (Liger's fused
     linear cross-entropy) holds one chunk of ceil(vocab / hidden) at a time, at the fused bytes."""
-    tp = np.asarray(a.cols["tp"], dtype=float)
+    tp = np.asarray(a.cols[AX.TP], dtype=float)
     split = bool(a.lay.loss_split[b])
     fused = np.asarray(a.cols["fused_loss"], dtype=bool)
     kinds = {f: loss_kind(f, p) for f in (False, True)}
@@ -824,8 +825,8 @@ def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, s
              mem: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     cols = a.cols
     gpu = cluster.gpu
-    tp, cp, mb = (cols[k].astype(float) for k in ("tp", "cp", "micro_batch"))
-    n = cols["tp"] * cols["pp"] * cols["dp"] * cols["cp"]
+    tp, cp, mb = (cols[k].astype(float) for k in (AX.TP, AX.CP, "micro_batch"))
+    n = cols[AX.TP] * cols[AX.PP] * cols[AX.DP] * cols[AX.CP]
     scale = tp * cp / mb * work.global_batch
     total = a.lay.total[None, :]
     model_flops = 3.0 * (total * a.q["flops"]).sum(1) * scale
@@ -839,7 +840,7 @@ def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, s
     rows = np.arange(len(worst))
     peak_gib = total_mem[rows, worst] / GiB
     fits, at_risk, oom = verdicts(peak_gib, usable_gib(cluster, p), p)
-    low, high = step_band(step, cols["pp"], p)
+    low, high = step_band(step, cols[AX.PP], p)
     out = {"step_time_s": step, "tokens_per_s": work.tokens / step,
            "step_time_s_low": low, "step_time_s_high": high,
            "peak_memory_gib_high": memory_high(peak_gib, p), "oom_probability": oom,

@@ -29,6 +29,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.parts import optimizer_seconds, root_fsdp
 from meshplan.cost.schedule import in_flight_array
 from meshplan.cost.sync import reduce_bytes
+from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
@@ -108,7 +109,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
     end_x, end_o = _b.end_of_step(a, cluster, p)
     # FSDP's root unit: its exposed part ends the step (its hidden traffic runs between the
     # blocks' gathers; the simulator's data-parallel stream does not draw it)
-    tp = cols["tp"].astype(float)
+    tp = cols[AX.TP].astype(float)
     end_exp, end_ovl = [], []
     for r in range(width):
         rt = (a.fwd[:, r] + a.b_in[:, r] + a.b_w[:, r] + a.terms["recompute"][:, r] + a.tp_f[:, r] + a.tp_b[:, r]
@@ -125,7 +126,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
     rs_s = np.where(staged, a.C.sum(a.rs, blk), 0)
 
     mem = _b.memory_parts(a, p)
-    inflight = in_flight_array(cols["pp"][:, None], cols["virtual_stages"][:, None], cols["schedule"][:, None],
+    inflight = in_flight_array(cols[AX.PP][:, None], cols["virtual_stages"][:, None], cols["schedule"][:, None],
                                np.arange(width)[None, :], micro[:, None])
     acts = mem["activations"][0]
     per_mb = acts / inflight[0]
@@ -162,7 +163,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         tp_bwd_exposed_s=row(a.tp_b), tp_bwd_overlapped_s=row(a.tp_b_ovl),
         dp_fwd_exposed_s=row(a.dp_f), dp_fwd_overlapped_s=row(a.dp_f_ovl),
         dp_bwd_exposed_s=row(a.dp_b), dp_bwd_overlapped_s=row(a.dp_b_ovl),
-        p2p_send_s=float(np.where(cols["pp"] > 1, a.send, 0)[0]), p2p_exposed=p.pp_p2p_exposed,
+        p2p_send_s=float(np.where(cols[AX.PP] > 1, a.send, 0)[0]), p2p_exposed=p.pp_p2p_exposed,
         staged_gather_s=row(ag_s), staged_reduce_s=row(rs_s),
         end_dp_exposed_s=end_exp, end_dp_overlapped_s=end_ovl, optimizer_s=row(opt_t),
         overhead_s=p.step_overhead_s, static_bytes=[float(x) for x in static],
@@ -184,13 +185,13 @@ def output_static_bytes(a: _b.Assembly, p: CostParams) -> float:
     weights are tied), pipelined FSDP's copies, and the logits' transient beyond a block's,
     times (1 + fragmentation)."""
     cols = a.cols
-    lp = _b.local_params(a.lay, cols["tp"].astype(float), cols["ep"].astype(float))
+    lp = _b.local_params(a.lay, cols[AX.TP].astype(float), cols[AX.EP].astype(float))
     n = float((lp * a.lay.suffix[None, :]).sum(1)[0])
     plan_z, shard = int(cols["zero"][0]), float(a.shard[0])
     w, g, o, _ = model_state_arrays(n, 0.0, plan_z, shard, bool(cols["offload_params"][0]),
-                                    bool(cols["offload_optimizer"][0]), float(cols["dp"][0] * cols["cp"][0]), p,
+                                    bool(cols["offload_optimizer"][0]), float(cols[AX.DP][0] * cols[AX.CP][0]), p,
                                     str(cols["precision"][0]))
-    states = float(w + g + o) + (6.0 * n if plan_z == 3 and int(cols["pp"][0]) > 1 else 0.0)
+    states = float(w + g + o) + (6.0 * n if plan_z == 3 and int(cols[AX.PP][0]) > 1 else 0.0)
     logits = max((float(_b.logit_bytes(a, b, p)[0]) for b in a.lay.ids_where(a.lay.loss)), default=0.0)
     rec = str(cols["recompute"][0])
     t = float(a.tokens[0])

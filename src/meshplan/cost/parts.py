@@ -14,6 +14,7 @@ import numpy as np
 from meshplan.cost.comm import Group, exposed_under
 from meshplan.cost.memory import MAIN_GRAD_BYTES
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.plan import COLON_LISTS, PLAN_FIELDS, Plan
 
@@ -40,14 +41,14 @@ def shard_degree(cols: Mapping[str, np.ndarray], cluster: ClusterSpec | None = N
     """Ranks ZeRO/FSDP state is sharded over (Plan.effective_shard, per row). Given the
     cluster, a local-sgd/diloco row shards within its inner group (spec.sync.inner_dp x cp);
     without it, over all of dp x cp (fewer bytes per GPU: a lower bound for those rows)."""
-    dp, cp = cols["dp"].astype(float), cols["cp"].astype(float)
+    dp, cp = cols[AX.DP].astype(float), cols[AX.CP].astype(float)
     sg = cols["shard_group"]
     full = dp * cp
     if cluster is not None and "grad_sync" in cols:
         from meshplan.spec.sync import inner_dp, is_periodic
         periodic = is_periodic(cols["grad_sync"])
         if periodic.any():
-            n_in = inner_dp(cols["dp"], cols["tp"], cols["cp"], np.asarray(cols["sync_scope"]), cluster, periodic)
+            n_in = inner_dp(cols[AX.DP], cols[AX.TP], cols[AX.CP], np.asarray(cols["sync_scope"]), cluster, periodic)
             full = np.where(periodic, n_in * cp, full)
     return np.where(cols["zero"] == 0, 1.0, np.where((sg > 0) & (sg < full), sg, full))
 
@@ -133,7 +134,7 @@ def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cost
     grad_compression shrinks the gradient collective (cost.sync.compressed_sync_bytes; ``psgd``:
     PowerSGD's bytes, whose two extra all-reduces add their latency and whose compression,
     ``psgd_compute`` seconds, runs after the backward)."""
-    zero, pp = cols["zero"], cols["pp"]
+    zero, pp = cols["zero"], cols[AX.PP]
     n_dp = dp * cp
     # ZeRO-3/FSDP: the first block's gather once, plus HSDP's all-reduce across replicas.
     z3 = Group.of(cluster, shard, tp).all_gather(2.0 * lp)

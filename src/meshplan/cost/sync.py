@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from meshplan.cost.comm import Group
+from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.sync import inner_dp, is_periodic
 
@@ -50,8 +51,8 @@ def groups(cols: dict[str, Any], cluster: ClusterSpec) -> tuple[np.ndarray, np.n
     """(periodic, n_in, n_out) per row: local-sgd/diloco rows, data-parallel ranks per inner
     group (dp for synchronous plans), and the inner groups (1 for synchronous plans)."""
     periodic = is_periodic(cols["grad_sync"])
-    dp = np.asarray(cols["dp"], dtype=np.int64)
-    n_in = inner_dp(dp, cols["tp"], cols["cp"], np.asarray(cols["sync_scope"]), cluster, periodic)
+    dp = np.asarray(cols[AX.DP], dtype=np.int64)
+    n_in = inner_dp(dp, cols[AX.TP], cols[AX.CP], np.asarray(cols["sync_scope"]), cluster, periodic)
     return periodic, n_in, np.maximum(1, dp // np.maximum(n_in, 1))
 
 
@@ -157,7 +158,7 @@ def outer_sync(cluster: ClusterSpec, cols: dict[str, Any], p: Any, held: np.ndar
     """((rows, ranks) seconds of one outer all-reduce, (rows, ranks) seconds of one outer step)
     for the parameters ``held`` on each rank (after ZeRO within the inner group). Zero for
     synchronous rows."""
-    tp, cp = (np.asarray(cols[k], dtype=float)[:, None] for k in ("tp", "cp"))
+    tp, cp = (np.asarray(cols[k], dtype=float)[:, None] for k in (AX.TP, AX.CP))
     per_value = outer_bytes(cols["grad_compression"])
     g = Group.of(cluster, np.asarray(n_out, dtype=float)[:, None], tp * cp * np.asarray(n_in, dtype=float)[:, None])
     t = g.all_reduce(per_value[:, None] * held)

@@ -78,6 +78,7 @@ from meshplan.runtime.parallelize import (
     vocab_parallel_output,
 )
 from meshplan.runtime.run_config import RunConfig, TrainModel
+from meshplan.spec.axes import AX
 from meshplan.spec.plan import Plan
 from meshplan.spec.stages import stage_layer_counts, stage_layer_ranges
 
@@ -665,9 +666,9 @@ def parallelize_ingested(built: Built, plan: Plan, mesh: RuntimeMesh | None, dev
     if split is not None:
         ref = _compare_output(model, sample) if plan.pp == 1 else None
         for part, paths in zip(parts, part_blocks):
-            apply_tp(part, paths, built, mesh.sub("tp"), plan.tp, notes, split)
+            apply_tp(part, paths, built, mesh.sub(AX.TP), plan.tp, notes, split)
             prefix = f"{STAGE}." if plan.pp > 1 else ""
-            vocab_parallel |= apply_vocab_parallel(part, prefix, split, mesh.sub("tp"))
+            vocab_parallel |= apply_vocab_parallel(part, prefix, split, mesh.sub(AX.TP))
         if ref is not None:
             got = _compare_output(model, sample)
             err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from meshplan.errors import MeshplanError
+from meshplan.spec.axes import AX
 from meshplan.spec.lengths import LengthDist
 from meshplan.spec.plan import Plan, share_split, share_unit, split_fault
 
@@ -140,16 +141,16 @@ def pool_ranks(plan: Plan) -> list[tuple[str, str, list[int]]]:
     if not plan.pools:
         return []
     counts = plan.pool_pp or plan.pool_dp or (plan.pp,)
-    axis = "dp" if plan.pool_dp is not None else "pp"
+    axis = AX.DP if plan.pool_dp is not None else AX.PP
     out = []
     start = 0
     for name, k in zip(plan.pools, counts):
         idx = range(start, start + k)
         ranks = sorted(_rank(plan, p, d, c, t)
-                       for p in (idx if axis == "pp" else range(plan.pp))
-                       for d in (idx if axis == "dp" else range(plan.dp))
+                       for p in (idx if axis == AX.PP else range(plan.pp))
+                       for d in (idx if axis == AX.DP else range(plan.dp))
                        for c in range(plan.cp) for t in range(plan.tp))
-        noun = ("stage" if axis == "pp" else "replica") + ("s" if k > 1 else "")
+        noun = ("stage" if axis == AX.PP else "replica") + ("s" if k > 1 else "")
         what = f"{noun} {idx[0]}" if k == 1 else f"{noun} {idx[0]}-{idx[-1]}"
         out.append((name, what, ranks))
         start += k

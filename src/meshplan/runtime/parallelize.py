@@ -103,6 +103,7 @@ from meshplan.runtime.expert_parallel import shard_experts
 from meshplan.runtime.mesh import RuntimeMesh
 from meshplan.runtime.models import Transformer, loss_fn
 from meshplan.runtime.periodic import compression_of, fp8_reduce_scatter
+from meshplan.spec.axes import AX
 from meshplan.spec.plan import Plan
 from meshplan.spec.stages import stage_ids_for_rank, stage_layer_ranges
 
@@ -706,7 +707,7 @@ def enable_async_tp(mesh: RuntimeMesh) -> None:
     pass, which overlaps the TP all-gather / reduce-scatter with the matmuls of compiled blocks."""
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
     torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(mesh.sub("tp").get_group().group_name)
+    enable_symm_mem_for_group(mesh.sub(AX.TP).get_group().group_name)
 
 
 # ---- the whole ---------------------------------------------------------------------------------
@@ -750,7 +751,7 @@ def parallelize(model: Transformer, plan: Plan, mesh: RuntimeMesh | None, device
             for block in part.layers.values():
                 shard_experts(block.feed_forward, mesh.ep_group, plan.ep, mesh.ep_rank)
         if plan.tp > 1:
-            apply_tp(part, mesh.sub("tp"), plan.sequence_parallel)
+            apply_tp(part, mesh.sub(AX.TP), plan.sequence_parallel)
         if plan.buckets:  # cp per micro-batch (Parallelized.sequence)
             apply_bucket_cp(part)
         elif plan.cp > 1:

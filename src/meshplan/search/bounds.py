@@ -31,13 +31,14 @@ from meshplan.cost.memory import model_state_arrays
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.parts import plans_to_columns, shard_degree
 from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
+from meshplan.spec.axes import AX
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 from meshplan.spec.transformer import as_graph
 from meshplan.units import GiB
 
-_STATE_KEYS = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "offload_optimizer",
+_STATE_KEYS = (AX.TP, AX.PP, AX.DP, AX.CP, AX.EP, "zero", "shard_group", "offload_optimizer",
                "offload_params", "stage_layers", "virtual_stages")
 _ZBV = CATEGORIES["schedule"].index("zbv")
 
@@ -69,7 +70,7 @@ def states_lower_bound_gib(model: LayerGraph | ModelSpec, cols: PlanColumns, wor
     for row in uniq.tolist():
         d = dict(zip(_STATE_KEYS, row))
         code = d["stage_layers"]
-        plans.append(Plan(tp=d["tp"], pp=d["pp"], dp=d["dp"], cp=d["cp"], ep=d["ep"], zero=d["zero"],
+        plans.append(Plan(tp=d[AX.TP], pp=d[AX.PP], dp=d[AX.DP], cp=d[AX.CP], ep=d[AX.EP], zero=d["zero"],
                           shard_group=d["shard_group"], offload_optimizer=bool(d["offload_optimizer"]),
                           offload_params=bool(d["offload_params"]),
                           schedule="zbv" if row[-1] else ("interleaved-1f1b" if d["virtual_stages"] > 1 else "1f1b"),
@@ -83,7 +84,7 @@ def states_lower_bound_gib(model: LayerGraph | ModelSpec, cols: PlanColumns, wor
         return np.asarray(plain[k])[:, None]
 
     w, g, o, _ = model_state_arrays(plocal, lp[:, None], col("zero"), shard[:, None], col("offload_params"),
-                                    col("offload_optimizer"), col("dp") * col("cp"), params)
-    valid = np.arange(plocal.shape[1])[None, :] < col("pp")
+                                    col("offload_optimizer"), col(AX.DP) * col(AX.CP), params)
+    valid = np.arange(plocal.shape[1])[None, :] < col(AX.PP)
     out = np.where(valid, w + g + o, 0.0).max(axis=1)
     return out[inverse] / GiB + params.framework_overhead_gib

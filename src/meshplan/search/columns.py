@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from meshplan.spec.axes import AX
 from meshplan.spec.plan import COLON_LISTS, PRECISIONS, RECOMPUTE, SCHEDULES, Plan, parse_colon_list
 
 CATEGORIES: dict[str, tuple[str, ...]] = {
@@ -91,7 +92,7 @@ class PlanColumns(Mapping[str, np.ndarray]):
 
     @property
     def num_rows(self) -> int:
-        return len(self._cols["tp"])
+        return len(self._cols[AX.TP])
 
     def take(self, idx: np.ndarray) -> PlanColumns:
         """Rows ``idx`` (an index or boolean array), same stage table."""

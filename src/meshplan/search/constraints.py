@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
+from meshplan.spec.axes import AX
 from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec import constraints as sc
@@ -71,7 +72,7 @@ def _code(field: str, value: str) -> int:
 
 
 def gpus_match(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return _i64(cols, "tp") * _i64(cols, "pp") * _i64(cols, "dp") * _i64(cols, "cp") != c.num_gpus
+    return _i64(cols, AX.TP) * _i64(cols, AX.PP) * _i64(cols, AX.DP) * _i64(cols, AX.CP) != c.num_gpus
 
 
 def _caps(m: LayerGraph | ModelSpec, w: Workload) -> Capabilities:
@@ -79,7 +80,7 @@ def _caps(m: LayerGraph | ModelSpec, w: Workload) -> Capabilities:
 
 
 def tp_divides_heads(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    tp = _i64(cols, "tp")
+    tp = _i64(cols, AX.TP)
     bad = np.zeros(len(tp), dtype=bool)
     for heads, kv in _caps(m, w).heads:
         bad |= (heads % tp != 0) | ((kv % tp != 0) & (tp % kv != 0))
@@ -87,7 +88,7 @@ def tp_divides_heads(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumn
 
 
 def tp_divides_widths(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    tp = _i64(cols, "tp")
+    tp = _i64(cols, AX.TP)
     bad = np.zeros(len(tp), dtype=bool)
     for _, width in _caps(m, w).widths:
         bad |= width % tp != 0
@@ -95,23 +96,23 @@ def tp_divides_widths(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColum
 
 
 def tp_has_layers(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return (_i64(cols, "tp") > 1) & (not _caps(m, w).tp_layers)
+    return (_i64(cols, AX.TP) > 1) & (not _caps(m, w).tp_layers)
 
 
 def cp_has_attention(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return (_i64(cols, "cp") > 1) & (not _caps(m, w).attention)
+    return (_i64(cols, AX.CP) > 1) & (not _caps(m, w).attention)
 
 
 def sp_has_activations(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return cols["sequence_parallel"] & (_i64(cols, "tp") > 1) & (not _caps(m, w).sequence_parallel)
+    return cols["sequence_parallel"] & (_i64(cols, AX.TP) > 1) & (not _caps(m, w).sequence_parallel)
 
 
 def pipeline_allowed(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return (_i64(cols, "pp") > 1) & (_caps(m, w).pipeline is not None)
+    return (_i64(cols, AX.PP) > 1) & (_caps(m, w).pipeline is not None)
 
 
 def tp_within_node(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    tp = _i64(cols, "tp")
+    tp = _i64(cols, AX.TP)
     return (tp > c.gpus_per_node) | (c.gpus_per_node % tp != 0)
 
 
@@ -130,18 +131,18 @@ def layers_split(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -
     v = _i64(cols, "virtual_stages")
     explicit, total, g = _stage_stats(cols)
     bad_explicit = (total != L) | ((v > 1) & (g % v != 0))
-    chunks = _i64(cols, "pp") * v
+    chunks = _i64(cols, AX.PP) * v
     bad_even = (chunks > L) | (L % chunks != 0)
-    refused = (_i64(cols, "pp") > 1) & (_caps(m, w).pipeline is not None)  # pipeline_allowed says why
+    refused = (_i64(cols, AX.PP) > 1) & (_caps(m, w).pipeline is not None)  # pipeline_allowed says why
     return np.where(explicit, bad_explicit, bad_even) & ~refused
 
 
 def batch_divides(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return w.global_batch % (_i64(cols, "dp") * _i64(cols, "micro_batch")) != 0
+    return w.global_batch % (_i64(cols, AX.DP) * _i64(cols, "micro_batch")) != 0
 
 
 def schedule_fits(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    s, v, pp = cols["schedule"], _i64(cols, "virtual_stages"), _i64(cols, "pp")
+    s, v, pp = cols["schedule"], _i64(cols, "virtual_stages"), _i64(cols, AX.PP)
     inter, zbv = s == _code("schedule", "interleaved-1f1b"), s == _code("schedule", "zbv")
     micro = _micro(w, cols)
     return (((v > 1) & ~inter & ~zbv)
@@ -150,17 +151,17 @@ def schedule_fits(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) 
 
 
 def cp_divides_seq(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    cp = _i64(cols, "cp")
+    cp = _i64(cols, AX.CP)
     return (cp > 1) & (w.seq_len % (2 * cp) != 0) & _caps(m, w).attention
 
 
 def sp_needs_tp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return cols["sequence_parallel"] & (cols["tp"] == 1)
+    return cols["sequence_parallel"] & (cols[AX.TP] == 1)
 
 
 def ep_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    ep = _i64(cols, "ep")
-    dpc = _i64(cols, "dp") * _i64(cols, "cp")
+    ep = _i64(cols, AX.EP)
+    dpc = _i64(cols, AX.DP) * _i64(cols, AX.CP)
     experts = _caps(m, w).experts
     bad = np.zeros(len(ep), dtype=bool) if experts else np.ones(len(ep), dtype=bool)
     for e in experts:
@@ -171,7 +172,7 @@ def ep_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np
 
 def hybrid_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     sg = _i64(cols, "shard_group")
-    dpc = _i64(cols, "dp") * _i64(cols, "cp")
+    dpc = _i64(cols, AX.DP) * _i64(cols, AX.CP)
     on = sg != 0
     return on & ((cols["zero"] == 0) | (dpc % np.where(on, sg, 1) != 0))
 
@@ -179,18 +180,18 @@ def hybrid_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -
 def offload_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     z = cols["zero"]
     return ((cols["offload_params"] & (z != 3))
-            | (cols["offload_optimizer"] & (z == 0) & (cols["dp"] > 1)))
+            | (cols["offload_optimizer"] & (z == 0) & (cols[AX.DP] > 1)))
 
 
 def zero2_pipeline(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return (cols["zero"] == 2) & (_i64(cols, "pp") > 1)
+    return (cols["zero"] == 2) & (_i64(cols, AX.PP) > 1)
 
 
 def recompute_layers_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     rl = _i64(cols, "recompute_layers")
     code = _i64(cols, "stage_layers")
     most_table = np.asarray([max(s) if s else 0 for s in cols.stage_table] + [0], dtype=np.int64)
-    even = -(-_caps(m, w).blocks // np.maximum(1, _i64(cols, "pp")))
+    even = -(-_caps(m, w).blocks // np.maximum(1, _i64(cols, AX.PP)))
     most = np.where(code != NONE_CODE, most_table[code], even)
     return (rl >= 0) & (rl > most)
 
@@ -204,9 +205,9 @@ def sync_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> 
     from meshplan.spec.sync import inner_dp, is_periodic
     gs, comp = np.asarray(cols["grad_sync"]), np.asarray(cols["grad_compression"])
     periodic = is_periodic(gs)
-    dp = _i64(cols, "dp")
+    dp = _i64(cols, AX.DP)
     bad = (comp == "powersgd") & ((cols["zero"] != 0) | periodic | (gs == "reduce-scatter"))
-    n_in = inner_dp(dp, _i64(cols, "tp"), _i64(cols, "cp"), np.asarray(cols["sync_scope"]), c)
+    n_in = inner_dp(dp, _i64(cols, AX.TP), _i64(cols, AX.CP), np.asarray(cols["sync_scope"]), c)
     wrong = ((dp < 2) | (_i64(cols, "shard_group") != 0)
              | ((np.asarray(cols["sync_scope"]) == "dc") & (c.num_dcs < 2))
              | (dp % n_in != 0) | (dp // n_in < 2)
@@ -222,15 +223,15 @@ def _split_backward(cols: PlanColumns) -> np.ndarray:
 
 
 def _micro(w: Workload, cols: PlanColumns) -> np.ndarray:
-    return microbatches(w.global_batch, _i64(cols, "dp"), _i64(cols, "micro_batch"))
+    return microbatches(w.global_batch, _i64(cols, AX.DP), _i64(cols, "micro_batch"))
 
 
 def zero_bubble_dp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return _split_backward(cols) & (_i64(cols, "pp") > 1) & (_i64(cols, "dp") * _i64(cols, "cp") > 1)
+    return _split_backward(cols) & (_i64(cols, AX.PP) > 1) & (_i64(cols, AX.DP) * _i64(cols, AX.CP) > 1)
 
 
 def few_microbatches(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    pp = _i64(cols, "pp")
+    pp = _i64(cols, AX.PP)
     sched = _split_backward(cols) | (cols["schedule"] == _code("schedule", "interleaved-1f1b"))
     return (pp > 1) & sched & (_micro(w, cols) < pp)
 
@@ -240,7 +241,7 @@ def offload_optimizer_only(m: ModelSpec, c: ClusterSpec, w: Workload, cols: Plan
 
 
 def fp8_tp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return (cols["precision"] == _code("precision", "fp8")) & (_i64(cols, "tp") > 1)
+    return (cols["precision"] == _code("precision", "fp8")) & (_i64(cols, AX.TP) > 1)
 
 
 def allreduce_sharded(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
@@ -257,15 +258,15 @@ def fused_loss(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> 
 
 def p2p_sends(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     sharded, sp = np.asarray(cols["p2p_sharded"], dtype=bool), np.asarray(cols["sequence_parallel"], dtype=bool)
-    return (_i64(cols, "pp") > 1) & (_i64(cols, "tp") > 1) & (sharded != sp)
+    return (_i64(cols, AX.PP) > 1) & (_i64(cols, AX.TP) > 1) & (sharded != sp)
 
 
 def async_tp_eager(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return np.asarray(cols["async_tp"], dtype=bool) & (_i64(cols, "tp") > 1) & ~np.asarray(cols["compile"], dtype=bool)
+    return np.asarray(cols["async_tp"], dtype=bool) & (_i64(cols, AX.TP) > 1) & ~np.asarray(cols["compile"], dtype=bool)
 
 
 def kv_replicated(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    tp = _i64(cols, "tp")
+    tp = _i64(cols, AX.TP)
     bad = np.zeros(len(tp), dtype=bool)
     for _, kv in _caps(m, w).heads:
         bad |= (tp > 1) & (kv % tp != 0) & (tp % kv == 0)
@@ -277,11 +278,11 @@ def _is_traced(m: LayerGraph | ModelSpec, w: Workload) -> bool:
 
 
 def traced_cp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return (_i64(cols, "cp") > 1) & _is_traced(m, w)
+    return (_i64(cols, AX.CP) > 1) & _is_traced(m, w)
 
 
 def traced_ep(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return (_i64(cols, "ep") > 1) & _is_traced(m, w)
+    return (_i64(cols, AX.EP) > 1) & _is_traced(m, w)
 
 
 def traced_recompute(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
@@ -294,7 +295,7 @@ def traced_fp8(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> 
 
 
 def traced_sp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return (np.asarray(cols["sequence_parallel"], dtype=bool) & (_i64(cols, "tp") > 1)
+    return (np.asarray(cols["sequence_parallel"], dtype=bool) & (_i64(cols, AX.TP) > 1)
             & (not sequence_parallel_runs(as_graph(m, w.seq_len))))
 
 
@@ -307,7 +308,7 @@ def powersgd_fsdp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) 
 
 def periodic_ep(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     from meshplan.spec.sync import is_periodic
-    return is_periodic(np.asarray(cols["grad_sync"])) & (_i64(cols, "ep") > 1)
+    return is_periodic(np.asarray(cols["grad_sync"])) & (_i64(cols, AX.EP) > 1)
 
 
 TWINS: dict[Callable[..., str | None], Masker] = {

@@ -62,6 +62,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.search.columns import CATEGORIES, FIELDS, NONE_CODE, PlanColumns
 from meshplan.search.stages import balanced_stage_layers, split_layers
+from meshplan.spec.axes import AX
 from meshplan.spec.base import short_repr
 from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.cluster import ClusterSpec
@@ -74,7 +75,7 @@ from meshplan.spec.transformer import as_graph
 MAX_DEGREE = 2**31 - 1
 """Largest value of a parallel degree or micro-batch (plan columns are int32)."""
 
-SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "micro_batch", "virtual_stages",
+SEARCHED = (AX.TP, AX.PP, AX.DP, AX.CP, AX.EP, "zero", "shard_group", "micro_batch", "virtual_stages",
             "schedule", "recompute", "recompute_layers", "sequence_parallel", "offload_optimizer",
             "offload_params", "stage_layers")
 """Plan fields the search chooses; every other field comes from ``SearchSpace.base``."""
@@ -146,7 +147,7 @@ class SearchSpace:
     methods on."""
 
     def __post_init__(self) -> None:
-        check_space(self, "search space", ("tp", "pp", "cp", "ep", "micro_batch"))
+        check_space(self, "search space", (AX.TP, AX.PP, AX.CP, AX.EP, "micro_batch"))
         for r in self.recompute:
             if r not in RECOMPUTE:
                 raise MeshplanError(f"search space: unknown recompute {r!r}")
@@ -376,9 +377,9 @@ class _StageSplitter:
             from meshplan.cost.layer import table
             lay = layout(self.graph)
             b = self.base
-            combo = {"tp": tp, "cp": 1, "micro_batch": 1, "precision": b.precision, "recompute": "none",
+            combo = {AX.TP: tp, AX.CP: 1, "micro_batch": 1, "precision": b.precision, "recompute": "none",
                      "sequence_parallel": tp > 1 and b.sequence_parallel is not False, "compile": b.compile,
-                     "flash_attention": b.flash_attention, "ep": b.ep, "fused_loss": b.fused_loss}
+                     "flash_attention": b.flash_attention, AX.EP: b.ep, "fused_loss": b.fused_loss}
             q = table(list(lay.ops), [bool(x) for x in lay.is_block], [combo], self.work.seq_len,
                       self.cluster.gpu, self.params)[0]
             per_id = q[:, 0] + q[:, 1] + q[:, 2]  # f + bi + bw
@@ -528,8 +529,8 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
                                                 zip(*sopts))}
         n = len(ia)
         sp, sends = mesh_sequence_parallel(sp_on, tp, pp, bool(space.base.p2p_sharded))
-        part = {"tp": np.full(n, tp), "cp": np.full(n, cp), "pp": np.full(n, pp),
-                "dp": np.full(n, dp), "ep": np.full(n, ep),
+        part = {AX.TP: np.full(n, tp), AX.CP: np.full(n, cp), AX.PP: np.full(n, pp),
+                AX.DP: np.full(n, dp), AX.EP: np.full(n, ep),
                 "zero": z[ia, 0], "shard_group": z[ia, 1],
                 "offload_optimizer": z[ia, 2].astype(bool), "offload_params": z[ia, 3].astype(bool),
                 "micro_batch": np.asarray(mbs)[ib],
@@ -572,8 +573,8 @@ def most_gpus(model: ModelSpec, cluster: ClusterSpec, work: Workload,
             cps.append(c)
         c *= 2
     pp = caps.blocks if caps.pipeline is None else 1
-    deg = {"tp": max(tps, default=1), "cp": max(cps, default=1), "pp": max(1, pp), "dp": work.global_batch}
-    return deg["tp"] * deg["cp"] * deg["pp"] * deg["dp"], deg
+    deg = {AX.TP: max(tps, default=1), AX.CP: max(cps, default=1), AX.PP: max(1, pp), AX.DP: work.global_batch}
+    return deg[AX.TP] * deg[AX.CP] * deg[AX.PP] * deg[AX.DP], deg
 
 
 def no_mesh_error(model: LayerGraph | ModelSpec, cluster: ClusterSpec, space: SearchSpace,
@@ -608,7 +609,7 @@ def _codes(field_name: str, values: np.ndarray) -> np.ndarray:
 
 def _assemble(parts: list[dict[str, np.ndarray]], base: dict[str, object],
               table: list[tuple[int, ...]]) -> PlanColumns:
-    n = sum(len(p["tp"]) for p in parts)
+    n = sum(len(p[AX.TP]) for p in parts)
     cols: dict[str, np.ndarray] = {}
     for f in FIELDS:
         if f in base:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.errors import MeshplanError
+from meshplan.spec.axes import AX
 
 EXAMPLE = "buckets=4096x4cp1:32768x1cp4"
 _RE = re.compile(r"^\s*(\d[\d_]*)\s*x\s*(\d+)\s*(?:cp\s*(\d+))?\s*$", re.IGNORECASE)
@@ -60,7 +61,7 @@ def parse_bucket(text: str) -> Bucket:
                             hint=f"e.g. {EXAMPLE} (samples up to 4096 tokens in micro-batches of 4 on one rank, "
                                  "longer ones one per micro-batch over 4 context-parallel ranks)")
     n, b, c = int(m.group(1).replace("_", "")), int(m.group(2)), int(m.group(3) or 1)
-    for what, v in (("length limit", n), ("micro-batch", b), ("cp", c)):
+    for what, v in (("length limit", n), ("micro-batch", b), (AX.CP, c)):
         if v < 1:
             raise MeshplanError(f"plan: bucket {text!r}: its {what} must be >= 1", hint=f"e.g. {EXAMPLE}")
     return Bucket(n, b, c)

@@ -31,6 +31,7 @@ from meshplan.cost.compute import FLASH_KERNELS
 from meshplan.cost.params import DEFAULT_PARAMS
 from meshplan.cost.profile import DEFAULT_PROFILE, get_profile
 from meshplan.errors import MeshplanError
+from meshplan.spec.axes import AX
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 from meshplan.validate.frameworks import DEFAULT_RECOMPUTE, DEFAULT_ZERO, FRAMEWORK_LABEL
@@ -38,10 +39,10 @@ from meshplan.validate.rows import Row, Unsupported, bool_cell
 
 Assume = Callable[[str], None]
 
-ROW_AXES = ("tp", "pp", "dp", "cp")
+ROW_AXES = (AX.TP, AX.PP, AX.DP, AX.CP)
 """The mesh axes (spec.plan.AXES) in the order a published row, and the assumption lines, name
 them."""
-FREE_AXIS_ORDER = ("dp", "tp", "pp", "cp")
+FREE_AXIS_ORDER = (AX.DP, AX.TP, AX.PP, AX.CP)
 """Which unstated degree absorbs num_gpus, first choice first."""
 
 
@@ -271,7 +272,7 @@ def parallel_degrees(row: Row, assume: Assume) -> Degrees:
     """tp, pp, dp, cp, ep and num_gpus: one unstated degree absorbs num_gpus (dp first, then tp,
     pp, cp), the others are 1; a dp inconsistent with num_gpus is recomputed from it."""
     stated: dict[str, int] = {}
-    for ax in (*ROW_AXES, "ep"):
+    for ax in (*ROW_AXES, AX.EP):
         v = row.integer(ax)
         if v is not None:
             if v <= 0:
@@ -282,8 +283,8 @@ def parallel_degrees(row: Row, assume: Assume) -> Degrees:
         raise Unsupported(f"num_gpus={n} must be positive")
     missing = [ax for ax in ROW_AXES if ax not in stated]
     free = next((ax for ax in FREE_AXIS_ORDER if ax in missing), None) if n else None
-    deg = {ax: stated.get(ax, 1) for ax in (*ROW_AXES, "ep")}
-    ones = [ax for ax in missing + (["ep"] if "ep" not in stated else []) if ax != free]
+    deg = {ax: stated.get(ax, 1) for ax in (*ROW_AXES, AX.EP)}
+    ones = [ax for ax in missing + ([AX.EP] if AX.EP not in stated else []) if ax != free]
     if ones:
         assume(f"{', '.join(ones)} not stated: assumed 1")
     if free is not None:
@@ -294,9 +295,9 @@ def parallel_degrees(row: Row, assume: Assume) -> Degrees:
         deg[free] = n // rest
         others = "*".join(a for a in ROW_AXES if a != free)
         assume(f"{free} not stated: derived num_gpus/({others}) = {deg[free]}")
-    tp, pp, dp, cp, ep = (deg[a] for a in (*ROW_AXES, "ep"))
+    tp, pp, dp, cp, ep = (deg[a] for a in (*ROW_AXES, AX.EP))
     if n is None:
-        if "dp" not in stated:
+        if AX.DP not in stated:
             raise Unsupported("neither num_gpus nor dp is stated")
         n = tp * pp * dp * cp
         assume(f"num_gpus not stated: derived tp*pp*dp*cp = {n}")
