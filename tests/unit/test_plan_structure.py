@@ -205,6 +205,7 @@ def test_axis_object():
     seen = {tuple(dims.coords(r).values()) for r in range(dims.world_size)}
     assert len(seen) == dims.world_size
     assert dims.coords(1) == {AX.PP: 0, AX.DP: 0, AX.CP: 0, AX.TP: 1}  # tp innermost
+    assert all(dims.rank(*dims.coords(r).values()) == r for r in range(dims.world_size))
     assert ParallelDims.of(Plan(tp=2, pp=3)) == ParallelDims(tp=2, pp=3)
 
 

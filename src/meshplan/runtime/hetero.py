@@ -129,11 +129,6 @@ def shares_note(plan: Plan, global_batch: int, varied: bool = False) -> str | No
 
 
 # ---- pools -------------------------------------------------------------------------------------
-def _rank(plan: Plan, p: int, d: int, c: int, t: int) -> int:
-    """Global rank at mesh coordinate (pp, dp, cp, tp) (runtime/mesh.py: row-major, pp outermost)."""
-    return ((p * plan.dp + d) * plan.cp + c) * plan.tp + t
-
-
 def pool_ranks(plan: Plan) -> list[tuple[str, str, list[int]]]:
     """(pool, what it holds, its global ranks) in pool order; [] without pools. pool_pp: pool i holds
     the next pool_pp[i] pipeline stages (the first pool's first); pool_dp: the next pool_dp[i]
@@ -142,11 +137,12 @@ def pool_ranks(plan: Plan) -> list[tuple[str, str, list[int]]]:
         return []
     counts = plan.pool_pp or plan.pool_dp or (plan.pp,)
     axis = AX.DP if plan.pool_dp is not None else AX.PP
+    dims = plan.dims  # global rank of a mesh coordinate: ParallelDims.rank (runtime/mesh.py's layout)
     out = []
     start = 0
     for name, k in zip(plan.pools, counts):
         idx = range(start, start + k)
-        ranks = sorted(_rank(plan, p, d, c, t)
+        ranks = sorted(dims.rank(p, d, c, t)
                        for p in (idx if axis == AX.PP else range(plan.pp))
                        for d in (idx if axis == AX.DP else range(plan.dp))
                        for c in range(plan.cp) for t in range(plan.tp))

@@ -95,6 +95,10 @@ class ParallelDims:
         """The root mesh's shape: (pp, dp x cp, tp)."""
         return self.pp, self.dp_cp, self.tp
 
+    def rank(self, pp: int, dp: int, cp: int, tp: int) -> int:
+        """The global rank at a mesh coordinate (row-major over AXES: pp outermost, tp innermost)."""
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
     def coords(self, rank: int) -> dict[str, int]:
         """A global rank's coordinate on each mesh axis (AXES order; tp varies fastest)."""
         out: dict[str, int] = {}
