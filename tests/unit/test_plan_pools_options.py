@@ -144,3 +144,19 @@ def test_no_search_module_imports_the_driver():
                 names = [a.name for a in node.names]
                 assert node.module != "meshplan.search.driver", path.name
                 assert not (node.module == "meshplan.search" and "search" in names), path.name
+
+
+def test_pipelines_over_pools_are_searched_under_a_length_distribution():
+    """Under a length distribution the pools stage prices pipelines over pools too (cost.estimate:
+    each stage's step, padded as the runtime pads a pipeline), and ranks them with the rest."""
+    from meshplan.cost import estimate
+    from meshplan.spec.lengths import parse_lengths
+    c = cluster_from_dict({**POOLS, "pools": [dict(p, gpus_per_node=4) for p in POOLS["pools"]]})
+    w = Workload.of(32, parse_lengths("512:0.7,2048:0.3"))
+    g = load_model("gpt3-125m")
+    r = search(g, c, w)
+    e = r.best_by_kind["stages on pools"]
+    assert e is not None and e.plan.pool_pp is not None and len(e.plan.pools) == 2
+    assert e.step_time_s == pytest.approx(estimate(g, c, e.plan, w).step_time_s, rel=1e-12)
+    assert r.best_pooled is not None and r.best_pooled.step_time_s <= e.step_time_s
+    assert not any("not priced under a length distribution" in line for line in r.explanation)

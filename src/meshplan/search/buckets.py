@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.buckets import plan_batch, plan_report
+from meshplan.cost import estimate, estimate_batch
 from meshplan.cost.lengths import anchor_lengths
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
@@ -132,7 +132,7 @@ def pick_bases(result: SearchResult, params: CostParams, pool: list[Plan] | None
     d = result.work.lengths
     assert d is not None
     sorted_work = Workload.of(result.work.global_batch, d.with_packing("bucketed"))
-    steps = plan_batch(result.model, cluster, sorted_work, keep, params)["step_time_s"]
+    steps = estimate_batch(result.model, cluster, sorted_work, keep, params)["step_time_s"]
     order = np.argsort(steps, kind="stable")
     return [keep[int(i)] for i in order[:BASES]]
 
@@ -174,7 +174,7 @@ def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS, top: i
     fitting: list[int] = []
     r: dict[str, np.ndarray] = {}
     if cands:
-        r = plan_batch(result.model, cluster, work, cands, params)
+        r = estimate_batch(result.model, cluster, work, cands, params)
         ok = r["fits"] & np.isfinite(r["step_time_s"]) & np.asarray(r["host_fits"], dtype=bool)
         if result.headroom:
             ok &= ~np.asarray(r["at_risk"], dtype=bool)
@@ -183,7 +183,7 @@ def data_aware(result: SearchResult, params: CostParams = DEFAULT_PARAMS, top: i
                 continue
             plan = cands[int(i)]
             try:
-                report = plan_report(result.model, cluster, plan, work, params)
+                report = estimate(result.model, cluster, plan, work, params)
             except Exception:  # noqa: BLE001 - a sub-plan the cost model's checks refuse
                 continue
             fitting.append(int(i))

@@ -29,8 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost import estimate
-from meshplan.cost.buckets import plan_batch, plan_report
+from meshplan.cost import estimate, estimate_batch
 from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.uncertainty import risk_words
@@ -159,7 +158,7 @@ def evaluate_lengths(model: ModelSpec, cluster: ClusterSpec, work: Workload, col
     (its imbalance term counts towards ``dominant``)."""
     if cols.num_rows == 0:
         return empty_columns()
-    r = plan_batch(model, cluster, work, cols.plain(), params)
+    r = estimate_batch(model, cluster, work, cols.plain(), params)
     names = (*EXPOSED_TERMS, "imbalance")
     terms = np.stack([np.asarray(r[f"time.{k}"], dtype=float) for k in names])
     out = {k: np.asarray(r[k], dtype=float) for k in FLOAT_COLUMNS}
@@ -438,8 +437,7 @@ def _best_synchronous(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, p
 def _ranked(rank: int, scan: _Scan, row: int, model: ModelSpec, work: Workload,
             params: CostParams) -> RankedPlan:
     plan = scan.cols.plan(row)
-    # TODO(issue 25, F1): cost.estimate as the one front door for a workload of any lengths
-    report = (plan_report if work.varied else estimate)(model, scan.cluster, plan, work, params)
+    report = estimate(model, scan.cluster, plan, work, params)  # one length or the expected step (cost)
     usd = float(usd_per_million_tokens(plan.num_gpus, scan.cluster.price_per_hour,
                                        report.step_time_s, work.tokens))
     micro = microbatches(work.global_batch, plan.dp, plan.micro_batch)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.cost.pools import PooledEstimate, estimate_pooled
+from meshplan.cost import PooledEstimate, estimate
 from meshplan.errors import MeshplanError
 from meshplan.search.pareto import pareto_mask
 from meshplan.search.sizes import resized
@@ -55,6 +55,10 @@ KINDS = {"replicas on pools": "pool_dp", "stages on pools": "pool_pp"}
 """The kinds of plan over several pools, by the Plan field that places them."""
 SHORTLIST = 12
 """Replica / stage shapes tried per pool (the best distinct shapes of its own search)."""
+VARIED_STAGE_SHAPES = 4
+"""Under a length distribution, the stage shapes tried for pipelines over pools (the best few: a
+pipeline pads every micro-batch to the longest length, so it rarely wins there, and each of its
+prices is an expected step over the lengths)."""
 
 
 def fastest_first(cluster: PooledCluster) -> list[ClusterSpec]:
@@ -102,7 +106,7 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
         best = runnable[:1]
         for res_b in results[1:]:  # the pool's own search with its data-aware stage: its best may be a bucket plan
             best += [rp.plan for rp in res_b.plans if rp.export_only is None][:1]
-        ests = [estimate_pooled(graph, cluster, p.replace(pools=(name,)), work, params) for p in best]
+        ests = [estimate(graph, cluster, p.replace(pools=(name,)), work, params) for p in best]
         alone[name] = min(ests, key=lambda e: pooled_key(e, objective)) if ests else None
     shapes = _distinct(shapes)
     multi: list[PooledEstimate] = []
@@ -110,8 +114,10 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
     if pools is not None and [p.num_gpus for p in pools] != [p.num_gpus for p in cluster.pools]:
         on = (PooledCluster(name=cluster.name, pools=tuple(pools), inter_pool=cluster.inter_pool)
               if len(pools) >= 2 else None)
-    for shape in shapes if on is not None else ():
+    for i, shape in enumerate(shapes if on is not None else ()):
         for build in (_replicas_on_pools, _stages_on_pools):
+            if build is _stages_on_pools and work.varied and i >= VARIED_STAGE_SHAPES:
+                continue
             try:
                 e = build(graph, on, shape, work, params)
             except MeshplanError:
@@ -245,7 +251,7 @@ def _replicas(graph: LayerGraph, cluster: PooledCluster, pools: list[Any], shape
             one = base.replace(pools=(pool.name,), pool_dp=None, dp=n[i],
                                shard_group=base.shard_group if base.shard_group < n[i] * shape.cp else 0)
             w = Workload(global_batch=n[i] * m * mb, seq_len=work.seq_len, lengths=work.lengths)
-            ts.append(estimate_pooled(graph, cluster, one, w, params).step_time_s)
+            ts.append(estimate(graph, cluster, one, w, params).step_time_s)
         b = (ts[1] - ts[0]) / (hi - lo)
         lines.append((ts[0] - b * lo, b))
     split = _best_split(n, M, lines)
@@ -253,7 +259,7 @@ def _replicas(graph: LayerGraph, cluster: PooledCluster, pools: list[Any], shape
         return None
     g = math.gcd(*split)
     plan = base.replace(dp_shares=tuple(m // g for m in split))  # one share per pool (Plan.replica_shares)
-    return estimate_pooled(graph, cluster, plan, work, params)
+    return estimate(graph, cluster, plan, work, params)
 
 
 def _best_split(n: list[int], M: int, lines: list[tuple[float, float]]) -> list[int] | None:
@@ -284,9 +290,9 @@ def _best_split(n: list[int], M: int, lines: list[tuple[float, float]]) -> list[
 
 def _stages_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, work: Workload,
                      params: CostParams) -> PooledEstimate | None:
-    """Every pool gets as many stages of ``shape``'s dp x cp x tp as it holds; layers by speed."""
-    if work.varied:  # cost.pools does not price a pipeline over pools under a length distribution
-        return None
+    """Every pool gets as many stages of ``shape``'s dp x cp x tp as it holds; layers by speed. Under a
+    length distribution too: cost.pools prices each stage's step with the runtime's padding (a pipeline's
+    micro-batches are padded to the longest length)."""
     if shape.virtual_stages > 1 or shape.schedule in ("zbv", "interleaved-1f1b"):
         shape = shape.replace(virtual_stages=1, schedule="1f1b")
     g = shape.dp * shape.cp * shape.tp
@@ -302,7 +308,7 @@ def _stages_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, wor
                          pool_pp=tuple(k), stage_layers=None)
     # time per layer on each pool, from an even split
     even = _even(layers, pp)
-    e = estimate_pooled(graph, cluster, plan.replace(stage_layers=even), work, params)
+    e = estimate(graph, cluster, plan.replace(stage_layers=even), work, params)
     owner = [i for i, c in enumerate(k) for _ in range(c)]
     speed = []
     for i in range(len(pools)):
@@ -310,7 +316,7 @@ def _stages_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, wor
         speed.append(sum(1.0 / max(1e-12, e.parts[i].step_s / max(1, even[r])) for r in ranks) / len(ranks))
     want = [speed[o] for o in owner]
     split = _apportion(layers, want)
-    best = estimate_pooled(graph, cluster, plan.replace(stage_layers=tuple(split)), work, params)
+    best = estimate(graph, cluster, plan.replace(stage_layers=tuple(split)), work, params)
     for _ in range(layers):  # memory: move layers from the fullest pool's stages to the one with most room
         if best.fits and not best.at_risk:
             break
@@ -323,7 +329,7 @@ def _stages_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, wor
             break
         s[src] -= 1
         s[dst] += 1
-        best = estimate_pooled(graph, cluster, plan.replace(stage_layers=tuple(s)), work, params)
+        best = estimate(graph, cluster, plan.replace(stage_layers=tuple(s)), work, params)
     for _ in range(2 * pp):  # move a layer off the slowest stage while it helps (and fits)
         slow = max(range(len(best.parts)), key=lambda i: best.parts[i].step_s)
         fast = min(range(len(best.parts)), key=lambda i: best.parts[i].step_s)
@@ -336,7 +342,7 @@ def _stages_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, wor
             break
         s[src] -= 1
         s[dst] += 1
-        trial = estimate_pooled(graph, cluster, plan.replace(stage_layers=tuple(s)), work, params)
+        trial = estimate(graph, cluster, plan.replace(stage_layers=tuple(s)), work, params)
         if trial.step_time_s >= best.step_time_s or not trial.fits or (trial.at_risk and not best.at_risk):
             break
         best = trial
@@ -426,10 +432,7 @@ def explain(r: SearchResult) -> list[str]:
             for p in m.parts:
                 lines.append(f"    {p.name}: {p.role}, {_s(p.step_s)}")
     for kind, e in r.best_by_kind.items():
-        if e is None and kind == "stages on pools" and r.work.varied:
-            lines.append(f"  {kind}: not priced under a length distribution (the expected step over "
-                         "lengths is priced for pipelines on one GPU type)")
-        elif e is None:
+        if e is None:
             lines.append(f"  {kind}: none of the shapes tried fits with memory headroom")
         elif e is not best:
             slow = max(e.parts, key=lambda p: p.step_s)
