@@ -70,7 +70,7 @@ from meshplan.calibration.fit import (  # noqa: E402
 from meshplan.calibration.store import Calibration  # noqa: E402
 from meshplan.cost.batch import estimate_batch  # noqa: E402
 from meshplan.cost.report import CostReport  # noqa: E402
-from meshplan.cost.step import report_from_row  # noqa: E402
+from meshplan.cost.report import report_from_row  # noqa: E402
 from meshplan.cost.uncertainty import MIN_BAND_SCALE, Bands, memory_high, verdict, verdicts  # noqa: E402
 from meshplan.validate.report import default_runs_path  # noqa: E402
 from meshplan.validate.runs import load_runs  # noqa: E402

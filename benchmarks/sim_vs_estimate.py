@@ -27,7 +27,7 @@ from _evaluators import commit  # noqa: E402
 from meshplan.cases import case_params  # noqa: E402
 from meshplan.cost import check, estimate  # noqa: E402
 from meshplan.cost.durations import stage_totals  # noqa: E402
-from meshplan.sim import Pass, RankStep, SimSpec, VStage, simulate, simulate_plan  # noqa: E402
+from meshplan.sim import Pass, RankStep, SimSpec, VStage, run, simulate  # noqa: E402
 from meshplan.sim.build import spec_from_plan  # noqa: E402
 from meshplan.sim.schedules import rank_chunk  # noqa: E402
 from meshplan.spec.io import load_cluster, load_model, load_plan  # noqa: E402
@@ -59,7 +59,7 @@ def published() -> dict:
             continue
         t = time.perf_counter()
         # each run with its codebase's profile and cells, as `meshplan validate` prices it
-        _, s = simulate_plan(c.model, c.cluster, c.plan, c.work, case_params(c))
+        _, s = simulate(c.model, c.cluster, c.plan, c.work, case_params(c))
         rows.append({"row_id": c.row_id, "source": c.source_id, "plan": c.plan.short(),
                      "microbatches": s["microbatches"], "schedule": s["schedule"],
                      "simulated_s": s["step_time_s"], "analytic_s": s["analytic_step_time_s"],
@@ -101,7 +101,7 @@ def order_only_pipeline_s(spec: SimSpec) -> float:
                              Pass(vs.wgt.compute)))
     pure = SimSpec(pp=pp, v=spec.v, microbatches=spec.microbatches, schedule=spec.schedule, stages=stages,
                    ranks=[RankStep()] * pp)
-    return simulate(pure).step_time_s
+    return run(pure).step_time_s
 
 
 def synthetic() -> dict:
@@ -115,7 +115,7 @@ def synthetic() -> dict:
                 work = Workload(global_batch=plan.pp * k * plan.dp * plan.micro_batch, seq_len=seq)
                 check(model, cluster, plan, work)
                 spec, d = spec_from_plan(model, cluster, plan, work)
-                res = simulate(spec)
+                res = run(spec)
                 a = d.analytic
                 sim, ana = res.step_time_s, a["step_time_s"]
                 m, tmax = d.microbatches, max(stage_totals(d))

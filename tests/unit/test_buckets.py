@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshplan.cost.buckets import estimate_buckets, estimate_buckets_batch
-from meshplan.cost.lengths import estimate_lengths
+from meshplan.cost import estimate, estimate_batch
 from meshplan.errors import MeshplanError
 from meshplan.sim.buckets import simulate_buckets
 from meshplan.spec.buckets import Bucket, bucket_layout, describe, model_knee, parse_bucket
@@ -53,10 +52,10 @@ def test_bucket_plan_refuses_one_length_and_short_limits(problem):
     model, cluster, work = problem
     plan = parse_plan("tp=2,dp=16,cp=2,zero=1,buckets=8192x2cp1:32768x1cp2")
     with pytest.raises(MeshplanError, match="several lengths"):
-        estimate_buckets(model, cluster, plan, Workload(global_batch=256, seq_len=32768))
+        estimate(model, cluster, plan, Workload(global_batch=256, seq_len=32768))
     short = parse_plan("tp=2,dp=16,cp=2,zero=1,buckets=2048x2cp1:16384x1cp2")
     with pytest.raises(MeshplanError, match="raise it to 32768"):
-        estimate_buckets(model, cluster, short, work)
+        estimate(model, cluster, short, work)
 
 
 # ---- the layout ------------------------------------------------------------------------------
@@ -124,7 +123,7 @@ def test_estimate_matches_the_simulator(problem, text):
     about 11% here, so the simulated mean carries about 0.5% (one sd) of sampling noise."""
     model, cluster, work = problem
     plan = parse_plan(text)
-    est = estimate_buckets(model, cluster, plan, work)
+    est = estimate(model, cluster, plan, work)
     sim = simulate_buckets(model, cluster, plan, work, batches=400, seed=3)
     assert est.step_time_s == pytest.approx(sim.steps.mean(), rel=0.03)
     assert est.time["imbalance"] == pytest.approx(sim.steps.mean() - sim.even.mean(), rel=0.35, abs=0.05)
@@ -135,7 +134,7 @@ def test_terms_are_non_negative_and_add_up(problem):
     plans = [parse_plan(t) for t in ("tp=2,dp=8,cp=4,zero=1,buckets=8192x1cp1:32768x1cp4",
                                      "tp=4,dp=16,cp=1,buckets=2048x16cp1:32768x1cp1",
                                      "tp=2,dp=4,cp=8,zero=1,micro_batch=2,buckets=8192x1cp1:32768x2cp8")]
-    r = estimate_buckets_batch(model, cluster, work, plans)
+    r = estimate_batch(model, cluster, work, plans)
     for i in range(len(plans)):
         terms = {k: float(v[i]) for k, v in r.items() if k.startswith("time.")}
         assert all(v >= 0 for v in terms.values()), terms
@@ -148,11 +147,11 @@ def test_sync_is_exposed_and_memory_is_the_heaviest_bucket(problem):
     """A single-bucket plan that holds every sample over cp=4 is the one-shape plan's micro-batch
     memory; it pays the gradient sync the one-shape step hides under its last backward."""
     model, cluster, work = problem
-    one = estimate_lengths(model, cluster, parse_plan("tp=2,dp=8,cp=4,micro_batch=1"), work)
-    bucket = estimate_buckets(model, cluster, parse_plan("tp=2,dp=8,cp=4,buckets=32768x1cp4"), work)
+    one = estimate(model, cluster, parse_plan("tp=2,dp=8,cp=4,micro_batch=1"), work)
+    bucket = estimate(model, cluster, parse_plan("tp=2,dp=8,cp=4,buckets=32768x1cp4"), work)
     assert bucket.peak_memory_gib == pytest.approx(one.peak_memory_gib, rel=1e-9)
     assert bucket.time["dp_comm"] > one.time["dp_comm"]
-    big = estimate_buckets(model, cluster, parse_plan("tp=2,dp=8,cp=4,buckets=8192x4cp1:32768x1cp4"), work)
+    big = estimate(model, cluster, parse_plan("tp=2,dp=8,cp=4,buckets=8192x4cp1:32768x1cp4"), work)
     assert big.peak_memory_gib > bucket.peak_memory_gib  # 4 x 8192 tokens on one rank > 32768 / 4
 
 
@@ -277,8 +276,8 @@ def test_zero3_bucket_plan_says_it_is_priced_as_zero1(problem):
     estimate says so; the search writes such candidates as zero=1."""
     from meshplan.search.buckets import candidates
     model, cluster, work = problem
-    z3 = estimate_buckets(model, cluster, parse_plan("tp=2,dp=8,cp=4,zero=3,buckets=8192x1cp1:32768x1cp4"), work)
-    z1 = estimate_buckets(model, cluster, parse_plan("tp=2,dp=8,cp=4,zero=1,buckets=8192x1cp1:32768x1cp4"), work)
+    z3 = estimate(model, cluster, parse_plan("tp=2,dp=8,cp=4,zero=3,buckets=8192x1cp1:32768x1cp4"), work)
+    z1 = estimate(model, cluster, parse_plan("tp=2,dp=8,cp=4,zero=1,buckets=8192x1cp1:32768x1cp4"), work)
     assert z3.step_time_s == pytest.approx(z1.step_time_s) and z3.peak_memory_gib == pytest.approx(z1.peak_memory_gib)
     assert any("priced, in time and memory, as zero=1" in n for n in z3.notes) and not z1.notes
     assert all(c.zero == 1 for c in candidates(parse_plan("tp=2,dp=8,cp=4,zero=3"), work))

@@ -12,7 +12,7 @@ from meshplan.cost.batch import estimate_batch
 from meshplan.cost.durations import stage_durations, stage_totals
 from meshplan.search.bounds import states_lower_bound_gib
 from meshplan.search.columns import PlanColumns
-from meshplan.sim import simulate_plan
+from meshplan.sim import simulate
 from meshplan.spec.io import load_cluster, load_model, load_plan
 from meshplan.spec.plan import Plan, Workload
 
@@ -43,7 +43,7 @@ def test_zbv_output_layer_on_rank_0_llama3_8b():
         p = load_plan(plan)
         r = estimate(m, c, p, w, q)
         assert (round(r.memory_per_stage[0], 1), round(r.memory_per_stage[-1], 1)) == (first, last)
-        _, s = simulate_plan(m, c, p, w, q)
+        _, s = simulate(m, c, p, w, q)
         assert [x["peak_memory_gib"] for x in s["ranks"]] == pytest.approx(r.memory_per_stage, rel=1e-9)
         assert abs(s["sim_vs_analytic_pct"]) < 0.2
 
@@ -67,7 +67,7 @@ def test_estimate_agrees_with_the_simulation(model, cluster, plan, gb, seq):
     """Step time within 1.5% of the simulated step, memory per stage exactly the simulated peaks."""
     m, c, p, w = _m(model), _c(cluster), load_plan(plan), Workload(global_batch=gb, seq_len=seq)
     r = estimate(m, c, p, w)
-    _, s = simulate_plan(m, c, p, w)
+    _, s = simulate(m, c, p, w)
     assert abs(s["sim_vs_analytic_pct"]) < 1.5, s["sim_vs_analytic_pct"]
     assert [x["peak_memory_gib"] for x in s["ranks"]] == pytest.approx(r.memory_per_stage, rel=1e-9)
     assert sum(v for k, v in r.time.items() if not k.endswith("_overlapped")) == pytest.approx(r.step_time_s)

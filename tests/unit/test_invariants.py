@@ -25,7 +25,7 @@ from meshplan.cost.params import DEFAULT_PARAMS
 from meshplan.cost.profile import PROFILES
 from meshplan.cost.uncertainty import safe_peak_gib
 from meshplan.search.driver import search
-from meshplan.sim import simulate_plan
+from meshplan.sim import simulate
 from meshplan.spec.constraints import violations
 from meshplan.spec.io import load_cluster, load_model, load_plan, parse_cluster_shorthand, plan_document
 from meshplan.spec.plan import Plan, Workload, microbatches, parse_plan
@@ -188,7 +188,7 @@ def test_the_simulator_agrees_with_the_estimate(case, profile):
     assume(plan.pp <= 4 and 2 * plan.pp <= m <= 16 and not (plan.offload_params and plan.pp > 1))
     assume(not (plan.zero == 3 and plan.pp > 1 and plan.virtual_stages > 1 and m < 4 * plan.pp))
     params = PROFILES[profile].apply(DEFAULT_PARAMS)  # under every codebase's profile
-    _, summary = simulate_plan(model, cluster, plan, work, params)
+    _, summary = simulate(model, cluster, plan, work, params)
     est = estimate(model, cluster, plan, work, params).step_time_s
     assert summary["step_time_s"] == pytest.approx(est, rel=0.03), (profile, plan.short())
 

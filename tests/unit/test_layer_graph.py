@@ -13,7 +13,7 @@ from meshplan.cost.batch import estimate_batch
 from meshplan.errors import MeshplanError
 from meshplan.search.driver import search
 from meshplan.search.space import SearchSpace
-from meshplan.sim import simulate_plan
+from meshplan.sim import simulate
 from meshplan.spec.base import from_dict, to_dict
 from meshplan.spec.capabilities import PIPELINE_NOTE, capabilities
 from meshplan.spec.constraints import violations
@@ -150,7 +150,7 @@ def test_stages_balance_blocks_of_unequal_cost(h100x64):
 def test_the_simulator_runs_any_graph_as_the_estimate_prices_it(plan):
     g, c = cnn_like(), load_cluster("h100-sxm-80gb:8")
     work = Workload(global_batch=64, seq_len=1)
-    _, s = simulate_plan(g, c, plan, work)
+    _, s = simulate(g, c, plan, work)
     assert abs(s["sim_vs_analytic_pct"]) < 3.0, s["sim_vs_analytic_pct"]
 
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.cost import batch as B
+from meshplan.cost import estimate
 from meshplan.cost import lengths as LL
 from meshplan.cost.params import DEFAULT_PARAMS
 from meshplan.errors import MeshplanError
@@ -162,7 +163,7 @@ def test_one_length_equals_the_fixed_length_estimate(problem):
     fixed = B.estimate_batch(model, cluster, Workload(global_batch=256, seq_len=8192), plans)
     for packing in ("padded", "bucketed", "packed"):
         work = Workload.of(256, LengthDist((8192,), (1.0,), packing))
-        got = LL.estimate_lengths_batch(model, cluster, work, plans)
+        got = LL.expected_batch(model, cluster, work, plans)
         for k, v in fixed.items():
             assert np.array_equal(np.asarray(got[k]), np.asarray(v), equal_nan=True), k
         assert not got["imbalance_s"].any()
@@ -171,7 +172,7 @@ def test_one_length_equals_the_fixed_length_estimate(problem):
 def test_packed_has_no_imbalance(problem):
     model, cluster = problem
     work = Workload.of(256, parse_lengths(DIST, "packed"))
-    got = LL.estimate_lengths_batch(model, cluster, work, _plans())
+    got = LL.expected_batch(model, cluster, work, _plans())
     fixed = B.estimate_batch(model, cluster, Workload(global_batch=256, seq_len=32768), _plans())
     assert not got["imbalance_s"].any()
     assert np.array_equal(got["step_time_s"], fixed["step_time_s"])
@@ -182,7 +183,7 @@ def test_packed_has_no_imbalance(problem):
 def test_expected_at_least_even_load_and_memory_at_the_longest(problem, packing):
     model, cluster = problem
     work = Workload.of(256, parse_lengths(DIST, packing))
-    got = LL.estimate_lengths_batch(model, cluster, work, _plans(), VARIABLE)
+    got = LL.expected_batch(model, cluster, work, _plans(), VARIABLE)
     assert (got["step_time_s"] >= got["step_time_even_s"] - 1e-12).all()
     assert (got["imbalance_s"] > 0).all()
     terms = sum(got[f"time.{k}"] for k in B.TIME_KEYS if not k.endswith("_overlapped")) + got["time.imbalance"]
@@ -198,7 +199,7 @@ def test_expected_step_grows_with_the_tail(problem, packing):
     steps = []
     for tail in (0.01, 0.05, 0.1, 0.2, 0.4):
         d = parse_lengths(f"2048:{0.7 * (1 - tail)},8192:{0.3 * (1 - tail)},32768:{tail}", packing)
-        steps.append(LL.estimate_lengths_batch(model, cluster, Workload.of(256, d), _plans(), VARIABLE)["step_time_s"])
+        steps.append(LL.expected_batch(model, cluster, Workload.of(256, d), _plans(), VARIABLE)["step_time_s"])
     assert (np.diff(np.stack(steps), axis=0) > 0).all()
 
 
@@ -210,8 +211,8 @@ def test_a_pipeline_of_one_shape_is_priced_at_the_longest_length(problem, packin
     model, cluster = problem
     work = Workload.of(256, parse_lengths(DIST, packing))
     plans = _plans()
-    got = LL.estimate_lengths_batch(model, cluster, work, plans)
-    var = LL.estimate_lengths_batch(model, cluster, work, plans, VARIABLE)
+    got = LL.expected_batch(model, cluster, work, plans)
+    var = LL.expected_batch(model, cluster, work, plans, VARIABLE)
     longest = B.estimate_batch(model, cluster, Workload(global_batch=256, seq_len=32768), plans)
     piped = np.asarray([p.pp > 1 for p in plans])
     assert piped.any() and (~piped).any()
@@ -225,7 +226,7 @@ def test_a_pipeline_of_one_shape_is_priced_at_the_longest_length(problem, packin
 def test_bucketing_beats_padding_at_larger_micro_batches(problem):
     model, cluster = problem
     plan = [parse_plan("tp=2,pp=1,dp=32,zero=3,micro_batch=2,sequence_parallel=1,recompute=full")]
-    pad, buck = (LL.estimate_lengths_batch(model, cluster, Workload.of(256, parse_lengths(DIST, k)), plan)
+    pad, buck = (LL.expected_batch(model, cluster, Workload.of(256, parse_lengths(DIST, k)), plan)
                  for k in ("padded", "bucketed"))
     assert buck["step_time_s"][0] < pad["step_time_s"][0]
     assert buck["padding_fraction"][0] < pad["padding_fraction"][0]
@@ -238,9 +239,9 @@ def test_many_lengths_interpolated_close_to_exact(problem, monkeypatch):
     d = LengthDist(tuple(lengths), tuple(float(x) for x in np.full(len(lengths), 1 / len(lengths))), "bucketed")
     plans = _plans()[:2]
     work = Workload.of(256, d)
-    approx = LL.estimate_lengths_batch(model, cluster, work, plans)["step_time_s"]
+    approx = LL.expected_batch(model, cluster, work, plans)["step_time_s"]
     monkeypatch.setattr(LL, "EXACT_LENGTHS", 64)
-    exact = LL.estimate_lengths_batch(model, cluster, work, plans)["step_time_s"]
+    exact = LL.expected_batch(model, cluster, work, plans)["step_time_s"]
     assert np.allclose(approx, exact, rtol=0.01)
 
 
@@ -264,7 +265,7 @@ def test_search_ranks_by_the_expected_step(problem):
     best = r.plans[0].report
     assert "imbalance" in best.time and best.time["imbalance"] >= 0
     assert [p.report.step_time_s for p in r.plans] == sorted(p.report.step_time_s for p in r.plans)
-    again = LL.estimate_lengths(model, cluster, r.plans[0].plan, work)
+    again = estimate(model, cluster, r.plans[0].plan, work)
     assert again.step_time_s == pytest.approx(best.step_time_s)
 
 

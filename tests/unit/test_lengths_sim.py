@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from meshplan.cost import lengths as LL
-from meshplan.sim import simulate, simulate_plan
+from meshplan.sim import simulate
 from meshplan.sim.engine import Pass, RankStep, SimSpec, VStage
+from meshplan.sim.engine import run as run_step
 from meshplan.sim.varlen import form_microbatches, replica_spec, simulate_lengths
 from meshplan.spec.io import load_cluster, load_model
 from meshplan.spec.lengths import LengthDist, parse_lengths
@@ -32,7 +33,7 @@ def test_one_length_is_the_existing_simulator(problem, plan, packing):
     model, cluster = problem
     p = parse_plan(plan)
     work = Workload.of(256, LengthDist((8192,), (1.0,), packing))
-    want = simulate_plan(model, cluster, p, Workload(global_batch=256, seq_len=8192))[0].step_time_s
+    want = simulate(model, cluster, p, Workload(global_batch=256, seq_len=8192))[0].step_time_s
     res = simulate_lengths(model, cluster, p, work, batches=3)
     assert (res.steps == want).all()
 
@@ -41,8 +42,8 @@ def test_per_microbatch_stages_equal_to_the_stages_are_bit_identical():
     st = [VStage(Pass(1.0, 0.2, 0.1), Pass(2.0, 0.1, 0.3), Pass(0.5)) for _ in range(8)]
     base = SimSpec(pp=4, v=2, microbatches=8, schedule="interleaved-1f1b", stages=st,
                    ranks=[RankStep(0.0, 0.0, 0.4, 0.2, 0.1, 1e9) for _ in range(4)], send_s=0.05)
-    a = simulate(base)
-    b = simulate(SimSpec(**{**base.__dict__, "mb_stages": [st] * 8}))
+    a = run_step(base)
+    b = run_step(SimSpec(**{**base.__dict__, "mb_stages": [st] * 8}))
     assert a.step_time_s == b.step_time_s and a.events == b.events and a.memory == b.memory
 
 
@@ -59,7 +60,7 @@ def test_replica_of_mixed_lengths_runs_each_microbatch_at_its_length(problem):
     model, cluster = problem
     p = parse_plan("tp=8,pp=1,dp=8,zero=1,micro_batch=1,sequence_parallel=1")
     pieces = _Lengths(model, cluster, p, 64, LL.DEFAULT_PARAMS)
-    res = simulate(replica_spec(pieces, [2048, 8192, 2048, 32768, 2048, 2048, 2048, 2048]))
+    res = run_step(replica_spec(pieces, [2048, 8192, 2048, 32768, 2048, 2048, 2048, 2048]))
     busy = sum(e.end - e.start for e in res.events if e.stream == "compute" and e.name[0] in "FB")
     want = sum(pieces.get(x)[0].fwd_s[0] + pieces.get(x)[0].bwd_input_s[0] + pieces.get(x)[0].bwd_weight_s[0]
                for x in (2048, 8192, 2048, 32768, 2048, 2048, 2048, 2048))
@@ -75,7 +76,7 @@ def test_simulated_mean_agrees_with_the_cost_model(problem, packing, plan):
     p = parse_plan(plan)
     work = Workload.of(256, parse_lengths(DIST, packing))
     sim = simulate_lengths(model, cluster, p, work, batches=40, seed=1)
-    est = LL.estimate_lengths_batch(model, cluster, work, [p])
+    est = LL.expected_batch(model, cluster, work, [p])
     assert est["step_time_s"][0] == pytest.approx(sim.mean_s, rel=0.05)
     assert est["step_time_even_s"][0] == pytest.approx(sim.even.mean(), rel=0.05)  # 40 draws: ~3% sd
 
@@ -103,7 +104,7 @@ def _uniform(xs, pp, sched, f=1.0, b=1.5, w=0.5):
                 for _ in range(pp * v)]
     spec = SimSpec(pp=pp, v=v, microbatches=len(xs), schedule=sched, stages=st(1.0),
                    ranks=[RankStep() for _ in range(pp)], mb_stages=[st(x) for x in xs])
-    return simulate(spec).step_time_s
+    return run_step(spec).step_time_s
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8])

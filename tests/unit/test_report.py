@@ -13,7 +13,7 @@ from meshplan.cli.main import build_parser, main
 from meshplan.errors import MeshplanError
 from meshplan.report import Report, build_report, simulate_winner
 from meshplan.search.space import SearchSpace
-from meshplan.sim import simulate_plan
+from meshplan.sim import simulate
 from meshplan.sim.engine import Event
 from meshplan.sim.output import _column_max, _runs, gantt, sim_memory
 from meshplan.spec.graph import LayerGraph
@@ -180,7 +180,7 @@ def test_simulate_winner_reports_simulator_errors(monkeypatch):
 
     def refuse(*a, **k):
         raise MeshplanError("the simulator does not model schedule 'zbv' yet")
-    monkeypatch.setattr("meshplan.sim.simulate_plan", refuse)
+    monkeypatch.setattr("meshplan.sim.simulate", refuse)
     sim, summary, err = simulate_winner(rep.result)
     assert sim is None and summary is None and "zbv" in err
 
@@ -230,7 +230,7 @@ def test_gantt_merges_events_to_the_pixel():
 def test_gantt_of_a_pipeline_and_memory_columns():
     model, cluster = load_model("gpt3-1.3b"), load_cluster("a100-sxm-80gb:16")
     plan = load_plan("tp=1,pp=4,dp=4,zero=1,micro_batch=1")
-    res, _ = simulate_plan(model, cluster, plan, Workload(global_batch=64, seq_len=2048))
+    res, _ = simulate(model, cluster, plan, Workload(global_batch=64, seq_len=2048))
     g = gantt(res)
     assert all(f"r{r} compute" in g for r in range(4))
     assert g.count('data-mark="F"') == 4 and g.count('data-mark="B"') == 4
@@ -246,7 +246,7 @@ def test_a_large_timeline_stays_small():
     model, cluster = load_model("gpt3-175b"), load_cluster("a100-sxm-80gb:512")
     plan = load_plan("tp=2,pp=8,dp=32,zero=2,micro_batch=1,virtual_stages=6,schedule=interleaved-1f1b,"
                      "sequence_parallel=1")
-    res, _ = simulate_plan(model, cluster, plan, Workload(global_batch=1536, seq_len=2048))
+    res, _ = simulate(model, cluster, plan, Workload(global_batch=1536, seq_len=2048))
     assert len(res.events) > 10_000
     assert len(gantt(res)) < 400_000
 
@@ -367,13 +367,13 @@ def test_graph_report_has_every_section_and_the_graphs_timeline(graph_page):
 
 
 def test_graph_report_matches_its_search_and_simulation():
-    from meshplan.sim import simulate_plan
+    from meshplan.sim import simulate
     g, cluster = toy_graph(), load_cluster("h100-sxm-80gb:8")
     work = Workload(global_batch=32, seq_len=g.sample_tokens)
     rep = build_report(g, cluster, work, SearchSpace(pp=(2,)), top=2)
     best = rep.result.best
     assert rep.result.model is g and best.plan.pp == 2 and rep.sim_error is None
-    _, s = simulate_plan(g, best.cluster, best.plan, work)
+    _, s = simulate(g, best.cluster, best.plan, work)
     assert rep.sim_summary == s
     assert rep.html() == rep.html()  # deterministic
     sim, _, err = simulate_winner(rep.result, max_passes=1)

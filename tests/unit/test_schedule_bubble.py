@@ -17,7 +17,7 @@ from meshplan.cost.schedule import (
     zb_h1_uniform,
     zbv_uniform,
 )
-from meshplan.sim import Pass, RankStep, SimSpec, VStage, simulate
+from meshplan.sim import Pass, RankStep, SimSpec, VStage, run
 from meshplan.sim.schedules import rank_chunk
 
 
@@ -60,7 +60,7 @@ def test_zb_h1_uniform_is_exact_for_every_m_and_ratio():
     for _ in range(600):
         pp, f, b, w = rng.choice([2, 3, 4, 5, 6, 8]), rng.uniform(.1, 3), rng.uniform(.1, 3), rng.uniform(.1, 3)
         m = rng.randint(1, 3 * pp)
-        sim = simulate(_spec("zero-bubble", pp, m, [(f, b, w)] * pp)).step_time_s
+        sim = run(_spec("zero-bubble", pp, m, [(f, b, w)] * pp)).step_time_s
         assert sim - m * (f + b + w) == pytest.approx(float(zb_h1_uniform(pp, m, f, b, w)), rel=1e-9, abs=1e-9)
 
 
@@ -75,7 +75,7 @@ def test_zbv_uniform_is_exact(regime):
         if regime != "any":
             b = max(b, f, w)
         m = rng.randint(1, 3 * pp)
-        sim = simulate(_spec("zbv", pp, m, [(f, b, w)] * (2 * pp))).step_time_s
+        sim = run(_spec("zbv", pp, m, [(f, b, w)] * (2 * pp))).step_time_s
         form = float(zbv_uniform(pp, m, f, b, w))
         if regime != "any" or m <= pp or m >= 2 * pp - 1:
             assert sim - m * 2 * (f + b + w) == pytest.approx(form, rel=1e-9, abs=1e-9), (pp, m, f, b, w)
@@ -91,7 +91,7 @@ def test_zbv_m_term(f, b, w, pp):
     2 (pp - 1)(f + b) at m = 1, falling by 2 f per micro-batch to 2 (pp - 1) b at m = pp, then to
     (pp - 1) max(b, 2 (b - w)) at m = 2 pp - 1 and constant beyond."""
     for m in range(1, 2 * pp + 3):
-        sim = simulate(_spec("zbv", pp, m, [(f, b, w)] * (2 * pp))).step_time_s - m * 2 * (f + b + w)
+        sim = run(_spec("zbv", pp, m, [(f, b, w)] * (2 * pp))).step_time_s - m * 2 * (f + b + w)
         assert sim == pytest.approx(float(zbv_uniform(pp, m, f, b, w)), rel=1e-9)
         if m <= pp:
             assert sim == pytest.approx(2 * (pp - 1) * (f + b) - 2 * (m - 1) * f, rel=1e-9)
@@ -110,7 +110,7 @@ def test_zb_h1_heavy_last_stage_is_exact():
         f, b, w = 1.0, rng.uniform(1, 2.8), rng.uniform(0.3, 1.0)
         k = rng.uniform(0, 2)
         chunks = [(f, b, w)] * (pp - 1) + [(f + k, b + 1.2 * k, w + k)]
-        sim = simulate(_spec("zero-bubble", pp, m, chunks)).step_time_s
+        sim = run(_spec("zero-bubble", pp, m, chunks)).step_time_s
         assert _closed_form_step("zero-bubble", pp, m, chunks) == pytest.approx(sim, rel=1e-9), (pp, m, k)
 
 
@@ -125,7 +125,7 @@ def test_zbv_heavy_rank_0_within_1pct():
         f, b, w = 1.0, rng.uniform(1, 2.8), rng.uniform(0.3, 1.0)
         e, k = rng.uniform(0, .1), rng.uniform(0, 2)
         chunks = [(f + e, b + e, w + e)] + [(f, b, w)] * (2 * pp - 2) + [(f + k, b + 1.2 * k, w + k)]
-        sim = simulate(_spec("zbv", pp, m, chunks)).step_time_s
+        sim = run(_spec("zbv", pp, m, chunks)).step_time_s
         errs.append(abs(_closed_form_step("zbv", pp, m, chunks) / sim - 1))
     assert max(errs) < 0.01
     assert sum(e < 1e-9 for e in errs) > 0.8 * len(errs)
@@ -173,7 +173,7 @@ def test_random_realistic_pipelines(schedule, mean_max, worst_max):
         pp, m, chunks = _realistic(rng, schedule)
         if pp == 1:
             continue
-        sim = simulate(_spec(schedule, pp, m, chunks)).step_time_s
+        sim = run(_spec(schedule, pp, m, chunks)).step_time_s
         errs.append(abs(_closed_form_step(schedule, pp, m, chunks) / sim - 1))
     assert sum(errs) / len(errs) < mean_max
     assert max(errs) < worst_max
@@ -201,7 +201,7 @@ def test_in_flight_is_the_simulated_peak(schedule, pp):
     chunks, half a micro-batch each): ZB-H1 min(m, pp) on every rank; ZBV min(2m, m + r + 1, 2pp)/2."""
     v = 2 if schedule == "zbv" else 1
     for m in range(1, 2 * pp + 3):
-        res = simulate(_spec(schedule, pp, m, [(1.0, 1.3, 0.7)] * (pp * v)))
+        res = run(_spec(schedule, pp, m, [(1.0, 1.3, 0.7)] * (pp * v)))
         peaks = [max(x for _, x in series) for series in res.memory]
         expect = [v * float(in_flight_array(pp, v, np.asarray(schedule), r, m)) for r in range(pp)]
         assert peaks == expect, (pp, m)

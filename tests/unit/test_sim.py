@@ -9,7 +9,7 @@ import pytest
 
 from meshplan.cost import estimate
 from meshplan.cost.durations import stage_durations, stage_totals
-from meshplan.sim import Pass, RankStep, SimSpec, VStage, simulate, simulate_plan, trace_dict
+from meshplan.sim import Pass, RankStep, SimSpec, VStage, run, simulate, trace_dict
 from meshplan.validate.report import default_runs_path
 from meshplan.validate.runs import load_runs
 
@@ -26,7 +26,7 @@ def uniform(schedule: str, pp: int, m: int, v: int = 1, send: float = 0.0) -> Si
 @pytest.mark.parametrize("pp,m", [(1, 4), (2, 2), (4, 8), (8, 16), (4, 3)])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_uniform_closed_form(schedule, pp, m):
-    res = simulate(uniform(schedule, pp, m))
+    res = run(uniform(schedule, pp, m))
     assert res.step_time_s == pytest.approx(m * T + (pp - 1) * T, rel=1e-12)
     assert res.summary()["bubble_fraction"] == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-9)
 
@@ -34,34 +34,34 @@ def test_uniform_closed_form(schedule, pp, m):
 def test_sends_count_once_per_pass():
     # Blocking sends: each pass on a stage with a neighbour carries the send; the closed form
     # holds with T' = T + 2 send for the interior stages.
-    res = simulate(uniform("1f1b", 4, 8, send=0.1))
+    res = run(uniform("1f1b", 4, 8, send=0.1))
     assert (8 + 3) * T < res.step_time_s <= (8 + 3) * (T + 0.2) + 1e-9
 
 
 @pytest.mark.parametrize("v", [2, 4])
 def test_interleaved_divides_bubble_by_v(v):
     pp, m = 4, 8
-    res = simulate(uniform("interleaved-1f1b", pp, m, v))
+    res = run(uniform("interleaved-1f1b", pp, m, v))
     assert res.step_time_s == pytest.approx(m * T + (pp - 1) * T / v, rel=1e-9)
 
 
 def test_zero_bubble_fills_the_bubble():
     pp, m = 4, 8
-    zb = simulate(uniform("zero-bubble", pp, m)).step_time_s
-    one = simulate(uniform("1f1b", pp, m)).step_time_s
+    zb = run(uniform("zero-bubble", pp, m)).step_time_s
+    one = run(uniform("1f1b", pp, m)).step_time_s
     assert zb < one
     assert zb == pytest.approx(m * T + (pp - 1) * (F + (B - W) - W), rel=1e-9)  # ZB-H1 closed form
 
 
 def test_memory_rises_with_forwards_and_falls_with_backwards():
-    res = simulate(uniform("1f1b", 4, 8))
+    res = run(uniform("1f1b", 4, 8))
     peaks = [max(b for _, b in series) for series in res.memory]
     assert peaks == [4.0, 3.0, 2.0, 1.0]  # 1F1B: pp - rank micro-batches in flight
     assert all(series[-1][1] == 0.0 for series in res.memory)
 
 
 def test_trace_is_valid_chrome_json(tmp_path):
-    res = simulate(uniform("1f1b", 4, 4))
+    res = run(uniform("1f1b", 4, 4))
     path = tmp_path / "t.json"
     path.write_text(json.dumps(trace_dict(res)))
     doc = json.loads(path.read_text())
@@ -99,7 +99,7 @@ ROWS = ("1", "66", "77", "247", "5", "13", "14", "91", "1314")
 @pytest.mark.parametrize("rid", ROWS)
 def test_simulation_agrees_with_estimate(cases, rid):
     c = cases[rid]
-    _, s = simulate_plan(c.model, c.cluster, c.plan, c.work)
+    _, s = simulate(c.model, c.cluster, c.plan, c.work)
     assert abs(s["sim_vs_analytic_pct"]) < 3.0, s
 
 
@@ -122,7 +122,7 @@ def test_cli_json_trace_plot(tmp_path, capsys):
 @pytest.mark.parametrize("rid", ["66", "5", "14", "91"])
 def test_peak_memory_over_time_matches_the_cost_model(cases, rid):
     c = cases[rid]
-    _, s = simulate_plan(c.model, c.cluster, c.plan, c.work)
+    _, s = simulate(c.model, c.cluster, c.plan, c.work)
     est = estimate(c.model, c.cluster, c.plan, c.work)
     assert [r["peak_memory_gib"] for r in s["ranks"]] == pytest.approx(est.memory_per_stage, rel=1e-9)
 
@@ -133,7 +133,7 @@ def _interleaved_step():
     from meshplan.spec.io import load_cluster, load_model, load_plan
     from meshplan.spec.plan import Workload
     plan = load_plan("tp=2,pp=4,dp=2,micro_batch=1,schedule=interleaved-1f1b,virtual_stages=2")
-    return simulate_plan(load_model("llama3-8b"), load_cluster("h100-sxm-80gb:16"), plan,
+    return simulate(load_model("llama3-8b"), load_cluster("h100-sxm-80gb:16"), plan,
                          Workload(global_batch=32, seq_len=2048))[0]
 
 
@@ -195,5 +195,5 @@ def test_gantt_draws_a_ranks_later_chunks_lighter(step):
     for kind in ("F", "B"):
         assert f'data-mark="{kind}" fill="{COLORS[kind]}"' in g
         assert f'data-mark="{kind}" fill="{tint(COLORS[kind])}"' in g
-    one_chunk = simulate(uniform("1f1b", 2, 4))
+    one_chunk = run(uniform("1f1b", 2, 4))
     assert esc(LATER_CHUNK) not in gantt(one_chunk)

@@ -25,7 +25,7 @@ def test_simulate_plot_path_is_checked_before_any_work(capsys, monkeypatch, tmp_
     pytest.importorskip("matplotlib")
     import meshplan.sim as sim
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sim, "simulate_plan", lambda *a, **k: pytest.fail("simulated before checking --plot"))
+    monkeypatch.setattr(sim, "simulate", lambda *a, **k: pytest.fail("simulated before checking --plot"))
     rc, out, err = run(capsys, *SIM_70B, "--plot", path)
     one_line_error(rc, err, needle)
     assert not out
@@ -48,10 +48,10 @@ def test_gantt_is_one_artist_and_fast():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from meshplan.sim import simulate_plan, write_plot
+    from meshplan.sim import simulate, write_plot
     from meshplan.spec.io import load_model, load_plan
     from meshplan.spec.plan import Workload
-    res, _ = simulate_plan(load_model("llama3-70b"), load_cluster("h100-sxm-80gb:64"),
+    res, _ = simulate(load_model("llama3-70b"), load_cluster("h100-sxm-80gb:64"),
                            load_plan("tp=8,pp=4,dp=2,micro_batch=1,schedule=1f1b,sequence_parallel=1,zero=1"),
                            Workload(global_batch=512, seq_len=8192))
     assert len(res.events) > 5000

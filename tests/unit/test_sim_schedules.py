@@ -16,7 +16,7 @@ import pytest
 from meshplan.cost import estimate
 from meshplan.cost.durations import stage_durations
 from meshplan.cost.schedule import bubble_array, in_flight_array, rank_passes
-from meshplan.sim import Pass, RankStep, SimSpec, VStage, simulate, simulate_plan
+from meshplan.sim import Pass, RankStep, SimSpec, VStage, run, simulate
 from meshplan.sim.build import spec_from_plan
 from meshplan.sim.schedules import SIMULATED, rank_chunk, rank_orders, stage_of
 from meshplan.spec.io import load_cluster, load_model, load_plan
@@ -82,7 +82,7 @@ def test_v_placement():
 # ---- dependencies and V-shaped chunk order --------------------------------------------------------
 @pytest.mark.parametrize("pp,m", [(2, 3), (4, 4), (4, 8), (4, 13), (6, 24)])
 def test_zbv_respects_dependencies_and_runs_the_v(pp, m):
-    res = simulate(uniform("zbv", pp, m, 1.0, 1.3, 0.8, send=0.05))
+    res = run(uniform("zbv", pp, m, 1.0, 1.3, 0.8, send=0.05))
     t: dict[tuple[str, int, int], tuple[float, float, int]] = {}
     for e in res.events:
         if e.stream == "compute" and e.name[0] in "FBW":
@@ -106,7 +106,7 @@ def test_zbv_respects_dependencies_and_runs_the_v(pp, m):
 
 def test_zbv_sends_only_between_ranks():
     pp, m = 4, 8
-    res = simulate(uniform("zbv", pp, m, 1.0, 1.0, 1.0, send=0.01))
+    res = run(uniform("zbv", pp, m, 1.0, 1.0, 1.0, send=0.01))
     sends = defaultdict(int)
     for e in res.events:
         if e.stream == "pp":
@@ -131,7 +131,7 @@ def _cost_model_bubble(schedule: str, pp: int, f: float, b: float, w: float, m: 
 def test_zbv_bubble_matches_the_cost_model_with_equal_passes(pp, m, x):
     """F = B = W (the case ZB-V is designed for): the bubble is the start-up skew (pp-1) f,
     which is cost.schedule's ZBV closed form; m >= 2 pp - 1 (the warm-up's micro-batches)."""
-    res = simulate(uniform("zbv", pp, m, x, x, x))
+    res = run(uniform("zbv", pp, m, x, x, x))
     assert bubble(res, m, 6 * x) == pytest.approx(_cost_model_bubble("zbv", pp, x, x, x, m), rel=1e-9)
     assert bubble(res, m, 6 * x) == pytest.approx((pp - 1) * x, rel=1e-9)
 
@@ -143,7 +143,7 @@ def test_zbv_bubble_closed_form_of_torchs_order(f, b, w, pp, m):
     """torch's ZBV order is fixed (built for F = B = W). With f <= b and w <= b per chunk and
     m >= 2 pp - 1 its bubble on uniform stages is exactly (pp - 1) max(b, 2 (b - w)): the cost
     model's closed form (before: ZB-H1's halved, (pp - 1)(f + b - w), right only for f = b = w)."""
-    res = simulate(uniform("zbv", pp, m, f, b, w))
+    res = run(uniform("zbv", pp, m, f, b, w))
     assert bubble(res, m, 2 * (f + b + w)) == pytest.approx((pp - 1) * max(b, 2 * (b - w)), rel=1e-9)
     assert bubble(res, m, 2 * (f + b + w)) == pytest.approx(_cost_model_bubble("zbv", pp, f, b, w, m), rel=1e-9)
 
@@ -151,7 +151,7 @@ def test_zbv_bubble_closed_form_of_torchs_order(f, b, w, pp, m):
 @pytest.mark.parametrize("pp", [2, 4, 8])
 def test_zbv_needs_2pp_minus_1_microbatches_to_fill(pp):
     f, b, w = 1.0, 1.66, 0.55
-    bubbles = [bubble(simulate(uniform("zbv", pp, m, f, b, w)), m, 2 * (f + b + w)) for m in range(1, 2 * pp + 3)]
+    bubbles = [bubble(run(uniform("zbv", pp, m, f, b, w)), m, 2 * (f + b + w)) for m in range(1, 2 * pp + 3)]
     assert all(x > y + 1e-9 for x, y in zip(bubbles[:2 * pp - 2], bubbles[1:2 * pp - 1]))  # shrinks up to 2pp-1
     assert bubbles[2 * pp - 2:] == pytest.approx([(pp - 1) * 2 * (b - w)] * 4, rel=1e-9)
     assert bubbles == pytest.approx([_cost_model_bubble("zbv", pp, f, b, w, m) for m in range(1, 2 * pp + 3)],
@@ -163,7 +163,7 @@ def test_zbv_needs_2pp_minus_1_microbatches_to_fill(pp):
 @pytest.mark.parametrize("pp,m", [(2, 2), (4, 4), (4, 16), (8, 8), (8, 64)])
 def test_zero_bubble_matches_the_cost_model(f, b, w, pp, m):
     """ZB-H1 in torch's order: (pp - 1)(F + B - W) when W <= min(F, B) and m >= pp, cost.schedule's form."""
-    res = simulate(uniform("zero-bubble", pp, m, f, b, w))
+    res = run(uniform("zero-bubble", pp, m, f, b, w))
     assert bubble(res, m, f + b + w) == pytest.approx(_cost_model_bubble("zero-bubble", pp, f, b, w, m), rel=1e-9)
 
 
@@ -173,7 +173,7 @@ def test_zbv_memory_peaks_at_pp_microbatches_on_every_rank(pp, m):
     """Each chunk holds half a rank's activations per micro-batch (act_bytes 1 per chunk here):
     with m >= 2 pp - 1 every rank peaks at 2 pp chunks = pp micro-batches, the cost model's
     ZBV in-flight count; activations are freed by W and all gone at the end."""
-    res = simulate(uniform("zbv", pp, m, 1.0, 1.2, 0.9))
+    res = run(uniform("zbv", pp, m, 1.0, 1.2, 0.9))
     peaks = [max(b for _, b in series) for series in res.memory]
     expect = [2 * float(in_flight_array(pp, 2, np.asarray("zbv"), r, m)) for r in range(pp)]
     assert peaks == expect == [2.0 * pp] * pp
@@ -182,7 +182,7 @@ def test_zbv_memory_peaks_at_pp_microbatches_on_every_rank(pp, m):
 
 def test_zbv_memory_with_few_microbatches_is_the_cost_models():
     pp, m = 4, 4
-    res = simulate(uniform("zbv", pp, m, 1.0, 1.2, 0.9))
+    res = run(uniform("zbv", pp, m, 1.0, 1.2, 0.9))
     peaks = [max(b for _, b in series) for series in res.memory]
     assert peaks == [5.0, 6.0, 7.0, 8.0]  # rank r: min(2m, m + r + 1, 2pp) chunks (before: pp mbs everywhere)
     assert peaks == [2 * float(in_flight_array(pp, 2, np.asarray("zbv"), r, m)) for r in range(pp)]
@@ -192,7 +192,7 @@ def test_zero_bubble_memory_peaks_at_pp_microbatches_on_every_rank():
     """torch's ZB-H1 delays rank r's W by r steps: pp micro-batches whose W has not run on every
     rank, the cost model's count (before: 1F1B's pp - r)."""
     pp, m = 4, 12
-    res = simulate(uniform("zero-bubble", pp, m, 1.0, 1.2, 0.9))
+    res = run(uniform("zero-bubble", pp, m, 1.0, 1.2, 0.9))
     assert [max(b for _, b in series) for series in res.memory] == [4.0] * pp
     assert [float(in_flight_array(pp, 1, np.asarray("zero-bubble"), r, m)) for r in range(pp)] == [4.0] * pp
 
@@ -223,7 +223,7 @@ def test_zbv_plan_memory_and_output_layer_on_rank_0(mc, plan, gb):
     # simulation (durations list its static bytes at rank pp - 1, where sim.build takes them from)
     x = d.output_static_bytes
     assert d.static_bytes[pp - 1] - d.static_bytes[1] == pytest.approx(x, rel=1e-9)
-    _, s = simulate_plan(model, cluster, p, w)
+    _, s = simulate(model, cluster, p, w)
     est = estimate(model, cluster, p, w).memory_per_stage
     assert est[0] > max(est[1:])
     assert [r["peak_memory_gib"] for r in s["ranks"]] == pytest.approx(est, rel=1e-9)
@@ -235,7 +235,7 @@ def test_zbv_plan_durations_recombine(mc):
     model, cluster = mc
     p, w = load_plan("tp=4,pp=4,schedule=zbv,virtual_stages=2"), Workload(global_batch=16, seq_len=4096)
     d = stage_durations(model, cluster, p, w)
-    res, _ = simulate_plan(model, cluster, p, w)
+    res, _ = simulate(model, cluster, p, w)
     busy = sum(e.end - e.start for e in res.events if e.stream == "compute" and e.name[0] in "FBW")
     assert busy == pytest.approx(d.microbatches * sum(d.fwd_s[r] + d.bwd_input_s[r] + d.bwd_weight_s[r]
                                                       + d.recompute_s[r] for r in range(p.pp)), rel=1e-9)

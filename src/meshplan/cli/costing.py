@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,12 +71,12 @@ class Costing:
     calibration: Calibration | None
 
     def cluster(self, c: Any) -> Any:
-        from meshplan.spec.cluster import PooledCluster
-        if isinstance(c, PooledCluster):  # the commands that take pools route to cli.pools_cmd before this
-            raise MeshplanError(f"cluster {c.name} has several GPU pools ({', '.join(c.names)}), which this command "
-                                "does not take", hint="plan, estimate, simulate, report and train take pooled "
-                                                      "clusters; or give one pool's GPU type (e.g. GPU:COUNT)")
-        return self.calibration.apply_cluster(c) if self.calibration is not None else c
+        """``c`` with the calibration's efficiencies, on every pool of a cluster of several."""
+        if self.calibration is None:
+            return c
+        if len(c.pools) > 1:
+            return dataclasses.replace(c, pools=tuple(self.calibration.apply_cluster(p) for p in c.pools))
+        return self.calibration.apply_cluster(c)
 
     def lines(self) -> list[str]:
         out = []

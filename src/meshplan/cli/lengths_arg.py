@@ -141,7 +141,7 @@ def _check_file_lengths(args: argparse.Namespace, ftext: str, fpacking: str | No
 
 
 def summary_lines(s: dict[str, Any]) -> list[str]:
-    """The length terms of one plan (cost.lengths.lengths_summary) as text lines."""
+    """The length terms of one plan (cost.lengths_summary) as text lines."""
     from meshplan.cli.format import seconds
     step, even, imb = s["expected_step_s"], s["step_time_even_s"], s["imbalance_s"]
     share = f" ({100 * imb / step:.1f}% of the step)" if step > 0 else ""
@@ -167,21 +167,6 @@ def insert_lines(text: str, summary: dict[str, Any]) -> str:
     lines = text.split("\n")
     at = next((i + 1 for i, line in enumerate(lines) if line.startswith("workload")), len(lines))
     return "\n".join(lines[:at] + summary_lines(summary) + lines[at:])
-
-
-def no_pools(lengths: Any, plan: Any = None, simulate: bool = False) -> None:
-    """A length distribution is priced with replicas on pools and dp_shares (each pool's part by
-    cost.lengths), not with a pipeline over pools (pool_pp), and not simulated on pools."""
-    if lengths is None or len(lengths.lengths) == 1 or lengths.packing == "packed":
-        return
-    if plan is not None and plan.multi_pool and plan.pool_pp is not None:
-        raise MeshplanError(f"--seq-len {lengths.text()} ({lengths.packing}): a pipeline over GPU pools (pool_pp) "
-                            "is not priced under a length distribution",
-                            hint="place replicas on the pools (pool_dp), or give one length or --packing packed")
-    if simulate and (plan is None or plan.pools is not None or plan.dp_shares is not None):
-        raise MeshplanError(f"--seq-len {lengths.text()} ({lengths.packing}): the simulator draws length "
-                            "distributions on one GPU type with even shares",
-                            hint="simulate one pool's plan on that pool's cluster, or give one length")
 
 
 def dist_line(result: Any) -> str:
@@ -239,59 +224,12 @@ def data_aware_lines(info: dict[str, Any]) -> list[str]:
 
 def lengths_json(result: Any, params: Any) -> dict[str, Any]:
     """--json's "lengths": the distribution, and the winner's expected step, even-load step and
-    imbalance (cost.lengths.lengths_summary)."""
+    imbalance (cost.lengths_summary)."""
     d = result.work.lengths
     out: dict[str, Any] = {"lengths": d.text(), "packing": d.packing, "mean_length": d.mean_len,
                            "max_length": d.max_len}
     if result.plans:
-        from meshplan.cost.lengths import lengths_summary
+        from meshplan.cost import lengths_summary
         b = result.plans[0]
         out["best"] = lengths_summary(result.model, b.cluster, b.plan, result.work, params)
     return out
-
-
-def simulate_lengths_cmd(args: argparse.Namespace, model: Any, cluster: Any, plan: Any, work: Any, cost: Any) -> int:
-    """`meshplan simulate --seq-len DIST`: --batches sampled steps (sim.varlen) beside the cost
-    model's expected step; --trace / --plot draw the first batch's slowest replica."""
-    import json
-
-    from meshplan.cli.format import seconds, slow_step
-    from meshplan.cost.lengths import lengths_summary
-    from meshplan.sim import varied_timeline, write_plot, write_trace
-    from meshplan.sim.varlen import simulate_lengths
-    with slow_step(f"simulating {args.batches} sampled steps"):
-        res = simulate_lengths(model, cluster, plan, work, cost.params, batches=args.batches, seed=args.seed)
-    est = lengths_summary(model, cluster, plan, work, cost.params)
-    s = res.summary()
-    mean = s["mean_step_s"]
-    out: dict[str, Any] = {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
-                           "global_batch": work.global_batch, "seq_len": work.seq_len} | s | {
-        "analytic": est, "analytic_vs_sim_pct": 100 * (est["expected_step_s"] / mean - 1),
-        "example_replica_lengths": res.example_lengths} | cost.to_json()
-    if args.trace or args.plot:
-        ex, shows = varied_timeline(model, cluster, plan, work, cost.params, res.example, args.seed)
-        title = (f"{model.name} on {cluster.name}: {plan.short()}, {shows} ({work.lengths.text()}, "
-                 f"{work.lengths.packing})")
-        if args.trace:
-            write_trace(ex, args.trace)
-        if args.plot:
-            write_plot(ex, args.plot, title=title)
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
-    for line in cost.lines():
-        print(line)
-    print(f"simulated {res.batches} sampled steps (seed {res.seed}) of {work.global_batch} samples, lengths "
-          f"{res.lengths} ({res.packing}): mean {seconds(mean)}, p50 {seconds(s['p50_step_s'])}, p90 "
-          f"{seconds(s['p90_step_s'])} (min {seconds(s['min_step_s'])}, max {seconds(s['max_step_s'])})")
-    print(f"at even load (every micro-batch the step's mean) {seconds(s['mean_even_step_s'])}: "
-          f"{seconds(s['imbalance_s'])} lost to imbalance")
-    print(f"cost model: expected step {seconds(est['expected_step_s'])} ({out['analytic_vs_sim_pct']:+.2f}% vs the "
-          f"simulated mean), {seconds(est['step_time_even_s'])} at even load + {seconds(est['imbalance_s'])} "
-          "imbalance")
-    if res.per_length:
-        print("a step of one length: " + ", ".join(f"{k}: {seconds(v)}" for k, v in res.per_length.items()))
-    for label, path in (("trace", args.trace), ("plot", args.plot)):
-        if path:
-            print(f"{label} (the first batch's {'ranks' if plan.buckets else 'slowest replica'}): {path}")
-    return 0

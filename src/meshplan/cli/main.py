@@ -98,35 +98,32 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from meshplan.cli import pools_cmd
     from meshplan.cli.costing import costing
     from meshplan.cli.format import json_text
-    from meshplan.cli.lengths_arg import lengths_of, no_pools
+    from meshplan.cli.lengths_arg import lengths_of
     from meshplan.cli.model_arg import as_problem
     from meshplan.cli.planfile import resolve
-    from meshplan.cli.views import estimate_text
+    from meshplan.cli.views import estimate_text, pooled_estimate_text
     from meshplan.cost import estimate
     lengths = lengths_of(args)  # a --seq-len distribution (or the plan file's), before the file is resolved
-    if pools_cmd.is_pooled(getattr(args, "cluster", None), args):
-        no_pools(lengths)
-        return pools_cmd.run_estimate(args)
     cost = costing(args)
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
     model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths)
-    extra: dict = {}
-    if work.varied:  # the expected step over the length distribution (cost.lengths)
-        from meshplan.cost.lengths import estimate_lengths
-        no_pools(lengths, plan)
-        if plan.pools is not None or plan.dp_shares is not None:  # placement / uneven shares: cost.pools
-            from meshplan.cost.pools import single_type_report
-            report = single_type_report(model, cluster, plan, work, cost.params)
+    report = estimate(model, cluster, plan, work, cost.params)
+    if len(cluster.pools) > 1:  # every rank on its own pool's hardware: the pools' parts
+        d = work.lengths
+        dist = None if d is None else {"lengths": d.text(), "packing": d.packing, "mean_length": d.mean_len,
+                                       "max_length": d.max_len}
+        if args.json:
+            print(json_text(report.to_dict() | {"global_batch": work.global_batch, "seq_len": work.seq_len}
+                            | ({"lengths": dist} if dist else {}) | cost.to_json()))
         else:
-            report = estimate_lengths(model, cluster, plan, work, cost.params)
-    else:
-        report = estimate(model, cluster, plan, work, cost.params)
+            print(pooled_estimate_text(report, cluster, work))
+        return 0
+    extra: dict = {}
     if work.lengths is not None and plan.pools is None and plan.dp_shares is None:
-        from meshplan.cost.lengths import lengths_summary
+        from meshplan.cost import lengths_summary
         extra = {"lengths": lengths_summary(model, cluster, plan, work, cost.params)}
     if args.json:
         from meshplan.cli.views import runtime_status

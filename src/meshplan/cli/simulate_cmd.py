@@ -3,12 +3,13 @@
 Wire into meshplan.cli.main: ``simulate_cmd.add_parser(sub)`` in build_parser and
 ``"simulate": simulate_cmd.run`` in COMMANDS. Numpy only (matplotlib for a --plot other than .svg).
 ``--model`` takes every kind ``meshplan estimate`` does: a transformer (preset/ModelSpec) or a layer
-graph (``hf:``/``module:`` through ingestion, or a graph .json), both simulated by ``sim.simulate_plan``.
+graph (``hf:``/``module:`` through ingestion, or a graph .json), all simulated by ``sim.simulate`` (any cluster, plan and workload).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from meshplan.cli.args import positive_int
@@ -56,26 +57,29 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.sim.output import check_plot_path
     if args.plot:
         check_plot_path(args.plot)  # before any work: the format can be written (matplotlib if not .svg)
-    from meshplan.cli import pools_cmd
-    from meshplan.cli.lengths_arg import lengths_of, no_pools
+    from meshplan.cli.lengths_arg import lengths_of
     lengths = lengths_of(args)  # a --seq-len distribution (or the plan file's), before the file is resolved
-    if pools_cmd.is_pooled(getattr(args, "cluster", None), args):
-        return pools_cmd.run_simulate(args)  # under a length distribution: a plan on one pool only
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     from meshplan.cli.costing import costing
     from meshplan.cli.model_arg import as_problem
-    from meshplan.cost import check
-    from meshplan.sim import simulate_plan
+    from meshplan.sim import simulate
     cost = costing(args)
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
     model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths)
-    check(model, cluster, plan, work)
-    if work.varied:  # sampled batches of the distribution (sim.varlen)
-        from meshplan.cli.lengths_arg import simulate_lengths_cmd
-        no_pools(lengths, plan, simulate=True)
-        return simulate_lengths_cmd(args, model, cluster, plan, work, cost)
-    with slow_step("simulating the step"):
-        res, sim_summary = simulate_plan(model, cluster, plan, work, cost.params)
+    if len(cluster.pools) == 1:  # (a plan over pools is checked pool by pool)
+        from meshplan.cost import check
+        check(model, cluster, plan, work)
+    what = f"simulating {args.batches} sampled steps" if work.varied else "simulating the step"
+    with slow_step(what):
+        res, sim_summary = simulate(model, cluster, plan, work, cost.params, batches=args.batches, seed=args.seed)
+    if "pools" in sim_summary:  # every pool's ranks on its own hardware
+        return _pooled(args, model, cluster, plan, work, cost, res, sim_summary)
+    if "sampled" in sim_summary:  # sampled batches of the length distribution (sim.varlen)
+        if len(cluster.pools) > 1:
+            print(f"meshplan: note: the plan runs on pool {plan.pools[0]} alone: simulated on that pool",
+                  file=sys.stderr)
+            cluster, plan = cluster.pool(plan.pools[0]), plan.replace(pools=None)
+        return _sampled(args, model, cluster, plan, work, cost, res, sim_summary)
     if args.trace:
         with slow_step(f"writing the trace ({len(res.events):,} events)"):
             write_trace(res, args.trace)
@@ -110,6 +114,82 @@ def run(args: argparse.Namespace) -> int:
     for r in summary["ranks"]:
         print(f"{r['rank']:>4}  " + "  ".join(f"{seconds(r['busy_s'][s]):>13}" for s in STREAMS)
               + f"  {r['peak_memory_gib']:>9.1f}")
+    for label, path in (("trace", args.trace), ("plot", args.plot)):
+        if path:
+            print(f"{label}: {path}")
+    return 0
+
+
+def _sampled(args: argparse.Namespace, model: Any, cluster: Any, plan: Any, work: Any, cost: Any, ex: Any,
+             sim: dict[str, Any]) -> int:
+    """`meshplan simulate --seq-len DIST`: --batches sampled steps (sim.varlen) beside the cost
+    model's expected step; --trace / --plot draw the first batch's slowest replica (a bucket plan's
+    every rank)."""
+    from meshplan.cli.format import seconds
+    from meshplan.sim import write_plot, write_trace
+    s, est = sim["varlen"], sim["analytic"]
+    mean = s["mean_step_s"]
+    out: dict[str, Any] = {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
+                           "global_batch": work.global_batch, "seq_len": work.seq_len} | s | {
+        "analytic": est, "analytic_vs_sim_pct": 100 * (est["expected_step_s"] / mean - 1),
+        "example_replica_lengths": sim["example_replica_lengths"]} | cost.to_json()
+    if args.trace or args.plot:
+        title = (f"{model.name} on {cluster.name}: {plan.short()}, {sim['sampled']['timeline']} "
+                 f"({work.lengths.text()}, {work.lengths.packing})")
+        if args.trace:
+            write_trace(ex, args.trace)
+        if args.plot:
+            write_plot(ex, args.plot, title=title)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for line in cost.lines():
+        print(line)
+    print(f"simulated {s['batches']} sampled steps (seed {s['seed']}) of {work.global_batch} samples, lengths "
+          f"{s['lengths']} ({s['packing']}): mean {seconds(mean)}, p50 {seconds(s['p50_step_s'])}, p90 "
+          f"{seconds(s['p90_step_s'])} (min {seconds(s['min_step_s'])}, max {seconds(s['max_step_s'])})")
+    print(f"at even load (every micro-batch the step's mean) {seconds(s['mean_even_step_s'])}: "
+          f"{seconds(s['imbalance_s'])} lost to imbalance")
+    print(f"cost model: expected step {seconds(est['expected_step_s'])} ({out['analytic_vs_sim_pct']:+.2f}% vs the "
+          f"simulated mean), {seconds(est['step_time_even_s'])} at even load + {seconds(est['imbalance_s'])} "
+          "imbalance")
+    if s["step_at_length_s"]:
+        print("a step of one length: " + ", ".join(f"{k}: {seconds(v)}" for k, v in s["step_at_length_s"].items()))
+    for label, path in (("trace", args.trace), ("plot", args.plot)):
+        if path:
+            print(f"{label} (the first batch's {'ranks' if plan.buckets else 'slowest replica'}): {path}")
+    return 0
+
+
+def _pooled(args: argparse.Namespace, model: Any, pc: Any, plan: Any, work: Any, cost: Any, res: Any,
+            sim: dict[str, Any]) -> int:
+    """`meshplan simulate` of a plan over GPU pools (sim.pools): every pool's ranks on its own GPU."""
+    from meshplan.cli.format import json_text, seconds
+    from meshplan.sim import write_plot, write_trace
+    if args.trace:
+        write_trace(res, args.trace)
+    if args.plot:
+        write_plot(res, args.plot, title=f"{model.name} on {pc.name}: {plan.short()}")
+    summary = {"model": model.name, "cluster": pc.name, "plan": plan.short(), "global_batch": work.global_batch,
+               "seq_len": work.seq_len} | sim | cost.to_json()
+    if getattr(args, "json", False):
+        print(json_text(summary))
+        return 0
+    print(f"simulated step: {seconds(sim['step_time_s'])}   analytical estimate: "
+          f"{seconds(sim['analytic_step_time_s'])} ({summary['sim_vs_analytic_pct']:+.2f}%); across pools "
+          f"{seconds(sim['cross_pool_s'])}; time lost to imbalance {seconds(summary['imbalance_s'])} per step "
+          "(GPU-weighted)")
+    print(f"{'pool':<8} {'gpu':<16} {'ranks':<10} {'compute busy':>13} {'utilisation':>12} {'idle':>10}")
+    for p in summary["pools"]:
+        rk = f"{p['ranks'][0]}-{p['ranks'][-1]}" if len(p["ranks"]) > 1 else str(p["ranks"][0])
+        print(f"{p['pool']:<8} {p['gpu']:<16} {rk:<10} {seconds(p['busy_s']):>13} {100 * p['utilisation']:>11.0f}% "
+              f"{seconds(p['idle_s']):>10}")
+    print("(compute busy and utilisation: the pool's busiest rank's compute stream; idle: the rest of the step, "
+          "the pipeline's bubble included)")
+    for n in sim["notes"]:
+        print(f"note: {n}")
+    print("note: the pools' GPU types are emulated by per-rank durations from the cost model; `meshplan train` "
+          "on CPU runs every rank at the same speed")
     for label, path in (("trace", args.trace), ("plot", args.plot)):
         if path:
             print(f"{label}: {path}")

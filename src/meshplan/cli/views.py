@@ -1,6 +1,8 @@
 """Human-readable renderings of reports."""
 from __future__ import annotations
 
+from typing import Any
+
 from meshplan.cli.format import seconds, table
 from meshplan.cost.report import CostReport
 from meshplan.spec.cluster import ClusterSpec
@@ -261,3 +263,28 @@ def presets_text(data: dict[str, dict[str, dict[str, object]]]) -> str:
             align = "llrlllr"
         parts += ["  " + line for line in table(head, rows, align).splitlines()] + [""]
     return "\n".join(parts).rstrip()
+
+
+def pooled_estimate_text(e: Any, pc: Any, work: Workload | None = None) -> str:
+    """`meshplan estimate` of a plan on a cluster of several GPU pools (cost.pools.PooledEstimate)."""
+    from meshplan.units import human_seconds as hs
+    lines = [f"plan         {e.plan.short()}",
+             f"cluster      {pc.name}: {pc.describe()}",
+             f"step time    {hs(e.step_time_s)}   ({e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}% of "
+             f"the GPUs' own peaks, ${e.usd_per_m_tokens:.3f} per M tokens)",
+             f"fits         {'yes' if e.fits else 'NO'}"]
+    if work is not None:
+        lines.insert(2, f"workload     {workload_text(work)} = {work.tokens:,} tokens/step"
+                     + ("; each pool's part is its expected step over the distribution (cost.lengths)"
+                        if work.varied else ""))
+    for p in e.parts:
+        lines.append(f"pool {p.name:<8}{p.gpus} of {p.gpus_total} {p.gpu}: {p.role}")
+        share = f"busy {100 * p.busy_fraction:.0f}% of the step on average"
+        lines.append(f"{'':13}own part {hs(p.step_s)} ({share}), waits "
+                     f"{hs(p.idle_s)} for the slowest pool, memory {p.peak_memory_gib:.1f} of "
+                     f"{p.usable_memory_gib:.1f} GiB"
+                     + ("" if p.fits else "  DOES NOT FIT"))
+    lines.append(f"across pools {hs(e.cross_pool_s)} per step ({e.cross_pool_gb:.2f} GB per GPU over inter_pool)")
+    lines.append(f"imbalance    {hs(e.imbalance_s)} per step lost waiting for the slowest pool (GPU-weighted)")
+    lines += [f"note         {n}" for n in e.notes]
+    return "\n".join(lines)

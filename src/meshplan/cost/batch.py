@@ -59,8 +59,10 @@ from meshplan.cost.sync import (
 )
 from meshplan.cost.sync import groups as sync_groups
 from meshplan.cost.uncertainty import memory_high, step_band, verdicts
+from meshplan.errors import MeshplanError
 from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec
+from meshplan.spec.constraints import violations
 from meshplan.spec.graph import LayerGraph, derived, layer_ops
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload, microbatches
@@ -77,7 +79,7 @@ TIME_KEYS = ("compute", "recompute", "tp_comm", "tp_comm_overlapped", "cp_comm",
              "outer_sync_overlapped", "straggler", "overhead")
 MEMORY_KEYS = ("weights", "grads", "optimizer", "activations", "transient", "overhead")
 
-__all__ = ["BLOCK_KEY", "MEMORY_KEYS", "TIME_KEYS", "Assembly", "Layout", "assemble", "estimate_batch",
+__all__ = ["BLOCK_KEY", "MEMORY_KEYS", "TIME_KEYS", "Assembly", "Layout", "assemble", "check", "estimate_batch",
            "layout", "plans_to_columns"]
 
 
@@ -483,6 +485,14 @@ def _rank_passes(a: Assembly, p: CostParams) -> RankPasses:
         w1 = (wgt - a.bw_x) / 2 + out_w
         chunk1 = (f1, b1, w1)
     return rank_passes(fwd, bwd, wgt, a.valid, chunk1)
+
+
+def check(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload) -> None:
+    """Raise MeshplanError naming every reason the plan cannot run (memory aside): the kernel's
+    precondition (spec.constraints), checked by every stage that prices one plan."""
+    bad = violations(model, cluster, plan, work)
+    if bad:
+        raise MeshplanError("plan cannot run: " + "; ".join(reason for _, reason in bad))
 
 
 def estimate_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload,

@@ -29,15 +29,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
 from meshplan.cost import batch as _b
-from meshplan.cost.lengths import EXTRA_KEYS, anchor_lengths, graph_at, interpolation
+from meshplan.cost.lengths import (
+    EXTRA_KEYS,
+    anchor_lengths,
+    check_model,
+    expected_batch,
+    expected_report,
+    graph_at,
+    interpolation,
+)
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.cost.report import CostReport
+from meshplan.cost.report import CostReport, report_from_row
 from meshplan.cost.uncertainty import step_band
 from meshplan.errors import MeshplanError
 from meshplan.spec.buckets import Bucket, bucket_layout, check_workload, model_knee
@@ -54,8 +63,8 @@ WORK_DRAWS = 2048
 """Steps drawn for the expected work of a step (micro-batches formed only, not dealt)."""
 COST_SEED = 0xB0C4E7
 
-__all__ = ["COST_DRAWS", "DrawnLayouts", "as_run", "bucket_plan_problem", "estimate_buckets",
-           "estimate_buckets_batch", "sub_plan"]
+__all__ = ["COST_DRAWS", "DrawnLayouts", "as_run", "bucket_batch", "bucket_plan_problem", "bucket_report",
+           "plan_batch", "plan_report", "sub_plan"]
 
 
 def as_run(plan: Plan) -> Plan:
@@ -172,9 +181,9 @@ def _at_length(model: LayerGraph | ModelSpec, cluster: ClusterSpec, subs: list[P
     return est, tmax, np.maximum(hidden_end, 0.0)
 
 
-def estimate_buckets_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload,
-                           plans: Sequence[Plan], params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
-    """estimate_lengths_batch's keys for bucket plans (every plan must have buckets and fit the
+def bucket_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload,
+                 plans: Sequence[Plan], params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
+    """cost.lengths.expected_batch's keys for bucket plans (every plan must have buckets and fit the
     workload: ``bucket_plan_problem``)."""
     dist = work.lengths
     if dist is None or not work.varied:
@@ -288,12 +297,10 @@ def _tflop_per_sample(est: dict, row: int) -> float:
     return float(est["tflops_per_gpu"][row] * est["step_time_s"][row] * est["num_gpus"][row] / est["_samples"][row])
 
 
-def estimate_buckets(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
-                     params: CostParams = DEFAULT_PARAMS) -> CostReport:
-    """cost.estimate for a bucket plan (the plan checked as every plan is, its buckets against the
+def bucket_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                  params: CostParams = DEFAULT_PARAMS) -> CostReport:
+    """One bucket plan's estimate (the plan checked as every plan is, its buckets against the
     workload)."""
-    from meshplan.cost.lengths import check_model, report_from_lengths
-    from meshplan.cost.step import check
     why = bucket_plan_problem(plan, work)
     if why:
         raise MeshplanError(f"plan cannot run: {why}")
@@ -301,12 +308,36 @@ def estimate_buckets(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
     for b in plan.bucket_specs:  # each bucket's sub-plan must be a valid plan at the lengths it holds
         held = [n for n in work.lengths.lengths if n <= b.max_len] if work.lengths else []
         if held:
-            check(model, cluster, sub_plan(plan, b, b.micro_batch), Workload(
+            _b.check(model, cluster, sub_plan(plan, b, b.micro_batch), Workload(
                 global_batch=plan.dp * plan.cp // b.cp * b.micro_batch, seq_len=max(held)))
-    r = estimate_buckets_batch(model, cluster, work, [plan], params)
-    rep = report_from_lengths(model, cluster, r, 0, params)
+    r = bucket_batch(model, cluster, work, [plan], params)
+    rep = report_from_row(model, cluster, r, 0, params)
     if plan.zero >= 2:
         rep.notes.append(f"zero={plan.zero} with buckets: the runtime keeps the parameters gathered and the "
                          "gradients unsharded from the first micro-batch to the last (its units run different "
                          "numbers of micro-batches), so the plan is priced, in time and memory, as zero=1")
     return rep
+
+
+def plan_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                params: CostParams = DEFAULT_PARAMS) -> CostReport:
+    """A plan on one GPU type: its buckets' expected step if it has buckets, else cost.lengths'
+    (the expected step over a length distribution, or the one-length estimate)."""
+    if plan.buckets is not None:
+        return bucket_report(model, cluster, plan, work, params)
+    return expected_report(model, cluster, plan, work, params)
+
+
+def plan_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload,
+               plans: Sequence[Plan] | Mapping[str, Any], params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
+    """Many plans on one GPU type, vectorised: bucket plans (all of them, Plan objects) by
+    bucket_batch, else cost.lengths.expected_batch (plans or columns; one length or a distribution:
+    the one-length kernel's keys, and with a distribution EXTRA_KEYS and time.imbalance)."""
+    if not isinstance(plans, Mapping) and any(p.buckets is not None for p in plans):
+        if not all(p.buckets is not None for p in plans):
+            raise MeshplanError("a batch of plans mixes bucket plans and plans without buckets",
+                                hint="price the two kinds in separate batches")
+        return bucket_batch(model, cluster, work, plans, params)
+    if not work.varied:
+        return _b.estimate_batch(model, cluster, work, plans, params)
+    return expected_batch(model, cluster, work, plans, params)

@@ -65,10 +65,9 @@ An ingested (traced) layer graph has one traced length: a distribution over it i
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -76,12 +75,11 @@ import numpy as np
 
 from meshplan.cost import batch as _b
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.cost.report import CostReport
+from meshplan.cost.report import CostReport, report_from_row
 from meshplan.cost.uncertainty import step_band
 from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
-from meshplan.spec.lengths import LengthDist
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 from meshplan.spec.transformer import as_graph
@@ -102,9 +100,8 @@ MIXTURE_GRID = 1024
 EXTRA_KEYS = ("step_time_even_s", "imbalance_s", "padding_fraction", "padded_tokens")
 """Per-row results beyond estimate_batch's (time.imbalance too)."""
 
-__all__ = ["EXACT_LENGTHS", "MAX_COMPOSITIONS", "check_model", "emax_discrete", "emax_mixture",
-           "estimate_lengths", "estimate_lengths_batch", "graph_at", "lengths_summary",
-           "microbatch_probs", "order_stat_pmf", "replica_padded"]
+__all__ = ["EXACT_LENGTHS", "MAX_COMPOSITIONS", "check_model", "emax_discrete", "emax_mixture", "expected_batch",
+           "expected_report", "graph_at", "microbatch_probs", "order_stat_pmf", "replica_padded"]
 
 
 # ---- the model at one length -------------------------------------------------------------------
@@ -469,14 +466,27 @@ def _columns(plans: Sequence[Plan] | Mapping[str, Any]) -> dict[str, Any]:
     return {k: np.asarray(v) if k != "stage_layers" else v for k, v in cols.items()}
 
 
-def estimate_lengths_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload,
-                           plans: Sequence[Plan] | Mapping[str, Any],
-                           params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
-    """estimate_batch for a workload with a length distribution: the same keys (step_time_s the
-    expected step, tokens_per_s real tokens per second, time.* the even-load breakdown plus
-    time.imbalance, memory at the longest micro-batch) and EXTRA_KEYS. A workload without varied
-    lengths (one length, or packed) is estimate_batch's result with no imbalance."""
+Priced = Callable[[int], "tuple[_b.Assembly, dict[str, np.ndarray]]"]
+"""(assembly, its estimate_assembly result) of the plan rows at one sample length: how a stage
+above (cost.pools' pipeline over pools) has its own assembly priced per length."""
+
+
+def expected_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload,
+                   plans: Sequence[Plan] | Mapping[str, Any],
+                   params: CostParams = DEFAULT_PARAMS, *, priced: Priced | None = None) -> dict[str, np.ndarray]:
+    """cost.batch.estimate_batch for a workload with a length distribution: the same keys
+    (step_time_s the expected step, tokens_per_s real tokens per second, time.* the even-load
+    breakdown plus time.imbalance, memory at the longest micro-batch) and EXTRA_KEYS. A workload
+    without varied lengths (one length, or packed) is estimate_batch's result with no imbalance.
+    ``priced``: the rows' assembly and estimate at one length (default: cost.batch's on ``cluster``)."""
     cols = _columns(plans)
+    if not work.varied and priced is not None:
+        out = priced(work.seq_len)[1]
+        n = len(out["step_time_s"])
+        padded = float(work.global_batch * work.seq_len)
+        return out | {"time.imbalance": np.zeros(n), "step_time_even_s": out["step_time_s"].copy(),
+                      "imbalance_s": np.zeros(n), "padding_fraction": np.full(n, 1.0 - work.tokens / padded),
+                      "padded_tokens": np.full(n, padded)}
     if not work.varied:
         out = _b.estimate_batch(model, cluster, work, cols, params)
         n = len(out["step_time_s"])
@@ -485,17 +495,34 @@ def estimate_lengths_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, 
                       "imbalance_s": np.zeros(n), "padding_fraction": np.full(n, 1.0 - work.tokens / padded),
                       "padded_tokens": np.full(n, padded)}
     check_model(model, work)
+    if priced is not None:
+        return _estimate_group(model, cluster, work, cols, params, priced)
     return _b.by_pipeline_depth(cols, lambda c: _estimate_group(model, cluster, work, c, params))
 
 
+def expected_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                    params: CostParams = DEFAULT_PARAMS) -> CostReport:
+    """One plan (no buckets) on one GPU type: the expected step over a length distribution
+    (time carries 'imbalance'), or the one-length estimate; the plan checked (cost.batch.check)."""
+    _b.check(model, cluster, plan, work)
+    if not work.varied:
+        return report_from_row(model, cluster, _b.estimate_batch(model, cluster, work, [plan], params), 0, params)
+    check_model(model, work)
+    return report_from_row(model, cluster, expected_batch(model, cluster, work, [plan], params), 0, params)
+
+
 def _per_length(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
-                params: CostParams, length: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+                params: CostParams, length: int,
+                priced: Priced | None = None) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     """(estimate_batch's result at ``length``, and per row: t, one micro-batch on the critical rank;
     stall, what one micro-batch heavier than its neighbours adds to a pipeline's step; drain,
     sum T - max T, its passes on the other ranks)."""
-    w = Workload(global_batch=work.global_batch, seq_len=int(length))
-    a = _b.assemble(graph_at(model, length), cluster, w, cols, params)
-    est = _b.estimate_assembly(a, cluster, w, params)
+    if priced is not None:
+        a, est = priced(int(length))
+    else:
+        w = Workload(global_batch=work.global_batch, seq_len=int(length))
+        a = _b.assemble(graph_at(model, length), cluster, w, cols, params)
+        est = _b.estimate_assembly(a, cluster, w, params)
     tot = np.where(a.valid, a.totals, 0.0)
     tmax = a.totals.max(axis=1)
     blk = a.lay.is_block[None, :] * a.lay.total[None, :]
@@ -568,7 +595,7 @@ def stall_extra(stall: np.ndarray, bubble: np.ndarray, q: np.ndarray, m: int, wi
 
 
 def _estimate_group(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workload, cols: dict[str, Any],
-                    params: CostParams) -> dict[str, np.ndarray]:
+                    params: CostParams, priced: Priced | None = None) -> dict[str, np.ndarray]:
     dist = work.lengths
     assert dist is not None
     L, p = dist.arrays
@@ -576,7 +603,7 @@ def _estimate_group(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     W = interpolation(dist.lengths, anchors)  # (K, A)
     ests, ts, ss, ds = [], [], [], []
     for x in anchors:
-        e, t, s, dr = _per_length(model, cluster, work, cols, params, x)
+        e, t, s, dr = _per_length(model, cluster, work, cols, params, x, priced)
         ests.append(e)
         ts.append(t)
         ss.append(s)
@@ -654,52 +681,3 @@ def _estimate_group(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     out["padded_tokens"] = padded
     out["padding_fraction"] = 1.0 - G * dist.mean_len / padded
     return out
-
-
-def report_from_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, r: dict[str, np.ndarray], i: int,
-                        params: CostParams = DEFAULT_PARAMS) -> CostReport:
-    """Row ``i`` of estimate_lengths_batch as a CostReport: time carries 'imbalance'."""
-    from meshplan.cost.step import report_from_row
-    rep = report_from_row(model, cluster, r, i, params)
-    time = dict(rep.time) | {"imbalance": float(r["time.imbalance"][i])}
-    exposed = {k: v for k, v in time.items() if not k.endswith("_overlapped")}
-    return dataclasses.replace(rep, time=time, dominant=max(exposed, key=exposed.__getitem__))
-
-
-def estimate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
-                     params: CostParams = DEFAULT_PARAMS) -> CostReport:
-    """cost.estimate for a workload with a length distribution (the plan checked the same way)."""
-    if plan.buckets is not None:
-        from meshplan.cost.buckets import estimate_buckets
-        return estimate_buckets(model, cluster, plan, work, params)
-    from meshplan.cost.step import check
-    check(model, cluster, plan, work)
-    check_model(model, work)
-    r = estimate_lengths_batch(model, cluster, work, [plan], params)
-    return report_from_lengths(model, cluster, r, 0, params)
-
-
-def lengths_summary(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
-                    params: CostParams = DEFAULT_PARAMS) -> dict[str, Any]:
-    """The length terms of one plan (for --json and the text views): the distribution, the
-    expected step, the even-load step, the imbalance, padding; with buckets, what they are)."""
-    if plan.buckets is not None:
-        from meshplan.cost.buckets import estimate_buckets_batch
-        from meshplan.spec.buckets import describe
-        r = estimate_buckets_batch(model, cluster, work, [plan], params)
-        extra = {"buckets": describe(plan.bucket_specs)}
-    else:
-        r = estimate_lengths_batch(model, cluster, work, [plan], params)
-        extra = {}
-    d = work.lengths
-    return {"lengths": d.text() if d else str(work.seq_len), "packing": d.packing if d else "padded",
-            "mean_length": d.mean_len if d else float(work.seq_len), "max_length": work.seq_len,
-            "expected_step_s": float(r["step_time_s"][0]), "step_time_even_s": float(r["step_time_even_s"][0]),
-            "imbalance_s": float(r["imbalance_s"][0]), "padding_fraction": float(r["padding_fraction"][0]),
-            "real_tokens_per_step": int(work.tokens), "padded_tokens_per_step": float(r["padded_tokens"][0]),
-            "pp": plan.pp, "pipeline_one_shape": bool(plan.pp > 1 and not params.pipeline_variable_shapes
-                                       and (d is None or d.packing != "packed"))} | extra
-
-
-def dist_of(work: Workload) -> LengthDist | None:
-    return work.lengths

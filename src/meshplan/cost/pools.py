@@ -31,6 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from meshplan.cost import batch as _b
+from meshplan.cost.buckets import plan_report
+from meshplan.cost.lengths import expected_batch, graph_at
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport
 from meshplan.cost.uncertainty import verdicts
@@ -138,17 +141,6 @@ def nearest_batches(plan: Plan, global_batch: int) -> tuple[int | None, int | No
     return (lo if lo > 0 and lo != global_batch else None), hi
 
 
-def _priced(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
-            params: CostParams) -> CostReport:
-    """The estimate of a pool's (or one type's) part: the expected step over a length
-    distribution (cost.lengths), else the one-length estimate."""
-    if work.varied:
-        from meshplan.cost.lengths import estimate_lengths
-        return estimate_lengths(model, cluster, plan, work, params)
-    from meshplan.cost.step import estimate
-    return estimate(model, cluster, plan, work, params)
-
-
 def as_run(plan: Plan) -> tuple[Plan, list[str]]:
     """The plan as meshplan's runtime runs it: uneven dp_shares under zero=2/3 keep the parameters
     gathered for the step (the replicas make different numbers of collectives), i.e. zero=1."""
@@ -211,20 +203,25 @@ def _sub_plan(plan: Plan, dp: int) -> Plan:
     return plan.replace(dp=dp, dp_shares=None, pools=None, pool_dp=None, pool_pp=None, shard_group=sg)
 
 
-def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan,
-                    work: Workload, params: CostParams = DEFAULT_PARAMS) -> PooledEstimate:
-    """The step of ``plan`` on ``cluster`` with every rank on its own pool's hardware."""
-    if isinstance(cluster, PooledCluster):
+def plan_pools(cluster: ClusterSpec | PooledCluster, plan: Plan) -> list[ClusterSpec]:
+    """The pools ``plan`` runs on: those its ``pools`` names on a cluster of several pools (it must
+    name them), the one pool of a cluster of one (its ``pools``, if any, places it there)."""
+    if len(cluster.pools) > 1:
         if not plan.pools:
             raise MeshplanError(f"cluster {cluster.name} has pools ({', '.join(cluster.names)}): the plan must say "
                                 "which it uses", hint=f"add pools=NAME (one pool) or pools={':'.join(cluster.names)}"
                                                       ",pool_dp=... (replicas per pool)")
-        pools = [cluster.pool(n) for n in plan.pools]
-    else:
-        if plan.multi_pool:
-            raise MeshplanError(f"plan uses pools {':'.join(plan.pools or ())} but the cluster has one GPU type",
-                                hint="give a cluster file with [[pools]], or drop pools/pool_dp/pool_pp")
-        pools = [cluster]
+        return [cluster.pool(n) for n in plan.pools]
+    if plan.multi_pool:
+        raise MeshplanError(f"plan uses pools {':'.join(plan.pools or ())} but the cluster has one GPU type",
+                            hint="give a cluster file with [[pools]], or drop pools/pool_dp/pool_pp")
+    return [cluster.pools[0]]
+
+
+def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan,
+                    work: Workload, params: CostParams = DEFAULT_PARAMS) -> PooledEstimate:
+    """The step of ``plan`` on ``cluster`` with every rank on its own pool's hardware."""
+    pools = plan_pools(cluster, plan)
     if plan.pool_pp is not None and len(pools) > 1:
         return _estimate_pool_pp(model, cluster, pools, plan, work, params)  # type: ignore[arg-type]
     given = plan
@@ -236,7 +233,7 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
     for part in replica_parts(pools, plan, work):
         pool, n, mine = part.pool, part.replicas, part.samples
         gpus = n * shape
-        r = _priced(model, part.cluster, part.plan, part.work, params)
+        r = plan_report(model, part.cluster, part.plan, part.work, params)
         flops_per_sample = max(flops_per_sample, r.tflops_per_gpu * 1e12 * r.step_time_s * r.num_gpus
                                / part.work.global_batch)
         m_max, m_mean = max(mine) // plan.micro_batch, sum(mine) / n / plan.micro_batch
@@ -301,11 +298,11 @@ def _cross_pool_sync(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan
 
 def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
                       work: Workload, params: CostParams) -> PooledEstimate:
-    """Pipeline stages on several pools: see the module docstring."""
-    if work.varied:
-        raise MeshplanError("pool_pp: a pipeline over pools is not priced under a length distribution (the "
-                            "expected step over lengths is priced for pipelines on one GPU type)",
-                            hint="place replicas on the pools (pool_dp), or give one length or --packing packed")
+    """Pipeline stages on several pools: see the module docstring. Under a length distribution the
+    spliced pipeline is priced at every length and cost.lengths takes the expected step over them
+    (as for a pipeline on one GPU type: by default every micro-batch padded to the longest length,
+    CostParams.pipeline_variable_shapes); each pool's busy time and memory are those of its ranks
+    at the longest length."""
     assert plan.pool_pp is not None
     per_stage = plan.dp * plan.cp * plan.tp
     owner: list[int] = []
@@ -320,13 +317,24 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
     if plan.virtual_stages > 1 or plan.schedule == "zbv":
         raise MeshplanError("pool_pp: pipelines over pools take one stage per rank (virtual_stages=1, not zbv)",
                             hint="drop virtual_stages / schedule=zbv, or place replicas with pool_dp")
-    res, rank = estimate_pool_pipeline(model, big, owner, cluster.inter_pool, work, sub, params)
+    _, res, rank = _pool_pipeline(model, big, owner, cluster.inter_pool, work, sub, params)
     step = float(res["step_time_s"][0])
+    model_flops = float(res["model_flops"][0])
+    scale = 1.0
+    if work.varied:  # the expected step over the distribution, each length's pipeline spliced the same way
+        def priced(length: int) -> tuple[_b.Assembly, dict[str, np.ndarray]]:
+            w = Workload(global_batch=work.global_batch, seq_len=length)
+            a, r, _ = _pool_pipeline(model, big, owner, cluster.inter_pool, w, sub, params, graph_at(model, length))
+            return a, r
+        r = expected_batch(model, big[0], work, [sub], params, priced=priced)
+        scale = float(r["step_time_s"][0]) / step  # busy time at the longest length, scaled to the expected step
+        step = float(r["step_time_s"][0])
+        model_flops = float(r["tflops_per_gpu"][0]) * 1e12 * step * float(r["num_gpus"][0])  # the real samples
     parts = []
     layers = plan.stage_layers
     for i, pool in enumerate(pools):
         ranks = [r for r, o in enumerate(owner) if o == i]
-        busy = max(rank["busy_s"][r] for r in ranks)
+        busy = max(rank["busy_s"][r] for r in ranks) * scale
         mem = max(rank["memory_gib"][r] for r in ranks)
         span = f"stage {ranks[0]}" if len(ranks) == 1 else f"stages {ranks[0]}-{ranks[-1]}"
         nl = f" ({sum(layers[r] for r in ranks)} layers)" if layers else ""
@@ -339,7 +347,7 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
     slowest = max(p.step_s for p in parts)
     for p in parts:
         p.idle_s = slowest - p.step_s
-    est = _finish(plan, work, pools, parts, step, float(res["model_flops"][0]), float(rank["cross_send_s"]),
+    est = _finish(plan, work, pools, parts, step, model_flops, float(rank["cross_send_s"]),
                   float(rank["cross_send_gb"]))
     est.notes.append("pipeline over pools: each stage is timed on its own pool's GPU; the send between the "
                      "pools' boundary stages crosses inter_pool")
@@ -367,20 +375,19 @@ PER_RANK = ("fwd", "b_in", "b_w", "fwd_x", "bin_x", "bw_x", "tp_f", "tp_b", "tp_
 """Assembly fields of shape (rows, ranks) that depend on the hardware: taken per rank's pool."""
 
 
-def estimate_pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], owner: list[int],
-                           link: Any, work: Workload, plan: Plan,
-                           params: CostParams) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], owner: list[int],
+                   link: Any, work: Workload, plan: Plan, params: CostParams,
+                   graph: LayerGraph | None = None) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
     """cost.batch's estimate of a pipeline whose rank r runs on clusters[owner[r]]: the plan is
     assembled once per pool, each rank's per-micro-batch terms and end-of-step work are taken
     from its own pool's assembly, and the sends between two pools' boundary stages are priced
-    on ``link`` (inter_pool). Returns (the estimate_batch row, per-rank facts)."""
+    on ``link`` (inter_pool). Returns (the spliced assembly, the estimate_batch row, per-rank facts)."""
     import dataclasses
 
-    from meshplan.cost import batch as _b
     from meshplan.cost.parts import optimizer_seconds, plans_to_columns
     from meshplan.spec.transformer import as_graph
     p = params
-    graph = as_graph(model, work.seq_len)
+    graph = as_graph(model, work.seq_len) if graph is None else graph
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in plans_to_columns([plan]).items()}
     asm = [_b.assemble(graph, c, work, cols, p) for c in clusters]
     width = asm[0].valid.shape[1]
@@ -420,12 +427,12 @@ def estimate_pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[Cluster
             # gradients backward on the other), seconds beyond its own network's and GB per GPU
             "cross_send_s": extra * micro if n_cross else 0.0,
             "cross_send_gb": nbytes * micro / 1e9 if n_cross else 0.0}
-    return res, rank
+    return a, res, rank
 
 
-def single_type_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+def shares_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
                        params: CostParams = DEFAULT_PARAMS) -> CostReport:
-    """cost.step.estimate of a plan with dp_shares or pools on a cluster of one GPU type: a plan
+    """The estimate of a plan with dp_shares or pools on a cluster of one GPU type: a plan
     over several pools needs a pooled cluster; pools naming one pool is placement only; uneven
     shares are priced at the replica with the most micro-batches (the others wait for it),
     with throughput and MFU counted on the whole global batch."""
@@ -439,12 +446,12 @@ def single_type_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan
         raise MeshplanError("plan: pools names no pool")
     plain = plan.replace(pools=None, pool_dp=None, pool_pp=None, dp_shares=None)
     if plan.dp_shares is None or len(set(plan.replica_shares)) == 1:
-        return _priced(model, cluster, plain, work, params)
+        return plan_report(model, cluster, plain, work, params)
     ran, run_notes = as_run(plan)
     plain = plain.replace(zero=ran.zero)
     samples = replica_samples(plan, work.global_batch)
     sub = Workload(global_batch=max(samples) * plan.dp, seq_len=work.seq_len, lengths=work.lengths)
-    r = _priced(model, cluster, plain, sub, params)
+    r = plan_report(model, cluster, plain, sub, params)
     k = work.global_batch / sub.global_batch
     waits = (max(samples) - min(samples)) // plan.micro_batch
     note = (f"uneven dp_shares: the replica with the most micro-batches ({max(samples) // plan.micro_batch}) sets "
@@ -467,7 +474,6 @@ def _cross_send(a: Any, plan: Plan, link: Any, p: CostParams) -> tuple[float, fl
 def pool_pipeline_cross(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
                         params: CostParams, send_s: float) -> float:
     """Extra exposed seconds of one send between two pools' boundary stages (for the simulator)."""
-    from meshplan.cost import batch as _b
     from meshplan.cost.parts import plans_to_columns
     from meshplan.spec.transformer import as_graph
     first = cluster.pool(plan.pools[0]) if plan.pools else cluster.pools[0]

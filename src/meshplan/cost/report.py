@@ -1,8 +1,15 @@
-"""CostReport: what `estimate` returns."""
+"""CostReport: what `estimate` returns for a plan on one GPU pool, and the row of a
+cost.batch result it is made from."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
+
+from meshplan.cost.batch import MEMORY_KEYS, TIME_KEYS
+from meshplan.cost.memory import usable_gib
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,3 +83,31 @@ class CostReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"verdict": self.verdict}
+
+
+def report_from_row(model: Any, cluster: Any, r: dict[str, np.ndarray], i: int,
+                    params: CostParams = DEFAULT_PARAMS) -> CostReport:
+    """Row ``i`` of a cost.batch (or cost.lengths / cost.buckets) result as a CostReport; a result
+    that carries ``time.imbalance`` (a length distribution's) keeps it in ``time``."""
+    time = {k: float(r[f"time.{k}"][i]) for k in TIME_KEYS}
+    if "time.imbalance" in r:
+        time["imbalance"] = float(r["time.imbalance"][i])
+    exposed = {k: v for k, v in time.items() if not k.endswith("_overlapped")}
+    memory = {k: float(r[f"memory.{k}"][i]) for k in MEMORY_KEYS}
+    memory["total"] = sum(memory.values())
+    stages = r["stage_memory_gib"][i]
+    return CostReport(
+        step_time_s=float(r["step_time_s"][i]), tokens_per_s=float(r["tokens_per_s"][i]),
+        tflops_per_gpu=float(r["tflops_per_gpu"][i]), mfu=float(r["mfu"][i]), hfu=float(r["hfu"][i]),
+        peak_memory_gib=float(r["peak_memory_gib"][i]), fits=bool(r["fits"][i]), at_risk=bool(r["at_risk"][i]),
+        oom_probability=float(r["oom_probability"][i]), step_time_s_low=float(r["step_time_s_low"][i]),
+        step_time_s_high=float(r["step_time_s_high"][i]), peak_memory_gib_high=float(r["peak_memory_gib_high"][i]),
+        host_memory_gib=float(r["host_memory_gib"][i]), host_fits=bool(r["host_fits"][i]),
+        usable_memory_gib=usable_gib(cluster, params),
+        params=model.num_params(), num_gpus=int(r["num_gpus"][i]),
+        microbatches=int(r["microbatches"][i]), memory=memory,
+        memory_per_stage=[float(x) for x in stages[~np.isnan(stages)]], time=time,
+        dominant=max(exposed, key=exposed.__getitem__), token_factor=float(r["token_factor"][i]),
+        time_to_target_s=float(r["time_to_target_s"][i]), cross_site_gb=float(r["cross_site_gb"][i]),
+        outer_sync_s=float(r["outer_sync_s"][i]), outer_workers=int(r["outer_workers"][i]),
+        straggler_sync_s=float(r["straggler_sync_s"][i]))

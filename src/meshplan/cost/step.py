@@ -1,64 +1,87 @@
-"""estimate(model, cluster, plan, workload) -> CostReport. A pure function.
+"""The cost model's front door: estimate(model, cluster, plan, workload) for any cluster (one GPU
+pool or several), any workload (one length, or a length distribution: padded, bucketed, packed)
+and any plan (pools / pool_dp / pool_pp / dp_shares, buckets). A pure function.
 
-The arithmetic lives in batch.estimate_batch (one implementation for one plan or 10^5);
-this module checks the plan and turns the single row into a CostReport.
+It dispatches once, downward, through the layers of cost/ (each imports only those below it):
+
+- cost.batch: the vectorised kernel, one length on one GPU type (one implementation for one plan
+  or 10^5); ``estimate_batch`` there, ``check`` the plan's constraints;
+- cost.lengths: a length distribution over the kernel (the expected step, its imbalance);
+- cost.buckets: bucket plans over lengths, and ``plan_report`` / ``plan_batch``: a plan on one GPU
+  type, its buckets if it has them, else cost.lengths;
+- cost.pools: placement, a plan over pools (pool_dp, pool_pp) or with uneven dp_shares, each
+  pool's part priced by the layers below;
+- here: which of those a (cluster, plan) needs.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import numpy as np
 
-from meshplan.cost.batch import MEMORY_KEYS, TIME_KEYS, estimate_batch
-from meshplan.cost.memory import usable_gib
+from meshplan.cost.batch import check
+from meshplan.cost.buckets import plan_batch, plan_report
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.cost.report import CostReport
+from meshplan.cost.pools import PooledEstimate, estimate_pooled, shares_report
+from meshplan.cost.report import CostReport, report_from_row
 from meshplan.errors import MeshplanError
-from meshplan.spec.cluster import ClusterSpec
-from meshplan.spec.constraints import violations
+from meshplan.spec.cluster import ClusterSpec, PooledCluster
+from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
-
-def check(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload) -> None:
-    """Raise MeshplanError naming every reason the plan cannot run (memory aside)."""
-    bad = violations(model, cluster, plan, work)
-    if bad:
-        raise MeshplanError("plan cannot run: " + "; ".join(reason for _, reason in bad))
+__all__ = ["check", "estimate", "estimate_batch", "lengths_summary", "report_from_row"]
 
 
-def estimate(model: ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
-             params: CostParams = DEFAULT_PARAMS) -> CostReport:
-    """Predict step time, throughput and peak memory per GPU of ``plan``."""
-    if plan.pools is not None or plan.dp_shares is not None:  # placement on pools, uneven shares: cost.pools
-        from meshplan.cost.pools import single_type_report
-        return single_type_report(model, cluster, plan, work, params)
-    if plan.buckets is not None:  # a data-aware plan: micro-batch and cp per length bucket
-        from meshplan.cost.buckets import estimate_buckets
-        return estimate_buckets(model, cluster, plan, work, params)
-    check(model, cluster, plan, work)
-    r = estimate_batch(model, cluster, work, [plan], params)
-    return report_from_row(model, cluster, r, 0, params)
+def estimate(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan, work: Workload,
+             params: CostParams = DEFAULT_PARAMS) -> CostReport | PooledEstimate:
+    """Predict step time, throughput and peak memory per GPU of ``plan``.
+
+    A cluster of one pool gives a CostReport (a plan with ``pools`` naming one pool, or with
+    uneven dp_shares, priced on it by cost.pools); a cluster of several pools gives a
+    PooledEstimate (cost.pools: every rank on its own pool's hardware, the pools' parts each a
+    CostReport), with the same step_time_s, tokens_per_s, mfu, fits, peak_memory_gib, notes."""
+    if len(cluster.pools) > 1:
+        return estimate_pooled(model, cluster, plan, work, params)
+    pool = cluster.pools[0]
+    if plan.pools is not None or plan.dp_shares is not None:  # placement on the pool, uneven shares
+        return shares_report(model, pool, plan, work, params)
+    return plan_report(model, pool, plan, work, params)
 
 
-def report_from_row(model: ModelSpec, cluster: ClusterSpec, r: dict[str, np.ndarray], i: int,
-                    params: CostParams = DEFAULT_PARAMS) -> CostReport:
-    """Row ``i`` of an estimate_batch result as a CostReport."""
-    time = {k: float(r[f"time.{k}"][i]) for k in TIME_KEYS}
-    exposed = {k: v for k, v in time.items() if not k.endswith("_overlapped")}
-    memory = {k: float(r[f"memory.{k}"][i]) for k in MEMORY_KEYS}
-    memory["total"] = sum(memory.values())
-    stages = r["stage_memory_gib"][i]
-    return CostReport(
-        step_time_s=float(r["step_time_s"][i]), tokens_per_s=float(r["tokens_per_s"][i]),
-        tflops_per_gpu=float(r["tflops_per_gpu"][i]), mfu=float(r["mfu"][i]), hfu=float(r["hfu"][i]),
-        peak_memory_gib=float(r["peak_memory_gib"][i]), fits=bool(r["fits"][i]), at_risk=bool(r["at_risk"][i]),
-        oom_probability=float(r["oom_probability"][i]), step_time_s_low=float(r["step_time_s_low"][i]),
-        step_time_s_high=float(r["step_time_s_high"][i]), peak_memory_gib_high=float(r["peak_memory_gib_high"][i]),
-        host_memory_gib=float(r["host_memory_gib"][i]), host_fits=bool(r["host_fits"][i]),
-        usable_memory_gib=usable_gib(cluster, params),
-        params=model.num_params(), num_gpus=int(r["num_gpus"][i]),
-        microbatches=int(r["microbatches"][i]), memory=memory,
-        memory_per_stage=[float(x) for x in stages[~np.isnan(stages)]], time=time,
-        dominant=max(exposed, key=exposed.__getitem__), token_factor=float(r["token_factor"][i]),
-        time_to_target_s=float(r["time_to_target_s"][i]), cross_site_gb=float(r["cross_site_gb"][i]),
-        outer_sync_s=float(r["outer_sync_s"][i]), outer_workers=int(r["outer_workers"][i]),
-        straggler_sync_s=float(r["straggler_sync_s"][i]))
+def estimate_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, work: Workload,
+                   plans: Sequence[Plan] | Mapping[str, Any],
+                   params: CostParams = DEFAULT_PARAMS) -> dict[str, np.ndarray]:
+    """``estimate`` of many plans on one GPU pool, vectorised (the search's entry): plans or
+    columns (cost.parts.plans_to_columns), already satisfying spec.constraints (the search masks);
+    one length (cost.batch's keys) or a length distribution (cost.lengths': the expected step,
+    with time.imbalance and cost.lengths.EXTRA_KEYS); bucket plans (all of them) by cost.buckets.
+    Plans over several pools are priced one at a time by ``estimate`` (cost.pools)."""
+    if len(cluster.pools) > 1:
+        raise MeshplanError(f"cluster {cluster.name} has {len(cluster.pools)} pools: estimate_batch prices plans on "
+                            "one pool (each pool's part of a plan over pools is priced on that pool)",
+                            hint="call it with cluster.pool(NAME), or estimate() per plan over the pools")
+    return plan_batch(model, cluster.pools[0], work, plans, params)
+
+
+def lengths_summary(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                    params: CostParams = DEFAULT_PARAMS) -> dict[str, Any]:
+    """The length terms of one plan on one pool (for --json and the text views): the distribution,
+    the expected step, the even-load step, the imbalance, padding; with buckets, what they are."""
+    from meshplan.cost.lengths import expected_batch
+    if plan.buckets is not None:
+        from meshplan.spec.buckets import describe
+        r = plan_batch(model, cluster, work, [plan], params)
+        extra = {"buckets": describe(plan.bucket_specs)}
+    else:
+        r = expected_batch(model, cluster, work, [plan], params)
+        extra = {}
+    d = work.lengths
+    return {"lengths": d.text() if d else str(work.seq_len), "packing": d.packing if d else "padded",
+            "mean_length": d.mean_len if d else float(work.seq_len), "max_length": work.seq_len,
+            "expected_step_s": float(r["step_time_s"][0]), "step_time_even_s": float(r["step_time_even_s"][0]),
+            "imbalance_s": float(r["imbalance_s"][0]), "padding_fraction": float(r["padding_fraction"][0]),
+            "real_tokens_per_step": int(work.tokens), "padded_tokens_per_step": float(r["padded_tokens"][0]),
+            "pp": plan.pp, "pipeline_one_shape": bool(plan.pp > 1 and not params.pipeline_variable_shapes
+                                       and (d is None or d.packing != "packed"))} | extra

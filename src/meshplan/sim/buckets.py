@@ -21,7 +21,7 @@ from meshplan.cost.lengths import check_model, graph_at
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.sim.build import spec_from_durations
-from meshplan.sim.engine import Event, SimResult, SimSpec, simulate
+from meshplan.sim.engine import Event, SimResult, SimSpec, run
 from meshplan.spec.buckets import bucket_layout, model_knee
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
@@ -48,8 +48,8 @@ class _Timer:
     def micro_batch(self, k: int, samples: int, width: int) -> float:
         key = (k, samples, width)
         if key not in self.memo:
-            one = simulate(self.spec(k, samples, width, 1)).step_time_s
-            two = simulate(self.spec(k, samples, width, 2)).step_time_s
+            one = run(self.spec(k, samples, width, 1)).step_time_s
+            two = run(self.spec(k, samples, width, 2)).step_time_s
             self.memo[key] = two - one
         return self.memo[key]
 
@@ -60,7 +60,7 @@ class _Timer:
         b = self.buckets[k].micro_batch
         spec = self.spec(k, b, width, 1)
         hidden = max(r.end_dp_overlapped_s for r in spec.ranks)
-        return simulate(spec).step_time_s - self.micro_batch(k, b, width) + hidden
+        return run(spec).step_time_s - self.micro_batch(k, b, width) + hidden
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ from typing import Any
 
 from meshplan.cost.durations import StageDurations, stage_durations
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.sim.engine import Pass, RankStep, SimResult, SimSpec, VStage, simulate
+from meshplan.sim.engine import Pass, RankStep, SimResult, SimSpec, VStage, run
 from meshplan.sim.schedules import chunks_per_rank, rank_chunk
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
@@ -66,7 +66,7 @@ def spec_from_plan(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Pl
 def run_and_summarise(spec: SimSpec, d: StageDurations) -> tuple[SimResult, dict[str, Any]]:
     """Simulate ``spec`` and summarise it beside the analytical step time of its durations ``d``
     (``analytic_step_time_s`` and the relative difference ``sim_vs_analytic_pct``)."""
-    res = simulate(spec)
+    res = run(spec)
     s = res.summary()
     a = d.analytic["step_time_s"]
     s |= {"analytic_step_time_s": a, "sim_vs_analytic_pct": 100 * (res.step_time_s / a - 1),

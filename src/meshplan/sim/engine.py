@@ -131,8 +131,8 @@ class SimResult:
                 "ranks": ranks, "events": len(self.events)}
 
 
-def simulate(spec: SimSpec) -> SimResult:
-    """Run the step; raises MeshplanError if the schedule deadlocks (a bug, not a user error)."""
+def run(spec: SimSpec) -> SimResult:
+    """Run the step of ``spec``; raises MeshplanError if the schedule deadlocks (a bug, not a user error)."""
     pp, v, m = spec.pp, spec.v, spec.microbatches
     sched = spec.schedule
     split_w = sched in SPLIT_W and pp > 1  # B = input gradients, W = weight gradients (in the order)

@@ -18,9 +18,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.cost.pools import PooledEstimate, as_run, estimate_pooled, pool_cluster, replica_parts
-from meshplan.sim.build import spec_from_durations
-from meshplan.sim.engine import Event, SimResult, simulate
+from meshplan.cost.durations import StageDurations, stage_durations
+from meshplan.cost.lengths import graph_at
+from meshplan.cost.pools import (
+    PooledEstimate,
+    as_run,
+    estimate_pooled,
+    plan_pools,
+    pool_cluster,
+    pool_pipeline_cross,
+    replica_parts,
+)
+from meshplan.sim.build import run_and_summarise, spec_from_durations, spec_from_plan
+from meshplan.sim.engine import Event, SimResult, run
+from meshplan.sim.varlen import DEFAULT_BATCHES, sampled, simulate_lengths
 from meshplan.spec.cluster import ClusterSpec, PooledCluster
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
@@ -62,23 +73,24 @@ class PooledSimulation:
                 "imbalance_s": self.estimate.imbalance_s if self.estimate else 0.0, "notes": list(self.notes)}
 
 
-def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
-                    params: CostParams = DEFAULT_PARAMS) -> PooledSimulation:
-    """Simulate one step of a plan over pools (see the module docstring)."""
-    from meshplan.sim import VARIED_BATCHES, simulate_plan, simulate_varied
+def simulate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan, work: Workload,
+                    params: CostParams = DEFAULT_PARAMS, *, batches: int = DEFAULT_BATCHES,
+                    seed: int = 0) -> PooledSimulation:
+    """Simulate one step of a plan over pools (see the module docstring); under a length
+    distribution each pool's step is the mean of ``batches`` sampled steps (sim.varlen)."""
     est = estimate_pooled(model, cluster, plan, work, params)
-    pools = [cluster.pool(n) for n in (plan.pools or ())]
+    pools = plan_pools(cluster, plan)
     if plan.pool_pp is not None and len(pools) > 1:
-        return _pipeline(model, cluster, pools, plan, work, params, est)
+        return _pipeline(model, cluster, pools, plan, work, params, est, batches, seed)
     ran, _ = as_run(plan)  # the replicas as the cost model times them
     sims = []
     steps: list[float] = []
     for part in replica_parts(pools, ran, work):
         if work.varied:  # each pool's step: the mean over sampled batches; its timeline: the first batch
-            res, s = simulate_varied(model, part.cluster, part.plan, part.work, params)
+            res, s = sampled(model, part.cluster, part.plan, part.work, params, batches=batches, seed=seed)
             steps.append(s["step_time_s"])
         else:
-            res, _ = simulate_plan(model, part.cluster, part.plan, part.work, params)
+            res, _ = run_and_summarise(*spec_from_plan(model, part.cluster, part.plan, part.work, params))
             steps.append(res.step_time_s)
         sims.append((part.pool, res))
     slowest = max(steps)
@@ -103,6 +115,8 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan:
         memory += res.memory
         wait += res.wait_s
         busy = max(res.busy(r, "compute") for r in range(res.pp))
+        if work.varied:  # the timeline is one sampled batch: its busy time scaled to the pool's mean step
+            busy *= own / res.step_time_s
         out.append(PoolSim(pool.name, pool.gpu.name, res, ranks, busy_s=busy, idle_s=step - busy))
         offset += res.pp
     labels = {r.rank_label for _, r in sims}
@@ -113,16 +127,16 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan:
                             result=combined, cross_pool_s=est.cross_pool_s, estimate=est,
                             notes=["one replica per pool is drawn (the one with the most micro-batches); the "
                                    "pool's other replicas run the same timeline"]
-                            + ([f"under the length distribution each pool's step is the mean of {VARIED_BATCHES} "
+                            + ([f"under the length distribution each pool's step is the mean of {batches} "
                                 "sampled batches (sim.varlen; a bucket plan's by sim.buckets), and its timeline is "
                                 "the first of them"]
                                if work.varied else []))
 
 
-def _pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
-              work: Workload, params: CostParams, est: PooledEstimate) -> PooledSimulation:
-    from meshplan.cost.durations import stage_durations
-    from meshplan.cost.pools import pool_pipeline_cross
+def _spliced(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
+             work: Workload, params: CostParams, analytic_s: float) -> StageDurations:
+    """The durations of a pipeline over pools: rank r's from its own pool's hardware, the sends
+    between two pools' boundary stages slower by the inter_pool link."""
     assert plan.pool_pp is not None
     owner = [i for i, k in enumerate(plan.pool_pp) for _ in range(k)]
     sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
@@ -135,10 +149,31 @@ def _pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list
         if owner[b] != owner[b + 1]:
             spliced["tp_fwd_exposed_s"][b] += extra
             spliced["tp_bwd_exposed_s"][b + 1] += extra
-    d = dataclasses.replace(base, **spliced, analytic={"step_time_s": est.step_time_s},
-                            straggler_s=max(x.straggler_s for x in ds))
-    spec = spec_from_durations(d, d.output_static_bytes)
-    res = simulate(spec)
+    return dataclasses.replace(base, **spliced, analytic={"step_time_s": analytic_s},
+                               straggler_s=max(x.straggler_s for x in ds))
+
+
+def _pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
+              work: Workload, params: CostParams, est: PooledEstimate, batches: int, seed: int) -> PooledSimulation:
+    assert plan.pool_pp is not None
+    owner = [i for i, k in enumerate(plan.pool_pp) for _ in range(k)]
+    notes: list[str] = []
+    if work.varied:  # sampled batches, every length's pipeline spliced over the pools the same way
+        sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
+
+        def durations(length: int) -> StageDurations:
+            g = graph_at(model, length)
+            return _spliced(g, cluster, pools, plan, Workload(global_batch=work.global_batch, seq_len=length),
+                            params, est.step_time_s)
+        vr = simulate_lengths(model, pools[0], sub, work, params, batches=batches, seed=seed, durations=durations)
+        res = run(vr.example)
+        step = vr.mean_s
+        notes.append(f"under the length distribution the step is the mean of {batches} sampled batches (sim.varlen), "
+                     "and the timeline is the first of them")
+    else:
+        d = _spliced(model, cluster, pools, plan, work, params, est.step_time_s)
+        res = run(spec_from_durations(d, d.output_static_bytes))
+        step = res.step_time_s
     res.events = [dataclasses.replace(e, args={**e.args, "pool": pools[owner[e.rank]].name}) for e in res.events]
     out = []
     for i, pool in enumerate(pools):
@@ -146,5 +181,5 @@ def _pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list
         busy = max(res.busy(r, "compute") for r in ranks)
         out.append(PoolSim(pool.name, pool.gpu.name, res, ranks, busy_s=busy,
                            idle_s=res.step_time_s - busy))
-    return PooledSimulation(plan=plan, step_time_s=res.step_time_s, analytic_step_time_s=est.step_time_s, pools=out,
-                            result=res, cross_pool_s=est.cross_pool_s, estimate=est)
+    return PooledSimulation(plan=plan, step_time_s=step, analytic_step_time_s=est.step_time_s, pools=out,
+                            result=res, cross_pool_s=est.cross_pool_s, estimate=est, notes=notes)

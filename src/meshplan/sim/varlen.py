@@ -13,10 +13,11 @@ over its micro-batches'.
 The even-load step of a batch is the same simulation with every micro-batch of the step given
 the mean of the step's micro-batches' passes; mean(step) - mean(even) is the simulated imbalance.
 
-A one-length distribution (or packed) gives exactly sim.simulate_plan's step.
+A one-length distribution (or packed) gives exactly sim.simulate's step at that length.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +27,9 @@ from meshplan.cost.durations import StageDurations, stage_durations
 from meshplan.cost.lengths import check_model, graph_at
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
+from meshplan.sim.buckets import bucket_timeline, simulate_buckets
 from meshplan.sim.build import spec_from_durations
-from meshplan.sim.engine import Pass, RankStep, SimSpec, VStage, simulate
+from meshplan.sim.engine import Pass, RankStep, SimResult, SimSpec, VStage, run
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.lengths import LengthDist
@@ -84,19 +86,26 @@ class VarlenResult:
                 "step_at_length_s": {str(k): v for k, v in self.per_length.items()}}
 
 
+Durations = Callable[[int], StageDurations]
+"""The cost model's durations of the plan at one padded length (default: cost.durations on one
+GPU type; sim.pools splices a pipeline over pools)."""
+
+
 class _Lengths:
     """Durations and simulator pieces per padded length, memoised."""
 
     def __init__(self, model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, global_batch: int,
-                 params: CostParams) -> None:
+                 params: CostParams, durations: Durations | None = None) -> None:
         self.model, self.cluster, self.plan, self.gb, self.params = model, cluster, plan, global_batch, params
+        self.durations = durations
         self.d: dict[int, StageDurations] = {}
         self.spec: dict[int, SimSpec] = {}
 
     def get(self, length: int) -> tuple[StageDurations, SimSpec]:
         if length not in self.d:
             w = Workload(global_batch=self.gb, seq_len=int(length))
-            d = stage_durations(graph_at(self.model, length), self.cluster, self.plan, w, self.params)
+            d = (self.durations(int(length)) if self.durations is not None else
+                 stage_durations(graph_at(self.model, length), self.cluster, self.plan, w, self.params))
             self.d[length] = d
             self.spec[length] = spec_from_durations(d, d.output_static_bytes)
         return self.d[length], self.spec[length]
@@ -154,15 +163,15 @@ def even_spec(pieces: _Lengths, all_mbs: list[int], m: int) -> SimSpec:
 
 def simulate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
                      params: CostParams = DEFAULT_PARAMS, *, batches: int = DEFAULT_BATCHES,
-                     seed: int = 0) -> VarlenResult:
-    """Simulate ``batches`` sampled batches of ``work`` (its length distribution) under ``plan``."""
+                     seed: int = 0, durations: Durations | None = None) -> VarlenResult:
+    """Simulate ``batches`` sampled batches of ``work`` (its length distribution) under ``plan`` (on
+    one GPU type, or with ``durations``, the plan's durations at each length, from the stage above)."""
     if not 1 <= batches <= MAX_BATCHES:
         raise MeshplanError(f"--batches must be between 1 and {MAX_BATCHES:,}; got {batches}")
     if plan.dp_shares is not None or plan.pools is not None:
         raise MeshplanError("simulating a length distribution with dp_shares or pools is not supported",
                             hint="simulate the plan without them, or with one length")
     if plan.buckets is not None:  # a data-aware plan: sim.buckets times every rank of the layout
-        from meshplan.sim.buckets import simulate_buckets
         b = simulate_buckets(model, cluster, plan, work, params, batches=batches, seed=seed)
         d = work.lengths
         return VarlenResult(b.steps, b.even, batches, seed, d.packing if d else "padded",
@@ -170,12 +179,12 @@ def simulate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
     check_model(model, work)
     m = checked_microbatches(plan, work.global_batch)
     dist: LengthDist | None = work.lengths
-    pieces = _Lengths(model, cluster, plan, work.global_batch, params)
+    pieces = _Lengths(model, cluster, plan, work.global_batch, params, durations)
     per_length = {}
     if dist is None or not work.varied or (plan.pp > 1 and not params.pipeline_variable_shapes):
         # one length, packed, or a pipeline of one shape (every micro-batch padded to the longest)
         spec = pieces.get(work.seq_len)[1]
-        step = simulate(spec).step_time_s
+        step = run(spec).step_time_s
         steps = np.full(batches, step)
         per_length[work.seq_len] = step
         return VarlenResult(steps, steps.copy(), batches, seed, dist.packing if dist else "padded",
@@ -183,9 +192,9 @@ def simulate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
     rng = np.random.default_rng(seed)
     memo: dict[tuple[int, ...], float] = {}
 
-    def run(spec_key: tuple[int, ...], make: Any) -> float:
+    def step_of(spec_key: tuple[int, ...], make: Any) -> float:
         if spec_key not in memo:
-            memo[spec_key] = simulate(make()).step_time_s
+            memo[spec_key] = run(make()).step_time_s
         return memo[spec_key]
 
     steps, even = np.empty(batches), np.empty(batches)
@@ -193,14 +202,52 @@ def simulate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
     for k in range(batches):
         lengths = dist.sample(work.global_batch, rng)
         reps = form_microbatches(lengths, plan.dp, plan.micro_batch, dist.packing)
-        each = [run(tuple(r), lambda r=r: replica_spec(pieces, r)) for r in reps]
+        each = [step_of(tuple(r), lambda r=r: replica_spec(pieces, r)) for r in reps]
         steps[k] = max(each)
         if k == 0:
             example = reps[int(np.argmax(each))]
         flat = [x for r in reps for x in r]
         counts = tuple(int((np.asarray(flat) == L).sum()) for L in dist.lengths)
-        even[k] = run((-1, *counts), lambda flat=flat: even_spec(pieces, flat, m))
+        even[k] = step_of((-1, *counts), lambda flat=flat: even_spec(pieces, flat, m))
     for L in dist.lengths:
-        per_length[L] = simulate(pieces.get(L)[1]).step_time_s
+        per_length[L] = run(pieces.get(L)[1]).step_time_s
     return VarlenResult(steps, even, batches, seed, dist.packing, dist.text(), per_length,
                         replica_spec(pieces, example), example)
+
+
+def varied_timeline(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+                    params: CostParams, example: SimSpec, seed: int) -> tuple[SimResult, str]:
+    """(timeline, what it shows) of the first sampled batch of a length distribution: a bucket
+    plan's every dp x cp rank (sim.buckets), else ``example``, simulate_lengths' slowest replica."""
+    if plan.buckets is not None:
+        return (bucket_timeline(model, cluster, plan, work, params, seed=seed),
+                "every data-parallel x context-parallel rank of the first sampled batch")
+    return run(example), "the slowest replica of the first sampled batch"
+
+
+def sampled(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
+            params: CostParams = DEFAULT_PARAMS, *, batches: int = DEFAULT_BATCHES, seed: int = 0,
+            durations: Durations | None = None, analytic: dict[str, Any] | None = None) -> tuple[SimResult, dict[str, Any]]:
+    """A step under a length distribution: ``batches`` sampled steps (simulate_lengths; a bucket
+    plan's by sim.buckets) beside the cost model's expected step (``analytic``: default
+    cost.lengths_summary of the plan on ``cluster``), and as the timeline the first sampled batch (a
+    bucket plan: every dp x cp rank; else the slowest replica). The summary has a one-length
+    step's keys (``step_time_s``: the mean sampled step), ``sampled`` (batches, seed, lengths,
+    packing, p50/p90, imbalance, what the timeline shows), ``varlen`` (every statistic of the
+    sampled steps), ``analytic`` and ``example_replica_lengths``."""
+    from meshplan.cost import lengths_summary
+    res = simulate_lengths(model, cluster, plan, work, params, batches=batches, seed=seed, durations=durations)
+    est = lengths_summary(model, cluster, plan, work, params) if analytic is None else analytic
+    ex, shows = varied_timeline(model, cluster, plan, work, params, res.example, seed)
+    rs = res.summary()
+    mean, a = rs["mean_step_s"], est["expected_step_s"]
+    s = ex.summary()
+    s |= {"step_time_s": mean, "analytic_step_time_s": a, "sim_vs_analytic_pct": 100 * (mean / a - 1),
+          "microbatches": "varied", "schedule": plan.schedule if plan.pp > 1 else "none",
+          "virtual_stages": plan.virtual_stages if plan.pp > 1 else 1,
+          "sampled": {"batches": rs["batches"], "seed": rs["seed"], "lengths": est["lengths"],
+                      "packing": est["packing"], "p50_step_s": rs["p50_step_s"], "p90_step_s": rs["p90_step_s"],
+                      "imbalance_s": rs["imbalance_s"], "timeline": shows,
+                      "timeline_step_s": ex.step_time_s},
+          "varlen": rs, "analytic": est, "example_replica_lengths": res.example_lengths}
+    return ex, s

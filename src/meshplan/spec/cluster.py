@@ -202,6 +202,30 @@ class ClusterSpec:
     def replace(self, **changes: object) -> ClusterSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    # A cluster is a list of one or more GPU pools: a cluster of one GPU type is one pool (itself);
+    # PooledCluster has several. Code that takes a cluster reads these, whichever it is given.
+
+    @property
+    def pools(self) -> tuple[ClusterSpec, ...]:
+        """The cluster's GPU pools: itself."""
+        return (self,)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    @property
+    def inter_pool(self) -> LinkTier | None:
+        """The link between pools: none in a cluster of one pool."""
+        return None
+
+    def pool(self, name: str) -> ClusterSpec:
+        """The pool a plan's ``pools=NAME`` places it on: the one pool (the name is placement only)."""
+        return self
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.num_nodes}x{self.gpus_per_node} {self.gpu.name}"
+
 
 NVLINK_EFFICIENCY = 0.8
 """Prior (and fallback) achieved fraction of a link's line rate by NCCL collectives; the fitted

@@ -332,10 +332,11 @@ class Plan:
         if self.buckets is not None:
             from meshplan.spec.buckets import check_buckets
             check_buckets(self.bucket_specs, self.cp, self.pp, self.ep)
-            if self.dp_shares is not None or self.multi_pool:
-                raise MeshplanError("plan: buckets with dp_shares or several pools is not supported (a bucket plan "
-                                    "runs on one GPU type: pools=NAME places it on one pool)",
-                                    hint="drop dp_shares, name one pool, or drop buckets")
+            if self.dp_shares is not None:  # (several pools: each pool's replicas run the bucket plan, pool_dp)
+                raise MeshplanError("plan: buckets with dp_shares: a bucket plan deals each step's samples to its "
+                                    "ranks by length (spec.buckets.bucket_layout), so its replicas take no fixed "
+                                    "shares of the batch",
+                                    hint="drop dp_shares (on pools, pool_dp places the replicas), or drop buckets")
 
     def _check_shares_and_pools(self) -> None:
         per_pool = self.pool_dp is not None and self.dp_shares is not None and len(self.dp_shares) == len(self.pool_dp)
