@@ -25,6 +25,17 @@ from meshplan.spec.transformer import as_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "docs" / "examples" / "a100-h100-pools.toml")
+SMALL_SPACE = ["--fix", "tp=4,cp=1,zero=0,recompute=op"]  # a small search where the command line is the point
+
+
+def _small_example(tmp_path: Path) -> str:
+    """The worked example's two pools (h100, a100) and links at one node of 4 GPUs each: the tests of
+    paths, plan files and output use it; the search at full size is checked on EXAMPLE itself."""
+    text = Path(EXAMPLE).read_text().replace("num_nodes = 8", "num_nodes = 1").replace("gpus_per_node = 8",
+                                                                                    "gpus_per_node = 4")
+    path = tmp_path / "pools.toml"
+    path.write_text(text)
+    return str(path)
 
 
 def _pools(gpu_a: str = "h100-sxm-80gb", gpu_b: str = "a100-sxm-80gb", nodes: int = 2, inter: float = 25.0,
@@ -172,6 +183,7 @@ def test_simulator_times_every_rank_on_its_pool_like_the_cost_model(llama8b, tex
     assert sum(len(p.ranks) for p in sim.pools) == sim.result.pp
 
 
+@pytest.mark.slow  # the worked example at full size; the small searches below check the parts
 def test_done_when_two_pools_beat_the_h100_pool_alone():
     """Issue 16: 8x8 A100-80GB + 8x8 H100, Llama 3 70B, global batch 512 x 4096: the plan uses both
     pools and is predicted faster than the best plan on the H100 pool alone."""
@@ -187,10 +199,10 @@ def test_done_when_two_pools_beat_the_h100_pool_alone():
 
 
 def test_a_weak_link_between_pools_keeps_one_pool_and_says_why(tmp_path):
-    c = load_cluster(EXAMPLE)
+    c = load_cluster(_small_example(tmp_path))
     slow = PooledCluster(name="slow", pools=c.pools, inter_pool=c.inter_pool.__class__(
         name="inter_pool", bandwidth_gbps=0.05, latency_us=20000.0))
-    r = search(load_model("llama3-70b"), slow, Workload(global_batch=512, seq_len=4096))
+    r = search(load_model("tiny-llama"), slow, Workload(global_batch=16, seq_len=256))
     best = r.best_pooled
     assert best is not None and not best.plan.multi_pool and best.plan.pools == ("h100",)
     assert r.best_multi is not None and r.best_multi.step_time_s > best.step_time_s
@@ -204,20 +216,21 @@ def _run(capsys, *argv):
 
 
 def test_cli_plan_estimate_simulate_report_on_pools(capsys, tmp_path):
-    common = ["--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "256", "--seq-len", "4096"]
-    rc, out, err = _run(capsys, "plan", *common, "--json", "--out", str(tmp_path / "p.json"))
+    common = ["--model", "llama3-8b", "--cluster", _small_example(tmp_path), "--global-batch", "32",
+              "--seq-len", "4096"]
+    rc, out, err = _run(capsys, "plan", *common, *SMALL_SPACE, "--json", "--out", str(tmp_path / "p.json"))
     assert rc == 0, err
     doc = json.loads(out)
     assert doc["best"]["pools"] and doc["alone"]["h100"] and doc["explanation"]
     assert load_plan(str(tmp_path / "p.json")) == parse_plan(doc["best"]["plan"])  # the plan file reloads
-    plan = "tp=2,pp=4,dp=8,micro_batch=1,stage_layers=10:10:6:6,pools=h100:a100,pool_pp=2:2"
+    plan = "tp=2,pp=2,dp=2,micro_batch=1,stage_layers=18:14,pools=h100:a100,pool_pp=1:1"
     rc, out, err = _run(capsys, "estimate", *common, "--plan", plan)
     assert rc == 0 and "pool h100" in out and "pool a100" in out and "imbalance" in out, err
     rc, out, err = _run(capsys, "simulate", *common, "--plan", plan, "--json")
     assert rc == 0, err
     s = json.loads(out)
     assert abs(s["sim_vs_analytic_pct"]) < 3 and [p["pool"] for p in s["pools"]] == ["h100", "a100"]
-    rc, out, err = _run(capsys, "report", *common, "--out", str(tmp_path / "r.html"))
+    rc, out, err = _run(capsys, "report", *common, *SMALL_SPACE, "--out", str(tmp_path / "r.html"))
     assert rc == 0, err
     html = (tmp_path / "r.html").read_text()
     assert "Per-pool utilisation" in html and "Time lost to imbalance" in html and 'data-plot="gantt"' in html
@@ -257,7 +270,7 @@ def test_batch_check_follows_the_shares():
     assert any("whole micro-batches" in r[1] for r in bad)
 
 
-def test_pools_under_a_length_distribution(capsys):
+def test_pools_under_a_length_distribution(capsys, tmp_path):
     """Replicas on pools are priced with each pool's part by cost.lengths (the expected step of a
     length distribution); a pipeline over pools is not, and says so."""
     from meshplan.spec.lengths import parse_lengths
@@ -272,22 +285,22 @@ def test_pools_under_a_length_distribution(capsys):
     assert e.parts[0].report is not None and e.parts[0].report.time.get("imbalance", 0) >= 0
     with pytest.raises(MeshplanError, match="not priced under a length distribution"):
         estimate_pooled(g, c, parse_plan("tp=8,pp=2,micro_batch=1,pools=a:b,pool_pp=1:1"), w)
-    rc, out, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "64",
-                        "--seq-len", "2048:0.6,8192:0.3,32768:0.1")
+    rc, out, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", _small_example(tmp_path), "--global-batch",
+                        "32", "--seq-len", "2048:0.6,8192:0.3,32768:0.1", *SMALL_SPACE)
     assert rc == 0 and "lengths 2048:0.6" in out and "stages on pools: not priced" in out, err
 
 
 def test_a_pooled_plan_file_reloads_in_every_command(capsys, tmp_path):
     """`plan --out` on a pooled cluster: estimate / simulate / report / export read the file alone."""
     out = str(tmp_path / "p.json")
-    rc, _, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "256",
-                      "--seq-len", "4096", "--out", out)
+    rc, _, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", _small_example(tmp_path), "--global-batch",
+                      "32", "--seq-len", "4096", *SMALL_SPACE, "--out", out)
     assert rc == 0, err
     rc, text, err = _run(capsys, "estimate", "--plan", out)
     assert rc == 0 and "pool h100" in text, err
     rc, text, err = _run(capsys, "simulate", "--plan", out, "--json")
     assert rc == 0 and json.loads(text)["pools"], err
-    rc, text, err = _run(capsys, "report", "--plan", out, "--out", str(tmp_path / "r.html"))
+    rc, text, err = _run(capsys, "report", "--plan", out, *SMALL_SPACE, "--out", str(tmp_path / "r.html"))
     assert rc == 0 and "Per-pool utilisation" in (tmp_path / "r.html").read_text(), err
     rc, _, err = _run(capsys, "export", "--to", "torchtitan", "--plan", out)
     assert rc == 2 and "several GPU pools" in err and "Traceback" not in err
@@ -321,9 +334,9 @@ def test_the_nearest_global_batches_that_split():
         replica_samples(parse_plan("dp=3"), 64)
 
 
-def test_objective_cost_says_dollars():
-    r = search(load_model("llama3-70b"), load_cluster(EXAMPLE), Workload(global_batch=512, seq_len=4096),
-                     objective="cost")
+def test_objective_cost_says_dollars(tmp_path):
+    r = search(load_model("tiny-llama"), load_cluster(_small_example(tmp_path)), Workload(global_batch=16, seq_len=256),
+               objective="cost")
     assert r.best_pooled is not None
     if not r.best_pooled.plan.multi_pool and r.best_multi is not None:
         assert any("costs more" in line and "per M tokens" in line for line in r.explanation)
@@ -351,8 +364,8 @@ def test_a_plan_file_saved_elsewhere_reloads_from_anywhere(capsys, tmp_path, mon
     sub = tmp_path / "plans"
     sub.mkdir()
     out = str(sub / "p.json")
-    rc, _, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", EXAMPLE, "--global-batch", "256",
-                      "--seq-len", "2048:0.6,8192:0.3,32768:0.1", "--out", out)
+    rc, _, err = _run(capsys, "plan", "--model", "llama3-8b", "--cluster", _small_example(tmp_path), "--global-batch",
+                      "32", "--seq-len", "2048:0.6,8192:0.3,32768:0.1", *SMALL_SPACE, "--out", out)
     assert rc == 0, err
     planned = json.loads(Path(out).read_text())
     monkeypatch.chdir(tmp_path)
@@ -361,11 +374,12 @@ def test_a_plan_file_saved_elsewhere_reloads_from_anywhere(capsys, tmp_path, mon
     doc = json.loads(text)
     assert doc["step_time_s"] == pytest.approx(planned["predicted"]["step_time_s"])  # the distribution kept
     assert doc["lengths"]["lengths"].startswith("2048:0.6")
-    rc, text, err = _run(capsys, "report", "--plan", out, "--out", str(tmp_path / "r.html"))
+    rc, text, err = _run(capsys, "report", "--plan", out, *SMALL_SPACE, "--out", str(tmp_path / "r.html"))
     assert rc == 0 and f"{planned['predicted']['step_time_s']:.3f}" in text, err
     assert "lengths 2048:0.6" in (tmp_path / "r.html").read_text()
 
 
+@pytest.mark.slow  # bucket plans win only at scale (64 + 64 GPUs); the one-pool bucket plan is simulated below
 def test_a_pool_alone_may_win_with_a_bucket_plan():
     """Under a length distribution each pool's own search has its data-aware stage: a bucket plan on
     the H100 pool alone beats every one-shape plan over both pools, and the pooled search says so;
