@@ -351,6 +351,11 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
                   float(rank["cross_send_gb"]))
     est.notes.append("pipeline over pools: each stage is timed on its own pool's GPU; the send between the "
                      "pools' boundary stages crosses inter_pool")
+    if work.varied:
+        est.notes.append("under the length distribution: the pipeline's expected step over the lengths (cost.lengths)"
+                         + ("; its schedule runs one micro-batch shape, so every micro-batch is padded to the longest "
+                            "length" if not params.pipeline_variable_shapes else
+                            ", each micro-batch at its own padded length") + "; memory at the longest length")
     return est
 
 
