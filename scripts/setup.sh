@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with meshplan, its test tools (numpy, pytest, hypothesis) and the runtime's torch.
+# Create .venv with meshplan, its test tools (numpy, pytest, pytest-xdist, hypothesis) and the runtime's torch.
 # Planning needs no torch; `meshplan train` and tests/dist do. torch is pinned to 2.13.0 (on this
 # disk the CPU build; an unpinned torch pulls a multi-GB CUDA build). MESHPLAN_WITH_TORCH=0 skips it
 # (tests/dist are then skipped). With torch it also installs transformers (ingestion) and the export

@@ -1,8 +1,25 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite.
+# Set up (if needed) and run the tests.
+#   bash scripts/test.sh          everything (what CI runs): tests/unit, golden, dist, browser, export
+#   bash scripts/test.sh --fast   the fast tier, at most 3 minutes on 2 cores: the unit and golden tests
+#                                 not marked slow (smoke runs of the installed command included), on
+#                                 two workers where pytest-xdist is installed
+# Other arguments go to pytest (e.g. -x, -k NAME). Markers (pyproject.toml): slow, dist, browser,
+# export_tools; tests/conftest.py puts the last three on tests/dist, tests/browser, tests/export.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=0
+args=()
+for a in "$@"; do
+  if [ "$a" = "--fast" ]; then fast=1; else args+=("$a"); fi
+done
 [ -x .venv/bin/meshplan ] || bash scripts/setup.sh
+if [ "$fast" = 1 ]; then
+  workers=()
+  .venv/bin/python -c "import xdist" 2>/dev/null && workers=(-n "${MESHPLAN_TEST_WORKERS:-2}")
+  exec .venv/bin/python -m pytest tests -m "not slow and not dist and not browser and not export_tools" \
+    ${workers[@]+"${workers[@]}"} ${args[@]+"${args[@]}"}
+fi
 # The HTML report is checked in headless Chromium (tests/browser); they skip if it can't be installed.
 [ -x /usr/bin/chromium ] || bash scripts/install_chromium.sh || echo "test.sh: no chromium; browser tests will skip" >&2
-.venv/bin/python -m pytest tests "$@"
+.venv/bin/python -m pytest tests ${args[@]+"${args[@]}"}
