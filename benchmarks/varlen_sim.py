@@ -114,7 +114,7 @@ def sweep(batches: int, seed: int) -> dict:
     with one shape, every micro-batch at the longest, both are exact)."""
     import numpy as np
 
-    from meshplan.cost.lengths import estimate_lengths_batch
+    from meshplan.cost import estimate_batch
     from meshplan.sim.varlen import simulate_lengths
     from meshplan.spec.constraints import violations
     model, cluster = load_model("llama3-8b"), load_cluster("h100-sxm-80gb:64")
@@ -137,7 +137,7 @@ def sweep(batches: int, seed: int) -> dict:
             if violations(model, cluster, plan, work):
                 continue
             params = _params(["--profile", VARIABLE])
-            pred = float(estimate_lengths_batch(model, cluster, work, [plan], params)["step_time_s"][0])
+            pred = float(estimate_batch(model, cluster, work, [plan], params)["step_time_s"][0])
             sim = simulate_lengths(model, cluster, plan, work, params, batches=batches, seed=seed).mean_s
             rows.append({"schedule": sched, "packing": packing, "lengths": dist, "plan": plan.short(),
                          "predicted_step_s": pred, "simulated_mean_s": sim, "error_pct": 100 * (pred / sim - 1)})

@@ -22,16 +22,17 @@ import numpy as np
 
 from meshplan.cost.batch import check
 from meshplan.cost.buckets import plan_batch, plan_report
+from meshplan.cost.lengths import expected_batch
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.pools import PooledEstimate, estimate_pooled, shares_report
-from meshplan.cost.report import CostReport, report_from_row
+from meshplan.cost.report import CostReport
 from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import ClusterSpec, PooledCluster
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
 
-__all__ = ["check", "estimate", "estimate_batch", "lengths_summary", "report_from_row"]
+__all__ = ["check", "estimate", "estimate_batch", "lengths_summary"]
 
 
 def estimate(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan, work: Workload,
@@ -69,7 +70,6 @@ def lengths_summary(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
                     params: CostParams = DEFAULT_PARAMS) -> dict[str, Any]:
     """The length terms of one plan on one pool (for --json and the text views): the distribution,
     the expected step, the even-load step, the imbalance, padding; with buckets, what they are."""
-    from meshplan.cost.lengths import expected_batch
     if plan.buckets is not None:
         from meshplan.spec.buckets import describe
         r = plan_batch(model, cluster, work, [plan], params)

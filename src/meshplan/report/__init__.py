@@ -10,7 +10,7 @@ explanation; for an infeasible problem, what would make it feasible. Figures are
 drawn here (report.svg, report.charts); numpy only: no torch, no matplotlib, no network.
 
 ``model`` is a LayerGraph (any model: a transformer description generated into one, or a traced
-model), searched by search.search and simulated by sim.simulate_plan.
+model), searched by search.search and simulated by sim.simulate.
 """
 from __future__ import annotations
 

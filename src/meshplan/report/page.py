@@ -291,7 +291,7 @@ def _simulation(r: SearchResult, sim: Any, summary: dict[str, Any] | None, error
     more = f"<p class='mut'>first 64 of {len(s['ranks'])} ranks</p>" if len(s["ranks"]) > 64 else ""
     usable = r.best.report.usable_memory_gib
     smp = s.get("sampled")
-    if smp:  # a length distribution: sampled steps (sim.simulate_varied)
+    if smp:  # a length distribution: sampled steps (sim.simulate)
         text = (f"<p>Discrete-event simulation of {smp['batches']} sampled steps of {_plan(r.best.plan.short())} "
                 f"(lengths {esc(smp['lengths'])}, {esc(smp['packing'])}; seed {smp['seed']}): mean "
                 f"<b>{fixed3(s['step_time_s'])} s</b> (p50 {fixed3(smp['p50_step_s'])} s, p90 "

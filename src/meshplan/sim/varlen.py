@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from meshplan.cost import lengths_summary
 from meshplan.cost.durations import StageDurations, stage_durations
 from meshplan.cost.lengths import check_model, graph_at
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
@@ -235,7 +236,6 @@ def sampled(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, wor
     step's keys (``step_time_s``: the mean sampled step), ``sampled`` (batches, seed, lengths,
     packing, p50/p90, imbalance, what the timeline shows), ``varlen`` (every statistic of the
     sampled steps), ``analytic`` and ``example_replica_lengths``."""
-    from meshplan.cost import lengths_summary
     res = simulate_lengths(model, cluster, plan, work, params, batches=batches, seed=seed, durations=durations)
     est = lengths_summary(model, cluster, plan, work, params) if analytic is None else analytic
     ex, shows = varied_timeline(model, cluster, plan, work, params, res.example, seed)
