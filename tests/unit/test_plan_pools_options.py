@@ -160,3 +160,21 @@ def test_pipelines_over_pools_are_searched_under_a_length_distribution():
     assert e.step_time_s == pytest.approx(estimate(g, c, e.plan, w).step_time_s, rel=1e-12)
     assert r.best_pooled is not None and r.best_pooled.step_time_s <= e.step_time_s
     assert not any("not priced under a length distribution" in line for line in r.explanation)
+
+
+def test_a_bucket_plan_over_pools_comes_out_of_the_search_when_it_wins():
+    """Under a length distribution a pool's best bucket plan is also tried as the replica shape on
+    several pools (even shares: a bucket plan deals samples by length); on two equal pools it wins."""
+    from meshplan.cost import estimate
+    from meshplan.spec.lengths import parse_lengths
+    c = cluster_from_dict({"name": "twin", "pools": [
+        {"name": "x", "gpu": "h100-sxm-80gb", "num_nodes": 1, "gpus_per_node": 4},
+        {"name": "y", "gpu": "h100-sxm-80gb", "num_nodes": 1, "gpus_per_node": 4}],
+        "inter_pool": {"bandwidth_gbps": 50.0, "latency_us": 8.0}})
+    w = Workload.of(32, parse_lengths("512:0.7,2048:0.3"))
+    g = load_model("gpt3-125m")
+    r = search(g, c, w)
+    best = r.best_pooled
+    assert best is not None and best.plan.buckets is not None and best.plan.pool_dp == (4, 4)
+    assert best.plan.dp_shares is None and best.step_time_s < min(e.step_time_s for e in r.alone.values() if e)
+    assert best.step_time_s == pytest.approx(estimate(g, c, best.plan, w).step_time_s, rel=1e-12)

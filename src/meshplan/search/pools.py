@@ -98,6 +98,7 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
     ``deadline``: (tokens to train, days): the plans that take longer are rejected."""
     alone: dict[str, PooledEstimate | None] = {}
     shapes: list[Plan] = []
+    bucketed: list[Plan] = []
     considered = 0
     for name, results in per_pool.items():
         considered += results[0].considered
@@ -106,6 +107,7 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
         best = runnable[:1]
         for res_b in results[1:]:  # the pool's own search with its data-aware stage: its best may be a bucket plan
             best += [rp.plan for rp in res_b.plans if rp.export_only is None][:1]
+            bucketed += [p for p in best[-1:] if p.buckets is not None and p not in bucketed]
         ests = [estimate(graph, cluster, p.replace(pools=(name,)), work, params) for p in best]
         alone[name] = min(ests, key=lambda e: pooled_key(e, objective)) if ests else None
     shapes = _distinct(shapes)
@@ -125,6 +127,14 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
             considered += 1
             if e is not None and e.fits and not (headroom and e.at_risk):
                 multi.append(e)
+    for shape in bucketed if on is not None else ():  # a pool's bucket plan as the replica shape on every pool
+        try:
+            e = _buckets_on_pools(graph, on, shape, work, params)
+        except MeshplanError:
+            continue
+        considered += 1
+        if e is not None and e.fits and not (headroom and e.at_risk):
+            multi.append(e)
     over: list[PooledEstimate] = []
     if deadline is not None:
         late = _late(work, *deadline)
@@ -225,6 +235,31 @@ def _replicas_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, w
             for n in variants:
                 e = _replicas(graph, cluster, list(pools), shape, n, work, params)
                 if e is not None and e.fits and (best is None or e.step_time_s < best.step_time_s):
+                    best = e
+    return best
+
+
+def _buckets_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, work: Workload,
+                      params: CostParams) -> PooledEstimate | None:
+    """Replicas of a bucket plan (``shape``: micro-batch and cp per length bucket, from a pool's own
+    data-aware stage) on every subset of two or more pools, as many as each pool holds (or the same
+    count in every pool). A bucket plan deals each step's samples to its ranks by length, so its
+    replicas take even shares (no dp_shares): the slower pool sets the step."""
+    per = shape.tp * shape.pp * shape.cp
+    able = [p for p in cluster.pools if p.num_gpus // per >= 1]
+    best = None
+    for k in range(len(able), 1, -1):
+        for pools in itertools.combinations(able, k):
+            most = [p.num_gpus // per for p in pools]
+            for n in [most] + ([[min(most)] * len(most)] if len(set(most)) > 1 else []):
+                group = math.gcd(*n) * shape.cp
+                plan = shape.replace(dp=sum(n), pools=tuple(p.name for p in pools), pool_dp=tuple(n), dp_shares=None,
+                                     shard_group=group if shape.zero >= 1 and group < sum(n) * shape.cp else 0)
+                try:
+                    e = estimate(graph, cluster, plan, work, params)
+                except MeshplanError:
+                    continue
+                if e.fits and (best is None or e.step_time_s < best.step_time_s):
                     best = e
     return best
 
@@ -415,8 +450,8 @@ def explain(r: SearchResult) -> list[str]:
         lines.append(f"uses pool {used[0] if used else '?'} alone: {_fmt(best)}")
         if best.plan.buckets is not None:
             lines.append("  a data-aware plan (context parallelism and micro-batch by length bucket) of that pool's "
-                         "own search: bucket plans run on one GPU type, so the plans over several pools are "
-                         "one-shape plans")
+                         "own search: over several pools its replicas take even shares (a bucket plan deals the "
+                         "samples by length, not by speed), so the slower pool sets the step")
         m = r.best_multi
         if m is None:
             lines.append("  the search found no plan over several pools that fits with memory headroom among the "
