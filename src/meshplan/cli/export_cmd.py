@@ -67,17 +67,16 @@ def _load_model(name: str, *, from_file: str | None) -> Any:
 
 
 def build_input(args: argparse.Namespace) -> Any:
-    from meshplan.cli import pools_cmd
     from meshplan.cli.planfile import resolve
     from meshplan.export import ExportInput
     from meshplan.spec.model import ModelSpec
     from meshplan.spec.plan import Workload
-    if pools_cmd.is_pooled(getattr(args, "cluster", None), args):
-        raise MeshplanError(f"export: {args.cluster} is a cluster of several GPU pools; torchtitan, Megatron-LM and "
-                            "DeepSpeed launch one GPU type with even data-parallel shares",
+    inputs = resolve(args, fields=("model", "cluster", "global_batch", "seq_len"))
+    if inputs.cluster_arg is not None and len(inputs.cluster().pools) > 1:
+        raise MeshplanError(f"export: {inputs.cluster_arg} is a cluster of several GPU pools; torchtitan, Megatron-LM "
+                            "and DeepSpeed launch one GPU type with even data-parallel shares",
                             hint="run it with meshplan train; to export, plan on one pool's GPU type (e.g. "
                                  "meshplan plan --cluster h100-sxm-80gb:64 ... --out p.json) and export that plan")
-    inputs = resolve(args, fields=("model", "cluster", "global_batch", "seq_len"))
     plan = inputs.plan
     if plan.multi_pool or (plan.dp_shares is not None and len(set(plan.replica_shares)) > 1):
         raise MeshplanError(f"export: {plan.short()} uses {'several pools' if plan.multi_pool else 'uneven dp_shares'}"
