@@ -173,6 +173,7 @@ def test_cpu_results_are_labelled_cpu(tmp_path, capsys):
     assert rc == 0 and "measured on CPU" in err
 
 
+@pytest.mark.slow  # a bench fit then a runs fit
 def test_bench_and_runs_together_start_the_run_fit_from_the_bench(tmp_path, capsys):
     with open(default_runs_path(), newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if r["source_id"] == "TT_2412_H100"]

@@ -157,6 +157,7 @@ def test_sync_is_exposed_and_memory_is_the_heaviest_bucket(problem):
 
 # ---- search --------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # the full bucket search on 64 GPUs
 def test_search_adds_bucket_plans_that_beat_one_shape(problem):
     from meshplan.search import search
     from meshplan.search.space import SearchSpace
@@ -208,7 +209,8 @@ def test_bucket_plan_file_round_trip(tmp_path, problem):
     from meshplan.cli.main import main
     out = tmp_path / "p.json"
     assert main(["plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:64", "--global-batch", "256",
-                 "--seq-len", TAIL, "--top", "2", "--out", str(out)]) == 0
+                 "--seq-len", TAIL, "--top", "2", "--fix", "tp=2,pp=1,cp=4,zero=1,recompute=none,micro_batch=1",
+                 "--out", str(out)]) == 0  # --fix: the searched winner's shape (the plan file is the point)
     from meshplan.spec.io import load_plan
     doc = json.loads(out.read_text())
     plan = load_plan(str(out))
@@ -254,6 +256,7 @@ def test_without_the_bucket_stage_cp_without_a_pipeline_is_rejected(problem):
     assert all(not (p.plan.cp > 1 and p.plan.pp == 1) for p in res.plans)
 
 
+@pytest.mark.slow  # a full report (search + sampled simulation) on 64 GPUs
 def test_report_simulates_the_bucket_winner_on_sampled_batches(problem):
     """The report's timeline of a bucket winner is the sampled-batch simulation (its mean against the
     expected step), not one step of the plan at the longest length."""

@@ -78,6 +78,7 @@ one_source = st.sampled_from(sorted(BY_SOURCE)).flatmap(
     lambda s: st.lists(st.sampled_from(BY_SOURCE[s]), min_size=1, max_size=min(6, len(BY_SOURCE[s])), unique=True))
 
 
+@pytest.mark.slow  # five calibrate + validate runs on random splits
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(idx=st.one_of(any_rows, one_source))
 def test_any_split_calibrates_and_validates(capsys, idx):

@@ -115,6 +115,7 @@ def test_what_the_runs_cannot_inform_stays_at_its_prior(small_runs):
     assert vals[name] == pytest.approx(by_name(name).prior, rel=1e-6)
 
 
+@pytest.mark.slow  # one fit per source
 def test_cross_validation_reports_every_source(small_runs):
     folds = cross_validate(small_runs, [gpu_key("gemm_efficiency", "hopper"), gpu_key("gemm_efficiency", "ampere"),
                                         "hbm_efficiency"], max_iter=3)
@@ -133,6 +134,7 @@ def _transformed(name: str, v: float) -> float:
     return math.log(v) if by_name(name).log else v
 
 
+@pytest.mark.slow  # three fits
 def test_a_refinement_takes_the_posterior_as_its_prior_and_moves_less_on_one_run(small_runs):
     """The fit's posterior is narrower than the physics prior where the runs inform a parameter, and
     one run moves a calibration refined with that posterior as its prior less than with the physics
@@ -265,6 +267,7 @@ def test_a_calibration_changes_the_estimate_the_way_its_values_say(tmp_path, cap
     assert 1.3 < t1 / t0 < 2.0
 
 
+@pytest.mark.slow  # leave-one-source-out fits through the CLI
 def test_cross_validate_json(tmp_path, capsys, dev_rows):
     rows = [r for r in dev_rows if r["source_id"] in ("KOR22_T5", "BLOOM176B")]
     path = _write(tmp_path / "runs.csv", rows)

@@ -80,6 +80,7 @@ def test_empty_output_path_is_an_error(capsys, flag):
     one_line_error(rc, err, flag)
 
 
+@pytest.mark.slow  # validate runs every published row first
 def test_empty_report_path_is_an_error(capsys):
     rc, _, err = run(capsys, "validate", "--report", "")
     one_line_error(rc, err, "--report")

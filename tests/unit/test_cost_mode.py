@@ -86,6 +86,7 @@ def test_time_mode_keeps_step_time_comparisons(capsys):
 
 # ---- 2. --deadline ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # brute force over every plan of four cluster sizes
 def test_deadline_rejects_slow_plans_and_the_cheapest_that_meets_it_wins(capsys):
     best = per_size_best(capsys)
     fastest = min(best.values())

@@ -171,6 +171,7 @@ def _plan(d: dict) -> Plan | None:
         return None
 
 
+@pytest.mark.slow  # 150 random plans through every exporter
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(PLAN_FIELDS, st.sampled_from([64, 128]))
 def test_every_target_maps_every_valid_plan(fields, gb):

@@ -264,6 +264,7 @@ LINKS = spec_dicts(LINK_FIELDS, base={"name": "inter_node", "bandwidth_gbps": 50
 GPU_VALUES = st.sampled_from(GPU_NAMES) | spec_dicts(GPU_FIELDS, base=H100) | VALUES
 
 
+@pytest.mark.slow  # fuzzing writes and loads TOML and JSON files
 @FUZZ
 @given(spec_dicts(MODEL_FIELDS + ["model"], base=LLAMA) | JSON_LIKE)
 def test_model_files(fuzzdir, data):
@@ -275,6 +276,7 @@ def test_model_files(fuzzdir, data):
             assert_round_trips(m)
 
 
+@pytest.mark.slow  # fuzzing writes and loads TOML and JSON files
 @FUZZ
 @given(spec_dicts(GPU_FIELDS, base=H100) | JSON_LIKE)
 def test_gpu_files(fuzzdir, data):
@@ -307,6 +309,7 @@ def cluster_dicts(draw):
     return d
 
 
+@pytest.mark.slow  # fuzzing writes and loads TOML and JSON files
 @FUZZ
 @given(st.one_of(cluster_dicts(), cluster_dicts(), JSON_LIKE))
 def test_cluster_files(fuzzdir, data):

@@ -139,6 +139,7 @@ def _same_or_less_memory_and_no_faster(model, cluster, base, saving, work):
     return a, b
 
 
+@pytest.mark.slow  # seven estimates per random example
 @SETTINGS
 @given(cases())
 def test_every_memory_saving_carries_its_time(case):

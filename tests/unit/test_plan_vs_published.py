@@ -40,8 +40,8 @@ def test_hand_tuned_sources_and_sweeps_left_out(cases):
     1313,  # BLOOM-176B ramp-up, global batch 16 (70 layers, 12 uneven stages published)
     1314,  # BLOOM-176B ramp-up, global batch 192: failed under its own profile before unsharded sends kept SP off
     13,    # Megatron (Korthikanti et al.): GPT-3 175B, tp=8 pp=8 interleaved
-    89,    # torchtitan: Llama 3.1 405B, tp=8 pp=8 with uneven stages
-    2047,  # NeMo: GPT-3 175B fp8, interleaved with 6 virtual stages
+    pytest.param(89, marks=pytest.mark.slow),    # torchtitan: Llama 3.1 405B, tp=8 pp=8 with uneven stages
+    pytest.param(2047, marks=pytest.mark.slow),  # NeMo: GPT-3 175B fp8, interleaved with 6 virtual stages
 ])
 def test_representative_rows_pass_both_ways(cases, row_id):
     row = pvp.run_row(cases[row_id])

@@ -351,6 +351,7 @@ def test_one_share_per_pool_and_shard_groups_within_pools():
         parse_plan("dp=12,zero=1,shard_group=8,pools=a:b,pool_dp=8:4")
 
 
+@pytest.mark.slow  # a three-pool search on 28 GPUs
 def test_a_small_third_pool_does_not_hide_replicas_on_the_others():
     c = cluster_from_dict({"name": "three", "pools": [
         {"name": "h100", "gpu": "h100-sxm-80gb", "num_nodes": 2},

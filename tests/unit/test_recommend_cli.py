@@ -63,6 +63,7 @@ def test_export_only_plans_are_listed_only_when_allowed_and_marked(capsys):
     assert "[export only: megatron, deepspeed]" in out
 
 
+@pytest.mark.slow  # two searches for BLOOM-176B on 384 GPUs
 def test_uneven_stages_are_searched_by_default_where_the_layers_do_not_divide(capsys):
     # BLOOM-176B (70 layers) on 384 A100s at batch 16: BLOOM trained there with 12 uneven stages;
     # with even splits only nothing fits.

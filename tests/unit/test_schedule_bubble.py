@@ -114,6 +114,7 @@ def test_zb_h1_heavy_last_stage_is_exact():
         assert _closed_form_step("zero-bubble", pp, m, chunks) == pytest.approx(sim, rel=1e-9), (pp, m, k)
 
 
+@pytest.mark.slow  # 300 random simulated pipelines
 def test_zbv_heavy_rank_0_within_1pct():
     """Uniform chunks but rank 0's: its first chunk slightly heavier (the embedding), its second
     (the V's last stage: output layer and loss) k x heavier: exact in most cases, within 1% of
@@ -161,7 +162,10 @@ def _realistic(rng: random.Random, schedule: str) -> tuple[int, int, list[tuple[
     return pp, m, chunks
 
 
-@pytest.mark.parametrize("schedule,mean_max,worst_max", [("zero-bubble", 0.002, 0.03), ("zbv", 0.004, 0.07)])
+@pytest.mark.parametrize("schedule,mean_max,worst_max", [
+    ("zero-bubble", 0.002, 0.03),
+    pytest.param("zbv", 0.004, 0.07, marks=pytest.mark.slow),  # slower to simulate; zbv has quick exact tests
+])
 def test_random_realistic_pipelines(schedule, mean_max, worst_max):
     """Error of m max T + closed-form bubble against the simulated pipeline on 300 random
     realistic pipelines (docs/simulation.md quotes these statistics): mean 0.06% (ZB-H1) and

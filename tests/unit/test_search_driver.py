@@ -55,10 +55,11 @@ def _exhaustive_best(m, c, w, space):
 
 @pytest.mark.parametrize("case", [
     ("tiny-llama", "h100-sxm-80gb:8", 16, 64, SearchSpace(offload=False, recompute_fractions=())),
-    ("llama3-8b", "h100-sxm-80gb:8", 64, 8192,
-     SearchSpace(cp=(1, 2), max_virtual_stages=2, recompute=("none", "op", "full"),
-                 recompute_fractions=(0.5,), hybrid_nodes=(), zero=(1, 3), offload=False,
-                 micro_batch=(1, 2, 4))),
+    pytest.param(("llama3-8b", "h100-sxm-80gb:8", 64, 8192,
+                  SearchSpace(cp=(1, 2), max_virtual_stages=2, recompute=("none", "op", "full"),
+                              recompute_fractions=(0.5,), hybrid_nodes=(), zero=(1, 3), offload=False,
+                              micro_batch=(1, 2, 4))),
+                 marks=pytest.mark.slow),  # the exhaustive loop over a large space
 ], ids=["tiny-llama-8", "llama3-8b-8"])
 def test_winner_equals_exhaustive_estimate_loop(case):
     m, c, w, space = model(case[0]), cluster(case[1]), Workload(global_batch=case[2], seq_len=case[3]), case[4]

@@ -218,6 +218,7 @@ def test_sync_options_follow_the_cluster_and_fix():
     assert sync_options(TWO_DC, SearchSpace(sync_methods=False)) == [("auto", 1, "all", "none", 1, 0)]
 
 
+@pytest.mark.slow  # two full searches on 256 GPUs over two sites
 def test_two_datacenters_done_when():
     """The issue's acceptance: Llama 3 8B, global batch 1,024 x 4,096 on two sites of 16 x 8 H100
     joined by 2 GB/s: the chosen plan sends at least 10x less across the sites per step than the
@@ -254,6 +255,7 @@ def test_all_reduce_takes_the_tree_where_latency_dominates():
     assert float(w.all_reduce(small)) == pytest.approx(2 * small / float(w.bytes_per_s) + 2 * 5 * 0.01)
 
 
+@pytest.mark.slow  # two full searches on 256 GPUs over two sites
 def test_explanation_names_the_baselines_and_the_objective(tmp_path):
     """Runner-up lines under time to target lead with it; with --fix leaving no uncompressed
     per-step plan, the compressed one is the baseline (and said so); per_doubling = 0 is allowed."""
