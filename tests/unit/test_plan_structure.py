@@ -213,11 +213,9 @@ AXIS_NAMES = frozenset({AX.TP, AX.PP, AX.DP, AX.CP, AX.EP})
 AXIS_MODULE = SRC / "spec" / "axes.py"
 ALLOWED: dict[str, int] = {
     "cli/lengths_arg.py": 1,
-    "cli/plan_cmd.py": 21,
+    "cli/plan_cmd.py": 4,  # SEARCHABLE_FIX: the parser is built without importing spec
     "cost/lengths.py": 7,
     "cost/step.py": 1,
-    "search/buckets.py": 2,
-    "search/driver.py": 6,
     "sim/buckets.py": 2,
     "sim/engine.py": 13,
     "sim/output.py": 12,

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 from meshplan.errors import MeshplanError
 
-SEARCHABLE_FIX = ("tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "recompute")
+SEARCHABLE_FIX = ("tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "recompute")  # (cheap to import: no spec)
 
 
 def add_parser(sub: Any, positive_int: Any) -> None:
@@ -250,7 +250,7 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[
         if key in seen:
             raise MeshplanError(f"--fix: {key} given twice", hint=f"list alternatives as {key}=a|b")
         seen.add(key)
-        if key in ("tp", "pp", "cp", "ep", "zero", "micro_batch"):
+        if key in SEARCHABLE_FIX[:6]:  # the integer degrees and sizes
             changes[key] = tuple(coerce(v, int, f"--fix {key}") for v in alts)
         elif key == "schedule":
             changes["schedules"] = tuple(alts)
@@ -445,26 +445,27 @@ def check_gpus(model: Any, cluster: Any, work: Any, space: Any) -> None:
     pools is not checked: its plans may use part of it, e.g. one pool alone.)"""
     from meshplan.search.sizes import nice_sizes, node_size
     from meshplan.search.space import most_gpus
+    from meshplan.spec.axes import AX
     if len(cluster.pools) > 1:
         return
     most, d = most_gpus(model, cluster, work, space)
     n = cluster.num_gpus
     if n <= most:
         return
-    per_seq = min(most, d["dp"] * d["tp"])
+    per_seq = min(most, d[AX.DP] * d[AX.TP])
     sizes = nice_sizes(1, per_seq, node_size(cluster)) or [per_seq]
     try_n = sizes[-1]
     shape = ""
-    if try_n % d["tp"] == 0 and d["dp"] % (try_n // d["tp"]) == 0:
-        k = d["dp"] // (try_n // d["tp"])
-        shape = f" (tp={d['tp']} x dp={try_n // d['tp']}, {k} sequence{'' if k == 1 else 's'} per replica)"
+    if try_n % d[AX.TP] == 0 and d[AX.DP] % (try_n // d[AX.TP]) == 0:
+        k = d[AX.DP] // (try_n // d[AX.TP])
+        shape = f" (tp={d[AX.TP]} x dp={try_n // d[AX.TP]}, {k} sequence{'' if k == 1 else 's'} per replica)"
     from meshplan.spec.capabilities import capabilities
     caps = capabilities(model)
     heads = f"{caps.heads[0][0]} heads, " if caps.heads else ""
     raise MeshplanError(
         f"a global batch of {work.global_batch} cannot use {n:,} GPUs: with {model.name}'s "
         f"{heads}{caps.blocks} layers and {work.seq_len:,}-token sequences a plan "
-        f"uses at most {most:,} (tp {d['tp']} x cp {d['cp']} x pp {d['pp']} x dp {d['dp']}, one sequence per "
+        f"uses at most {most:,} (tp {d[AX.TP]} x cp {d[AX.CP]} x pp {d[AX.PP]} x dp {d[AX.DP]}, one sequence per "
         "data-parallel replica)",
         hint=f"use fewer GPUs, e.g. --cluster {cluster.gpu.name}:{try_n}{shape} or --gpus "
              f"{min(try_n, node_size(cluster))}..{try_n}; or raise --global-batch")

@@ -37,6 +37,7 @@ from meshplan.cost.lengths import anchor_lengths
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
 from meshplan.search.result import ParetoPoint, RankedPlan, SearchResult, rank_key
+from meshplan.spec.axes import AX
 from meshplan.spec.buckets import Bucket
 from meshplan.spec.plan import Plan, Workload, microbatches, parse_plan
 from meshplan.spec.support import export_targets
@@ -101,7 +102,7 @@ def base_key(p: Plan) -> tuple:
     """A configuration up to its split of dp x cp, its micro-batch and its ZeRO sharding (the best
     of those stands for it), but with its token budget (micro_batch / cp: the tokens per rank it
     holds, relative to the longest length)."""
-    fields = tuple(sorted((k, v) for k, v in p.flat_dict().items() if k not in ("dp", "cp", "micro_batch", "buckets",
+    fields = tuple(sorted((k, v) for k, v in p.flat_dict().items() if k not in (AX.DP, AX.CP, "micro_batch", "buckets",
                                                                           "shard_group", "zero")))
     return (*fields, ("budget", p.micro_batch / p.cp))
 

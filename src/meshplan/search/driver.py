@@ -56,6 +56,7 @@ from meshplan.search.pools import SHORTLIST, budget_pools, rank_over_pools
 from meshplan.search.result import ClusterCount, ParetoPoint, RankedPlan, SearchResult, apply_deadline, merge
 from meshplan.search.sizes import MAX_GPUS
 from meshplan.search.space import SearchSpace, enumerate_space
+from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec, PooledCluster
 from meshplan.spec.constraints import violations
 from meshplan.spec.graph import LayerGraph
@@ -99,7 +100,7 @@ def _prepare(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: Sear
     masks = violation_masks(model, cluster, work, cols, export_only=space.allow_export_only)
     reason = first_violation(masks, n)
     if work.varied and not space.buckets:  # no bucket stage: cp > 1 without a pipeline does not run
-        cp, pp = np.asarray(cols["cp"]), np.asarray(cols["pp"])
+        cp, pp = np.asarray(cols[AX.CP]), np.asarray(cols[AX.PP])
         reason[(reason < 0) & (cp > 1) & (pp == 1)] = reason_names().index(VARIED_CP)
     reason[reason < 0] = -2
     ok = np.nonzero(reason == -2)[0]
@@ -275,7 +276,7 @@ def _base_pool(scans: list[_Scan], work: Workload, most: int = 30) -> list[Plan]
     largest cluster size: the bucket stage's candidate bases."""
     s = max(scans, key=lambda x: x.cluster.num_gpus)
     feas = np.nonzero(s.reason == -1)[0]
-    pp, ep = np.asarray(s.cols["pp"])[feas], np.asarray(s.cols["ep"])[feas]
+    pp, ep = np.asarray(s.cols[AX.PP])[feas], np.asarray(s.cols[AX.EP])[feas]
     rows = feas[(pp == 1) & (ep == 1)]
     out: list[Plan] = []
     seen: set[tuple] = set()
@@ -302,7 +303,7 @@ def _best_runnable_one_shape(scans: list[_Scan], model: ModelSpec, work: Workloa
         feas = np.nonzero(s.reason == -1)[0]
         if not len(feas):
             continue
-        cp, pp = np.asarray(s.cols["cp"])[feas], np.asarray(s.cols["pp"])[feas]
+        cp, pp = np.asarray(s.cols[AX.CP])[feas], np.asarray(s.cols[AX.PP])[feas]
         ok = feas[~((cp > 1) & (pp == 1))]
         for j in ok[np.argsort(s.res[key][ok])][:8]:  # the first the runtime runs as planned
             plan = s.cols.plan(int(j))
