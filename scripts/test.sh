@@ -17,6 +17,9 @@ done
 if [ "$fast" = 1 ]; then
   workers=()
   .venv/bin/python -c "import xdist" 2>/dev/null && workers=(-n "${MESHPLAN_TEST_WORKERS:-2}")
+  # One BLAS/OpenMP thread per worker: two workers with a thread per core each oversubscribe 2 cores
+  # (the tier took twice as long).
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   exec .venv/bin/python -m pytest tests -m "not slow and not dist and not browser and not export_tools" \
     ${workers[@]+"${workers[@]}"} ${args[@]+"${args[@]}"}
 fi
