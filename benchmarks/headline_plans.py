@@ -36,7 +36,8 @@ from meshplan.cost import estimate  # noqa: E402
 from meshplan.search import search  # noqa: E402
 from meshplan.spec.io import load_cluster, load_model  # noqa: E402
 from meshplan.spec.plan import Workload, parse_plan  # noqa: E402
-from meshplan.spec.support import export_targets, microbatches, runtime_violations  # noqa: E402
+from meshplan.spec.plan import microbatches  # noqa: E402
+from meshplan.spec.support import export_targets, runtime_violations  # noqa: E402
 
 CASES = [
     {"name": "GPT-3 175B / 1024 x A100-80GB", "model": "gpt3-175b", "cluster": "a100-sxm-80gb:1024",
@@ -58,7 +59,7 @@ CASES = [
 
 def describe(model, cluster, plan, work) -> dict:
     r = estimate(model, cluster, plan, work)
-    micro = microbatches(plan, work.global_batch)
+    micro = microbatches(work.global_batch, plan.dp, plan.micro_batch)
     bad = runtime_violations(plan, micro, model)
     return {"plan": plan.short(), "step_time_s": r.step_time_s, "mfu": r.mfu, "peak_gib": r.peak_memory_gib,
             "usable_gib": r.usable_memory_gib, "fits": r.fits, "at_risk": r.at_risk,

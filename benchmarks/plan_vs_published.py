@@ -64,7 +64,8 @@ from meshplan.errors import MeshplanError  # noqa: E402
 from meshplan.search import SearchSpace, search  # noqa: E402
 from meshplan.search.explain import compare_line  # noqa: E402
 from meshplan.spec.plan import Plan  # noqa: E402
-from meshplan.spec.support import export_targets, microbatches  # noqa: E402
+from meshplan.spec.plan import microbatches  # noqa: E402
+from meshplan.spec.support import export_targets  # noqa: E402
 from meshplan.validate.report import default_runs_path  # noqa: E402
 from meshplan.validate.runs import load_runs  # noqa: E402
 
@@ -100,7 +101,7 @@ def space_for(case: Any) -> SearchSpace:
 
 def export_only(case: Any) -> bool:
     """Whether meshplan's runtime would refuse the published plan or run it otherwise (spec.support)."""
-    return export_targets(case.plan, microbatches(case.plan, case.work.global_batch), case.model) is not None
+    return export_targets(case.plan, microbatches(case.work.global_batch, case.plan.dp, case.plan.micro_batch), case.model) is not None
 
 
 def cli_flags(case: Any) -> str:
