@@ -279,3 +279,15 @@ def test_train_parser_takes_the_plan_file(plan_file):
     argv = worker_argv(args)
     assert argv[argv.index("--model") + 1] == "llama3-8b" and argv[argv.index("--seq-len") + 1] == "2048"
     assert argv[argv.index("--global-batch") + 1] == "8" and "--override" in argv
+
+
+def test_a_distribution_for_a_file_planned_at_one_length_needs_override(capsys, plan_file):
+    """--seq-len DIST against a file planned at one length is a clash like any other recorded input:
+    an error naming both, unless --override (then one note); a distribution of the file's length alone
+    agrees with it."""
+    rc, _, err = run(capsys, "estimate", "--plan", str(plan_file), "--seq-len", "1024:0.5,2048:0.5")
+    one_line_error(rc, err, "1024:0.5,2048:0.5", "sequence length 2048", "--override")
+    d, err = estimate_json(capsys, "--plan", str(plan_file), "--seq-len", "1024:0.5,2048:0.5", "--override")
+    assert "replaces the plan file's sequence length 2048" in err and d["seq_len"] == 2048
+    d, err = estimate_json(capsys, "--plan", str(plan_file), "--seq-len", "2048:1")
+    assert not err and d["seq_len"] == 2048

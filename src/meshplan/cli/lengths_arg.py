@@ -56,17 +56,25 @@ def stash(args: argparse.Namespace) -> None:
         args.seq_len = None
 
 
-def file_lengths(args: argparse.Namespace) -> tuple[str | None, str | None]:
-    """(lengths, packing) a plan file given as --plan records (None, None for a plan string)."""
+def _plan_file_doc(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The plan file given as --plan, read (None for a plan string or a file that is not a plan file:
+    the plan's own reading says why, in its words)."""
     from meshplan.spec.io import is_file_arg, read_data_file
     plan = getattr(args, "plan", None)
     if not is_file_arg(plan):
-        return None, None
+        return None
     try:
         data = read_data_file(plan)
-    except MeshplanError:  # not a readable plan file: the plan's own reading says why, in its words
-        return None, None
-    if not isinstance(data, dict) or "plan" not in data:
+    except MeshplanError:
+        return None
+    return data if isinstance(data, dict) and "plan" in data else None
+
+
+def file_lengths(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(lengths, packing) a plan file given as --plan records (None, None for a plan string)."""
+    plan = getattr(args, "plan", None)
+    data = _plan_file_doc(args)
+    if data is None:
         return None, None
     text, packing = data.get("lengths"), data.get("packing")
     if text is not None and not isinstance(text, str):
@@ -97,6 +105,8 @@ def _lengths_of(args: argparse.Namespace) -> Any:
     ftext, fpacking = file_lengths(args)
     if ftext is not None and (text is not None or packing is not None):
         _check_file_lengths(args, ftext, fpacking, text, packing)  # replaced only with --override
+    if ftext is None and text is not None:  # a distribution for a file planned at one length
+        _check_file_seq_len(args, parse_lengths(text, packing or "padded"))
     one = getattr(args, "seq_len", None)
     if ftext is not None and text is None and one is not None:  # one length for the file's distribution
         if not getattr(args, "override", False):
@@ -113,6 +123,22 @@ def _lengths_of(args: argparse.Namespace) -> Any:
                   "length); give a distribution, e.g. --seq-len 2048:0.6,8192:0.3,32768:0.1", file=sys.stderr)
         return None
     return parse_lengths(text, packing or fpacking or "padded")
+
+
+def _check_file_seq_len(args: argparse.Namespace, mine: Any) -> None:
+    """--seq-len DIST against the one sequence length a plan file records: a distribution whose only
+    length is the file's passes; otherwise an error unless --override (then a note says what replaces
+    what), as for the file's other recorded inputs."""
+    data = _plan_file_doc(args)
+    theirs = None if data is None else data.get("seq_len")
+    if not isinstance(theirs, int) or isinstance(theirs, bool) or (len(mine.lengths) == 1 and mine.max_len == theirs):
+        return
+    clash = f"--seq-len {mine.text()} disagrees with the plan file's sequence length {theirs}"
+    if not getattr(args, "override", False):
+        raise MeshplanError(clash + "; drop --seq-len or pass --override",
+                            hint=f"{args.plan} records the sequence length it was planned for (every sample "
+                                 f"{theirs} tokens)")
+    print("meshplan: note: --override: " + clash.replace("disagrees with", "replaces"), file=sys.stderr)
 
 
 def _check_file_lengths(args: argparse.Namespace, ftext: str, fpacking: str | None, text: str | None,
