@@ -178,3 +178,79 @@ def test_a_bucket_plan_over_pools_comes_out_of_the_search_when_it_wins():
     assert best is not None and best.plan.buckets is not None and best.plan.pool_dp == (4, 4)
     assert best.plan.dp_shares is None and best.step_time_s < min(e.step_time_s for e in r.alone.values() if e)
     assert best.step_time_s == pytest.approx(estimate(g, c, best.plan, w).step_time_s, rel=1e-12)
+
+
+# ---- review fixes: the winner on the plot, per-budget explanations, budgets that take no GPU,
+# report's options, export of a plan on one pool ----
+
+def test_plot_stars_the_winner_in_a_colour_the_front_never_takes(capsys, cluster_file, tmp_path):
+    """The pooled plot draws the winner (it has no RankedPlan: its PooledEstimate), and on both
+    kinds of cluster the winner's red star is a colour of no front point (viridis, which ends yellow)."""
+    import re
+
+    from meshplan.report.charts import WINNER_COLOR
+    from meshplan.svg import viridis
+    assert WINNER_COLOR not in {viridis(k / 100) for k in range(101)}
+    for cluster, name in ((cluster_file, "pools.svg"), ("h100-sxm-80gb:2", "one.svg")):
+        path = tmp_path / name
+        rc, out, err = _plan(capsys, cluster, "--plot", str(path), *(() if cluster == cluster_file else
+                                                                      ("--fix", "tp=1|2,pp=1")))
+        assert rc == 0, err
+        svg = path.read_text()
+        winner = re.findall(r'<polygon data-mark="winner"[^>]*fill="([^"]+)"', svg)
+        assert winner == [WINNER_COLOR], name
+        assert "winner (star)" in svg
+        fronts = re.findall(r'<circle data-mark="front"[^>]*fill="([^"]+)"', svg)
+        assert fronts and WINNER_COLOR not in fronts
+
+
+def test_gpus_explains_from_the_plans_of_every_budget(capsys, cluster_file):
+    """--gpus 8,16 by cost: the 8-GPU budget (the H100 pool alone) wins, and the explanation of the
+    plans over several pools is of the 16-GPU budget's plans, which the table lists; the 16-GPU
+    line says its best uses 8 of the GPUs; --train-tokens gives the run's dollars and days."""
+    rc, text, err = _plan(capsys, cluster_file, "--gpus", "8,16", "--objective", "cost", "--train-tokens", "1B")
+    assert rc == 0, err
+    assert "found no plan over several pools" not in text and "none of the shapes tried" not in text
+    assert "the best plan over several pools costs more" in text
+    assert "pools=a100:h100" in text  # in the table too
+    assert "$ to train" in text and "days" in text
+    line16 = next(line for line in text.splitlines() if line.strip().startswith("16 GPUs:"))
+    assert "using 8 of the 16 GPUs" in line16
+    r = search(load_model("gpt3-125m"), [cluster_from_dict(POOLS).replace(max_gpus=n) for n in (8, 16)],
+               Workload(global_batch=64, seq_len=2048), objective="cost")
+    assert r.best_multi is not None and r.best_by_kind["replicas on pools"] is not None
+    assert [c.used_gpus for c in r.per_cluster] == [8, r.per_cluster[1].used_gpus] and r.per_cluster[1].used_gpus
+
+
+def test_a_missed_deadline_prints_no_empty_table(capsys, cluster_file):
+    rc, out, err = _plan(capsys, cluster_file, "--train-tokens", "1T", "--deadline", "0.001")
+    assert rc == 2 and "within 0.001 days" in err and "1T tokens" in err
+    assert "GPUs  $/M tok" not in out and "no plan meets the 0.001-day deadline" in out
+
+
+def test_a_budget_that_takes_no_whole_node_is_an_error_up_front(capsys, cluster_file):
+    for gpus in ("3", "8,3"):
+        rc, out, err = _plan(capsys, cluster_file, "--gpus", gpus)
+        assert rc == 2 and out == "" and "3 GPUs is not a whole number of the pools' 8-GPU nodes" in err
+        assert err.count("\n") == 1 and "1, 2, 4" in err
+
+
+def test_report_help_leaves_out_deadline(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    assert "--deadline" not in capsys.readouterr().out
+
+
+def test_a_plan_on_one_pool_exports_as_that_pools_plan(capsys, cluster_file, tmp_path):
+    out = str(tmp_path / "h8.json")
+    rc, _, err = _plan(capsys, cluster_file, "--gpus", "8", "--out", out)
+    assert rc == 0, err
+    assert json.loads(open(out).read())["plan"]["pools"] == ["h100"]
+    assert main(["export", "--plan", out, "--to", "torchtitan"]) == 0
+    text = capsys.readouterr().out
+    assert "# cluster: h100" in text and "data_parallel_shard_degree = 8" in text and "pools" not in text
+    # several pools, or uneven shares: refused
+    for plan in ("tp=1,dp=16,micro_batch=1,pools=a100:h100,pool_dp=8:8", "dp=8,micro_batch=1,dp_shares=1:3,pools=h100"):
+        rc = main(["export", "--plan", plan, "--to", "torchtitan", "--cluster", cluster_file, *ARGS])
+        err = capsys.readouterr().err
+        assert rc == 2 and ("several GPU pools" in err or "uneven dp_shares" in err) and "Traceback" not in err

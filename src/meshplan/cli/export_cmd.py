@@ -72,21 +72,25 @@ def build_input(args: argparse.Namespace) -> Any:
     from meshplan.spec.model import ModelSpec
     from meshplan.spec.plan import Workload
     inputs = resolve(args, fields=("model", "cluster", "global_batch", "seq_len"))
-    if inputs.cluster_arg is not None and len(inputs.cluster().pools) > 1:
-        raise MeshplanError(f"export: {inputs.cluster_arg} is a cluster of several GPU pools; torchtitan, Megatron-LM "
-                            "and DeepSpeed launch one GPU type with even data-parallel shares",
-                            hint="run it with meshplan train; to export, plan on one pool's GPU type (e.g. "
-                                 "meshplan plan --cluster h100-sxm-80gb:64 ... --out p.json) and export that plan")
     plan = inputs.plan
     if plan.multi_pool or (plan.dp_shares is not None and len(set(plan.replica_shares)) > 1):
-        raise MeshplanError(f"export: {plan.short()} uses {'several pools' if plan.multi_pool else 'uneven dp_shares'}"
-                            f", which {args.to} cannot express",
+        what = "several GPU pools" if plan.multi_pool else "uneven dp_shares"
+        raise MeshplanError(f"export: {plan.short()} uses {what}, which {args.to} cannot express (it launches one "
+                            "GPU type with even data-parallel shares)",
                             hint="run it with `meshplan train`, or export a plan with even shares on one pool")
     if plan.buckets is not None:
         raise MeshplanError(f"export: {plan.short()} sets the micro-batch and context parallelism per length bucket, "
                             f"which {args.to} cannot express (one micro-batch size and cp for every sample)",
                             hint="run it with `meshplan train`, or export the one-shape plan without buckets "
                                  f"(micro_batch={plan.micro_batch}, cp={plan.cp})")
+    cluster = inputs.cluster() if inputs.cluster_arg is not None else None  # sizes node/dc replica groups
+    if cluster is not None and len(cluster.pools) > 1:  # a plan on one pool: that pool's plan
+        if not plan.pools:
+            raise MeshplanError(f"export: {inputs.cluster_arg} is a cluster of several GPU pools and {plan.short()} "
+                                f"names none; {args.to} launches one GPU type",
+                                hint=f"name the pool in the plan (pools=NAME; its pools: {', '.join(cluster.names)}), "
+                                     "or give --cluster of that pool's GPU type")
+        cluster = cluster.pool(plan.pools[0])
     if plan.pools or plan.dp_shares:
         plan = plan.replace(pools=None, pool_dp=None, pool_pp=None, dp_shares=None)
     model = None
@@ -107,7 +111,6 @@ def build_input(args: argparse.Namespace) -> Any:
     if seq is None and isinstance(model, ModelSpec):
         seq = model.seq_len
     Workload(global_batch=gb or 1, seq_len=seq or 1)  # the bounds every command applies
-    cluster = inputs.cluster() if inputs.cluster_arg is not None else None  # sizes node/dc replica groups
     return ExportInput(plan=plan, model=model, global_batch=gb, seq_len=seq, cluster=cluster)
 
 

@@ -303,6 +303,16 @@ def cluster_sizes(args: argparse.Namespace) -> list[Any]:
         if over:
             note(args, f"--gpus {args.gpus}: the pools of {cluster.name} hold {held:,} GPUs in all: "
                        f"{', '.join(map(str, over))} left out")
+        from meshplan.search.pools import budget_pools
+        for n in sizes:  # a budget takes whole nodes (or a divisor of one), fastest pool first
+            if not budget_pools(cluster.replace(max_gpus=n)):
+                nodes = sorted({p.gpus_per_node for p in cluster.pools}, reverse=True)
+                node = " or ".join(map(str, nodes))
+                part = sorted({d for g in nodes for d in range(1, g) if g % d == 0})
+                raise MeshplanError(f"--gpus {args.gpus}: {n} GPUs is not a whole number of the pools' {node}-GPU "
+                                    f"nodes, nor a divisor of one node (a budget takes whole nodes, fastest pool "
+                                    "first)", hint=f"e.g. --gpus {nodes[-1]}, or part of one node: "
+                                                   + ", ".join(map(str, part)))
     text = str(args.cluster)
     name, colon, count = text.partition(":")
     if colon and count and not text.lower().endswith((".toml", ".json")):
@@ -589,7 +599,11 @@ def search_sizes(model: Any, clusters: list[Any], work: Any, space: Any, *, obje
         results.append(r)
     if len(errors) == len(clusters):
         raise errors[0]
-    result = merge(results, top)
+    if all(r.pooled for r in results):  # GPU budgets of one cluster of pools: explained from the merged plans
+        from meshplan.search.pools import merge_budgets
+        result = merge_budgets(results, top)
+    else:
+        result = merge(results, top)
     result.train_tokens, result.deadline_days = tokens, deadline
     return result
 
@@ -812,6 +826,9 @@ def _per_size(result: Any, tokens: float | None) -> list[str]:
         else:
             best = f"{t:.3f} s, ${d:.3f}/M tokens"
         extra = f", {pc.over_deadline:,} over the deadline" if pc.over_deadline else ""
+        used = getattr(pc, "used_gpus", None)  # on pools: a budget's best plan may use fewer GPUs
+        if used is not None and used != pc.num_gpus:
+            best += f", using {used:,} of the {pc.num_gpus:,} GPUs"
         lines.append(n + f"{best} ({pc.feasible:,} feasible{extra})" + ("  <- winner" if pc.num_gpus == win else ""))
     return lines
 
@@ -1015,8 +1032,9 @@ def _pooled_output(args: argparse.Namespace, result: Any, cost: Any, tokens: flo
         print("\n".join(cost.lines() + [pooled_text(result, tokens, price)]))
     if result.best_pooled is None:
         if result.deadline_days is not None and result.rejected.get("over the deadline"):
-            raise MeshplanError(f"no plan trains {tokens:,.0f} tokens of {model.name} within {result.deadline_days:g} "
-                                f"days on {result.clusters[0].name}: "
+            from meshplan.search.result import token_count
+            raise MeshplanError(f"no plan trains {token_count(tokens)} tokens of {model.name} within "
+                                f"{result.deadline_days:g} days on {result.clusters[0].name}: "
                                 + result.reject_examples.get("over the deadline", ""),
                                 hint="raise --deadline, train fewer tokens, or add GPUs to the pools")
         raise MeshplanError(f"no plan fits {model.name} on any pool of {result.clusters[0].name} with global batch "
@@ -1035,7 +1053,9 @@ def pooled_text(result: Any, tokens: float | None = None, price: dict[str, Any] 
     pc, work = result.clusters[0], result.work
     d = work.lengths
     dist = "" if d is None or len(d.lengths) == 1 else f" (lengths {d.text()})"
-    lines = [f"{result.model.name} on {pc.name} ({pc.describe()}; {pc.num_gpus} GPUs), {workload_text(work)}{dist}, "
+    gpus = (f"budgets of {', '.join(str(c.num_gpus) for c in result.per_cluster)} GPUs"
+            if len(result.per_cluster) > 1 else f"{pc.num_gpus} GPUs")
+    lines = [f"{result.model.name} on {pc.name} ({pc.describe()}; {gpus}), {workload_text(work)}{dist}, "
              f"objective {result.objective}"]
     if price is not None and price["source"] == "--price-per-gpu-hour":
         each = ", ".join(f"{k} ${v:,.2f}" for k, v in price["usd_per_gpu_hour"].items())
@@ -1047,10 +1067,17 @@ def pooled_text(result: Any, tokens: float | None = None, price: dict[str, Any] 
     lines += [f"searched {result.considered:,} plans in {result.search_time_s:.1f} s (every pool alone, replicas on "
               "every pool, pipeline stages on every pool)", ""]
     lines += result.explanation
-    lines += ["", f"{'step':>10} {'GPUs':>5} {'$/M tok':>8} {'MFU':>5}  plan"]
-    for e in result.pooled_plans:
-        lines.append(f"{human_seconds(e.step_time_s):>10} {e.num_gpus:5d} {e.usd_per_m_tokens:8.3f} {100 * e.mfu:4.0f}%  "
-                     f"{e.plan.short()}")
+    if result.pooled_plans:  # (none: the error says why, without an empty table)
+        from meshplan.search.explain import usd
+        from meshplan.search.result import train_days
+        train = f" {'$ to train':>12} {'days':>8}" if tokens is not None else ""
+        lines += ["", f"{'step':>10} {'GPUs':>5} {'$/M tok':>8}{train} {'MFU':>5}  plan"]
+        for e in result.pooled_plans:
+            if tokens is not None:  # the whole run, as on one GPU type
+                days = float(train_days(e.step_time_s, work.tokens, tokens))
+                train = f" {usd(e.usd_per_m_tokens * tokens / 1e6):>12} {days:8,.1f}"
+            lines.append(f"{human_seconds(e.step_time_s):>10} {e.num_gpus:5d} {e.usd_per_m_tokens:8.3f}{train} "
+                         f"{100 * e.mfu:4.0f}%  {e.plan.short()}")
     if len(result.per_cluster) > 1:
         lines += [""] + _per_size(result, tokens)
     if result.deadline_days is not None and result.reject_examples.get("over the deadline"):

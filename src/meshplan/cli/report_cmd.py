@@ -22,6 +22,10 @@ from meshplan.errors import MeshplanError
 
 NOT_FROM_PLAN = frozenset({"help", "json", "out", "plot"})
 """`meshplan plan` options that make no sense here (--out is redefined: the HTML file)."""
+NOT_IN_HELP = frozenset({"deadline"})
+"""`meshplan plan` options the report does not take but still parses, so that giving one is a
+one-line error naming `meshplan plan` (plan_cmd.deadline_days), not an unknown option; its help
+leaves them out (the page ranks plans without a deadline)."""
 FROM_PLAN_FILE = ("model", "cluster", "global_batch", "seq_len")
 """Options that ``--plan FILE`` gives (required without it)."""
 
@@ -51,6 +55,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             action = copy.copy(action)
             action.required = False
             action.help = (action.help or "") + FROM_FILE
+        if action.dest in NOT_IN_HELP:
+            action = copy.copy(action)
+            action.help = argparse.SUPPRESS
+        elif action.help and "; the default with --deadline" in action.help:  # --objective
+            action = copy.copy(action)
+            action.help = action.help.replace("; the default with --deadline", "")
         p._add_action(action)  # what ArgumentParser(parents=...) does, less the options above
     p.add_argument("--plan", help="a plan file from `meshplan plan --out`: the model, cluster, global batch and "
                                   "seq len it was planned for (the report searches that problem again)")

@@ -56,7 +56,7 @@ def pareto_plot(result: SearchResult, y: str, usable_gib: float | None = None) -
     front = [p for p in result.pareto if math.isfinite(getattr(p, ykey)) and math.isfinite(p.step_time_s)]
     extra_y = [usable_gib] if (y == "memory" and usable_gib) else []
     hidden = 0
-    near = [p.step_time_s for p in front] + [p.report.step_time_s for p in result.plans]
+    near = [p.step_time_s for p in front] + [t for _, t, _, _ in _ranked(result, ykey)]
     if near and len(xs):  # the time axis covers the front (and the top plans), not the slowest plans
         lo, hi = min(min(near), float(xs.min())), max(near)
         cut = hi + 0.3 * (hi - lo) if hi > lo else 1.3 * hi
@@ -97,7 +97,7 @@ def pareto_plot(result: SearchResult, y: str, usable_gib: float | None = None) -
                     f"{hidden:,} slower plans not shown</text>")
     body += color_bar(W - right - 150, 16, 150, 8, num(clo), num(chi), f"front colour: {ctitle}",
                       f"cbar-{y}")
-    key, _ = legend([("#bbb", "all feasible plans"), ("#f5c518", "winner")], left, 8, 260)
+    key, _ = legend([("#bbb", "all feasible plans"), (WINNER_COLOR, "winner (star)")], left, 8, 260)
     body += key
     return svg(f"pareto-{y}", W, H, body, f"step time against {ylabel}: feasible plans and Pareto front")
 
@@ -137,29 +137,45 @@ def _vscale(s, v: np.ndarray) -> np.ndarray:
     return s.a + t * (s.b - s.a)
 
 
+WINNER_COLOR = "#e8112d"
+"""The winner's star: red, a colour the front's viridis scale (purple to yellow) never takes."""
+
+
+def _ranked(result: SearchResult, ykey: str) -> list[tuple[int, float, float, str]]:
+    """(rank, step time, ``ykey`` value, tooltip) of the top plans, best first: the ranked plans
+    of one GPU type, or on a cluster of several pools its ranked plans over them (``pooled_plans``)."""
+    out = []
+    if result.pooled:
+        for k, e in enumerate(result.pooled_plans or (), 1):
+            yv = e.peak_memory_gib if ykey == "peak_memory_gib" else e.usd_per_m_tokens
+            out.append((k, e.step_time_s, yv, f"#{k} {e.plan.short()}\n{seconds3(e.step_time_s)} s, "
+                        f"{e.peak_memory_gib:.1f} GiB, ${seconds3(e.usd_per_m_tokens)}/M, {e.num_gpus} GPUs"))
+        return out
+    for p in result.plans:
+        r = p.report
+        yv = r.peak_memory_gib if ykey == "peak_memory_gib" else p.usd_per_mtok
+        out.append((p.rank, r.step_time_s, yv, f"#{p.rank} {p.plan.short()}\n{seconds3(r.step_time_s)} s, "
+                    f"{r.peak_memory_gib:.1f} GiB, ${seconds3(p.usd_per_mtok)}/M"))
+    return out
+
+
 def _ranked_marks(result: SearchResult, sx, sy, ykey: str) -> list[str]:
     """The top plans (circles, labelled #k where the label overlaps no other) and the winner
-    (a star, drawn last so it stays on top)."""
-    placed = []
-    for p in result.plans:
-        yv = p.report.peak_memory_gib if ykey == "peak_memory_gib" else p.usd_per_mtok
-        if math.isfinite(yv) and math.isfinite(p.report.step_time_s):
-            placed.append((p, sx(p.report.step_time_s), sy(yv)))
+    (a large red star, drawn last so it stays on top)."""
+    placed = [(rank, sx(t), sy(yv), tip) for rank, t, yv, tip in _ranked(result, ykey)
+              if math.isfinite(yv) and math.isfinite(t)]
     marks, labels, star_mark = [], [], []
     taken: list[tuple[float, float]] = []
-    for p, x, yy in placed:
-        r = p.report
-        tip = (f"#{p.rank} {p.plan.short()}\n{seconds3(r.step_time_s)} s, {r.peak_memory_gib:.1f} GiB, "
-               f"${seconds3(p.usd_per_mtok)}/M")
-        if p.rank == 1:
-            star_mark.append(f'<polygon data-mark="winner" points="{star(x, yy)}" fill="#f5c518" stroke="#222" '
-                             f'stroke-width="0.8">{title("winner " + tip)}</polygon>')
+    for rank, x, yy, tip in placed:
+        if rank == 1:
+            star_mark.append(f'<polygon data-mark="winner" points="{star(x, yy, 11.0)}" fill="{WINNER_COLOR}" '
+                             f'stroke="#222" stroke-width="1">{title("winner " + tip)}</polygon>')
         else:
             marks.append(f'<circle data-mark="ranked" cx="{f1(x)}" cy="{f1(yy)}" r="6" fill="none" stroke="#222" '
                          f'stroke-width="1">{title(tip)}</circle>')
             if not all(abs(x - a) > 22 or abs(yy - b) > 12 for a, b in taken):
                 continue
-            labels.append(f'<text class="rank" x="{f1(x + 7)}" y="{f1(yy - 6)}">#{p.rank}</text>')
+            labels.append(f'<text class="rank" x="{f1(x + 7)}" y="{f1(yy - 6)}">#{rank}</text>')
         taken.append((x, yy))
     return marks[::-1] + labels + star_mark
 

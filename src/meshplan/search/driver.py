@@ -52,8 +52,8 @@ from meshplan.search.buckets import POOL, base_key, data_aware
 from meshplan.search.evaluate import EXPOSED_TERMS, FLOAT_COLUMNS, empty_columns, evaluate
 from meshplan.search.nearest import nearest_options
 from meshplan.search.pareto import pareto_mask, usd_per_million_tokens
-from meshplan.search.pools import SHORTLIST, budget_pools, rank_over_pools
-from meshplan.search.result import ClusterCount, ParetoPoint, RankedPlan, SearchResult, apply_deadline, merge
+from meshplan.search.pools import SHORTLIST, budget_pools, merge_budgets, rank_over_pools
+from meshplan.search.result import ClusterCount, ParetoPoint, RankedPlan, SearchResult, apply_deadline
 from meshplan.search.sizes import MAX_GPUS
 from meshplan.search.space import SearchSpace, enumerate_space
 from meshplan.spec.axes import AX
@@ -203,9 +203,9 @@ def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | PooledCluster 
         return _search_pools(model, clusters, work, space, params=params, objective=objective, top=top,
                              deadline=deadline)
     if not isinstance(clusters, ClusterSpec) and any(isinstance(c, PooledCluster) for c in clusters):
-        # several GPU budgets of one cluster of pools: each searched, then merged (search.result.merge)
-        return merge([_search_pools(model, c, work, space, params=params, objective=objective, top=top,
-                                    deadline=deadline) for c in clusters], top)
+        # several GPU budgets of one cluster of pools: each searched, then merged (search.pools.merge_budgets)
+        return merge_budgets([_search_pools(model, c, work, space, params=params, objective=objective, top=top,
+                                            deadline=deadline) for c in clusters], top)
     t0 = time.perf_counter()
     clusters = checked_request(clusters, objective, top)
     space = space or SearchSpace()

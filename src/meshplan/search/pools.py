@@ -38,9 +38,10 @@ from meshplan.search.pareto import pareto_mask
 from meshplan.search.sizes import resized
 from meshplan.search.result import (
     OVER_DEADLINE,
-    ClusterCount,
     ParetoPoint,
+    PooledCount,
     SearchResult,
+    merge,
     pooled_key,
     token_count,
     train_days,
@@ -150,10 +151,10 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
                        pooled_plans=ranked[:top], alone=alone, best_multi=multi[0] if multi else None)
     why = None if ranked else (f"no plan meets the {deadline[1]:g}-day deadline" if over else
                                "no plan fits on any pool, alone or together")
-    out.per_cluster = [ClusterCount(cluster.num_gpus, considered, len(ranked),
-                                    ranked[0].step_time_s if ranked else None,
-                                    ranked[0].usd_per_m_tokens if ranked else None, over_deadline=len(over),
-                                    reason=why)]
+    out.per_cluster = [PooledCount(cluster.num_gpus, considered, len(ranked),
+                                   ranked[0].step_time_s if ranked else None,
+                                   ranked[0].usd_per_m_tokens if ranked else None, over_deadline=len(over),
+                                   reason=why, used_gpus=ranked[0].num_gpus if ranked else None)]
     if deadline is not None:
         out.train_tokens, out.deadline_days = deadline
         if over:
@@ -166,6 +167,16 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
     for kind, field_ in KINDS.items():
         out.best_by_kind[kind] = next((e for e in multi if getattr(e.plan, field_) is not None), None)
     out.explanation = explain(out)
+    return out
+
+
+def merge_budgets(results: list[SearchResult], top: int) -> SearchResult:
+    """The searches of one cluster of pools under several GPU budgets (--gpus) as one result
+    (search.result.merge: the top plans, and the best on each pool alone, over several pools and
+    of each kind, over every budget), explained from those merged plans."""
+    out = merge(results, top)
+    if len(results) > 1:
+        out.explanation = explain(out)
     return out
 
 
@@ -418,10 +429,14 @@ def explain(r: SearchResult) -> list[str]:
     lines: list[str] = []
     best = r.best_pooled
     if best is None:
-        lines.append("no plan fits on any pool, alone or together")
+        lines.append(f"no plan meets the {r.deadline_days:g}-day deadline on any pool, alone or together"
+                     if r.deadline_days is not None and r.rejected.get(OVER_DEADLINE) else
+                     "no plan fits on any pool, alone or together")
         return lines
     used = best.plan.pools or ()
     alone = {k: v for k, v in r.alone.items() if v is not None}
+    held = budget_pools(r.clusters[0]) if isinstance(r.clusters[0], PooledCluster) else []
+    one_pool = len(r.per_cluster) <= 1 and len(held) < 2  # a GPU budget (--gpus) that one pool holds
     if len(used) > 1:
         lines.append(f"uses {len(used)} pools ({', '.join(used)}): {_s(best.step_time_s)} per step")
         for p in best.parts:
@@ -453,9 +468,13 @@ def explain(r: SearchResult) -> list[str]:
                          "own search: over several pools its replicas take even shares (a bucket plan deals the "
                          "samples by length, not by speed), so the slower pool sets the step")
         m = r.best_multi
-        if m is None:
-            lines.append("  the search found no plan over several pools that fits with memory headroom among the "
-                         "replica and stage shapes it tried (each pool's best plans' shapes)")
+        if m is None and one_pool:
+            lines.append(f"  a budget of {r.clusters[0].num_gpus:,} GPUs takes them from one pool "
+                         f"({held[0].name if held else '?'}, the fastest first): no plan over several pools")
+        elif m is None:
+            lines.append("  the search found no plan over several pools that fits with memory headroom"
+                         + (" and meets the deadline" if r.deadline_days is not None else "")
+                         + " among the replica and stage shapes it tried (each pool's best plans' shapes)")
         elif r.objective == "cost":
             lines.append(f"  the best plan over several pools costs more: ${m.usd_per_m_tokens:.3f} vs "
                          f"${best.usd_per_m_tokens:.3f} per M tokens, though it takes {_fmt(m)} against "
@@ -467,8 +486,11 @@ def explain(r: SearchResult) -> list[str]:
             for p in m.parts:
                 lines.append(f"    {p.name}: {p.role}, {_s(p.step_s)}")
     for kind, e in r.best_by_kind.items():
+        if e is None and one_pool:
+            continue  # (one pool under the budget: said above)
         if e is None:
-            lines.append(f"  {kind}: none of the shapes tried fits with memory headroom")
+            lines.append(f"  {kind}: none of the shapes tried fits with memory headroom"
+                         + (" and meets the deadline" if r.deadline_days is not None else ""))
         elif e is not best:
             slow = max(e.parts, key=lambda p: p.step_s)
             sign = "+" if e.step_time_s >= best.step_time_s else "-"

@@ -85,6 +85,15 @@ class ClusterCount:
     some plan is)."""
 
 
+@dataclass(frozen=True)
+class PooledCount(ClusterCount):
+    """Counts of the search of a cluster of several pools under one GPU budget (--gpus)."""
+
+    used_gpus: int | None = None
+    """The GPUs the budget's best plan uses (a plan may use fewer than the budget: e.g. one pool
+    alone); None when no plan is feasible."""
+
+
 @dataclass
 class SearchResult:
     model: ModelSpec
@@ -396,6 +405,25 @@ def _merge_pooled(results: Sequence[SearchResult], top: int) -> SearchResult:
     out = dataclasses.replace(win, pooled_plans=plans[:top])
     if win.best_pooled is None:  # nothing anywhere: the largest budget speaks for all
         out = dataclasses.replace(max(results, key=lambda r: r.clusters[0].num_gpus), pooled_plans=[])
+    # the best on each pool alone, over several pools and of each kind: over every budget (the
+    # explanation, search.pools.merge_budgets, is of these, as is the table)
+
+    def best_of(es: Sequence[PooledEstimate | None]) -> PooledEstimate | None:
+        es = [e for e in es if e is not None]
+        return min(es, key=lambda e: pooled_key(e, objective)) if es else None
+    names = list(dict.fromkeys(k for r in results for k in r.alone))
+    out.alone = {k: best_of([r.alone.get(k) for r in results]) for k in names}
+    out.best_multi = best_of([r.best_multi for r in results])
+    kinds = list(dict.fromkeys(k for r in results for k in r.best_by_kind))
+    out.best_by_kind = {k: best_of([r.best_by_kind.get(k) for r in results]) for k in kinds}
+    front = {p.plan.short(): p for r in results for p in r.pareto}
+    if front:  # the front of every budget's plans (the --plot figure)
+        fs = list(front.values())
+        keep = pareto_mask(np.asarray([[p.step_time_s, p.peak_memory_gib, p.usd_per_mtok] for p in fs], dtype=float))
+        out.pareto = sorted((p for p, k in zip(fs, keep) if k), key=lambda p: (p.step_time_s, p.peak_memory_gib))
+    with_points = [r for r in results if r.points]
+    keys = [k for k in (with_points[0].points if with_points else {}) if all(k in r.points for r in with_points)]
+    out.points = {k: np.concatenate([np.asarray(r.points[k]) for r in with_points]) for k in keys}
     out.considered = sum(r.considered for r in results)
     out.evaluated = sum(r.evaluated for r in results)
     out.feasible = sum(r.feasible for r in results)
