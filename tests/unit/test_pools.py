@@ -59,7 +59,6 @@ def test_cluster_file_loads_pools_with_their_own_links():
 
 
 @pytest.mark.parametrize("data, words", [
-    ({"pools": [{"name": "a", "gpu": "h100-sxm-80gb", "num_nodes": 1}]}, "at least two"),
     ({"pools": [{"name": "a", "gpu": "h100-sxm-80gb", "num_nodes": 1},
                 {"name": "a", "gpu": "a100-sxm-80gb", "num_nodes": 1}]}, "used twice"),
     ({"pools": [{"gpu": "h100-sxm-80gb", "num_nodes": 1}, {"name": "b", "gpu": "a100-sxm-80gb", "num_nodes": 1}]},
@@ -416,3 +415,118 @@ def test_simulate_a_one_pool_plan_under_a_length_distribution(capsys):
                         "--seq-len", "2048:0.6,8192:0.3,32768:0.1",
                         "--plan", "tp=8,dp=8,micro_batch=1,dp_shares=5:3,pools=h100:a100,pool_dp=4:4", "--batches", "5")
     assert rc == 0 and "pool" in out and "a100" in out and "mean of 5 sampled batches" in out, err  # on both pools
+
+
+# review fixes: a plan over pools obeys the rules of a plan on one GPU type; its memory verdict in simulate;
+# no zero terms on one pool; a cluster file of one [[pools]] table
+
+
+@pytest.mark.parametrize("plan", [
+    "tp=2,pp=2,dp=4,zero=2,micro_batch=1,pools=a:b,pool_dp=2:2",  # replicas on pools
+    "tp=2,pp=2,dp=2,zero=2,micro_batch=1,pools=a:b,pool_pp=1:1",  # stages on pools
+    "tp=2,pp=2,dp=2,zero=2,micro_batch=1,pools=a",  # one pool of several
+])
+def test_a_plan_over_pools_is_refused_where_one_gpu_type_refuses_it(plan):
+    """spec.constraints on every pool's part (cost.batch.check), the pool named in the one-line reason."""
+    tiny, work = load_model("tiny-llama"), Workload(global_batch=32, seq_len=256)
+    one = parse_plan(plan.split(",pools")[0])
+    with pytest.raises(MeshplanError, match="zero=2 with pp > 1") as plain:
+        estimate(tiny, load_cluster(f"h100-sxm-80gb:{one.num_gpus}"), one, work)
+    with pytest.raises(MeshplanError, match="^plan cannot run: pool a: zero=2 with pp > 1") as pooled:
+        estimate(tiny, _pools(nodes=1), parse_plan(plan), work)
+    assert str(pooled.value).split("pool a: ")[1] == str(plain.value).split("plan cannot run: ")[1]
+
+
+@pytest.mark.parametrize("plan, rule", [
+    ("tp=2,pp=2,dp=2,zero=1,micro_batch=1,schedule=zero-bubble,pools=a:b,pool_pp=1:1", "schedule=zero-bubble"),
+    ("dp=16,zero=1,micro_batch=1,offload_optimizer=1,pools=a:b,pool_dp=8:8", "offload_optimizer without"),
+])
+def test_runtime_rules_of_every_pools_part_are_reported_and_never_ranked(capsys, plan, rule):
+    """spec.support on each pool's part, as on one GPU type: estimate says what meshplan train does
+    (text and --json), and the pooled search ranks only plans it runs as planned."""
+    tiny, work = load_model("tiny-llama"), Workload(global_batch=32, seq_len=256)
+    e = estimate(tiny, _pools(nodes=1), parse_plan(plan), work)
+    assert not e.runs_as_planned and {i["pool"] for i in e.runtime if rule in i["reason"]} == {"a", "b"}
+    assert e.to_dict()["runtime"]["runs_as_planned"] is False
+    ok = estimate(tiny, _pools(nodes=1), parse_plan("dp=16,zero=1,micro_batch=1,pools=a:b,pool_dp=8:8"), work)
+    assert ok.runs_as_planned and ok.to_dict()["runtime"] == {"runs_as_planned": True, "issues": []}
+    rc, out, err = _run(capsys, "estimate", "--model", "tiny-llama", "--cluster", EXAMPLE, "--global-batch", "32",
+                        "--seq-len", "256", "--plan", plan.replace("=a:b", "=h100:a100"))
+    assert rc == 0 and f"(pools h100, a100): {rule}" in out, err
+
+
+def test_the_pooled_search_ranks_no_plan_the_runtime_refuses(tmp_path):
+    """Stages on pools from a pool's zero=2 shape (pp=1 there) would be zero=2 under a pipeline:
+    estimate refuses it, so the pooled search skips it (it once ranked one)."""
+    from meshplan.cost.params import DEFAULT_PARAMS
+    from meshplan.search.pools import _stages_on_pools
+    c = load_cluster(_small_example(tmp_path))
+    tiny, work = load_model("tiny-llama"), Workload(global_batch=16, seq_len=256)
+    with pytest.raises(MeshplanError, match="pool h100: zero=2 with pp > 1"):
+        _stages_on_pools(as_graph(tiny, 256), c, parse_plan("dp=2,zero=2,micro_batch=1"), work, DEFAULT_PARAMS)
+    for e in search(tiny, c, work).pooled_plans:
+        assert e.runs_as_planned, e.plan.short()
+
+
+def test_simulate_of_a_plan_over_pools_says_its_memory_verdict(capsys, tmp_path):
+    common = ["--model", "gpt3-125m", "--cluster", _small_example(tmp_path), "--global-batch", "16",
+              "--seq-len", "1024"]
+    for plan, verdict in (("dp=8,micro_batch=1,pools=h100:a100,pool_dp=4:4", "fits"),
+                          ("dp=8,micro_batch=2,recompute=none,pools=h100:a100,pool_dp=4:4", None),
+                          ("dp=4,micro_batch=1,pools=h100", "fits")):
+        rc, out, err = _run(capsys, "estimate", *common, "--plan", plan, "--json")
+        assert rc == 0, err
+        est = json.loads(out)
+        rc, out, err = _run(capsys, "simulate", *common, "--plan", plan, "--json")
+        assert rc == 0, err
+        s = json.loads(out)
+        assert s["verdict"] == est["verdict"] and s["oom_probability"] == est["oom_probability"]
+        assert verdict is None or s["verdict"] == verdict
+        assert s["memory_pool"] in ("h100", "a100") and s["peak_memory_gib"] == max(
+            p["peak_memory_gib"] for p in est["pools"])
+        rc, out, err = _run(capsys, "simulate", *common, "--plan", plan)
+        assert rc == 0 and f"memory: {s['verdict']} (" in out and f"tightest pool {s['memory_pool']}" in out, err
+
+
+def test_a_pooled_plan_that_does_not_fit_says_so_in_simulate(capsys, tmp_path):
+    common = ["--model", "llama3-8b", "--cluster", _small_example(tmp_path), "--global-batch", "8",
+              "--seq-len", "4096", "--plan", "dp=8,zero=0,micro_batch=1,pools=h100:a100,pool_dp=4:4"]
+    rc, out, err = _run(capsys, "estimate", *common)
+    assert rc == 0 and "DOES NOT FIT" in out and "memory does-not-fit" in out, err
+    rc, out, err = _run(capsys, "simulate", *common)
+    assert rc == 0 and "memory: does-not-fit (" in out, err
+
+
+def test_a_plan_on_one_pool_prints_no_cross_pool_terms(capsys, tmp_path):
+    common = ["--model", "gpt3-125m", "--cluster", _small_example(tmp_path), "--global-batch", "16",
+              "--seq-len", "1024"]
+    rc, out, err = _run(capsys, "estimate", *common, "--plan", "dp=4,micro_batch=1,pools=h100")
+    assert rc == 0 and "pool h100" in out, err
+    assert "waits" not in out and "across pools" not in out and "imbalance" not in out
+    rc, out, err = _run(capsys, "simulate", *common, "--plan", "dp=4,micro_batch=1,pools=h100")
+    assert rc == 0 and "across pools" not in out and "imbalance" not in out, err
+    rc, out, err = _run(capsys, "estimate", *common, "--plan", "dp=8,micro_batch=1,pools=h100:a100,pool_dp=4:4")
+    assert rc == 0 and "waits" in out and "across pools" in out and "imbalance" in out, err
+
+
+def test_a_cluster_file_of_one_pool_is_that_pools_cluster(capsys, tmp_path):
+    """A homogeneous cluster is one pool: a file with one [[pools]] table loads as that pool's
+    ClusterSpec, which every command takes (with or without pools=NAME)."""
+    path = tmp_path / "one.toml"
+    path.write_text('schema_version = 1\nkind = "cluster"\nname = "solo"\n\n[[pools]]\nname = "h100"\n'
+                    'gpu = "h100-sxm-80gb"\nnum_nodes = 1\ngpus_per_node = 8\n')
+    c = load_cluster(str(path))
+    plain = load_cluster("h100-sxm-80gb:8")
+    assert not isinstance(c, PooledCluster) and c.pools == (c,) and c.names == ("h100",)
+    assert c.num_gpus == 8 and c.gpu == plain.gpu and c.inter_node == plain.inter_node
+    tiny, work = load_model("gpt3-125m"), Workload(global_batch=16, seq_len=1024)
+    want = estimate(tiny, plain, parse_plan("dp=8,micro_batch=1"), work).step_time_s
+    for plan in ("dp=8,micro_batch=1", "dp=8,micro_batch=1,pools=h100"):
+        assert estimate(tiny, c, parse_plan(plan), work).step_time_s == want
+    for cmd in ("estimate", "simulate"):
+        rc, out, err = _run(capsys, cmd, "--model", "gpt3-125m", "--cluster", str(path), "--global-batch", "16",
+                            "--seq-len", "1024", "--plan", "dp=8,micro_batch=1")
+        assert rc == 0, err
+    with pytest.raises(MeshplanError, match="max_gpus"):
+        cluster_from_dict({"name": "x", "max_gpus": 4, "pools": [{"name": "a", "gpu": "h100-sxm-80gb",
+                                                                  "num_nodes": 1}]})

@@ -175,10 +175,15 @@ def _pooled(args: argparse.Namespace, model: Any, pc: Any, plan: Any, work: Any,
     if getattr(args, "json", False):
         print(json_text(summary))
         return 0
+    one = len(summary["pools"]) == 1 and not sim["cross_pool_s"] and not summary["imbalance_s"]  # on one pool
     print(f"simulated step: {seconds(sim['step_time_s'])}   analytical estimate: "
-          f"{seconds(sim['analytic_step_time_s'])} ({summary['sim_vs_analytic_pct']:+.2f}%); across pools "
-          f"{seconds(sim['cross_pool_s'])}; time lost to imbalance {seconds(summary['imbalance_s'])} per step "
-          "(GPU-weighted)")
+          f"{seconds(sim['analytic_step_time_s'])} ({summary['sim_vs_analytic_pct']:+.2f}%)"
+          + ("" if one else f"; across pools {seconds(sim['cross_pool_s'])}; time lost to imbalance "
+                            f"{seconds(summary['imbalance_s'])} per step (GPU-weighted)"))
+    if "verdict" in sim:  # the tightest pool's, as for one GPU type
+        print(f"memory: {sim['verdict']} ({100 * sim['oom_probability']:.1f}% chance of running out; tightest pool "
+              f"{sim['memory_pool']}: {sim['memory_pool_peak_gib']:.1f} of {sim['memory_pool_usable_gib']:.1f} GiB "
+              "usable)")
     print(f"{'pool':<8} {'gpu':<16} {'ranks':<10} {'compute busy':>13} {'utilisation':>12} {'idle':>10}")
     for p in summary["pools"]:
         rk = f"{p['ranks'][0]}-{p['ranks'][-1]}" if len(p["ranks"]) > 1 else str(p["ranks"][0])

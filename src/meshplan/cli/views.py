@@ -265,6 +265,23 @@ def presets_text(data: dict[str, dict[str, dict[str, object]]]) -> str:
     return "\n".join(parts).rstrip()
 
 
+def pooled_memory_words(e: Any) -> str:
+    """The memory verdict of a plan over pools (cost.pools.PooledEstimate): its tightest pool's,
+    as `simulate` says it for one GPU type ("fits (0.0% chance of running out)")."""
+    t = e.tightest
+    where = f"pool {t.name}: {t.peak_memory_gib:.1f} of {t.usable_memory_gib:.1f} GiB usable"
+    return f"{e.verdict} ({100 * t.oom_probability:.1f}% chance of running out; tightest {where})"
+
+
+def pooled_runtime_lines(e: Any) -> list[str]:
+    """'meshplan train' lines of a plan over pools: the runtime rules its pools' parts break (spec.support)."""
+    where: dict[tuple[str, str], list[str]] = {}  # a rule that every pool's part breaks: said once
+    for i in e.runtime:
+        where.setdefault((i["kind"], i["reason"]), []).append(i["pool"])
+    return [f"runtime      meshplan train {'refuses' if kind == 'refused' else 'runs it otherwise'} "
+            f"(pool{'s' * (len(on) > 1)} {', '.join(on)}): {why}" for (kind, why), on in where.items()]
+
+
 def pooled_estimate_text(e: Any, pc: Any, work: Workload | None = None) -> str:
     """`meshplan estimate` of a plan on a cluster of several GPU pools (cost.pools.PooledEstimate)."""
     from meshplan.units import human_seconds as hs
@@ -272,19 +289,23 @@ def pooled_estimate_text(e: Any, pc: Any, work: Workload | None = None) -> str:
              f"cluster      {pc.name}: {pc.describe()}",
              f"step time    {hs(e.step_time_s)}   ({e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}% of "
              f"the GPUs' own peaks, ${e.usd_per_m_tokens:.3f} per M tokens)",
-             f"fits         {'yes' if e.fits else 'NO'}"]
+             f"fits         {'yes' if e.fits else 'NO'}: memory {pooled_memory_words(e)}"]
     if work is not None:
         lines.insert(2, f"workload     {workload_text(work)} = {work.tokens:,} tokens/step"
                      + ("; each pool's part is its expected step over the distribution (cost.lengths)"
                         if work.varied else ""))
+    one = len(e.parts) == 1  # a plan on one pool: no other pool to wait for or to exchange with
     for p in e.parts:
         lines.append(f"pool {p.name:<8}{p.gpus} of {p.gpus_total} {p.gpu}: {p.role}")
         share = f"busy {100 * p.busy_fraction:.0f}% of the step on average"
-        lines.append(f"{'':13}own part {hs(p.step_s)} ({share}), waits "
-                     f"{hs(p.idle_s)} for the slowest pool, memory {p.peak_memory_gib:.1f} of "
+        waits = "" if one and not p.idle_s else f", waits {hs(p.idle_s)} for the slowest pool"
+        lines.append(f"{'':13}own part {hs(p.step_s)} ({share}){waits}, memory {p.peak_memory_gib:.1f} of "
                      f"{p.usable_memory_gib:.1f} GiB"
                      + ("" if p.fits else "  DOES NOT FIT"))
-    lines.append(f"across pools {hs(e.cross_pool_s)} per step ({e.cross_pool_gb:.2f} GB per GPU over inter_pool)")
-    lines.append(f"imbalance    {hs(e.imbalance_s)} per step lost waiting for the slowest pool (GPU-weighted)")
+    if not (one and not e.cross_pool_s and not e.cross_pool_gb):
+        lines.append(f"across pools {hs(e.cross_pool_s)} per step ({e.cross_pool_gb:.2f} GB per GPU over inter_pool)")
+    if not (one and not e.imbalance_s):
+        lines.append(f"imbalance    {hs(e.imbalance_s)} per step lost waiting for the slowest pool (GPU-weighted)")
+    lines += pooled_runtime_lines(e)
     lines += [f"note         {n}" for n in e.notes]
     return "\n".join(lines)

@@ -41,7 +41,9 @@ from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import ClusterSpec, PooledCluster
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, Workload, share_split, share_unit, split_fault
+from meshplan.spec.constraints import violations
+from meshplan.spec.plan import Plan, Workload, microbatches, share_split, share_unit, split_fault
+from meshplan.spec.support import runtime_violations
 
 
 @dataclass
@@ -67,6 +69,8 @@ class PoolPart:
     fits: bool = True
     at_risk: bool = False
     """Fits, but with less headroom than meshplan recommends (cost.uncertainty.verdicts)."""
+    oom_probability: float = 0.0
+    """The chance the pool's fullest GPU runs out of memory (cost.uncertainty)."""
     report: CostReport | None = None
     """The pool's own estimate (its replicas as a plan on that pool), for pool_dp."""
 
@@ -74,7 +78,8 @@ class PoolPart:
         return {"pool": self.name, "gpu": self.gpu, "gpus": self.gpus, "gpus_total": self.gpus_total,
                 "role": self.role, "step_s": self.step_s, "idle_s": self.idle_s,
                 "utilisation": self.busy_fraction, "peak_memory_gib": self.peak_memory_gib,
-                "usable_memory_gib": self.usable_memory_gib, "fits": self.fits, "at_risk": self.at_risk}
+                "usable_memory_gib": self.usable_memory_gib, "fits": self.fits, "at_risk": self.at_risk,
+                "oom_probability": self.oom_probability}
 
 
 @dataclass
@@ -97,6 +102,9 @@ class PooledEstimate:
     """GPU-weighted mean of the pools' idle seconds per step: time lost to imbalance."""
     num_gpus: int = 0
     notes: list[str] = field(default_factory=list)
+    runtime: list[dict[str, str]] = field(default_factory=list)
+    """The runtime rules (spec.support) the plan's pools' parts break: {"pool", "rule", "kind",
+    "reason"} each (runtime_issues); empty when meshplan train runs it as planned."""
 
     @property
     def peak_memory_gib(self) -> float:
@@ -106,12 +114,32 @@ class PooledEstimate:
     def at_risk(self) -> bool:
         return any(p.at_risk for p in self.parts)
 
+    @property
+    def tightest(self) -> PoolPart:
+        """The pool whose fullest GPU is likeliest to run out of memory (the memory verdict's pool)."""
+        return max(self.parts, key=lambda p: (p.oom_probability, p.peak_memory_gib / max(1e-9, p.usable_memory_gib)))
+
+    @property
+    def oom_probability(self) -> float:
+        return self.tightest.oom_probability
+
+    @property
+    def verdict(self) -> str:
+        from meshplan.cost.uncertainty import verdict
+        return verdict(self.fits, self.at_risk)
+
+    @property
+    def runs_as_planned(self) -> bool:
+        return not self.runtime
+
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.short(), "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "mfu": self.mfu, "usd_per_m_tokens": self.usd_per_m_tokens, "fits": self.fits,
                 "at_risk": self.at_risk, "num_gpus": self.num_gpus, "cross_pool_s": self.cross_pool_s,
                 "cross_pool_gb": self.cross_pool_gb, "imbalance_s": self.imbalance_s,
-                "pools": [p.to_dict() for p in self.parts], "notes": list(self.notes)}
+                "pools": [p.to_dict() for p in self.parts], "notes": list(self.notes),
+                "verdict": self.verdict, "oom_probability": self.oom_probability,
+                "runtime": {"runs_as_planned": self.runs_as_planned, "issues": list(self.runtime)}}
 
 
 def replica_samples(plan: Plan, global_batch: int) -> list[int]:
@@ -233,7 +261,7 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
     for part in replica_parts(pools, plan, work):
         pool, n, mine = part.pool, part.replicas, part.samples
         gpus = n * shape
-        r = plan_report(model, part.cluster, part.plan, part.work, params)
+        r = on_pool(pool.name, plan_report, model, part.cluster, part.plan, part.work, params)
         flops_per_sample = max(flops_per_sample, r.tflops_per_gpu * 1e12 * r.step_time_s * r.num_gpus
                                / part.work.global_batch)
         m_max, m_mean = max(mine) // plan.micro_batch, sum(mine) / n / plan.micro_batch
@@ -250,7 +278,7 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
         parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=gpus, gpus_total=pool.num_gpus, role=role,
                               step_s=r.step_time_s, busy_fraction=m_mean / max(1, m_max),
                               peak_memory_gib=r.peak_memory_gib, usable_memory_gib=r.usable_memory_gib,
-                              fits=r.fits, at_risk=r.at_risk, report=r))
+                              fits=r.fits, at_risk=r.at_risk, oom_probability=r.oom_probability, report=r))
     cross_s, cross_gb = 0.0, 0.0
     if len(pools) > 1:
         cross_s, cross_gb = _cross_pool_sync(model, cluster, plan, per_pool, params)  # type: ignore[arg-type]
@@ -261,7 +289,46 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
         p.busy_fraction = (p.step_s * p.busy_fraction + cross_s) / step
     est = _finish(given, work, pools, parts, step, flops_per_sample * work.global_batch, cross_s, cross_gb)
     est.notes += notes
+    est.runtime = runtime_issues(model, cluster, given, work)
     return est
+
+
+def on_pool(name: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` for pool ``name``'s part of a plan: a refusal of the part (the checks of a plan
+    on one GPU type: cost.batch.check) names the pool."""
+    try:
+        return fn(*args)
+    except MeshplanError as e:
+        msg = e.message
+        head = "plan cannot run: "
+        msg = f"{head}pool {name}: {msg[len(head):]}" if msg.startswith(head) else f"pool {name}: {msg}"
+        raise MeshplanError(msg, hint=e.hint) from e
+
+
+def part_plans(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan,
+               work: Workload) -> list[tuple[str, Plan, int]]:
+    """(pool name, the plan its part runs, micro-batches per step of it) for every pool of ``plan``:
+    pool_dp, a pool's replicas as a plan of their own (its largest share's micro-batches); pool_pp,
+    the whole pipeline (each pool's stages run its schedule)."""
+    pools = plan_pools(cluster, plan)
+    if plan.pool_pp is not None and len(pools) > 1:
+        sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
+        micro = microbatches(work.global_batch, sub.dp, sub.micro_batch)
+        return [(p.name, sub, micro) for p in pools]
+    return [(part.pool.name, part.plan, max(part.samples) // plan.micro_batch)
+            for part in replica_parts(pools, plan, work)]
+
+
+def runtime_issues(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan,
+                   work: Workload) -> list[dict[str, str]]:
+    """The runtime rules (spec.support: what meshplan train refuses or runs as something else)
+    that each pool's part of ``plan`` breaks, as for a plan on one GPU type (cli.views.runtime_status,
+    the search's export_only): {"pool", "rule", "kind", "reason"}, each rule once per pool."""
+    out: list[dict[str, str]] = []
+    for name, sub, micro in part_plans(model, cluster, plan, work):
+        for rule, why in runtime_violations(sub, micro, model):
+            out.append({"pool": name, "rule": rule.name, "kind": rule.kind, "reason": why})
+    return out
 
 
 def _finish(plan: Plan, work: Workload, pools: list[ClusterSpec], parts: list[PoolPart], step: float,
@@ -317,6 +384,11 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
     if plan.virtual_stages > 1 or plan.schedule == "zbv":
         raise MeshplanError("pool_pp: pipelines over pools take one stage per rank (virtual_stages=1, not zbv)",
                             hint="drop virtual_stages / schedule=zbv, or place replicas with pool_dp")
+    for pool, c in zip(pools, big):  # the pipeline's checks on each pool's hardware (cost.batch.check), but the
+        # GPU count (each pool's stages were counted above; ``c`` is the pool's nodes for the whole plan)
+        bad = violations(model, c, sub, work, skip=("gpu count mismatch",))
+        if bad:
+            raise MeshplanError(f"plan cannot run: pool {pool.name}: " + "; ".join(reason for _, reason in bad))
     _, res, rank = _pool_pipeline(model, big, owner, cluster.inter_pool, work, sub, params)
     step = float(res["step_time_s"][0])
     model_flops = float(res["model_flops"][0])
@@ -339,16 +411,18 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
         span = f"stage {ranks[0]}" if len(ranks) == 1 else f"stages {ranks[0]}-{ranks[-1]}"
         nl = f" ({sum(layers[r] for r in ranks)} layers)" if layers else ""
         usable = rank["usable_gib"][i]
-        fits, risk, _ = verdicts(np.asarray([mem]), usable, params)
+        fits, risk, prob = verdicts(np.asarray([mem]), usable, params)
         parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=len(ranks) * per_stage,
                               gpus_total=pool.num_gpus, role=f"{span}{nl}, {per_stage} GPUs each",
                               step_s=busy, busy_fraction=busy / step, peak_memory_gib=mem,
-                              usable_memory_gib=usable, fits=bool(fits[0]), at_risk=bool(risk[0])))
+                              usable_memory_gib=usable, fits=bool(fits[0]), at_risk=bool(risk[0]),
+                              oom_probability=float(prob[0])))
     slowest = max(p.step_s for p in parts)
     for p in parts:
         p.idle_s = slowest - p.step_s
     est = _finish(plan, work, pools, parts, step, model_flops, float(rank["cross_send_s"]),
                   float(rank["cross_send_gb"]))
+    est.runtime = runtime_issues(model, cluster, plan, work)
     est.notes.append("pipeline over pools: each stage is timed on its own pool's GPU; the send between the "
                      "pools' boundary stages crosses inter_pool")
     if work.varied:

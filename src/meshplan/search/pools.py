@@ -126,7 +126,7 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
             except MeshplanError:
                 continue
             considered += 1
-            if e is not None and e.fits and not (headroom and e.at_risk):
+            if e is not None and e.fits and e.runs_as_planned and not (headroom and e.at_risk):
                 multi.append(e)
     for shape in bucketed if on is not None else ():  # a pool's bucket plan as the replica shape on every pool
         try:
@@ -134,7 +134,7 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
         except MeshplanError:
             continue
         considered += 1
-        if e is not None and e.fits and not (headroom and e.at_risk):
+        if e is not None and e.fits and e.runs_as_planned and not (headroom and e.at_risk):
             multi.append(e)
     over: list[PooledEstimate] = []
     if deadline is not None:

@@ -70,7 +70,17 @@ class PooledSimulation:
                 "sim_vs_analytic_pct": 100 * (t / self.analytic_step_time_s - 1), "cross_pool_s": self.cross_pool_s,
                 "pools": [{"pool": p.name, "gpu": p.gpu, "ranks": p.ranks, "busy_s": p.busy_s, "idle_s": p.idle_s,
                            "utilisation": p.busy_s / t if t else 0.0} for p in self.pools],
-                "imbalance_s": self.estimate.imbalance_s if self.estimate else 0.0, "notes": list(self.notes)}
+                "imbalance_s": self.estimate.imbalance_s if self.estimate else 0.0, "notes": list(self.notes)} | (
+                    self._memory() if self.estimate else {})
+
+    def _memory(self) -> dict[str, Any]:
+        """The memory verdict, as for one GPU type: the tightest pool's (cost.pools.PooledEstimate)."""
+        e = self.estimate
+        assert e is not None
+        t = e.tightest
+        return {"peak_memory_gib": e.peak_memory_gib, "oom_probability": e.oom_probability, "verdict": e.verdict,
+                "memory_pool": t.name, "memory_pool_peak_gib": t.peak_memory_gib,
+                "memory_pool_usable_gib": t.usable_memory_gib}
 
 
 def simulate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan, work: Workload,

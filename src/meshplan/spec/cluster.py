@@ -271,7 +271,8 @@ class PooledCluster:
             positive(f"cluster {self.name}: max_gpus", self.max_gpus)
         if len(self.pools) < 2:
             raise MeshplanError(f"cluster {self.name}: a pooled cluster needs at least two [[pools]]",
-                                hint="for one GPU type, write gpu/num_nodes at the top level instead")
+                                hint="for one GPU type, use its ClusterSpec (a cluster file with one [[pools]] "
+                                     "table, or gpu/num_nodes at the top level, loads as one)")
         names = [p.name for p in self.pools]
         for n in names:
             if not n.strip() or any(ch in n for ch in ":,=; \t"):

@@ -305,13 +305,18 @@ def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> ClusterSp
     return from_dict(ClusterSpec, d, where=where)
 
 
-def pooled_from_dict(d: dict[str, Any], where: str) -> PooledCluster:
+def pooled_from_dict(d: dict[str, Any], where: str) -> PooledCluster | ClusterSpec:
     """A cluster file with [[pools]] (spec.cluster.PooledCluster): every pool is a cluster table of
     its own (name, gpu, num_nodes, gpus_per_node, intra_node, inter_node, ...); [inter_pool] is the
-    link between pools (default: the slowest pool's inter_node link)."""
+    link between pools (default: the slowest pool's inter_node link). One [[pools]] table is a
+    homogeneous cluster: that pool's ClusterSpec (a cluster of one pool, named after the pool, so a
+    plan's pools=NAME places it there)."""
     pools_raw = d.pop("pools")
     if not isinstance(pools_raw, list) or not all(isinstance(x, dict) for x in pools_raw):
         raise MeshplanError(f"{where}: pools must be a list of tables ([[pools]] in TOML)",
+                            hint="see docs/heterogeneous-hardware.md for an example")
+    if not pools_raw:
+        raise MeshplanError(f"{where}: pools is empty; a cluster has at least one [[pools]] table",
                             hint="see docs/heterogeneous-hardware.md for an example")
     top = {k: d.pop(k) for k in ("gpu", "num_nodes", "gpus_per_node", "nodes_per_dc", "inter_dc") if k in d}
     if top:
@@ -333,6 +338,12 @@ def pooled_from_dict(d: dict[str, Any], where: str) -> PooledCluster:
     for k in ("step_jitter", "price_per_gpu_hour_usd"):
         if k in d:
             raise MeshplanError(f"{where}: {k} belongs inside each [[pools]] table")
+    if len(pools) == 1:  # one GPU type: no other pool to link to ([inter_pool], if given, is unused)
+        rest = sorted(set(d) - {"name", "schema_version", "kind"})  # the file header aside
+        if rest:
+            raise MeshplanError(f"{where}: {', '.join(rest)}: not a setting of a cluster of one [[pools]] table",
+                                hint="put the pool's settings inside its [[pools]] table")
+        return pools[0]
     return from_dict(PooledCluster, {**d, "pools": tuple(pools), "inter_pool": link}, where=where)
 
 
