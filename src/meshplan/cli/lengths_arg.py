@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from meshplan.errors import MeshplanError
+from meshplan.spec.axes import AX
 
 PACKING_HELP = ("with a --seq-len distribution: how samples form micro-batches: padded (default: each "
                 "micro-batch padded to its longest sample), bucketed (the step's samples sorted by length "
@@ -183,7 +184,7 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
             f"expected step  {seconds(step)} = {seconds(even)} at even load + {seconds(imb)} lost to imbalance"
             f"{share} ("
             + ("a pipeline runs every micro-batch at the longest length" if s.get("pipeline_one_shape") else
-               "the slowest data-parallel replica, and pipeline stalls at heavier micro-batches" if s.get("pp", 1) > 1
+               "the slowest data-parallel replica, and pipeline stalls at heavier micro-batches" if s.get(AX.PP, 1) > 1
                else "the slowest data-parallel replica")
             + "); memory for the longest micro-batch"]
 

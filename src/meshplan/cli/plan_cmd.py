@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from meshplan.errors import MeshplanError
+from meshplan.spec.axes import AX
 
-SEARCHABLE_FIX = ("tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "recompute")  # (cheap to import: no spec)
+SEARCHABLE_FIX = (AX.TP, AX.PP, AX.CP, AX.EP, "zero", "micro_batch", "schedule", "recompute")  # (spec.axes: light)
 
 
 def add_parser(sub: Any, positive_int: Any) -> None:

@@ -78,6 +78,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport, report_from_row
 from meshplan.cost.uncertainty import step_band
 from meshplan.errors import MeshplanError
+from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
@@ -558,13 +559,13 @@ def stall_seconds(tsum: np.ndarray, tmax: np.ndarray, cols: Mapping[str, Any], w
     for name, f in STALL_FRACTION.items():
         frac = np.where(sched == name, f, frac)
     out = (tsum - tmax) * np.where(split, 1.0 - w_frac, 1.0) * frac
-    return np.where(np.asarray(cols["pp"]) > 1, out, 0.0)
+    return np.where(np.asarray(cols[AX.PP]) > 1, out, 0.0)
 
 
 def stall_window(cols: Mapping[str, Any]) -> np.ndarray:
     """(rows,) the window of STALL_SHARE, pp - 1 (at least 1); GPipe: every earlier micro-batch,
     undecayed (inf)."""
-    pp = np.asarray(cols["pp"], dtype=float)
+    pp = np.asarray(cols[AX.PP], dtype=float)
     return np.where(np.asarray(cols["schedule"]) == "gpipe", np.inf, np.maximum(pp - 1.0, 1.0))
 
 
@@ -623,10 +624,10 @@ def _estimate_group(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     n = len(micro)
     G = work.global_batch
     mb = np.asarray(cols["micro_batch"]).astype(np.int64)
-    dp = np.asarray(cols["dp"]).astype(np.int64)
+    dp = np.asarray(cols[AX.DP]).astype(np.int64)
     window = stall_window(cols)
-    gpipe = (np.asarray(cols["schedule"]) == "gpipe") | (np.asarray(cols["pp"]) == 1)
-    pps = np.asarray(cols["pp"]).astype(np.int64)
+    gpipe = (np.asarray(cols["schedule"]) == "gpipe") | (np.asarray(cols[AX.PP]) == 1)
+    pps = np.asarray(cols[AX.PP]).astype(np.int64)
     expected, even = np.empty(n), np.empty(n)
     qbar = np.empty((n, len(L)))
     keys = np.stack([micro, mb, dp, pps, np.where(np.isfinite(window), window * 1000, -1).astype(np.int64)], axis=1)
@@ -672,7 +673,7 @@ def _estimate_group(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     peak = np.asarray(top["tflops_per_gpu"]) / np.maximum(np.asarray(top["mfu"]), 1e-300)
     out["mfu"] = out["tflops_per_gpu"] / peak
     out["hfu"] = real_hf / expected / ngpu / peak
-    low, high = step_band(expected, cols["pp"], params)
+    low, high = step_band(expected, cols[AX.PP], params)
     out["step_time_s_low"], out["step_time_s_high"] = low, high
     out["time_to_target_s"] = expected * np.asarray(top["token_factor"])
     for k in ("outer_sync_s", "straggler_sync_s"):

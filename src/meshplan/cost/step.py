@@ -27,6 +27,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.pools import PooledEstimate, estimate_pooled, shares_report
 from meshplan.cost.report import CostReport
 from meshplan.errors import MeshplanError
+from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec, PooledCluster
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
@@ -83,5 +84,5 @@ def lengths_summary(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
             "expected_step_s": float(r["step_time_s"][0]), "step_time_even_s": float(r["step_time_even_s"][0]),
             "imbalance_s": float(r["imbalance_s"][0]), "padding_fraction": float(r["padding_fraction"][0]),
             "real_tokens_per_step": int(work.tokens), "padded_tokens_per_step": float(r["padded_tokens"][0]),
-            "pp": plan.pp, "pipeline_one_shape": bool(plan.pp > 1 and not params.pipeline_variable_shapes
+            AX.PP: plan.pp, "pipeline_one_shape": bool(plan.pp > 1 and not params.pipeline_variable_shapes
                                        and (d is None or d.packing != "packed"))} | extra

@@ -22,6 +22,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.errors import MeshplanError
 from meshplan.sim.build import spec_from_durations
 from meshplan.sim.engine import Event, SimResult, SimSpec, run
+from meshplan.spec.axes import AX
 from meshplan.spec.buckets import bucket_layout, model_knee
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
@@ -127,7 +128,7 @@ def bucket_timeline(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         members = range(mb.unit * mb.cp, (mb.unit + 1) * mb.cp)
         start = float(max(t[r] for r in members))
         what = f"mb {j} (bucket {mb.bucket}: {len(mb.samples)} x {mb.width} tokens, cp {mb.cp})"
-        info = {"bucket": mb.bucket, "samples": len(mb.samples), "width": mb.width, "cp": mb.cp}
+        info = {"bucket": mb.bucket, "samples": len(mb.samples), "width": mb.width, AX.CP: mb.cp}
         fwd = d / 3  # forward : backward as 1 : 2 (drawn apart; timed as one micro-batch)
         for r in members:
             events.append(Event(r, "compute", f"F {what}", start, start + fwd, info))
@@ -135,6 +136,6 @@ def bucket_timeline(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
             t[r] = start + d
     end = float(t.max())
     for r in range(n):
-        events.append(Event(r, "dp", "gradient sync + optimizer (closing pass)", end, end + rest))
+        events.append(Event(r, AX.DP, "gradient sync + optimizer (closing pass)", end, end + rest))
     return SimResult(step_time_s=end + rest, events=events, memory=[[(0.0, 0.0)] for _ in range(n)], pp=n,
                      wait_s=[end - float(x) for x in t], rank_label="dp x cp rank")

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 from meshplan.errors import MeshplanError
 from meshplan.sim.schedules import SPLIT_W, Op, rank_chunk, rank_orders, stage_of
+from meshplan.spec.axes import AX
 
-STREAMS = ("compute", "tp", "dp", "pp")
+STREAMS = ("compute", AX.TP, AX.DP, AX.PP)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def run(spec: SimSpec) -> SimResult:
 
     # Pipelined FSDP: each rank gathers its stage's parameters once, from the start of the step
     # (layer by layer, overlapping its first forward; ranks downstream gather while they wait).
-    gathered = [put(r, "dp", "fsdp all-gather", 0.0, spec.ranks[r].staged_gather_s) for r in range(pp)]
+    gathered = [put(r, AX.DP, "fsdp all-gather", 0.0, spec.ranks[r].staged_gather_s) for r in range(pp)]
 
     def run(r: int, op: Op, ts: list[float]) -> None:
         kind, i, c = op
@@ -200,23 +201,23 @@ def run(spec: SimSpec) -> SimResult:
         if a and kind == wg_kind and wg_left[r] == 1:  # ... the reduce-scatter under the last gradients
             end += a * min(spec.ranks[r].staged_reduce_s, ps.compute)
         hold = end
-        put(r, "tp", name + " tp", t0, ps.tp_overlapped)
-        put(r, "dp", name + " dp", t0, ps.dp_overlapped)
+        put(r, AX.TP, name + " tp", t0, ps.tp_overlapped)
+        put(r, AX.DP, name + " dp", t0, ps.dp_overlapped)
         if kind != "W" and idx[r] == 0:  # the forward cannot finish before its last layer's parameters
             hold = max(hold, gathered[r])
         if kind == wg_kind:
             wg_left[r] -= 1
             if wg_left[r] == 0 and spec.ranks[r].staged_reduce_s > 0:  # async, from the last gradients
-                put(r, "dp", "fsdp reduce-scatter", t0, spec.ranks[r].staged_reduce_s)
+                put(r, AX.DP, "fsdp reduce-scatter", t0, spec.ranks[r].staged_reduce_s)
         if ps.compute > 0:
             events.append(Event(r, "compute", name, t0, end, {"mb": i, "chunk": c, "stage": s, "pass": kind}))
-        hold = put(r, "tp", name + " tp exposed", hold, ps.tp_exposed)
-        hold = put(r, "dp", name + " dp exposed", hold, ps.dp_exposed)
+        hold = put(r, AX.TP, name + " tp exposed", hold, ps.tp_exposed)
+        hold = put(r, AX.DP, name + " dp exposed", hold, ps.dp_exposed)
         nxt = s + 1 if kind == "F" else s - 1
         downstream = kind != "W" and 0 <= nxt < nvs
         arrive = hold
         if downstream and spec.send_s > 0 and rank_chunk(sched, pp, nxt)[0] != r:  # same rank: no send
-            arrive = put(r, "pp", f"send {name}", hold, spec.send_s)
+            arrive = put(r, AX.PP, f"send {name}", hold, spec.send_s)
             hold = max(hold, arrive - spec.send_s * (1 - spec.send_exposed))
         free[r]["compute"] = hold
         done[(kind, i, s)] = hold
@@ -250,9 +251,9 @@ def run(spec: SimSpec) -> SimResult:
         wait[r] += pipe_end - last
         t = last
         if rk.end_dp_exposed_s + rk.end_dp_overlapped_s > 0:
-            t = put(r, "dp", "grad sync", last - rk.end_dp_overlapped_s,
+            t = put(r, AX.DP, "grad sync", last - rk.end_dp_overlapped_s,
                     rk.end_dp_overlapped_s + rk.end_dp_exposed_s)
-        t = put(r, "compute", "optimizer", max(t, free[r]["dp"]), rk.optimizer_s)
+        t = put(r, "compute", "optimizer", max(t, free[r][AX.DP]), rk.optimizer_s)
         ends.append(t)
     step = max(ends)
     if spec.straggler_s > 0:
@@ -262,7 +263,7 @@ def run(spec: SimSpec) -> SimResult:
         step += spec.straggler_s
     if spec.outer_sync_s > 0:
         for r in range(pp):
-            put(r, "dp", "outer sync (amortised)", step, spec.outer_sync_s,
+            put(r, AX.DP, "outer sync (amortised)", step, spec.outer_sync_s,
                 whole_outer_sync_s=spec.outer_sync_full_s, every_steps=spec.sync_every)
         step += spec.outer_sync_s
     step += spec.overhead_s

@@ -16,6 +16,7 @@ from typing import Any
 
 from meshplan.errors import MeshplanError
 from meshplan.sim.engine import STREAMS, Event, SimResult
+from meshplan.spec.axes import AX
 from meshplan.svg import (
     PALETTE,
     Scale,
@@ -35,7 +36,7 @@ from meshplan.svg import (
 
 #: Thread ids of the streams in the trace (one process per pipeline rank).
 TIDS = {s: i for i, s in enumerate(STREAMS)}
-STREAM_NAMES = {"compute": "compute", "tp": "TP/CP/EP comm", "dp": "DP/FSDP comm", "pp": "pipeline send"}
+STREAM_NAMES = {"compute": "compute", AX.TP: "TP/CP/EP comm", AX.DP: "DP/FSDP comm", AX.PP: "pipeline send"}
 
 
 def trace_dict(res: SimResult) -> dict[str, Any]:
@@ -69,11 +70,11 @@ def write_trace(res: SimResult, path: str | Path) -> None:
 # ---- the timeline figures ----------------------------------------------------------------------
 
 COLORS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", "optimizer": "#b279a2", "straggler": "#bab0ac",
-          "tp": "#e45756", "dp": "#72b7b2", "pp": "#9d755d", "outer": "#ff9da6", "poolwait": "#d9a400"}
+          AX.TP: "#e45756", AX.DP: "#72b7b2", AX.PP: "#9d755d", "outer": "#ff9da6", "poolwait": "#d9a400"}
 """Colour of each kind of work (``event_kind``)."""
 KIND_LABELS = {"F": "forward", "B": "backward", "W": "weight gradients", "optimizer": "optimizer step",
-               "straggler": "straggler wait (expected)", "tp": STREAM_NAMES["tp"], "dp": STREAM_NAMES["dp"],
-               "pp": STREAM_NAMES["pp"], "outer": "outer sync (amortised)",
+               "straggler": "straggler wait (expected)", AX.TP: STREAM_NAMES[AX.TP], AX.DP: STREAM_NAMES[AX.DP],
+               AX.PP: STREAM_NAMES[AX.PP], "outer": "outer sync (amortised)",
                "poolwait": "waits for the slowest pool"}
 KINDS = tuple(KIND_LABELS)
 """Kinds of work in legend order."""

@@ -32,6 +32,7 @@ from meshplan.cost.pools import (
 from meshplan.sim.build import run_and_summarise, spec_from_durations, spec_from_plan
 from meshplan.sim.engine import Event, SimResult, run
 from meshplan.sim.varlen import DEFAULT_BATCHES, sampled, simulate_lengths
+from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec, PooledCluster
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
@@ -120,7 +121,7 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
                 events.append(Event(offset + r, "compute", "waits for the slowest pool", res.step_time_s, slowest,
                                     {"pool": pool.name}))
             if est.cross_pool_s > 0:
-                events.append(Event(offset + r, "dp", "cross-pool gradient exchange", slowest, step,
+                events.append(Event(offset + r, AX.DP, "cross-pool gradient exchange", slowest, step,
                                     {"pool": pool.name}))
         memory += res.memory
         wait += res.wait_s
