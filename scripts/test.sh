@@ -16,6 +16,9 @@ done
 [ -x .venv/bin/meshplan ] || bash scripts/setup.sh
 if [ "$fast" = 1 ]; then
   workers=()
+  # A .venv set up before pytest-xdist joined the dev extra gets it here (the tier needs both cores).
+  .venv/bin/python -c "import xdist" 2>/dev/null || .venv/bin/python -m pip install -q --disable-pip-version-check \
+    -e ".[dev]" >/dev/null 2>&1 || echo "test.sh: pytest-xdist could not be installed; one worker" >&2
   .venv/bin/python -c "import xdist" 2>/dev/null && workers=(-n "${MESHPLAN_TEST_WORKERS:-2}")
   # One BLAS/OpenMP thread per worker: two workers with a thread per core each oversubscribe 2 cores
   # (the tier took twice as long).
