@@ -53,7 +53,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from meshplan.cli.planfile import resolve
-    from meshplan.sim import write_plot, write_trace
     from meshplan.sim.output import check_plot_path
     if args.plot:
         check_plot_path(args.plot)  # before any work: the format can be written (matplotlib if not .svg)
@@ -80,14 +79,8 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             cluster, plan = cluster.pool(plan.pools[0]), plan.replace(pools=None)
         return _sampled(args, model, cluster, plan, work, cost, res, sim_summary)
-    if args.trace:
-        with slow_step(f"writing the trace ({len(res.events):,} events)"):
-            write_trace(res, args.trace)
-    if args.plot:
-        with slow_step(f"drawing the plot ({len(res.events):,} events)"):
-            write_plot(res, args.plot, title=f"{model.name} on {cluster.name}: {plan.short()}")
-    summary: dict[str, Any] = {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
-               "global_batch": work.global_batch, "seq_len": work.seq_len} | sim_summary | cost.to_json()
+    _write_outputs(args, res, f"{model.name} on {cluster.name}: {plan.short()}")
+    summary: dict[str, Any] = _problem(model, cluster, plan, work) | sim_summary | cost.to_json()
     from meshplan.cost import estimate
     est = estimate(model, cluster, plan, work, cost.params)  # the band: the estimate's, relative
     rel = summary["step_time_s"] / est.step_time_s
@@ -126,20 +119,13 @@ def _sampled(args: argparse.Namespace, model: Any, cluster: Any, plan: Any, work
     model's expected step; --trace / --plot draw the first batch's slowest replica (a bucket plan's
     every rank)."""
     from meshplan.cli.format import seconds
-    from meshplan.sim import write_plot, write_trace
     s, est = sim["varlen"], sim["analytic"]
     mean = s["mean_step_s"]
-    out: dict[str, Any] = {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
-                           "global_batch": work.global_batch, "seq_len": work.seq_len} | s | {
+    out: dict[str, Any] = _problem(model, cluster, plan, work) | s | {
         "analytic": est, "analytic_vs_sim_pct": 100 * (est["expected_step_s"] / mean - 1),
         "example_replica_lengths": sim["example_replica_lengths"]} | cost.to_json()
-    if args.trace or args.plot:
-        title = (f"{model.name} on {cluster.name}: {plan.short()}, {sim['sampled']['timeline']} "
-                 f"({work.lengths.text()}, {work.lengths.packing})")
-        if args.trace:
-            write_trace(ex, args.trace)
-        if args.plot:
-            write_plot(ex, args.plot, title=title)
+    _write_outputs(args, ex, f"{model.name} on {cluster.name}: {plan.short()}, {sim['sampled']['timeline']} "
+                             f"({work.lengths.text()}, {work.lengths.packing})")
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -165,13 +151,8 @@ def _pooled(args: argparse.Namespace, model: Any, pc: Any, plan: Any, work: Any,
             sim: dict[str, Any]) -> int:
     """`meshplan simulate` of a plan over GPU pools (sim.pools): every pool's ranks on its own GPU."""
     from meshplan.cli.format import json_text, seconds
-    from meshplan.sim import write_plot, write_trace
-    if args.trace:
-        write_trace(res, args.trace)
-    if args.plot:
-        write_plot(res, args.plot, title=f"{model.name} on {pc.name}: {plan.short()}")
-    summary = {"model": model.name, "cluster": pc.name, "plan": plan.short(), "global_batch": work.global_batch,
-               "seq_len": work.seq_len} | sim | cost.to_json()
+    _write_outputs(args, res, f"{model.name} on {pc.name}: {plan.short()}")
+    summary = _problem(model, pc, plan, work) | sim | cost.to_json()
     if getattr(args, "json", False):
         print(json_text(summary))
         return 0
@@ -199,3 +180,20 @@ def _pooled(args: argparse.Namespace, model: Any, pc: Any, plan: Any, work: Any,
         if path:
             print(f"{label}: {path}")
     return 0
+
+
+def _problem(model: Any, cluster: Any, plan: Any, work: Any) -> dict[str, Any]:
+    """What was simulated, the head of every --json summary."""
+    return {"model": model.name, "cluster": cluster.name, "plan": plan.short(), "global_batch": work.global_batch,
+            "seq_len": work.seq_len}
+
+
+def _write_outputs(args: argparse.Namespace, res: Any, title: str) -> None:
+    """--trace and --plot of the timeline ``res`` (progress on stderr when a write is slow)."""
+    from meshplan.sim import write_plot, write_trace
+    if args.trace:
+        with slow_step(f"writing the trace ({len(res.events):,} events)"):
+            write_trace(res, args.trace)
+    if args.plot:
+        with slow_step(f"drawing the plot ({len(res.events):,} events)"):
+            write_plot(res, args.plot, title=title)

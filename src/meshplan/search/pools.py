@@ -117,20 +117,12 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
     if pools is not None and [p.num_gpus for p in pools] != [p.num_gpus for p in cluster.pools]:
         on = (PooledCluster(name=cluster.name, pools=tuple(pools), inter_pool=cluster.inter_pool)
               if len(pools) >= 2 else None)
-    for i, shape in enumerate(shapes if on is not None else ()):
-        for build in (_replicas_on_pools, _stages_on_pools):
-            if build is _stages_on_pools and work.varied and i >= VARIED_STAGE_SHAPES:
-                continue
-            try:
-                e = build(graph, on, shape, work, params)
-            except MeshplanError:
-                continue
-            considered += 1
-            if e is not None and e.fits and e.runs_as_planned and not (headroom and e.at_risk):
-                multi.append(e)
-    for shape in bucketed if on is not None else ():  # a pool's bucket plan as the replica shape on every pool
+    tries = [(build, shape) for i, shape in enumerate(shapes) for build in (_replicas_on_pools, _stages_on_pools)
+             if not (build is _stages_on_pools and work.varied and i >= VARIED_STAGE_SHAPES)]
+    tries += [(_buckets_on_pools, shape) for shape in bucketed]  # a pool's bucket plan as every pool's replica shape
+    for build, shape in tries if on is not None else ():
         try:
-            e = _buckets_on_pools(graph, on, shape, work, params)
+            e = build(graph, on, shape, work, params)
         except MeshplanError:
             continue
         considered += 1
