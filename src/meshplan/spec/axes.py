@@ -12,6 +12,9 @@ in ``src/meshplan``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 
 class AX:
@@ -46,6 +49,57 @@ AXIS_DESCRIPTIONS = {
 """Every parallel degree of a Plan, described: the mesh axes in AXES order, then ep."""
 
 
+DEFAULT_ORDER = AXES
+"""The default placement: the mesh axes outermost to innermost (tp innermost, on the fastest links)."""
+
+
+def parse_order(value: Any, where: str = "plan: mesh_order") -> tuple[str, ...] | None:
+    """A placement (the mesh axes, outermost to innermost, as laid onto the device hierarchy:
+    node, site) from ``pp:dp:cp:tp`` text or a sequence; None, '' or the default order -> None.
+    Raises MeshplanError on anything that is not a permutation of AXES."""
+    from meshplan.errors import MeshplanError
+    if value is None:
+        return None
+    items = [x.strip() for x in value.replace(",", ":").split(":")] if isinstance(value, str) else [
+        str(x).strip() for x in value]
+    if items == [""] or not items:
+        return None
+    if sorted(items) != sorted(AXES):
+        raise MeshplanError(f"{where}={':'.join(items)}: a placement names each of {', '.join(AXES)} once, "
+                            "outermost first",
+                            hint=f"e.g. {where.split(': ')[-1]}=dp:pp:cp:tp (data parallel across nodes and sites, "
+                                 f"the pipeline inside them); the default is {':'.join(DEFAULT_ORDER)}")
+    order = tuple(items)
+    return None if order == DEFAULT_ORDER else order
+
+
+def axis_strides(order: tuple[str, ...] | None, sizes: dict[str, Any]) -> dict[str, Any]:
+    """Rank distance between neighbours on each mesh axis under a placement (None: the default):
+    the product of the sizes of the axes inside it. ``sizes`` maps each of AXES to an int or a
+    numpy array (one row per plan); the strides have the same shape."""
+    out: dict[str, Any] = {}
+    stride: Any = 1
+    for a in reversed(order or DEFAULT_ORDER):
+        out[a] = stride
+        stride = stride * sizes[a]
+    return out
+
+
+def column_strides(orders: Any, sizes: dict[str, Any]) -> dict[str, np.ndarray]:
+    """axis_strides per row of a plan table: ``orders`` holds each row's placement text ('' = the
+    default), ``sizes`` each axis's degree per row (arrays)."""
+    sz = {a: np.asarray(sizes[a], dtype=float) for a in AXES}
+    n = np.broadcast(*sz.values()).shape
+    orders = np.broadcast_to(np.asarray(orders if orders is not None else "", dtype=str), n)
+    out = {a: np.ones(n) for a in AXES}
+    for text in np.unique(orders):
+        rows = orders == text
+        st = axis_strides(parse_order(str(text)), {a: np.broadcast_to(sz[a], n)[rows] for a in AXES})
+        for a in AXES:
+            out[a][rows] = st[a]
+    return out
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """A plan's parallel degrees and the meshes they imply (torchtitan's ParallelDims)."""
@@ -55,11 +109,19 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    order: tuple[str, ...] = DEFAULT_ORDER
+    """The placement: the mesh axes outermost to innermost as ranks are numbered (parse_order)."""
 
     @classmethod
     def of(cls, plan: object) -> ParallelDims:
-        """The degrees of a Plan (or of anything with the five degree attributes)."""
-        return cls(**{a: getattr(plan, a) for a in DEGREES})
+        """The degrees of a Plan (or of anything with the five degree attributes) and its placement."""
+        order = getattr(plan, "mesh_order", None)
+        return cls(**{a: getattr(plan, a) for a in DEGREES}, order=tuple(order) if order else DEFAULT_ORDER)
+
+    @property
+    def strides(self) -> dict[str, int]:
+        """Rank distance between neighbours on each axis under the placement (axis_strides)."""
+        return axis_strides(self.order, {a: self.degree(a) for a in AXES})
 
     def degree(self, axis: str) -> int:
         """The degree of one axis by name (``AX.TP`` ...)."""
@@ -96,14 +158,28 @@ class ParallelDims:
         return self.pp, self.dp_cp, self.tp
 
     def rank(self, pp: int, dp: int, cp: int, tp: int) -> int:
-        """The global rank at a mesh coordinate (row-major over AXES: pp outermost, tp innermost)."""
-        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+        """The global rank at a mesh coordinate: row-major over the placement's order (by default
+        AXES: pp outermost, tp innermost)."""
+        st, at = self.strides, {AX.PP: pp, AX.DP: dp, AX.CP: cp, AX.TP: tp}
+        return sum(at[a] * st[a] for a in AXES)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """A global rank's coordinate on each mesh axis (AXES order; tp varies fastest)."""
+        """A global rank's coordinate on each mesh axis (keys in AXES order; under the default
+        placement tp varies fastest)."""
         out: dict[str, int] = {}
-        for a in reversed(AXES):
+        for a in reversed(self.order):
             n = self.degree(a)
             out[a] = rank % n
             rank //= n
         return {a: out[a] for a in AXES}
+
+    def rank_grid(self) -> np.ndarray:
+        """The global rank at every coordinate, shaped mesh_shape ((pp, dp, cp, tp), whatever the
+        placement): the mesh tensor a DeviceMesh is built from."""
+        st = self.strides
+        grid = np.zeros(self.mesh_shape, dtype=np.int64)
+        for i, a in enumerate(AXES):
+            shape = [1] * len(AXES)
+            shape[i] = self.degree(a)
+            grid = grid + st[a] * np.arange(self.degree(a)).reshape(shape)
+        return grid

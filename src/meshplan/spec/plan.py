@@ -229,8 +229,15 @@ class Placement:
     """With several pools: pipeline stages per pool (sums to pp), the first pool's stages first.
     Every pool holds dp x cp x tp GPUs per stage; the sends between the pools' boundary stages
     cross the link between pools."""
+    mesh_order: tuple[str, ...] | None = None
+    """The placement: the mesh axes outermost to innermost as they are laid onto the devices
+    (nodes, then sites), ``mesh_order=dp:pp:cp:tp``. The innermost axis gets consecutive ranks
+    (the fastest links); the outermost crosses the slowest tier. None: the default pp:dp:cp:tp
+    (spec.axes.DEFAULT_ORDER). ``placement=`` is an alias in plan strings."""
 
     def __post_init__(self) -> None:
+        from meshplan.spec.axes import parse_order
+        object.__setattr__(self, "mesh_order", parse_order(self.mesh_order))
         if self.dp_shares is not None:  # (no entries: Plan says so, with dp)
             if any(not isinstance(x, int) or x < 1 for x in self.dp_shares):
                 raise MeshplanError(f"plan: dp_shares entries must be whole numbers >= 1; got "
@@ -277,7 +284,7 @@ PLAN_FIELDS: tuple[str, ...] = (
     "recompute_layers", "sequence_parallel", "offload_optimizer", "offload_params", "precision", "compile",
     "flash_attention", "fused_loss", "grad_sync", "sync_every", "sync_scope", "sync_overlap",
     "grad_compression", "compression_rank", "p2p_sharded", "async_tp", "stage_layers", "dp_shares", "pools",
-    "pool_dp", "pool_pp", "buckets")
+    "pool_dp", "pool_pp", "buckets", "mesh_order")
 """Every flat plan key (the keys of plan strings, plan JSON and plan files), in their written order."""
 
 FIELD_PART: dict[str, str] = {f.name: part for part, cls in PLAN_PARTS.items() for f in dataclasses.fields(cls)}
@@ -492,14 +499,14 @@ def parse_stage_layers(text: str, where: str = "plan: stage_layers") -> tuple[in
     return tuple(out)
 
 
-COLON_LISTS = ("dp_shares", "pools", "pool_dp", "pool_pp", "buckets")
+COLON_LISTS = ("dp_shares", "pools", "pool_dp", "pool_pp", "buckets", "mesh_order")
 """Plan fields written as colon-separated lists in plan strings (dp_shares=3:1, pools=h100:a100)."""
 
 
 def parse_colon_list(text: str, key: str) -> tuple:
     """``3:1`` -> (3, 1) for the count fields, ``h100:a100`` -> ('h100', 'a100') for pools."""
     parts = [t.strip() for t in str(text).replace(";", ":").split(":")]
-    if key in ("pools", "buckets"):
+    if key in ("pools", "buckets", "mesh_order"):
         return tuple(parts)
     out = []
     for t in parts:
@@ -518,7 +525,7 @@ PLAN_KEY_ALIASES = {
     "mbs": "micro_batch", "micro_batch_size": "micro_batch", "vpp": "virtual_stages",
     "sp": "sequence_parallel", "ac": "recompute", "activation_checkpointing": "recompute",
     "hsdp": "shard_group", "fsdp": "zero", "h": "sync_every", "compression": "grad_compression",
-    "powersgd_rank": "compression_rank",
+    "powersgd_rank": "compression_rank", "placement": "mesh_order", "order": "mesh_order",
 }
 
 
