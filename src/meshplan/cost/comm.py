@@ -148,3 +148,28 @@ class Group:
 
     def send_recv(self, size: Num) -> Num:
         return np.where(np.asarray(size) <= 0, 0.0, size / self.bytes_per_s + self.latency_s)
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+"""The collectives a Group prices (nccl-tests' names: all_reduce_perf, ...)."""
+
+
+def collective_seconds(cluster: ClusterSpec, op: str, nbytes: float, n: int, stride: int = 1) -> float:
+    """Seconds of one collective ``op`` (COLLECTIVES) of ``nbytes`` (nccl-tests' size: the
+    all-reduce buffer, the all-gather output, the reduce-scatter input) over ``n`` ranks whose
+    members are ``stride`` ranks apart on ``cluster`` (n consecutive ranks: stride 1)."""
+    if op not in COLLECTIVES:
+        raise ValueError(f"unknown collective {op!r}; one of {', '.join(COLLECTIVES)}")
+    return float(getattr(Group.of(cluster, n, stride), op)(float(nbytes)))
+
+
+BUS_FACTOR = {"all_reduce": lambda n: 2.0 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+              "send_recv": lambda n: 1.0}
+"""nccl-tests' bus bandwidth = algorithm bandwidth (size / time) x this factor of the ranks
+(NVIDIA nccl-tests doc/PERFORMANCE.md)."""
+
+
+def bus_bandwidth(op: str, nbytes: float, n: int, seconds: float) -> float:
+    """nccl-tests' bus bandwidth, bytes/s, of ``op`` on ``n`` ranks moving ``nbytes`` in ``seconds``."""
+    return nbytes / seconds * BUS_FACTOR[op](n)
