@@ -112,9 +112,18 @@ class LinkTier:
     shared: bool = False
     """bandwidth_gbps is the whole link's, shared by every GPU whose traffic crosses it (the
     link between two datacenters), not each GPU's. Only for inter_dc."""
+    sites: tuple[int, int] | None = None
+    """For one entry of a cluster's site_links: the two sites (datacenters, 0-based, in node
+    order) this link joins. None for the tiers themselves."""
 
     def __post_init__(self) -> None:
         positive(f"link {self.name}: bandwidth_gbps", self.bandwidth_gbps)
+        if self.sites is not None:
+            a, b = self.sites
+            if a == b or min(a, b) < 0:
+                raise MeshplanError(f"link {self.name}: sites must name two different sites (0-based); "
+                                    f"got {list(self.sites)}", hint="e.g. sites = [0, 1]")
+            object.__setattr__(self, "sites", (min(a, b), max(a, b)))
         if self.shared and self.name != "inter_dc":
             raise MeshplanError(f"link {self.name}: shared=true is only for inter_dc (the link between sites); "
                                 f"{self.name} bandwidth is per GPU",
@@ -148,6 +157,12 @@ class ClusterSpec:
     """Link between datacenters, if the cluster spans several."""
     nodes_per_dc: int | None = None
     """Nodes per datacenter (None: one datacenter)."""
+    site_links: tuple[LinkTier, ...] = ()
+    """Optional per-pair links between sites (each with ``sites = [a, b]``): the bandwidth and
+    latency matrix between datacenters or regions. A pair not listed uses inter_dc."""
+    node_nic_gbps: float | None = None
+    """Network bandwidth of a whole node, GB/s one direction, shared by its GPUs (one 100 GbE
+    NIC per cloud node: 12.5). None: every GPU has inter_node.bandwidth_gbps of its own."""
     price_per_gpu_hour_usd: float | None = None
     """Override of the GPU's default price."""
     step_jitter: float = 0.0
@@ -168,6 +183,22 @@ class ClusterSpec:
                      allow_zero=True)
         if self.inter_dc is not None and not self.nodes_per_dc:
             raise MeshplanError(f"cluster {self.name}: inter_dc given but nodes_per_dc is missing")
+        if self.node_nic_gbps is not None:
+            positive(f"cluster {self.name}: node_nic_gbps", self.node_nic_gbps)
+        if self.site_links:
+            if self.inter_dc is None:
+                raise MeshplanError(f"cluster {self.name}: site_links need inter_dc and nodes_per_dc (the sites, "
+                                    "and the link of any pair not listed)")
+            seen = set()
+            for link in self.site_links:
+                if link.sites is None or max(link.sites) >= self.num_nodes // (self.nodes_per_dc or 1):
+                    raise MeshplanError(f"cluster {self.name}: a site link joins sites "
+                                        f"{None if link.sites is None else list(link.sites)}, but the cluster has "
+                                        f"{self.num_nodes // (self.nodes_per_dc or 1)} sites (0-based)",
+                                        hint="give each [[site_links]] entry sites = [a, b] of two existing sites")
+                if link.sites in seen:
+                    raise MeshplanError(f"cluster {self.name}: sites {list(link.sites)} are linked twice")
+                seen.add(link.sites)
         if self.nodes_per_dc is not None and self.num_nodes % self.nodes_per_dc:
             raise MeshplanError(f"cluster {self.name}: num_nodes={self.num_nodes} is not a multiple "
                                 f"of nodes_per_dc={self.nodes_per_dc}")
@@ -198,6 +229,16 @@ class ClusterSpec:
         if self.inter_dc is not None and self.nodes_per_dc and span > self.nodes_per_dc * self.gpus_per_node:
             return self.inter_dc
         return self.inter_node
+
+    def site_link(self, a: int, b: int) -> LinkTier:
+        """The link between sites ``a`` and ``b`` (its site_links entry, else inter_dc)."""
+        key = (min(a, b), max(a, b))
+        for link in self.site_links:
+            if link.sites == key:
+                return link
+        if self.inter_dc is None:
+            raise MeshplanError(f"cluster {self.name} has one site")
+        return self.inter_dc
 
     def replace(self, **changes: object) -> ClusterSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
