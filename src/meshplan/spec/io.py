@@ -16,10 +16,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from meshplan.builtin_calibration import builtin_gpu_value, builtin_link_value, part_efficiency
+from meshplan.builtin_calibration import builtin_gpu_value, part_efficiency
 from meshplan.errors import MeshplanError
 from meshplan.spec.base import SCHEMA_VERSION, coerce, from_dict, positive, to_dict
 from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, PooledCluster, default_links
+from meshplan.spec.links import link_efficiency
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, parse_plan
@@ -295,14 +296,73 @@ def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> ClusterSp
     d.setdefault("inter_node", inter)
     for tier in ("intra_node", "inter_node", "inter_dc"):
         if isinstance(d.get(tier), dict):
-            base = to_dict(intra if tier == "intra_node" else inter)
-            base.update({"name": tier, **d[tier]})
-            kind = base.get("kind")
-            fitted = builtin_link_value(tier, kind) if isinstance(kind, str) else None
-            if "efficiency" not in d[tier] and fitted is not None:
-                base["efficiency"] = fitted  # the calibrated efficiency of this link kind
-            d[tier] = from_dict(LinkTier, base, where=f"{where}.{tier}")
+            d[tier] = _link_from_dict(d[tier], to_dict(intra if tier == "intra_node" else inter), tier,
+                                      f"{where}.{tier}")
+    if "site_links" in d:
+        d["site_links"], slowest = _site_links(d["site_links"], d.get("inter_dc"), where)
+        if d.get("inter_dc") is None and slowest is not None:
+            d["inter_dc"] = slowest  # no [inter_dc]: the slowest pair's link (any pair not listed uses it)
+        if d.get("nodes_per_dc") is None and d["site_links"]:
+            raise MeshplanError(f"{where}: site_links need nodes_per_dc (the nodes of one site)",
+                                hint="e.g. nodes_per_dc = 4 for sites of 4 nodes each")
     return from_dict(ClusterSpec, d, where=where)
+
+
+def _link_from_dict(raw: dict[str, Any], base: dict[str, Any], tier: str, where: str) -> LinkTier:
+    """One link table over ``base`` (the default link of its tier). A link that names its kind but
+    no efficiency gets the kind's efficiency (spec.links: the calibration's fitted value, else the
+    per-kind default; an unknown kind is an error); a link without a kind keeps the base's kind and
+    efficiency."""
+    merged = {**base, "name": tier, **raw}
+    kind = raw.get("kind")
+    if "efficiency" not in raw and isinstance(kind, str) and kind.strip():
+        merged["efficiency"] = link_efficiency(tier, kind, where=where)
+    return from_dict(LinkTier, merged, where=where)
+
+
+SITE_LINK_KEYS = ("sites", "bandwidth_gbps", "latency_us", "efficiency", "shared", "kind")
+
+
+def _site_links(raw: Any, inter_dc: Any, where: str) -> tuple[tuple[LinkTier, ...], LinkTier | None]:
+    """[[site_links]] tables: each joins two sites (``sites = [a, b]``, 0-based); what it leaves out
+    comes from [inter_dc], then (efficiency) from its kind. Returns the links and, for a file
+    without [inter_dc], the slowest of them as the cluster's inter_dc."""
+    if not isinstance(raw, (list, tuple)) or not all(isinstance(x, (dict, LinkTier)) for x in raw):
+        raise MeshplanError(f"{where}: site_links must be a list of tables ([[site_links]] in TOML, each with "
+                            "sites = [a, b] and bandwidth_gbps)")
+    base = to_dict(inter_dc) if isinstance(inter_dc, LinkTier) else {"kind": "wan"}
+    base = {k: v for k, v in base.items() if k != "sites"}
+    links = []
+    for i, entry in enumerate(raw):
+        w = f"{where}.site_links[{i}]"
+        if isinstance(entry, LinkTier):
+            links.append(entry)
+            continue
+        if entry.get("name", "inter_dc") == "inter_dc":  # written back by to_dict (plan files' cluster_spec)
+            entry = {k: v for k, v in entry.items() if k != "name"}
+        unknown = sorted(set(entry) - set(SITE_LINK_KEYS))
+        if unknown:
+            raise MeshplanError(f"{w}: unknown key {unknown[0]!r}", hint="known keys: " + ", ".join(SITE_LINK_KEYS))
+        sites = entry.get("sites")
+        if (not isinstance(sites, list) or len(sites) != 2
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in sites)):
+            raise MeshplanError(f"{w}: sites must be two site numbers (0-based); got {sites!r}",
+                                hint="e.g. sites = [0, 1]")
+        if not isinstance(inter_dc, LinkTier):
+            missing = [k for k in ("bandwidth_gbps", "latency_us") if k not in entry]
+            if missing:
+                raise MeshplanError(f"{w}: missing {', '.join(missing)} (there is no [inter_dc] to take it from)",
+                                    hint="give each site link bandwidth_gbps (GB/s) and latency_us, or an "
+                                         "[inter_dc] table with the defaults")
+        e = dict(entry)
+        if "efficiency" not in e and "kind" not in e and not isinstance(inter_dc, LinkTier):
+            e["kind"] = base["kind"]  # a new link of the default kind: that kind's efficiency
+        links.append(_link_from_dict({**e, "sites": tuple(sites)}, base, "inter_dc", w))
+    slowest = None
+    if links and not isinstance(inter_dc, LinkTier):
+        s = min(links, key=lambda t: t.bytes_per_s)
+        slowest = LinkTier(**{**to_dict(s), "sites": None})
+    return tuple(links), slowest
 
 
 def pooled_from_dict(d: dict[str, Any], where: str) -> PooledCluster | ClusterSpec:
@@ -318,7 +378,8 @@ def pooled_from_dict(d: dict[str, Any], where: str) -> PooledCluster | ClusterSp
     if not pools_raw:
         raise MeshplanError(f"{where}: pools is empty; a cluster has at least one [[pools]] table",
                             hint="see docs/heterogeneous-hardware.md for an example")
-    top = {k: d.pop(k) for k in ("gpu", "num_nodes", "gpus_per_node", "nodes_per_dc", "inter_dc") if k in d}
+    top = {k: d.pop(k) for k in ("gpu", "num_nodes", "gpus_per_node", "nodes_per_dc", "inter_dc", "site_links",
+                                 "node_nic_gbps") if k in d}
     if top:
         raise MeshplanError(f"{where}: {', '.join(sorted(top))} belong inside each [[pools]] table of a pooled "
                             "cluster, not at the top level")
@@ -332,7 +393,7 @@ def pooled_from_dict(d: dict[str, Any], where: str) -> PooledCluster | ClusterSp
     if inter is None:
         link = LinkTier(**{**to_dict(slowest), "name": "inter_pool"})
     elif isinstance(inter, dict):
-        link = from_dict(LinkTier, {**to_dict(slowest), "name": "inter_pool", **inter}, where=f"{where}.inter_pool")
+        link = _link_from_dict(inter, to_dict(slowest), "inter_pool", f"{where}.inter_pool")
     else:
         raise MeshplanError(f"{where}: inter_pool must be a table ([inter_pool] with bandwidth_gbps, ...)")
     for k in ("step_jitter", "price_per_gpu_hour_usd"):
