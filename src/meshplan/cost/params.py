@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from meshplan.builtin_calibration import builtin_values
+from meshplan.errors import MeshplanError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,8 +82,18 @@ class CostParams:
     fsdp_prefetch_layers: int = 1
     """Layers whose parameters FSDP gathers ahead (FSDP2 default implicit prefetch = 1)."""
     pp_p2p_exposed: float = 1.0
-    """Fraction of pipeline point-to-point transfer time on the critical path (blocking sends
-    in Megatron/DeepSpeed; torch.distributed.pipelining also waits on recv before compute)."""
+    """Fraction of pipeline point-to-point transfer time on the critical path where the runtime
+    does not overlap its sends (blocking sends in DeepSpeed's pipeline engine and Megatron's
+    non-interleaved schedule; torch.distributed.pipelining also waits on recv before compute).
+    Where the profile's ``pp_p2p_overlap`` covers the plan's schedule the sends are hidden
+    instead: the fraction in effect is :func:`p2p_exposed` (the one place that decides)."""
+    pp_p2p_overlap: str = "none"
+    """Which pipeline schedules run their sends and receives asynchronously under compute (an
+    implementation profile's choice, one of P2P_OVERLAP): none (every send costs
+    pp_p2p_exposed of its time), interleaved (only plans with virtual stages > 1: Megatron-LM's
+    overlap_p2p_comm, on by default but forced off without virtual stages) or all (every
+    schedule: runtimes that post receives ahead, as decentralized-training systems do). An
+    overlapped send is costed as hidden (exposed fraction 0)."""
     allocator_fragmentation: float = 0.05
     """FITTED to the memory rows measured by torch's allocator (prior 0.05). Extra reserved memory of the
     caching allocator over live tensors (fraction of activations and transient buffers)."""
@@ -181,6 +195,27 @@ class CostParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
+#: The values of CostParams.pp_p2p_overlap: which schedules overlap their pipeline sends.
+P2P_OVERLAP = ("none", "interleaved", "all")
+
+
+def p2p_exposed(p: CostParams, virtual_stages: Any = 1) -> Any:
+    """The fraction of each pipeline send's time on the critical path, for plans with
+    ``virtual_stages`` (a number or an array of them, one per plan): 0 where the profile's
+    pp_p2p_overlap covers the schedule (``all``; ``interleaved`` with virtual stages > 1),
+    p.pp_p2p_exposed elsewhere. The cost model reads the exposed fraction only through here."""
+    if p.pp_p2p_overlap not in P2P_OVERLAP:
+        raise MeshplanError(f"pp_p2p_overlap = {p.pp_p2p_overlap!r} is not understood",
+                            hint="pp_p2p_overlap is one of: " + ", ".join(P2P_OVERLAP))
+    base = float(p.pp_p2p_exposed)
+    if p.pp_p2p_overlap == "none":
+        return base if np.ndim(virtual_stages) == 0 else np.full(np.shape(virtual_stages), base)
+    if p.pp_p2p_overlap == "all":
+        return 0.0 if np.ndim(virtual_stages) == 0 else np.zeros(np.shape(virtual_stages))
+    out = np.where(np.asarray(virtual_stages) > 1, 0.0, base)
+    return float(out) if out.ndim == 0 else out
+
+
 def _builtin_params() -> CostParams:
     """CostParams with the built-in calibration's fitted values (meshplan/data/calibration.json):
     the class defaults above are the priors, the calibration fitted to the development runs
@@ -202,7 +237,7 @@ PARAM_KINDS: dict[str, str] = {
     "tp_exposed_async": "fitted", "overlap_slowdown": "fitted", "dp_bucket_mib": "derived",
     "fsdp_reduce_bytes": "derived",
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
-    "pp_p2p_exposed": "derived", "allocator_fragmentation": "fitted",
+    "pp_p2p_exposed": "derived", "pp_p2p_overlap": "derived", "allocator_fragmentation": "fitted",
     "framework_overhead_gib": "fitted", "memory_margin": "derived", "max_oom_risk": "derived",
     "headroom_gib": "derived", "band_scale": "derived", "profile": "derived",
     "host_memory_per_gpu_gib": "derived",

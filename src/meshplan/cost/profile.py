@@ -25,7 +25,7 @@ from typing import Any
 
 from meshplan.cost.compute import ATTENTION_KERNELS, ELEMENTWISE_KERNELS, LOSS_KERNELS
 from meshplan.cost.memory import MAIN_GRAD_BYTES
-from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.params import DEFAULT_PARAMS, P2P_OVERLAP, CostParams
 from meshplan.errors import MeshplanError
 
 DEFAULT_PROFILE = "meshplan"
@@ -49,6 +49,7 @@ PROFILE_FIELDS: dict[str, Any] = {
     "nccl_buffer_gib": (float, 0.0),
     "framework_overhead_gib": (float, 0.0),
     "pipeline_variable_shapes": bool,
+    "pp_p2p_overlap": P2P_OVERLAP,
 }
 
 #: What each value means, for Profile.describe().
@@ -78,6 +79,10 @@ _SAYS: dict[str, Any] = {
                               "fused": "fused in-place cross-entropy",
                               "chunked": "chunked fused linear + CE (Liger)"}[v],
     "logits_fp32": lambda v: "upcast to fp32" if v else "16-bit",
+    "pp_p2p_overlap": lambda v: {
+        "none": "blocking (exposed) sends and receives",
+        "interleaved": "sends/receives under compute in the interleaved schedule (virtual stages > 1) only",
+        "all": "sends/receives under compute in every schedule"}[v],
     "pipeline_variable_shapes": lambda v: ("each micro-batch of a pipeline at its own length" if v else
                                            "a pipeline's micro-batches padded to the longest length"),
     "optimizer_temp_bytes": lambda v: f"{v:g} B/param temporaries (foreach)" if v else "fused (no temporaries)",
@@ -91,7 +96,8 @@ _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise",
           "fsdp_reduce_bytes": "FSDP reduce-scatter", "fsdp_prefetch_layers": "FSDP prefetch",
           "loss_kernel": "loss", "logits_fp32": "logits at the loss", "optimizer_temp_bytes": "optimizer step",
           "cuda_context_gib": "CUDA context", "nccl_buffer_gib": "NCCL buffers",
-          "framework_overhead_gib": "framework overhead", "pipeline_variable_shapes": "pipeline shapes"}
+          "framework_overhead_gib": "framework overhead", "pipeline_variable_shapes": "pipeline shapes",
+          "pp_p2p_overlap": "pipeline sends"}
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         dp_bucket_mib=(25.0, "torch DDP bucket_cap_mb=25"),
         loss_kernel=("torch", "runtime/models.py: F.cross_entropy(logits.float())"),
         logits_fp32=(True, "runtime/models.py: logits upcast with .float()"),
+        pp_p2p_overlap=("none", "runtime: torch.distributed.pipelining schedules wait on each receive right "
+                                "before the stage's compute"),
     ),
     _profile(
         "megatron", "Megatron-LM / NeMo (megatron-core)",
@@ -182,6 +190,9 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         loss_kernel=("torch", "--cross-entropy-loss-fusion off by default"),
         logits_fp32=(True, "--fp16-lm-cross-entropy off by default: the loss upcasts the logits"),
         optimizer_temp_bytes=(0.0, "apex/TE FusedAdam (multi-tensor apply)"),
+        pp_p2p_overlap=("interleaved", "overlap_p2p_comm on by default (--no-overlap-p2p-communication turns it "
+                                       "off), forced off without virtual stages ('non-interleaved schedule does not "
+                                       "support overlapping p2p communication', arguments.py validate_args)"),
     ),
     _profile(
         "nemo", "NeMo 2.0 recipes (megatron-core underneath)",
@@ -198,6 +209,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         loss_kernel=("torch", "megatron-core vocab-parallel cross-entropy"),
         logits_fp32=(True, "megatron-core upcasts the logits for the loss"),
         optimizer_temp_bytes=(0.0, "TE/apex FusedAdam"),
+        pp_p2p_overlap=("interleaved", "MegatronCommOverlapCallback: overlap_p2p_comm=True (batch_p2p_comm=False) "
+                                       "when pp > 1 and virtual stages > 1, else False"),
     ),
     _profile(
         "megatron-deepspeed", "Megatron-DeepSpeed (BigScience / Microsoft fork)",
@@ -209,6 +222,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         loss_kernel=("torch", "Megatron's vocab-parallel cross-entropy"),
         logits_fp32=(True, "--fp16-lm-cross-entropy off by default"),
         optimizer_temp_bytes=(0.0, "DeepSpeed FusedAdam"),
+        pp_p2p_overlap=("none", "DeepSpeed's PipelineEngine: runtime/pipe/p2p.py send/recv are blocking "
+                                "dist.send/dist.recv (assert async_op == False)"),
     ),
     _profile(
         "deepspeed", "DeepSpeed ZeRO (HF model code, DeepSpeed engine)",
@@ -221,6 +236,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         loss_kernel=("torch", "HF ForCausalLMLoss"),
         logits_fp32=(True, "HF ForCausalLMLoss: logits.float()"),
         optimizer_temp_bytes=(0.0, "DeepSpeed FusedAdam"),
+        pp_p2p_overlap=("none", "PipelineEngine: runtime/pipe/p2p.py send/recv are blocking dist.send/dist.recv "
+                                "(assert async_op == False)"),
     ),
     _profile(
         "torchtitan", "torchtitan (FSDP2, DTensor TP, SDPA)",
@@ -231,6 +248,9 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         loss_kernel=("torch", "cross_entropy_loss on pred.float()"),
         logits_fp32=(True, "cross_entropy_loss: pred.flatten(0, 1).float()"),
         optimizer_temp_bytes=(0.0, "[optimizer] implementation='fused'"),
+        pp_p2p_overlap=("none", "torch.distributed.pipelining: batched isend/irecv, but each receive is waited "
+                                "right before its stage's compute (1F1B fuses the forward send with the backward "
+                                "receive and waits on both)"),
     ),
     _profile(
         "llm-foundry", "llm-foundry (Composer, FSDP)",

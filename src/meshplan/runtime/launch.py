@@ -426,7 +426,7 @@ def worker_main(job: Job) -> int:
     import torch.distributed as dist
 
     from meshplan.runtime import checkpoint as ckpt
-    from meshplan.runtime.mesh import build_mesh, check_supported
+    from meshplan.runtime.mesh import build_mesh, check_supported, write_groups
     from meshplan.runtime.train import Trainer, init_distributed
     if job.ingested:
         from meshplan.runtime.generic import quiet_false_positives
@@ -452,6 +452,7 @@ def worker_main(job: Job) -> int:
     if dist.is_initialized() and dist.get_world_size() > 1:  # periodic plans: inner groups on this topology
         from meshplan.runtime.periodic import inner_dp_of
         mesh = build_mesh(job.plan, device.type, inner_dp_of(job.plan, procs_per_node(job), job.nodes_per_dc))
+        write_groups(mesh)  # (only with MESHPLAN_MESH_GROUPS set: tests of the placement)
     trainer = Trainer(job.config(), mesh, device)
     if rank0:  # heterogeneous hardware and data (runtime/hetero.py): what this run does of them
         for note in (hetero.pools_note(job.plan, device.type),

@@ -1,8 +1,13 @@
 """Plan -> torch DeviceMesh.
 
-The planner's axes, outermost to innermost: pp, dp, cp, tp. TP groups are consecutive ranks, so
-on GPUs they share a node's fastest links. All meshes here come from one root (pp, dp_cp, tp)
-by unflattening dp_cp, so that FSDP can combine any of them with the TP mesh:
+The planner's axes, outermost to innermost: pp, dp, cp, tp by default. TP groups are then
+consecutive ranks, so on GPUs they share a node's fastest links. A plan's placement
+(``mesh_order``, spec.axes.ParallelDims.rank_grid) lays the axes onto the ranks in another order:
+the root mesh is built from that rank grid (DeviceMesh from an explicit mesh tensor, whose
+dimensions are still (pp, dp_cp, tp)), so every group below holds the ranks the plan names, and
+every coordinate (pp_rank, dp_rank, ...) is read from the mesh, never computed from the global
+rank. All meshes here come from that one root by unflattening dp_cp, so that FSDP can combine any
+of them with the TP mesh:
 
     world   (pp, dp, cp, tp)                          coordinates; cp groups
     fsdp    (pp, dp_replicate, dp_shard, tp)          dp x cp split for FSDP/HSDP (ZeRO shards over dp x cp)
@@ -19,8 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import json
+import os
+from pathlib import Path
+
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.errors import MeshplanError
 from meshplan.runtime.local import cpu_cluster
@@ -202,12 +212,21 @@ class RuntimeMesh:
         return self.experts["edp_replicate", "edp_shard"] if rep > 1 else self.experts["edp_shard"]
 
 
+def root_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """The root (pp, dp_cp, tp) mesh of ``plan``: the global rank at each coordinate is the
+    placement's (ParallelDims.rank_grid; the default placement gives torch.arange, the mesh
+    init_device_mesh builds)."""
+    dims = ParallelDims.of(plan)
+    grid = torch.tensor(dims.rank_grid(), dtype=torch.int).reshape(dims.root_shape)
+    return DeviceMesh(device_type, grid, mesh_dim_names=dims.root_dims)
+
+
 def build_mesh(plan: Plan, device_type: str, inner_dp: int | None = None) -> RuntimeMesh:
     """The meshes for ``plan`` (the process group must already exist); ``inner_dp``: the dp ranks of
     an inner group of a periodic plan (periodic.inner_dp_of; None: synchronous)."""
     dims = ParallelDims.of(plan)
     n = dims.dp_cp
-    base = init_device_mesh(device_type, dims.root_shape, mesh_dim_names=dims.root_dims)
+    base = root_mesh(plan, device_type)
     world = base._unflatten(AX.DP_CP, (plan.dp, plan.cp), (AX.DP, AX.CP))
     workers = plan.dp // inner_dp if plan.periodic and inner_dp else 1
     split = (workers, n // workers) if workers > 1 else dp_split(plan)
@@ -225,3 +244,34 @@ def build_mesh(plan: Plan, device_type: str, inner_dp: int | None = None) -> Run
                        sync_mesh=fsdp["dp_shard"] if workers > 1 else None,
                        outer=fsdp["dp_replicate"] if workers > 1 else None, workers=workers,
                        worker=fsdp.get_local_rank("dp_replicate") if workers > 1 else 0)
+
+
+GROUPS_ENV = "MESHPLAN_MESH_GROUPS"
+"""A folder: with it set, every rank of `meshplan train` writes ``rank<R>.json`` there, the global
+ranks of each of its process groups (``mesh_groups``), for tests that check the placement."""
+
+
+def mesh_groups(mesh: RuntimeMesh) -> dict[str, list[int]]:
+    """The global ranks of this rank's process group on every axis of the run's meshes (read back
+    from the process groups themselves: dist.get_process_group_ranks), keyed by mesh and axis:
+    ``world.pp`` ... ``fsdp.dp_shard``, ``dp`` (all of dp x cp), ``sync``; ``experts.ep`` with ep > 1."""
+    out: dict[str, list[int]] = {}
+    named = {"world": mesh.world, "fsdp": mesh.fsdp, **({"experts": mesh.experts} if mesh.experts is not None else {})}
+    for key, m in named.items():
+        for dim in m.mesh_dim_names or ():
+            out[f"{key}.{dim}"] = sorted(dist.get_process_group_ranks(m.get_group(dim)))
+    out["dp"] = sorted(dist.get_process_group_ranks(mesh.dp_group))
+    out["sync"] = sorted(dist.get_process_group_ranks(mesh.sync_group))
+    return out
+
+
+def write_groups(mesh: RuntimeMesh | None) -> None:
+    """With GROUPS_ENV set, this rank's ``mesh_groups`` and mesh coordinates to ``rank<R>.json`` there."""
+    folder = os.environ.get(GROUPS_ENV)
+    if not folder or mesh is None or not dist.is_initialized():
+        return
+    rank = dist.get_rank()
+    doc = {"rank": rank, "groups": mesh_groups(mesh),
+           "coords": {AX.PP: mesh.pp_rank, AX.DP: mesh.dp_rank, AX.CP: mesh.cp_rank, AX.TP: mesh.tp_rank}}
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(doc))

@@ -100,6 +100,18 @@ def inner_dp_of(plan: Plan, procs_per_node: int, nodes_per_dc: int | None = None
         raise MeshplanError(f"sync_scope={plan.sync_scope}: {n} data-parallel ranks per {plan.sync_scope} leave "
                             f"{plan.dp / n:g} inner groups of dp={plan.dp} (needs a whole number, at least 2)",
                             hint="use a narrower sync_scope, or more nodes")
+    if plan.mesh_order is not None:  # a placement: each inner group must still lie in one scope unit
+        unit = topo.gpus_per_node if plan.sync_scope == "node" else topo.gpus_per_dc
+        grid = plan.dims.rank_grid()  # (pp, dp, cp, tp): inner group = n consecutive dp x all cp
+        for block in grid.reshape(plan.pp, plan.dp // n, n * plan.cp, plan.tp).transpose(0, 1, 3, 2).reshape(
+                -1, n * plan.cp):
+            if len({int(r) // unit for r in block}) > 1:
+                ranks = ",".join(str(int(r)) for r in block)
+                raise MeshplanError(
+                    f"sync_scope={plan.sync_scope} with mesh_order={':'.join(plan.mesh_order)}: the inner group of "
+                    f"ranks {ranks} spans several {plan.sync_scope}s of {unit} processes under this placement",
+                    hint="put dp and cp innermost (e.g. mesh_order=pp:tp:dp:cp), use sync_scope=all, or the default "
+                         "mesh_order")
     return n
 
 

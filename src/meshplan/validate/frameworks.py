@@ -92,3 +92,15 @@ def profile_of(row: Row, fw: str) -> str:
     if fw == "unknown":
         return DEFAULT_PROFILE
     return profile_for_framework(fw)
+
+
+def source_year(row: Row) -> int | None:
+    """The year of the row's source as its ``source`` cell names it: an arXiv id (2104.04473 ->
+    2021), else the earliest four-digit year from 2000 on; None when it names neither (a
+    framework's version such as 'NeMo 24.07' is not read as a year)."""
+    text = row.text("source") or ""
+    m = re.search(r"arxiv[:\s]*(\d{2})(\d{2})\.\d{4,5}", text, re.IGNORECASE)
+    if m:
+        return 2000 + int(m.group(1))
+    years = [int(y) for y in re.findall(r"(?<!\d)(20\d\d)(?!\d)", text)]
+    return min(years) if years else None

@@ -34,7 +34,7 @@ from meshplan.errors import MeshplanError
 from meshplan.spec.axes import AX
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload
-from meshplan.validate.frameworks import DEFAULT_RECOMPUTE, DEFAULT_ZERO, FRAMEWORK_LABEL
+from meshplan.validate.frameworks import DEFAULT_RECOMPUTE, DEFAULT_ZERO, FRAMEWORK_LABEL, source_year
 from meshplan.validate.rows import Row, Unsupported, bool_cell
 
 Assume = Callable[[str], None]
@@ -507,6 +507,10 @@ def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Ass
     * ``overlap_p2p_comm`` (Megatron-Core / NeMo): the interleaved schedule's pipeline sends and
       receives run asynchronously under the next micro-batch's compute -> pp_p2p_exposed=0
       (no effect without virtual stages: Megatron overlaps them only in the interleaved schedule);
+      off ('overlap_p2p_comm=False', '--no-overlap-p2p-communication') where the profile
+      overlaps -> pp_p2p_overlap='none'; not named, in a source from before 2023, where the
+      profile overlaps -> pp_p2p_overlap='none' (the flag came to Megatron in 2023, with
+      NVIDIA/apex#1616: the SC'21 and Korthikanti 2022 runs waited on their sends);
     * ``overlap_grad_reduce`` / ``overlap_grad_sync`` on or off -> dp_overlap;
     * 16-bit gradient accumulation ('grads accumulated in fp16', 'fp16 gradients': DeepSpeed
       ZeRO-1/2 with fp16) -> main_grads='bf16' (16-bit buffers); fp32 gradient accumulation
@@ -523,6 +527,15 @@ def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Ass
                "schedule: costed as hidden (pp_p2p_exposed=0)")
     elif p2p is True and pp > 1:
         assume("overlap_p2p_comm acts only in the interleaved schedule (virtual stages > 1): ignored")
+    elif pp > 1 and (base.pp_p2p_overlap == "all" or (base.pp_p2p_overlap == "interleaved" and vs > 1)):
+        year = source_year(row)
+        if p2p is False:
+            out["pp_p2p_overlap"] = "none"
+            assume("overlap_p2p_comm off as the row states: pipeline sends exposed (pp_p2p_overlap='none')")
+        elif year is not None and year < 2023:
+            out["pp_p2p_overlap"] = "none"
+            assume(f"pipeline sends exposed: the source ({year}) predates Megatron's overlap_p2p_comm (2023), "
+                   f"the profile's default {base.pp_p2p_overlap!r} does not apply (pp_p2p_overlap='none')")
     grad = named_setting(other, _GRAD_OVERLAP)
     if grad is not None and grad != base.dp_overlap:
         out["dp_overlap"] = grad

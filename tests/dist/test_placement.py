@@ -1,0 +1,98 @@
+"""The placement (plan field mesh_order) in `meshplan train`: 2 emulated nodes x 2 processes (two
+launchers sharing a c10d rendezvous on this machine), gloo, tiny-llama in fp32.
+
+A permuted placement moves which global ranks form each process group, never what a mesh
+coordinate computes: each (pp, dp, cp, tp) coordinate reads the same rows and holds the same
+shard, so the losses equal the default placement's. Tolerance: exactly equal. Every group here
+has two members and every reduction sums their values in the group's coordinate order (group
+rank i = coordinate i under both placements); a sum of two fp32 values does not depend on
+their order (IEEE 754 addition is commutative), so no reduction can round differently.
+
+The groups: every rank writes the global ranks of each of its process groups (runtime/mesh.py,
+MESHPLAN_MESH_GROUPS) and they must be the ones ParallelDims.rank_grid names for the plan.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, metric_losses, run_env
+
+from meshplan.spec.axes import AX, AXES, ParallelDims
+from meshplan.spec.plan import parse_plan
+
+pytest.importorskip("torch")
+
+COMMON = ["--model", "tiny-llama", "--global-batch", "8", "--seq-len", "32", "--pg-timeout", "60",
+          "--steps", "3"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_two_nodes(tmp: Path, name: str, plan: str) -> tuple[list[float], dict[int, dict]]:
+    """(per-step losses, {rank: its groups and coordinates}) of `meshplan train --plan PLAN` on
+    2 nodes of 2 processes."""
+    port, m, groups = free_port(), tmp / f"{name}.jsonl", tmp / f"{name}.groups"
+    cmd = [sys.executable, "-m", "meshplan.cli.train_cmd", *COMMON, "--nproc-per-node", "2", "--nnodes", "2",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--plan", plan, "--metrics", str(m)]
+    env = run_env(MESHPLAN_MESH_GROUPS=str(groups))
+    procs = [subprocess.Popen([*cmd, "--node-rank", str(r)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    ranks = {int(json.loads(f.read_text())["rank"]): json.loads(f.read_text()) for f in groups.glob("rank*.json")}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    return metric_losses(m), ranks
+
+
+def expected_groups(plan_text: str, rank: int) -> dict[str, list[int]]:
+    """The global ranks of ``rank``'s group on each axis, read from the plan's rank grid."""
+    dims = ParallelDims.of(parse_plan(plan_text))
+    grid, at = dims.rank_grid(), dims.coords(rank)
+    out = {}
+    for i, a in enumerate(AXES):
+        idx = tuple(slice(None) if j == i else at[b] for j, b in enumerate(AXES))
+        out[f"world.{a}"] = sorted(int(r) for r in np.asarray(grid[idx]).ravel())
+    dp_cp = grid[at[AX.PP], :, :, at[AX.TP]]
+    out["dp"] = sorted(int(r) for r in dp_cp.ravel())
+    return out
+
+
+def check_groups(plan_text: str, ranks: dict[int, dict]) -> None:
+    dims = ParallelDims.of(parse_plan(plan_text))
+    for rank, doc in ranks.items():
+        want = expected_groups(plan_text, rank)
+        got = {k: doc["groups"][k] for k in want}
+        assert got == want, (plan_text, rank, got, want)
+        assert doc["coords"] == dims.coords(rank), (plan_text, rank)
+        assert doc["groups"]["sync"] == want["dp"]  # synchronous: gradients averaged over all of dp x cp
+
+
+@pytest.mark.parametrize("plan,order,moved", [
+    # by default the tp pairs sit inside a node and the pipeline crosses the nodes; tp outermost puts
+    # the tp pairs across the nodes and the pipeline inside them
+    ("tp=2,pp=2,precision=fp32", "tp:pp:dp:cp", {"world.tp": [0, 2], "world.pp": [0, 1]}),
+    # dp x tp: data parallel inside the node, tensor parallel across the nodes
+    ("tp=2,dp=2,zero=1,precision=fp32", "tp:dp:pp:cp", {"world.tp": [0, 2], "world.dp": [0, 1]}),
+])
+def test_permuted_placement_trains_as_the_default(tmp_path: Path, plan: str, order: str,
+                                                  moved: dict[str, list[int]]) -> None:
+    base_losses, base_ranks = train_two_nodes(tmp_path, "default", plan)
+    permuted = f"{plan},mesh_order={order}"
+    got_losses, got_ranks = train_two_nodes(tmp_path, "permuted", permuted)
+    check_groups(plan, base_ranks)
+    check_groups(permuted, got_ranks)
+    for key, members in moved.items():  # the placement really regrouped rank 0
+        assert got_ranks[0]["groups"][key] == members and base_ranks[0]["groups"][key] != members, key
+    assert len(base_losses) == 3 and all(np.isfinite(base_losses))
+    assert got_losses == base_losses  # exactly (module docstring)
