@@ -438,6 +438,9 @@ def run_validate(args: argparse.Namespace) -> int:
     cv_text: list[str] = []
     if args.cross_validate:
         cv_text = _cross_validate(cases, result)
+    from meshplan.validate.collectives import to_text as collectives_text
+    from meshplan.validate.collectives import validate_collectives
+    result["collectives"] = validate_collectives()  # published nccl-tests rows (data/collectives_dev.csv)
     if args.report is not None:
         try:
             with open(args.report, "w") as f:
@@ -447,7 +450,7 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.json:
         print(json_text(result))
     else:
-        print("\n".join(cost.lines() + cv_text + [to_text(result)]))
+        print("\n".join(cost.lines() + cv_text + [to_text(result), "", collectives_text(result["collectives"])]))
     return 0
 
 
