@@ -112,8 +112,8 @@ def pipeline_allowed(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumn
 
 
 def tp_within_node(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    tp = _i64(cols, AX.TP)
-    return (tp > c.gpus_per_node) | (c.gpus_per_node % tp != 0)
+    tp, g = _i64(cols, AX.TP), c.gpus_per_node
+    return (g % tp != 0) & (tp % g != 0)  # groups tile nodes: a divisor of a node, or whole nodes
 
 
 def _stage_stats(cols: PlanColumns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

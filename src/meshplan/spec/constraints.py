@@ -78,12 +78,17 @@ def pipeline_allowed(c: Context) -> str | None:
 
 
 def tp_within_node(c: Context) -> str | None:
-    g = c.cluster.gpus_per_node
-    if c.plan.tp > g:
-        return f"tp={c.plan.tp} is larger than a node ({g} GPUs); keep tp <= {g}"
-    if g % c.plan.tp:
-        return f"tp={c.plan.tp} does not divide the {g} GPUs of a node"
-    return None
+    """Tensor-parallel groups tile the nodes: tp divides a node's GPUs (groups within a node) or
+    is a whole number of nodes (a group spanning nodes, priced on the inter-node link by
+    cost.comm.Group.of: legal, and used on small cloud nodes). Any other tp would leave a group
+    straddling a node boundary with a different share of its ranks on each node."""
+    g, tp = c.cluster.gpus_per_node, c.plan.tp
+    if g % tp == 0 or tp % g == 0:
+        return None
+    if tp > g:
+        return (f"tp={tp} is not a whole number of nodes ({g} GPUs each): its groups would straddle node "
+                f"boundaries; use a multiple of {g} (tp across nodes) or a divisor of {g}")
+    return f"tp={tp} does not divide the {g} GPUs of a node"
 
 
 def layers_split(c: Context) -> str | None:
