@@ -39,15 +39,22 @@ def test_two_dc_preset_is_the_issue_cluster():
 
 
 def test_shared_link_gives_each_group_its_share():
-    """N / n groups cross a shared link at once: each gets n / N of it."""
+    """A group spanning the two sites reduces hierarchically: its k members per site each run a
+    ring between the sites, so N / m rings (m = 2 sites) cross the shared link at once and each
+    gets m / N of it; the flat ring over the same devices (one ring per group, N / n of them)
+    gets n / N."""
     c = TWO_DC
     total = c.inter_dc.bytes_per_s
     for n, stride in ((2, 128), (256, 1), (16, 16)):
         g = Group.of(c, n, stride)
-        assert float(g.bytes_per_s) == pytest.approx(min(c.intra_node.bytes_per_s, total * n / c.num_gpus))
+        assert float(g.outer.n) == 2 and float(g.n) == n / 2
+        assert float(g.outer.bytes_per_s) == pytest.approx(min(c.intra_node.bytes_per_s, total * 2 / c.num_gpus))
+        flat = g.flat(c, [(n, stride)])
+        assert float(flat.bytes_per_s) == pytest.approx(min(c.intra_node.bytes_per_s, total * n / c.num_gpus))
+        assert float(g.all_reduce(1e9)) <= float(flat.all_reduce(1e9)) * (1 + 1e-12)
     # a per-GPU link (not shared) keeps its per-GPU bandwidth
     per_gpu = c.replace(inter_dc=LinkTier(name="inter_dc", bandwidth_gbps=2.0, efficiency=0.9))
-    assert float(Group.of(per_gpu, 2, 128).bytes_per_s) == pytest.approx(2.0e9 * 0.9)
+    assert float(Group.of(per_gpu, 2, 128).outer.bytes_per_s) == pytest.approx(2.0e9 * 0.9)
 
 
 def test_outer_sync_closed_form():
@@ -97,7 +104,7 @@ def test_cross_site_bytes_of_plain_data_parallel():
     from meshplan.cost.batch import estimate_batch
     b = estimate_batch(LLAMA8, TWO_DC, WORK, [plan])
     assert float(b["cross_site_gb"][0]) == pytest.approx(r.cross_site_gb)
-    per_rank = r.cross_site_gb * 1e9 / (groups * 2 * (n - 1) / n)
+    per_rank = r.cross_site_gb * 1e9 / (groups * 2 * (2 - 1) / 2)  # hierarchical: (m - 1) / m, m = 2 sites
     assert per_rank / 4 == pytest.approx(LLAMA8.num_params() / 8, rel=0.15)  # TP leaves norms whole
     assert float(cross_bytes(load_cluster("h100-sxm-80gb:256"), 32, 8, 1e9, 2)) == 0.0  # one site: nothing
 
@@ -250,9 +257,19 @@ def test_all_reduce_takes_the_tree_where_latency_dominates():
     assert float(g.all_reduce(big)) == pytest.approx(ring(big)) and ring(big) < tree(big)
     inside = Group.of(c, 8, 1)
     assert float(inside.all_reduce(small)) == pytest.approx(float(inside._ring(small, 2.0)))
-    # across the 10 ms link between sites, 32 ranks: the tree pays 10 latencies, the ring 62
+    # across the 10 ms link between sites, 32 ranks (16 per site): hierarchically, the site's ring
+    # (reduce-scatter, all-gather) plus 2 latencies of the link between the sites, not a flat
+    # tree's 10 or ring's 62
     w = Group.of(TWO_DC, 32, 8)
-    assert float(w.all_reduce(small)) == pytest.approx(2 * small / float(w.bytes_per_s) + 2 * 5 * 0.01)
+    o = w.outer
+    assert float(o.n) == 2 and float(w.n) == 16
+    inner = 2 * float(w._ring(small, 1.0))
+    between = min(2 * (1 / 2) * small / 16 / float(o.bytes_per_s) + 2 * 0.01, 2 * small / 16 / float(o.bytes_per_s)
+                  + 2 * 1 * 0.01)
+    assert float(w.all_reduce(small)) == pytest.approx(inner + between)
+    flat = w.flat(TWO_DC, [(32, 8)])
+    assert float(flat.all_reduce(small)) == pytest.approx(2 * small / float(flat.bytes_per_s) + 2 * 5 * 0.01)
+    assert float(w.all_reduce(small)) < float(flat.all_reduce(small)) / 4
 
 
 @pytest.mark.slow  # two full searches on 256 GPUs over two sites

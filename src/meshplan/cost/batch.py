@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.comm import Group, exposed_under, staged_fsdp_exposed, staged_fsdp_overlapped
+from meshplan.cost.comm import (
+    Group,
+    dpcp_group,
+    exposed_under,
+    mesh_strides,
+    staged_fsdp_exposed,
+    staged_fsdp_overlapped,
+)
 from meshplan.cost.compute import loss_kind
 from meshplan.cost.convergence import token_efficiency
 from meshplan.cost.layer import QUANTITIES, act_scale, table
@@ -35,11 +42,13 @@ from meshplan.cost.memory import (
 )
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.parts import (
+    boundary_sends,
     dp_end_of_step,
     offload_seconds,
     optimizer_seconds,
     output_stage,
     plans_to_columns,
+    rank_sends,
     root_fsdp,
     shard_degree,
     stage_sends,
@@ -252,7 +261,8 @@ class Assembly:
     dp_b: np.ndarray
     dp_f_ovl: np.ndarray
     dp_b_ovl: np.ndarray
-    send: np.ndarray            # one pipeline send (rows)
+    send: np.ndarray            # one pipeline send across the first boundary (rows)
+    sends: np.ndarray           # (rows, ranks) one send across each boundary j -> j + 1 (parts.boundary_sends)
     p2p: np.ndarray             # (rows, ranks) sends per micro-batch
     totals: np.ndarray          # (rows, ranks) exposed seconds per micro-batch (-inf beyond pp)
     plocal: np.ndarray          # (rows, ranks) parameters per GPU before sharding
@@ -327,7 +337,8 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     # Tensor, context and expert parallel communication per layer (only the layers that have it).
     zeros = np.zeros(C.shape)
     tp_ids = lay.ids_where(lay.pairs > 0)
-    tp_one = Group.of(cluster, tp[:, None], 1).all_reduce((tokens * scale)[:, None] * lay.hidden[None, :])
+    st = mesh_strides(cols)  # the placement: each axis's rank distance, per row
+    tp_one = Group.of(cluster, tp[:, None], st[AX.TP][:, None]).all_reduce((tokens * scale)[:, None] * lay.hidden[None, :])
     per_pass = tp_one * lay.pairs[None, :]  # one direction (forward or backward)
     re = np.where(full_rc, 1.0, 0.0)[:, None]
     tp_fwd = C.sum(per_pass, tp_ids)
@@ -336,7 +347,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     cp_f = cp_b = cp_fo = cp_bo = zeros
     if att_ids:
         kv = (tokens * scale)[:, None] * 2 * lay.kv_dim[None, :] / tp[:, None] * 2.0
-        cp_g = Group.of(cluster, cp[:, None], tp[:, None])
+        cp_g = Group.of(cluster, cp[:, None], st[AX.CP][:, None])
         cp_t = np.where(lay.kv_dim[None, :] > 0, 3 * cp_g.all_gather(kv * cp[:, None]), 0.0)
         cp_exp = np.maximum(0.0, cp_t - 0.5 * (f + bi + bw))
         share_f = f / np.maximum(1e-30, f + bi + bw)
@@ -345,7 +356,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     exp_ids = lay.ids_where(lay.a2a > 0) if (ep > 1).any() else []
     ep_s = zeros
     if exp_ids:
-        ep_t = np.where(lay.a2a[None, :] > 0, 4 * Group.of(cluster, ep[:, None], tp[:, None]).all_to_all(
+        ep_t = np.where(lay.a2a[None, :] > 0, 4 * dpcp_group(cluster, col_st(st), cp[:, None], ep[:, None]).all_to_all(
             (tokens * scale)[:, None] * lay.a2a[None, :]), 0.0)
         ep_s = C.sum(ep_t, exp_ids)
     async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
@@ -360,7 +371,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     per_step = (zero == 3) & (pp > 1)
     blocked = (fsdp & ~per_step)[:, None]
     if (zero == 3).any():
-        shard_g = Group.of(cluster, shard[:, None], tp[:, None])
+        shard_g = dpcp_group(cluster, col_st(st), cp[:, None], shard[:, None])
         ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(reduce_bytes(cols, p)[:, None] * lp)
     else:
         ag = rs = np.zeros_like(lp)
@@ -380,13 +391,17 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     dp_f_ovl, dp_b_ovl = C.sum(f_ovl, blk_ids), C.sum(b_ovl, blk_ids)
 
     send_bytes = tokens * scale * lay.send / np.where(cols["p2p_sharded"], tp, 1)
-    send = Group.of(cluster, 2, tp * cp * dp).send_recv(send_bytes)
-    if cluster.num_dcs > 1:  # a pipeline spanning datacenters: its boundary sends cross the link between them
-        # (all N / pp ranks of a stage at once: the group of the pp stages gets pp / N of a shared link)
-        wide = (pp > 1) & (pp * tp * cp * dp > cluster.gpus_per_dc)
-        send = np.where(wide, Group.of(cluster, pp, tp * cp * dp).send_recv(send_bytes), send)
-    p2p = stage_sends(np.where(pp > 1, 2 * v * send * p.pp_p2p_exposed, 0), pp, zbv, j,
-                      np.where(pp > 1, send * p.pp_p2p_exposed, 0))
+    # each pipeline boundary's send on the link it crosses (cost.comm.pipeline_links); where every
+    # boundary a row uses has the same link, the per-rank sum is the one-link form (same bits)
+    sends = boundary_sends(cluster, cols, send_bytes, width)
+    send = sends[:, 0]
+    wrap = (v > 1) & ~zbv
+    used = (j < (pp - 1)[:, None]) | ((j == (pp - 1)[:, None]) & wrap[:, None])
+    uniform = np.all(np.where(used, sends == send[:, None], True), axis=1)
+    p2p = np.where(uniform[:, None],
+                   stage_sends(np.where(pp > 1, 2 * v * send * p.pp_p2p_exposed, 0), pp, zbv, j,
+                               np.where(pp > 1, send * p.pp_p2p_exposed, 0)),
+                   np.where(valid & (pp > 1)[:, None], rank_sends(sends, pp, v, zbv, j) * p.pp_p2p_exposed, 0.0))
     tp_t = tp_fwd + tp_bwd
     terms = {"compute": compute, "recompute": recompute, "tp_comm": tp_t * async_f,
              "tp_comm_overlapped": tp_t * (1 - async_f), "cp_comm": cp_f + cp_b,
@@ -395,15 +410,20 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
              "pp_comm": p2p, "offload": offload}
     exposed = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm", "offload")
     totals = np.where(valid, sum(terms[k] for k in exposed), -np.inf)
-    tied = tied_sync(cluster, tied_local, cp, dp, shard, tp, p)
+    tied = tied_sync(cluster, tied_local, cp, dp, shard, tp, p, cols)
     return Assembly(
         lay=lay, cols=cols, micro=micro, tokens=tokens, shard=shard, valid=valid, first=first, last=last, zbv=zbv,
         split=(((np.asarray(cols["schedule"]) == "zero-bubble") | zbv) & (pp > 1)), counts=counts,
         C=C, R=R, q=q, fwd=fwd, b_in=b_in, b_w=b_w, fwd_x=fwd_x, bin_x=bin_x, bw_x=bw_x, terms=terms,
         tp_f=tp_f, tp_b=tp_b, tp_f_ovl=tp_f_ovl, tp_b_ovl=tp_b_ovl, dp_f=dp_f, dp_b=dp_b,
-        dp_f_ovl=dp_f_ovl, dp_b_ovl=dp_b_ovl, send=send, p2p=p2p,
+        dp_f_ovl=dp_f_ovl, dp_b_ovl=dp_b_ovl, send=send, sends=sends, p2p=p2p,
         totals=totals, plocal=plocal, lp_unit=lp_unit, blk_params=blk_params, ag=ag, rs=rs, fsdp=fsdp,
         per_step=per_step, tied=tied * np.ones(n), tied_local=tied_local * np.ones(n))
+
+
+def col_st(st: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-row strides as (rows, 1) columns (to broadcast against per-layer arrays)."""
+    return {a: np.asarray(x)[:, None] for a, x in st.items()}
 
 
 def local_params(lay: Layout, tp: np.ndarray, ep: np.ndarray) -> np.ndarray:
@@ -455,8 +475,9 @@ def drain(a: Assembly, p: CostParams) -> np.ndarray:
     fwd = stage_forward(a)
     per = np.where(a.valid, np.where(np.isfinite(a.totals), a.totals, 0.0) - fwd, 0.0) / v[:, None]
     before = np.cumsum(per, axis=1) - per  # sum over j < r
-    send = np.where(pp > 1, a.send * p.pp_p2p_exposed, 0.0)[:, None]
     j = np.arange(per.shape[1])[None, :]
+    # the send across boundary r - 1 (rank r's gradient to rank r - 1)
+    send = np.where((pp > 1)[:, None], np.roll(a.sends, 1, axis=1) * p.pp_p2p_exposed, 0.0)
     out = np.maximum(0.0, before - np.where(j >= 1, send, 0.0))
     return np.where(a.split[:, None] | ~a.valid, 0.0, out)
 
@@ -477,11 +498,12 @@ def _rank_passes(a: Assembly, p: CostParams) -> RankPasses:
     if a.zbv.any():
         pp = col(a.cols[AX.PP])
         j = np.arange(a.valid.shape[1])[None, :]
-        one = col(np.where(a.cols[AX.PP] > 1, a.send * p.pp_p2p_exposed, 0))
+        on = col(np.where(a.cols[AX.PP] > 1, p.pp_p2p_exposed, 0.0))
+        ahead, back = a.sends * on, np.roll(a.sends, 1, axis=1) * on  # boundaries j and j - 1
         suf = a.lay.suffix[None, :]
         out_f, out_b, out_w = (a.last * (a.q[k] * suf).sum(1)[:, None] for k in ("f", "bi", "bw"))
-        f1 = (fwd - a.fwd_x - a.p2p / 2) / 2 + out_f + one * (j > 0)
-        b1 = (bwd - a.bin_x - a.p2p / 2) / 2 + out_b + one * (j < pp - 1)
+        f1 = (fwd - a.fwd_x - a.p2p / 2) / 2 + out_f + back * (j > 0)
+        b1 = (bwd - a.bin_x - a.p2p / 2) / 2 + out_b + ahead * (j < pp - 1)
         w1 = (wgt - a.bw_x) / 2 + out_w
         chunk1 = (f1, b1, w1)
     return rank_passes(fwd, bwd, wgt, a.valid, chunk1)
@@ -545,7 +567,8 @@ def end_of_step(a: Assembly, cluster: ClusterSpec, p: CostParams) -> tuple[np.nd
     psgd, psgd_t = powersgd_terms(a, cluster, p)
     e_r, o_r = dp_end_of_step(cluster, c2, p, tp[:, None], n_in[:, None].astype(float), cp[:, None],
                               a.shard[:, None], a.lp_unit[:, None], a.plocal,
-                              (a.terms["compute"][:, 0] / 2)[:, None], a.micro[:, None], psgd, psgd_t)
+                              (a.terms["compute"][:, 0] / 2)[:, None], a.micro[:, None], psgd, psgd_t,
+                              col_st(mesh_strides(cols)))
     j = np.arange(a.valid.shape[1])[None, :]
     ends = a.first | (j == (pp[:, None] - 1))
     tie = ((pp > 1) & (a.lay.graph.tied_params > 0) & ~a.zbv)[:, None]
@@ -707,7 +730,7 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
     # dp_end_of_step), which it slows like any collective (exposed_under), so that the memory
     # ZeRO-3 saves on it carries its time.
     root_x, root_o = root_fsdp(cluster, p, a.plocal[rows, crit] - a.blk_params[rows, crit], a.shard, tp, tmax,
-                               micro, a.fsdp, a.per_step, reduce_bytes(cols, p))
+                               micro, a.fsdp, a.per_step, reduce_bytes(cols, p), mesh_strides(cols), cols[AX.CP].astype(float))
     dp_exp, dp_ovl = dp_exp + root_x, dp_ovl + root_o
     opt_t = (optimizer_seconds(cluster, a.plocal, zero, a.shard, np.asarray(cols["offload_optimizer"], dtype=bool), p)
              if rank_ends is None else rank_ends[2])

@@ -19,11 +19,13 @@ the scalar estimate and the vectorised search share this code.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from meshplan.spec.axes import AX, AXES, column_strides
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.units import US
 
@@ -57,26 +59,74 @@ def staged_fsdp_overlapped(gather: Num, fwd: Num, reduce: Num, hide: Num) -> Num
     return np.minimum(gather, fwd) + np.minimum(reduce, hide)
 
 
-_GROUPS: dict[tuple[Any, ...], tuple[float, float]] = {}
+_GROUPS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
 
 def _link_key(c: ClusterSpec) -> tuple[Any, ...]:
     """Everything of a cluster that Group.of reads."""
     dc = c.inter_dc
     return (c.gpus_per_node, c.intra_node.bytes_per_s, c.intra_node.latency_us,
-            c.inter_node.bytes_per_s, c.inter_node.latency_us, c.nodes_per_dc,
-            None if dc is None else (dc.bytes_per_s, dc.latency_us, dc.shared, c.num_gpus))
+            c.inter_node.bytes_per_s, c.inter_node.latency_us, c.nodes_per_dc, c.node_nic_gbps,
+            None if dc is None else (dc.bytes_per_s, dc.latency_us, dc.shared, c.num_gpus,
+                                     tuple((t.sites, t.bytes_per_s, t.latency_us, t.shared) for t in c.site_links)))
+
+
+def nic_bytes_per_s(cluster: ClusterSpec, crossing: Num) -> Num:
+    """Achievable inter-node bytes/s of one GPU when ``crossing`` GPUs of its node send across
+    nodes at once: its own NIC's (inter_node), or its share of the node's NIC (node_nic_gbps,
+    at the inter-node link's efficiency) where the node's GPUs share one."""
+    inter = cluster.inter_node
+    if cluster.node_nic_gbps is None:
+        return inter.bytes_per_s
+    share = cluster.node_nic_gbps * 1e9 * inter.efficiency / np.maximum(np.asarray(crossing, dtype=float), 1.0)
+    return np.minimum(inter.bytes_per_s, share)
+
+
+def members_within(size: float, parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """(members of the group in one block of ``size`` consecutive ranks (a node or a site), whether
+    the whole group lies in one): the product over the group's axes (``parts``: (degree, stride)
+    of each mesh axis it spans) of the members each axis keeps inside the block."""
+    per, inside = np.ones(()), np.ones((), dtype=bool)
+    for n, st in parts:
+        one = n <= 1
+        k = np.where(st < size, np.minimum(np.maximum(size // np.maximum(st, 1), 1), np.maximum(n, 1)), 1)
+        per = per * np.where(one, 1.0, k)
+        inside = inside & (one | (n * st <= size))
+    return per, inside
+
+
+def _site_ring(cluster: ClusterSpec, m: int, step: int) -> tuple[float, float, int]:
+    """(bytes/s, latency s, pairs) of the slowest hop of a ring over ``m`` sites ``step`` sites
+    apart, over every such ring of the cluster (site_links; else inter_dc), and how many of the
+    ring's hops cross one link."""
+    n_sites = cluster.num_dcs
+    worst_bw, worst_lat = np.inf, 0.0
+    for base in range(n_sites):
+        sites = [(base + k * step) % n_sites for k in range(m)]
+        for a, b in zip(sites, sites[1:] + sites[:1]):
+            if a == b:
+                continue
+            link = cluster.site_link(a, b)
+            worst_bw, worst_lat = min(worst_bw, link.bytes_per_s), max(worst_lat, link.latency_us * US)
+    return worst_bw, worst_lat, 1
 
 
 @dataclass(frozen=True)
 class Group:
-    """A communication group: ``n`` ranks, achievable bytes/s per rank, per-hop latency (s)."""
+    """A communication group: ``n`` ranks, achievable bytes/s per rank, per-hop latency (s).
+
+    A group spanning several sites (datacenters) is priced hierarchically, as NCCL and every
+    multi-site system reduce: these fields are the part inside one site (``n`` members per site)
+    and ``outer`` the ring (or tree) between the sites, one per member of a site, that carries
+    only the 1 / n of the bytes each member holds after the site's reduce-scatter."""
 
     n: Num
     bytes_per_s: Num
     latency_s: Num
     across_nodes: Num = False
     """The group spans nodes: its all-reduce may run as NCCL's tree (``all_reduce``)."""
+    outer: Group | None = None
+    """The tier between sites (n = sites spanned; 1 where a row's group stays in one site)."""
 
     @staticmethod
     def of(cluster: ClusterSpec, n: Num, stride: Num) -> Group:
@@ -90,35 +140,84 @@ class Group:
             if hit is None:
                 if len(_GROUPS) > 4096:
                     _GROUPS.clear()
-                g = Group._of(cluster, n.reshape(()), stride.reshape(()))
-                hit = _GROUPS[key] = (float(g.bytes_per_s), float(g.latency_s), bool(g.across_nodes))
+                hit = _GROUPS[key] = Group._of(cluster, [(n.reshape(()), stride.reshape(()))]).scalars()
             shape = np.broadcast_shapes(n.shape, stride.shape)
-            return Group(n.reshape(shape) if n.shape != shape else n, np.full(shape, hit[0]),
-                         np.full(shape, hit[1]), np.full(shape, hit[2]))
-        return Group._of(cluster, n, stride)
+            return Group.from_scalars(hit, n.reshape(shape) if n.shape != shape else n, shape)
+        return Group._of(cluster, [(n, stride)])
 
     @staticmethod
-    def _of(cluster: ClusterSpec, n: np.ndarray, stride: np.ndarray) -> Group:
+    def over(cluster: ClusterSpec, parts: list[tuple[Num, Num]]) -> Group:
+        """Group spanning several mesh axes at once (``parts``: (degree, stride) of each), e.g. the
+        ranks of dp x cp when a placement puts another axis between them. One part = Group.of."""
+        parts = [(np.asarray(n, dtype=float), np.asarray(s, dtype=float)) for n, s in parts]
+        if len(parts) == 1:
+            return Group.of(cluster, *parts[0])
+        return Group._of(cluster, parts)
+
+    def scalars(self) -> tuple[Any, ...]:
+        o = self.outer
+        return (float(self.bytes_per_s), float(self.latency_s), bool(self.across_nodes), float(self.n),
+                None if o is None else (float(o.n), float(o.bytes_per_s), float(o.latency_s)))
+
+    @staticmethod
+    def from_scalars(hit: tuple[Any, ...], n: np.ndarray, shape: tuple[int, ...]) -> Group:
+        outer = None
+        if hit[4] is not None:
+            on, obw, olat = hit[4]
+            outer = Group(np.full(shape, on), np.full(shape, obw), np.full(shape, olat), np.full(shape, True))
+            n = np.full(shape, hit[3])
+        return Group(n, np.full(shape, hit[0]), np.full(shape, hit[1]), np.full(shape, hit[2]), outer)
+
+    @staticmethod
+    def _of(cluster: ClusterSpec, parts: list[tuple[np.ndarray, np.ndarray]], flat: bool = False) -> Group:
         gpn = cluster.gpus_per_node
         intra, inter = cluster.intra_node, cluster.inter_node
-        span = n * stride
-        inside = span <= gpn
-        tier_bw, tier_lat = inter.bytes_per_s, inter.latency_us * US
-        if cluster.inter_dc is not None and cluster.nodes_per_dc:
-            dc = span > cluster.nodes_per_dc * gpn
-            tier_bw = np.where(dc, cluster.inter_dc.bytes_per_s, tier_bw)
-            tier_lat = np.where(dc, cluster.inter_dc.latency_us * US, tier_lat)
+        n = np.ones(())
+        for k, _ in parts:
+            n = n * np.maximum(k, 1)
         # k ranks of the group per node (one ring per NIC), 1 when the stride spans nodes
-        per_node = np.where(stride < gpn, np.minimum(np.maximum(gpn // np.maximum(stride, 1), 1),
-                                                     np.maximum(n, 1)), 1)
+        per_node, inside = members_within(gpn, parts)
+        nic = nic_bytes_per_s(cluster, gpn)  # every group of the axis runs at once: all of a node's GPUs
         intra_bw = intra.bytes_per_s
-        bw = np.where(inside, intra_bw, np.minimum(intra_bw, per_node * tier_bw))
-        if cluster.inter_dc is not None and cluster.nodes_per_dc and cluster.inter_dc.shared:
-            # One link between sites, shared: every group runs the collective at once (N / n
-            # groups), and each group's ring crosses it once per direction, so each gets n / N of it.
-            bw = np.where(dc, np.minimum(bw, cluster.inter_dc.bytes_per_s * n / cluster.num_gpus), bw)
-        lat = np.where(n <= 1, 0.0, np.where(inside, intra.latency_us * US, tier_lat))
-        return Group(n, bw, lat, ~inside)
+        bw = np.where(inside, intra_bw, np.minimum(intra_bw, per_node * nic))
+        lat = np.where(n <= 1, 0.0, np.where(inside, intra.latency_us * US, inter.latency_us * US))
+        if cluster.inter_dc is None or not cluster.nodes_per_dc or cluster.num_dcs < 2:
+            return Group(n, bw, lat, ~inside)
+        gps = cluster.gpus_per_dc
+        per_site, one_site = members_within(gps, parts)
+        m = np.where(one_site, 1.0, np.round(n / np.maximum(per_site, 1)))
+        # the sites' ring: the slowest hop between the sites it joins, per GPU (never faster than the
+        # GPU's NIC); a link shared by every GPU crossing it (LinkTier.shared) gives each of the N / m
+        # rings that cross it at once m / N of it
+        extent = np.zeros(np.shape(m))
+        for k, st in parts:
+            extent = np.maximum(extent, np.where(k > 1, k * st, 0.0))
+        step = np.maximum(1.0, np.floor(np.ceil(extent / gps) / np.maximum(m, 1)))  # sites between members
+        site_bw, site_lat = np.full(np.shape(m), np.inf), np.zeros(np.shape(m))
+        for mv, sv in {(float(a), float(b)) for a, b in zip(np.ravel(m), np.ravel(step + 0 * m)) if a > 1}:
+            rows = (m == mv) & (step == sv)
+            rbw, rlat, _ = _site_ring(cluster, int(mv), int(sv))
+            site_bw, site_lat = np.where(rows, rbw, site_bw), np.where(rows, rlat, site_lat)
+        shared = cluster.inter_dc.shared or any(t.shared for t in cluster.site_links)
+        share = site_bw * m / cluster.num_gpus if shared else site_bw
+        outer_bw = np.minimum(np.minimum(intra_bw, nic), share)
+        if flat:  # one ring over every member at the slowest link (gloo; the hierarchical form's bound)
+            fbw = np.where(m > 1, np.minimum(bw, np.minimum(site_bw * n / cluster.num_gpus if shared else site_bw,
+                                                            per_node * nic)), bw)
+            return Group(n, fbw, np.where(m > 1, site_lat, lat), ~inside)
+        inner_n = np.where(m > 1, per_site, n)
+        inner_inside = inside | (inner_n <= per_node)
+        inner_bw = np.where(inner_inside, np.where(inside, bw, intra_bw), np.minimum(intra_bw, per_node * nic))
+        inner_lat = np.where(inner_n <= 1, 0.0, np.where(inner_inside, intra.latency_us * US,
+                                                          inter.latency_us * US))
+        outer = Group(m, np.where(m > 1, outer_bw, 1.0), np.where(m > 1, site_lat, 0.0), np.ones(np.shape(m), bool))
+        return Group(inner_n, inner_bw, inner_lat, ~inner_inside, outer)
+
+    def flat(self, cluster: ClusterSpec, parts: list[tuple[Num, Num]]) -> Group:
+        """The same devices as one flat ring at the slowest link it crosses (what gloo, or a
+        runtime without hierarchical collectives, runs): the bound the hierarchical form beats."""
+        return Group._of(cluster, [(np.asarray(n, dtype=float), np.asarray(s, dtype=float)) for n, s in parts],
+                         flat=True)
 
     def _ring(self, size: Num, passes: float) -> Num:
         n = np.maximum(self.n, 1)
@@ -127,26 +226,57 @@ class Group:
         return np.where((self.n <= 1) | (size <= 0), 0.0, t)
 
     def all_reduce(self, size: Num) -> Num:
-        """The ring's time, or across nodes the tree's where it is shorter: NCCL's double binary
+        """Within one site: the ring's time, or across nodes the tree's where it is shorter. Across
+        sites: reduce-scatter within each site, all-reduce of each member's 1 / n shard between the
+        sites (ring or tree), all-gather within each site (NCCL's hierarchical form, as in
+        Megatron's / Horovod's hierarchical all-reduce): only 1 / n of the bytes crosses the slow
+        tier, with 2 (m - 1) (or 2 log2 m) of its latencies instead of 2 (n m - 1).
+        The single-site part: the ring's time, or across nodes the tree's where it is shorter: NCCL's double binary
         tree moves about 2 S / B and pays 2 ceil(log2 n) latencies instead of the ring's 2 (n - 1),
         so it wins when the latency dominates (small messages over many nodes, or slow links
         between sites)."""
         ring = self._ring(size, 2.0)
         n = np.maximum(self.n, 1)
         tree = 2.0 * size / self.bytes_per_s + 2.0 * np.ceil(np.log2(n)) * self.latency_s
-        return np.where(np.asarray(self.across_nodes, dtype=bool) & (self.n > 1) & (np.asarray(size) > 0),
-                        np.minimum(ring, tree), ring)
+        one = np.where(np.asarray(self.across_nodes, dtype=bool) & (self.n > 1) & (np.asarray(size) > 0),
+                       np.minimum(ring, tree), ring)
+        o = self.outer
+        if o is None:
+            return one
+        shard = np.asarray(size, dtype=float) / np.maximum(self.n, 1)
+        hier = self._ring(size, 1.0) + o.all_reduce(shard) + self._ring(size, 1.0)
+        return np.where(o.n > 1, hier, one)
 
     def all_gather(self, size: Num) -> Num:
-        return self._ring(size, 1.0)
+        """Across sites: between the sites first (each member's piece from every site: size / n),
+        then within each site (the whole size)."""
+        return self._ring(size, 1.0) + self._outer(size, "all_gather")
 
     def reduce_scatter(self, size: Num) -> Num:
-        return self._ring(size, 1.0)
+        """Across sites: within each site (the whole size), then between the sites (size / n)."""
+        return self._ring(size, 1.0) + self._outer(size, "reduce_scatter")
 
     def all_to_all(self, size: Num) -> Num:
-        return self._ring(size, 1.0)
+        """Across sites: the (n - 1) / (n m) of each rank's bytes that stay in its site on the
+        site's links, the (m - 1) / m that leave it on the link between sites."""
+        o = self.outer
+        if o is None:
+            return self._ring(size, 1.0)
+        m = np.maximum(o.n, 1)
+        return self._ring(np.asarray(size, dtype=float) / m, 1.0) + o._ring(size, 1.0)
+
+    def _outer(self, size: Num, op: str) -> Num:
+        o = self.outer
+        if o is None:
+            return 0.0
+        return getattr(o, op)(np.asarray(size, dtype=float) / np.maximum(self.n, 1))
 
     def send_recv(self, size: Num) -> Num:
+        o = self.outer
+        if o is not None:  # a pair on two sites: the link between them
+            bw = np.where(o.n > 1, o.bytes_per_s, self.bytes_per_s)
+            lat = np.where(o.n > 1, o.latency_s, self.latency_s)
+            return np.where(np.asarray(size) <= 0, 0.0, size / bw + lat)
         return np.where(np.asarray(size) <= 0, 0.0, size / self.bytes_per_s + self.latency_s)
 
 
@@ -173,3 +303,98 @@ BUS_FACTOR = {"all_reduce": lambda n: 2.0 * (n - 1) / n, "all_gather": lambda n:
 def bus_bandwidth(op: str, nbytes: float, n: int, seconds: float) -> float:
     """nccl-tests' bus bandwidth, bytes/s, of ``op`` on ``n`` ranks moving ``nbytes`` in ``seconds``."""
     return nbytes / seconds * BUS_FACTOR[op](n)
+
+
+_PIPES: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def pipeline_links(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None,
+                   wrap: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes/s, latency s) of each pipeline boundary, (pp,): boundary j carries the sends between
+    stage j and stage j + 1 (the last, pp - 1 -> 0, is used by interleaved schedules only:
+    ``wrap``). Every rank of a stage sends to its peer at once; a boundary is as fast as its
+    slowest pair: inside a node the intra-node link; across nodes the GPU's NIC (or its share of
+    a node NIC, among the node's GPUs crossing at this boundary); across sites the link between
+    the two sites (a shared one divided among every pair of every boundary that crosses it)."""
+    from meshplan.spec.axes import ParallelDims
+    key = (_link_key(cluster), cluster.num_gpus, tuple(int(sizes[a]) for a in AXES), order, wrap)
+    hit = _PIPES.get(key)
+    if hit is not None:
+        return hit
+    dims = ParallelDims(**{a: int(sizes[a]) for a in AXES}, order=order or AXES)
+    grid = dims.rank_grid().reshape(dims.pp, -1)
+    pp, gpn = dims.pp, cluster.gpus_per_node
+    gps = cluster.gpus_per_dc if cluster.num_dcs > 1 else None
+    intra, inter = cluster.intra_node, cluster.inter_node
+    bws, lats = np.full(pp, np.inf), np.zeros(pp)
+    used = [j for j in range(pp) if j < pp - 1 or (wrap and pp > 1)]
+    pairs = {j: (grid[j], grid[(j + 1) % pp]) for j in used}
+    site_load: dict[tuple[int, int], int] = {}
+    if gps is not None:
+        for a, b in pairs.values():
+            sa, sb = a // gps, b // gps
+            for x, y in zip(sa[sa != sb], sb[sa != sb]):
+                k = (int(min(x, y)), int(max(x, y)))
+                site_load[k] = site_load.get(k, 0) + 1
+    for j, (a, b) in pairs.items():
+        na, nb = a // gpn, b // gpn
+        if (na == nb).all():
+            bws[j], lats[j] = intra.bytes_per_s, intra.latency_us * US
+            continue
+        crossing = np.bincount(na[na != nb]).max()
+        bw = float(np.minimum(intra.bytes_per_s, nic_bytes_per_s(cluster, crossing)))
+        lat = inter.latency_us * US
+        if gps is not None:
+            sa, sb = a // gps, b // gps
+            for k in {(int(min(x, y)), int(max(x, y))) for x, y in zip(sa[sa != sb], sb[sa != sb])}:
+                link = cluster.site_link(*k)
+                lb = link.bytes_per_s / site_load[k] if link.shared else link.bytes_per_s
+                bw, lat = min(bw, lb), max(lat, link.latency_us * US)
+        bws[j], lats[j] = bw, lat
+    if len(_PIPES) > 4096:
+        _PIPES.clear()
+    _PIPES[key] = (bws, lats)
+    return bws, lats
+
+
+def pair_link(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None) -> tuple[float, float]:
+    """(bytes/s, latency s) between the first and the last pipeline stage's peers (the tied
+    embedding's gradient all-reduce): the wrap boundary's link."""
+    if int(sizes[AX.PP]) < 2:
+        return cluster.intra_node.bytes_per_s, 0.0
+    bws, lats = pipeline_links(cluster, sizes, order, True)
+    return float(bws[-1]), float(lats[-1])
+
+
+def mesh_strides(cols: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """(rows) rank distance between neighbours on each mesh axis under each row's placement
+    (Plan.mesh_order; '' or absent = the default pp:dp:cp:tp: tp 1, cp tp, dp tp x cp, pp tp x cp x dp)."""
+    sizes = {a: np.asarray(cols[a], dtype=float) for a in AXES}
+    return column_strides(cols.get("mesh_order", ""), sizes)
+
+
+def dpcp_group(cluster: ClusterSpec, st: Mapping[str, Any], cp: Any, n: Any, skip: Any = 1) -> Group:
+    """The group of ``n`` ranks ``skip`` apart along dp x cp flattened (cp varies fastest, as the
+    runtime's dp_cp mesh dimension): ZeRO/FSDP shards, data-parallel and expert groups, HSDP's
+    replicas. Under the default placement (cp just inside dp) it is one strided axis; when the
+    placement puts another axis between dp and cp, a group over both."""
+    s_cp, s_dp = np.asarray(st[AX.CP], dtype=float), np.asarray(st[AX.DP], dtype=float)
+    cp, n, skip = np.asarray(cp, dtype=float), np.asarray(n, dtype=float), np.asarray(skip, dtype=float)
+    if np.all(s_dp == s_cp * cp):
+        return Group.of(cluster, n, s_cp * skip)
+    inner = skip < cp
+    n_cp = np.where(inner, np.minimum(n, np.maximum(cp / skip, 1.0)), 1.0)
+    return Group.over(cluster, [(n_cp, s_cp * skip), (n / n_cp, np.where(inner, s_dp, s_dp * skip / cp))])
+
+
+def mesh_keys(cols: Mapping[str, Any], extra: Any = None) -> tuple[list[tuple[Any, ...]], np.ndarray]:
+    """The distinct meshes of a plan table: ([(sizes per AXES, placement text, extra), ...], the
+    index of each row's), so that per-mesh work (cost.comm.pipeline_links) runs once per mesh."""
+    sizes = np.stack([np.asarray(cols[a]).astype(np.int64) for a in AXES], axis=1)
+    n = len(sizes)
+    o_vals, o_idx = np.unique(np.broadcast_to(np.asarray(cols.get("mesh_order", ""), dtype=str), (n,)),
+                              return_inverse=True)
+    ex = np.zeros(n, dtype=np.int64) if extra is None else np.asarray(extra).astype(np.int64)
+    uniq, inv = np.unique(np.column_stack([sizes, o_idx.reshape(n), ex]), axis=0, return_inverse=True)
+    keys = [(tuple(int(x) for x in u[:4]), str(o_vals[u[4]]), int(u[5])) for u in uniq]
+    return keys, inv.reshape(n)

@@ -26,7 +26,8 @@ from meshplan.cost.memory import (
     model_state_arrays,
 )
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.cost.parts import optimizer_seconds, root_fsdp
+from meshplan.cost.comm import mesh_strides
+from meshplan.cost.parts import optimizer_seconds, rank_sends, root_fsdp
 from meshplan.cost.schedule import in_flight_array
 from meshplan.cost.sync import reduce_bytes
 from meshplan.spec.axes import AX
@@ -93,6 +94,15 @@ class StageDurations:
     sync_every: int = 1
     straggler_s: float = 0.0
     """Per step: the expected wait for the slowest rank (cost.sync.straggler_seconds)."""
+    boundary_send_s: tuple[float, ...] = ()
+    """One send across each pipeline boundary j -> j + 1 (the last: pp - 1 -> 0, interleaved
+    schedules only), on the link it crosses (cost.parts.boundary_sends); p2p_send_s is the first's.
+    Empty: every boundary takes p2p_send_s."""
+
+    def send_across(self, j: int) -> float:
+        """One send across boundary j (mod pp)."""
+        b = self.boundary_send_s
+        return b[j % len(b)] if b else self.p2p_send_s
 
 
 def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
@@ -115,7 +125,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         rt = (a.fwd[:, r] + a.b_in[:, r] + a.b_w[:, r] + a.terms["recompute"][:, r] + a.tp_f[:, r] + a.tp_b[:, r]
               + a.dp_f[:, r] + a.dp_b[:, r])  # the rank's exposed time per micro-batch
         rx, _ = root_fsdp(cluster, p, a.plocal[:, r] - a.blk_params[:, r], a.shard, tp, rt, micro, a.fsdp, a.per_step,
-                          reduce_bytes(cols, p))
+                          reduce_bytes(cols, p), mesh_strides(cols), cols[AX.CP].astype(float))
         end_exp.append(float(end_x[0, r] + rx[0]))
         end_ovl.append(float(end_o[0, r]))
     offo = np.asarray(cols["offload_optimizer"], dtype=bool)
@@ -170,7 +180,8 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         overlap_slowdown=p.overlap_slowdown, output_static_bytes=float(moved),
         act_bytes_per_microbatch=[float(x) * (1 + frag) for x in per_mb], analytic=analytic,
         outer_sync_s=float(est["time.outer_sync"][0]), outer_sync_full_s=float(est["outer_sync_s"][0]),
-        sync_every=plan.sync_every, straggler_s=float(est["time.straggler"][0]))
+        sync_every=plan.sync_every, straggler_s=float(est["time.straggler"][0]),
+        boundary_send_s=tuple(float(x) for x in a.sends[0, :plan.pp]) if plan.pp > 1 else ())
 
 
 def _first_part(a: _b.Assembly, fwd: bool, b_in: bool) -> float:
@@ -207,6 +218,20 @@ def stage_totals(d: StageDurations) -> list[float]:
            + d.tp_fwd_exposed_s[r] + d.tp_bwd_exposed_s[r] + d.dp_fwd_exposed_s[r] + d.dp_bwd_exposed_s[r]
            + (2 * d.virtual_stages * d.p2p_send_s * d.p2p_exposed if d.pp > 1 else 0.0)
            for r in range(d.pp)]
+    b = d.boundary_send_s
+    wrap = d.virtual_stages > 1 and d.schedule != "zbv"
+    if d.pp > 1 and b and any(b[j] != b[0] for j in range(d.pp if wrap else d.pp - 1)):
+        # boundaries on different links: each rank's own sends (cost.parts.rank_sends)
+        sends = rank_sends(np.asarray([b]), np.asarray([d.pp]), np.asarray([d.virtual_stages]),
+                           np.asarray([d.schedule == "zbv"]), np.arange(d.pp)[None, :])[0]
+        base = [t - 2 * d.virtual_stages * d.p2p_send_s * d.p2p_exposed for t in out]
+        out = [base[r] + float(sends[r]) * d.p2p_exposed for r in range(d.pp)]
+        if d.schedule == "zbv":
+            last = d.pp - 1
+            extra = d.fwd_extra_s[last] + d.bwd_input_extra_s[last] + d.bwd_weight_extra_s[last]
+            out[0] += extra
+            out[last] -= extra
+        return out
     if d.schedule == "zbv" and d.pp > 1:
         last = d.pp - 1
         extra = d.fwd_extra_s[last] + d.bwd_input_extra_s[last] + d.bwd_weight_extra_s[last]

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.comm import Group, exposed_under
+from meshplan.cost.comm import Group, dpcp_group, exposed_under, mesh_keys, pair_link, pipeline_links
 from meshplan.cost.memory import MAIN_GRAD_BYTES
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
-from meshplan.spec.axes import AX
+from meshplan.spec.axes import AX, AXES, parse_order
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.plan import COLON_LISTS, PLAN_FIELDS, Plan
 
@@ -35,6 +35,38 @@ def plans_to_columns(plans: Sequence[Plan]) -> dict[str, np.ndarray]:
         else:
             cols[name] = np.array(vals)
     return cols
+
+
+def boundary_sends(cluster: ClusterSpec, cols: Mapping[str, Any], send_bytes: np.ndarray, width: int) -> np.ndarray:
+    """(rows, width) seconds of one send across each pipeline boundary (cost.comm.pipeline_links:
+    boundary j between stage j and j + 1; the last, pp - 1 -> 0, only under an interleaved
+    schedule), each on the link it crosses under the row's placement; 0 beyond pp."""
+    pp = np.asarray(cols[AX.PP]).astype(int)
+    wrap = (np.asarray(cols["virtual_stages"]) > 1) & (np.asarray(cols["schedule"]) != "zbv")
+    bw, lat = np.full((len(pp), width), np.inf), np.zeros((len(pp), width))
+    keys, inv = mesh_keys(cols, wrap)
+    for k, (sz, order, wr) in enumerate(keys):
+        if sz[0] < 2:  # AXES[0] is pp: no pipeline, no sends
+            continue
+        rows = inv == k
+        b, l = pipeline_links(cluster, dict(zip(AXES, sz)), parse_order(order), bool(wr))
+        bw[rows, :len(b)], lat[rows, :len(b)] = b, l
+    size = np.asarray(send_bytes, dtype=float)[:, None]
+    return np.where((size <= 0) | ~np.isfinite(bw), 0.0, size / bw + lat)
+
+
+def rank_sends(sends: np.ndarray, pp: np.ndarray, v: np.ndarray, zbv: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """(rows, stages) seconds of pipeline sends per micro-batch on each rank from the per-boundary
+    sends (boundary_sends): rank j sends each chunk's activations across boundary j (v times, one
+    less on rank pp - 1, whose last chunk ends the model) and its gradients across boundary j - 1
+    (mod pp; v times, one less on rank 0); under ZBV two each way across boundaries j and j - 1
+    within the V (none at its turns)."""
+    pp_, v_ = np.asarray(pp)[:, None], np.asarray(v, dtype=float)[:, None]
+    prev = np.roll(sends, 1, axis=1)
+    prev[:, 0] = sends[np.arange(len(sends)), np.maximum(np.asarray(pp).astype(int) - 1, 0)]
+    plain = (v_ - (j == pp_ - 1)) * sends + (v_ - (j == 0)) * prev
+    vee = 2.0 * (np.where(j < pp_ - 1, sends, 0.0) + np.where(j > 0, prev, 0.0))
+    return np.where(np.asarray(zbv)[:, None], vee, plain)
 
 
 def shard_degree(cols: Mapping[str, np.ndarray], cluster: ClusterSpec | None = None) -> np.ndarray:
@@ -92,24 +124,38 @@ def optimizer_seconds(cluster: ClusterSpec, plocal: np.ndarray, zero: np.ndarray
 
 
 def tied_sync(cluster: ClusterSpec, tied_local: Any, cp: Any, dp: Any, shard: Any, tp: Any,
-              p: CostParams) -> Any:
+              p: CostParams, cols: Mapping[str, Any] | None = None) -> Any:
     """Seconds of the all-reduce that sums a tied weight's gradient between the first and the
     last pipeline rank (``tied_local`` elements on one GPU after TP; fp32 gradients; under
-    ZeRO/FSDP only the local shard, as the runtime sums them after the data-parallel reduction)."""
+    ZeRO/FSDP only the local shard, as the runtime sums them after the data-parallel reduction),
+    on the link between those two stages' peers (cost.comm.pair_link; given the plan table
+    ``cols``, under each row's placement)."""
     size = p.fsdp_reduce_bytes * tied_local / shard
-    return Group.of(cluster, 2, tp * cp * dp).all_reduce(size)
+    old = Group.of(cluster, 2, tp * cp * dp).all_reduce(size)
+    if cols is None or (np.asarray(cols[AX.PP]) < 2).all():
+        return old
+    pp = np.asarray(cols[AX.PP]).astype(int)
+    bw, lat = np.full(pp.shape, np.inf), np.zeros(pp.shape)
+    keys, inv = mesh_keys(cols)
+    for k, (sz, order, _) in enumerate(keys):
+        if sz[0] > 1:  # AXES[0] is pp
+            bw[inv == k], lat[inv == k] = pair_link(cluster, dict(zip(AXES, sz)), parse_order(order))
+    pair = Group(np.full(pp.shape, 2.0), bw, lat, np.ones(pp.shape, dtype=bool)).all_reduce(
+        np.broadcast_to(np.asarray(size, dtype=float), pp.shape))
+    return np.where(pp > 1, pair, old)
 
 
 def root_fsdp(cluster: ClusterSpec, p: CostParams, root: np.ndarray, shard: np.ndarray, tp: np.ndarray,
               hide: np.ndarray, micro: Any, fsdp: np.ndarray, per_step: np.ndarray,
-              reduce_bytes: Any = None) -> tuple[np.ndarray, np.ndarray]:
+              reduce_bytes: Any = None, st: Mapping[str, Any] | None = None,
+              cp: Any = 1) -> tuple[np.ndarray, np.ndarray]:
     """(exposed, overlapped) seconds per step of FSDP's root unit (``root`` parameters on the GPU
     before sharding: the layers that are not blocks: embedding, final norm, output layer):
     gathered and reduce-scattered per micro-batch without a pipeline (FSDP2 reshards it after
     each backward), once per step under one, under ``hide`` seconds of compute, which it slows
     like any collective (exposed_under)."""
     root = np.maximum(0.0, root)
-    g = Group.of(cluster, shard, tp)
+    g = Group.of(cluster, shard, tp) if st is None else dpcp_group(cluster, st, cp, shard)
     rb = p.fsdp_reduce_bytes if reduce_bytes is None else reduce_bytes  # (per row: the plan's compression)
     t = g.all_gather(2.0 * root) + g.reduce_scatter(rb * root)
     times = np.where(per_step, 1.0, np.asarray(micro, dtype=float))
@@ -121,7 +167,7 @@ def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cost
                    tp: np.ndarray, dp: np.ndarray, cp: np.ndarray, shard: np.ndarray,
                    lp: np.ndarray, params_local: np.ndarray,
                    last_bwd: np.ndarray, micro: Any = 1, psgd: np.ndarray | None = None,
-                   psgd_compute: Any = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                   psgd_compute: Any = 0.0, st: Mapping[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(exposed, overlapped) seconds of gradient sync / parameter gather ending a step.
 
     ZeRO-0/1 accumulate unsharded gradients over the ``micro`` micro-batches and reduce them
@@ -137,8 +183,11 @@ def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cost
     zero, pp = cols["zero"], cols[AX.PP]
     n_dp = dp * cp
     # ZeRO-3/FSDP: the first block's gather once, plus HSDP's all-reduce across replicas.
-    z3 = Group.of(cluster, shard, tp).all_gather(2.0 * lp)
-    rep = Group.of(cluster, np.maximum(1, n_dp // shard), tp * shard)
+    def group(n: Any, skip: Any = 1) -> Group:  # n ranks skip apart along dp x cp, under the placement
+        return Group.of(cluster, n, tp * skip) if st is None else dpcp_group(cluster, st, cp, n, skip)
+
+    z3 = group(shard).all_gather(2.0 * lp)
+    rep = group(np.maximum(1, n_dp // shard), shard)
     rb = p.fsdp_reduce_bytes
     if "grad_compression" in cols:  # FSDP2 reduces in the compressed dtype (cost.sync.reduce_bytes)
         from meshplan.cost.sync import reduce_bytes
@@ -148,7 +197,7 @@ def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cost
     # main grads with bf16 (accumulate_allreduce_grads_in_fp32) and with its distributed
     # optimizer; torch DDP under autocast (meshplan's runtime) holds fp32 parameters, so fp32
     # gradients. Megatron's DDP with --fp16 reduces fp16 main grads (2 bytes).
-    g = Group.of(cluster, n_dp, tp)
+    g = group(n_dp)
     fp16_ddp = (zero == 0) & (np.asarray(cols.get("precision", "bf16")) == "fp16")
     grads = np.where(fp16_ddp, 2.0, 4.0) * params_local
     if p.main_grads == "bf16":  # the profile's 16-bit gradient buffers are what is reduced

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.comm import Group
+from meshplan.cost.comm import dpcp_group, members_within, mesh_strides
 from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.sync import inner_dp, is_periodic
@@ -160,7 +160,9 @@ def outer_sync(cluster: ClusterSpec, cols: dict[str, Any], p: Any, held: np.ndar
     synchronous rows."""
     tp, cp = (np.asarray(cols[k], dtype=float)[:, None] for k in (AX.TP, AX.CP))
     per_value = outer_bytes(cols["grad_compression"])
-    g = Group.of(cluster, np.asarray(n_out, dtype=float)[:, None], tp * cp * np.asarray(n_in, dtype=float)[:, None])
+    n_in = np.asarray(n_in, dtype=float)[:, None]
+    st = {a: np.asarray(x)[:, None] for a, x in mesh_strides(cols).items()}
+    g = dpcp_group(cluster, st, cp, np.asarray(n_out, dtype=float)[:, None], cp * n_in)
     t = g.all_reduce(per_value[:, None] * held)
     diloco = (np.asarray(cols["grad_sync"]) == "diloco")[:, None]
     hbm = cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency
@@ -183,13 +185,15 @@ def amortised_outer(outer: np.ndarray, outer_step: np.ndarray, inner_step: np.nd
 
 
 def cross_bytes(cluster: ClusterSpec, n: Num, stride: Num, size: Num, passes: float) -> np.ndarray:
-    """Bytes one ring collective of every group (size bytes per rank, ``passes`` ring passes: 2 for
-    an all-reduce, 1 for an all-gather or reduce-scatter) puts on each direction of a link
-    between two datacenters: N / n groups, each crossing once per direction, with (n - 1) / n x
-    size per pass. 0 when the group stays in one datacenter."""
+    """Bytes one collective of every group (size bytes per rank, ``passes``: 2 for an all-reduce, 1
+    for an all-gather or reduce-scatter) puts on each direction of the link between datacenters,
+    run hierarchically (cost.comm.Group): each of the N / n groups moves (m - 1) / m of its
+    size across the sites it spans (m of them) per pass, in 1 / k-sized pieces from each of its
+    k members per site. 0 when the group stays in one datacenter."""
     n, stride = np.asarray(n, dtype=float), np.asarray(stride, dtype=float)
     if cluster.num_dcs < 2:
         return np.zeros(np.broadcast_shapes(n.shape, stride.shape, np.shape(size)))
-    crosses = n * stride > cluster.gpus_per_dc
-    per = cluster.num_gpus / np.maximum(n, 1) * passes * (n - 1) / np.maximum(n, 1) * np.asarray(size, dtype=float)
-    return np.where(crosses & (n > 1), per, 0.0)
+    per_site, one_site = members_within(cluster.gpus_per_dc, [(n, stride)])
+    m = np.where(one_site, 1.0, np.round(n / np.maximum(per_site, 1.0)))
+    per = cluster.num_gpus / np.maximum(n, 1) * passes * (m - 1) / np.maximum(m, 1) * np.asarray(size, dtype=float)
+    return np.where((m > 1) & (n > 1), per, 0.0)

@@ -51,6 +51,7 @@ def spec_from_durations(d: StageDurations, output_static_bytes: float = 0.0) -> 
                       d.end_dp_overlapped_s[r], d.optimizer_s[r], static[r]) for r in range(pp)]
     return SimSpec(pp=pp, v=v, microbatches=d.microbatches, schedule=sched,
                    stages=stages, ranks=ranks, send_s=d.p2p_send_s, send_exposed=d.p2p_exposed,
+                   boundary_send_s=d.boundary_send_s,
                    overhead_s=d.overhead_s, overlap_slowdown=d.overlap_slowdown,
                    straggler_s=d.straggler_s, outer_sync_s=d.outer_sync_s,
                    outer_sync_full_s=d.outer_sync_full_s, sync_every=d.sync_every)

@@ -87,6 +87,9 @@ class SimSpec:
     (drawn on every rank's data-parallel stream after the straggler wait)."""
     outer_sync_full_s: float = 0.0
     sync_every: int = 1
+    boundary_send_s: tuple[float, ...] = ()
+    """One send across each pipeline boundary j -> j + 1 (mod pp) on the link it crosses; empty:
+    every boundary takes send_s."""
     mb_stages: list[list[VStage]] | None = None
     """Per micro-batch, its own pp * v virtual stages (micro-batches of different lengths:
     sim.varlen); None: every micro-batch runs ``stages``."""
@@ -216,9 +219,13 @@ def run(spec: SimSpec) -> SimResult:
         nxt = s + 1 if kind == "F" else s - 1
         downstream = kind != "W" and 0 <= nxt < nvs
         arrive = hold
-        if downstream and spec.send_s > 0 and rank_chunk(sched, pp, nxt)[0] != r:  # same rank: no send
-            arrive = put(r, AX.PP, f"send {name}", hold, spec.send_s)
-            hold = max(hold, arrive - spec.send_s * (1 - spec.send_exposed))
+        peer = rank_chunk(sched, pp, nxt)[0] if downstream else r
+        # the boundary it crosses: r -> r + 1 forward, peer -> peer + 1 = r backward (mod pp)
+        send_s = (spec.boundary_send_s[(r if kind == "F" else peer) % pp] if spec.boundary_send_s
+                  else spec.send_s)
+        if downstream and send_s > 0 and peer != r:  # same rank: no send
+            arrive = put(r, AX.PP, f"send {name}", hold, send_s)
+            hold = max(hold, arrive - send_s * (1 - spec.send_exposed))
         free[r]["compute"] = hold
         done[(kind, i, s)] = hold
         if downstream:

@@ -143,7 +143,8 @@ def replica_spec(pieces: _Lengths, mbs: list[int]) -> SimSpec:
     if all(x == mbs[0] for x in mbs):
         return last
     return SimSpec(pp=last.pp, v=last.v, microbatches=len(mbs), schedule=last.schedule, stages=last.stages,
-                   ranks=last.ranks, send_s=last.send_s, send_exposed=last.send_exposed, overhead_s=last.overhead_s,
+                   ranks=last.ranks, send_s=last.send_s,
+                   boundary_send_s=last.boundary_send_s, send_exposed=last.send_exposed, overhead_s=last.overhead_s,
                    overlap_slowdown=last.overlap_slowdown,
                    straggler_s=float(np.mean([s.straggler_s for s in specs])), outer_sync_s=last.outer_sync_s,
                    outer_sync_full_s=last.outer_sync_full_s, sync_every=last.sync_every,
@@ -155,7 +156,8 @@ def even_spec(pieces: _Lengths, all_mbs: list[int], m: int) -> SimSpec:
     specs = [pieces.get(x)[1] for x in all_mbs]
     base = specs[-1]
     return SimSpec(pp=base.pp, v=base.v, microbatches=m, schedule=base.schedule, stages=_mean_stages(specs),
-                   ranks=_mean_ranks(specs), send_s=base.send_s, send_exposed=base.send_exposed,
+                   ranks=_mean_ranks(specs), send_s=base.send_s,
+                   boundary_send_s=base.boundary_send_s, send_exposed=base.send_exposed,
                    overhead_s=base.overhead_s, overlap_slowdown=base.overlap_slowdown,
                    straggler_s=float(np.mean([s.straggler_s for s in specs])),
                    outer_sync_s=float(np.mean([s.outer_sync_s for s in specs])),
