@@ -35,6 +35,7 @@ LM_ONLY = {
     "make_vocab_size_divisible_by", "swiglu", "squared_relu", "untie_embeddings_and_output_weights",
     "group_query_attention", "num_experts", "vocab_size", "num_layers_per_virtual_pipeline_stage",
     "num_virtual_stages_per_pipeline_rank", "ckpt_format", "cp_comm_type", "grad_reduce_in_bf16",
+    "use_tp_pp_dp_mapping",
 }
 """Megatron-LM arguments that are not megatron-core config fields; validate/core_configs use each."""
 
@@ -92,6 +93,7 @@ def parser(attn_backend: Any) -> argparse.ArgumentParser:
     a('--num-distributed-optimizer-instances', type=int, default=1)
     a('--context-parallel-size', type=int, default=1)
     a('--cp-comm-type', nargs='+', type=str, default=["p2p"])
+    a('--use-tp-pp-dp-mapping', action='store_true', default=False)
     # _add_checkpointing_args
     a('--ckpt-format', default='torch_dist', choices=['torch', 'torch_dist', 'zarr', 'torch_dcp', 'fsdp_dtensor'])
     # _add_tokenizer_args
@@ -236,7 +238,15 @@ def core_configs(ns: argparse.Namespace, mc: SimpleNamespace) -> SimpleNamespace
     with mock.patch("megatron.core.optimizer.optimizer_config.is_te_min_version", lambda *a, **k: True):
         opt = mc.OptimizerConfig(**opt_kw)
     calc = mc.Calculator(ns.global_batch_size, ns.micro_batch_size, ns.data_parallel_size, False, 1)
-    return SimpleNamespace(transformer=transformer, ddp=ddp, optimizer=opt, microbatches=calc.get())
+    # megatron/training/initialize.py: initialize_model_parallel(order=...), whose real RankGenerator
+    # (megatron.core.parallel_state) gives each dense axis's rank groups
+    from megatron.core.parallel_state import RankGenerator
+    order = "tp-cp-ep-dp-pp" if not ns.use_tp_pp_dp_mapping else "tp-cp-ep-pp-dp"
+    gen = RankGenerator(tp=ns.tensor_model_parallel_size, ep=1, dp=ns.data_parallel_size,
+                        pp=ns.pipeline_model_parallel_size, cp=ns.context_parallel_size, order=order)
+    groups = {token: gen.get_ranks(token) for token in ("tp", "cp", "dp", "pp")}
+    return SimpleNamespace(transformer=transformer, ddp=ddp, optimizer=opt, microbatches=calc.get(), rank_order=order,
+                           rank_groups=groups)
 
 
 def dests_reach_core(mc: SimpleNamespace) -> set[str]:

@@ -19,7 +19,7 @@ import pytest
 from export_cases import inputs, random_inputs
 from megatron_lm_args import core_configs, dests_reach_core, parse, validate
 
-from meshplan.export import export, render
+from meshplan.export import ExportInput, export, render
 
 CASES = {**inputs("megatron"), **random_inputs(30, seed=30)}
 
@@ -123,3 +123,43 @@ def test_misspelled_arguments_are_rejected(megatron: Any) -> None:
     with pytest.raises((AssertionError, ValueError)):  # megatron-core's own validation: a bad layout
         megatron.TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=2,
                                    pipeline_dtype=None, pipeline_model_parallel_layout="Et*2|t*3L")
+
+
+# ---- placement (mesh_order) ----------------------------------------------------------------------
+def groups_of(plan: Any) -> dict[str, list[list[int]]]:
+    """meshplan's rank groups per axis under the plan's placement (ParallelDims.rank_grid), sorted."""
+    import numpy as np
+
+    from meshplan.spec.axes import AXES
+    grid = plan.dims.rank_grid()
+    out = {}
+    for i, a in enumerate(AXES):
+        rows = np.moveaxis(grid, i, -1).reshape(-1, grid.shape[i])
+        out[a] = sorted(sorted(int(r) for r in row) for row in rows)
+    return out
+
+
+@pytest.mark.parametrize("plan,mapped", [
+    ("tp=2,pp=2,dp=2,cp=2", True),
+    ("tp=2,pp=2,dp=2,cp=2,mesh_order=dp:pp:cp:tp", True),  # --use-tp-pp-dp-mapping
+    ("tp=2,pp=4,dp=2,mesh_order=dp:cp:pp:tp", True),  # cp=1: the same layout as dp:pp:cp:tp
+    ("tp=2,pp=2,dp=2,mesh_order=tp:pp:dp:cp", False),
+    ("tp=2,pp=2,dp=2,cp=2,mesh_order=pp:dp:tp:cp", False),
+])
+def test_placement_is_megatrons_rank_order_or_unsupported(plan: str, mapped: bool, megatron: Any) -> None:
+    """A placement Megatron-LM has (its default or --use-tp-pp-dp-mapping) is exported, and megatron-core's
+    own RankGenerator then groups exactly the ranks the plan places together; any other placement is an
+    unsupported line (exported with Megatron's default order, whose groups then differ)."""
+    from meshplan.spec.io import load_model
+    from meshplan.spec.plan import parse_plan
+    p = parse_plan(plan)
+    inp = ExportInput(plan=p, model=load_model("llama3-8b"), global_batch=64, seq_len=4096)
+    res = export("megatron", inp)
+    _, core = _check(res.config, res.env, p.num_gpus, megatron)
+    got = {a: sorted(sorted(g) for g in gs) for a, gs in core.rank_groups.items()}
+    lines = [u for u in res.unsupported if u.startswith("mesh_order=")]
+    assert (got == groups_of(p)) == mapped, (got, groups_of(p))
+    assert bool(lines) == (not mapped), res.unsupported
+    assert ("--use-tp-pp-dp-mapping" in res.config) == (mapped and core.rank_order == "tp-cp-ep-pp-dp")
+    if not mapped:
+        assert got == groups_of(p.replace(mesh_order=None))

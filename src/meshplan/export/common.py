@@ -174,6 +174,35 @@ def sync_unsupported(target: str, plan: Plan) -> list[str]:
     return out
 
 
+# ---- placement (mesh_order) ----------------------------------------------------------------------
+
+def placement_axes(plan: Plan, order: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The axes of degree > 1 of ``order`` (default: the plan's placement, spec.axes.ParallelDims.order),
+    outermost first: two orders that differ only in where axes of degree 1 sit lay the ranks out alike."""
+    dims = plan.dims
+    return tuple(a for a in (order or dims.order) if dims.degree(a) > 1)
+
+
+def placement_is(plan: Plan, order: tuple[str, ...]) -> bool:
+    """Whether the plan's placement lays out the ranks as ``order`` does (outermost first)."""
+    return placement_axes(plan) == placement_axes(plan, order)
+
+
+def placement_words(plan: Plan) -> str:
+    """``mesh_order=dp:pp:cp:tp``, as unsupported lines name the plan's placement."""
+    return f"mesh_order={':'.join(plan.dims.order)}"
+
+
+def placement_unsupported(target: str, plan: Plan, runs: str) -> list[str]:
+    """The unsupported line of a target whose rank order is fixed (``runs``: its order in words) for
+    a plan whose placement differs from meshplan's default (spec.axes.DEFAULT_ORDER)."""
+    from meshplan.spec.axes import DEFAULT_ORDER
+    if placement_is(plan, DEFAULT_ORDER):
+        return []
+    return [f"{placement_words(plan)}: {target} lays out the ranks in one fixed order ({runs}); exported with that "
+            f"order: its groups hold other ranks than the plan places together, so they cross other links than planned"]
+
+
 # ---- pipeline stages -----------------------------------------------------------------------------
 
 def recompute_layers_per_chunk(plan: Plan, counts: list[int]) -> int | None:

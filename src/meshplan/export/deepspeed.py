@@ -14,6 +14,7 @@ from meshplan.export.common import (
     ExportResult,
     compression_words,
     describe,
+    placement_unsupported,
     require,
     stage_layer_counts,
     sync_unsupported,
@@ -33,6 +34,9 @@ def build(inp: ExportInput) -> ExportResult:
         "train_micro_batch_size_per_gpu": p.micro_batch,
         "gradient_accumulation_steps": inp.microbatches,
     }
+
+    uns += placement_unsupported("DeepSpeed", p, "pipe, data, model, outermost first: "
+                                 "deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology = mesh_order=pp:dp:cp:tp")
 
     # ---- precision -----------------------------------------------------------------------------
     if p.precision in ("bf16", "fp8"):

@@ -11,14 +11,24 @@ from meshplan.export.common import (
     ExportResult,
     compression_words,
     describe,
+    placement_is,
+    placement_words,
     recompute_layers_per_chunk,
     require,
     stage_ids_for_rank,
     stage_layer_counts,
     sync_unsupported,
 )
+from meshplan.spec.axes import AX
 
 TARGET = "megatron"
+
+DEFAULT_ORDER = (AX.PP, AX.DP, AX.CP, AX.TP)
+"""Megatron-LM's default rank order 'tp-cp-ep-dp-pp' (innermost first; megatron/training/initialize.py
+passes it to initialize_model_parallel) as a mesh_order (outermost first): meshplan's default."""
+TP_PP_DP_ORDER = (AX.DP, AX.PP, AX.CP, AX.TP)
+"""``--use-tp-pp-dp-mapping``: 'tp-cp-ep-pp-dp' (NVIDIA/Megatron-LM megatron/training/initialize.py,
+2025; older releases passed 'tp-pp-dp', without context parallelism) as a mesh_order."""
 
 POSITIONS = {"rotary": "rope", "learned": "learned_absolute", "none": "none"}
 NORMS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
@@ -60,6 +70,17 @@ def build(inp: ExportInput) -> ExportResult:
     if p.pp > 1 and p.tp > 1 and p.p2p_sharded and not p.sequence_parallel:
         uns.append("p2p_sharded=1 without sequence_parallel: Megatron-core pipelines send the whole "
                    "activation from every TP rank unless --sequence-parallel is on")
+    if not placement_is(p, DEFAULT_ORDER):
+        if placement_is(p, TP_PP_DP_ORDER):
+            add("--use-tp-pp-dp-mapping")
+            if p.cp > 1:
+                notes.append("--use-tp-pp-dp-mapping with cp>1 needs a Megatron-LM whose order is tp-cp-ep-pp-dp "
+                             "(2025); older releases map tp-pp-dp and have no context-parallel axis in it")
+        else:
+            uns.append(f"{placement_words(p)}: Megatron-LM lays out the ranks tp innermost, then cp, then dp and pp "
+                       "(tp-cp-ep-dp-pp = mesh_order=pp:dp:cp:tp) or pp and dp (--use-tp-pp-dp-mapping: "
+                       "tp-cp-ep-pp-dp = mesh_order=dp:pp:cp:tp); exported with its default order, so its groups "
+                       "hold other ranks than the plan places together")
     counts = stage_layer_counts(m.num_layers, p)
     if p.pp > 1:
         if p.schedule == "zbv":

@@ -14,6 +14,7 @@ from meshplan.export.common import (
     ExportResult,
     compression_words,
     describe,
+    placement_unsupported,
     recompute_layers_per_chunk,
     require,
     stage_layer_counts,
@@ -143,6 +144,8 @@ def build(inp: ExportInput) -> ExportResult:
     par["tensor_parallel_degree"] = p.tp
     par["pipeline_parallel_degree"] = p.pp
     par["context_parallel_degree"] = p.cp
+    uns += placement_unsupported("torchtitan", p, "its world mesh pp, dp_replicate, dp_shard, cp, tp, outermost first "
+                                 "(ParallelDims) = mesh_order=pp:dp:cp:tp")
     if p.ep > 1:
         par["expert_parallel_degree"] = p.ep
         par["expert_tensor_parallel_degree"] = p.tp
