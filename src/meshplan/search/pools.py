@@ -91,27 +91,41 @@ def budget_pools(cluster: PooledCluster) -> list[ClusterSpec]:
 def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
                     per_pool: dict[str, list[SearchResult]], *, pools: list[ClusterSpec] | None = None,
                     headroom: bool = True, params: CostParams = DEFAULT_PARAMS, objective: str = "time",
-                    top: int = 10, deadline: tuple[float, float] | None = None) -> SearchResult:
+                    top: int = 10, deadline: tuple[float, float] | None = None,
+                    allow_export_only: bool | None = None) -> SearchResult:
     """The pools stage of the search (module docstring): ``per_pool`` holds each pool's own searches
     (the driver runs them: the first without bucket plans, ranked for the shortlist of shapes; a
     second, under a length distribution, with its data-aware stage); plans over several pools are
     built on ``pools`` (default: every pool of ``cluster``; `budget_pools` under a GPU budget).
-    ``deadline``: (tokens to train, days): the plans that take longer are rejected."""
+    ``deadline``: (tokens to train, days): the plans that take longer are rejected.
+
+    ``allow_export_only`` (--allow-export-only; None: whether the pools' own searches kept such
+    plans, which they do only when it was given): a pool alone may win with a plan that only an
+    export target runs as planned (it is one GPU type: `meshplan export` takes it). A plan over
+    several pools runs only on meshplan's own runtime (export refuses it), so it must run there as
+    planned either way; the shapes it is built from are those the runtime runs."""
     alone: dict[str, PooledEstimate | None] = {}
-    shapes: list[Plan] = []
+    own_shapes: list[list[Plan]] = []
     bucketed: list[Plan] = []
     considered = 0
+    if allow_export_only is None:
+        allow_export_only = any(rp.export_only is not None for rs in per_pool.values() for r in rs for rp in r.plans)
+    blocked: list[Any] = []  # (pool, its best plan) where the shapes of the pools' best plans cannot run over several pools
     for name, results in per_pool.items():
         considered += results[0].considered
         runnable = [rp.plan for rp in results[0].plans if rp.export_only is None]
-        shapes += runnable
-        best = runnable[:1]
+        own_shapes.append(runnable)
+        ok = [rp for rp in results[0].plans if allow_export_only or rp.export_only is None]
+        best = [rp.plan for rp in ok[:1]]
+        if results[0].plans and not runnable:
+            blocked.append((name, results[0].plans[0]))
         for res_b in results[1:]:  # the pool's own search with its data-aware stage: its best may be a bucket plan
-            best += [rp.plan for rp in res_b.plans if rp.export_only is None][:1]
-            bucketed += [p for p in best[-1:] if p.buckets is not None and p not in bucketed]
+            best += [rp.plan for rp in res_b.plans if allow_export_only or rp.export_only is None][:1]
+            bucketed += [p for p in best[-1:] if p.buckets is not None and p not in bucketed
+                         and any(rp.plan == p and rp.export_only is None for rp in res_b.plans)]
         ests = [estimate(graph, cluster, p.replace(pools=(name,)), work, params) for p in best]
         alone[name] = min(ests, key=lambda e: pooled_key(e, objective)) if ests else None
-    shapes = _distinct(shapes)
+    shapes = _distinct(own_shapes)
     multi: list[PooledEstimate] = []
     on: PooledCluster | None = cluster
     if pools is not None and [p.num_gpus for p in pools] != [p.num_gpus for p in cluster.pools]:
@@ -158,6 +172,8 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
                 f"tokens, over the {deadline[1]:g}-day deadline")
     for kind, field_ in KINDS.items():
         out.best_by_kind[kind] = next((e for e in multi if getattr(e.plan, field_) is not None), None)
+    if blocked and not shapes and on is not None:
+        out.notes.append(_blocked(blocked, work, graph))
     out.explanation = explain(out)
     return out
 
@@ -195,10 +211,14 @@ def _front(plans: list[PooledEstimate]) -> list[ParetoPoint]:
     return [ParetoPoint(e.plan, e.step_time_s, e.peak_memory_gib, e.usd_per_m_tokens) for e in keep]
 
 
-def _distinct(plans: list[Plan]) -> list[Plan]:
-    """Shapes without their dp (a shape is what a replica or a stage is), first come first kept."""
+def _distinct(per_pool: list[list[Plan]]) -> list[Plan]:
+    """Shapes without their dp (a shape is what a replica or a stage is), taken from every pool's
+    own best plans in turn (its best, then the next pool's best, ...), first come first kept, at
+    most SHORTLIST x 2 in all. In turn, so that a small pool's shapes are tried too: the larger
+    pool's best shapes are often wider than the small pool holds, and could fill the shortlist
+    alone (then no replica shape would fit on both)."""
     seen, out = set(), []
-    for p in plans:
+    for p in (p for row in itertools.zip_longest(*per_pool) for p in row if p is not None):
         k = p.replace(dp=1, shard_group=0, stage_layers=None).short()
         if k not in seen:
             seen.add(k)
@@ -206,6 +226,24 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
         if len(out) >= SHORTLIST * 2:
             break
     return out
+
+
+BLOCKED = "plans over several pools: "
+"""The head of the result's notes that say why the pools' best shapes were not placed over several
+pools (a plan over several pools runs only on meshplan's runtime)."""
+
+
+def _blocked(blocked: list[Any], work: Workload, model: Any) -> str:
+    """Why no shape was placed over several pools: every plan of the pools' own searches is
+    export-only (``blocked``: (pool name, its best RankedPlan) each)."""
+    from meshplan.spec.plan import microbatches
+    from meshplan.spec.support import runtime_violations
+    rp = blocked[0][1]
+    bad = runtime_violations(rp.plan, microbatches(work.global_batch, rp.plan.dp, rp.plan.micro_batch), model)
+    why = f" ({bad[0][1]})" if bad else ""
+    return (f"{BLOCKED}none tried: every plan of the pools' own searches ({', '.join(n for n, _ in blocked)}) is "
+            f"export-only{why}, and a plan over several pools runs only on meshplan's runtime (`meshplan export` "
+            "refuses it)")
 
 
 def _dedupe(es: list[PooledEstimate]) -> list[PooledEstimate]:
@@ -236,10 +274,28 @@ def _replicas_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, w
             most = [p.num_gpus // per for p in pools]
             variants = [most] + ([[min(most)] * len(most)] if len(set(most)) > 1 else [])
             for n in variants:
-                e = _replicas(graph, cluster, list(pools), shape, n, work, params)
-                if e is not None and e.fits and (best is None or e.step_time_s < best.step_time_s):
-                    best = e
+                for sh in _enough_micro_batches(shape, sum(n), work):
+                    e = _replicas(graph, cluster, list(pools), sh, n, work, params)
+                    if e is not None and e.fits and _better(e, best):
+                        best = e
     return best
+
+
+def _better(e: PooledEstimate, best: PooledEstimate | None) -> bool:
+    """``e`` beats ``best``: it fits with headroom where ``best`` does not, else it is faster (a faster plan at
+    risk of running out of memory must not hide a safe one: the search recommends only the safe)."""
+    return best is None or (e.at_risk, e.step_time_s) < (best.at_risk, best.step_time_s)
+
+
+def _enough_micro_batches(shape: Plan, replicas: int, work: Workload) -> list[Plan]:
+    """``shape``, or (when the step has fewer of its micro-batches than ``replicas``) the shape with the largest
+    smaller micro-batch that gives every replica at least one: a pool's own best shape may take micro-batches too
+    large for the replicas of every pool together. [] when none does."""
+    mb = shape.micro_batch
+    if work.global_batch // mb >= replicas:
+        return [shape]
+    ok = [d for d in range(mb - 1, 0, -1) if work.global_batch % d == 0 and work.global_batch // d >= replicas]
+    return [shape.replace(micro_batch=ok[0])] if ok else []
 
 
 def _buckets_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, work: Workload,
@@ -262,7 +318,7 @@ def _buckets_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, wo
                     e = estimate(graph, cluster, plan, work, params)
                 except MeshplanError:
                     continue
-                if e.fits and (best is None or e.step_time_s < best.step_time_s):
+                if e.fits and _better(e, best):
                     best = e
     return best
 
@@ -455,6 +511,13 @@ def explain(r: SearchResult) -> list[str]:
                          f"({dearer:+.0f}%)")
     else:
         lines.append(f"uses pool {used[0] if used else '?'} alone: {_fmt(best)}")
+        if best.runtime:  # --allow-export-only: a plan of one GPU type that an export target runs as planned
+            from meshplan.spec.support import export_targets
+            from meshplan.spec.plan import microbatches
+            sub = best.plan.replace(pools=None)
+            targets = export_targets(sub, microbatches(r.work.global_batch, sub.dp, sub.micro_batch), r.model)
+            lines.append(f"  export only ({', '.join(targets or ()) or 'no target'}): meshplan's runtime does not "
+                         f"run it as planned ({best.runtime[0]['reason']})")
         if best.plan.buckets is not None:
             lines.append("  a data-aware plan (context parallelism and micro-batch by length bucket) of that pool's "
                          "own search: over several pools its replicas take even shares (a bucket plan deals the "
@@ -463,6 +526,9 @@ def explain(r: SearchResult) -> list[str]:
         if m is None and one_pool:
             lines.append(f"  a budget of {r.clusters[0].num_gpus:,} GPUs takes them from one pool "
                          f"({held[0].name if held else '?'}, the fastest first): no plan over several pools")
+        elif m is None and any(n.startswith(BLOCKED) for n in r.notes):
+            lines += [f"  {n}" for n in r.notes if n.startswith(BLOCKED)]
+            return lines
         elif m is None:
             lines.append("  the search found no plan over several pools that fits with memory headroom"
                          + (" and meets the deadline" if r.deadline_days is not None else "")
