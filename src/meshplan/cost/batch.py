@@ -40,7 +40,7 @@ from meshplan.cost.memory import (
     model_state_arrays,
     usable_gib,
 )
-from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams, p2p_exposed
 from meshplan.cost.parts import (
     boundary_sends,
     dp_end_of_step,
@@ -395,13 +395,14 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     # boundary a row uses has the same link, the per-rank sum is the one-link form (same bits)
     sends = boundary_sends(cluster, cols, send_bytes, width)
     send = sends[:, 0]
+    ex = p2p_exposed(p, v)  # the profile's pp_p2p_overlap: the sends' exposed fraction
     wrap = (v > 1) & ~zbv
     used = (j < (pp - 1)[:, None]) | ((j == (pp - 1)[:, None]) & wrap[:, None])
     uniform = np.all(np.where(used, sends == send[:, None], True), axis=1)
     p2p = np.where(uniform[:, None],
-                   stage_sends(np.where(pp > 1, 2 * v * send * p.pp_p2p_exposed, 0), pp, zbv, j,
-                               np.where(pp > 1, send * p.pp_p2p_exposed, 0)),
-                   np.where(valid & (pp > 1)[:, None], rank_sends(sends, pp, v, zbv, j) * p.pp_p2p_exposed, 0.0))
+                   stage_sends(np.where(pp > 1, 2 * v * send * ex, 0), pp, zbv, j,
+                               np.where(pp > 1, send * ex, 0)),
+                   np.where(valid & (pp > 1)[:, None], rank_sends(sends, pp, v, zbv, j) * ex[:, None], 0.0))
     tp_t = tp_fwd + tp_bwd
     terms = {"compute": compute, "recompute": recompute, "tp_comm": tp_t * async_f,
              "tp_comm_overlapped": tp_t * (1 - async_f), "cp_comm": cp_f + cp_b,
@@ -477,7 +478,8 @@ def drain(a: Assembly, p: CostParams) -> np.ndarray:
     before = np.cumsum(per, axis=1) - per  # sum over j < r
     j = np.arange(per.shape[1])[None, :]
     # the send across boundary r - 1 (rank r's gradient to rank r - 1)
-    send = np.where((pp > 1)[:, None], np.roll(a.sends, 1, axis=1) * p.pp_p2p_exposed, 0.0)
+    ex = p2p_exposed(p, np.asarray(a.cols["virtual_stages"]))[:, None]
+    send = np.where((pp > 1)[:, None], np.roll(a.sends, 1, axis=1) * ex, 0.0)
     out = np.maximum(0.0, before - np.where(j >= 1, send, 0.0))
     return np.where(a.split[:, None] | ~a.valid, 0.0, out)
 
@@ -498,7 +500,7 @@ def _rank_passes(a: Assembly, p: CostParams) -> RankPasses:
     if a.zbv.any():
         pp = col(a.cols[AX.PP])
         j = np.arange(a.valid.shape[1])[None, :]
-        on = col(np.where(a.cols[AX.PP] > 1, p.pp_p2p_exposed, 0.0))
+        on = col(np.where(a.cols[AX.PP] > 1, p2p_exposed(p, np.asarray(a.cols["virtual_stages"])), 0.0))
         ahead, back = a.sends * on, np.roll(a.sends, 1, axis=1) * on  # boundaries j and j - 1
         suf = a.lay.suffix[None, :]
         out_f, out_b, out_w = (a.last * (a.q[k] * suf).sum(1)[:, None] for k in ("f", "bi", "bw"))

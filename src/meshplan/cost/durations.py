@@ -25,7 +25,7 @@ from meshplan.cost import batch as _b
 from meshplan.cost.memory import (
     model_state_arrays,
 )
-from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams, p2p_exposed
 from meshplan.cost.comm import mesh_strides
 from meshplan.cost.parts import optimizer_seconds, rank_sends, root_fsdp
 from meshplan.cost.schedule import in_flight_array
@@ -173,7 +173,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         tp_bwd_exposed_s=row(a.tp_b), tp_bwd_overlapped_s=row(a.tp_b_ovl),
         dp_fwd_exposed_s=row(a.dp_f), dp_fwd_overlapped_s=row(a.dp_f_ovl),
         dp_bwd_exposed_s=row(a.dp_b), dp_bwd_overlapped_s=row(a.dp_b_ovl),
-        p2p_send_s=float(np.where(cols[AX.PP] > 1, a.send, 0)[0]), p2p_exposed=p.pp_p2p_exposed,
+        p2p_send_s=float(np.where(cols[AX.PP] > 1, a.send, 0)[0]), p2p_exposed=float(p2p_exposed(p, plan.virtual_stages)),
         staged_gather_s=row(ag_s), staged_reduce_s=row(rs_s),
         end_dp_exposed_s=end_exp, end_dp_overlapped_s=end_ovl, optimizer_s=row(opt_t),
         overhead_s=p.step_overhead_s, static_bytes=[float(x) for x in static],

@@ -68,7 +68,7 @@ from meshplan.spec.capabilities import Capabilities, capabilities
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.graph import LayerGraph
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import COLON_LISTS, RECOMPUTE, SCHEDULES, Plan, Workload
+from meshplan.spec.plan import COLON_LISTS, PERIODIC_SYNC, RECOMPUTE, SCHEDULES, Plan, Workload
 from meshplan.spec.support import sequence_parallel_runs
 from meshplan.spec.transformer import as_graph
 
@@ -141,6 +141,9 @@ class SearchSpace:
     (``weak_links``), True always, False never (the request's grad_sync and compression)."""
     sync: tuple[tuple[Any, ...], ...] | None = None
     """Explicit sync options (SYNC_FIELDS tuples) instead of ``sync_options``'."""
+    placements: tuple[tuple[str, ...] | None, ...] | None = None
+    """Placements (Plan.mesh_order) to try for every mesh: None = ``placement_options`` (several
+    orders where the cluster has several sites, the default order elsewhere)."""
     fixed_sync: tuple[tuple[str, Any], ...] = ()
     """(field, value) of the SYNC_FIELDS the request fixes (--fix grad_sync=diloco): every option
     takes them (options they make invalid are dropped); a periodic grad_sync turns the sync
@@ -255,6 +258,33 @@ def weak_links(cluster: ClusterSpec) -> list[str]:
         out.append("dc")
     if cluster.num_nodes >= 2 and cluster.inter_node.bandwidth_gbps < WEAK_NIC_GBPS:
         out.append("node")
+    return out
+
+
+def placement_options(cluster: ClusterSpec, space: SearchSpace, sizes: dict[str, int]) -> list[tuple[str, ...] | None]:
+    """The placements (mesh orders) tried for a mesh of these ``sizes``: the request's
+    (``space.placements``, or the base plan's fixed mesh_order); on a cluster of several sites,
+    the default (the pipeline crosses the link between sites) and data parallel outermost (its
+    gradient sync crosses it, the pipeline stays inside each site), where they lay the mesh out
+    differently (axes of size 1 do not count), for the plans that sync every step; on one
+    site, the default only (its one slow tier is crossed by the outermost axis whatever the
+    order of the rest: no cost for the search)."""
+    from meshplan.spec.axes import DEFAULT_ORDER
+    if space.placements is not None:
+        cands = list(space.placements)
+    elif space.base.mesh_order is not None:
+        return [space.base.mesh_order]
+    elif cluster.num_dcs > 1:  # the pipeline or data parallelism across the sites (and the nodes)
+        cands = [None, (AX.DP, AX.PP, AX.CP, AX.TP)]
+    else:
+        return [None]
+    out: list[tuple[str, ...] | None] = []
+    seen: set[tuple[str, ...]] = set()
+    for o in cands:
+        key = tuple(a for a in (o or DEFAULT_ORDER) if sizes[a] > 1)
+        if key not in seen:
+            seen.add(key)
+            out.append(None if o == DEFAULT_ORDER else o)
     return out
 
 
@@ -500,7 +530,7 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     caps = capabilities(graph)
     splitter = (_StageSplitter(graph, cluster, work, space.base, params)
                 if space.uneven_stages is not False else None)
-    base = {f: getattr(space.base, f) for f in FIELDS if f not in SEARCHED and f not in PER_TP}
+    base = {f: getattr(space.base, f) for f in FIELDS if f not in SEARCHED and f not in PER_TP and f != "mesh_order"}
     parts: list[dict[str, np.ndarray]] = []
     next_group = 0
     meshes = _mesh_shapes(caps, cluster, work, space)
@@ -552,7 +582,18 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
                                  for o in syncs])
             part["sync_scope"] = np.where(single[k], "all", part["sync_scope"])
         next_group += na * nc
-        parts.append(part)
+        orders = placement_options(cluster, space, {AX.TP: tp, AX.CP: cp, AX.PP: pp, AX.DP: dp})
+        for k, o in enumerate(orders):  # the same rows once per placement (their own micro-batch groups)
+            placed = dict(part, mesh_order=np.full(n, ":".join(o) if o else ""))
+            if k:
+                gs = np.asarray(part.get("grad_sync", np.full(n, space.base.grad_sync)))
+                keep = ~np.isin(gs, PERIODIC_SYNC)  # a periodic plan's inner groups are its sites: default order
+                if not keep.any():
+                    continue
+                placed = {f: v[keep] for f, v in placed.items()}
+                placed["_group"] = placed["_group"] + next_group - part["_group"].min()
+                next_group += na * nc
+            parts.append(placed)
     return _assemble(parts, base, splitter.table if splitter else [])
 
 
