@@ -64,7 +64,7 @@ def expected_groups(plan_text: str, rank: int) -> dict[str, list[int]]:
         idx = tuple(slice(None) if j == i else at[b] for j, b in enumerate(AXES))
         out[f"world.{a}"] = sorted(int(r) for r in np.asarray(grid[idx]).ravel())
     dp_cp = grid[at[AX.PP], :, :, at[AX.TP]]
-    out["dp"] = sorted(int(r) for r in dp_cp.ravel())
+    out[AX.DP_CP] = sorted(int(r) for r in dp_cp.ravel())
     return out
 
 
@@ -75,7 +75,7 @@ def check_groups(plan_text: str, ranks: dict[int, dict]) -> None:
         got = {k: doc["groups"][k] for k in want}
         assert got == want, (plan_text, rank, got, want)
         assert doc["coords"] == dims.coords(rank), (plan_text, rank)
-        assert doc["groups"]["sync"] == want["dp"]  # synchronous: gradients averaged over all of dp x cp
+        assert doc["groups"]["sync"] == want[AX.DP_CP]  # synchronous: gradients averaged over all of dp x cp
 
 
 @pytest.mark.parametrize("plan,order,moved", [

@@ -254,13 +254,13 @@ ranks of each of its process groups (``mesh_groups``), for tests that check the 
 def mesh_groups(mesh: RuntimeMesh) -> dict[str, list[int]]:
     """The global ranks of this rank's process group on every axis of the run's meshes (read back
     from the process groups themselves: dist.get_process_group_ranks), keyed by mesh and axis:
-    ``world.pp`` ... ``fsdp.dp_shard``, ``dp`` (all of dp x cp), ``sync``; ``experts.ep`` with ep > 1."""
+    ``world.pp`` ... ``fsdp.dp_shard``, ``dp_cp`` (all of dp x cp: AX.DP_CP), ``sync``; ``experts.ep`` with ep > 1."""
     out: dict[str, list[int]] = {}
     named = {"world": mesh.world, "fsdp": mesh.fsdp, **({"experts": mesh.experts} if mesh.experts is not None else {})}
     for key, m in named.items():
         for dim in m.mesh_dim_names or ():
             out[f"{key}.{dim}"] = sorted(dist.get_process_group_ranks(m.get_group(dim)))
-    out["dp"] = sorted(dist.get_process_group_ranks(mesh.dp_group))
+    out[AX.DP_CP] = sorted(dist.get_process_group_ranks(mesh.dp_group))
     out["sync"] = sorted(dist.get_process_group_ranks(mesh.sync_group))
     return out
 
