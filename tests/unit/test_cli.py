@@ -53,7 +53,7 @@ def test_plan_file_round_trip(capsys, tmp_path):
     (("--plan", "tp=8,pp"), "is not key=value"),
     (("--plan", "tp=8,pp=1,dp=1,micro_batch=1,bogus=2"), "unknown key"),
     (("--plan", "tp=3,dp=8"), "tp=3"),
-    (("--plan", "tp=16,dp=1"), "larger than a node"),
+    (("--plan", "tp=16,dp=1"), "tp*pp*dp*cp = 16"),
     (("--plan", "tp=1,dp=4"), "change dp to 8"),
     (("--global-batch", "0"), "positive integer"),
     (("--model", "missing.toml"), "file not found"),

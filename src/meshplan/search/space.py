@@ -3,7 +3,9 @@
 Every candidate is a full Plan for one cluster. The dimensions, and the values each takes
 (`SearchSpace` fields override them):
 
-  tp              divisors of gpus_per_node (that divide the GPU count)
+  tp              divisors of gpus_per_node (that divide the GPU count); on nodes of at most 4
+                  GPUs also whole numbers of nodes up to 8 GPUs (TP across nodes, priced on the
+                  inter-node link)
   cp              powers of two up to ``max_cp`` whose sequence chunk s/cp has at least
                   ``min_cp_tokens`` tokens (ring attention on shorter chunks cannot hide its
                   communication; cp=1 always)
@@ -184,9 +186,15 @@ def divisors(n: int) -> list[int]:
 
 # ---- per-dimension values ------------------------------------------------------------------
 
+def node_tp(g: int) -> list[int]:
+    """TP degrees tried on nodes of ``g`` GPUs: the divisors of g, and on small nodes (g <= 4:
+    cloud nodes, GH200 blades) whole numbers of nodes up to 8 GPUs, priced on the inter-node link."""
+    return divisors(g) + ([g * k for k in range(2, 8 // g + 1)] if g <= 4 else [])
+
+
 def tp_values(cluster: ClusterSpec, space: SearchSpace) -> list[int]:
     n, g = cluster.num_gpus, cluster.gpus_per_node
-    vals = space.tp if space.tp is not None else divisors(g)
+    vals = space.tp if space.tp is not None else node_tp(g)
     return [t for t in vals if t >= 1 and n % t == 0]
 
 
@@ -606,7 +614,7 @@ def most_gpus(model: ModelSpec, cluster: ClusterSpec, work: Workload,
     space = space or SearchSpace()
     g = cluster.gpus_per_node
     caps = capabilities(as_graph(model, work.seq_len))
-    tps = [t for t in divisors(g) if caps.tp_ok(t)]
+    tps = [t for t in node_tp(g) if caps.tp_ok(t)]
     s = work.seq_len
     cps, c = [], 1
     while c <= space.max_cp and caps.attention:
@@ -625,11 +633,13 @@ def no_mesh_error(model: LayerGraph | ModelSpec, cluster: ClusterSpec, space: Se
     n, g = cluster.num_gpus, cluster.gpus_per_node
     if space.tp is not None and all(t > g for t in space.tp):
         tps = "|".join(map(str, space.tp))
-        if n < cluster.gpu.gpus_per_node:  # one partial node: the cluster is the limit
+        if n < cluster.gpu.gpus_per_node or all(t > n for t in space.tp):  # the cluster is the limit
             return MeshplanError(f"--fix tp={tps} is more than the {n} GPU{'' if n == 1 else 's'} of the cluster",
                                  hint=f"fix tp to a divisor of {n}, or search a larger cluster")
-        return MeshplanError(f"--fix tp={tps} is larger than a node ({g} GPUs): tensor parallelism stays "
-                             "within a node", hint=f"fix tp to a divisor of {g}, e.g. --fix tp={g}")
+        if all(t % g for t in space.tp):
+            return MeshplanError(f"--fix tp={tps} is larger than a node ({g} GPUs) and not a whole number of "
+                                 "nodes: tensor-parallel groups must tile the nodes",
+                                 hint=f"fix tp to a divisor of {g} (e.g. --fix tp={g}) or a multiple of it")
     return MeshplanError(
         f"no mesh tp x cp x pp x dp makes {n} GPUs with tp in "
         f"{tp_values(cluster, space) or space.tp}, cp in {space.cp or 'powers of two'}, "
