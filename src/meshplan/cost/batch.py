@@ -25,7 +25,9 @@ from meshplan.cost.comm import (
     Group,
     dpcp_group,
     exposed_under,
+    mesh_keys,
     mesh_strides,
+    pipeline_site_pairs,
     staged_fsdp_exposed,
     staged_fsdp_overlapped,
 )
@@ -69,7 +71,7 @@ from meshplan.cost.sync import (
 from meshplan.cost.sync import groups as sync_groups
 from meshplan.cost.uncertainty import memory_high, step_band, verdicts
 from meshplan.errors import MeshplanError
-from meshplan.spec.axes import AX
+from meshplan.spec.axes import AX, AXES, parse_order
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import violations
 from meshplan.spec.graph import LayerGraph, derived, layer_ops
@@ -654,24 +656,31 @@ def cross_site(a: Assembly, cluster: ClusterSpec, p: CostParams) -> np.ndarray:
     gs = np.asarray(cols["grad_sync"])
     allreduce = (gs == "all-reduce") | ((gs != "reduce-scatter") & (zero == 0))
     shard = a.shard
-    dp_sync = np.where(zero == 3, 0.0, cross_bytes(cluster, n_sync, tp, sent, 1.0) * np.where(allreduce, 2.0, 1.0)
+    st = mesh_strides(cols)  # the placement: where each axis's groups sit
+    s_dp = np.where(cp > 1, st[AX.CP], st[AX.DP])  # the dp x cp groups' step (cp innermost of them)
+    dp_sync = np.where(zero == 3, 0.0, cross_bytes(cluster, n_sync, s_dp, sent, 1.0) * np.where(allreduce, 2.0, 1.0)
                        * np.where(zero == 2, micro, 1.0))
-    dp_sync = dp_sync + np.where((zero == 1) | (zero == 2), cross_bytes(cluster, n_sync, tp, 2.0 * plocal, 1.0), 0.0)
+    dp_sync = dp_sync + np.where((zero == 1) | (zero == 2), cross_bytes(cluster, n_sync, s_dp, 2.0 * plocal, 1.0),
+                                 0.0)
     # ZeRO-3: every block gathered twice and reduce-scattered per micro-batch (once per step under a pipeline)
     times = np.where(pp > 1, 1.0, micro)
     rb = reduce_bytes(cols, p)
-    z3 = times * (cross_bytes(cluster, shard, tp, 2.0 * plocal, 2.0)
-                  + cross_bytes(cluster, shard, tp, rb * plocal, 1.0))
-    hsdp = cross_bytes(cluster, np.maximum(1.0, n_sync / shard), tp * shard, rb * plocal / shard, 2.0)
+    z3 = times * (cross_bytes(cluster, shard, s_dp, 2.0 * plocal, 2.0)
+                  + cross_bytes(cluster, shard, s_dp, rb * plocal, 1.0))
+    hsdp = cross_bytes(cluster, np.maximum(1.0, n_sync / shard), s_dp * shard, rb * plocal / shard, 2.0)
     z3 = np.where(zero == 3, z3 + np.where(shard < n_sync, hsdp, 0.0), 0.0)
-    # pipeline sends: N / pp ranks at a stage boundary, one activation forward and one gradient back per
-    # micro-batch (each way) and chunk, when a boundary crosses a datacenter
-    stage_gpus = cluster.num_gpus / pp
-    crosses_pp = (pp > 1) & (stage_gpus <= cluster.gpus_per_dc)
+    # pipeline sends: each pair of peers whose boundary crosses a site link (cost.comm.pipeline_site_pairs)
+    # sends one activation forward and one gradient back per micro-batch (each way) and chunk
     send_bytes = np.asarray(a.tokens, dtype=float) * act_scale(cols["precision"]) * a.lay.send / np.where(
         cols["p2p_sharded"], tp, 1.0)
     v = np.asarray(cols["virtual_stages"], dtype=float)
-    sends = np.where(crosses_pp, micro * v * send_bytes * stage_gpus, 0.0)
+    wrap = (v > 1) & (np.asarray(cols["schedule"]) != "zbv")
+    pairs = np.zeros(n_rows)
+    keys, inv = mesh_keys(cols, wrap)
+    for k, (sz, order, wr) in enumerate(keys):
+        if sz[0] > 1:  # AXES[0] is pp
+            pairs[inv == k] = pipeline_site_pairs(cluster, dict(zip(AXES, sz)), parse_order(order), bool(wr))
+    sends = micro * v * send_bytes * pairs
     # the outer sync, once per H steps
     per_value = outer_bytes(comp)
     held = np.where(a.valid, held_params(a), 0.0).max(axis=1)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.spec.axes import AX, AXES, column_strides
+from meshplan.spec.axes import AX, AXES, ParallelDims, column_strides
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.units import US
 
@@ -305,7 +305,7 @@ def bus_bandwidth(op: str, nbytes: float, n: int, seconds: float) -> float:
     return nbytes / seconds * BUS_FACTOR[op](n)
 
 
-_PIPES: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
+_PIPES: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, int]] = {}
 
 
 def pipeline_links(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None,
@@ -316,7 +316,19 @@ def pipeline_links(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str
     slowest pair: inside a node the intra-node link; across nodes the GPU's NIC (or its share of
     a node NIC, among the node's GPUs crossing at this boundary); across sites the link between
     the two sites (a shared one divided among every pair of every boundary that crosses it)."""
-    from meshplan.spec.axes import ParallelDims
+    hit = _pipes(cluster, sizes, order, wrap)
+    return hit[0], hit[1]
+
+
+def pipeline_site_pairs(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None,
+                        wrap: bool) -> int:
+    """Pairs of peer ranks whose pipeline sends cross a link between sites, over every boundary
+    (each sends one activation and one gradient per micro-batch and chunk across it)."""
+    return _pipes(cluster, sizes, order, wrap)[2]
+
+
+def _pipes(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None,
+           wrap: bool) -> tuple[np.ndarray, np.ndarray, int]:
     key = (_link_key(cluster), cluster.num_gpus, tuple(int(sizes[a]) for a in AXES), order, wrap)
     hit = _PIPES.get(key)
     if hit is not None:
@@ -353,8 +365,8 @@ def pipeline_links(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str
         bws[j], lats[j] = bw, lat
     if len(_PIPES) > 4096:
         _PIPES.clear()
-    _PIPES[key] = (bws, lats)
-    return bws, lats
+    _PIPES[key] = (bws, lats, sum(site_load.values()))
+    return _PIPES[key]
 
 
 def pair_link(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None) -> tuple[float, float]:

@@ -14,6 +14,7 @@ from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport
 from meshplan.search.constraints import AT_RISK, COST_MODEL_REFUSED, HOST_OOM, OUT_OF_MEMORY
 from meshplan.search.result import OVER_DEADLINE, RankedPlan, SearchResult, token_count, train_days
+from meshplan.spec.axes import AX
 from meshplan.spec.plan import PLAN_FIELDS, Plan, format_stage_layers
 
 TERM_LABELS = {
@@ -234,9 +235,75 @@ def explain(result: SearchResult, runners_up: int = 3) -> list[str]:
             else:
                 lines.append(compare_line(b, other, label))
         lines += passed_over_lines(result)
+        lines += placement_lines(result)
         lines += weak_link_lines(result)
     lines += rejection_lines(result)
     return lines
+
+
+AXIS_WORDS = {AX.PP: "the pipeline", AX.DP: "data parallelism", AX.CP: "context parallelism",
+              AX.TP: "tensor parallelism"}
+"""Each mesh axis in words (keys: spec.axes.AXES)."""
+
+
+def axis_tiers(cluster: Any, plan: Plan) -> dict[str, str]:
+    """Axis -> the slowest tier its groups cross under the plan's placement: 'inside a node',
+    'across nodes' or 'across sites' (axes of degree 1 left out)."""
+    import numpy as np
+
+    from meshplan.cost.comm import members_within
+    dims = plan.dims
+    out = {}
+    for axis, stride in dims.strides.items():
+        n = dims.degree(axis)
+        if n < 2:
+            continue
+        part = [(np.asarray(float(n)), np.asarray(float(stride)))]
+        if members_within(cluster.gpus_per_node, part)[1]:
+            out[axis] = "inside a node"
+        elif cluster.num_dcs < 2 or members_within(cluster.gpus_per_dc, part)[1]:
+            out[axis] = "across nodes"
+        else:
+            out[axis] = "across sites"
+    return out
+
+
+def placement_lines(result: SearchResult) -> list[str]:
+    """On a cluster of several sites (or for a winner with a placement of its own): which axis
+    crosses which link, and what the other placements the search tried would cost (the bytes
+    they put on the link between sites and their step time)."""
+    from meshplan.cost import estimate
+    from meshplan.search.space import SearchSpace, placement_options
+    from meshplan.spec.axes import AXES, DEFAULT_ORDER
+    b = result.best
+    if b is None or (b.cluster.num_dcs < 2 and b.plan.mesh_order is None):
+        return []
+    plan, c = b.plan, b.cluster
+    order = plan.mesh_order or DEFAULT_ORDER
+    tiers = axis_tiers(c, plan)
+    where = ", ".join(f"{a}={plan.dims.degree(a)} {tiers[a]}" for a in order if a in tiers)
+    own = "the default order" if plan.mesh_order is None else "its own order"
+    out = [f"placement {':'.join(order)} ({own}, outermost first): {where}"]
+    rb = b.report
+    sizes = {a: plan.dims.degree(a) for a in AXES}
+    crossing = [AXIS_WORDS[a] for a in order if tiers.get(a) == "across sites"]
+    for o in placement_options(c, SearchSpace(), sizes):
+        if (o or DEFAULT_ORDER) == order:
+            continue
+        alt = plan.replace(mesh_order=o)
+        try:
+            ra = estimate(result.model, c, alt, result.work, result.params or DEFAULT_PARAMS)
+        except Exception:  # noqa: BLE001 - an alternative the cost model refuses is simply not compared
+            continue
+        t_alt = axis_tiers(c, alt)
+        alt_cross = [AXIS_WORDS[a] for a in (o or DEFAULT_ORDER) if t_alt.get(a) == "across sites"]
+        name = ":".join(o or DEFAULT_ORDER) + (" (the default)" if o is None else "")
+        ratio = ra.step_time_s / rb.step_time_s if rb.step_time_s > 0 else 1.0
+        out.append(f"  vs {name}: {' and '.join(alt_cross) or 'nothing'} across the sites would put "
+                   f"{ra.cross_site_gb:,.1f} GB per step on the link between them instead of {rb.cross_site_gb:,.1f} GB "
+                   f"({' and '.join(crossing) or 'nothing'} across them): {_secs(ra.step_time_s)} per step, "
+                   f"{ratio:.2f}x the winner's")
+    return out
 
 
 def sync_words(plan: Any) -> str:
