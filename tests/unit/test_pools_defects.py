@@ -126,3 +126,40 @@ def test_replicas_take_a_smaller_micro_batch_when_the_shape_leaves_replicas_with
     assert [p.micro_batch for p in got] == [2]
     assert sp._enough_micro_batches(shape, 8, WORK) == [shape]
     assert sp._enough_micro_batches(shape, 64, WORK) == []
+
+
+@pytest.mark.parametrize("plan", [
+    "tp=1,pp=1,dp=16,micro_batch=2,precision=fp16,dp_shares=1:1,pools=v100:t4,pool_dp=12:4",
+    "tp=1,pp=4,dp=4,zero=1,micro_batch=1,precision=fp16,stage_layers=8:8:7:1,pools=v100:t4,pool_pp=3:1",
+    "tp=1,pp=6,dp=2,precision=fp16,pools=v100"])
+def test_pooled_estimate_has_the_per_term_breakdown(gpt2m, plan):
+    """Item 3: a pooled estimate's time by term has every key a plan on one GPU type has, plus cross_pool (exposed)
+    and pool_idle (apart); the exposed terms add up to the step, and each pool's part has its own terms."""
+    from meshplan.cost.batch import TIME_KEYS
+    e = estimate(gpt2m, v100_t4(), parse_plan(plan), WORK)
+    assert set(TIME_KEYS) <= set(e.time) and {"cross_pool", "pool_idle"} <= set(e.time)
+    exposed = sum(v for k, v in e.time.items() if not k.endswith("_overlapped") and k != "pool_idle")
+    assert exposed == pytest.approx(e.step_time_s, rel=1e-9)
+    assert e.time["pool_idle"] == pytest.approx(e.imbalance_s)
+    assert e.time["compute"] > 0 and e.dominant in e.time
+    if "pool_dp" in plan:
+        assert e.time["cross_pool"] == pytest.approx(e.cross_pool_s) and e.cross_pool_s > 0
+    for p in e.parts:
+        assert p.time["compute"] > 0 and set(p.time) <= set(e.time)
+    d = e.to_dict()
+    assert d["time"] == e.time and all("time" in p for p in d["pools"])
+
+
+def test_pooled_estimate_cli_shows_the_terms(tmp_path, capsys):
+    import json
+    path = tmp_path / "v100-t4.toml"
+    path.write_text(TOML)
+    args = ["estimate", "--model", "gpt2-medium", "--cluster", str(path), "--global-batch", "32", "--plan",
+            "tp=1,pp=1,dp=16,micro_batch=2,precision=fp16,dp_shares=1:1,pools=v100:t4,pool_dp=12:4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "time per step (exposed; overlapped shown apart), along the slowest pool (t4)" in out
+    assert "compute (fwd+bwd)" in out and "across pools (inter_pool)" in out
+    assert main(args + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["time"]["cross_pool"] > 0 and d["time"]["compute"] > 0 and "pool_idle" in d["time"]

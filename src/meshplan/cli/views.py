@@ -308,4 +308,31 @@ def pooled_estimate_text(e: Any, pc: Any, work: Workload | None = None) -> str:
         lines.append(f"imbalance    {hs(e.imbalance_s)} per step lost waiting for the slowest pool (GPU-weighted)")
     lines += pooled_runtime_lines(e)
     lines += [f"note         {n}" for n in e.notes]
+    lines += pooled_time_lines(e)
     return "\n".join(lines)
+
+
+POOLED_TIME_LABELS = {**TIME_LABELS, "cross_pool": "across pools (inter_pool)"}
+"""The terms of a plan over pools (cost.pools.PooledEstimate.time): a plan's on one GPU type, and the exchange
+across pools."""
+
+
+def pooled_time_lines(e: Any) -> list[str]:
+    """The step of a plan over pools by term, as `estimate` shows a plan on one GPU type: along the critical path
+    (pool_dp: the slowest pool's own step; pool_pp: the pipeline's critical rank), the time across pools as its
+    own term, and the pools' wait for the slowest apart."""
+    if not e.time:
+        return []
+    where = ("the pipeline's critical rank" if e.plan.pool_pp is not None and len(e.parts) > 1 else
+             f"the slowest pool ({max(e.parts, key=lambda p: p.step_s).name})" if len(e.parts) > 1 else "")
+    rows = []
+    for k, label in POOLED_TIME_LABELS.items():
+        v = e.time.get(k, 0.0)
+        ov = e.time.get(f"{k}_overlapped", 0.0)
+        if v or ov:
+            rows.append((label, seconds(v), f"{100 * v / e.step_time_s:.1f}%", seconds(ov) if ov else ""))
+    out = ["", "time per step (exposed; overlapped shown apart)" + (f", along {where}" if where else ""),
+           table(["term", "exposed", "share", "overlapped"], rows, "lrrr")]
+    if e.time.get("pool_idle"):
+        out.append(f"apart: the pools wait {seconds(e.time['pool_idle'])} per step for the slowest (GPU-weighted mean)")
+    return out

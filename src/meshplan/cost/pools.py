@@ -73,13 +73,18 @@ class PoolPart:
     """The chance the pool's fullest GPU runs out of memory (cost.uncertainty)."""
     report: CostReport | None = None
     """The pool's own estimate (its replicas as a plan on that pool), for pool_dp."""
+    time: dict[str, float] = field(default_factory=dict)
+    """The pool's own part by term, seconds per step (CostReport.time's keys): pool_dp, its replicas'
+    estimate (``report``); pool_pp, its busiest pipeline rank's per-micro-batch terms over the step's
+    micro-batches and its end-of-step work (optimizer; its data-parallel sync in dp_comm), without the
+    wait for the other stages (bubble)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"pool": self.name, "gpu": self.gpu, "gpus": self.gpus, "gpus_total": self.gpus_total,
                 "role": self.role, "step_s": self.step_s, "idle_s": self.idle_s,
                 "utilisation": self.busy_fraction, "peak_memory_gib": self.peak_memory_gib,
                 "usable_memory_gib": self.usable_memory_gib, "fits": self.fits, "at_risk": self.at_risk,
-                "oom_probability": self.oom_probability}
+                "oom_probability": self.oom_probability, "time": dict(self.time)}
 
 
 @dataclass
@@ -105,6 +110,15 @@ class PooledEstimate:
     runtime: list[dict[str, str]] = field(default_factory=list)
     """The runtime rules (spec.support) the plan's pools' parts break: {"pool", "rule", "kind",
     "reason"} each (runtime_issues); empty when meshplan train runs it as planned."""
+    time: dict[str, float] = field(default_factory=dict)
+    """The step by term, seconds, as a plan on one GPU type has it (CostReport.time: compute,
+    recompute, tp_comm, dp_comm, pp_comm, bubble, optimizer, ..., the ``_overlapped`` ones apart),
+    along the step's critical path: pool_dp, the slowest pool's own step; pool_pp, the spliced
+    pipeline's critical rank. The pooled extras: ``cross_pool``, the exposed time across pools
+    (pool_dp: the gradient all-reduce over inter_pool; pool_pp: the boundary sends' time beyond the
+    pool's own network, taken out of pp_comm), so that the exposed terms add up to the step; and
+    ``pool_idle``, apart (not on the critical path): the GPU-weighted mean wait of the pools for the
+    slowest (``imbalance_s``)."""
 
     @property
     def peak_memory_gib(self) -> float:
@@ -132,12 +146,19 @@ class PooledEstimate:
     def runs_as_planned(self) -> bool:
         return not self.runtime
 
+    @property
+    def dominant(self) -> str:
+        """The largest exposed term of ``time`` (as CostReport.dominant)."""
+        exposed = {k: v for k, v in self.time.items() if not k.endswith("_overlapped") and k != "pool_idle"}
+        return max(exposed, key=exposed.__getitem__) if exposed else ""
+
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.short(), "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "mfu": self.mfu, "usd_per_m_tokens": self.usd_per_m_tokens, "fits": self.fits,
                 "at_risk": self.at_risk, "num_gpus": self.num_gpus, "cross_pool_s": self.cross_pool_s,
                 "cross_pool_gb": self.cross_pool_gb, "imbalance_s": self.imbalance_s,
-                "pools": [p.to_dict() for p in self.parts], "notes": list(self.notes),
+                "pools": [p.to_dict() for p in self.parts], "notes": list(self.notes), "time": dict(self.time),
+                "dominant": self.dominant,
                 "verdict": self.verdict, "oom_probability": self.oom_probability,
                 "runtime": {"runs_as_planned": self.runs_as_planned, "issues": list(self.runtime)}}
 
@@ -278,7 +299,8 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
         parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=gpus, gpus_total=pool.num_gpus, role=role,
                               step_s=r.step_time_s, busy_fraction=m_mean / max(1, m_max),
                               peak_memory_gib=r.peak_memory_gib, usable_memory_gib=r.usable_memory_gib,
-                              fits=r.fits, at_risk=r.at_risk, oom_probability=r.oom_probability, report=r))
+                              fits=r.fits, at_risk=r.at_risk, oom_probability=r.oom_probability, report=r,
+                              time=dict(r.time)))
     cross_s, cross_gb = 0.0, 0.0
     if len(pools) > 1:
         cross_s, cross_gb = _cross_pool_sync(model, cluster, plan, per_pool, params)  # type: ignore[arg-type]
@@ -288,6 +310,8 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
         p.idle_s = slowest - p.step_s
         p.busy_fraction = (p.step_s * p.busy_fraction + cross_s) / step
     est = _finish(given, work, pools, parts, step, flops_per_sample * work.global_batch, cross_s, cross_gb)
+    crit = max(parts, key=lambda p: p.step_s)
+    est.time = {**crit.time, "cross_pool": cross_s, "pool_idle": est.imbalance_s}
     est.notes += notes
     est.runtime = runtime_issues(model, cluster, given, work)
     return est
@@ -393,6 +417,7 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
     step = float(res["step_time_s"][0])
     model_flops = float(res["model_flops"][0])
     scale = 1.0
+    time_row = res
     if work.varied:  # the expected step over the distribution, each length's pipeline spliced the same way
         def priced(length: int) -> tuple[_b.Assembly, dict[str, np.ndarray]]:
             w = Workload(global_batch=work.global_batch, seq_len=length)
@@ -400,6 +425,7 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
             return a, r
         r = expected_batch(model, big[0], work, [sub], params, priced=priced)
         scale = float(r["step_time_s"][0]) / step  # busy time at the longest length, scaled to the expected step
+        time_row = r
         step = float(r["step_time_s"][0])
         model_flops = float(r["tflops_per_gpu"][0]) * 1e12 * step * float(r["num_gpus"][0])  # the real samples
     parts = []
@@ -412,16 +438,19 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
         nl = f" ({sum(layers[r] for r in ranks)} layers)" if layers else ""
         usable = rank["usable_gib"][i]
         fits, risk, prob = verdicts(np.asarray([mem]), usable, params)
+        top = max(ranks, key=lambda r: rank["busy_s"][r])
         parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=len(ranks) * per_stage,
                               gpus_total=pool.num_gpus, role=f"{span}{nl}, {per_stage} GPUs each",
                               step_s=busy, busy_fraction=busy / step, peak_memory_gib=mem,
                               usable_memory_gib=usable, fits=bool(fits[0]), at_risk=bool(risk[0]),
-                              oom_probability=float(prob[0])))
+                              oom_probability=float(prob[0]),
+                              time={k: v * scale for k, v in rank["terms"][top].items()}))
     slowest = max(p.step_s for p in parts)
     for p in parts:
         p.idle_s = slowest - p.step_s
     est = _finish(plan, work, pools, parts, step, model_flops, float(rank["cross_send_s"]),
                   float(rank["cross_send_gb"]))
+    est.time = pipeline_time(time_row, rank["crit_cross_s"] * scale, est.imbalance_s)
     est.runtime = runtime_issues(model, cluster, plan, work)
     est.notes.append("pipeline over pools: each stage is timed on its own pool's GPU; the send between the "
                      "pools' boundary stages crosses inter_pool")
@@ -431,6 +460,18 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
                             "length" if not params.pipeline_variable_shapes else
                             ", each micro-batch at its own padded length") + "; memory at the longest length")
     return est
+
+
+def pipeline_time(row: dict[str, np.ndarray], cross_s: float, idle_s: float) -> dict[str, float]:
+    """The step by term of a pipeline over pools (cost.batch's ``time.*`` of its one row), the
+    critical rank's sends across pools moved from pp_comm to ``cross_pool``, and ``pool_idle``."""
+    from meshplan.cost.batch import TIME_KEYS
+    time = {k: float(row[f"time.{k}"][0]) for k in TIME_KEYS}
+    if "time.imbalance" in row:
+        time["imbalance"] = float(row["time.imbalance"][0])
+    moved = min(cross_s, time["pp_comm"])
+    time["pp_comm"] -= moved
+    return time | {"cross_pool": moved, "pool_idle": idle_s}
 
 
 def splice_owner(owner: list[int], width: int) -> np.ndarray:
@@ -500,7 +541,15 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
     busy = [micro * float(fields["totals"][0, r]) + float(rank_ends[0][0, r] + rank_ends[2][0, r])
             for r in range(len(owner))]
     from meshplan.cost.memory import usable_gib
+    # the critical rank's share of the cross-pool sends (in its pp_comm, one extra per boundary it sits on)
+    on_crit = sum(1 for b in range(len(owner) - 1) if owner[b] != owner[b + 1] and crit in (b, b + 1))
+    rank_terms = [{k: micro * float(v[0, r]) for k, v in terms.items()}
+                  | {"dp_comm": micro * float(terms["dp_comm"][0, r]) + float(rank_ends[0][0, r]),
+                     "dp_comm_overlapped": micro * float(terms["dp_comm_overlapped"][0, r]) + float(rank_ends[1][0, r]),
+                     "optimizer": float(rank_ends[2][0, r])}
+                  for r in range(len(owner))]
     rank = {"busy_s": busy, "memory_gib": [float(x) for x in total_mem[:len(owner)]],
+            "terms": rank_terms, "crit_cross_s": micro * extra * on_crit,
             "usable_gib": [usable_gib(c, p) for c in clusters],
             # per boundary rank: its sends to the other pool in a step (activations forward on one side,
             # gradients backward on the other), seconds beyond its own network's and GB per GPU
