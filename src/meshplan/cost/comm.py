@@ -127,6 +127,9 @@ class Group:
     """The group spans nodes: its all-reduce may run as NCCL's tree (``all_reduce``)."""
     outer: Group | None = None
     """The tier between sites (n = sites spanned; 1 where a row's group stays in one site)."""
+    alt: Group | None = None
+    """Across sites: one flat ring (or tree) over all the members at the slowest link, which the
+    library runs instead where it is faster (the hierarchical phases run one after another)."""
 
     @staticmethod
     def of(cluster: ClusterSpec, n: Num, stride: Num) -> Group:
@@ -155,18 +158,21 @@ class Group:
         return Group._of(cluster, parts)
 
     def scalars(self) -> tuple[Any, ...]:
-        o = self.outer
+        o, a = self.outer, self.alt
         return (float(self.bytes_per_s), float(self.latency_s), bool(self.across_nodes), float(self.n),
-                None if o is None else (float(o.n), float(o.bytes_per_s), float(o.latency_s)))
+                None if o is None else (float(o.n), float(o.bytes_per_s), float(o.latency_s)),
+                None if a is None else (float(a.n), float(a.bytes_per_s), float(a.latency_s), bool(a.across_nodes)))
 
     @staticmethod
     def from_scalars(hit: tuple[Any, ...], n: np.ndarray, shape: tuple[int, ...]) -> Group:
-        outer = None
+        outer = alt = None
         if hit[4] is not None:
             on, obw, olat = hit[4]
             outer = Group(np.full(shape, on), np.full(shape, obw), np.full(shape, olat), np.full(shape, True))
+            an, abw, alat, aac = hit[5]
+            alt = Group(np.full(shape, an), np.full(shape, abw), np.full(shape, alat), np.full(shape, aac))
             n = np.full(shape, hit[3])
-        return Group(n, np.full(shape, hit[0]), np.full(shape, hit[1]), np.full(shape, hit[2]), outer)
+        return Group(n, np.full(shape, hit[0]), np.full(shape, hit[1]), np.full(shape, hit[2]), outer, alt)
 
     @staticmethod
     def _of(cluster: ClusterSpec, parts: list[tuple[np.ndarray, np.ndarray]], flat: bool = False) -> Group:
@@ -201,17 +207,18 @@ class Group:
         shared = cluster.inter_dc.shared or any(t.shared for t in cluster.site_links)
         share = site_bw * m / cluster.num_gpus if shared else site_bw
         outer_bw = np.minimum(np.minimum(intra_bw, nic), share)
+        fbw = np.where(m > 1, np.minimum(bw, np.minimum(site_bw * n / cluster.num_gpus if shared else site_bw,
+                                                        per_node * nic)), bw)
+        flat_group = Group(n, fbw, np.where(m > 1, site_lat, lat), ~inside)
         if flat:  # one ring over every member at the slowest link (gloo; the hierarchical form's bound)
-            fbw = np.where(m > 1, np.minimum(bw, np.minimum(site_bw * n / cluster.num_gpus if shared else site_bw,
-                                                            per_node * nic)), bw)
-            return Group(n, fbw, np.where(m > 1, site_lat, lat), ~inside)
+            return flat_group
         inner_n = np.where(m > 1, per_site, n)
         inner_inside = inside | (inner_n <= per_node)
         inner_bw = np.where(inner_inside, np.where(inside, bw, intra_bw), np.minimum(intra_bw, per_node * nic))
         inner_lat = np.where(inner_n <= 1, 0.0, np.where(inner_inside, intra.latency_us * US,
                                                           inter.latency_us * US))
         outer = Group(m, np.where(m > 1, outer_bw, 1.0), np.where(m > 1, site_lat, 0.0), np.ones(np.shape(m), bool))
-        return Group(inner_n, inner_bw, inner_lat, ~inner_inside, outer)
+        return Group(inner_n, inner_bw, inner_lat, ~inner_inside, outer, flat_group)
 
     def flat(self, cluster: ClusterSpec, parts: list[tuple[Num, Num]]) -> Group:
         """The same devices as one flat ring at the slowest link it crosses (what gloo, or a
@@ -245,16 +252,20 @@ class Group:
             return one
         shard = np.asarray(size, dtype=float) / np.maximum(self.n, 1)
         hier = self._ring(size, 1.0) + o.all_reduce(shard) + self._ring(size, 1.0)
-        return np.where(o.n > 1, hier, one)
+        return np.where(o.n > 1, self._best(hier, "all_reduce", size), one)
+
+    def _best(self, hier: Num, op: str, size: Num) -> Num:
+        """The hierarchical time, or the flat algorithm's where shorter (``alt``)."""
+        return hier if self.alt is None else np.minimum(hier, getattr(self.alt, op)(size))
 
     def all_gather(self, size: Num) -> Num:
         """Across sites: between the sites first (each member's piece from every site: size / n),
         then within each site (the whole size)."""
-        return self._ring(size, 1.0) + self._outer(size, "all_gather")
+        return self._best(self._ring(size, 1.0) + self._outer(size, "all_gather"), "all_gather", size)
 
     def reduce_scatter(self, size: Num) -> Num:
         """Across sites: within each site (the whole size), then between the sites (size / n)."""
-        return self._ring(size, 1.0) + self._outer(size, "reduce_scatter")
+        return self._best(self._ring(size, 1.0) + self._outer(size, "reduce_scatter"), "reduce_scatter", size)
 
     def all_to_all(self, size: Num) -> Num:
         """Across sites: the (n - 1) / (n m) of each rank's bytes that stay in its site on the
@@ -263,7 +274,7 @@ class Group:
         if o is None:
             return self._ring(size, 1.0)
         m = np.maximum(o.n, 1)
-        return self._ring(np.asarray(size, dtype=float) / m, 1.0) + o._ring(size, 1.0)
+        return self._best(self._ring(np.asarray(size, dtype=float) / m, 1.0) + o._ring(size, 1.0), "all_to_all", size)
 
     def _outer(self, size: Num, op: str) -> Num:
         o = self.outer
