@@ -121,7 +121,7 @@ def test_documented_cluster_file_loads_with_its_datacenter_tier():
     from meshplan.spec.io import load_cluster
     c = load_cluster(str(Path(__file__).resolve().parents[2] / "docs" / "cluster-example.toml"))
     assert c.num_gpus == 512 and c.inter_dc is not None and c.nodes_per_dc == 32
-    assert float(Group.of(c, 2, 256).bytes_per_s) == c.inter_dc.bytes_per_s  # crosses the DCs
+    assert float(Group.of(c, 2, 256).outer.bytes_per_s) == c.inter_dc.bytes_per_s  # crosses the DCs
     assert float(Group.of(c, 2, 128).bytes_per_s) == c.inter_node.bytes_per_s
 
 

@@ -220,8 +220,8 @@ def run(spec: SimSpec) -> SimResult:
         downstream = kind != "W" and 0 <= nxt < nvs
         arrive = hold
         peer = rank_chunk(sched, pp, nxt)[0] if downstream else r
-        # the boundary it crosses: r -> r + 1 forward, peer -> peer + 1 = r backward (mod pp)
-        send_s = (spec.boundary_send_s[(r if kind == "F" else peer) % pp] if spec.boundary_send_s
+        # the boundary it crosses: r -> r + 1 (boundary r) or r -> r - 1 (boundary r - 1), mod pp
+        send_s = (spec.boundary_send_s[r if peer == (r + 1) % pp else peer % pp] if spec.boundary_send_s
                   else spec.send_s)
         if downstream and send_s > 0 and peer != r:  # same rank: no send
             arrive = put(r, AX.PP, f"send {name}", hold, send_s)
