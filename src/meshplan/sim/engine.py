@@ -220,9 +220,10 @@ def run(spec: SimSpec) -> SimResult:
         downstream = kind != "W" and 0 <= nxt < nvs
         arrive = hold
         peer = rank_chunk(sched, pp, nxt)[0] if downstream else r
-        # the boundary it crosses: r -> r + 1 (boundary r) or r -> r - 1 (boundary r - 1), mod pp
-        send_s = (spec.boundary_send_s[r if peer == (r + 1) % pp else peer % pp] if spec.boundary_send_s
-                  else spec.send_s)
+        # the boundary it crosses: r -> r + 1 is boundary r, r -> r - 1 boundary r - 1; the wrap between
+        # ranks pp - 1 and 0 (interleaved chunks) boundary pp - 1
+        bnd = r if peer == r + 1 else (peer if peer == r - 1 else pp - 1)
+        send_s = spec.boundary_send_s[bnd] if spec.boundary_send_s else spec.send_s
         if downstream and send_s > 0 and peer != r:  # same rank: no send
             arrive = put(r, AX.PP, f"send {name}", hold, send_s)
             hold = max(hold, arrive - send_s * (1 - spec.send_exposed))
