@@ -74,7 +74,6 @@ def test_bad_pooled_cluster_files_say_what_is_wrong(data, words):
 
 @pytest.mark.parametrize("text, words", [
     ("dp=3,dp_shares=3:1", "does not divide"),
-    ("dp=2,pools=a:b", "needs pool_dp"),
     ("dp=2,pools=a:b,pool_dp=1:2", "sums to 3"),
     ("pp=2,dp=2,pools=a:b,pool_dp=1:1,pool_pp=1:1", "not both"),
     ("dp=2,pool_dp=1:1", "needs pools"),

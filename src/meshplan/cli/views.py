@@ -323,7 +323,8 @@ def pooled_time_lines(e: Any) -> list[str]:
     own term, and the pools' wait for the slowest apart."""
     if not e.time:
         return []
-    where = ("the pipeline's critical rank" if e.plan.pool_pp is not None and len(e.parts) > 1 else
+    pipeline = e.plan.pool_pp is not None or (e.plan.multi_pool and e.plan.pool_dp is None)  # (device order too)
+    where = ("the pipeline's critical rank" if pipeline and len(e.parts) > 1 else
              f"the slowest pool ({max(e.parts, key=lambda p: p.step_s).name})" if len(e.parts) > 1 else "")
     rows = []
     for k, label in POOLED_TIME_LABELS.items():

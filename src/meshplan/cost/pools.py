@@ -273,6 +273,8 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
     pools = plan_pools(cluster, plan)
     if plan.pool_pp is not None and len(pools) > 1:
         return _estimate_pool_pp(model, cluster, pools, plan, work, params)  # type: ignore[arg-type]
+    if device_order(plan):
+        return _estimate_device_order(model, cluster, pools, plan, work, params)  # type: ignore[arg-type]
     given = plan
     plan, notes = as_run(plan)
     per_pool = list(plan.pool_dp) if plan.pool_dp is not None else [plan.dp]
@@ -335,7 +337,7 @@ def part_plans(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledClust
     pool_dp, a pool's replicas as a plan of their own (its largest share's micro-batches); pool_pp,
     the whole pipeline (each pool's stages run its schedule)."""
     pools = plan_pools(cluster, plan)
-    if plan.pool_pp is not None and len(pools) > 1:
+    if (plan.pool_pp is not None and len(pools) > 1) or device_order(plan):
         sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
         micro = microbatches(work.global_batch, sub.dp, sub.micro_batch)
         return [(p.name, sub, micro) for p in pools]
@@ -497,11 +499,19 @@ PER_RANK = ("fwd", "b_in", "b_w", "fwd_x", "bin_x", "bw_x", "tp_f", "tp_b", "tp_
 
 def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], owner: list[int],
                    link: Any, work: Workload, plan: Plan, params: CostParams,
-                   graph: LayerGraph | None = None) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
+                   graph: LayerGraph | None = None, layout: DeviceLayout | None = None,
+                   ) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
     """cost.batch's estimate of a pipeline whose rank r runs on clusters[owner[r]]: the plan is
     assembled once per pool, each rank's per-micro-batch terms and end-of-step work are taken
     from its own pool's assembly, and the sends between two pools' boundary stages are priced
-    on ``link`` (inter_pool). Returns (the spliced assembly, the estimate_batch row, per-rank facts)."""
+    on ``link`` (inter_pool). Returns (the spliced assembly, the estimate_batch row, per-rank facts).
+
+    With ``layout`` (a plan in device order, `device_layout`): ``owner`` is ignored; each rank is
+    timed on the slowest of the pools its stage's GPUs touch (the largest per-micro-batch time of
+    their assemblies), its memory checked against the smallest usable memory among them, a send
+    crosses ``link`` where the two stages' GPUs of some replica lie in different pools, and a
+    stage whose data-parallel group spans pools adds the exchange across them (`cross_dp_seconds`)
+    to its end-of-step sync."""
     import dataclasses
 
     from meshplan.cost.parts import optimizer_seconds, plans_to_columns
@@ -511,6 +521,8 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in plans_to_columns([plan]).items()}
     asm = [_b.assemble(graph, c, work, cols, p) for c in clusters]
     width = asm[0].valid.shape[1]
+    if layout is not None:
+        owner = [max(t, key=lambda i: (float(asm[i].totals[0, j]), -i)) for j, t in enumerate(layout.touched)]
     own = splice_owner(owner, width)
     fields = {f: _splice([getattr(x, f) for x in asm], own) for f in PER_RANK}
     terms = {k: _splice([x.terms[k] for x in asm], own) for k in asm[0].terms}
@@ -518,8 +530,10 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
     # gradients backward (one each per micro-batch; virtual_stages = 1)
     nbytes, extra = _cross_send(asm[0], plan, link, p)
     n_cross = 0
+    crossing = (layout.crossing if layout is not None else
+                [owner[b] != owner[b + 1] for b in range(len(owner) - 1)])
     for b in range(len(owner) - 1):
-        if owner[b] != owner[b + 1]:
+        if crossing[b]:
             n_cross += 1
             for r in (b, b + 1):
                 fields["p2p"][:, r] += extra
@@ -532,6 +546,11 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
     offo = np.asarray(cols["offload_optimizer"], dtype=bool)
     opts = [optimizer_seconds(c, x.plocal, cols["zero"], x.shard, offo, p) for x, c in zip(asm, clusters)]
     rank_ends = (_splice([e[0] for e in ends], own), _splice([e[1] for e in ends], own), _splice(opts, own))
+    cross_dp = [0.0] * len(owner)
+    if layout is not None:  # a data-parallel group over several pools: then the exchange across them
+        cross_dp = [cross_dp_seconds(float(a.plocal[0, j]), plan, layout.dp_counts[j], link, p)
+                    for j in range(len(owner))]
+        rank_ends[0][0, :len(owner)] += np.asarray(cross_dp)
     res = _b.estimate_assembly(a, clusters[own[crit]], work, p, rank_ends=rank_ends)
     # model FLOPs: hardware-independent (the same in every pool's assembly)
     res["model_flops"] = res["tflops_per_gpu"] * 1e12 * res["step_time_s"] * res["num_gpus"]
@@ -542,7 +561,7 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
             for r in range(len(owner))]
     from meshplan.cost.memory import usable_gib
     # the critical rank's share of the cross-pool sends (in its pp_comm, one extra per boundary it sits on)
-    on_crit = sum(1 for b in range(len(owner) - 1) if owner[b] != owner[b + 1] and crit in (b, b + 1))
+    on_crit = sum(1 for b in range(len(owner) - 1) if crossing[b] and crit in (b, b + 1))
     rank_terms = [{k: micro * float(v[0, r]) for k, v in terms.items()}
                   | {"dp_comm": micro * float(terms["dp_comm"][0, r]) + float(rank_ends[0][0, r]),
                      "dp_comm_overlapped": micro * float(terms["dp_comm_overlapped"][0, r]) + float(rank_ends[1][0, r]),
@@ -550,7 +569,7 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
                   for r in range(len(owner))]
     rank = {"busy_s": busy, "memory_gib": [float(x) for x in total_mem[:len(owner)]],
             "terms": rank_terms, "crit_cross_s": micro * extra * on_crit,
-            "usable_gib": [usable_gib(c, p) for c in clusters],
+            "usable_gib": [usable_gib(c, p) for c in clusters], "owner": list(owner), "cross_dp_s": cross_dp,
             # per boundary rank: its sends to the other pool in a step (activations forward on one side,
             # gradients backward on the other), seconds beyond its own network's and GB per GPU
             "cross_send_s": extra * micro if n_cross else 0.0,
@@ -608,3 +627,156 @@ def pool_pipeline_cross(model: LayerGraph | ModelSpec, cluster: PooledCluster, p
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in plans_to_columns([plan]).items()}
     a = _b.assemble(as_graph(model, work.seq_len), pool_cluster(first, plan.num_gpus), work, cols, params)
     return _cross_send(a, plan, cluster.inter_pool, params)[1]
+
+
+def device_order(plan: Plan) -> bool:
+    """A plan over several pools in device order: neither pool_dp nor pool_pp, its ranks laid in
+    placement order (mesh_order) over the pools' GPUs in the order ``pools`` names them, so that a
+    stage or a data-parallel group may take GPUs of several types."""
+    return plan.multi_pool and plan.pool_dp is None and plan.pool_pp is None
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    """Where the ranks of a plan in device order (`device_order`) run: rank r on the GPU of index r
+    of the pools' GPUs, each pool's in turn (the first pool's first; the last may be used in part)."""
+
+    pool_of_rank: tuple[int, ...]
+    """Global rank -> index into the plan's pools."""
+    gpus: tuple[int, ...]
+    """GPUs of each pool the plan uses (they add up to the plan's GPUs)."""
+    touched: tuple[tuple[int, ...], ...]
+    """Per pipeline stage: the pools its GPUs lie in."""
+    dp_counts: tuple[tuple[int, ...], ...]
+    """Per pipeline stage: its data-parallel replicas in each pool it touches (a replica's stage lies
+    in one pool: its tp x cp GPUs never span pools)."""
+    crossing: tuple[bool, ...]
+    """Per stage boundary b (stages b, b + 1): some replica's two GPUs lie in different pools."""
+
+
+def device_layout(pools: list[ClusterSpec], plan: Plan) -> DeviceLayout:
+    """The layout of a plan in device order over ``pools``; a MeshplanError (with a hint) for what is
+    not supported: more GPUs than the pools hold, a named pool left without GPUs, a tensor- or
+    context-parallel group across pools, expert parallelism, interleaved or ZBV schedules, dp_shares."""
+    from meshplan.spec.axes import AX, ParallelDims
+    names = ":".join(p.name for p in pools)
+    hint = f"or place whole replicas (pools={names},pool_dp=...) or stages (pool_pp=...) on pools"
+    total, held = plan.num_gpus, sum(p.num_gpus for p in pools)
+    if total > held:
+        raise MeshplanError(f"plan: {total} GPUs in device order over pools {names}, but they hold {held}",
+                            hint="fewer GPUs (tp x pp x dp x cp), or more pools")
+    gpus, left = [], total
+    for pool in pools:
+        gpus.append(min(left, pool.num_gpus))
+        left -= gpus[-1]
+    empty = [p.name for p, n in zip(pools, gpus) if n == 0]
+    if empty:
+        raise MeshplanError(f"plan: its {total} GPUs in device order fill the pools before {', '.join(empty)}, "
+                            "which gets none", hint=f"drop {', '.join(empty)} from pools, or use more GPUs")
+    if plan.ep > 1:
+        raise MeshplanError("plan: expert parallelism in device order over several pools is not supported",
+                            hint=hint)
+    if plan.virtual_stages > 1 or plan.schedule == "zbv":
+        raise MeshplanError("plan: a pipeline in device order over pools takes one stage per rank "
+                            "(virtual_stages=1, not zbv)", hint="drop virtual_stages / schedule=zbv")
+    if plan.dp_shares is not None:
+        raise MeshplanError("plan: dp_shares with a plan in device order over pools is not supported (a stage "
+                            "spanning GPU types runs at its slowest member)", hint=hint)
+    owner = np.repeat(np.arange(len(pools)), gpus)
+    grid = ParallelDims.of(plan).rank_grid()  # (pp, dp, cp, tp) -> global rank
+    where = owner[grid]
+    inner = where.reshape(plan.pp, plan.dp, -1)
+    if (inner != inner[:, :, :1]).any():
+        j, d = (int(x[0]) for x in np.nonzero((inner != inner[:, :, :1]).any(axis=2)))
+        what = "tensor-parallel" if plan.cp == 1 else "tensor- and context-parallel"
+        raise MeshplanError(f"plan: stage {j}, replica {d}: its {what} group of {plan.tp * plan.cp} GPUs spans pools "
+                            f"{' and '.join(pools[i].name for i in sorted(set(inner[j, d].tolist())))}: not "
+                            "supported", hint=f"a placement ({AX.TP} innermost) and pool sizes that are multiples of "
+                                              f"tp x cp = {plan.tp * plan.cp}; {hint}")
+    rep = inner[:, :, 0]  # (pp, dp): the pool of each replica's stage
+    touched = tuple(tuple(sorted(set(rep[j].tolist()))) for j in range(plan.pp))
+    counts = tuple(tuple(int((rep[j] == i).sum()) for i in t) for j, t in enumerate(touched))
+    crossing = tuple(bool((rep[b] != rep[b + 1]).any()) for b in range(plan.pp - 1))
+    return DeviceLayout(pool_of_rank=tuple(int(x) for x in owner), gpus=tuple(gpus), touched=touched,
+                        dp_counts=counts, crossing=crossing)
+
+
+def cross_dp_seconds(params_per_gpu: float, plan: Plan, counts: tuple[int, ...], link: Any,
+                     p: CostParams) -> float:
+    """Seconds of a data-parallel group's exchange across pools (its members' counts per pool),
+    after the sync within each pool (priced there): as the pool_dp sync, one all-reduce of every
+    GPU's gradient shard over ``link`` in a ring of the k pools, each GPU on its own lane; the pool
+    with the fewest replicas holds the largest shard. 0 within one pool."""
+    from meshplan.cost.parts import plans_to_columns
+    from meshplan.cost.sync import reduce_bytes
+    k = len(counts)
+    if k < 2:
+        return 0.0
+    rb = float(reduce_bytes(plans_to_columns([plan]), p)[0])
+    shard = params_per_gpu * rb / (plan.cp * min(counts))
+    return 2 * (k - 1) / k * shard / link.bytes_per_s + 2 * (k - 1) * link.latency_us * 1e-6
+
+
+def _estimate_device_order(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec],
+                           plan: Plan, work: Workload, params: CostParams) -> PooledEstimate:
+    """A plan in device order over pools (`device_order`): one pipeline, spliced as for pool_pp, with
+    each stage on the slowest of the pools it touches (`_pool_pipeline` with a DeviceLayout)."""
+    layout = device_layout(pools, plan)
+    sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
+    big = [pool_cluster(pool, plan.num_gpus) for pool in pools]
+    for pool, c in zip(pools, big):
+        bad = violations(model, c, sub, work, skip=("gpu count mismatch",))
+        if bad:
+            raise MeshplanError(f"plan cannot run: pool {pool.name}: " + "; ".join(reason for _, reason in bad))
+    if work.varied:
+        raise MeshplanError("plan: a plan in device order over pools under a length distribution is not "
+                            "supported yet", hint="give one --seq-len, or place replicas (pool_dp) or stages "
+                                                   "(pool_pp) on pools")
+    _, res, rank = _pool_pipeline(model, big, [], cluster.inter_pool, work, sub, params, layout=layout)
+    step = float(res["step_time_s"][0])
+    usable = rank["usable_gib"]
+    parts = []
+    for i, pool in enumerate(pools):
+        stages = [j for j, t in enumerate(layout.touched) if i in t]
+        busy = max(rank["busy_s"][j] for j in stages)
+        mem = max(rank["memory_gib"][j] for j in stages)
+        fits, risk, prob = verdicts(np.asarray([mem]), usable[i], params)  # (so each stage's smallest GPU too)
+        span = f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}-{stages[-1]}"
+        mixed = [j for j in stages if len(layout.touched[j]) > 1]
+        role = (f"{span}, {layout.gpus[i]} GPUs in device order"
+                + (f"; stage{'s' * (len(mixed) > 1)} {', '.join(map(str, mixed))} shared with other pools, "
+                   "at the slowest member's pace" if mixed else ""))
+        top = max(stages, key=lambda j: rank["busy_s"][j])
+        parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=layout.gpus[i], gpus_total=pool.num_gpus,
+                              role=role, step_s=busy, busy_fraction=busy / step, peak_memory_gib=mem,
+                              usable_memory_gib=usable[i], fits=bool(fits[0]), at_risk=bool(risk[0]),
+                              oom_probability=float(prob[0]), time=dict(rank["terms"][top])))
+    slowest = max(p.step_s for p in parts)
+    for p in parts:
+        p.idle_s = slowest - p.step_s
+    cross_s = float(rank["cross_send_s"]) + max(rank["cross_dp_s"])
+    est = _finish(plan, work, pools, parts, step, float(res["model_flops"][0]), cross_s,
+                  float(rank["cross_send_gb"]))
+    est.time = pipeline_time(res, rank["crit_cross_s"], est.imbalance_s)
+    est.runtime = runtime_issues(model, cluster, plan, work)
+    timed = ", ".join(f"{j}: {pools[rank['owner'][j]].name}" for j, t in enumerate(layout.touched) if len(t) > 1)
+    est.notes.append("device order over pools: ranks laid over the pools' GPUs in order; a stage spanning GPU types "
+                     f"runs at its slowest member's pace, its memory checked against the smallest GPU"
+                     + (f" (stages timed on: {timed})" if timed else "")
+                     + "; a data-parallel group over several pools syncs within each pool, then across them over "
+                       "inter_pool (in dp_comm)")
+    return est
+
+
+def device_splice(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
+                  params: CostParams = DEFAULT_PARAMS) -> dict[str, list[Any]]:
+    """How the cost model splices a plan in device order (for the simulator, sim.pools): per stage
+    ``owner`` (the pool it is timed on: the slowest it touches) and ``cross_dp_s`` (its data-parallel
+    exchange across pools, added to its end-of-step sync); per boundary ``crossing`` (a send over
+    inter_pool)."""
+    pools = plan_pools(cluster, plan)
+    layout = device_layout(pools, plan)
+    sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
+    big = [pool_cluster(pool, plan.num_gpus) for pool in pools]
+    _, _, rank = _pool_pipeline(model, big, [], cluster.inter_pool, work, sub, params, layout=layout)
+    return {"owner": list(rank["owner"]), "crossing": list(layout.crossing), "cross_dp_s": list(rank["cross_dp_s"])}

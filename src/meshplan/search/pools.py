@@ -33,6 +33,7 @@ import numpy as np
 
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost import PooledEstimate, estimate
+from meshplan.cost.pools import device_order
 from meshplan.errors import MeshplanError
 from meshplan.search.pareto import pareto_mask
 from meshplan.search.sizes import resized
@@ -54,6 +55,13 @@ from meshplan.units import human_seconds
 
 KINDS = {"replicas on pools": "pool_dp", "stages on pools": "pool_pp"}
 """The kinds of plan over several pools, by the Plan field that places them."""
+MIXED = "stages or replicas mixing GPU types"
+"""The kind of plan in device order (cost.pools.device_order): tried only where a shape cannot use every GPU
+of the pools as replicas or stages on pools (`_mixed_on_pools`)."""
+MIXED_SHAPES = 6
+"""Shapes (the best of the pools' own searches, in turn) tried in device order."""
+MIXED_DEPTHS = 2
+"""Pipeline depths tried per shape in device order (the shallowest that mix GPU types in a stage)."""
 SHORTLIST = 12
 """Replica / stage shapes tried per pool (the best distinct shapes of its own search)."""
 VARIED_STAGE_SHAPES = 4
@@ -134,12 +142,16 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
     tries = [(build, shape) for i, shape in enumerate(shapes) for build in (_replicas_on_pools, _stages_on_pools)
              if not (build is _stages_on_pools and work.varied and i >= VARIED_STAGE_SHAPES)]
     tries += [(_buckets_on_pools, shape) for shape in bucketed]  # a pool's bucket plan as every pool's replica shape
+    if not work.varied:  # device order: where replicas or stages on pools leave GPUs unused
+        tries += [(_mixed_on_pools, shape) for shape in shapes[:MIXED_SHAPES]]
+    mixed_tried = 0
     for build, shape in tries if on is not None else ():
         try:
             e = build(graph, on, shape, work, params)
         except MeshplanError:
             continue
         considered += 1
+        mixed_tried += build is _mixed_on_pools and e is not None
         if e is not None and e.fits and e.runs_as_planned and not (headroom and e.at_risk):
             multi.append(e)
     over: list[PooledEstimate] = []
@@ -172,6 +184,8 @@ def rank_over_pools(graph: LayerGraph, cluster: PooledCluster, work: Workload,
                 f"tokens, over the {deadline[1]:g}-day deadline")
     for kind, field_ in KINDS.items():
         out.best_by_kind[kind] = next((e for e in multi if getattr(e.plan, field_) is not None), None)
+    if mixed_tried or any(device_order(e.plan) for e in multi):
+        out.best_by_kind[MIXED] = next((e for e in multi if device_order(e.plan)), None)
     if blocked and not shapes and on is not None:
         out.notes.append(_blocked(blocked, work, graph))
     out.explanation = explain(out)
@@ -442,6 +456,48 @@ def _stages_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, wor
         best = trial
     if not best.fits:
         return None
+    return best
+
+
+def _mixed_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, work: Workload,
+                    params: CostParams) -> PooledEstimate | None:
+    """``shape`` in device order over every pool (fastest first; cost.pools.device_order), using all their
+    GPUs, in plans that replicas or stages on pools cannot express: the shallowest MIXED_DEPTHS pipelines
+    (pp >= 2, dp = GPUs / (pp tp cp)) whose stage of dp x cp x tp GPUs does not divide some pool's (a stage
+    then spans pools: 12 A100 + 4 V100 at pp=2, dp=8 puts 4 A100 and 4 V100 in stage 1), and with its dp x cp x tp per
+    stage (pp = GPUs / (dp cp tp)) when that does not divide some pool's GPUs. A stage or a replica group then spans GPU types
+    (a stage runs at its slowest member's pace). Layers split evenly. None when neither applies or nothing
+    fits; the best that fits otherwise (a safe plan before one at risk)."""
+    pools = fastest_first(cluster)
+    held = [p.num_gpus for p in pools]
+    n, unit = sum(held), shape.tp * shape.cp
+    if shape.ep > 1 or any(h % unit for h in held) or n % unit:
+        return None
+    layers = graph.num_blocks or capabilities(graph).blocks
+    base = shape.replace(pools=tuple(p.name for p in pools), pool_dp=None, pool_pp=None, dp_shares=None,
+                         stage_layers=None, shard_group=0, virtual_stages=1,
+                         schedule="1f1b" if shape.schedule in ("zbv", "interleaved-1f1b") else shape.schedule)
+    dims = []
+    for pp in (d for d in range(2, min(layers, n // unit) + 1) if (n // unit) % d == 0):
+        dp = n // (unit * pp)  # a pipeline of pp stages of dp x cp x tp GPUs: mixed where that divides not every pool
+        if any(h % (unit * dp) for h in held) and len(dims) < MIXED_DEPTHS:
+            dims.append((pp, dp))
+    if any(h % (unit * shape.dp) for h in held) and n % (unit * shape.dp) == 0:
+        dims.append((n // (unit * shape.dp), shape.dp))
+    best = None
+    for pp, dp in dict.fromkeys(dims):
+        if pp > layers or dp < 1:
+            continue
+        mb = next((m for m in range(shape.micro_batch, 0, -1) if work.global_batch % (dp * m) == 0), None)
+        if mb is None:
+            continue
+        plan = base.replace(pp=pp, dp=dp, micro_batch=mb, stage_layers=_even(layers, pp) if pp > 1 else None)
+        try:
+            e = estimate(graph, cluster, plan, work, params)
+        except MeshplanError:
+            continue
+        if e.fits and _better(e, best):
+            best = e
     return best
 
 

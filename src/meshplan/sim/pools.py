@@ -7,6 +7,10 @@
 - pool_pp: one pipeline whose rank r takes its durations from its own pool's hardware
   (cost.durations evaluated once per pool, spliced per rank); the sends that cross from one
   pool to the next carry the extra time of the inter_pool link on the boundary ranks.
+- device order (neither pool_dp nor pool_pp, cost.pools.device_order): the same one pipeline,
+  each stage taking the durations of the slowest pool its GPUs touch, the sends where a replica's
+  two stages lie in different pools slower by inter_pool, and a stage whose data-parallel group
+  spans pools ending its step with the exchange across them (cost.pools.device_splice).
 
 On CPU (meshplan train) the pools are only emulated: the GPU types differ in this simulator and
 the cost model, never in the local processes.
@@ -23,6 +27,8 @@ from meshplan.cost.lengths import graph_at
 from meshplan.cost.pools import (
     PooledEstimate,
     as_run,
+    device_order,
+    device_splice,
     estimate_pooled,
     plan_pools,
     pool_cluster,
@@ -91,7 +97,7 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
     distribution each pool's step is the mean of ``batches`` sampled steps (sim.varlen)."""
     est = estimate_pooled(model, cluster, plan, work, params)
     pools = plan_pools(cluster, plan)
-    if plan.pool_pp is not None and len(pools) > 1:
+    if (plan.pool_pp is not None and len(pools) > 1) or device_order(plan):
         return _pipeline(model, cluster, pools, plan, work, params, est, batches, seed)
     ran, _ = as_run(plan)  # the replicas as the cost model times them
     sims = []
@@ -147,9 +153,9 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
 def _spliced(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
              work: Workload, params: CostParams, analytic_s: float) -> StageDurations:
     """The durations of a pipeline over pools: rank r's from its own pool's hardware, the sends
-    between two pools' boundary stages slower by the inter_pool link."""
-    assert plan.pool_pp is not None
-    owner = [i for i, k in enumerate(plan.pool_pp) for _ in range(k)]
+    between two pools' boundary stages slower by the inter_pool link (in device order: as
+    cost.pools.device_splice says)."""
+    owner, crossing, cross_dp = _owners(model, cluster, plan, work, params)
     sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
     ds = [stage_durations(model, pool_cluster(pool, plan.num_gpus), sub, work, params) for pool in pools]
     base = ds[0]
@@ -157,17 +163,30 @@ def _spliced(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[
     spliced = {k: [getattr(ds[owner[r]], k)[r] for r in range(len(v))] for k, v in lists.items()}
     extra = pool_pipeline_cross(model, cluster, plan, work, params, ds[0].p2p_send_s)
     for b in range(len(owner) - 1):
-        if owner[b] != owner[b + 1]:
+        if crossing[b]:
             spliced["tp_fwd_exposed_s"][b] += extra
             spliced["tp_bwd_exposed_s"][b + 1] += extra
+    for r, x in enumerate(cross_dp):
+        spliced["end_dp_exposed_s"][r] += x
     return dataclasses.replace(base, **spliced, analytic={"step_time_s": analytic_s},
                                straggler_s=max(x.straggler_s for x in ds))
 
 
-def _pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
-              work: Workload, params: CostParams, est: PooledEstimate, batches: int, seed: int) -> PooledSimulation:
+def _owners(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
+            params: CostParams) -> tuple[list[int], list[bool], list[float]]:
+    """(the pool each pipeline rank is timed on, whether each boundary's send crosses inter_pool,
+    each rank's data-parallel exchange across pools): pool_pp's, or device order's (cost.pools)."""
+    if device_order(plan):
+        f = device_splice(model, cluster, plan, work, params)
+        return f["owner"], f["crossing"], f["cross_dp_s"]
     assert plan.pool_pp is not None
     owner = [i for i, k in enumerate(plan.pool_pp) for _ in range(k)]
+    return owner, [owner[b] != owner[b + 1] for b in range(len(owner) - 1)], [0.0] * len(owner)
+
+
+def _pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
+              work: Workload, params: CostParams, est: PooledEstimate, batches: int, seed: int) -> PooledSimulation:
+    owner = _owners(model, cluster, plan, work, params)[0]
     notes: list[str] = []
     if work.varied:  # sampled batches, every length's pipeline spliced over the pools the same way
         sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
@@ -188,9 +207,18 @@ def _pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list
     res.events = [dataclasses.replace(e, args={**e.args, "pool": pools[owner[e.rank]].name}) for e in res.events]
     out = []
     for i, pool in enumerate(pools):
-        ranks = [r for r, o in enumerate(owner) if o == i]
+        ranks = [r for r, o in enumerate(owner) if o == i] or [r for r, t in enumerate(_touched(plan, pools)) if i in t]
         busy = max(res.busy(r, "compute") for r in ranks)
         out.append(PoolSim(pool.name, pool.gpu.name, res, ranks, busy_s=busy,
                            idle_s=res.step_time_s - busy))
     return PooledSimulation(plan=plan, step_time_s=step, analytic_step_time_s=est.step_time_s, pools=out,
                             result=res, cross_pool_s=est.cross_pool_s, estimate=est, notes=notes)
+
+
+def _touched(plan: Plan, pools: list[ClusterSpec]) -> list[tuple[int, ...]]:
+    """Per pipeline rank, the pools its GPUs lie in (device order; pool_pp: its own pool)."""
+    if device_order(plan):
+        from meshplan.cost.pools import device_layout
+        return list(device_layout(pools, plan).touched)
+    assert plan.pool_pp is not None
+    return [(i,) for i, k in enumerate(plan.pool_pp) for _ in range(k)]

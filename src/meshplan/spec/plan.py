@@ -264,9 +264,8 @@ class Placement:
                                     "instead of giving it 0)")
         if self.pool_dp is not None and self.pool_pp is not None:
             raise MeshplanError("plan: give pool_dp (replicas per pool) or pool_pp (stages per pool), not both")
-        if len(self.pools) > 1 and self.pool_dp is None and self.pool_pp is None:
-            raise MeshplanError(f"plan: pools={':'.join(self.pools)} needs pool_dp (replicas per pool) or "
-                                "pool_pp (pipeline stages per pool)", hint="e.g. pool_dp=3:1 or pool_pp=2:2")
+        # several pools with neither pool_dp nor pool_pp: device order (cost.pools.device_order), the ranks laid
+        # over the pools' GPUs in turn, so that a stage or a data-parallel group may span GPU types
 
     @property
     def multi_pool(self) -> bool:
