@@ -25,6 +25,7 @@ from meshplan.cost.comm import (
     Group,
     dpcp_group,
     exposed_under,
+    column_st,
     mesh_keys,
     mesh_strides,
     pipeline_site_pairs,
@@ -358,7 +359,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     exp_ids = lay.ids_where(lay.a2a > 0) if (ep > 1).any() else []
     ep_s = zeros
     if exp_ids:
-        ep_t = np.where(lay.a2a[None, :] > 0, 4 * dpcp_group(cluster, col_st(st), cp[:, None], ep[:, None]).all_to_all(
+        ep_t = np.where(lay.a2a[None, :] > 0, 4 * dpcp_group(cluster, column_st(st), cp[:, None], ep[:, None]).all_to_all(
             (tokens * scale)[:, None] * lay.a2a[None, :]), 0.0)
         ep_s = C.sum(ep_t, exp_ids)
     async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
@@ -373,7 +374,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     per_step = (zero == 3) & (pp > 1)
     blocked = (fsdp & ~per_step)[:, None]
     if (zero == 3).any():
-        shard_g = dpcp_group(cluster, col_st(st), cp[:, None], shard[:, None])
+        shard_g = dpcp_group(cluster, column_st(st), cp[:, None], shard[:, None])
         ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(reduce_bytes(cols, p)[:, None] * lp)
     else:
         ag = rs = np.zeros_like(lp)
@@ -395,16 +396,17 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     send_bytes = tokens * scale * lay.send / np.where(cols["p2p_sharded"], tp, 1)
     # each pipeline boundary's send on the link it crosses (cost.comm.pipeline_links); where every
     # boundary a row uses has the same link, the per-rank sum is the one-link form (same bits)
-    sends = boundary_sends(cluster, cols, send_bytes, width)
+    meshes = mesh_keys(cols, (v > 1) & ~zbv)  # the distinct (mesh, placement, wrap) of the rows
+    sends = boundary_sends(cluster, cols, send_bytes, width, meshes)
     send = sends[:, 0]
     ex = p2p_exposed(p, v)  # the profile's pp_p2p_overlap: the sends' exposed fraction
     wrap = (v > 1) & ~zbv
     used = (j < (pp - 1)[:, None]) | ((j == (pp - 1)[:, None]) & wrap[:, None])
     uniform = np.all(np.where(used, sends == send[:, None], True), axis=1)
-    p2p = np.where(uniform[:, None],
-                   stage_sends(np.where(pp > 1, 2 * v * send * ex, 0), pp, zbv, j,
-                               np.where(pp > 1, send * ex, 0)),
-                   np.where(valid & (pp > 1)[:, None], rank_sends(sends, pp, v, zbv, j) * ex[:, None], 0.0))
+    p2p = stage_sends(np.where(pp > 1, 2 * v * send * ex, 0), pp, zbv, j, np.where(pp > 1, send * ex, 0))
+    if not uniform.all():
+        p2p = np.where(uniform[:, None], p2p,
+                       np.where(valid & (pp > 1)[:, None], rank_sends(sends, pp, v, zbv, j) * ex[:, None], 0.0))
     tp_t = tp_fwd + tp_bwd
     terms = {"compute": compute, "recompute": recompute, "tp_comm": tp_t * async_f,
              "tp_comm_overlapped": tp_t * (1 - async_f), "cp_comm": cp_f + cp_b,
@@ -413,7 +415,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
              "pp_comm": p2p, "offload": offload}
     exposed = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm", "offload")
     totals = np.where(valid, sum(terms[k] for k in exposed), -np.inf)
-    tied = tied_sync(cluster, tied_local, cp, dp, shard, tp, p, cols)
+    tied = tied_sync(cluster, tied_local, cp, dp, shard, tp, p, cols, meshes)
     return Assembly(
         lay=lay, cols=cols, micro=micro, tokens=tokens, shard=shard, valid=valid, first=first, last=last, zbv=zbv,
         split=(((np.asarray(cols["schedule"]) == "zero-bubble") | zbv) & (pp > 1)), counts=counts,
@@ -422,11 +424,6 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
         dp_f_ovl=dp_f_ovl, dp_b_ovl=dp_b_ovl, send=send, sends=sends, p2p=p2p,
         totals=totals, plocal=plocal, lp_unit=lp_unit, blk_params=blk_params, ag=ag, rs=rs, fsdp=fsdp,
         per_step=per_step, tied=tied * np.ones(n), tied_local=tied_local * np.ones(n))
-
-
-def col_st(st: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Per-row strides as (rows, 1) columns (to broadcast against per-layer arrays)."""
-    return {a: np.asarray(x)[:, None] for a, x in st.items()}
 
 
 def local_params(lay: Layout, tp: np.ndarray, ep: np.ndarray) -> np.ndarray:
@@ -572,7 +569,7 @@ def end_of_step(a: Assembly, cluster: ClusterSpec, p: CostParams) -> tuple[np.nd
     e_r, o_r = dp_end_of_step(cluster, c2, p, tp[:, None], n_in[:, None].astype(float), cp[:, None],
                               a.shard[:, None], a.lp_unit[:, None], a.plocal,
                               (a.terms["compute"][:, 0] / 2)[:, None], a.micro[:, None], psgd, psgd_t,
-                              col_st(mesh_strides(cols)))
+                              column_st(mesh_strides(cols)))
     j = np.arange(a.valid.shape[1])[None, :]
     ends = a.first | (j == (pp[:, None] - 1))
     tie = ((pp > 1) & (a.lay.graph.tied_params > 0) & ~a.zbv)[:, None]

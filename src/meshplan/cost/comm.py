@@ -389,11 +389,29 @@ def pair_link(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...
     return float(bws[-1]), float(lats[-1])
 
 
-def mesh_strides(cols: Mapping[str, Any]) -> dict[str, np.ndarray]:
+class Strides(dict):
+    """Axis -> (rows) rank distance (mesh_strides); ``default``: every row in the default order."""
+
+    default: bool = False
+
+
+def mesh_strides(cols: Mapping[str, Any]) -> Strides:
     """(rows) rank distance between neighbours on each mesh axis under each row's placement
     (Plan.mesh_order; '' or absent = the default pp:dp:cp:tp: tp 1, cp tp, dp tp x cp, pp tp x cp x dp)."""
-    sizes = {a: np.asarray(cols[a], dtype=float) for a in AXES}
-    return column_strides(cols.get("mesh_order", ""), sizes)
+    orders = cols.get("mesh_order")
+    if orders is None or (isinstance(orders, np.ndarray) and (orders.dtype.itemsize == 0 or not orders.any())):
+        tp, cp, dp = (np.asarray(cols[a], dtype=float) for a in (AX.TP, AX.CP, AX.DP))
+        out = Strides({AX.TP: np.ones(tp.shape), AX.CP: 1 * tp, AX.DP: 1 * tp * cp, AX.PP: 1 * tp * cp * dp})
+        out.default = True
+        return out
+    return Strides(column_strides(orders, {a: np.asarray(cols[a], dtype=float) for a in AXES}))
+
+
+def column_st(st: Mapping[str, np.ndarray]) -> Strides:
+    """Per-row strides as (rows, 1) columns (to broadcast against per-layer or per-rank arrays)."""
+    out = Strides({a: np.asarray(x)[:, None] for a, x in st.items()})
+    out.default = getattr(st, "default", False)
+    return out
 
 
 def dpcp_group(cluster: ClusterSpec, st: Mapping[str, Any], cp: Any, n: Any, skip: Any = 1) -> Group:
@@ -401,6 +419,8 @@ def dpcp_group(cluster: ClusterSpec, st: Mapping[str, Any], cp: Any, n: Any, ski
     runtime's dp_cp mesh dimension): ZeRO/FSDP shards, data-parallel and expert groups, HSDP's
     replicas. Under the default placement (cp just inside dp) it is one strided axis; when the
     placement puts another axis between dp and cp, a group over both."""
+    if getattr(st, "default", False):
+        return Group.of(cluster, n, st[AX.CP] * skip)
     s_cp, s_dp = np.asarray(st[AX.CP], dtype=float), np.asarray(st[AX.DP], dtype=float)
     cp, n, skip = np.asarray(cp, dtype=float), np.asarray(n, dtype=float), np.asarray(skip, dtype=float)
     if np.all(s_dp == s_cp * cp):
@@ -413,11 +433,23 @@ def dpcp_group(cluster: ClusterSpec, st: Mapping[str, Any], cp: Any, n: Any, ski
 def mesh_keys(cols: Mapping[str, Any], extra: Any = None) -> tuple[list[tuple[Any, ...]], np.ndarray]:
     """The distinct meshes of a plan table: ([(sizes per AXES, placement text, extra), ...], the
     index of each row's), so that per-mesh work (cost.comm.pipeline_links) runs once per mesh."""
-    sizes = np.stack([np.asarray(cols[a]).astype(np.int64) for a in AXES], axis=1)
-    n = len(sizes)
-    o_vals, o_idx = np.unique(np.broadcast_to(np.asarray(cols.get("mesh_order", ""), dtype=str), (n,)),
-                              return_inverse=True)
+    sizes = [np.asarray(cols[a]).astype(np.int64) for a in AXES]
+    n = len(sizes[0])
+    orders = np.broadcast_to(np.asarray(cols.get("mesh_order", ""), dtype=str), (n,))
+    if orders.any():
+        o_vals, o_idx = np.unique(orders, return_inverse=True)
+    else:
+        o_vals, o_idx = np.array([""]), np.zeros(n, dtype=np.int64)
     ex = np.zeros(n, dtype=np.int64) if extra is None else np.asarray(extra).astype(np.int64)
-    uniq, inv = np.unique(np.column_stack([sizes, o_idx.reshape(n), ex]), axis=0, return_inverse=True)
+    # one int64 per row (each degree < 2^12 here, else the row-wise unique): a 1-D unique is fast
+    if max(int(x.max(initial=0)) for x in sizes) < 4096 and len(o_vals) < 64 and int(ex.max(initial=0)) < 2:
+        code = np.zeros(n, dtype=np.int64)
+        for x in sizes:
+            code = code * 4096 + x
+        code = (code * 64 + o_idx.reshape(n)) * 2 + ex
+        _, rows, inv = np.unique(code, return_index=True, return_inverse=True)
+        keys = [(tuple(int(x[i]) for x in sizes), str(o_vals[o_idx.reshape(n)[i]]), int(ex[i])) for i in rows]
+        return keys, inv.reshape(n)
+    uniq, inv = np.unique(np.column_stack([*sizes, o_idx.reshape(n), ex]), axis=0, return_inverse=True)
     keys = [(tuple(int(x) for x in u[:4]), str(o_vals[u[4]]), int(u[5])) for u in uniq]
     return keys, inv.reshape(n)

@@ -37,14 +37,15 @@ def plans_to_columns(plans: Sequence[Plan]) -> dict[str, np.ndarray]:
     return cols
 
 
-def boundary_sends(cluster: ClusterSpec, cols: Mapping[str, Any], send_bytes: np.ndarray, width: int) -> np.ndarray:
+def boundary_sends(cluster: ClusterSpec, cols: Mapping[str, Any], send_bytes: np.ndarray, width: int,
+                   meshes: tuple[list[tuple[Any, ...]], np.ndarray] | None = None) -> np.ndarray:
     """(rows, width) seconds of one send across each pipeline boundary (cost.comm.pipeline_links:
     boundary j between stage j and j + 1; the last, pp - 1 -> 0, only under an interleaved
     schedule), each on the link it crosses under the row's placement; 0 beyond pp."""
     pp = np.asarray(cols[AX.PP]).astype(int)
     wrap = (np.asarray(cols["virtual_stages"]) > 1) & (np.asarray(cols["schedule"]) != "zbv")
     bw, lat = np.full((len(pp), width), np.inf), np.zeros((len(pp), width))
-    keys, inv = mesh_keys(cols, wrap)
+    keys, inv = mesh_keys(cols, wrap) if meshes is None else meshes
     for k, (sz, order, wr) in enumerate(keys):
         if sz[0] < 2:  # AXES[0] is pp: no pipeline, no sends
             continue
@@ -124,7 +125,8 @@ def optimizer_seconds(cluster: ClusterSpec, plocal: np.ndarray, zero: np.ndarray
 
 
 def tied_sync(cluster: ClusterSpec, tied_local: Any, cp: Any, dp: Any, shard: Any, tp: Any,
-              p: CostParams, cols: Mapping[str, Any] | None = None) -> Any:
+              p: CostParams, cols: Mapping[str, Any] | None = None,
+              meshes: tuple[list[tuple[Any, ...]], np.ndarray] | None = None) -> Any:
     """Seconds of the all-reduce that sums a tied weight's gradient between the first and the
     last pipeline rank (``tied_local`` elements on one GPU after TP; fp32 gradients; under
     ZeRO/FSDP only the local shard, as the runtime sums them after the data-parallel reduction),
@@ -136,7 +138,7 @@ def tied_sync(cluster: ClusterSpec, tied_local: Any, cp: Any, dp: Any, shard: An
         return old
     pp = np.asarray(cols[AX.PP]).astype(int)
     bw, lat = np.full(pp.shape, np.inf), np.zeros(pp.shape)
-    keys, inv = mesh_keys(cols)
+    keys, inv = mesh_keys(cols) if meshes is None else meshes
     for k, (sz, order, _) in enumerate(keys):
         if sz[0] > 1:  # AXES[0] is pp
             bw[inv == k], lat[inv == k] = pair_link(cluster, dict(zip(AXES, sz)), parse_order(order))

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.comm import dpcp_group, members_within, mesh_strides
+from meshplan.cost.comm import column_st, dpcp_group, members_within, mesh_strides
 from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.sync import inner_dp, is_periodic
@@ -161,7 +161,7 @@ def outer_sync(cluster: ClusterSpec, cols: dict[str, Any], p: Any, held: np.ndar
     tp, cp = (np.asarray(cols[k], dtype=float)[:, None] for k in (AX.TP, AX.CP))
     per_value = outer_bytes(cols["grad_compression"])
     n_in = np.asarray(n_in, dtype=float)[:, None]
-    st = {a: np.asarray(x)[:, None] for a, x in mesh_strides(cols).items()}
+    st = column_st(mesh_strides(cols))
     g = dpcp_group(cluster, st, cp, np.asarray(n_out, dtype=float)[:, None], cp * n_in)
     t = g.all_reduce(per_value[:, None] * held)
     diloco = (np.asarray(cols["grad_sync"]) == "diloco")[:, None]

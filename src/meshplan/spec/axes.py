@@ -91,6 +91,8 @@ def column_strides(orders: Any, sizes: dict[str, Any]) -> dict[str, np.ndarray]:
     sz = {a: np.asarray(sizes[a], dtype=float) for a in AXES}
     n = np.broadcast(*sz.values()).shape
     orders = np.broadcast_to(np.asarray(orders if orders is not None else "", dtype=str), n)
+    if not orders.any():  # every row in the default order (the common case: no search over placements)
+        return {a: np.broadcast_to(v, n).astype(float) for a, v in axis_strides(None, sz).items()}
     out = {a: np.ones(n) for a in AXES}
     for text in np.unique(orders):
         rows = orders == text
