@@ -615,7 +615,8 @@ def _cross_send(a: Any, plan: Plan, link: Any, p: CostParams) -> tuple[float, fl
     tp = plan.tp if plan.p2p_sharded else 1
     nbytes = float(a.tokens[0]) * float(act_scale(np.asarray([plan.precision]))[0]) * a.lay.send / tp
     cross = nbytes / link.bytes_per_s + link.latency_us * 1e-6
-    return nbytes, max(0.0, cross - float(a.send[0])) * p.pp_p2p_exposed
+    from meshplan.cost.params import p2p_exposed
+    return nbytes, max(0.0, cross - float(a.send[0])) * float(p2p_exposed(p, plan.virtual_stages))
 
 
 def pool_pipeline_cross(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,

@@ -265,7 +265,8 @@ def _search_pools(model: LayerGraph | ModelSpec, cluster: PooledCluster, work: W
             runs.append(search(graph, pool, work, own, params=params, objective=objective, top=1))
         per_pool[pool.name] = runs
     result = rank_over_pools(graph, cluster, work, per_pool, pools=pools, headroom=own.headroom,
-                             params=params, objective=objective, top=top, deadline=deadline)
+                             params=params, objective=objective, top=top, deadline=deadline,
+                             allow_export_only=own.allow_export_only)
     result.search_time_s = time.perf_counter() - t0
     return result
 
