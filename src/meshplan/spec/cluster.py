@@ -223,7 +223,8 @@ class ClusterSpec:
         return self.num_gpus // self.num_dcs
 
     def tier_for_span(self, span: int) -> LinkTier:
-        """Slowest link crossed by a group of ``span`` consecutive ranks (innermost axes first)."""
+        """Slowest link crossed by a group of ``span`` consecutive ranks (innermost axes first). (The
+        cost model prices each group on every tier it crosses: cost.comm.Group.)"""
         if span <= self.gpus_per_node:
             return self.intra_node
         if self.inter_dc is not None and self.nodes_per_dc and span > self.nodes_per_dc * self.gpus_per_node:

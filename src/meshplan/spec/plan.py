@@ -221,7 +221,9 @@ class Placement:
     on the whole global batch. None: even shares."""
     pools: tuple[str, ...] | None = None
     """On a cluster of several GPU pools: the pools the plan uses, in order (a pool not named
-    is left out). None on a cluster of one GPU type."""
+    is left out). None on a cluster of one GPU type. With neither pool_dp nor pool_pp, the plan
+    is in device order: its ranks are laid (in the placement's order) over the named pools' GPUs
+    in turn, so a stage or a data-parallel group may span GPU types (cost.pools.device_order)."""
     pool_dp: tuple[int, ...] | None = None
     """With several pools: data-parallel replicas per pool (sums to dp). Every replica lives in
     one pool, with the plan's tp, pp and cp; the pools' replicas sync gradients across pools."""
