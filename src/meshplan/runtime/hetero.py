@@ -135,6 +135,10 @@ def pool_ranks(plan: Plan) -> list[tuple[str, str, list[int]]]:
     data-parallel replicas (the first pool's first)."""
     if not plan.pools:
         return []
+    if len(plan.pools) > 1 and plan.pool_pp is None and plan.pool_dp is None:
+        # device order: the ranks fill the pools' GPUs in turn (their sizes are the cluster's)
+        return [(":".join(plan.pools), "device order (ranks fill each pool's GPUs in turn)",
+                 list(range(plan.num_gpus)))]
     counts = plan.pool_pp or plan.pool_dp or (plan.pp,)
     axis = AX.DP if plan.pool_dp is not None else AX.PP
     dims = plan.dims  # global rank of a mesh coordinate: ParallelDims.rank (runtime/mesh.py's layout)
