@@ -361,8 +361,11 @@ def test_a_plan_file_given_as_model(capsys, tmp_path):
 def test_fix_tp_larger_than_a_node(capsys):
     rc, _, err = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "64",
                      "--fix", "tp=16")
-    one_line_error(rc, err, "tp=16 is larger than a node (8 GPUs)")
+    one_line_error(rc, err, "tp=16 is more than the 8 GPUs of the cluster")
     assert "no mesh" not in err
+    rc, _, err = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:32", "--global-batch", "64",
+                     "--fix", "tp=12")
+    one_line_error(rc, err, "tp=12 is larger than a node (8 GPUs) and not a whole number of nodes")
 
 
 def test_nearest_names_the_rule_that_rejects_the_corner():

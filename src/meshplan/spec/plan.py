@@ -93,6 +93,9 @@ class Batching:
         from meshplan.spec.buckets import normalise, parse_buckets
         object.__setattr__(self, "buckets", normalise(self.buckets))  # canonical text: 4096x4cp1
         bs = parse_buckets(self.buckets)
+        if not bs:
+            raise MeshplanError("plan: buckets is empty", hint="give at least one bucket, e.g. buckets=4096x4cp1, "
+                                                               "or leave buckets out")
         if self.micro_batch != bs[-1].micro_batch:
             raise MeshplanError(f"plan: micro_batch={self.micro_batch} but the longest bucket's is "
                                 f"{bs[-1].micro_batch} (buckets={':'.join(self.buckets)})",
