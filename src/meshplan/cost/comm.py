@@ -10,9 +10,27 @@ NCCL docs, "bus bandwidth"):
   all-to-all      (n-1)/n * S / B + (n-1) * alpha
   send/recv       S / B + alpha
 A group spanning nodes with k members per node runs k rings in parallel, one per NIC, so its
-per-rank bandwidth is min(intra-node, k x NIC) (NCCL multi-ring; busbw of DGX all-reduce).
-A group crossing a shared link between datacenters (``LinkTier.shared``: its bandwidth is the
-whole link's) gets n / N of it: all N / n groups of the collective cross it at once.
+per-rank bandwidth is min(intra-node, k x NIC) (NCCL multi-ring; busbw of DGX all-reduce). A
+node whose GPUs share one NIC (``ClusterSpec.node_nic_gbps``) gives each GPU its share.
+
+Every byte on the link it crosses (issue 26):
+- **Groups under a placement.** A group is given by its members' rank stride (``Group.of``) or by
+  the (degree, stride) of each mesh axis it spans (``Group.over``; ``dpcp_group`` for dp x cp),
+  from the plan's placement (spec.axes.axis_strides); members per node and per site follow.
+- **Across sites, hierarchical.** A group of k members in each of m sites reduce-scatters inside
+  each site, all-reduces each member's 1 / k shard between the sites (k rings or trees in
+  parallel, 2 (m - 1) or 2 log2 m latencies of the slowest hop between the sites, ``site_links``
+  or ``inter_dc``), and all-gathers inside each site: NCCL's and Megatron's hierarchical
+  all-reduce (NVIDIA NCCL User Guide, "Collective Operations"; Sergeev & Del Balso 2018,
+  Horovod's hierarchical allreduce). A link shared by every GPU crossing it gives each of the
+  N / m rings crossing it at once m / N of it. Where the phases one after another are slower
+  than one flat ring or tree over all members at the slowest link, that is priced (``alt``):
+  the library picks the faster algorithm, as NCCL picks between ring and tree.
+- **Pipeline sends** per boundary on the link its peers cross (``pipeline_links``).
+- Bus bandwidth follows nccl-tests' definitions (NVIDIA nccl-tests, doc/PERFORMANCE.md:
+  busbw = algbw x 2 (n - 1) / n for all-reduce, (n - 1) / n for all-gather, reduce-scatter,
+  all-to-all); the published rows it is scored against are data/collectives_dev.csv
+  (meshplan validate, "Collectives").
 
 Every function here accepts numpy arrays as well as scalars (one row per candidate plan):
 the scalar estimate and the vectorised search share this code.
