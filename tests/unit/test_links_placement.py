@@ -245,3 +245,23 @@ def test_two_site_search_puts_the_slow_link_on_the_axis_with_least_traffic():
     if b.plan.pp > 1 and b.plan.dp > 1:
         assert b.report.cross_site_gb <= alt.cross_site_gb
         assert b.report.step_time_s <= alt.step_time_s
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(placed_plans())
+def test_a_flat_ring_profile_is_never_faster_than_nccl(case):
+    """collectives = flat-ring (gloo, or a runtime without NCCL's trees and hierarchy) prices every
+    collective as one ring at the slowest link: never faster than NCCL's forms."""
+    from meshplan.cost.params import DEFAULT_PARAMS
+    _, plan, c = case
+    nccl = estimate(SMALL, c, plan, WORK)
+    flat = estimate(SMALL, c, plan, WORK, DEFAULT_PARAMS.replace(collectives="flat-ring"))
+    assert flat.step_time_s >= nccl.step_time_s * (1 - 1e-9)
+
+
+def test_unknown_collectives_setting_is_a_clear_error():
+    from meshplan.cost.params import DEFAULT_PARAMS
+    from meshplan.errors import MeshplanError
+    with pytest.raises(MeshplanError, match="collectives = 'mpi' is not understood"):
+        estimate(SMALL, load_cluster("h100-sxm-80gb:16"), parse_plan("dp=16"), WORK,
+                 DEFAULT_PARAMS.replace(collectives="mpi"))

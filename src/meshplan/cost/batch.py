@@ -43,7 +43,7 @@ from meshplan.cost.memory import (
     model_state_arrays,
     usable_gib,
 )
-from meshplan.cost.params import DEFAULT_PARAMS, CostParams, p2p_exposed
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams, flat_collectives, p2p_exposed
 from meshplan.cost.parts import (
     boundary_sends,
     dp_end_of_step,
@@ -341,7 +341,8 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     zeros = np.zeros(C.shape)
     tp_ids = lay.ids_where(lay.pairs > 0)
     st = mesh_strides(cols)  # the placement: each axis's rank distance, per row
-    tp_one = Group.of(cluster, tp[:, None], st[AX.TP][:, None]).all_reduce((tokens * scale)[:, None] * lay.hidden[None, :])
+    fl = flat_collectives(p)  # the profile's collectives: NCCL's forms, or one flat ring
+    tp_one = Group.of(cluster, tp[:, None], st[AX.TP][:, None], flat=fl).all_reduce((tokens * scale)[:, None] * lay.hidden[None, :])
     per_pass = tp_one * lay.pairs[None, :]  # one direction (forward or backward)
     re = np.where(full_rc, 1.0, 0.0)[:, None]
     tp_fwd = C.sum(per_pass, tp_ids)
@@ -350,7 +351,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     cp_f = cp_b = cp_fo = cp_bo = zeros
     if att_ids:
         kv = (tokens * scale)[:, None] * 2 * lay.kv_dim[None, :] / tp[:, None] * 2.0
-        cp_g = Group.of(cluster, cp[:, None], st[AX.CP][:, None])
+        cp_g = Group.of(cluster, cp[:, None], st[AX.CP][:, None], flat=fl)
         cp_t = np.where(lay.kv_dim[None, :] > 0, 3 * cp_g.all_gather(kv * cp[:, None]), 0.0)
         cp_exp = np.maximum(0.0, cp_t - 0.5 * (f + bi + bw))
         share_f = f / np.maximum(1e-30, f + bi + bw)
@@ -359,7 +360,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     exp_ids = lay.ids_where(lay.a2a > 0) if (ep > 1).any() else []
     ep_s = zeros
     if exp_ids:
-        ep_t = np.where(lay.a2a[None, :] > 0, 4 * dpcp_group(cluster, column_st(st), cp[:, None], ep[:, None]).all_to_all(
+        ep_t = np.where(lay.a2a[None, :] > 0, 4 * dpcp_group(cluster, column_st(st), cp[:, None], ep[:, None], flat=fl).all_to_all(
             (tokens * scale)[:, None] * lay.a2a[None, :]), 0.0)
         ep_s = C.sum(ep_t, exp_ids)
     async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
@@ -374,7 +375,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     per_step = (zero == 3) & (pp > 1)
     blocked = (fsdp & ~per_step)[:, None]
     if (zero == 3).any():
-        shard_g = dpcp_group(cluster, column_st(st), cp[:, None], shard[:, None])
+        shard_g = dpcp_group(cluster, column_st(st), cp[:, None], shard[:, None], flat=fl)
         ag, rs = shard_g.all_gather(2.0 * lp), shard_g.reduce_scatter(reduce_bytes(cols, p)[:, None] * lp)
     else:
         ag = rs = np.zeros_like(lp)

@@ -150,9 +150,13 @@ class Group:
     library runs instead where it is faster (the hierarchical phases run one after another)."""
 
     @staticmethod
-    def of(cluster: ClusterSpec, n: Num, stride: Num) -> Group:
-        """Group of ``n`` ranks whose members are ``stride`` ranks apart (mesh axis placement)."""
+    def of(cluster: ClusterSpec, n: Num, stride: Num, flat: bool = False) -> Group:
+        """Group of ``n`` ranks whose members are ``stride`` ranks apart (mesh axis placement).
+        ``flat``: one ring over every member at the slowest link, no tree, no hierarchy (what gloo
+        runs, or a profile whose collectives = flat-ring)."""
         n, stride = np.asarray(n, dtype=float), np.asarray(stride, dtype=float)
+        if flat:
+            return Group._of(cluster, [(n, stride)], flat=True)
         if n.size == 1 and stride.size == 1:
             # One plan (estimate()): the same few groups recur for every plan on a cluster;
             # memoised on the values that decide them (pure function of them, so exact).
@@ -167,13 +171,13 @@ class Group:
         return Group._of(cluster, [(n, stride)])
 
     @staticmethod
-    def over(cluster: ClusterSpec, parts: list[tuple[Num, Num]]) -> Group:
+    def over(cluster: ClusterSpec, parts: list[tuple[Num, Num]], flat: bool = False) -> Group:
         """Group spanning several mesh axes at once (``parts``: (degree, stride) of each), e.g. the
         ranks of dp x cp when a placement puts another axis between them. One part = Group.of."""
         parts = [(np.asarray(n, dtype=float), np.asarray(s, dtype=float)) for n, s in parts]
         if len(parts) == 1:
-            return Group.of(cluster, *parts[0])
-        return Group._of(cluster, parts)
+            return Group.of(cluster, *parts[0], flat=flat)
+        return Group._of(cluster, parts, flat=flat)
 
     def scalars(self) -> tuple[Any, ...]:
         o, a = self.outer, self.alt
@@ -206,7 +210,7 @@ class Group:
         bw = np.where(inside, intra_bw, np.minimum(intra_bw, per_node * nic))
         lat = np.where(n <= 1, 0.0, np.where(inside, intra.latency_us * US, inter.latency_us * US))
         if cluster.inter_dc is None or not cluster.nodes_per_dc or cluster.num_dcs < 2:
-            return Group(n, bw, lat, ~inside)
+            return Group(n, bw, lat, ~inside & (not flat))
         gps = cluster.gpus_per_dc
         per_site, one_site = members_within(gps, parts)
         m = np.where(one_site, 1.0, np.round(n / np.maximum(per_site, 1)))
@@ -229,7 +233,7 @@ class Group:
                                                         per_node * nic)), bw)
         flat_group = Group(n, fbw, np.where(m > 1, site_lat, lat), ~inside)
         if flat:  # one ring over every member at the slowest link (gloo; the hierarchical form's bound)
-            return flat_group
+            return Group(n, fbw, flat_group.latency_s, np.zeros(np.shape(inside), dtype=bool))
         inner_n = np.where(m > 1, per_site, n)
         inner_inside = inside | (inner_n <= per_node)
         inner_bw = np.where(inner_inside, np.where(inside, bw, intra_bw), np.minimum(intra_bw, per_node * nic))
@@ -432,20 +436,22 @@ def column_st(st: Mapping[str, np.ndarray]) -> Strides:
     return out
 
 
-def dpcp_group(cluster: ClusterSpec, st: Mapping[str, Any], cp: Any, n: Any, skip: Any = 1) -> Group:
+def dpcp_group(cluster: ClusterSpec, st: Mapping[str, Any], cp: Any, n: Any, skip: Any = 1,
+               flat: bool = False) -> Group:
     """The group of ``n`` ranks ``skip`` apart along dp x cp flattened (cp varies fastest, as the
     runtime's dp_cp mesh dimension): ZeRO/FSDP shards, data-parallel and expert groups, HSDP's
     replicas. Under the default placement (cp just inside dp) it is one strided axis; when the
     placement puts another axis between dp and cp, a group over both."""
     if getattr(st, "default", False):
-        return Group.of(cluster, n, st[AX.CP] * skip)
+        return Group.of(cluster, n, st[AX.CP] * skip, flat=flat)
     s_cp, s_dp = np.asarray(st[AX.CP], dtype=float), np.asarray(st[AX.DP], dtype=float)
     cp, n, skip = np.asarray(cp, dtype=float), np.asarray(n, dtype=float), np.asarray(skip, dtype=float)
     if np.all(s_dp == s_cp * cp):
-        return Group.of(cluster, n, s_cp * skip)
+        return Group.of(cluster, n, s_cp * skip, flat=flat)
     inner = skip < cp
     n_cp = np.where(inner, np.minimum(n, np.maximum(cp / skip, 1.0)), 1.0)
-    return Group.over(cluster, [(n_cp, s_cp * skip), (n / n_cp, np.where(inner, s_dp, s_dp * skip / cp))])
+    return Group.over(cluster, [(n_cp, s_cp * skip), (n / n_cp, np.where(inner, s_dp, s_dp * skip / cp))],
+                      flat=flat)
 
 
 def mesh_keys(cols: Mapping[str, Any], extra: Any = None) -> tuple[list[tuple[Any, ...]], np.ndarray]:

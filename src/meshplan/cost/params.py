@@ -87,6 +87,10 @@ class CostParams:
     non-interleaved schedule; torch.distributed.pipelining also waits on recv before compute).
     Where the profile's ``pp_p2p_overlap`` covers the plan's schedule the sends are hidden
     instead: the fraction in effect is :func:`p2p_exposed` (the one place that decides)."""
+    collectives: str = "nccl"
+    """How the codebase's collectives run: nccl (rings within a site, one per NIC, NCCL's tree
+    where shorter, hierarchical across sites: cost.comm.Group) or flat-ring (one ring over every
+    member at the slowest link it crosses: gloo, or a runtime without hierarchical collectives)."""
     pp_p2p_overlap: str = "none"
     """Which pipeline schedules run their sends and receives asynchronously under compute (an
     implementation profile's choice, one of P2P_OVERLAP): none (every send costs
@@ -195,6 +199,18 @@ class CostParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
+COLLECTIVES_ALGORITHMS = ("nccl", "flat-ring")
+"""The values of CostParams.collectives."""
+
+
+def flat_collectives(p: CostParams) -> bool:
+    """The profile's collectives run as one flat ring (CostParams.collectives)."""
+    if p.collectives not in COLLECTIVES_ALGORITHMS:
+        raise MeshplanError(f"collectives = {p.collectives!r} is not understood",
+                            hint="collectives is one of: " + ", ".join(COLLECTIVES_ALGORITHMS))
+    return p.collectives == "flat-ring"
+
+
 #: The values of CostParams.pp_p2p_overlap: which schedules overlap their pipeline sends.
 P2P_OVERLAP = ("none", "interleaved", "all")
 
@@ -237,7 +253,7 @@ PARAM_KINDS: dict[str, str] = {
     "tp_exposed_async": "fitted", "overlap_slowdown": "fitted", "dp_bucket_mib": "derived",
     "fsdp_reduce_bytes": "derived",
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
-    "pp_p2p_exposed": "derived", "pp_p2p_overlap": "derived", "allocator_fragmentation": "fitted",
+    "pp_p2p_exposed": "derived", "pp_p2p_overlap": "derived", "collectives": "derived", "allocator_fragmentation": "fitted",
     "framework_overhead_gib": "fitted", "memory_margin": "derived", "max_oom_risk": "derived",
     "headroom_gib": "derived", "band_scale": "derived", "profile": "derived",
     "host_memory_per_gpu_gib": "derived",

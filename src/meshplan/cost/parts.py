@@ -13,7 +13,7 @@ import numpy as np
 
 from meshplan.cost.comm import Group, dpcp_group, exposed_under, mesh_keys, pair_link, pipeline_links
 from meshplan.cost.memory import MAIN_GRAD_BYTES
-from meshplan.cost.params import DEFAULT_PARAMS, CostParams
+from meshplan.cost.params import DEFAULT_PARAMS, CostParams, flat_collectives
 from meshplan.spec.axes import AX, AXES, parse_order
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.plan import COLON_LISTS, PLAN_FIELDS, Plan
@@ -157,7 +157,8 @@ def root_fsdp(cluster: ClusterSpec, p: CostParams, root: np.ndarray, shard: np.n
     each backward), once per step under one, under ``hide`` seconds of compute, which it slows
     like any collective (exposed_under)."""
     root = np.maximum(0.0, root)
-    g = Group.of(cluster, shard, tp) if st is None else dpcp_group(cluster, st, cp, shard)
+    fl = flat_collectives(p)
+    g = Group.of(cluster, shard, tp, flat=fl) if st is None else dpcp_group(cluster, st, cp, shard, flat=fl)
     rb = p.fsdp_reduce_bytes if reduce_bytes is None else reduce_bytes  # (per row: the plan's compression)
     t = g.all_gather(2.0 * root) + g.reduce_scatter(rb * root)
     times = np.where(per_step, 1.0, np.asarray(micro, dtype=float))
@@ -185,8 +186,10 @@ def dp_end_of_step(cluster: ClusterSpec, cols: Mapping[str, np.ndarray], p: Cost
     zero, pp = cols["zero"], cols[AX.PP]
     n_dp = dp * cp
     # ZeRO-3/FSDP: the first block's gather once, plus HSDP's all-reduce across replicas.
+    fl = flat_collectives(p)
+
     def group(n: Any, skip: Any = 1) -> Group:  # n ranks skip apart along dp x cp, under the placement
-        return Group.of(cluster, n, tp * skip) if st is None else dpcp_group(cluster, st, cp, n, skip)
+        return Group.of(cluster, n, tp * skip, flat=fl) if st is None else dpcp_group(cluster, st, cp, n, skip, fl)
 
     z3 = group(shard).all_gather(2.0 * lp)
     rep = group(np.maximum(1, n_dp // shard), shard)

@@ -25,7 +25,7 @@ from typing import Any
 
 from meshplan.cost.compute import ATTENTION_KERNELS, ELEMENTWISE_KERNELS, LOSS_KERNELS
 from meshplan.cost.memory import MAIN_GRAD_BYTES
-from meshplan.cost.params import DEFAULT_PARAMS, P2P_OVERLAP, CostParams
+from meshplan.cost.params import COLLECTIVES_ALGORITHMS, DEFAULT_PARAMS, P2P_OVERLAP, CostParams
 from meshplan.errors import MeshplanError
 
 DEFAULT_PROFILE = "meshplan"
@@ -50,6 +50,7 @@ PROFILE_FIELDS: dict[str, Any] = {
     "framework_overhead_gib": (float, 0.0),
     "pipeline_variable_shapes": bool,
     "pp_p2p_overlap": P2P_OVERLAP,
+    "collectives": COLLECTIVES_ALGORITHMS,
 }
 
 #: What each value means, for Profile.describe().
@@ -83,6 +84,8 @@ _SAYS: dict[str, Any] = {
         "none": "blocking (exposed) sends and receives",
         "interleaved": "sends/receives under compute in the interleaved schedule (virtual stages > 1) only",
         "all": "sends/receives under compute in every schedule"}[v],
+    "collectives": lambda v: {"nccl": "NCCL: rings/trees within a site, hierarchical across sites",
+                              "flat-ring": "one flat ring at the slowest link (gloo-like)"}[v],
     "pipeline_variable_shapes": lambda v: ("each micro-batch of a pipeline at its own length" if v else
                                            "a pipeline's micro-batches padded to the longest length"),
     "optimizer_temp_bytes": lambda v: f"{v:g} B/param temporaries (foreach)" if v else "fused (no temporaries)",
@@ -97,7 +100,7 @@ _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise",
           "loss_kernel": "loss", "logits_fp32": "logits at the loss", "optimizer_temp_bytes": "optimizer step",
           "cuda_context_gib": "CUDA context", "nccl_buffer_gib": "NCCL buffers",
           "framework_overhead_gib": "framework overhead", "pipeline_variable_shapes": "pipeline shapes",
-          "pp_p2p_overlap": "pipeline sends"}
+          "pp_p2p_overlap": "pipeline sends", "collectives": "collectives"}
 
 
 @dataclass(frozen=True)

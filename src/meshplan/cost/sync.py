@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from meshplan.cost.comm import column_st, dpcp_group, members_within, mesh_strides
+from meshplan.cost.params import flat_collectives
 from meshplan.spec.axes import AX
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.sync import inner_dp, is_periodic
@@ -162,7 +163,7 @@ def outer_sync(cluster: ClusterSpec, cols: dict[str, Any], p: Any, held: np.ndar
     per_value = outer_bytes(cols["grad_compression"])
     n_in = np.asarray(n_in, dtype=float)[:, None]
     st = column_st(mesh_strides(cols))
-    g = dpcp_group(cluster, st, cp, np.asarray(n_out, dtype=float)[:, None], cp * n_in)
+    g = dpcp_group(cluster, st, cp, np.asarray(n_out, dtype=float)[:, None], cp * n_in, flat=flat_collectives(p))
     t = g.all_reduce(per_value[:, None] * held)
     diloco = (np.asarray(cols["grad_sync"]) == "diloco")[:, None]
     hbm = cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency
