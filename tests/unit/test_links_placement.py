@@ -237,14 +237,17 @@ def test_two_site_search_puts_the_slow_link_on_the_axis_with_least_traffic():
     lines = explain(res)
     head = [line for line in lines if line.startswith("placement ")]
     assert head and "across sites" in head[0]
-    vs = [line for line in lines if line.startswith("  vs ")]
+    vs = [line for line in lines if line.startswith("  best with ")]
     assert vs and "GB per step on the link between them" in vs[0]
+    # both placements were tried, each with its own best plan; the winner's puts fewer bytes on
+    # the slow link and is faster (data parallelism across the sites: the least traffic here)
     b = res.best
-    other = b.plan.replace(mesh_order=None if b.plan.mesh_order else (AX.DP, AX.PP, AX.CP, AX.TP))
-    alt = estimate(m, c, other, res.work)
-    if b.plan.pp > 1 and b.plan.dp > 1:
-        assert b.report.cross_site_gb <= alt.cross_site_gb
-        assert b.report.step_time_s <= alt.step_time_s
+    assert set(res.best_by_placement) == {"", "dp:pp:cp:tp"}
+    mine = ":".join(b.plan.mesh_order) if b.plan.mesh_order else ""
+    for order, other in res.best_by_placement.items():
+        if order != mine:
+            assert b.report.cross_site_gb < other.report.cross_site_gb
+            assert b.report.step_time_s < other.report.step_time_s
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])

@@ -97,6 +97,7 @@ def add_parser(sub: Any, positive_int: Any) -> None:
                          "or with less than --headroom GiB free); they are marked !")
     pl.add_argument("--fix", action=Once,
                     help="restrict the space: key=value[|value...],... over " + ", ".join(SEARCHABLE_FIX)
+                         + ", mesh_order (placements, e.g. mesh_order=dp:pp:cp:tp|default)"
                          + ", offload (1: only plans that offload the optimizer, and with zero=3 the parameters "
                            "too; 0: none), sequence_parallel (0: off for every tp; 1: on where tp > 1, the "
                            "default) and any plan field the search does not choose (e.g. grad_sync, "
@@ -239,12 +240,14 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[
     hints = Plan.flat_hints()
     fields = set(hints)
     seen: set[str] = set()
-    fixable = "fixable: " + ", ".join(SEARCHABLE_FIX) + ", offload, sequence_parallel, and the fields the search " \
+    fixable = "fixable: " + ", ".join(SEARCHABLE_FIX) + ", offload, sequence_parallel, mesh_order (placement), " \
+              "and the fields the search " \
               "does not choose (precision, compile, flash_attention, fused_loss, grad_sync, p2p_sharded, async_tp)"
     for part in (p.strip() for p in text.split(",") if p.strip()):
         if "=" not in part:
             raise MeshplanError(f"--fix: {part!r} is not key=value", hint="e.g. --fix tp=8,zero=1|3")
         key, value = (s.strip() for s in part.split("=", 1))
+        key = {"placement": "mesh_order", "order": "mesh_order"}.get(key, key)
         alts = [v.strip() for v in value.split("|") if v.strip()]
         if not alts:
             raise MeshplanError(f"--fix: {key} has no value")
@@ -258,6 +261,10 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[
         elif key == "recompute":
             changes["recompute"] = tuple(alts)
             changes["recompute_fractions"] = ()
+        elif key == "mesh_order":  # the placements to try (spec.axes.parse_order; 'default' = pp:dp:cp:tp)
+            from meshplan.spec.axes import parse_order
+            changes["placements"] = tuple(dict.fromkeys(
+                None if v.lower() == "default" else parse_order(v, "--fix mesh_order") for v in alts))
         elif key == "offload":
             vals = {bool(coerce(v, bool, "--fix offload")) for v in alts}
             if vals == {True}:  # only the offload variants

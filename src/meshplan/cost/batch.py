@@ -26,6 +26,7 @@ from meshplan.cost.comm import (
     dpcp_group,
     exposed_under,
     column_st,
+    dpcp_parts,
     mesh_keys,
     mesh_strides,
     pipeline_site_pairs,
@@ -655,17 +656,19 @@ def cross_site(a: Assembly, cluster: ClusterSpec, p: CostParams) -> np.ndarray:
     allreduce = (gs == "all-reduce") | ((gs != "reduce-scatter") & (zero == 0))
     shard = a.shard
     st = mesh_strides(cols)  # the placement: where each axis's groups sit
-    s_dp = np.where(cp > 1, st[AX.CP], st[AX.DP])  # the dp x cp groups' step (cp innermost of them)
-    dp_sync = np.where(zero == 3, 0.0, cross_bytes(cluster, n_sync, s_dp, sent, 1.0) * np.where(allreduce, 2.0, 1.0)
+
+    def xb(n: Any, size: Any, passes: Any, skip: Any = 1.0) -> np.ndarray:  # a dp x cp group's bytes across sites
+        return cross_bytes(cluster, n, 1.0, size, passes, parts=dpcp_parts(st, cp, n, skip))
+
+    dp_sync = np.where(zero == 3, 0.0, xb(n_sync, sent, 1.0) * np.where(allreduce, 2.0, 1.0)
                        * np.where(zero == 2, micro, 1.0))
-    dp_sync = dp_sync + np.where((zero == 1) | (zero == 2), cross_bytes(cluster, n_sync, s_dp, 2.0 * plocal, 1.0),
-                                 0.0)
+    dp_sync = dp_sync + np.where((zero == 1) | (zero == 2), xb(n_sync, 2.0 * plocal, 1.0), 0.0)
     # ZeRO-3: every block gathered twice and reduce-scattered per micro-batch (once per step under a pipeline)
     times = np.where(pp > 1, 1.0, micro)
     rb = reduce_bytes(cols, p)
-    z3 = times * (cross_bytes(cluster, shard, s_dp, 2.0 * plocal, 2.0)
-                  + cross_bytes(cluster, shard, s_dp, rb * plocal, 1.0))
-    hsdp = cross_bytes(cluster, np.maximum(1.0, n_sync / shard), s_dp * shard, rb * plocal / shard, 2.0)
+    # (under a pipeline each rank's stage is gathered once per step: one pass, as cost.batch prices it)
+    z3 = times * (xb(shard, 2.0 * plocal, np.where(pp > 1, 1.0, 2.0)) + xb(shard, rb * plocal, 1.0))
+    hsdp = xb(np.maximum(1.0, n_sync / shard), rb * plocal / shard, 2.0, shard)
     z3 = np.where(zero == 3, z3 + np.where(shard < n_sync, hsdp, 0.0), 0.0)
     # pipeline sends: each pair of peers whose boundary crosses a site link (cost.comm.pipeline_site_pairs)
     # sends one activation forward and one gradient back per micro-batch (each way) and chunk

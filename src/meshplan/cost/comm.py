@@ -445,13 +445,19 @@ def dpcp_group(cluster: ClusterSpec, st: Mapping[str, Any], cp: Any, n: Any, ski
     if getattr(st, "default", False):
         return Group.of(cluster, n, st[AX.CP] * skip, flat=flat)
     s_cp, s_dp = np.asarray(st[AX.CP], dtype=float), np.asarray(st[AX.DP], dtype=float)
+    if np.all(s_dp == s_cp * np.asarray(cp, dtype=float)):
+        return Group.of(cluster, n, s_cp * np.asarray(skip, dtype=float), flat=flat)
+    return Group.over(cluster, dpcp_parts(st, cp, n, skip), flat=flat)
+
+
+def dpcp_parts(st: Mapping[str, Any], cp: Any, n: Any, skip: Any = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(degree, stride) of the cp and the dp part of the group of ``n`` ranks ``skip`` apart along
+    dp x cp flattened (dpcp_group), under the strides ``st``."""
+    s_cp, s_dp = np.asarray(st[AX.CP], dtype=float), np.asarray(st[AX.DP], dtype=float)
     cp, n, skip = np.asarray(cp, dtype=float), np.asarray(n, dtype=float), np.asarray(skip, dtype=float)
-    if np.all(s_dp == s_cp * cp):
-        return Group.of(cluster, n, s_cp * skip, flat=flat)
     inner = skip < cp
     n_cp = np.where(inner, np.minimum(n, np.maximum(cp / skip, 1.0)), 1.0)
-    return Group.over(cluster, [(n_cp, s_cp * skip), (n / n_cp, np.where(inner, s_dp, s_dp * skip / cp))],
-                      flat=flat)
+    return [(n_cp, s_cp * skip), (n / n_cp, np.where(inner, s_dp, s_dp * skip / cp))]
 
 
 def mesh_keys(cols: Mapping[str, Any], extra: Any = None) -> tuple[list[tuple[Any, ...]], np.ndarray]:

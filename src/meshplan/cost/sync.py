@@ -185,16 +185,19 @@ def amortised_outer(outer: np.ndarray, outer_step: np.ndarray, inner_step: np.nd
     return exposed, hidden / h
 
 
-def cross_bytes(cluster: ClusterSpec, n: Num, stride: Num, size: Num, passes: float) -> np.ndarray:
+def cross_bytes(cluster: ClusterSpec, n: Num, stride: Num, size: Num, passes: Num,
+                parts: list[tuple[Num, Num]] | None = None) -> np.ndarray:
     """Bytes one collective of every group (size bytes per rank, ``passes``: 2 for an all-reduce, 1
     for an all-gather or reduce-scatter) puts on each direction of the link between datacenters,
     run hierarchically (cost.comm.Group): each of the N / n groups moves (m - 1) / m of its
     size across the sites it spans (m of them) per pass, in 1 / k-sized pieces from each of its
-    k members per site. 0 when the group stays in one datacenter."""
+    k members per site. 0 when the group stays in one datacenter. ``parts``: the group as the
+    (degree, stride) of each axis it spans (cost.comm.dpcp_parts), instead of n ranks stride apart."""
     n, stride = np.asarray(n, dtype=float), np.asarray(stride, dtype=float)
     if cluster.num_dcs < 2:
         return np.zeros(np.broadcast_shapes(n.shape, stride.shape, np.shape(size)))
-    per_site, one_site = members_within(cluster.gpus_per_dc, [(n, stride)])
+    per_site, one_site = members_within(cluster.gpus_per_dc, [(n, stride)] if parts is None else
+                                        [(np.asarray(k, dtype=float), np.asarray(t, dtype=float)) for k, t in parts])
     m = np.where(one_site, 1.0, np.round(n / np.maximum(per_site, 1.0)))
     per = cluster.num_gpus / np.maximum(n, 1) * passes * (m - 1) / np.maximum(m, 1) * np.asarray(size, dtype=float)
     return np.where((m > 1) & (n > 1), per, 0.0)

@@ -359,6 +359,7 @@ def _collect(model: ModelSpec, work: Workload, scans: list[_Scan], params: CostP
                               for i, j in enumerate(_rank(scans, which, rows, pts, other, top))]
         result.best_synchronous = _best_synchronous(scans, which, rows, pts, model, work, params)
         result.best_per_step = _best_synchronous(scans, which, rows, pts, model, work, params, compressed=True)
+    result.best_by_placement = _best_by_placement(scans, which, rows, pts, objective, model, work, params)
     result.pareto = _pareto(scans, which, rows, pts)
     result.reject_examples = _examples(model, work, scans, names, params)
     result.per_cluster = [_count(s, work) for s in scans]
@@ -434,6 +435,33 @@ def _best_synchronous(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, p
     cand = np.nonzero(sync)[0]
     j = int(cand[np.lexsort((pts["peak_memory_gib"][cand], pts["time_to_target_s"][cand]))[0]])
     return _ranked(0, scans[which[j]], int(rows[j]), model, work, params)
+
+
+def _best_by_placement(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str, np.ndarray],
+                       objective: str, model: ModelSpec, work: Workload, params: CostParams) -> dict[str, RankedPlan]:
+    """Per placement tried (Plan.mesh_order as text, '' = the default), the best feasible plan by
+    the objective among those a placement decides (pp > 1 and dp x cp > 1): the fair comparison
+    of the orders (each with its own best mesh, schedule and micro-batch). {} when one order."""
+    if len(rows) == 0:
+        return {}
+    orders = np.empty(len(rows), dtype=object)
+    decides = np.zeros(len(rows), dtype=bool)
+    for i, s in enumerate(scans):
+        idx = np.nonzero(which == i)[0]
+        r = rows[idx]
+        orders[idx] = np.asarray(s.cols["mesh_order"])[r]
+        decides[idx] = (np.asarray(s.cols[AX.PP])[r] > 1) & (
+            np.asarray(s.cols[AX.DP])[r] * np.asarray(s.cols[AX.CP])[r] > 1)
+    kinds = set(orders[decides].tolist())
+    if len(kinds) < 2:
+        return {}
+    obj = {"time": pts["step_time_s"], "cost": pts["usd_per_mtok"], "time-to-target": pts["time_to_target_s"]}[objective]
+    out = {}
+    for o in sorted(kinds):
+        cand = np.nonzero(decides & (orders == o))[0]
+        j = int(cand[np.lexsort((pts["peak_memory_gib"][cand], obj[cand]))[0]])
+        out[str(o)] = _ranked(0, scans[which[j]], int(rows[j]), model, work, params)
+    return out
 
 
 def _ranked(rank: int, scan: _Scan, row: int, model: ModelSpec, work: Workload,

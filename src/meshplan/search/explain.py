@@ -287,6 +287,22 @@ def placement_lines(result: SearchResult) -> list[str]:
     rb = b.report
     sizes = {a: plan.dims.degree(a) for a in AXES}
     crossing = [AXIS_WORDS[a] for a in order if tiers.get(a) == "across sites"]
+    if result.best_by_placement:  # each placement's own best plan (the fair comparison)
+        mine = ":".join(plan.mesh_order) if plan.mesh_order else ""
+        for o, other in result.best_by_placement.items():
+            if o == mine and other.plan.short() == plan.short():
+                continue
+            p_o, r_o = other.plan, other.report
+            t_o = axis_tiers(c, p_o)
+            ord_o = p_o.mesh_order or DEFAULT_ORDER
+            cross_o = [AXIS_WORDS[a] for a in ord_o if t_o.get(a) == "across sites"]
+            name = ":".join(ord_o) + (" (the default)" if not o else "")
+            ratio = r_o.step_time_s / rb.step_time_s if rb.step_time_s > 0 else 1.0
+            out.append(f"  best with {name}: {p_o.short()}: {' and '.join(cross_o) or 'nothing'} across the sites, "
+                       f"{r_o.cross_site_gb:,.1f} GB per step on the link between them (the winner: "
+                       f"{rb.cross_site_gb:,.1f} GB, {' and '.join(crossing) or 'nothing'} across them); "
+                       f"{_secs(r_o.step_time_s)} per step, {ratio:.2f}x the winner's")
+        return out
     for o in placement_options(c, SearchSpace(), sizes):
         if (o or DEFAULT_ORDER) == order:
             continue

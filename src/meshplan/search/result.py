@@ -148,6 +148,10 @@ class SearchResult:
     step uncompressed (the baseline for the cross-site traffic and the time to target)."""
     best_per_step: RankedPlan | None = None
     """... and the soonest to target that syncs every step, compressed or not."""
+    best_by_placement: dict[str, RankedPlan] = field(default_factory=dict)
+    """Where the search tried several placements (clusters of several sites): per placement
+    ('' = the default order), the best feasible plan whose placement decides which axis crosses
+    the slow tier (a pipeline and data or context parallelism both > 1)."""
     data_aware: dict[str, Any] | None = None
     """Under a length distribution: the bucket plans tried (search.buckets): bases, candidates,
     fitting, the best bucket plan and the best one-shape plan."""
@@ -219,6 +223,8 @@ class SearchResult:
             doc["best_synchronous"] = self.best_synchronous.to_dict()
         if self.best_per_step is not None:
             doc["best_per_step_sync"] = self.best_per_step.to_dict()
+        if self.best_by_placement:
+            doc["best_by_placement"] = {k or "default": v.to_dict() for k, v in self.best_by_placement.items()}
         if self.data_aware is not None:
             doc["data_aware"] = {k: v for k, v in self.data_aware.items() if timing or k != "time_s"}
         if self.deadline_days is not None:

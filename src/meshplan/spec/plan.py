@@ -337,6 +337,13 @@ class Plan:
 
     def _check(self) -> None:
         """The rules that span sub-records."""
+        if self.mesh_order is not None and (self.pool_dp is not None or self.pool_pp is not None):
+            which = "pool_dp" if self.pool_dp is not None else "pool_pp"
+            raise MeshplanError(f"plan: mesh_order with {which}: a plan over pools by {which} places its "
+                                f"{'replicas' if which == 'pool_dp' else 'stages'} on the pools itself, in the "
+                                "default order inside each",
+                                hint=f"drop mesh_order, or drop {which} (pools=A:B alone lays the ranks over the "
+                                     "pools in the placement's order: device order)")
         if self.stage_layers is not None and len(self.stage_layers) != self.pp:
             raise MeshplanError(f"plan: stage_layers has {len(self.stage_layers)} entries but pp={self.pp}")
         self._check_shares_and_pools()
