@@ -357,7 +357,10 @@ def _site_links(raw: Any, inter_dc: Any, where: str) -> tuple[tuple[LinkTier, ..
         e = dict(entry)
         if "efficiency" not in e and "kind" not in e and not isinstance(inter_dc, LinkTier):
             e["kind"] = base["kind"]  # a new link of the default kind: that kind's efficiency
-        links.append(_link_from_dict({**e, "sites": tuple(sites)}, base, "inter_dc", w))
+        try:
+            links.append(_link_from_dict({**e, "sites": tuple(sites)}, base, "inter_dc", w))
+        except MeshplanError as err:  # name the entry, not the tier it is modelled as
+            raise MeshplanError(err.message.replace("link inter_dc", w), hint=err.hint) from None
     slowest = None
     if links and not isinstance(inter_dc, LinkTier):
         s = min(links, key=lambda t: t.bytes_per_s)

@@ -572,6 +572,10 @@ def parse_plan(text: str) -> Plan:
             kwargs[key] = parse_stage_layers(value, "plan.stage_layers")
             continue
         if key in COLON_LISTS:
+            if not value.strip():
+                raise MeshplanError(f"plan: {key} has no value",
+                                    hint="e.g. mesh_order=dp:pp:cp:tp" if key == "mesh_order"
+                                    else f"e.g. {key}=3:1, or leave {key} out")
             kwargs[key] = parse_colon_list(value, key)
             continue
         kwargs[key] = coerce(value, hints[key], f"plan: {key}")
