@@ -450,7 +450,8 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.json:
         print(json_text(result))
     else:
-        print("\n".join(cost.lines() + cv_text + [to_text(result), "", collectives_text(result["collectives"])]))
+        # the collectives (a different kind of row) first, the step-time and memory summary of the runs last
+        print("\n".join(cost.lines() + [collectives_text(result["collectives"]), ""] + cv_text + [to_text(result)]))
     return 0
 
 
