@@ -299,8 +299,8 @@ def placement_lines(result: SearchResult) -> list[str]:
             name = ":".join(ord_o) + (" (the default)" if not o else "")
             ratio = r_o.step_time_s / rb.step_time_s if rb.step_time_s > 0 else 1.0
             out.append(f"  best with {name}: {p_o.short()}: {' and '.join(cross_o) or 'nothing'} across the sites, "
-                       f"{r_o.cross_site_gb:,.1f} GB per step on the link between them (the winner: "
-                       f"{rb.cross_site_gb:,.1f} GB, {' and '.join(crossing) or 'nothing'} across them); "
+                       f"{r_o.cross_site_gb:,.2f} GB per step on the link between them (the winner: "
+                       f"{rb.cross_site_gb:,.2f} GB, {' and '.join(crossing) or 'nothing'} across them); "
                        f"{_secs(r_o.step_time_s)} per step, {ratio:.2f}x the winner's")
         return out
     for o in placement_options(c, SearchSpace(), sizes):
