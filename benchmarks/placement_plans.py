@@ -72,6 +72,9 @@ def main() -> int:
                "speedup_from_placement": (fixed.best.report.step_time_s / b.report.step_time_s
                                           if fixed.best else None),
                "winner_mesh_under_each_placement": orders,
+               "best_by_placement": {k or "default": {"plan": v.plan.short(), "step_time_s": v.report.step_time_s,
+                                                      "cross_site_gb": v.report.cross_site_gb}
+                                     for k, v in res.best_by_placement.items()},
                "explanation": placement_lines(res),
                "search_s": t1 - t0, "search_default_order_only_s": t2 - t1,
                "considered": res.considered, "considered_default_order_only": fixed.considered}
