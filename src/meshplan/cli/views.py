@@ -303,7 +303,8 @@ def pooled_estimate_text(e: Any, pc: Any, work: Workload | None = None) -> str:
                      f"{p.usable_memory_gib:.1f} GiB"
                      + ("" if p.fits else "  DOES NOT FIT"))
     if not (one and not e.cross_pool_s and not e.cross_pool_gb):
-        lines.append(f"across pools {hs(e.cross_pool_s)} per step ({e.cross_pool_gb:.2f} GB per GPU over inter_pool)")
+        lines.append(f"across pools {hs(e.cross_pool_s)} per step exposed over inter_pool (the 'across pools' term "
+                     f"below); a GPU sends up to {e.cross_pool_gb:.2f} GB over it per step")
     if not (one and not e.imbalance_s):
         lines.append(f"imbalance    {hs(e.imbalance_s)} per step lost waiting for the slowest pool (GPU-weighted)")
     lines += pooled_runtime_lines(e)

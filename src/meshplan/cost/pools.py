@@ -100,9 +100,16 @@ class PooledEstimate:
     fits: bool
     parts: list[PoolPart]
     cross_pool_s: float = 0.0
-    """The gradient exchange across pools (pool_dp) or the boundary sends' extra (pool_pp)."""
+    """Exposed seconds per step of traffic over inter_pool on the step's critical path: always
+    ``time["cross_pool"]``, and not in dp_comm or pp_comm. pool_dp: the gradient all-reduce across
+    pools (exposed after the slowest pool's step); pool_pp and device order: the critical rank's
+    sends to another pool (whole: the time over inter_pool, taken out of pp_comm) and the exposed
+    share of its data-parallel exchange across pools (taken out of dp_comm). A pipeline whose
+    critical rank sends nothing across pools has 0 here while ``cross_pool_gb`` may be > 0."""
     cross_pool_gb: float = 0.0
-    """Bytes per GPU across pools per step, GB."""
+    """GB a GPU sends over inter_pool per step, the most any GPU does: the all-reduce's share
+    (pool_dp, and a data-parallel group over several pools in device order) plus its pipeline
+    sends to another pool (one per micro-batch per boundary across pools it sits on)."""
     imbalance_s: float = 0.0
     """GPU-weighted mean of the pools' idle seconds per step: time lost to imbalance."""
     num_gpus: int = 0
@@ -450,9 +457,9 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
     slowest = max(p.step_s for p in parts)
     for p in parts:
         p.idle_s = slowest - p.step_s
-    est = _finish(plan, work, pools, parts, step, model_flops, float(rank["cross_send_s"]),
-                  float(rank["cross_send_gb"]))
-    est.time = pipeline_time(time_row, rank["crit_cross_s"] * scale, est.imbalance_s)
+    time = pipeline_time(time_row, rank["crit_cross_s"] * scale, 0.0)
+    est = _finish(plan, work, pools, parts, step, model_flops, time["cross_pool"], float(rank["cross_gb"]))
+    est.time = time | {"pool_idle": est.imbalance_s}
     est.runtime = runtime_issues(model, cluster, plan, work)
     est.notes.append("pipeline over pools: each stage is timed on its own pool's GPU; the send between the "
                      "pools' boundary stages crosses inter_pool")
@@ -464,16 +471,21 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
     return est
 
 
-def pipeline_time(row: dict[str, np.ndarray], cross_s: float, idle_s: float) -> dict[str, float]:
+def pipeline_time(row: dict[str, np.ndarray], cross_s: float, idle_s: float, cross_dp_s: float = 0.0
+                  ) -> dict[str, float]:
     """The step by term of a pipeline over pools (cost.batch's ``time.*`` of its one row), the
-    critical rank's sends across pools moved from pp_comm to ``cross_pool``, and ``pool_idle``."""
+    critical rank's sends across pools (``cross_s``, whole) moved from pp_comm and the exposed
+    share of the data-parallel exchange across pools (``cross_dp_s``) moved from dp_comm to
+    ``cross_pool``, and ``pool_idle``: the exposed terms still add up to the step."""
     from meshplan.cost.batch import TIME_KEYS
     time = {k: float(row[f"time.{k}"][0]) for k in TIME_KEYS}
     if "time.imbalance" in row:
         time["imbalance"] = float(row["time.imbalance"][0])
     moved = min(cross_s, time["pp_comm"])
     time["pp_comm"] -= moved
-    return time | {"cross_pool": moved, "pool_idle": idle_s}
+    moved_dp = min(cross_dp_s, time["dp_comm"])
+    time["dp_comm"] -= moved_dp
+    return time | {"cross_pool": moved + moved_dp, "pool_idle": idle_s}
 
 
 def splice_owner(owner: list[int], width: int) -> np.ndarray:
@@ -529,6 +541,9 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
     # the sends that cross from one pool to the next: rank b's activations forward, rank b+1's
     # gradients backward (one each per micro-batch; virtual_stages = 1)
     nbytes, extra = _cross_send(asm[0], plan, link, p)
+    from meshplan.cost.params import p2p_exposed
+    # one send across pools, exposed, whole (the pool's own network's part and the extra): max(send, cross) x exposed
+    full = float(asm[0].send[0]) * float(p2p_exposed(p, plan.virtual_stages)) + extra
     n_cross = 0
     crossing = (layout.crossing if layout is not None else
                 [owner[b] != owner[b + 1] for b in range(len(owner) - 1)])
@@ -547,11 +562,20 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
     opts = [optimizer_seconds(c, x.plocal, cols["zero"], x.shard, offo, p) for x, c in zip(asm, clusters)]
     rank_ends = (_splice([e[0] for e in ends], own), _splice([e[1] for e in ends], own), _splice(opts, own))
     cross_dp = [0.0] * len(owner)
+    cross_dp_gb = [0.0] * len(owner)
+    dp_cross_exposed = 0.0
     if layout is not None:  # a data-parallel group over several pools: then the exchange across them
         cross_dp = [cross_dp_seconds(float(a.plocal[0, j]), plan, layout.dp_counts[j], link, p)
                     for j in range(len(owner))]
+        cross_dp_gb = [cross_dp_bytes(float(a.plocal[0, j]), plan, layout.dp_counts[j], p) / 1e9
+                       for j in range(len(owner))]
+        within = _b.estimate_assembly(a, clusters[own[crit]], work, p,
+                                      rank_ends=(rank_ends[0].copy(), rank_ends[1], rank_ends[2]))
         rank_ends[0][0, :len(owner)] += np.asarray(cross_dp)
     res = _b.estimate_assembly(a, clusters[own[crit]], work, p, rank_ends=rank_ends)
+    if layout is not None and any(cross_dp):
+        # the exchange across pools' exposed share of the step's end-of-step sync (dp_comm): what it adds to it
+        dp_cross_exposed = max(0.0, float(res["time.dp_comm"][0] - within["time.dp_comm"][0]))
     # model FLOPs: hardware-independent (the same in every pool's assembly)
     res["model_flops"] = res["tflops_per_gpu"] * 1e12 * res["step_time_s"] * res["num_gpus"]
     mem = _b.memory_parts(a, p)
@@ -567,13 +591,17 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
                      "dp_comm_overlapped": micro * float(terms["dp_comm_overlapped"][0, r]) + float(rank_ends[1][0, r]),
                      "optimizer": float(rank_ends[2][0, r])}
                   for r in range(len(owner))]
-    rank = {"busy_s": busy, "memory_gib": [float(x) for x in total_mem[:len(owner)]],
-            "terms": rank_terms, "crit_cross_s": micro * extra * on_crit,
-            "usable_gib": [usable_gib(c, p) for c in clusters], "owner": list(owner), "cross_dp_s": cross_dp,
-            # per boundary rank: its sends to the other pool in a step (activations forward on one side,
-            # gradients backward on the other), seconds beyond its own network's and GB per GPU
-            "cross_send_s": extra * micro if n_cross else 0.0,
-            "cross_send_gb": nbytes * micro / 1e9 if n_cross else 0.0}
+    # per rank, GB it sends over inter_pool in a step: one send per micro-batch per crossing boundary it sits on
+    # (activations forward from rank b, gradients backward from rank b + 1), and its data-parallel exchange
+    sent_gb = [nbytes * micro / 1e9 * sum(1 for b in range(len(owner) - 1) if crossing[b] and r in (b, b + 1))
+               + cross_dp_gb[r] for r in range(len(owner))]
+    rank_mem = [{k: float(mem[k][0, r]) / 2**30 for k in _b.MEMORY_KEYS} for r in range(len(owner))]
+    for m in rank_mem:
+        m["total"] = sum(m.values())
+    rank = {"busy_s": busy, "memory_gib": [float(x) for x in total_mem[:len(owner)]], "memory": rank_mem,
+            "terms": rank_terms, "crit_cross_s": micro * full * on_crit, "crit_cross_dp_s": dp_cross_exposed,
+            "cross_gb": max(sent_gb, default=0.0),
+            "usable_gib": [usable_gib(c, p) for c in clusters], "owner": list(owner), "cross_dp_s": cross_dp}
     return a, res, rank
 
 
@@ -708,6 +736,15 @@ def cross_dp_seconds(params_per_gpu: float, plan: Plan, counts: tuple[int, ...],
     after the sync within each pool (priced there): as the pool_dp sync, one all-reduce of every
     GPU's gradient shard over ``link`` in a ring of the k pools, each GPU on its own lane; the pool
     with the fewest replicas holds the largest shard. 0 within one pool."""
+    k = len(counts)
+    if k < 2:
+        return 0.0
+    return cross_dp_bytes(params_per_gpu, plan, counts, p) / link.bytes_per_s + 2 * (k - 1) * link.latency_us * 1e-6
+
+
+def cross_dp_bytes(params_per_gpu: float, plan: Plan, counts: tuple[int, ...], p: CostParams) -> float:
+    """Bytes each GPU sends over inter_pool in `cross_dp_seconds`' exchange: 2 (k - 1) / k of the
+    largest gradient shard (a ring all-reduce over the k pools). 0 within one pool."""
     from meshplan.cost.parts import plans_to_columns
     from meshplan.cost.sync import reduce_bytes
     k = len(counts)
@@ -715,7 +752,7 @@ def cross_dp_seconds(params_per_gpu: float, plan: Plan, counts: tuple[int, ...],
         return 0.0
     rb = float(reduce_bytes(plans_to_columns([plan]), p)[0])
     shard = params_per_gpu * rb / (plan.cp * min(counts))
-    return 2 * (k - 1) / k * shard / link.bytes_per_s + 2 * (k - 1) * link.latency_us * 1e-6
+    return 2 * (k - 1) / k * shard
 
 
 def _estimate_device_order(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec],
@@ -755,17 +792,17 @@ def _estimate_device_order(model: LayerGraph | ModelSpec, cluster: PooledCluster
     slowest = max(p.step_s for p in parts)
     for p in parts:
         p.idle_s = slowest - p.step_s
-    cross_s = float(rank["cross_send_s"]) + max(rank["cross_dp_s"])
-    est = _finish(plan, work, pools, parts, step, float(res["model_flops"][0]), cross_s,
-                  float(rank["cross_send_gb"]))
-    est.time = pipeline_time(res, rank["crit_cross_s"], est.imbalance_s)
+    time = pipeline_time(res, rank["crit_cross_s"], 0.0, rank["crit_cross_dp_s"])
+    est = _finish(plan, work, pools, parts, step, float(res["model_flops"][0]), time["cross_pool"],
+                  float(rank["cross_gb"]))
+    est.time = time | {"pool_idle": est.imbalance_s}
     est.runtime = runtime_issues(model, cluster, plan, work)
     timed = ", ".join(f"{j}: {pools[rank['owner'][j]].name}" for j, t in enumerate(layout.touched) if len(t) > 1)
     est.notes.append("device order over pools: ranks laid over the pools' GPUs in order; a stage spanning GPU types "
                      f"runs at its slowest member's pace, its memory checked against the smallest GPU"
                      + (f" (stages timed on: {timed})" if timed else "")
                      + "; a data-parallel group over several pools syncs within each pool, then across them over "
-                       "inter_pool (in dp_comm)")
+                       "inter_pool (its exposed time in cross_pool, not dp_comm)")
     return est
 
 
