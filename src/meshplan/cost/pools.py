@@ -73,6 +73,10 @@ class PoolPart:
     """The chance the pool's fullest GPU runs out of memory (cost.uncertainty)."""
     report: CostReport | None = None
     """The pool's own estimate (its replicas as a plan on that pool), for pool_dp."""
+    memory: dict[str, float] = field(default_factory=dict)
+    """The pool's fullest GPU's memory by part, GiB (CostReport.memory's keys, with total)."""
+    memory_per_stage: list[float] = field(default_factory=list)
+    """GiB per pipeline stage the pool holds (pool_dp: its replicas' stages; pipelines: its stages)."""
     time: dict[str, float] = field(default_factory=dict)
     """The pool's own part by term, seconds per step (CostReport.time's keys): pool_dp, its replicas'
     estimate (``report``); pool_pp, its busiest pipeline rank's per-micro-batch terms over the step's
@@ -84,7 +88,8 @@ class PoolPart:
                 "role": self.role, "step_s": self.step_s, "idle_s": self.idle_s,
                 "utilisation": self.busy_fraction, "peak_memory_gib": self.peak_memory_gib,
                 "usable_memory_gib": self.usable_memory_gib, "fits": self.fits, "at_risk": self.at_risk,
-                "oom_probability": self.oom_probability, "time": dict(self.time)}
+                "oom_probability": self.oom_probability, "time": dict(self.time), "memory": dict(self.memory),
+                "memory_per_stage": list(self.memory_per_stage)}
 
 
 @dataclass
@@ -113,6 +118,8 @@ class PooledEstimate:
     imbalance_s: float = 0.0
     """GPU-weighted mean of the pools' idle seconds per step: time lost to imbalance."""
     num_gpus: int = 0
+    mfu_flops: float = 0.0
+    """Model FLOPs per step (the numerator of ``mfu``)."""
     notes: list[str] = field(default_factory=list)
     runtime: list[dict[str, str]] = field(default_factory=list)
     """The runtime rules (spec.support) the plan's pools' parts break: {"pool", "rule", "kind",
@@ -126,6 +133,9 @@ class PooledEstimate:
     pool's own network, taken out of pp_comm), so that the exposed terms add up to the step; and
     ``pool_idle``, apart (not on the critical path): the GPU-weighted mean wait of the pools for the
     slowest (``imbalance_s``)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The keys a plan on one GPU type has in its JSON (CostReport.to_dict) with their pooled meanings
+    (`pooled_extras`), added to ``to_dict`` after the pooled keys."""
 
     @property
     def peak_memory_gib(self) -> float:
@@ -167,7 +177,8 @@ class PooledEstimate:
                 "pools": [p.to_dict() for p in self.parts], "notes": list(self.notes), "time": dict(self.time),
                 "dominant": self.dominant,
                 "verdict": self.verdict, "oom_probability": self.oom_probability,
-                "runtime": {"runs_as_planned": self.runs_as_planned, "issues": list(self.runtime)}}
+                "runtime": {"runs_as_planned": self.runs_as_planned, "issues": list(self.runtime)}} \
+            | {k: v for k, v in self.extra.items() if k not in ("plan", "pools", "time")}
 
 
 def replica_samples(plan: Plan, global_batch: int) -> list[int]:
@@ -277,6 +288,59 @@ def plan_pools(cluster: ClusterSpec | PooledCluster, plan: Plan) -> list[Cluster
 def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan,
                     work: Workload, params: CostParams = DEFAULT_PARAMS) -> PooledEstimate:
     """The step of ``plan`` on ``cluster`` with every rank on its own pool's hardware."""
+    est = _estimate_pooled(model, cluster, plan, work, params)
+    est.extra = pooled_extras(est, model, cluster, params) | est.extra
+    return est
+
+
+def pooled_extras(est: PooledEstimate, model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster,
+                  params: CostParams) -> dict[str, Any]:
+    """The keys of a plan on one GPU type's estimate (CostReport.to_dict) that a plan over pools gives
+    with these meanings: memory (memory, memory_per_stage, peak_memory_gib, peak_memory_gib_high,
+    usable_memory_gib, named by ``memory_pool``) of the tightest pool (the memory verdict's, ``tightest``),
+    each pool's own in ``pools``; the step's 90% band (step_time_s_low/high, cost.uncertainty.step_band);
+    tflops_per_gpu the model FLOPs over the step and every GPU used; hfu the MFU times the hardware-to-model
+    FLOPs ratio (recomputation); the rest (microbatches, host memory, cross_site_gb, token_factor, outer
+    and straggler sync) from the step's critical part (the pipeline's row, or the slowest pool's estimate;
+    host memory and cross_site_gb the most over pools). The paths' own values (``extra``) take precedence."""
+    from meshplan.cost.uncertainty import memory_high, step_band
+    from meshplan.spec.transformer import as_graph
+    t = est.tightest
+    low, high = step_band(np.asarray([est.step_time_s]), np.asarray([est.plan.pp]), params)
+    n_params = as_graph(model, 1).num_params() if isinstance(model, ModelSpec) else model.num_params()
+    out: dict[str, Any] = {
+        "tflops_per_gpu": est.mfu_flops / est.step_time_s / max(1, est.num_gpus) / 1e12 if est.step_time_s else 0.0,
+        "peak_memory_gib": t.peak_memory_gib, "usable_memory_gib": t.usable_memory_gib,
+        "peak_memory_gib_high": float(memory_high(np.asarray([t.peak_memory_gib]), params)[0]),
+        "memory_pool": t.name, "memory": dict(t.memory), "memory_per_stage": list(t.memory_per_stage),
+        "step_time_s_low": float(low[0]), "step_time_s_high": float(high[0]), "params": int(n_params),
+        "model": str(getattr(model, "name", "")), "cluster": str(getattr(cluster, "name", ""))}
+    reports = [p.report for p in est.parts if p.report is not None]
+    if reports:
+        crit = max(est.parts, key=lambda p: p.step_s).report or reports[0]
+        k = crit.hfu / crit.mfu if crit.mfu else 1.0
+        out |= {"hfu": est.mfu * k, "microbatches": max(r.microbatches for r in reports),
+                "host_memory_gib": max(r.host_memory_gib for r in reports),
+                "host_fits": all(r.host_fits for r in reports),
+                "cross_site_gb": max(r.cross_site_gb for r in reports), "token_factor": crit.token_factor,
+                "time_to_target_s": est.step_time_s * crit.token_factor, "outer_sync_s": crit.outer_sync_s,
+                "outer_workers": crit.outer_workers, "straggler_sync_s": crit.straggler_sync_s}
+    return out
+
+
+def row_extras(row: dict[str, np.ndarray], est: PooledEstimate) -> dict[str, Any]:
+    """`pooled_extras`' critical-part keys of a pipeline over pools, from its one cost.batch row."""
+    mfu, hfu = float(row["mfu"][0]), float(row["hfu"][0])
+    tf = float(row["token_factor"][0])
+    return {"hfu": est.mfu * (hfu / mfu if mfu else 1.0), "microbatches": int(row["microbatches"][0]),
+            "host_memory_gib": float(row["host_memory_gib"][0]), "host_fits": bool(row["host_fits"][0]),
+            "cross_site_gb": float(row["cross_site_gb"][0]), "token_factor": tf,
+            "time_to_target_s": est.step_time_s * tf, "outer_sync_s": float(row["outer_sync_s"][0]),
+            "outer_workers": int(row["outer_workers"][0]), "straggler_sync_s": float(row["straggler_sync_s"][0])}
+
+
+def _estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, plan: Plan,
+                     work: Workload, params: CostParams) -> PooledEstimate:
     pools = plan_pools(cluster, plan)
     if plan.pool_pp is not None and len(pools) > 1:
         return _estimate_pool_pp(model, cluster, pools, plan, work, params)  # type: ignore[arg-type]
@@ -309,7 +373,8 @@ def estimate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
                               step_s=r.step_time_s, busy_fraction=m_mean / max(1, m_max),
                               peak_memory_gib=r.peak_memory_gib, usable_memory_gib=r.usable_memory_gib,
                               fits=r.fits, at_risk=r.at_risk, oom_probability=r.oom_probability, report=r,
-                              time=dict(r.time)))
+                              time=dict(r.time), memory=dict(r.memory),
+                              memory_per_stage=list(r.memory_per_stage)))
     cross_s, cross_gb = 0.0, 0.0
     if len(pools) > 1:
         cross_s, cross_gb = _cross_pool_sync(model, cluster, plan, per_pool, params)  # type: ignore[arg-type]
@@ -375,7 +440,7 @@ def _finish(plan: Plan, work: Workload, pools: list[ClusterSpec], parts: list[Po
                           mfu=model_flops / step / peak if peak else 0.0,
                           usd_per_m_tokens=usd / work.tokens * 1e6, fits=all(p.fits for p in parts),
                           parts=parts, cross_pool_s=cross_s, cross_pool_gb=cross_gb, imbalance_s=imbalance,
-                          num_gpus=gpus)
+                          num_gpus=gpus, mfu_flops=model_flops)
 
 
 def _cross_pool_sync(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, per_pool: list[int],
@@ -448,18 +513,22 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
         usable = rank["usable_gib"][i]
         fits, risk, prob = verdicts(np.asarray([mem]), usable, params)
         top = max(ranks, key=lambda r: rank["busy_s"][r])
+        full = max(ranks, key=lambda r: rank["memory_gib"][r])
         parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=len(ranks) * per_stage,
                               gpus_total=pool.num_gpus, role=f"{span}{nl}, {per_stage} GPUs each",
                               step_s=busy, busy_fraction=busy / step, peak_memory_gib=mem,
                               usable_memory_gib=usable, fits=bool(fits[0]), at_risk=bool(risk[0]),
                               oom_probability=float(prob[0]),
-                              time={k: v * scale for k, v in rank["terms"][top].items()}))
+                              time={k: v * scale for k, v in rank["terms"][top].items()},
+                              memory=dict(rank["memory"][full]),
+                              memory_per_stage=[rank["memory_gib"][r] for r in ranks]))
     slowest = max(p.step_s for p in parts)
     for p in parts:
         p.idle_s = slowest - p.step_s
     time = pipeline_time(time_row, rank["crit_cross_s"] * scale, 0.0)
     est = _finish(plan, work, pools, parts, step, model_flops, time["cross_pool"], float(rank["cross_gb"]))
     est.time = time | {"pool_idle": est.imbalance_s}
+    est.extra = row_extras(time_row, est) | {"memory_per_stage": list(rank["memory_gib"])}
     est.runtime = runtime_issues(model, cluster, plan, work)
     est.notes.append("pipeline over pools: each stage is timed on its own pool's GPU; the send between the "
                      "pools' boundary stages crosses inter_pool")
@@ -785,10 +854,13 @@ def _estimate_device_order(model: LayerGraph | ModelSpec, cluster: PooledCluster
                 + (f"; stage{'s' * (len(mixed) > 1)} {', '.join(map(str, mixed))} shared with other pools, "
                    "at the slowest member's pace" if mixed else ""))
         top = max(stages, key=lambda j: rank["busy_s"][j])
+        full = max(stages, key=lambda j: rank["memory_gib"][j])
         parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=layout.gpus[i], gpus_total=pool.num_gpus,
                               role=role, step_s=busy, busy_fraction=busy / step, peak_memory_gib=mem,
                               usable_memory_gib=usable[i], fits=bool(fits[0]), at_risk=bool(risk[0]),
-                              oom_probability=float(prob[0]), time=dict(rank["terms"][top])))
+                              oom_probability=float(prob[0]), time=dict(rank["terms"][top]),
+                              memory=dict(rank["memory"][full]),
+                              memory_per_stage=[rank["memory_gib"][j] for j in stages]))
     slowest = max(p.step_s for p in parts)
     for p in parts:
         p.idle_s = slowest - p.step_s
@@ -796,6 +868,7 @@ def _estimate_device_order(model: LayerGraph | ModelSpec, cluster: PooledCluster
     est = _finish(plan, work, pools, parts, step, float(res["model_flops"][0]), time["cross_pool"],
                   float(rank["cross_gb"]))
     est.time = time | {"pool_idle": est.imbalance_s}
+    est.extra = row_extras(res, est) | {"memory_per_stage": list(rank["memory_gib"])}
     est.runtime = runtime_issues(model, cluster, plan, work)
     timed = ", ".join(f"{j}: {pools[rank['owner'][j]].name}" for j, t in enumerate(layout.touched) if len(t) > 1)
     est.notes.append("device order over pools: ranks laid over the pools' GPUs in order; a stage spanning GPU types "
