@@ -555,8 +555,9 @@ def explain(r: SearchResult) -> list[str]:
             lines.append(f"  stage_layers={':'.join(map(str, best.plan.stage_layers or ()))}: more layers on the "
                          "faster pool's stages, so that every stage takes about as long")
         link = r.clusters[0].inter_pool
-        lines.append(f"  across pools: {_s(best.cross_pool_s)} per step ({best.cross_pool_gb:.2f} GB per GPU over "
-                     f"inter_pool at {link.bandwidth_gbps:g} GB/s x {link.efficiency:.2f} achieved); time lost to "
+        lines.append(f"  across pools: {_s(best.cross_pool_s)} per step exposed over inter_pool (a GPU sends up to "
+                     f"{best.cross_pool_gb:.2f} GB per step over it, at {link.bandwidth_gbps:g} GB/s x "
+                     f"{link.efficiency:.2f} achieved); time lost to "
                      f"imbalance {_s(best.imbalance_s)} per step (GPU-weighted)")
         for name, e in alone.items():
             gain = 100 * (1 - best.step_time_s / e.step_time_s)
