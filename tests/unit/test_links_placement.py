@@ -268,3 +268,27 @@ def test_unknown_collectives_setting_is_a_clear_error():
     with pytest.raises(MeshplanError, match="collectives = 'mpi' is not understood"):
         estimate(SMALL, load_cluster("h100-sxm-80gb:16"), parse_plan("dp=16"), WORK,
                  DEFAULT_PARAMS.replace(collectives="mpi"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 2, 4, 6, 8]), st.sampled_from([1, 2, 3, 4, 8]), st.sampled_from([1, 2, 3, 4, 6, 8, 16]),
+       st.sampled_from([1, 2, 4, 8]), st.booleans())
+def test_regular_pipeline_links_equal_the_rank_enumeration(g, nodes, pp, tp, wrap):
+    """The default order's closed form (cost.comm._pipes_default) prices every boundary as the
+    enumeration of its rank pairs does."""
+    from meshplan.cost import comm
+    n = g * nodes
+    assume(n % (pp * tp) == 0)
+    c = load_cluster("a100-sxm-80gb:8").replace(gpus_per_node=g, num_nodes=nodes)
+    sizes = {AX.PP: pp, AX.DP: n // (pp * tp), AX.CP: 1, AX.TP: tp}
+    fast = comm._pipes_default(c, sizes, None, wrap)
+    assume(fast is not None)
+    original = comm._pipes_default
+    try:
+        comm._pipes_default = lambda *a: None
+        comm._PIPES.clear()
+        slow = comm._pipes(c, sizes, None, wrap)
+    finally:
+        comm._pipes_default = original
+        comm._PIPES.clear()
+    assert np.array_equal(fast[0], slow[0]) and np.array_equal(fast[1], slow[1])

@@ -104,6 +104,10 @@ def members_within(size: float, parts: list[tuple[np.ndarray, np.ndarray]]) -> t
     """(members of the group in one block of ``size`` consecutive ranks (a node or a site), whether
     the whole group lies in one): the product over the group's axes (``parts``: (degree, stride)
     of each mesh axis it spans) of the members each axis keeps inside the block."""
+    if len(parts) == 1:  # one axis (the common case): its members in the block, as a strided run
+        n, st = parts[0]
+        return (np.where(st < size, np.minimum(np.maximum(size // np.maximum(st, 1), 1), np.maximum(n, 1)), 1),
+                n * st <= size)
     per, inside = np.ones(()), np.ones((), dtype=bool)
     for n, st in parts:
         one = n <= 1
@@ -366,6 +370,12 @@ def _pipes(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] |
     hit = _PIPES.get(key)
     if hit is not None:
         return hit
+    if len(_PIPES) > 4096:
+        _PIPES.clear()
+    fast = _pipes_default(cluster, sizes, order, wrap)
+    if fast is not None:
+        _PIPES[key] = fast
+        return fast
     dims = ParallelDims(**{a: int(sizes[a]) for a in AXES}, order=order or AXES)
     grid = dims.rank_grid().reshape(dims.pp, -1)
     pp, gpn = dims.pp, cluster.gpus_per_node
@@ -396,10 +406,32 @@ def _pipes(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] |
                 lb = link.bytes_per_s / site_load[k] if link.shared else link.bytes_per_s
                 bw, lat = min(bw, lb), max(lat, link.latency_us * US)
         bws[j], lats[j] = bw, lat
-    if len(_PIPES) > 4096:
-        _PIPES.clear()
     _PIPES[key] = (bws, lats, sum(site_load.values()))
     return _PIPES[key]
+
+
+def _pipes_default(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None,
+                   wrap: bool) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """_pipes without enumerating ranks where the layout is regular: one site, no shared node NIC,
+    the default order (stage j holds the s = N / pp consecutive ranks from j s), and a stage's
+    ranks tile nodes (s a multiple or a divisor of the node). None otherwise."""
+    if order is not None or cluster.num_dcs > 1 or cluster.node_nic_gbps is not None:
+        return None
+    pp, g = int(sizes[AX.PP]), cluster.gpus_per_node
+    s = int(sizes[AX.DP]) * int(sizes[AX.CP]) * int(sizes[AX.TP])
+    if s % g and g % s:
+        return None
+    intra, inter = cluster.intra_node, cluster.inter_node
+    cross_bw = float(np.minimum(intra.bytes_per_s, nic_bytes_per_s(cluster, min(s, g))))
+    bws, lats = np.full(pp, np.inf), np.zeros(pp)
+    for j in range(pp - 1 if not (wrap and pp > 1) else pp):
+        if j < pp - 1:
+            crosses = s >= g or ((j + 1) * s) % g == 0
+        else:  # the wrap: rank pp - 1 's peers back to rank 0's
+            crosses = pp * s > g or g % (pp * s) != 0
+        bws[j], lats[j] = ((cross_bw, inter.latency_us * US) if crosses
+                           else (intra.bytes_per_s, intra.latency_us * US))
+    return bws, lats, 0
 
 
 def pair_link(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None) -> tuple[float, float]:

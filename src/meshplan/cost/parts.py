@@ -134,7 +134,7 @@ def tied_sync(cluster: ClusterSpec, tied_local: Any, cp: Any, dp: Any, shard: An
     ``cols``, under each row's placement)."""
     size = p.fsdp_reduce_bytes * tied_local / shard
     old = Group.of(cluster, 2, tp * cp * dp).all_reduce(size)
-    if cols is None or (np.asarray(cols[AX.PP]) < 2).all():
+    if cols is None or (np.asarray(cols[AX.PP]) < 2).all() or not np.any(size):
         return old
     pp = np.asarray(cols[AX.PP]).astype(int)
     bw, lat = np.full(pp.shape, np.inf), np.zeros(pp.shape)

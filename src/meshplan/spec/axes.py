@@ -12,6 +12,7 @@ in ``src/meshplan``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -56,7 +57,20 @@ DEFAULT_ORDER = AXES
 def parse_order(value: Any, where: str = "plan: mesh_order") -> tuple[str, ...] | None:
     """A placement (the mesh axes, outermost to innermost, as laid onto the device hierarchy:
     node, site) from ``pp:dp:cp:tp`` text or a sequence; None, '' or the default order -> None.
-    Raises MeshplanError on anything that is not a permutation of AXES."""
+    Raises MeshplanError on anything that is not a permutation of AXES (plan text is memoised)."""
+    if value is None or (isinstance(value, str) and not value):
+        return None
+    if isinstance(value, str) and where == "plan: mesh_order":
+        return _parse_order_text(value)
+    return _parse_order(value, where)
+
+
+@lru_cache(maxsize=256)
+def _parse_order_text(value: str) -> tuple[str, ...] | None:
+    return _parse_order(value, "plan: mesh_order")
+
+
+def _parse_order(value: Any, where: str = "plan: mesh_order") -> tuple[str, ...] | None:
     from meshplan.errors import MeshplanError
     if value is None:
         return None
