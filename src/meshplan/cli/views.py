@@ -44,6 +44,14 @@ def weak_link_lines(cluster: ClusterSpec, plan: Plan, r: CostReport, params: obj
     if plan.periodic:
         out.append(f"outer sync     {seconds(r.outer_sync_s)} across {r.outer_workers} groups every "
                    f"{plan.sync_every} steps ({seconds(r.time.get('outer_sync', 0.0))} per step exposed)")
+    if cluster.num_dcs > 1 or plan.mesh_order is not None:
+        from meshplan.search.explain import axis_tiers
+        from meshplan.spec.axes import DEFAULT_ORDER
+        order = plan.mesh_order or DEFAULT_ORDER
+        tiers = axis_tiers(cluster, plan)
+        where = ", ".join(f"{a}={plan.dims.degree(a)} {tiers[a]}" for a in order if a in tiers)
+        out.append(f"placement      {':'.join(order)}" + (" (default)" if plan.mesh_order is None else "")
+                   + (f": {where}" if where else ""))
     if cluster.num_dcs > 1:
         out.append(f"cross-site     {r.cross_site_gb:,.2f} GB per step each way on the link between datacenters")
     if r.time.get("straggler", 0.0) > 0:
