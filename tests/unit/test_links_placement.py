@@ -292,3 +292,14 @@ def test_regular_pipeline_links_equal_the_rank_enumeration(g, nodes, pp, tp, wra
         comm._pipes_default = original
         comm._PIPES.clear()
     assert np.array_equal(fast[0], slow[0]) and np.array_equal(fast[1], slow[1])
+
+
+def test_estimate_names_the_tier_each_axis_crosses(capsys):
+    from clirun import run
+    rc, out, _ = run(capsys, "estimate", "--model", "llama3-8b", "--cluster", "two-dc-h100", "--plan",
+                     "tp=1,pp=2,dp=128,zero=3,micro_batch=4,placement=dp:pp:cp:tp", "--global-batch", "1024",
+                     "--seq-len", "4096")
+    assert rc == 0 and "placement      dp:pp:cp:tp: dp=128 across sites, pp=2 inside a node" in out
+    rc, out, _ = run(capsys, "estimate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:16", "--plan",
+                     "tp=2,pp=2,dp=4", "--global-batch", "64")
+    assert rc == 0 and "placement" not in out  # one site, the default order: nothing to say
