@@ -61,6 +61,17 @@ def weak_link_lines(cluster: ClusterSpec, plan: Plan, r: CostReport, params: obj
     return out
 
 
+def time_rows(time: dict[str, float], labels: dict[str, str], step_s: float) -> list[tuple[str, ...]]:
+    """(label, exposed, share of the step, overlapped) of each term of ``time`` that has either."""
+    rows = []
+    for k, label in labels.items():
+        v = time.get(k, 0.0)
+        ov = time.get(f"{k}_overlapped", 0.0)
+        if v or ov:
+            rows.append((label, seconds(v), f"{100 * v / step_s:.1f}%", seconds(ov) if ov else ""))
+    return rows
+
+
 def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Workload,
                   r: CostReport, params: object = None) -> str:
     unit = "tokens" if model.model is not None else f"tokens ({model.task} samples)"
@@ -83,12 +94,7 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
         *runtime_lines(model, plan, work),
         "",
     ]
-    trows = []
-    for k, label in TIME_LABELS.items():
-        v = r.time.get(k, 0.0)
-        ov = r.time.get(f"{k}_overlapped", 0.0)
-        if v or ov:
-            trows.append((label, seconds(v), f"{100 * v / r.step_time_s:.1f}%", seconds(ov) if ov else ""))
+    trows = time_rows(r.time, TIME_LABELS, r.step_time_s)
     mrows = [(k, f"{v:.2f}") for k, v in r.memory.items()]
     out = head + ["time per step (exposed; overlapped shown apart)",
                   table(["term", "exposed", "share", "overlapped"], trows, "lrrr"), "",
@@ -335,12 +341,7 @@ def pooled_time_lines(e: Any) -> list[str]:
     pipeline = e.plan.pool_pp is not None or (e.plan.multi_pool and e.plan.pool_dp is None)  # (device order too)
     where = ("the pipeline's critical rank" if pipeline and len(e.parts) > 1 else
              f"the slowest pool ({max(e.parts, key=lambda p: p.step_s).name})" if len(e.parts) > 1 else "")
-    rows = []
-    for k, label in POOLED_TIME_LABELS.items():
-        v = e.time.get(k, 0.0)
-        ov = e.time.get(f"{k}_overlapped", 0.0)
-        if v or ov:
-            rows.append((label, seconds(v), f"{100 * v / e.step_time_s:.1f}%", seconds(ov) if ov else ""))
+    rows = time_rows(e.time, POOLED_TIME_LABELS, e.step_time_s)
     out = ["", "time per step (exposed; overlapped shown apart)" + (f", along {where}" if where else ""),
            table(["term", "exposed", "share", "overlapped"], rows, "lrrr")]
     if e.time.get("pool_idle"):

@@ -267,6 +267,7 @@ class Assembly:
     dp_b_ovl: np.ndarray
     send: np.ndarray            # one pipeline send across the first boundary (rows)
     sends: np.ndarray           # (rows, ranks) one send across each boundary j -> j + 1 (parts.boundary_sends)
+    st: Any                     # each axis's rank stride per row under the placement (comm.mesh_strides)
     p2p: np.ndarray             # (rows, ranks) sends per micro-batch
     totals: np.ndarray          # (rows, ranks) exposed seconds per micro-batch (-inf beyond pp)
     plocal: np.ndarray          # (rows, ranks) parameters per GPU before sharding
@@ -343,7 +344,8 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     tp_ids = lay.ids_where(lay.pairs > 0)
     st = mesh_strides(cols)  # the placement: each axis's rank distance, per row
     fl = flat_collectives(p)  # the profile's collectives: NCCL's forms, or one flat ring
-    tp_one = Group.of(cluster, tp[:, None], st[AX.TP][:, None], flat=fl).all_reduce((tokens * scale)[:, None] * lay.hidden[None, :])
+    tp_one = Group.of(cluster, tp[:, None], st[AX.TP][:, None], flat=fl).all_reduce(
+        (tokens * scale)[:, None] * lay.hidden[None, :])
     per_pass = tp_one * lay.pairs[None, :]  # one direction (forward or backward)
     re = np.where(full_rc, 1.0, 0.0)[:, None]
     tp_fwd = C.sum(per_pass, tp_ids)
@@ -361,7 +363,8 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     exp_ids = lay.ids_where(lay.a2a > 0) if (ep > 1).any() else []
     ep_s = zeros
     if exp_ids:
-        ep_t = np.where(lay.a2a[None, :] > 0, 4 * dpcp_group(cluster, column_st(st), cp[:, None], ep[:, None], flat=fl).all_to_all(
+        ep_g = dpcp_group(cluster, column_st(st), cp[:, None], ep[:, None], flat=fl)
+        ep_t = np.where(lay.a2a[None, :] > 0, 4 * ep_g.all_to_all(
             (tokens * scale)[:, None] * lay.a2a[None, :]), 0.0)
         ep_s = C.sum(ep_t, exp_ids)
     async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
@@ -423,7 +426,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
         split=(((np.asarray(cols["schedule"]) == "zero-bubble") | zbv) & (pp > 1)), counts=counts,
         C=C, R=R, q=q, fwd=fwd, b_in=b_in, b_w=b_w, fwd_x=fwd_x, bin_x=bin_x, bw_x=bw_x, terms=terms,
         tp_f=tp_f, tp_b=tp_b, tp_f_ovl=tp_f_ovl, tp_b_ovl=tp_b_ovl, dp_f=dp_f, dp_b=dp_b,
-        dp_f_ovl=dp_f_ovl, dp_b_ovl=dp_b_ovl, send=send, sends=sends, p2p=p2p,
+        dp_f_ovl=dp_f_ovl, dp_b_ovl=dp_b_ovl, send=send, sends=sends, st=st, p2p=p2p,
         totals=totals, plocal=plocal, lp_unit=lp_unit, blk_params=blk_params, ag=ag, rs=rs, fsdp=fsdp,
         per_step=per_step, tied=tied * np.ones(n), tied_local=tied_local * np.ones(n))
 
@@ -571,7 +574,7 @@ def end_of_step(a: Assembly, cluster: ClusterSpec, p: CostParams) -> tuple[np.nd
     e_r, o_r = dp_end_of_step(cluster, c2, p, tp[:, None], n_in[:, None].astype(float), cp[:, None],
                               a.shard[:, None], a.lp_unit[:, None], a.plocal,
                               (a.terms["compute"][:, 0] / 2)[:, None], a.micro[:, None], psgd, psgd_t,
-                              column_st(mesh_strides(cols)))
+                              column_st(a.st))
     j = np.arange(a.valid.shape[1])[None, :]
     ends = a.first | (j == (pp[:, None] - 1))
     tie = ((pp > 1) & (a.lay.graph.tied_params > 0) & ~a.zbv)[:, None]
@@ -613,7 +616,7 @@ def weak_link_terms(a: Assembly, cluster: ClusterSpec, p: CostParams, step: np.n
            "outer_sync_s": np.zeros(len(rows))}
     if periodic.any():
         held = held_params(a)
-        t, t_step = outer_sync(cluster, cols, p, held, n_in, n_out)
+        t, t_step = outer_sync(cluster, cols, p, held, n_in, n_out, a.st)
         x, o = amortised_outer(t, t_step, step[:, None], cols, p.overlap_slowdown)
         x, o = np.where(a.valid, x, -np.inf), np.where(a.valid, o, 0.0)
         worst = np.argmax(x, axis=1)
@@ -655,7 +658,7 @@ def cross_site(a: Assembly, cluster: ClusterSpec, p: CostParams) -> np.ndarray:
     gs = np.asarray(cols["grad_sync"])
     allreduce = (gs == "all-reduce") | ((gs != "reduce-scatter") & (zero == 0))
     shard = a.shard
-    st = mesh_strides(cols)  # the placement: where each axis's groups sit
+    st = a.st  # the placement: where each axis's groups sit
 
     def xb(n: Any, size: Any, passes: Any, skip: Any = 1.0) -> np.ndarray:  # a dp x cp group's bytes across sites
         return cross_bytes(cluster, n, 1.0, size, passes, parts=dpcp_parts(st, cp, n, skip))
@@ -742,7 +745,7 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
     # dp_end_of_step), which it slows like any collective (exposed_under), so that the memory
     # ZeRO-3 saves on it carries its time.
     root_x, root_o = root_fsdp(cluster, p, a.plocal[rows, crit] - a.blk_params[rows, crit], a.shard, tp, tmax,
-                               micro, a.fsdp, a.per_step, reduce_bytes(cols, p), mesh_strides(cols), cols[AX.CP].astype(float))
+                               micro, a.fsdp, a.per_step, reduce_bytes(cols, p), a.st, cols[AX.CP].astype(float))
     dp_exp, dp_ovl = dp_exp + root_x, dp_ovl + root_o
     opt_t = (optimizer_seconds(cluster, a.plocal, zero, a.shard, np.asarray(cols["offload_optimizer"], dtype=bool), p)
              if rank_ends is None else rank_ends[2])

@@ -26,7 +26,6 @@ from meshplan.cost.memory import (
     model_state_arrays,
 )
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams, p2p_exposed
-from meshplan.cost.comm import mesh_strides
 from meshplan.cost.parts import optimizer_seconds, rank_sends, root_fsdp
 from meshplan.cost.schedule import in_flight_array
 from meshplan.cost.sync import reduce_bytes
@@ -125,7 +124,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         rt = (a.fwd[:, r] + a.b_in[:, r] + a.b_w[:, r] + a.terms["recompute"][:, r] + a.tp_f[:, r] + a.tp_b[:, r]
               + a.dp_f[:, r] + a.dp_b[:, r])  # the rank's exposed time per micro-batch
         rx, _ = root_fsdp(cluster, p, a.plocal[:, r] - a.blk_params[:, r], a.shard, tp, rt, micro, a.fsdp, a.per_step,
-                          reduce_bytes(cols, p), mesh_strides(cols), cols[AX.CP].astype(float))
+                          reduce_bytes(cols, p), a.st, cols[AX.CP].astype(float))
         end_exp.append(float(end_x[0, r] + rx[0]))
         end_ovl.append(float(end_o[0, r]))
     offo = np.asarray(cols["offload_optimizer"], dtype=bool)
@@ -173,7 +172,8 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         tp_bwd_exposed_s=row(a.tp_b), tp_bwd_overlapped_s=row(a.tp_b_ovl),
         dp_fwd_exposed_s=row(a.dp_f), dp_fwd_overlapped_s=row(a.dp_f_ovl),
         dp_bwd_exposed_s=row(a.dp_b), dp_bwd_overlapped_s=row(a.dp_b_ovl),
-        p2p_send_s=float(np.where(cols[AX.PP] > 1, a.send, 0)[0]), p2p_exposed=float(p2p_exposed(p, plan.virtual_stages)),
+        p2p_send_s=float(np.where(cols[AX.PP] > 1, a.send, 0)[0]),
+        p2p_exposed=float(p2p_exposed(p, plan.virtual_stages)),
         staged_gather_s=row(ag_s), staged_reduce_s=row(rs_s),
         end_dp_exposed_s=end_exp, end_dp_overlapped_s=end_ovl, optimizer_s=row(opt_t),
         overhead_s=p.step_overhead_s, static_bytes=[float(x) for x in static],

@@ -155,14 +155,14 @@ def reduce_bytes(cols: dict[str, Any], p: Any) -> np.ndarray:
 
 
 def outer_sync(cluster: ClusterSpec, cols: dict[str, Any], p: Any, held: np.ndarray, n_in: np.ndarray,
-               n_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+               n_out: np.ndarray, st: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """((rows, ranks) seconds of one outer all-reduce, (rows, ranks) seconds of one outer step)
     for the parameters ``held`` on each rank (after ZeRO within the inner group). Zero for
-    synchronous rows."""
+    synchronous rows. ``st``: the rows' strides (cost.comm.mesh_strides), if already known."""
     tp, cp = (np.asarray(cols[k], dtype=float)[:, None] for k in (AX.TP, AX.CP))
     per_value = outer_bytes(cols["grad_compression"])
     n_in = np.asarray(n_in, dtype=float)[:, None]
-    st = column_st(mesh_strides(cols))
+    st = column_st(mesh_strides(cols) if st is None else st)
     g = dpcp_group(cluster, st, cp, np.asarray(n_out, dtype=float)[:, None], cp * n_in, flat=flat_collectives(p))
     t = g.all_reduce(per_value[:, None] * held)
     diloco = (np.asarray(cols["grad_sync"]) == "diloco")[:, None]

@@ -455,7 +455,8 @@ def _best_by_placement(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, 
     kinds = set(orders[decides].tolist())
     if len(kinds) < 2:
         return {}
-    obj = {"time": pts["step_time_s"], "cost": pts["usd_per_mtok"], "time-to-target": pts["time_to_target_s"]}[objective]
+    obj = {"time": pts["step_time_s"], "cost": pts["usd_per_mtok"],
+           "time-to-target": pts["time_to_target_s"]}[objective]
     out = {}
     for o in sorted(kinds):
         cand = np.nonzero(decides & (orders == o))[0]

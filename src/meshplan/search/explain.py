@@ -287,23 +287,29 @@ def placement_lines(result: SearchResult) -> list[str]:
     rb = b.report
     sizes = {a: plan.dims.degree(a) for a in AXES}
     crossing = [AXIS_WORDS[a] for a in order if tiers.get(a) == "across sites"]
+    def versus(head: str, p_o: Plan, r_o: CostReport) -> str:
+        """``head``: another placement's plan ``p_o`` with its report: which axes cross the sites,
+        its bytes on the link between them and its step time, against the winner's."""
+        t_o = axis_tiers(c, p_o)
+        cross_o = [AXIS_WORDS[a] for a in (p_o.mesh_order or DEFAULT_ORDER) if t_o.get(a) == "across sites"]
+        ratio = r_o.step_time_s / rb.step_time_s if rb.step_time_s > 0 else 1.0
+        return (f"{head}: {' and '.join(cross_o) or 'nothing'} across the sites, {r_o.cross_site_gb:,.2f} GB per "
+                f"step on the link between them (the winner: {rb.cross_site_gb:,.2f} GB, "
+                f"{' and '.join(crossing) or 'nothing'} across them); {_secs(r_o.step_time_s)} per step, "
+                f"{ratio:.2f}x the winner's")
+
+    def name(o: tuple[str, ...] | None) -> str:
+        return ":".join(o or DEFAULT_ORDER) + (" (the default)" if not o else "")
+
     if result.best_by_placement:  # each placement's own best plan (the fair comparison)
         mine = ":".join(plan.mesh_order) if plan.mesh_order else ""
         for o, other in result.best_by_placement.items():
             if o == mine and other.plan.short() == plan.short():
                 continue
-            p_o, r_o = other.plan, other.report
-            t_o = axis_tiers(c, p_o)
-            ord_o = p_o.mesh_order or DEFAULT_ORDER
-            cross_o = [AXIS_WORDS[a] for a in ord_o if t_o.get(a) == "across sites"]
-            name = ":".join(ord_o) + (" (the default)" if not o else "")
-            ratio = r_o.step_time_s / rb.step_time_s if rb.step_time_s > 0 else 1.0
-            out.append(f"  best with {name}: {p_o.short()}: {' and '.join(cross_o) or 'nothing'} across the sites, "
-                       f"{r_o.cross_site_gb:,.2f} GB per step on the link between them (the winner: "
-                       f"{rb.cross_site_gb:,.2f} GB, {' and '.join(crossing) or 'nothing'} across them); "
-                       f"{_secs(r_o.step_time_s)} per step, {ratio:.2f}x the winner's")
+            out.append(versus(f"  best with {name(other.plan.mesh_order)}: {other.plan.short()}", other.plan,
+                              other.report))
         return out
-    for o in placement_options(c, SearchSpace(), sizes):
+    for o in placement_options(c, SearchSpace(), sizes):  # the winner's own mesh in the other orders
         if (o or DEFAULT_ORDER) == order:
             continue
         alt = plan.replace(mesh_order=o)
@@ -311,14 +317,7 @@ def placement_lines(result: SearchResult) -> list[str]:
             ra = estimate(result.model, c, alt, result.work, result.params or DEFAULT_PARAMS)
         except Exception:  # noqa: BLE001 - an alternative the cost model refuses is simply not compared
             continue
-        t_alt = axis_tiers(c, alt)
-        alt_cross = [AXIS_WORDS[a] for a in (o or DEFAULT_ORDER) if t_alt.get(a) == "across sites"]
-        name = ":".join(o or DEFAULT_ORDER) + (" (the default)" if o is None else "")
-        ratio = ra.step_time_s / rb.step_time_s if rb.step_time_s > 0 else 1.0
-        out.append(f"  vs {name}: {' and '.join(alt_cross) or 'nothing'} across the sites would put "
-                   f"{ra.cross_site_gb:,.1f} GB per step on the link between them instead of {rb.cross_site_gb:,.1f} GB "
-                   f"({' and '.join(crossing) or 'nothing'} across them): {_secs(ra.step_time_s)} per step, "
-                   f"{ratio:.2f}x the winner's")
+        out.append(versus(f"  vs {name(o)} (the same mesh)", alt, ra))
     return out
 
 

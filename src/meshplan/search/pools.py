@@ -301,6 +301,17 @@ def _better(e: PooledEstimate, best: PooledEstimate | None) -> bool:
     return best is None or (e.at_risk, e.step_time_s) < (best.at_risk, best.step_time_s)
 
 
+def _kept(graph: LayerGraph, cluster: PooledCluster, plan: Plan, work: Workload, params: CostParams,
+          best: PooledEstimate | None) -> PooledEstimate | None:
+    """``plan``'s estimate where it fits and beats ``best`` (_better), else ``best`` (also where the cost
+    model refuses the plan)."""
+    try:
+        e = estimate(graph, cluster, plan, work, params)
+    except MeshplanError:
+        return best
+    return e if e.fits and _better(e, best) else best
+
+
 def _enough_micro_batches(shape: Plan, replicas: int, work: Workload) -> list[Plan]:
     """``shape``, or (when the step has fewer of its micro-batches than ``replicas``) the shape with the largest
     smaller micro-batch that gives every replica at least one: a pool's own best shape may take micro-batches too
@@ -328,12 +339,7 @@ def _buckets_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, wo
                 group = math.gcd(*n) * shape.cp
                 plan = shape.replace(dp=sum(n), pools=tuple(p.name for p in pools), pool_dp=tuple(n), dp_shares=None,
                                      shard_group=group if shape.zero >= 1 and group < sum(n) * shape.cp else 0)
-                try:
-                    e = estimate(graph, cluster, plan, work, params)
-                except MeshplanError:
-                    continue
-                if e.fits and _better(e, best):
-                    best = e
+                best = _kept(graph, cluster, plan, work, params, best)
     return best
 
 
@@ -492,12 +498,7 @@ def _mixed_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, work
         if mb is None:
             continue
         plan = base.replace(pp=pp, dp=dp, micro_batch=mb, stage_layers=_even(layers, pp) if pp > 1 else None)
-        try:
-            e = estimate(graph, cluster, plan, work, params)
-        except MeshplanError:
-            continue
-        if e.fits and _better(e, best):
-            best = e
+        best = _kept(graph, cluster, plan, work, params, best)
     return best
 
 
