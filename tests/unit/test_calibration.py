@@ -282,6 +282,9 @@ def test_cross_validate_json(tmp_path, capsys, dev_rows):
     assert set(cv) == {"KOR22_T5", "BLOOM176B"}
     assert cv["KOR22_T5"]["n"] == 8 and math.isfinite(cv["KOR22_T5"]["step_mape_pct"])
     assert doc["cross_validation_summary"]["runs"] == 11
+    oos = doc["ranking_out_of_sample"]["summary"]  # within-sweep ranking, out of sample (BLOOM176B: 3 runs)
+    assert oos["pairs"] >= 3 and 0 <= oos["pairs_ordered_right"] <= oos["pairs"]
+    assert "## Ranking within sweeps, out of sample" in md
 
 
 def test_calibrate_errors(tmp_path, capsys, dev_rows):

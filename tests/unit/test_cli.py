@@ -76,6 +76,7 @@ def test_validate_json_on_a_small_csv(capsys, tmp_path):
     rc, out, _ = run(capsys, "validate", "--runs", str(f), "--json", "--report", str(tmp_path / "r.md"))
     d = json.loads(out)
     assert rc == 0 and d["summary"]["rows"] == 3 and len(d["rows"]) == 3
+    assert d["ranking"]["summary"]["sweeps"] == 0 and "pairs" in d["ranking"]["summary"]  # no sweep of 4 here
     row = d["rows"][0]
     for k in ("row_id", "status", "reason", "predicted_step_time_s", "predicted_peak_memory_gib",
               "predicted_fits"):

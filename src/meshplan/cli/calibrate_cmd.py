@@ -435,6 +435,9 @@ def run_validate(args: argparse.Namespace) -> int:
     result = validate(cases, calibration=cost.calibration)
     if cost.calibration is not None:
         result["calibration"] = cost.to_json()["calibration"]
+    from meshplan.validate.ranking import rank_rows_from_validate, score_sweeps
+    from meshplan.validate.ranking import to_lines as ranking_lines
+    result["ranking"] = score_sweeps(rank_rows_from_validate(cases, result["rows"]))  # within sweeps, in sample
     cv_text: list[str] = []
     if args.cross_validate:
         cv_text = _cross_validate(cases, result)
@@ -451,20 +454,25 @@ def run_validate(args: argparse.Namespace) -> int:
         print(json_text(result))
     else:
         # the collectives (a different kind of row) first, the step-time and memory summary of the runs last
-        print("\n".join(cost.lines() + [collectives_text(result["collectives"]), ""] + cv_text + [to_text(result)]))
+        print("\n".join(cost.lines() + [collectives_text(result["collectives"]), ""] + cv_text
+                        + ranking_lines(result["ranking"], "Ranking within sweeps, in sample") + [to_text(result)]))
     return 0
 
 
 def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
     from meshplan.calibration.bands import oom_verdicts, residuals
     from meshplan.calibration.fit import cross_validate, pooled, runs_from_cases
+    from meshplan.validate.ranking import rank_rows_out_of_sample, score_sweeps
+    from meshplan.validate.ranking import to_lines as ranking_lines
     t0 = time.perf_counter()
     runs = runs_from_cases(cases)
     n_src = len(set(runs.source.tolist()))
     print(f"meshplan: validate: leaving out each of the {n_src} sources in turn ({n_src} fits from the priors, in "
           "parallel processes; a few minutes) ...", file=sys.stderr, flush=True)
     folds = cross_validate(runs, progress=lambda s: print(f"meshplan: validate: {s.strip()}", file=sys.stderr))
-    oom_verdicts(residuals(runs, folds), folds)
+    res = residuals(runs, folds)
+    oom_verdicts(res, folds)
+    result["ranking_out_of_sample"] = score_sweeps(rank_rows_out_of_sample(res))
     took = time.perf_counter() - t0
     entries = [f.summary() for f in folds]
     total = pooled(folds)
@@ -485,6 +493,7 @@ def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
     lines += ["", f"out of sample: step MAPE {f(total['step_mape_pct'])}% over {total['runs']} runs "
               f"(mean of the sources with 3+ runs {f(total['mean_source_mape_pct'])}%, worst "
               f"{f(total['worst_source_mape_pct'])}%); OOM verdicts right {f(total['oom_accuracy_pct'])}%; "
-              f"{len(folds)} fits in {took:.0f} s", "", "In sample (the built-in calibration, fitted to every source):",
-              ""]
+              f"{len(folds)} fits in {took:.0f} s", ""]
+    lines += ranking_lines(result["ranking_out_of_sample"], "Ranking within sweeps, out of sample")
+    lines += ["In sample (the built-in calibration, fitted to every source):", ""]
     return lines

@@ -269,6 +269,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     if result.get("cross_validation"):
         lines += _cv_markdown(result)
     lines += [f"- {x}" for x in _summary_lines(result)]
+    lines += _ranking_markdown(result)
     lines += ["", "## By source" + (" (in sample)" if result.get("cross_validation") else ""), ""]
     lines += _md_table(*_src_table(result))
     lines += ["", "## Rows", "",
@@ -280,6 +281,17 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in body]
     lines += ["", *_constants_section()]
     return "\n".join(lines) + "\n"
+
+
+def _ranking_markdown(result: dict[str, Any]) -> list[str]:
+    """Ranking within sweeps (validate.ranking), out of sample first where there is one."""
+    from meshplan.validate.ranking import to_lines
+    out: list[str] = []
+    for key, title in (("ranking_out_of_sample", "out of sample"), ("ranking", "in sample")):
+        if result.get(key):
+            out += ["", f"## Ranking within sweeps, {title}", "", "```",
+                    *to_lines(result[key], f"Ranking within sweeps, {title}"), "```"]
+    return out
 
 
 def _cv_markdown(result: dict[str, Any]) -> list[str]:
