@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from meshplan.builtin_calibration import gpu_key, link_key
-from meshplan.calibration.space import GLOBAL, GPU_FIELDS, Fittable, by_name
+from meshplan.calibration.space import CODEBASE, GLOBAL, GPU_FIELDS, Fittable, by_name
 from meshplan.calibration.store import Calibration
 from meshplan.cases import case_params
 from meshplan.cost.batch import estimate_batch
@@ -226,9 +226,15 @@ def fittable(name: str) -> Fittable:
         raise MeshplanError(f"--fit: unknown parameter {name!r}", hint=f"parameters: {all_names_help()}") from None
 
 
+def codebase_names() -> list[str]:
+    """The codebase parameters (calibration.space.CODEBASE): fitted by `meshplan calibrate` on one
+    codebase's runs, never by the pooled fit of many codebases."""
+    return [f.name for f in CODEBASE]
+
+
 def _affects(name: str, runs: Runs) -> np.ndarray:
     """Which runs parameter ``name`` can move."""
-    if "@" not in name:
+    if "@" not in name or name.startswith("codebase_speed@"):
         return np.ones(len(runs), dtype=bool)
     field_, _, rest = name.partition("@")
     if field_ in GPU_FIELDS:
@@ -389,6 +395,10 @@ def fit_as_calibrate(runs: Runs, names: Sequence[str] | None = None, *, prior: s
     'physics' fits from first-principles priors (from them, unless ``start`` gives values, e.g.
     the micro-benchmarks'). Returns (the fitted values only, one FitResult per target)."""
     from meshplan.calibration.store import builtin
+    if names is None:  # every parameter the runs inform, and the codebase's own (one codebase's runs)
+        names = [n for t in ("time", "memory") for n in default_names(runs, t)]
+        if runs.measured("time").any():
+            names += codebase_names()
     full, results = fit(runs, names, start=start or None, prior=prior, from_prior=prior == "physics" and not start,
                         **(refinement_of(builtin()) if prior == "builtin" else {}))
     return {n: full[n] for r in results for n in r.names}, results

@@ -10,6 +10,13 @@ Kinds:
   param  a CostParams field (global: kernels, overlap, memory).
   gpu    a GPU family's efficiency (gemm_efficiency@hopper); each part gets value x clock_ratio.
   link   a link kind's achieved fraction of line rate (link_efficiency@inter_node:infiniband).
+  codebase  the user's codebase against the ones the built-in calibration learned from: a speed
+         factor per kind of work (codebase_speed@gemm, @attention, @memory, @comm) and one for all
+         of them (codebase_speed@all), and its fixed per-step overhead (step_overhead_s). Fitted
+         only by `meshplan calibrate` on one codebase's own runs (never in the pooled fit of the
+         development runs, where each source is another codebase): a slower codebase is not a
+         slower GPU, so these take the difference and the GPU and link efficiencies keep their
+         physical (or built-in) values.
 """
 from __future__ import annotations
 
@@ -83,6 +90,34 @@ LINK_PRIOR = (0.8, 0.3)
 LINK_PRIORS: dict[str, tuple[float, float]] = {"omnipath": (0.405, 0.2)}
 
 
+#: The codebase's software efficiency, relative to the codebases behind the built-in calibration
+#: (torchtitan, Megatron-LM, NeMo, llm-foundry, Megatron-DeepSpeed): loose priors, so that a handful
+#: of a new codebase's runs can move them far (issue 28: a fork with slower kernels or no overlap is
+#: 10-30% off the tuned codebases). ``all`` scales every rate at once and has the loosest prior, so a
+#: uniform slowdown lands there rather than on whichever kind dominates the runs at hand; each kind
+#: then takes what differs. Applied by calibration.store.Calibration on top of the GPU and link
+#: efficiencies (at most 1 of the peak).
+CODEBASE_KINDS: dict[str, str] = {
+    "all": "every rate below at once",
+    "gemm": "matrix-multiply throughput (the GPU's gemm_efficiency)",
+    "attention": "attention kernel throughput (attention_efficiency, or flash_fwd_efficiency)",
+    "memory": "memory-bound kernels: elementwise, norms, optimizer (hbm_efficiency)",
+    "comm": "collective and send bandwidth on every link (the links' efficiency)",
+}
+CODEBASE: tuple[Fittable, ...] = tuple(
+    Fittable(f"codebase_speed@{k}", 0.3 if k == "all" else 0.5, 1.6 if k == "all" else 1.5, 1.0,
+             0.3 if k == "all" else 0.15, True, "time",
+             f"this codebase's speed relative to the built-in calibration's codebases: {what}")
+    for k, what in CODEBASE_KINDS.items()) + (
+    Fittable("step_overhead_s", 0.0, 30.0, 0.0, 0.1, False, "time",
+             "fixed per-step host overhead of this codebase (data loading, logging, launch gaps), seconds"),)
+
+
+def codebase_factor(values: dict[str, float], kind: str) -> float:
+    """The codebase speed factor of ``kind`` (its own times ``all``) in ``values``; 1 where absent."""
+    return values.get("codebase_speed@all", 1.0) * values.get(f"codebase_speed@{kind}", 1.0)
+
+
 def gpu_param(field: str, family: str) -> Fittable:
     lo, hi, prior, sigma = GPU_FIELDS[field]
     return Fittable(gpu_key(field, family), lo, hi, prior, sigma, True, "time",
@@ -105,7 +140,7 @@ LINK_KINDS = ("nvlink", "nvswitch", "pcie", "xgmi", "infiniband", "roce", "ether
 def by_name(name: str) -> Fittable:
     """The Fittable called ``name`` (a global, gemm_efficiency@FAMILY or link_efficiency@TIER:KIND);
     KeyError for anything else, a misspelt family, tier or link kind included."""
-    for f in GLOBAL:
+    for f in GLOBAL + CODEBASE:
         if f.name == name:
             return f
     field, _, rest = name.partition("@")
@@ -119,6 +154,6 @@ def by_name(name: str) -> Fittable:
 
 
 def all_names_help() -> str:
-    return (", ".join(f.name for f in GLOBAL) + ", gemm_efficiency@FAMILY, attention_efficiency@FAMILY "
+    return (", ".join(f.name for f in GLOBAL + CODEBASE) + ", gemm_efficiency@FAMILY, attention_efficiency@FAMILY "
             f"(FAMILY: {', '.join(FAMILIES)}), link_efficiency@TIER:KIND (TIER: {', '.join(TIERS)}; "
             f"KIND: {', '.join(LINK_KINDS)})")

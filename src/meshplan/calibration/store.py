@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshplan.builtin_calibration import builtin_calibration, gpu_key, link_key, part_efficiency
-from meshplan.calibration.space import GPU_FIELDS, all_names_help, by_name
+from meshplan.calibration.space import GPU_FIELDS, all_names_help, by_name, codebase_factor
 from meshplan.cost.params import CostParams
 from meshplan.errors import MeshplanError
 from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier
@@ -37,6 +37,12 @@ class Calibration:
 
     def apply_params(self, p: CostParams) -> CostParams:
         changes: dict[str, Any] = {k: v for k, v in self.values.items() if "@" not in k}
+        mem, att = codebase_factor(self.values, "memory"), codebase_factor(self.values, "attention")
+        if mem != 1.0:  # the codebase's memory-bound kernels (calibration.space.CODEBASE)
+            changes["hbm_efficiency"] = min(1.0, changes.get("hbm_efficiency", p.hbm_efficiency) * mem)
+        if att != 1.0:  # attention where the GPU gives no attention_efficiency (apply_gpu does the rest)
+            changes["flash_fwd_efficiency"] = min(1.0, changes.get("flash_fwd_efficiency", p.flash_fwd_efficiency)
+                                                  * att / codebase_factor(self.values, "gemm"))
         scale = self.band_scale
         if scale != 1.0:
             changes["band_scale"] = scale
@@ -60,12 +66,21 @@ class Calibration:
     def apply_gpu(self, g: GPUSpec) -> GPUSpec:
         ch = {f: part_efficiency(self.values[gpu_key(f, g.family)], g.clock_ratio)
               for f in GPU_FIELDS if gpu_key(f, g.family) in self.values}
+        gemm, att = codebase_factor(self.values, "gemm"), codebase_factor(self.values, "attention")
+        if gemm != 1.0:  # the codebase's speed (calibration.space.CODEBASE) on top of the GPU's
+            ch["gemm_efficiency"] = min(1.0, ch.get("gemm_efficiency", g.gemm_efficiency) * gemm)
+        a = ch.get("attention_efficiency", g.attention_efficiency)
+        if att != 1.0 and a is not None:
+            ch["attention_efficiency"] = min(1.0, a * att)
         return dataclasses.replace(g, **ch) if ch else g
 
     def apply_link(self, t: LinkTier | None) -> LinkTier | None:
         if t is None:
             return None
         v = self.values.get(link_key(t.name, t.kind))
+        comm = codebase_factor(self.values, "comm")
+        if comm != 1.0:
+            v = min(1.0, (t.efficiency if v is None else v) * comm)
         return t if v is None else dataclasses.replace(t, efficiency=v)
 
     def apply_cluster(self, c: ClusterSpec) -> ClusterSpec:

@@ -370,8 +370,13 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
         ns = len(dict.fromkeys(runs.source.tolist()))
         lines.append(f"runs: {len(runs)} run{'s' * (len(runs) != 1)} from {ns} source{'s' * (ns != 1)} "
                      f"(prior: {args.prior})")
-    def unchanged(n: str) -> bool:
+    def was_of(n: str) -> float | None:  # a codebase parameter the built-in calibration lacks starts at its prior
         was = cal.info["changes"][n].get("from")
+        return fittable(n).prior if was is None and n.partition("@")[0] in ("codebase_speed", "step_overhead_s") \
+            else was
+
+    def unchanged(n: str) -> bool:
+        was = was_of(n)
         return isinstance(was, (int, float)) and abs(cal.values[n] - was) <= 1e-4 * max(abs(was), 1e-12)
     moved = sum(not unchanged(n) for n in fitted)
     lines.append(f"calibrated {len(fitted)} parameter{'s' * (len(fitted) != 1)} ({moved} changed) in {took:.1f} s "
@@ -380,12 +385,13 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
     for n in fitted:
         f = fittable(n)
         ch = cal.info["changes"][n]
-        was = ch.get("from")
+        was = was_of(n)
         shown = "-" if was is None else f"{was:.4g}"
         v = cal.values[n]
         same = unchanged(n)
         mark = " (clamped)" if ch.get("clamped") else " (unchanged)" if same else ""
-        if not same and min(abs(v - f.low), abs(v - f.high)) <= 1e-3 * max(f.high - f.low, 1e-12):
+        tol = 1e-3 * max(f.high - f.low, 1e-12)
+        if not same and min(abs(v - f.low), abs(v - f.high)) <= tol and abs(v - f.prior) > tol:
             side = "lower" if abs(v - f.low) < abs(v - f.high) else "upper"
             mark += f" (at its {side} bound)"
             warns.append(f"warning: {n} ended at the {side} bound of its physical range [{f.low:g}, {f.high:g}]: "
