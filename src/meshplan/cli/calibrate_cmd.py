@@ -6,6 +6,7 @@ import datetime
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from meshplan.errors import MeshplanError
@@ -70,6 +71,11 @@ def add_parsers(sub: Any) -> None:
                     help="also predict each source of --runs from the others (leave one source out) and store the "
                          "spread of those out-of-sample errors as the uncertainty bands (how the built-in "
                          "calibration's bands are made; minutes)")
+    ca.add_argument("--infer-profile", choices=["auto", "yes", "no"], default="auto",
+                    help="infer the codebase's implementation profile (attention kernel, fusion, overlaps, gradient "
+                         "dtype, loss kernel, ...) from the runs, say how sure it is and which run would tell the "
+                         "top two apart, and fit under it unless a run states its framework (a framework cell); "
+                         "auto (default): when no run states its framework")
     ca.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
@@ -233,6 +239,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
     values = dict(start)
     results: list[Any] = []
     m0 = m1 = None
+    inferred = None
+    if runs is not None and _infer_wanted(args, runs):
+        from meshplan.calibration.infer import infer_for_cases, runs_as
+        inferred = infer_for_cases(runs)
+        if not any((getattr(c, "raw", {}).get("framework") or "").strip() for c in runs.cases):
+            runs = runs_as(runs, inferred["profile"], inferred["settings"])  # the fit below runs under it
+            inferred["fitted_under"] = True
     if runs is not None:
         run_names = None if names is None else [n for n in names if informs(runs, n)]
         if run_names is None or run_names:
@@ -279,6 +292,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
             info["notes"] = bf.notes
     if getattr(args, "bands", False):
         info["uncertainty"] = _bands(runs, args)
+    if inferred is not None:
+        from meshplan.calibration.infer import profile_toml
+        inferred["profile_file"] = str(Path(args.out).with_suffix("")) + ".profile.toml"
+        try:
+            Path(inferred["profile_file"]).write_text(profile_toml(inferred))
+        except OSError as e:
+            raise MeshplanError(f"cannot write {inferred['profile_file']}: {e.strerror or e}") from None
+        info["inferred_profile"] = inferred
     cal = Calibration({n: values[n] for n in fitted}, args.out, info)
     save_calibration(cal, args.out)
     if args.json:
@@ -286,6 +307,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
         return 0
     print("\n".join(_calibrate_text(args, cal, runs, bf, before, took, m0, m1)))
     return 0
+
+
+def _infer_wanted(args: argparse.Namespace, runs: Any) -> bool:
+    """--infer-profile: yes, no, or auto (when no run states or reveals its framework, and some run
+    has a step time or memory outcome to tell the profiles apart)."""
+    how = getattr(args, "infer_profile", "no")
+    if how == "no" or not (runs.measured("time").any() or runs.measured("memory").any()):
+        return False
+    return how == "yes" or not any((getattr(c, "raw", {}).get("framework") or "").strip() for c in runs.cases)
 
 
 def _on_cpu(case: Any) -> bool:
@@ -422,6 +452,12 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
             warns.append("warning: every run here ran out of memory: outcomes like these can only push the memory "
                          "parameters up; add runs that trained (or measured peaks) before planning with this file")
     lines += warns
+    inf = cal.info.get("inferred_profile")
+    if inf:
+        from meshplan.calibration.infer import lines as inferred_lines
+        lines += inferred_lines(inf)
+        lines.append(f"wrote {inf['profile_file']}: plan with it by --profile {inf['profile_file']}"
+                     + (" (the fit above ran under it)" if inf.get("fitted_under") else ""))
     for note in (cal.info.get("notes") or []):
         lines.append(f"note: {note}")
     if cal.measured_on_cpu:  # CPU micro-benchmarks, or a `meshplan train` run on CPU processes

@@ -67,10 +67,22 @@ def expected_max_normal(n: Num) -> np.ndarray:
     step 0.001 over +-12: exact to 1e-6 for any count of ranks); 0 for n <= 1."""
     n = np.asarray(n, dtype=float)
     uniq, inv = np.unique(np.maximum(n, 1.0), return_inverse=True)  # rank counts: few distinct values
-    dx = _GRID[1] - _GRID[0]
-    z = np.array([0.0 if k <= 1 else float(np.sum(_GRID * k * _PDF * _CDF ** (k - 1)) * dx)
-                  for k in uniq.tolist()])
+    z = np.array([_z_max(k) for k in uniq.tolist()])
     return z[inv].reshape(n.shape) if n.size else np.zeros(n.shape)
+
+
+_ZMAX: dict[float, float] = {}
+
+
+def _z_max(k: float) -> float:
+    """expected_max_normal of one count (memoised: a pure function of k; few distinct counts recur)."""
+    hit = _ZMAX.get(k)
+    if hit is None:
+        if len(_ZMAX) > 4096:
+            _ZMAX.clear()
+        dx = _GRID[1] - _GRID[0]
+        hit = _ZMAX[k] = 0.0 if k <= 1 else float(np.sum(_GRID * k * _PDF * _CDF ** (k - 1)) * dx)
+    return hit
 
 
 def straggler_seconds(jitter: float, step: Num, ranks: Num, periodic: Num, inner_ranks: Num,
