@@ -285,6 +285,8 @@ def test_cross_validate_json(tmp_path, capsys, dev_rows):
     oos = doc["ranking_out_of_sample"]["summary"]  # within-sweep ranking, out of sample (BLOOM176B: 3 runs)
     assert oos["pairs"] >= 3 and 0 <= oos["pairs_ordered_right"] <= oos["pairs"]
     assert "## Ranking within sweeps, out of sample" in md
+    cov = {e["source_id"]: e for e in doc["band_coverage_out_of_sample"]["by_source"]}
+    assert cov["KOR22_T5"]["step_runs"] == 8 and 0 <= cov["KOR22_T5"]["step_coverage_pct"] <= 100
 
 
 def test_calibrate_errors(tmp_path, capsys, dev_rows):

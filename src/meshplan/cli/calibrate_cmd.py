@@ -480,6 +480,8 @@ def run_validate(args: argparse.Namespace) -> int:
     from meshplan.validate.ranking import rank_rows_from_validate, score_sweeps
     from meshplan.validate.ranking import to_lines as ranking_lines
     result["ranking"] = score_sweeps(rank_rows_from_validate(cases, result["rows"]))  # within sweeps, in sample
+    from meshplan.validate import coverage
+    result["band_coverage"] = coverage.in_sample(result["rows"])
     cv_text: list[str] = []
     if args.cross_validate:
         cv_text = _cross_validate(cases, result)
@@ -497,7 +499,8 @@ def run_validate(args: argparse.Namespace) -> int:
     else:
         # the collectives (a different kind of row) first, the step-time and memory summary of the runs last
         print("\n".join(cost.lines() + [collectives_text(result["collectives"]), ""] + cv_text
-                        + ranking_lines(result["ranking"], "Ranking within sweeps, in sample") + [to_text(result)]))
+                        + ranking_lines(result["ranking"], "Ranking within sweeps, in sample")
+                        + coverage.to_lines(result["band_coverage"], "Band coverage, in sample") + [to_text(result)]))
     return 0
 
 
@@ -515,6 +518,8 @@ def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
     res = residuals(runs, folds)
     oom_verdicts(res, folds)
     result["ranking_out_of_sample"] = score_sweeps(rank_rows_out_of_sample(res))
+    from meshplan.validate import coverage
+    result["band_coverage_out_of_sample"] = coverage.out_of_sample(res)
     took = time.perf_counter() - t0
     entries = [f.summary() for f in folds]
     total = pooled(folds)
@@ -537,5 +542,6 @@ def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
               f"{f(total['worst_source_mape_pct'])}%); OOM verdicts right {f(total['oom_accuracy_pct'])}%; "
               f"{len(folds)} fits in {took:.0f} s", ""]
     lines += ranking_lines(result["ranking_out_of_sample"], "Ranking within sweeps, out of sample")
+    lines += coverage.to_lines(result["band_coverage_out_of_sample"], "Band coverage, out of sample")
     lines += ["In sample (the built-in calibration, fitted to every source):", ""]
     return lines

@@ -287,10 +287,15 @@ def _ranking_markdown(result: dict[str, Any]) -> list[str]:
     """Ranking within sweeps (validate.ranking), out of sample first where there is one."""
     from meshplan.validate.ranking import to_lines
     out: list[str] = []
+    from meshplan.validate import coverage
     for key, title in (("ranking_out_of_sample", "out of sample"), ("ranking", "in sample")):
         if result.get(key):
             out += ["", f"## Ranking within sweeps, {title}", "", "```",
                     *to_lines(result[key], f"Ranking within sweeps, {title}"), "```"]
+    for key, title in (("band_coverage_out_of_sample", "out of sample"), ("band_coverage", "in sample")):
+        if result.get(key):
+            out += ["", f"## Band coverage, {title}", "", "```",
+                    *coverage.to_lines(result[key], f"Band coverage, {title}"), "```"]
     return out
 
 
