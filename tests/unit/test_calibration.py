@@ -289,6 +289,21 @@ def test_cross_validate_json(tmp_path, capsys, dev_rows):
     assert cov["KOR22_T5"]["step_runs"] == 8 and 0 <= cov["KOR22_T5"]["step_coverage_pct"] <= 100
 
 
+@pytest.mark.slow  # leave-one-source-out fits, then a few-shot calibration per source and K
+def test_cross_validate_blind_few_shot(tmp_path, capsys, dev_rows):
+    rows = [r for r in dev_rows if r["source_id"] in ("KOR22_T5", "MEG_SC21_T1")]
+    path = _write(tmp_path / "runs.csv", rows)
+    rc, text, err = run(capsys, "validate", "--runs", path, "--cross-validate", "--shots", "0,3", "--blind", "--json")
+    assert rc == 0, err
+    fs = json.loads(text)["few_shot"]
+    assert fs["blind"] and fs["shots"] == [0, 3]
+    by = {e["source_id"]: e for e in fs["by_source"]}
+    assert by["KOR22_T5"]["timed_runs"] == 8 and by["MEG_SC21_T1"]["timed_runs"] == 10
+    assert fs["summary"]["k3"]["runs"] == 5 + 7 and fs["summary"]["k0"]["runs"] == 18
+    for k in ("k0", "k3"):
+        assert 0 < fs["summary"][k]["pooled_mape_pct"] < 60
+
+
 def test_calibrate_errors(tmp_path, capsys, dev_rows):
     path = _write(tmp_path / "runs.csv", dev_rows[:3])
     rc, _, err = run(capsys, "calibrate", "--runs", path, "--out", str(tmp_path / "c.json"), "--fit", "warp")

@@ -25,6 +25,13 @@ def add_parsers(sub: Any) -> None:
     va.add_argument("--cross-validate", action="store_true",
                     help="leave one source out: for each source, fit the calibration on the other sources "
                          "and predict the one left out (the out-of-sample accuracy)")
+    va.add_argument("--shots", metavar="K,...",
+                    help="with --cross-validate: also calibrate each source on K of its runs (+ up to K out-of-memory "
+                         "runs, fixed seed) from its leave-one-source-out calibration and predict the rest, for each "
+                         "K (e.g. 0,1,3,5)")
+    va.add_argument("--blind", action="store_true",
+                    help="with --shots: hide each source's framework, attention and kernel cells (priced as "
+                         "meshplan's default profile): a codebase meshplan has never seen")
 
     ca = sub.add_parser("calibrate", help="fit the cost model's named parameters to measured runs or micro-benchmarks",
                         description="Fit the cost model's named, bounded parameters (GPU family efficiencies, "
@@ -483,8 +490,9 @@ def run_validate(args: argparse.Namespace) -> int:
     from meshplan.validate import coverage
     result["band_coverage"] = coverage.in_sample(result["rows"])
     cv_text: list[str] = []
+    shots = _shots(args)
     if args.cross_validate:
-        cv_text = _cross_validate(cases, result)
+        cv_text = _cross_validate(cases, result, shots, getattr(args, "blind", False))
     from meshplan.validate.collectives import to_text as collectives_text
     from meshplan.validate.collectives import validate_collectives
     result["collectives"] = validate_collectives()  # published nccl-tests rows (data/collectives_dev.csv)
@@ -504,7 +512,26 @@ def run_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
+def _shots(args: argparse.Namespace) -> list[int] | None:
+    """--shots K,... as a list of counts (None without it); --shots/--blind without what they need: errors."""
+    raw = getattr(args, "shots", None)
+    if raw is None:
+        if getattr(args, "blind", False):
+            raise MeshplanError("--blind needs --shots", hint="e.g. --cross-validate --shots 0,1,3,5 --blind")
+        return None
+    if not args.cross_validate:
+        raise MeshplanError("--shots needs --cross-validate", hint="e.g. --cross-validate --shots 0,1,3,5")
+    try:
+        ks = sorted({int(x) for x in raw.split(",") if x.strip()})
+    except ValueError:
+        raise MeshplanError(f"--shots {raw!r}: not a list of whole numbers", hint="e.g. --shots 0,1,3,5") from None
+    if not ks or any(k < 0 or k > 50 for k in ks):
+        raise MeshplanError(f"--shots {raw!r}: counts must be 0 to 50", hint="e.g. --shots 0,1,3,5")
+    return ks
+
+
+def _cross_validate(cases: list[Any], result: dict[str, Any], shots: list[int] | None = None,
+                    blind: bool = False) -> list[str]:
     from meshplan.calibration.bands import oom_verdicts, residuals
     from meshplan.calibration.fit import cross_validate, pooled, runs_from_cases
     from meshplan.validate.ranking import rank_rows_out_of_sample, score_sweeps
@@ -543,5 +570,12 @@ def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
               f"{len(folds)} fits in {took:.0f} s", ""]
     lines += ranking_lines(result["ranking_out_of_sample"], "Ranking within sweeps, out of sample")
     lines += coverage.to_lines(result["band_coverage_out_of_sample"], "Band coverage, out of sample")
+    if shots:
+        from meshplan.validate.few_shot import few_shot
+        from meshplan.validate.few_shot import to_lines as few_lines
+        print(f"meshplan: validate: calibrating each source on {', '.join(map(str, shots))} of its runs"
+              + (" (blind)" if blind else "") + " ...", file=sys.stderr, flush=True)
+        result["few_shot"] = few_shot(runs, folds, shots, blind)
+        lines += few_lines(result["few_shot"])
     lines += ["In sample (the built-in calibration, fitted to every source):", ""]
     return lines

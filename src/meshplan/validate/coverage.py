@@ -94,6 +94,7 @@ def to_lines(result: dict[str, Any], title: str) -> list[str]:
     p = result["pooled"]
     out += ["", f"band coverage: {f(p['step_coverage_pct'])}% of {p['step_runs']} runs inside their 90% step band; "
             f"{p['sources_in_target']} of {p['sources']} sources (3+ runs) within {TARGET[0]:.0f}-{TARGET[1]:.0f}% "
-            f"(lowest {f(p['min_source_coverage_pct'])}%); {f(p['oom_band_crosses_pct'])}% of {p['oom_runs']} "
-            "out-of-memory runs with a memory band over the limit", ""]
+            f"(lowest {f(p['min_source_coverage_pct'])}%); "
+            + (f"{f(p['oom_band_crosses_pct'])}% of {p['oom_runs']} out-of-memory runs with a memory band over the "
+               "limit" if p["oom_runs"] else "no out-of-memory runs"), ""]
     return out
