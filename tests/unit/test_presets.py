@@ -296,4 +296,4 @@ def test_presets_json_is_complete(capsys):
     c = d["clusters"]["jean-zay-a100"]
     assert c["num_gpus"] == 384 and c["inter_node"]["bandwidth_gbps"] == 6.25 and c["gpu"]["name"] == "a100-sxm-80gb"
     rc, out, _ = run(capsys, "presets", "gpus", "--json")
-    assert set(json.loads(out)) == {"gpus"}
+    assert set(json.loads(out)) == {"schema_version", "command", "gpus"}

@@ -476,7 +476,7 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
 
 def run_validate(args: argparse.Namespace) -> int:
     from meshplan.cli.costing import costing
-    from meshplan.cli.format import json_text
+    from meshplan.cli.format import json_doc
     from meshplan.validate.report import default_runs_path, to_markdown, to_text, validate
     path = str(default_runs_path()) if args.runs is None else args.runs
     cases = _cases(path)
@@ -503,7 +503,7 @@ def run_validate(args: argparse.Namespace) -> int:
         except OSError as e:
             raise MeshplanError(f"cannot write --report {args.report}: {e.strerror}") from None
     if args.json:
-        print(json_text(result))
+        print(json_doc("validate", result))
     else:
         # the collectives (a different kind of row) first, the step-time and memory summary of the runs last
         print("\n".join(cost.lines() + [collectives_text(result["collectives"]), ""] + cv_text

@@ -48,6 +48,16 @@ def seconds(t: float) -> str:
     return f"{t * 1e6:.1f} us"
 
 
+JSON_SCHEMA_VERSION = 1
+"""Version of the --json documents the commands print (their keys: docs/json.md of each command's
+section; a key is only ever added within a version)."""
+
+
+def json_doc(command: str, obj: dict) -> str:
+    """A command's --json document: ``schema_version`` and ``command`` first, then ``obj``'s keys."""
+    return json_text({"schema_version": JSON_SCHEMA_VERSION, "command": command, **obj})
+
+
 def json_text(obj: object) -> str:
     """Strict JSON (RFC 8259): a non-finite number (an overflow) is written as null, never as
     NaN or Infinity; numpy scalars and arrays as plain numbers and lists."""

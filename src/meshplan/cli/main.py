@@ -90,8 +90,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
     kinds = [args.kind] if args.kind else list(KINDS)
     data = presets_data(kinds)
     if args.json:
-        from meshplan.cli.format import json_text
-        print(json_text(data))
+        from meshplan.cli.format import json_doc
+        print(json_doc("presets", data))
         return 0
     print(presets_text(data))
     return 0
@@ -99,7 +99,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from meshplan.cli.costing import costing
-    from meshplan.cli.format import json_text
+    from meshplan.cli.format import json_doc
     from meshplan.cli.lengths_arg import lengths_of
     from meshplan.cli.model_arg import as_problem
     from meshplan.cli.planfile import resolve
@@ -116,7 +116,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         dist = None if d is None else {"lengths": d.text(), "packing": d.packing, "mean_length": d.mean_len,
                                        "max_length": d.max_len}
         if args.json:
-            print(json_text(report.to_dict() | {"global_batch": work.global_batch, "seq_len": work.seq_len}
+            print(json_doc("estimate", report.to_dict() | {"global_batch": work.global_batch, "seq_len": work.seq_len}
                             | ({"lengths": dist} if dist else {}) | cost.to_json()))
         else:
             print(pooled_estimate_text(report, cluster, work))
@@ -130,7 +130,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
                                   "global_batch": work.global_batch, "seq_len": work.seq_len,
                                   "runtime": runtime_status(model, plan, work)} | extra | cost.to_json()
-        print(json_text(out))
+        print(json_doc("estimate", out))
     else:
         text = estimate_text(model, cluster, plan, work, report, cost.params)
         if extra:

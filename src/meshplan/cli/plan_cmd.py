@@ -971,7 +971,7 @@ def run(args: argparse.Namespace) -> int:
     if result.pooled:  # a cluster of several pools: the plans of every kind over them (search.pools)
         return _pooled_output(args, result, cost, tokens, price)
     if args.json:
-        from meshplan.cli.format import json_text
+        from meshplan.cli.format import json_doc, json_text
         from meshplan.search.explain import explain
         doc = result.to_json() | cost.to_json()
         doc["price"] = price
@@ -983,7 +983,7 @@ def run(args: argparse.Namespace) -> int:
         if work.lengths is not None:
             from meshplan.cli.lengths_arg import lengths_json
             doc["lengths"] = lengths_json(result, cost.params)
-        print(json_text(doc))
+        print(json_doc("plan", doc))
     else:
         print("\n".join(cost.lines() + [_text(result, tokens, price)]))
     if not result.plans:
@@ -1034,8 +1034,8 @@ def _pooled_output(args: argparse.Namespace, result: Any, cost: Any, tokens: flo
     if price["source"] == "--price-per-gpu-hour":
         extra["price"] = price
     if args.json:
-        from meshplan.cli.format import json_text
-        print(json_text(result.to_json() | extra | cost.to_json()))
+        from meshplan.cli.format import json_doc
+        print(json_doc("plan", result.to_json() | extra | cost.to_json()))
     else:
         print("\n".join(cost.lines() + [pooled_text(result, tokens, price)]))
     if result.best_pooled is None:

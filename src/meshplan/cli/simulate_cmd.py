@@ -8,12 +8,11 @@ graph (``hf:``/``module:`` through ingestion, or a graph .json), all simulated b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
 from meshplan.cli.args import positive_int
-from meshplan.cli.format import slow_step
+from meshplan.cli.format import json_doc, slow_step
 from meshplan.cli.planfile import FROM_FILE, add_override
 
 
@@ -88,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                 "peak_memory_gib": est.peak_memory_gib, "peak_memory_gib_high": est.peak_memory_gib_high,
                 "oom_probability": est.oom_probability, "verdict": est.verdict}
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json_doc("simulate", summary))
         return 0
     for line in cost.lines():
         print(line)
@@ -127,7 +126,7 @@ def _sampled(args: argparse.Namespace, model: Any, cluster: Any, plan: Any, work
     _write_outputs(args, ex, f"{model.name} on {cluster.name}: {plan.short()}, {sim['sampled']['timeline']} "
                              f"({work.lengths.text()}, {work.lengths.packing})")
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json_doc("simulate", out))
         return 0
     for line in cost.lines():
         print(line)
@@ -150,11 +149,11 @@ def _sampled(args: argparse.Namespace, model: Any, cluster: Any, plan: Any, work
 def _pooled(args: argparse.Namespace, model: Any, pc: Any, plan: Any, work: Any, cost: Any, res: Any,
             sim: dict[str, Any]) -> int:
     """`meshplan simulate` of a plan over GPU pools (sim.pools): every pool's ranks on its own GPU."""
-    from meshplan.cli.format import json_text, seconds
+    from meshplan.cli.format import seconds
     _write_outputs(args, res, f"{model.name} on {pc.name}: {plan.short()}")
     summary = _problem(model, pc, plan, work) | sim | cost.to_json()
     if getattr(args, "json", False):
-        print(json_text(summary))
+        print(json_doc("simulate", summary))
         return 0
     one = len(summary["pools"]) == 1 and not sim["cross_pool_s"] and not summary["imbalance_s"]  # on one pool
     print(f"simulated step: {seconds(sim['step_time_s'])}   analytical estimate: "

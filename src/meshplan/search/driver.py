@@ -399,7 +399,7 @@ def _rank(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str
         return []
     obj = {"time": pts["step_time_s"], "cost": pts["usd_per_mtok"],
            "time-to-target": pts["time_to_target_s"]}[objective]
-    keys = (pts["peak_memory_gib"], pts["num_gpus"], obj)
+    keys = (pts["peak_memory_gib"], pts["num_gpus"], pts["step_time_s"], obj)  # last = first: result.rank_key
     order = np.lexsort(keys)
     kth = order[min(top, len(order)) - 1]
     last = min(top, len(order))
@@ -414,7 +414,8 @@ def _rank(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str
         """Parallel dimensions beyond data parallelism: on an exact tie the simpler plan ranks first."""
         p = scans[which[j]].cols.plan(int(rows[j]))
         return sum(int(x > 1) for x in (p.tp, p.pp, p.cp, p.ep, p.virtual_stages))
-    head.sort(key=lambda j: (obj[j], pts["num_gpus"][j], pts["peak_memory_gib"][j], axes(j), short(j)))
+    head.sort(key=lambda j: (obj[j], pts["step_time_s"][j], pts["num_gpus"][j], pts["peak_memory_gib"][j], axes(j),
+                             short(j)))
     return head[:top]
 
 

@@ -1,9 +1,10 @@
 """SearchResult: ranked plans, counts, rejections, Pareto front, and its JSON form.
 
 Ranking (deterministic): the objective (step time, or dollars per million tokens with
-``objective="cost"``: the same order as dollars for a whole training run), then fewer GPUs,
-then lower peak memory per GPU, then the plan's ``short()`` string in plain lexicographic
-(code point) order.
+``objective="cost"``: the same order as dollars for a whole training run), then step time (the
+time second: plans whose dollars tie, as every plan does at a price of 0, go to the faster), then
+fewer GPUs, then lower peak memory per GPU, then the plan's ``short()`` string in plain
+lexicographic (code point) order.
 
 Also here, on results of the search (`driver.search`):
   * `apply_deadline`: reject the feasible plans that take longer than a deadline to train a
@@ -248,11 +249,11 @@ def train_days(step_time_s: Any, tokens_per_step: float, train_tokens: float) ->
     return np.asarray(step_time_s, dtype=float) * (train_tokens / tokens_per_step) / 86400.0
 
 
-def rank_key(p: RankedPlan, objective: str) -> tuple[float, int, float, str]:
+def rank_key(p: RankedPlan, objective: str) -> tuple[float, float, int, float, str]:
     """The ranking order of the search (module docstring)."""
     obj = {"time": p.report.step_time_s, "cost": p.usd_per_mtok,
            "time-to-target": p.report.time_to_target_s}[objective]
-    return (obj, p.plan.num_gpus, p.report.peak_memory_gib, p.plan.short())
+    return (obj, p.report.step_time_s, p.plan.num_gpus, p.report.peak_memory_gib, p.plan.short())
 
 
 def apply_deadline(result: SearchResult, train_tokens: float, deadline_days: float) -> SearchResult:
@@ -387,9 +388,9 @@ def merge(results: Sequence[SearchResult], top: int) -> SearchResult:
 
 def pooled_key(e: PooledEstimate, objective: str) -> tuple:
     """The ranking order of plans over pools: dollars per token with objective cost, else step
-    time; then fewer GPUs; then the plan string."""
+    time; then step time (dollars that tie go to the faster); then fewer GPUs; then the plan string."""
     first = e.usd_per_m_tokens if objective == "cost" else e.step_time_s
-    return (first, e.num_gpus, e.plan.short())
+    return (first, e.step_time_s, e.num_gpus, e.plan.short())
 
 
 def _merge_pooled(results: Sequence[SearchResult], top: int) -> SearchResult:

@@ -550,7 +550,8 @@ def parse_plan(text: str) -> Plan:
     for part in text.split(","):
         part = part.strip()
         if not part:
-            continue
+            raise MeshplanError(f"plan: an empty item in {text.strip()!r} (two commas in a row, or a comma at an "
+                                "end)", hint="write key=value items separated by single commas, e.g. dp=8,zero=3")
         if "=" not in part:
             raise MeshplanError(f"plan: {part!r} is not key=value",
                                 hint="e.g. --plan tp=8,pp=4,dp=16,micro_batch=1")

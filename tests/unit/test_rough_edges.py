@@ -1,0 +1,44 @@
+"""Issue 29's rough edges, each with a test that failed before its fix."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clirun import run
+from meshplan.errors import MeshplanError
+from meshplan.spec.plan import parse_plan
+
+
+@pytest.mark.parametrize("text", ["dp=8,,zero=3", "dp=8,zero=3,", ",dp=8"])
+def test_an_empty_item_in_a_plan_string_is_an_error(text):
+    """Edge 8: 'dp=8,,zero=3' was silently accepted."""
+    with pytest.raises(MeshplanError, match="empty item"):
+        parse_plan(text)
+
+
+def test_cost_ties_at_a_price_of_zero_go_to_time(capsys):
+    """Edge 2: with --price-per-gpu-hour 0 every plan costs $0 and the tie fell to less memory, so a
+    slower plan won; the README says time comes second."""
+    rc, out, err = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16",
+                       "--objective", "cost", "--price-per-gpu-hour", "0", "--json")
+    assert rc == 0, err
+    times = [p["cost"]["step_time_s"] for p in json.loads(out)["plans"]]
+    assert times == sorted(times)
+
+
+@pytest.mark.parametrize("argv,command", [
+    (["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--plan", "dp=8,zero=3",
+      "--global-batch", "16"], "estimate"),
+    (["plan", "--model", "gpt2-medium", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16"], "plan"),
+    (["simulate", "--model", "gpt2-medium", "--cluster", "h100-sxm-80gb:8", "--plan", "dp=8",
+      "--global-batch", "16"], "simulate"),
+    (["presets"], "presets"),
+])
+def test_json_documents_carry_a_schema_version(capsys, argv, command):
+    """Edge 12: `plan --json` and `estimate --json` carried no schema_version."""
+    rc, out, err = run(capsys, *argv, "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["schema_version"] == 1 and d["command"] == command
+    assert list(d)[:2] == ["schema_version", "command"]
