@@ -9,3 +9,11 @@ class MeshplanError(ValueError):
         self.message = message
         self.hint = hint
         super().__init__(f"{message} ({hint})" if hint else message)
+
+
+class Infeasible(MeshplanError):
+    """The request is well formed, but nothing meets it: no plan fits, or none meets the deadline.
+    The CLI exits with code 3 for it (2 is bad usage or input), and its message says what would
+    make the request feasible."""
+
+    exit_code = 3

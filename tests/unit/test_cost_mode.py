@@ -133,7 +133,7 @@ def test_deadline_nothing_meets_says_what_would(capsys):
     code, out, err = run(capsys, "plan", "--model", "tiny-llama", "--cluster", "h100-sxm-80gb:1",
                          "--global-batch", "8", "--seq-len", "64", "--train-tokens", TOKENS,
                          "--deadline", f"{(one + two) / 2:.6f}")
-    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert code == 3 and err.count("\n") == 1 and "Traceback" not in err
     assert f"takes {one:,.1f} days" in err and "about 2 GPUs would meet it" in err
     assert f"{OVER_DEADLINE}: " in out
 
@@ -143,7 +143,7 @@ def test_deadline_nothing_meets_json_names_the_fastest(capsys):
     code, doc, err = run_json(capsys, "plan", "--model", "tiny-llama", "--cluster", "h100-sxm-80gb:1",
                               "--global-batch", "8", "--seq-len", "64", "--train-tokens", TOKENS,
                               "--deadline", f"{days(best[1]) / 1e6:.9f}")
-    assert code == 2 and "no plan trains" in err and "GPUs" in err
+    assert code == 3 and "no plan trains" in err and "GPUs" in err
     miss = doc["deadline_miss"]
     assert miss["fastest"]["days"] == pytest.approx(days(best[1]), rel=1e-9)
     assert miss["fastest"]["num_gpus"] == 1 and miss["ideal_scaling_gpus"] >= 1e6

@@ -118,7 +118,7 @@ def test_deadline_keeps_the_cheapest_plan_that_meets_it(capsys, cluster_file, ba
     # nothing meets a deadline shorter than the fastest plan: one-line error naming it
     fastest = min(steps) * 1e9 / tokens_per_step / 86400
     rc, out, err = _plan(capsys, cluster_file, "--train-tokens", "1B", "--deadline", f"{fastest / 2:.9f}")
-    assert rc == 2 and "within" in err and "over the" in err and "Traceback" not in err
+    assert rc == 3 and "within" in err and "over the" in err and "Traceback" not in err
 
 
 def test_plot_draws_the_pooled_pareto_front(capsys, cluster_file, tmp_path, base):
@@ -224,7 +224,7 @@ def test_gpus_explains_from_the_plans_of_every_budget(capsys, cluster_file):
 
 def test_a_missed_deadline_prints_no_empty_table(capsys, cluster_file):
     rc, out, err = _plan(capsys, cluster_file, "--train-tokens", "1T", "--deadline", "0.001")
-    assert rc == 2 and "within 0.001 days" in err and "1T tokens" in err
+    assert rc == 3 and "within 0.001 days" in err and "1T tokens" in err
     assert "GPUs  $/M tok" not in out and "no plan meets the 0.001-day deadline" in out
 
 

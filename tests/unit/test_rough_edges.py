@@ -42,3 +42,11 @@ def test_json_documents_carry_a_schema_version(capsys, argv, command):
     d = json.loads(out)
     assert d["schema_version"] == 1 and d["command"] == command
     assert list(d)[:2] == ["schema_version", "command"]
+
+
+def test_nothing_fits_exits_3_not_2(capsys):
+    """Edge 10: exit code 2 meant both bad usage and "no plan fits"."""
+    rc, out, err = run(capsys, "plan", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb:2", "--global-batch", "16")
+    assert rc == 3 and "no plan fits" in err and err.count("\n") == 1
+    rc, _, err = run(capsys, "plan", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb:2", "--global-batch", "x")
+    assert rc == 2

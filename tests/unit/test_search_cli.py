@@ -80,14 +80,14 @@ def test_bad_input_is_one_line(capsys, argv, words):
 def test_over_restricted_space_says_what_to_relax(capsys):
     args = [a if a != "h100-sxm-80gb:4" else "h100-sxm-80gb:8" for a in SMALL]
     code, out, err = run(capsys, *args, "--fix", "tp=2,recompute=none,zero=0,micro_batch=8,offload=0")
-    assert code == 2 and "without the --fix restrictions it fits" in err
+    assert code == 3 and "without the --fix restrictions it fits" in err
     assert "batch not divisible" in out
 
 
 def test_model_too_big_for_one_gpu_names_what_would_fit(capsys):
     code, out, err = run(capsys, "plan", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb:1",
                          "--global-batch", "8", "--seq-len", "8192")
-    assert code == 2 and err.count("\n") == 1
+    assert code == 3 and err.count("\n") == 1
     assert "no plan fits" in err and "needs at least" in err and "x h100-sxm-80gb" in err
     assert "out of memory" in out  # the rejection histogram still goes to stdout
 

@@ -20,6 +20,10 @@ EPILOG = """examples:
   meshplan plan --model llama3-8b --cluster h100-sxm-80gb:8 --global-batch 16 --out plan.json
   meshplan estimate --plan plan.json          # simulate, report, train, export too: the file's problem
   meshplan validate --report validation.md
+
+exit codes: 0 done; 2 bad usage or input (the message says what is wrong and how to fix it);
+  3 the request is well formed but nothing meets it: no plan fits, or none meets --deadline (the
+  message says what would); 130 interrupted.
 """
 
 
@@ -224,9 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 0
         return COMMANDS[args.command](args)
-    except MeshplanError as e:
+    except MeshplanError as e:  # 2: bad usage or input; 3: nothing fits or meets the deadline (errors.Infeasible)
         print(f"meshplan: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         print("meshplan: interrupted", file=sys.stderr)
         return 130

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-from meshplan.errors import MeshplanError
+from meshplan.errors import Infeasible, MeshplanError
 from meshplan.spec.axes import AX
 
 SEARCHABLE_FIX = (AX.TP, AX.PP, AX.CP, AX.EP, "zero", "micro_batch", "schedule", "recompute")  # (spec.axes: light)
@@ -988,10 +988,10 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(cost.lines() + [_text(result, tokens, price)]))
     if not result.plans:
         if miss is not None:
-            raise MeshplanError(deadline_message(result, miss))
+            raise Infeasible(deadline_message(result, miss))
         c = clusters[-1]
-        raise MeshplanError(f"no plan fits {model.name} on {c.num_gpus} x {c.gpu.name} with global batch "
-                            f"{work.global_batch} x {work.seq_len}: " + "; ".join(result.nearest))
+        raise Infeasible(f"no plan fits {model.name} on {c.num_gpus} x {c.gpu.name} with global batch "
+                         f"{work.global_batch} x {work.seq_len}: " + "; ".join(result.nearest))
     if args.out is not None:
         _write_out(args.out, result, {"profile": getattr(args, "profile", None),
                                       "calibration": getattr(args, "calibration", None),
@@ -1041,11 +1041,11 @@ def _pooled_output(args: argparse.Namespace, result: Any, cost: Any, tokens: flo
     if result.best_pooled is None:
         if result.deadline_days is not None and result.rejected.get("over the deadline"):
             from meshplan.search.result import token_count
-            raise MeshplanError(f"no plan trains {token_count(tokens)} tokens of {model.name} within "
+            raise Infeasible(f"no plan trains {token_count(tokens)} tokens of {model.name} within "
                                 f"{result.deadline_days:g} days on {result.clusters[0].name}: "
                                 + result.reject_examples.get("over the deadline", ""),
                                 hint="raise --deadline, train fewer tokens, or add GPUs to the pools")
-        raise MeshplanError(f"no plan fits {model.name} on any pool of {result.clusters[0].name} with global batch "
+        raise Infeasible(f"no plan fits {model.name} on any pool of {result.clusters[0].name} with global batch "
                             f"{work.global_batch} x {work.seq_len}",
                             hint="more GPUs, a smaller global batch or sequence, or a GPU with more memory")
     if args.out is not None:
