@@ -50,3 +50,23 @@ def test_nothing_fits_exits_3_not_2(capsys):
     assert rc == 3 and "no plan fits" in err and err.count("\n") == 1
     rc, _, err = run(capsys, "plan", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb:2", "--global-batch", "x")
     assert rc == 2
+
+
+def test_a_config_with_no_layers_is_refused(capsys, tmp_path):
+    """Edge 8: an HF config with 0 layers was planned as an embedding and a head."""
+    pytest.importorskip("transformers")
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 0, "hidden_size": 512,
+                             "num_attention_heads": 8, "intermediate_size": 1024, "vocab_size": 1000}))
+    rc, _, err = run(capsys, "estimate", "--model", f"hf:{f}", "--cluster", "h100-sxm-80gb:8", "--plan", "dp=8",
+                     "--global-batch", "16")
+    assert rc == 2 and "num_hidden_layers = 0 is not a whole number >= 1" in err and err.count("\n") == 1
+
+
+def test_plan_says_what_it_wrote(capsys, tmp_path):
+    """Edge 11: `plan --out` and `--plot` wrote silently."""
+    out, svg = tmp_path / "p.json", tmp_path / "p.svg"
+    rc, _, err = run(capsys, "plan", "--model", "gpt2-medium", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16",
+                     "--out", str(out), "--plot", str(svg), "--json")
+    assert rc == 0 and out.exists() and svg.exists()
+    assert f"wrote {out}" in err and f"wrote {svg}" in err

@@ -996,8 +996,15 @@ def run(args: argparse.Namespace) -> int:
         _write_out(args.out, result, {"profile": getattr(args, "profile", None),
                                       "calibration": getattr(args, "calibration", None),
                                       "token_efficiency": getattr(args, "token_efficiency", None)})
+        _said(f"wrote {args.out}: the winner's plan file (estimate, simulate, report, export and train take it "
+              f"by --plan {args.out})")
     _plot(args, result)
     return 0
+
+
+def _said(line: str) -> None:
+    """What a command wrote, on stderr (stdout stays one JSON document with --json)."""
+    print(f"meshplan: {line}", file=sys.stderr)
 
 
 def _plot(args: argparse.Namespace, result: Any) -> None:
@@ -1009,6 +1016,7 @@ def _plot(args: argparse.Namespace, result: Any) -> None:
         finally:
             if bar is not None:
                 bar.close()
+        _said(f"wrote {args.plot}: the Pareto front (step time, memory, dollars)")
 
 
 def price_info(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
@@ -1050,6 +1058,7 @@ def _pooled_output(args: argparse.Namespace, result: Any, cost: Any, tokens: flo
                             hint="more GPUs, a smaller global batch or sequence, or a GPU with more memory")
     if args.out is not None:
         _write_pooled_out(args.out, result, str(args.cluster))
+        _said(f"wrote {args.out}: the winner's plan file (--plan {args.out})")
     _plot(args, result)
     return 0
 

@@ -118,6 +118,12 @@ def load_config(src: Source) -> Any:
         raise MeshplanError(f"{str(src.path)!r}: the config does not define the architecture: missing "
                             f"{', '.join(missing)} (model_type {mt!r})",
                             hint="add them to the config (transformers would take its own defaults, a different model)")
+    for what, names in ARCH_FIELDS[:5]:  # sizes that must be whole numbers >= 1 (a 0-layer model trains nothing)
+        for n in names:
+            v = data.get(n)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise MeshplanError(f"{str(src.path)!r}: {n} = {v!r} is not a whole number >= 1 (the model's {what})",
+                                    hint=f"set {n} to the model's real {what}, as in its published config")
     kw = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
     try:
         with quiet_transformers():
