@@ -286,7 +286,7 @@ def test_presets_show_the_specs(capsys):
 def test_presets_json_is_complete(capsys):
     rc, out, _ = run(capsys, "presets", "--json")
     d = json.loads(out)
-    assert rc == 0 and set(d) == {"models", "gpus", "clusters"}
+    assert rc == 0 and set(d) == {"schema_version", "command", "models", "gpus", "clusters"}
     m = d["models"]["llama3-8b"]
     assert m["params"] == 8_030_261_248 and m["num_layers"] == 32 and m["seq_len"] == 8192
     assert m["meta"]["params_published"] == 8_030_261_248

@@ -144,7 +144,7 @@ def test_offload_plans_are_checked_against_host_memory(capsys):
     doc = json.loads(out)
     assert doc["fits"] and not doc["host_fits"] and doc["host_memory_gib"] > 128
     rc, out, err = run(capsys, "plan", *args)
-    assert rc == 2 and "of host memory per GPU (of 128)" in err and "at least 16 x h100-sxm-80gb" in err
+    assert rc == 3 and "of host memory per GPU (of 128)" in err and "at least 16 x h100-sxm-80gb" in err
 
 
 @pytest.mark.parametrize("flag", ["--even-stages-only", "--uneven-stages"])

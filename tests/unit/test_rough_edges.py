@@ -10,7 +10,7 @@ from meshplan.errors import MeshplanError
 from meshplan.spec.plan import parse_plan
 
 
-@pytest.mark.parametrize("text", ["dp=8,,zero=3", "dp=8,zero=3,", ",dp=8"])
+@pytest.mark.parametrize("text", ["dp=8,,zero=3", "dp=8,zero=3,,", ",dp=8"])
 def test_an_empty_item_in_a_plan_string_is_an_error(text):
     """Edge 8: 'dp=8,,zero=3' was silently accepted."""
     with pytest.raises(MeshplanError, match="empty item"):

@@ -34,6 +34,7 @@ from typing import Any
 
 from meshplan.cost.profile import PROFILE_FIELDS, PROFILES, get_profile
 from meshplan.errors import MeshplanError
+from meshplan.spec.axes import AX
 
 #: The discrete settings searched, each over its values (the grid). Settings that only move memory
 #: are informed by peaks and out-of-memory outcomes; the rest by step times.
@@ -252,12 +253,12 @@ def neighbours(plan: Any) -> list[Any]:
     or halved, the other recomputation, another ZeRO level (each kept only if the Plan accepts it)."""
     out = []
     changes: list[dict[str, Any]] = []
-    for ax in ("tp", "pp", "cp"):
+    for ax in (AX.TP, AX.PP, AX.CP):
         a, dp = getattr(plan, ax), plan.dp
         if dp % 2 == 0:
-            changes.append({ax: a * 2, "dp": dp // 2})
+            changes.append({ax: a * 2, AX.DP: dp // 2})
         if a % 2 == 0:
-            changes.append({ax: a // 2, "dp": dp * 2})
+            changes.append({ax: a // 2, AX.DP: dp * 2})
     mb = plan.micro_batch
     changes += [{"micro_batch": mb * 2}] + ([{"micro_batch": mb // 2}] if mb > 1 else [])
     for r in ("none", "selective", "full"):

@@ -534,7 +534,9 @@ def _cross_validate(cases: list[Any], result: dict[str, Any], shots: list[int] |
                     blind: bool = False) -> list[str]:
     from meshplan.calibration.bands import oom_verdicts, residuals
     from meshplan.calibration.fit import cross_validate, pooled, runs_from_cases
-    from meshplan.validate.ranking import rank_rows_out_of_sample, score_sweeps
+    from meshplan.calibration.out_of_sample import coverage as oos_coverage
+    from meshplan.calibration.out_of_sample import rank_rows as oos_rank_rows
+    from meshplan.validate.ranking import score_sweeps
     from meshplan.validate.ranking import to_lines as ranking_lines
     t0 = time.perf_counter()
     runs = runs_from_cases(cases)
@@ -544,9 +546,9 @@ def _cross_validate(cases: list[Any], result: dict[str, Any], shots: list[int] |
     folds = cross_validate(runs, progress=lambda s: print(f"meshplan: validate: {s.strip()}", file=sys.stderr))
     res = residuals(runs, folds)
     oom_verdicts(res, folds)
-    result["ranking_out_of_sample"] = score_sweeps(rank_rows_out_of_sample(res))
+    result["ranking_out_of_sample"] = score_sweeps(oos_rank_rows(res))
     from meshplan.validate import coverage
-    result["band_coverage_out_of_sample"] = coverage.out_of_sample(res)
+    result["band_coverage_out_of_sample"] = oos_coverage(res)
     took = time.perf_counter() - t0
     entries = [f.summary() for f in folds]
     total = pooled(folds)
@@ -571,8 +573,8 @@ def _cross_validate(cases: list[Any], result: dict[str, Any], shots: list[int] |
     lines += ranking_lines(result["ranking_out_of_sample"], "Ranking within sweeps, out of sample")
     lines += coverage.to_lines(result["band_coverage_out_of_sample"], "Band coverage, out of sample")
     if shots:
-        from meshplan.validate.few_shot import few_shot
-        from meshplan.validate.few_shot import to_lines as few_lines
+        from meshplan.calibration.few_shot import few_shot
+        from meshplan.calibration.few_shot import to_lines as few_lines
         print(f"meshplan: validate: calibrating each source on {', '.join(map(str, shots))} of its runs"
               + (" (blind)" if blind else "") + " ...", file=sys.stderr, flush=True)
         result["few_shot"] = few_shot(runs, folds, shots, blind)

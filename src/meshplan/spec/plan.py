@@ -547,11 +547,14 @@ def parse_plan(text: str) -> Plan:
     fields = dict.fromkeys(PLAN_FIELDS)
     hints = Plan.flat_hints()
     kwargs: dict[str, object] = {}
-    for part in text.split(","):
+    parts = text.split(",")
+    if len(parts) > 1 and not parts[-1].strip():
+        parts = parts[:-1]  # one comma at the end, as a list pasted from a script may have
+    for part in parts:
         part = part.strip()
         if not part:
-            raise MeshplanError(f"plan: an empty item in {text.strip()!r} (two commas in a row, or a comma at an "
-                                "end)", hint="write key=value items separated by single commas, e.g. dp=8,zero=3")
+            raise MeshplanError(f"plan: an empty item in {text.strip()!r} (two commas in a row, or a comma at the "
+                                "start)", hint="write key=value items separated by single commas, e.g. dp=8,zero=3")
         if "=" not in part:
             raise MeshplanError(f"plan: {part!r} is not key=value",
                                 hint="e.g. --plan tp=8,pp=4,dp=16,micro_batch=1")

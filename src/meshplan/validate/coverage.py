@@ -4,30 +4,27 @@ A 90% step-time band (cost.uncertainty.step_band) should contain the measured st
 of the runs, per source, and an out-of-memory run should have a memory band that crosses the
 usable memory (its 95th-percentile peak above the limit: P(OOM) >= 5%). ``validate`` reports both
 per source in sample (each row's own band, from the built-in bands, which saw every source) and,
-with ``--cross-validate``, out of sample: each source's runs predicted by the calibration fitted
+with ``--cross-validate``, out of sample (calibration.out_of_sample.coverage): each source's runs predicted by the calibration fitted
 without it and banded by the bands fitted without it (calibration.bands.bands_without). A band
 right only where meshplan is already right does not tell the user what they need to know.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 TARGET = (85.0, 95.0)
 """The share of runs a 90% band should cover, % (issue 28's done-when)."""
 
 
-def _entry(source: str, inside: list[bool], crossed: list[bool]) -> dict[str, Any]:
+def entry(source: str, inside: list[bool], crossed: list[bool]) -> dict[str, Any]:
     return {"source_id": source, "step_runs": len(inside),
             "step_coverage_pct": round(100 * sum(inside) / len(inside), 1) if inside else None,
             "oom_runs": len(crossed),
             "oom_band_crosses_pct": round(100 * sum(crossed) / len(crossed), 1) if crossed else None}
 
 
-def _pooled(per: list[dict[str, Any]], inside: list[bool], crossed: list[bool]) -> dict[str, Any]:
+def pooled(per: list[dict[str, Any]], inside: list[bool], crossed: list[bool]) -> dict[str, Any]:
     covs = [e["step_coverage_pct"] for e in per if e["step_coverage_pct"] is not None and e["step_runs"] >= 3]
     return {"step_runs": len(inside),
             "step_coverage_pct": round(100 * sum(inside) / len(inside), 1) if inside else None,
@@ -51,34 +48,10 @@ def in_sample(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 inside.append(lo <= meas <= hi)
             if r.get("measured_fits") is False and r.get("oom_probability") is not None:
                 crossed.append(r["oom_probability"] >= 0.05)
-        per.append(_entry(src, inside, crossed))
+        per.append(entry(src, inside, crossed))
         all_in += inside
         all_cross += crossed
-    return {"by_source": per, "pooled": _pooled(per, all_in, all_cross)}
-
-
-def out_of_sample(residuals: Any) -> dict[str, Any]:
-    """Coverage of the leave-one-source-out predictions (calibration.bands.Residuals), each source
-    banded by the bands fitted without it."""
-    from meshplan.calibration.bands import bands_without
-    from meshplan.cost.uncertainty import oom_probability, step_band
-    runs = residuals.runs
-    per, all_in, all_cross = [], [], []
-    for s in dict.fromkeys(runs.source.tolist()):
-        b = bands_without(residuals, s)
-        inside, crossed = [], []
-        for i in np.nonzero(runs.source == s)[0]:
-            t, m = float(residuals.pred_step[i]), float(residuals.pred_mem[i])
-            base = runs.bases[i]
-            if math.isfinite(runs.step[i]) and math.isfinite(t):
-                lo, hi = step_band(t, runs.cases[i].plan.pp, base, b)
-                inside.append(bool(float(lo) <= runs.step[i] <= float(hi)))
-            if runs.fits[i] < 0 and math.isfinite(m):
-                crossed.append(bool(oom_probability(m, float(residuals.usable[i]), base, b) >= 0.05))
-        per.append(_entry(s, inside, crossed))
-        all_in += inside
-        all_cross += crossed
-    return {"by_source": per, "pooled": _pooled(per, all_in, all_cross)}
+    return {"by_source": per, "pooled": pooled(per, all_in, all_cross)}
 
 
 def to_lines(result: dict[str, Any], title: str) -> list[str]:

@@ -16,7 +16,7 @@ trained and were timed:
 
 Out-of-memory runs of the sweep take part in the pick (they are the configurations a user would
 lose a job to) but not in the correlation (they have no time). ``rank_rows_from_validate`` reads
-the in-sample rows of ``validate``; ``rank_rows_out_of_sample`` the leave-one-source-out
+the in-sample rows of ``validate``; calibration.out_of_sample.rank_rows the leave-one-source-out
 predictions of ``validate --cross-validate`` (each source predicted, and its verdicts judged, by
 the calibration and the bands fitted without it).
 """
@@ -141,31 +141,6 @@ def rank_rows_from_validate(cases: Sequence[Any], rows: Sequence[dict[str, Any]]
             continue
         out.append(RankRow(str(r["row_id"]), r["source_id"], k, r["measured_step_time_s"],
                            r["predicted_step_time_s"], r.get("verdict") == "fits", r.get("measured_fits")))
-    return out
-
-
-def rank_rows_out_of_sample(residuals: Any) -> list[RankRow]:
-    """RankRows of the leave-one-source-out predictions (calibration.bands.Residuals): each source's
-    times from the fit without it, its verdicts from the bands without it."""
-    from meshplan.calibration.bands import bands_without
-    from meshplan.cost.uncertainty import verdicts
-    runs = residuals.runs
-    out: list[RankRow] = []
-    for s in dict.fromkeys(runs.source.tolist()):
-        bands = bands_without(residuals, s)
-        for i in np.nonzero(runs.source == s)[0]:
-            c = runs.cases[i]
-            k = sweep_key(c)
-            t, m = float(residuals.pred_step[i]), float(residuals.pred_mem[i])
-            if k is None or not math.isfinite(t):
-                continue
-            rec = False
-            if math.isfinite(m):
-                fits, risky, _ = verdicts(m, float(residuals.usable[i]), runs.bases[i], bands)
-                rec = bool(fits) and not bool(risky)
-            meas = float(runs.step[i]) if math.isfinite(runs.step[i]) else None
-            fit = None if runs.fits[i] == 0 else bool(runs.fits[i] > 0)
-            out.append(RankRow(str(c.row_id), s, k, meas, t, rec, fit))
     return out
 
 
