@@ -215,6 +215,23 @@ def sync_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> 
     return bad | (periodic & wrong)
 
 
+def site_order_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    from meshplan.spec.axes import AXES, ParallelDims, parse_order, parse_sites, site_order_fault
+    site = cols.get("site_order")
+    bad = np.zeros(len(cols[AX.TP]), dtype=bool)
+    if site is None or not np.asarray(site).dtype.itemsize or not np.asarray(site).any():
+        return bad  # (the common case: no row has a site order)
+    keys = np.column_stack([np.asarray(site, dtype=str), np.asarray(cols["mesh_order"], dtype=str)]
+                           + [_i64(cols, a).astype(str) for a in AXES])
+    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    for k, u in enumerate(uniq):
+        if u[0]:
+            dims = ParallelDims(**{a: int(x) for a, x in zip(AXES, u[2:])}, order=parse_order(str(u[1])) or AXES,
+                                sites=parse_sites(str(u[0])))
+            bad[inv.reshape(-1) == k] = site_order_fault(dims, getattr(c, "num_dcs", 1)) is not None
+    return bad
+
+
 # ---- the runtime's rules (spec.support.RULES), vectorised ---------------------------------------
 
 def _split_backward(cols: PlanColumns) -> np.ndarray:
@@ -333,6 +350,7 @@ TWINS: dict[Callable[..., str | None], Masker] = {
     sc.recompute_layers_valid: recompute_layers_valid,
     sc.precision_supported: precision_supported,
     sc.sync_valid: sync_valid,
+    sc.site_order_valid: site_order_valid,
     # spec.support.RULES: the runtime's rule (Rule.why: plan, micro-batches, model -> its reason) -> its twin
     su.zero_bubble_dp: zero_bubble_dp,
     su.few_microbatches: few_microbatches,
