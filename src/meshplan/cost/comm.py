@@ -506,6 +506,22 @@ def mesh_placement(text: str) -> tuple[tuple[str, ...] | None, tuple[int, ...] |
     return parse_order(order), parse_sites(sites)
 
 
+def text_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct strings of a text column, each row's index into them), by one vectorised
+    comparison per distinct value (placement columns hold few; faster than np.unique's string sort)."""
+    values = np.asarray(values, dtype=str)
+    idx = np.full(values.shape, -1, dtype=np.int64)
+    out: list[str] = []
+    left = np.flatnonzero(idx < 0)
+    while len(left):
+        v = values.flat[left[0]]
+        hit = left[values.flat[left] == v]
+        idx.flat[hit] = len(out)
+        out.append(str(v))
+        left = left[idx.flat[left] < 0]
+    return np.array(out if out else [""]), idx
+
+
 def mesh_keys(cols: Mapping[str, Any], extra: Any = None) -> tuple[list[tuple[Any, ...]], np.ndarray]:
     """The distinct meshes of a plan table: ([(sizes per AXES, placement text, extra), ...], the
     index of each row's), so that per-mesh work (cost.comm.pipeline_links) runs once per mesh.
@@ -514,14 +530,17 @@ def mesh_keys(cols: Mapping[str, Any], extra: Any = None) -> tuple[list[tuple[An
     sizes = [np.asarray(cols[a]).astype(np.int64) for a in AXES]
     n = len(sizes[0])
     orders = np.broadcast_to(np.asarray(cols.get("mesh_order", ""), dtype=str), (n,))
-    site = cols.get("site_order")
-    if site is not None and np.asarray(site).dtype.itemsize and np.asarray(site).any():
-        site = np.broadcast_to(np.asarray(site, dtype=str), (n,))
-        orders = np.where(site != "", np.char.add(np.char.add(orders, "@"), site), orders)
     if orders.any():
         o_vals, o_idx = np.unique(orders, return_inverse=True)
     else:
         o_vals, o_idx = np.array([""]), np.zeros(n, dtype=np.int64)
+    site = cols.get("site_order")
+    if site is not None and np.asarray(site).dtype.itemsize and np.asarray(site).any():  # order@sites
+        s_vals, s_idx = text_codes(np.broadcast_to(np.asarray(site, dtype=str), (n,)))
+        both = o_idx.reshape(n) * len(s_vals) + s_idx.reshape(n)
+        used, o_idx = np.unique(both, return_inverse=True)
+        o_vals = np.array([str(o_vals[u // len(s_vals)]) + (f"@{s_vals[u % len(s_vals)]}" if s_vals[u % len(s_vals)]
+                                                             else "") for u in used])
     ex = np.zeros(n, dtype=np.int64) if extra is None else np.asarray(extra).astype(np.int64)
     # one int64 per row (each degree < 2^12 here, else the row-wise unique): a 1-D unique is fast
     if max(int(x.max(initial=0)) for x in sizes) < 4096 and len(o_vals) < 64 and int(ex.max(initial=0)) < 2:

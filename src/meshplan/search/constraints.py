@@ -221,14 +221,24 @@ def site_order_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumn
     bad = np.zeros(len(cols[AX.TP]), dtype=bool)
     if site is None or not np.asarray(site).dtype.itemsize or not np.asarray(site).any():
         return bad  # (the common case: no row has a site order)
-    keys = np.column_stack([np.asarray(site, dtype=str), np.asarray(cols["mesh_order"], dtype=str)]
-                           + [_i64(cols, a).astype(str) for a in AXES])
-    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
-    for k, u in enumerate(uniq):
-        if u[0]:
-            dims = ParallelDims(**{a: int(x) for a, x in zip(AXES, u[2:])}, order=parse_order(str(u[1])) or AXES,
-                                sites=parse_sites(str(u[0])))
-            bad[inv.reshape(-1) == k] = site_order_fault(dims, getattr(c, "num_dcs", 1)) is not None
+    from meshplan.cost.comm import text_codes
+    idx = np.flatnonzero(np.asarray(site) != "")
+    s_vals, s_inv = text_codes(np.asarray(site)[idx])
+    o_vals, o_inv = text_codes(np.asarray(cols["mesh_order"], dtype=str)[idx])
+    code = s_inv * len(o_vals) + o_inv
+    for a in AXES:  # one int64 per row where the degrees allow (a 1-D unique is fast), else row-wise
+        code = code * 4096 + _i64(cols, a)[idx]
+    if max(int(_i64(cols, a)[idx].max()) for a in AXES) < 4096 and len(s_vals) * len(o_vals) < 2**14:
+        _, first, inv = np.unique(code, return_index=True, return_inverse=True)
+        uniq = np.column_stack([s_inv[first], o_inv[first]] + [_i64(cols, a)[idx][first] for a in AXES])
+    else:
+        uniq, inv = np.unique(np.column_stack([s_inv, o_inv] + [_i64(cols, a)[idx] for a in AXES]), axis=0,
+                              return_inverse=True)  # the distinct (site order, mesh order, mesh)
+    fault = np.asarray([site_order_fault(ParallelDims(**{a: int(x) for a, x in zip(AXES, u[2:])},
+                                                      order=parse_order(str(o_vals[u[1]])) or AXES,
+                                                      sites=parse_sites(str(s_vals[u[0]]))),
+                                         getattr(c, "num_dcs", 1)) is not None for u in uniq])
+    bad[idx] = fault[inv.reshape(-1)]
     return bad
 
 
