@@ -303,11 +303,16 @@ def site_order_options(cluster: ClusterSpec, space: SearchSpace, sizes: dict[str
     ``order``, each as (site order, for plans without a wrap boundary, for plans with one (the
     interleaved schedules')): the base plan's, if it fixes one; else, on a cluster of three or
     more sites whose links between sites differ, for a pipeline that is the only axis across the
-    sites (every stage in one site, spec.axes.site_order_fault), every order of the sites up to
-    reversal (the first site numbered below the last: a reversed order crosses the same links,
-    mirrored), at most MAX_SITE_ORDER_SITES sites, each for the plans (with a wrap, or without)
+    sites (every stage in one site, spec.axes.site_order_fault), every order of the sites (a
+    reversed order crosses the same links, mirrored: kept, as the stages are not alike: the first
+    holds the embedding and the most micro-batches in flight, the last the loss), at most
+    MAX_SITE_ORDER_SITES sites, each for the plans (with a wrap, or without)
     where no other order's boundary links (cost.comm.pipeline_links) beat or equal its own at
-    every boundary (the default, the sites in their own order, first: it wins ties). Elsewhere
+    every boundary (the default, the sites in their own order, first: it wins ties); with a wrap
+    boundary (interleaved schedules: a ring of stages, which crosses the same links from whichever
+    site it starts, either way round) the links are compared as a set (sorted), so that the
+    ring's rotations and reflections count once (they differ only in which stage sits by which
+    link: a second-order effect, left out to bound the search). Elsewhere
     the default only: no cost for the search on one or two sites (two sites have one link
     between them, whatever the order)."""
     if space.base.site_order is not None:
@@ -320,10 +325,12 @@ def site_order_options(cluster: ClusterSpec, space: SearchSpace, sizes: dict[str
     dims = ParallelDims(**{a: int(sizes[a]) for a in AXES}, order=order or DEFAULT_ORDER, sites=tuple(range(k)))
     if site_order_fault(dims, k) is not None:
         return [(None, True, True)]
-    cands = [None if p == tuple(range(k)) else p for p in itertools.permutations(range(k)) if p[0] < p[-1]]
+    cands = [None if p == tuple(range(k)) else p for p in itertools.permutations(range(k))]
     keep = []
     for wrap in (False, True):
         links = [pipeline_links(cluster, sizes, order, wrap, p) for p in cands]
+        if wrap:  # a ring: the same links from whichever site it starts, either way round: compared as a set
+            links = [(np.sort(bw), np.sort(lat)[::-1]) for bw, lat in links]
         keep.append([not any((b2 >= bw).all() and (l2 <= lat).all()
                              and (j < i or (b2 > bw).any() or (l2 < lat).any())
                              for j, (b2, l2) in enumerate(links) if j != i)
@@ -332,7 +339,7 @@ def site_order_options(cluster: ClusterSpec, space: SearchSpace, sizes: dict[str
 
 
 MAX_SITE_ORDER_SITES = 6
-"""Most sites whose orders the search tries by brute force (6! / 2 = 360 orders)."""
+"""Most sites whose orders the search tries by brute force (6! = 720 orders)."""
 
 
 def _distinct_site_links(cluster: ClusterSpec) -> bool:

@@ -119,7 +119,7 @@ def site_order_fault(dims: ParallelDims, num_sites: int) -> str | None:
     sites = dims.sites
     if sites is None:
         return None
-    if len(sites) != num_sites:
+    if len(sites) != num_sites or dims.world_size % num_sites:
         return (f"site_order={':'.join(map(str, sites))} names {len(sites)} sites but the cluster has "
                 f"{num_sites}; name each of its sites once (0-based), or drop site_order")
     if not _stages_in_sites(dims.pp, dims.dp, dims.cp, dims.tp, dims.order, num_sites):
@@ -234,6 +234,11 @@ class ParallelDims:
         """A rank of the order's numbering -> the global rank (device) under the site order."""
         if self.sites is None:
             return rank
+        if self.world_size % len(self.sites):
+            from meshplan.errors import MeshplanError
+            raise MeshplanError(f"plan: site_order names {len(self.sites)} sites, which do not split its "
+                                f"{self.world_size} GPUs evenly",
+                                hint="name each of the cluster's (equal) sites once, or drop site_order")
         block = self.world_size // len(self.sites)
         return np.asarray(self.sites)[rank // block] * block + rank % block
 

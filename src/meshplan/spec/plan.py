@@ -357,10 +357,6 @@ class Plan:
                 raise MeshplanError("plan: site_order with pools: a cluster of several GPU pools has no sites to "
                                     "order (pools are placed by pools, pool_dp or pool_pp)",
                                     hint="drop site_order, or drop pools")
-            if self.num_gpus % len(self.site_order):
-                raise MeshplanError(f"plan: site_order names {len(self.site_order)} sites, which do not split the "
-                                    f"plan's {self.num_gpus} GPUs evenly",
-                                    hint="name each of the cluster's (equal) sites once, or drop site_order")
         if self.stage_layers is not None and len(self.stage_layers) != self.pp:
             raise MeshplanError(f"plan: stage_layers has {len(self.stage_layers)} entries but pp={self.pp}")
         self._check_shares_and_pools()
