@@ -506,6 +506,15 @@ def mesh_placement(text: str) -> tuple[tuple[str, ...] | None, tuple[int, ...] |
     return parse_order(order), parse_sites(sites)
 
 
+def any_text(values: Any) -> bool:
+    """Whether a text column holds a non-empty string (its bytes: no string comparison, so that
+    a column of '' costs next to nothing)."""
+    a = np.asarray(values)
+    if a.dtype.kind not in "US":
+        return bool(a.any())
+    return a.dtype.itemsize > 0 and bool(np.ascontiguousarray(a).view(np.uint8).any())
+
+
 def text_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(the distinct strings of a text column, each row's index into them), by one vectorised
     comparison per distinct value (placement columns hold few; faster than np.unique's string sort)."""
@@ -535,7 +544,7 @@ def mesh_keys(cols: Mapping[str, Any], extra: Any = None) -> tuple[list[tuple[An
     else:
         o_vals, o_idx = np.array([""]), np.zeros(n, dtype=np.int64)
     site = cols.get("site_order")
-    if site is not None and np.asarray(site).dtype.itemsize and np.asarray(site).any():  # order@sites
+    if site is not None and any_text(site):  # order@sites
         s_vals, s_idx = text_codes(np.broadcast_to(np.asarray(site, dtype=str), (n,)))
         both = o_idx.reshape(n) * len(s_vals) + s_idx.reshape(n)
         used, o_idx = np.unique(both, return_inverse=True)

@@ -217,11 +217,11 @@ def sync_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> 
 
 def site_order_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     from meshplan.spec.axes import AXES, ParallelDims, parse_order, parse_sites, site_order_fault
+    from meshplan.cost.comm import any_text, text_codes
     site = cols.get("site_order")
     bad = np.zeros(len(cols[AX.TP]), dtype=bool)
-    if site is None or not np.asarray(site).dtype.itemsize or not np.asarray(site).any():
+    if site is None or not any_text(site):
         return bad  # (the common case: no row has a site order)
-    from meshplan.cost.comm import text_codes
     idx = np.flatnonzero(np.asarray(site) != "")
     s_vals, s_inv = text_codes(np.asarray(site)[idx])
     o_vals, o_inv = text_codes(np.asarray(cols["mesh_order"], dtype=str)[idx])
