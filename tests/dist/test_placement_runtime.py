@@ -96,3 +96,21 @@ def test_permuted_placement_trains_as_the_default(tmp_path: Path, plan: str, ord
         assert got_ranks[0]["groups"][key] == members and base_ranks[0]["groups"][key] != members, key
     assert len(base_losses) == 3 and all(np.isfinite(base_losses))
     assert got_losses == base_losses  # exactly (module docstring)
+
+
+
+def test_site_order_trains_as_the_default(tmp_path: Path) -> None:
+    """A site order (site_order=1:0: the two emulated nodes as two sites) is realised at launch (the
+    nodes of site 1 take the first node ranks: runtime/mesh.py root_mesh), so the global ranks form
+    the default placement's groups and train as it does; the plan's rank grid names, for each rank,
+    the device of the other node (its stage's block moved whole)."""
+    plan = "tp=2,pp=2,precision=fp32"
+    base_losses, base_ranks = train_two_nodes(tmp_path, "default", plan)
+    moved = f"{plan},site_order=1:0"
+    got_losses, got_ranks = train_two_nodes(tmp_path, "sites", moved)
+    check_groups(plan, base_ranks)
+    check_groups(plan, got_ranks)
+    grid = ParallelDims.of(parse_plan(moved)).rank_grid()
+    assert grid[0].ravel().tolist() == [2, 3] and grid[1].ravel().tolist() == [0, 1]
+    assert len(base_losses) == 3 and all(np.isfinite(base_losses))
+    assert got_losses == base_losses

@@ -191,7 +191,7 @@ def test_old_flat_plan_files_load(tmp_path):
     assert plan == parse_plan("tp=8,pp=2,dp=4,zero=1,sequence_parallel=1,stage_layers=15:17")
     new = to_dict(plan)  # keys added since (the placement) come back at their defaults
     assert {k: new[k] for k in old["plan"]} == old["plan"]
-    assert {k: v for k, v in new.items() if k not in old["plan"]} == {"mesh_order": None}
+    assert {k: v for k, v in new.items() if k not in old["plan"]} == {"mesh_order": None, "site_order": None}
     short = tmp_path / "short.json"
     short.write_text(json.dumps({"tp": 2, "dp": 4, "micro_batch": 2}))  # bare keys, no plan table
     assert load_plan(str(short)) == Plan(tp=2, dp=4, micro_batch=2)

@@ -481,6 +481,10 @@ BAD_PLANS = [
      ["offload_optimizer needs zero >= 1"]),
     ("precision unsupported", Plan(tp=8, dp=8, precision="fp8"), {}, "a100-sxm-80gb:64", WORK,
      ["precision=fp8", "a100-sxm-80gb", "use bf16"]),
+    ("invalid site order", Plan(tp=8, pp=2, dp=4, site_order=(1, 0)), {}, None, WORK,
+     ["site_order=1:0 names 2 sites but the cluster has 1", "drop site_order"]),
+    ("invalid site order", Plan(tp=8, dp=32, site_order=(1, 0)), {}, "two-dc-h100", WORK,
+     ["every pipeline stage inside one site", "pp=1"]),
 ]
 
 

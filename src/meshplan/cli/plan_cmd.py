@@ -241,7 +241,7 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[
     fields = set(hints)
     seen: set[str] = set()
     fixable = "fixable: " + ", ".join(SEARCHABLE_FIX) + ", offload, sequence_parallel, mesh_order (placement), " \
-              "and the fields the search " \
+              "site_order, and the fields the search " \
               "does not choose (precision, compile, flash_attention, fused_loss, grad_sync, p2p_sharded, async_tp)"
     for part in (p.strip() for p in text.split(",") if p.strip()):
         if "=" not in part:
@@ -265,6 +265,12 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[
             from meshplan.spec.axes import parse_order
             changes["placements"] = tuple(dict.fromkeys(
                 None if v.lower() == "default" else parse_order(v, "--fix mesh_order") for v in alts))
+        elif key == "site_order":  # the one order of the sites the pipeline visits (spec.axes.parse_sites)
+            from meshplan.spec.axes import parse_sites
+            if len(alts) > 1:
+                raise MeshplanError("--fix site_order: give one order (the search tries the others itself on "
+                                    "clusters of three or more sites)", hint="e.g. --fix site_order=1:0:2")
+            base[key] = parse_sites(alts[0], "--fix site_order")
         elif key == "offload":
             vals = {bool(coerce(v, bool, "--fix offload")) for v in alts}
             if vals == {True}:  # only the offload variants

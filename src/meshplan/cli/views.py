@@ -52,6 +52,10 @@ def weak_link_lines(cluster: ClusterSpec, plan: Plan, r: CostReport, params: obj
         where = ", ".join(f"{a}={plan.dims.degree(a)} {tiers[a]}" for a in order if a in tiers)
         out.append(f"placement      {':'.join(order)}" + (" (default)" if plan.mesh_order is None else "")
                    + (f": {where}" if where else ""))
+        from meshplan.search.explain import pipeline_site_line
+        sites = pipeline_site_line(cluster, plan)
+        if sites:
+            out.append(f"               {sites}")
     if cluster.num_dcs > 1:
         out.append(f"cross-site     {r.cross_site_gb:,.2f} GB per step each way on the link between datacenters")
     if r.time.get("straggler", 0.0) > 0:

@@ -28,6 +28,7 @@ from meshplan.cost.comm import (
     column_st,
     dpcp_parts,
     mesh_keys,
+    mesh_placement,
     mesh_strides,
     pipeline_site_pairs,
     staged_fsdp_exposed,
@@ -73,7 +74,7 @@ from meshplan.cost.sync import (
 from meshplan.cost.sync import groups as sync_groups
 from meshplan.cost.uncertainty import memory_high, step_band, verdicts
 from meshplan.errors import MeshplanError
-from meshplan.spec.axes import AX, AXES, parse_order
+from meshplan.spec.axes import AX, AXES
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.constraints import violations
 from meshplan.spec.graph import LayerGraph, derived, layer_ops
@@ -683,7 +684,8 @@ def cross_site(a: Assembly, cluster: ClusterSpec, p: CostParams) -> np.ndarray:
     keys, inv = mesh_keys(cols, wrap)
     for k, (sz, order, wr) in enumerate(keys):
         if sz[0] > 1:  # AXES[0] is pp
-            pairs[inv == k] = pipeline_site_pairs(cluster, dict(zip(AXES, sz)), parse_order(order), bool(wr))
+            o, sites = mesh_placement(order)
+            pairs[inv == k] = pipeline_site_pairs(cluster, dict(zip(AXES, sz)), o, bool(wr), sites)
     sends = micro * v * send_bytes * pairs
     # the outer sync, once per H steps
     per_value = outer_bytes(comp)

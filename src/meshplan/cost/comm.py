@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.spec.axes import AX, AXES, ParallelDims, column_strides
+from meshplan.spec.axes import AX, AXES, ParallelDims, column_strides, parse_order, parse_sites, site_order_fault
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.units import US
 
@@ -346,37 +346,43 @@ _PIPES: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, int]] = {}
 
 
 def pipeline_links(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None,
-                   wrap: bool) -> tuple[np.ndarray, np.ndarray]:
+                   wrap: bool, sites: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(bytes/s, latency s) of each pipeline boundary, (pp,): boundary j carries the sends between
     stage j and stage j + 1 (the last, pp - 1 -> 0, is used by interleaved schedules only:
     ``wrap``). Every rank of a stage sends to its peer at once; a boundary is as fast as its
     slowest pair: inside a node the intra-node link; across nodes the GPU's NIC (or its share of
     a node NIC, among the node's GPUs crossing at this boundary); across sites the link between
-    the two sites (a shared one divided among every pair of every boundary that crosses it)."""
-    hit = _pipes(cluster, sizes, order, wrap)
+    the two sites (a shared one divided among every pair of every boundary that crosses it).
+    ``sites``: the plan's site order (Plan.site_order): the stages' blocks on the sites in that
+    order (spec.axes.ParallelDims.rank_grid), so its boundaries cross those sites' links."""
+    hit = _pipes(cluster, sizes, order, wrap, sites)
     return hit[0], hit[1]
 
 
 def pipeline_site_pairs(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None,
-                        wrap: bool) -> int:
+                        wrap: bool, sites: tuple[int, ...] | None = None) -> int:
     """Pairs of peer ranks whose pipeline sends cross a link between sites, over every boundary
     (each sends one activation and one gradient per micro-batch and chunk across it)."""
-    return _pipes(cluster, sizes, order, wrap)[2]
+    return _pipes(cluster, sizes, order, wrap, sites)[2]
 
 
 def _pipes(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None,
-           wrap: bool) -> tuple[np.ndarray, np.ndarray, int]:
-    key = (_link_key(cluster), cluster.num_gpus, tuple(int(sizes[a]) for a in AXES), order, wrap)
+           wrap: bool, sites: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    key = (_link_key(cluster), cluster.num_gpus, tuple(int(sizes[a]) for a in AXES), order, wrap, sites)
     hit = _PIPES.get(key)
     if hit is not None:
         return hit
     if len(_PIPES) > 4096:
         _PIPES.clear()
-    fast = _pipes_default(cluster, sizes, order, wrap)
+    fast = _pipes_default(cluster, sizes, order, wrap) if sites is None else None
     if fast is not None:
         _PIPES[key] = fast
         return fast
-    dims = ParallelDims(**{a: int(sizes[a]) for a in AXES}, order=order or AXES)
+    dims = ParallelDims(**{a: int(sizes[a]) for a in AXES}, order=order or AXES, sites=sites)
+    fault = site_order_fault(dims, cluster.num_dcs)
+    if fault is not None:
+        from meshplan.errors import MeshplanError
+        raise MeshplanError(f"plan: {fault}", hint="site_order orders the sites a pipeline crosses")
     grid = dims.rank_grid().reshape(dims.pp, -1)
     pp, gpn = dims.pp, cluster.gpus_per_node
     gps = cluster.gpus_per_dc if cluster.num_dcs > 1 else None
@@ -434,12 +440,14 @@ def _pipes_default(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str
     return bws, lats, 0
 
 
-def pair_link(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None) -> tuple[float, float]:
+def pair_link(cluster: ClusterSpec, sizes: dict[str, int], order: tuple[str, ...] | None,
+              sites: tuple[int, ...] | None = None) -> tuple[float, float]:
     """(bytes/s, latency s) between the first and the last pipeline stage's peers (the tied
-    embedding's gradient all-reduce): the wrap boundary's link."""
+    embedding's gradient all-reduce): the wrap boundary's link (under the site order ``sites``:
+    between the first and the last site the pipeline visits)."""
     if int(sizes[AX.PP]) < 2:
         return cluster.intra_node.bytes_per_s, 0.0
-    bws, lats = pipeline_links(cluster, sizes, order, True)
+    bws, lats = pipeline_links(cluster, sizes, order, True, sites)
     return float(bws[-1]), float(lats[-1])
 
 
@@ -492,9 +500,42 @@ def dpcp_parts(st: Mapping[str, Any], cp: Any, n: Any, skip: Any = 1) -> list[tu
     return [(n_cp, s_cp * skip), (n / n_cp, np.where(inner, s_dp, s_dp * skip / cp))]
 
 
+def mesh_placement(text: str) -> tuple[tuple[str, ...] | None, tuple[int, ...] | None]:
+    """A mesh_keys placement text -> (mesh order, site order), None for the defaults."""
+    order, _, sites = str(text).partition("@")
+    return parse_order(order), parse_sites(sites)
+
+
+def any_text(values: Any) -> bool:
+    """Whether a text column holds a non-empty string (its bytes: no string comparison, so that
+    a column of '' costs next to nothing)."""
+    a = np.asarray(values)
+    if a.dtype.kind not in "US":
+        return bool(a.any())
+    return a.dtype.itemsize > 0 and bool(np.ascontiguousarray(a).view(np.uint8).any())
+
+
+def text_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct strings of a text column, each row's index into them), by one vectorised
+    comparison per distinct value (placement columns hold few; faster than np.unique's string sort)."""
+    values = np.asarray(values, dtype=str)
+    idx = np.full(values.shape, -1, dtype=np.int64)
+    out: list[str] = []
+    left = np.flatnonzero(idx < 0)
+    while len(left):
+        v = values.flat[left[0]]
+        hit = left[values.flat[left] == v]
+        idx.flat[hit] = len(out)
+        out.append(str(v))
+        left = left[idx.flat[left] < 0]
+    return np.array(out if out else [""]), idx
+
+
 def mesh_keys(cols: Mapping[str, Any], extra: Any = None) -> tuple[list[tuple[Any, ...]], np.ndarray]:
     """The distinct meshes of a plan table: ([(sizes per AXES, placement text, extra), ...], the
-    index of each row's), so that per-mesh work (cost.comm.pipeline_links) runs once per mesh."""
+    index of each row's), so that per-mesh work (cost.comm.pipeline_links) runs once per mesh.
+    The placement text is the mesh order's, with ``@`` and the site order where a row has one
+    (``mesh_placement`` reads it back)."""
     sizes = [np.asarray(cols[a]).astype(np.int64) for a in AXES]
     n = len(sizes[0])
     orders = np.broadcast_to(np.asarray(cols.get("mesh_order", ""), dtype=str), (n,))
@@ -502,6 +543,13 @@ def mesh_keys(cols: Mapping[str, Any], extra: Any = None) -> tuple[list[tuple[An
         o_vals, o_idx = np.unique(orders, return_inverse=True)
     else:
         o_vals, o_idx = np.array([""]), np.zeros(n, dtype=np.int64)
+    site = cols.get("site_order")
+    if site is not None and any_text(site):  # order@sites
+        s_vals, s_idx = text_codes(np.broadcast_to(np.asarray(site, dtype=str), (n,)))
+        both = o_idx.reshape(n) * len(s_vals) + s_idx.reshape(n)
+        used, o_idx = np.unique(both, return_inverse=True)
+        o_vals = np.array([str(o_vals[u // len(s_vals)]) + (f"@{s_vals[u % len(s_vals)]}" if s_vals[u % len(s_vals)]
+                                                             else "") for u in used])
     ex = np.zeros(n, dtype=np.int64) if extra is None else np.asarray(extra).astype(np.int64)
     # one int64 per row (each degree < 2^12 here, else the row-wise unique): a 1-D unique is fast
     if max(int(x.max(initial=0)) for x in sizes) < 4096 and len(o_vals) < 64 and int(ex.max(initial=0)) < 2:

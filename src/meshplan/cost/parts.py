@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.comm import Group, dpcp_group, exposed_under, mesh_keys, pair_link, pipeline_links
+from meshplan.cost.comm import (Group, dpcp_group, exposed_under, mesh_keys, mesh_placement, pair_link,
+                                pipeline_links)
 from meshplan.cost.memory import MAIN_GRAD_BYTES
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams, flat_collectives
-from meshplan.spec.axes import AX, AXES, parse_order
+from meshplan.spec.axes import AX, AXES
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.plan import COLON_LISTS, PLAN_FIELDS, Plan
 
@@ -50,7 +51,8 @@ def boundary_sends(cluster: ClusterSpec, cols: Mapping[str, Any], send_bytes: np
         if sz[0] < 2:  # AXES[0] is pp: no pipeline, no sends
             continue
         rows = inv == k
-        b, l = pipeline_links(cluster, dict(zip(AXES, sz)), parse_order(order), bool(wr))
+        o, sites = mesh_placement(order)
+        b, l = pipeline_links(cluster, dict(zip(AXES, sz)), o, bool(wr), sites)
         bw[rows, :len(b)], lat[rows, :len(b)] = b, l
     size = np.asarray(send_bytes, dtype=float)[:, None]
     return np.where((size <= 0) | ~np.isfinite(bw), 0.0, size / bw + lat)
@@ -141,7 +143,7 @@ def tied_sync(cluster: ClusterSpec, tied_local: Any, cp: Any, dp: Any, shard: An
     keys, inv = mesh_keys(cols) if meshes is None else meshes
     for k, (sz, order, _) in enumerate(keys):
         if sz[0] > 1:  # AXES[0] is pp
-            bw[inv == k], lat[inv == k] = pair_link(cluster, dict(zip(AXES, sz)), parse_order(order))
+            bw[inv == k], lat[inv == k] = pair_link(cluster, dict(zip(AXES, sz)), *mesh_placement(order))
     pair = Group(np.full(pp.shape, 2.0), bw, lat, np.ones(pp.shape, dtype=bool)).all_reduce(
         np.broadcast_to(np.asarray(size, dtype=float), pp.shape))
     return np.where(pp > 1, pair, old)

@@ -22,6 +22,7 @@ the manual all-reduce's, FSDP2's shard mesh, never replicated across groups) and
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import json
@@ -215,8 +216,15 @@ class RuntimeMesh:
 def root_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     """The root (pp, dp_cp, tp) mesh of ``plan``: the global rank at each coordinate is the
     placement's (ParallelDims.rank_grid; the default placement gives torch.arange, the mesh
-    init_device_mesh builds)."""
-    dims = ParallelDims.of(plan)
+    init_device_mesh builds).
+
+    A site order (Plan.site_order) is not in this grid: it moves whole blocks of ranks (one
+    site's), which would leave the pp dimension out of rank order, and torch orders a process
+    group's members by global rank (its group rank, which torch.distributed.pipelining takes
+    for the stage's position). It is realised at launch instead: the nodes of site
+    site_order[k] take the node ranks of block k (k x nodes per site onwards), so that global
+    rank r runs on the device ParallelDims.rank_grid (with the site order) names for it."""
+    dims = dataclasses.replace(ParallelDims.of(plan), sites=None)
     grid = torch.tensor(dims.rank_grid(), dtype=torch.int).reshape(dims.root_shape)
     return DeviceMesh(device_type, grid, mesh_dim_names=dims.root_dims)
 

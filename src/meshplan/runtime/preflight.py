@@ -174,10 +174,11 @@ def check_seq_len(model: ModelSpec, seq_len: int) -> None:
 
 
 # ---- the planner's constraints ---------------------------------------------------------------------
-NOT_PLAN_CHECKS = ("gpu count mismatch", "tp larger than a node", "precision unsupported")
+NOT_PLAN_CHECKS = ("gpu count mismatch", "tp larger than a node", "precision unsupported", "invalid site order")
 """spec.constraints checks the launcher does not run: the process count (mesh.check_supported says it
-in the runtime's words), tp across nodes (it runs, only slower) and fp8 without fp8 hardware (runs as
-bf16, noted). Every other constraint is a property of the plan on the model and batch."""
+in the runtime's words), tp across nodes (it runs, only slower), fp8 without fp8 hardware (runs as
+bf16, noted) and a site order against the sites (a launch need not name them; the rank grid reads only
+the plan). Every other constraint is a property of the plan on the model and batch."""
 MODEL_FREE_CHECKS = ("batch not divisible", "schedule incompatible", "invalid hybrid sharding", "invalid offload",
                      "zero=2 under a pipeline")
 """spec.constraints checks that read only the plan and the batch: what is left for an ingested model

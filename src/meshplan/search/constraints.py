@@ -215,6 +215,33 @@ def sync_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> 
     return bad | (periodic & wrong)
 
 
+def site_order_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
+    from meshplan.spec.axes import AXES, ParallelDims, parse_order, parse_sites, site_order_fault
+    from meshplan.cost.comm import any_text, text_codes
+    site = cols.get("site_order")
+    bad = np.zeros(len(cols[AX.TP]), dtype=bool)
+    if site is None or not any_text(site):
+        return bad  # (the common case: no row has a site order)
+    idx = np.flatnonzero(np.asarray(site) != "")
+    s_vals, s_inv = text_codes(np.asarray(site)[idx])
+    o_vals, o_inv = text_codes(np.asarray(cols["mesh_order"], dtype=str)[idx])
+    code = s_inv * len(o_vals) + o_inv
+    for a in AXES:  # one int64 per row where the degrees allow (a 1-D unique is fast), else row-wise
+        code = code * 4096 + _i64(cols, a)[idx]
+    if max(int(_i64(cols, a)[idx].max()) for a in AXES) < 4096 and len(s_vals) * len(o_vals) < 2**14:
+        _, first, inv = np.unique(code, return_index=True, return_inverse=True)
+        uniq = np.column_stack([s_inv[first], o_inv[first]] + [_i64(cols, a)[idx][first] for a in AXES])
+    else:
+        uniq, inv = np.unique(np.column_stack([s_inv, o_inv] + [_i64(cols, a)[idx] for a in AXES]), axis=0,
+                              return_inverse=True)  # the distinct (site order, mesh order, mesh)
+    fault = np.asarray([site_order_fault(ParallelDims(**{a: int(x) for a, x in zip(AXES, u[2:])},
+                                                      order=parse_order(str(o_vals[u[1]])) or AXES,
+                                                      sites=parse_sites(str(s_vals[u[0]]))),
+                                         getattr(c, "num_dcs", 1)) is not None for u in uniq])
+    bad[idx] = fault[inv.reshape(-1)]
+    return bad
+
+
 # ---- the runtime's rules (spec.support.RULES), vectorised ---------------------------------------
 
 def _split_backward(cols: PlanColumns) -> np.ndarray:
@@ -333,6 +360,7 @@ TWINS: dict[Callable[..., str | None], Masker] = {
     sc.recompute_layers_valid: recompute_layers_valid,
     sc.precision_supported: precision_supported,
     sc.sync_valid: sync_valid,
+    sc.site_order_valid: site_order_valid,
     # spec.support.RULES: the runtime's rule (Rule.why: plan, micro-batches, model -> its reason) -> its twin
     su.zero_bubble_dp: zero_bubble_dp,
     su.few_microbatches: few_microbatches,

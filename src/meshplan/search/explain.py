@@ -268,6 +268,43 @@ def axis_tiers(cluster: Any, plan: Plan) -> dict[str, str]:
     return out
 
 
+def pipeline_site_crossings(cluster: Any, plan: Plan, wrap: bool) -> list[tuple[int, int, int]]:
+    """(boundary, site, site) of every pipeline boundary whose peers cross between two sites under
+    the plan's placement and site order (spec.axes.ParallelDims.rank_grid): boundary j joins stage
+    j and j + 1, the last (pp - 1 -> 0) only with ``wrap`` (interleaved schedules)."""
+    if getattr(cluster, "num_dcs", 1) < 2 or plan.pp < 2:
+        return []
+    grid = plan.dims.rank_grid().reshape(plan.pp, -1) // cluster.gpus_per_dc
+    out = []
+    for j in range(plan.pp if wrap else plan.pp - 1):
+        a, b = grid[j], grid[(j + 1) % plan.pp]
+        out += sorted({(j, int(x), int(y)) for x, y in zip(a[a != b], b[a != b])})
+    return out
+
+
+def pipeline_site_line(cluster: Any, plan: Plan) -> str | None:
+    """Which site pairs the pipeline's boundaries cross, each with its link (site_links, else
+    inter_dc), the slowest named; None where the pipeline crosses no site."""
+    wrap = plan.virtual_stages > 1 and plan.schedule != "zbv"
+    cross = pipeline_site_crossings(cluster, plan, wrap)
+    if not cross:
+        return None
+
+    def link(a: int, b: int) -> str:
+        t = cluster.site_link(a, b)
+        return f"{a}->{b} {t.bandwidth_gbps:g} GB/s {t.latency_us / 1000:g} ms"
+
+    pairs = list(dict.fromkeys((a, b) for j, a, b in cross if j < plan.pp - 1))
+    wraps = list(dict.fromkeys((a, b) for j, a, b in cross if j == plan.pp - 1))
+    slow = min(dict.fromkeys((min(a, b), max(a, b)) for _, a, b in cross),
+               key=lambda k: cluster.site_link(*k).bytes_per_s)
+    order = ("site_order=" + ":".join(map(str, plan.site_order)) if plan.site_order is not None
+             else "the sites in their own order")
+    return (f"pipeline across sites ({order}): boundaries on " + ", ".join(link(a, b) for a, b in pairs)
+            + (f"; the interleaved wrap on {', '.join(link(a, b) for a, b in wraps)}" if wraps else "")
+            + f" (slowest {slow[0]}-{slow[1]})")
+
+
 def placement_lines(result: SearchResult) -> list[str]:
     """On a cluster of several sites (or for a winner with a placement of its own): which axis
     crosses which link, and what the other placements the search tried would cost (the bytes
@@ -284,6 +321,16 @@ def placement_lines(result: SearchResult) -> list[str]:
     where = ", ".join(f"{a}={plan.dims.degree(a)} {tiers[a]}" for a in order if a in tiers)
     own = "the default order" if plan.mesh_order is None else "its own order"
     out = [f"placement {':'.join(order)} ({own}, outermost first): {where}"]
+    sites = pipeline_site_line(c, plan)
+    if sites:
+        out.append("  " + sites)
+    if plan.site_order is not None:  # the winner's mesh with the sites in their own order
+        try:
+            r0 = estimate(result.model, c, plan.replace(site_order=None), result.work, result.params or DEFAULT_PARAMS)
+            out.append(f"  vs the sites in their own order (0 to {c.num_dcs - 1}): {_secs(r0.step_time_s)} per "
+                       f"step, {r0.step_time_s / b.report.step_time_s:.2f}x the winner's")
+        except Exception:  # noqa: BLE001 - an alternative the cost model refuses is simply not compared
+            pass
     rb = b.report
     sizes = {a: plan.dims.degree(a) for a in AXES}
     crossing = [AXIS_WORDS[a] for a in order if tiers.get(a) == "across sites"]

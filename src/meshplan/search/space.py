@@ -54,6 +54,7 @@ rejection is counted under its reason. ``considered`` is the number of rows.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,6 +295,59 @@ def placement_options(cluster: ClusterSpec, space: SearchSpace, sizes: dict[str,
             seen.add(key)
             out.append(None if o == DEFAULT_ORDER else o)
     return out
+
+
+def site_order_options(cluster: ClusterSpec, space: SearchSpace, sizes: dict[str, int],
+                       order: tuple[str, ...] | None) -> list[tuple[tuple[int, ...] | None, bool, bool]]:
+    """The site orders (Plan.site_order) tried for a mesh of these ``sizes`` in mesh order
+    ``order``, each as (site order, for plans without a wrap boundary, for plans with one (the
+    interleaved schedules')): the base plan's, if it fixes one; else, on a cluster of three or
+    more sites whose links between sites differ, for a pipeline that is the only axis across the
+    sites (every stage in one site, spec.axes.site_order_fault), every order of the sites (a
+    reversed order crosses the same links, mirrored: kept, as the stages are not alike: the first
+    holds the embedding and the most micro-batches in flight, the last the loss), at most
+    MAX_SITE_ORDER_SITES sites, each for the plans (with a wrap, or without)
+    where no other order's boundary links (cost.comm.pipeline_links) beat or equal its own at
+    every boundary (the default, the sites in their own order, first: it wins ties); with a wrap
+    boundary (interleaved schedules: a ring of stages, which crosses the same links from whichever
+    site it starts, either way round) the links are compared as a set (sorted), so that the
+    ring's rotations and reflections count once (they differ only in which stage sits by which
+    link: a second-order effect, left out to bound the search). Elsewhere
+    the default only: no cost for the search on one or two sites (two sites have one link
+    between them, whatever the order)."""
+    if space.base.site_order is not None:
+        return [(space.base.site_order, True, True)]
+    k = cluster.num_dcs
+    if k < 3 or k > MAX_SITE_ORDER_SITES or sizes[AX.PP] < 2 or not _distinct_site_links(cluster):
+        return [(None, True, True)]
+    from meshplan.cost.comm import pipeline_links
+    from meshplan.spec.axes import AXES, DEFAULT_ORDER, ParallelDims, site_order_fault
+    dims = ParallelDims(**{a: int(sizes[a]) for a in AXES}, order=order or DEFAULT_ORDER, sites=tuple(range(k)))
+    if site_order_fault(dims, k) is not None:
+        return [(None, True, True)]
+    cands = [None if p == tuple(range(k)) else p for p in itertools.permutations(range(k))]
+    keep = []
+    for wrap in (False, True):
+        links = [pipeline_links(cluster, sizes, order, wrap, p) for p in cands]
+        if wrap:  # a ring: the same links from whichever site it starts, either way round: compared as a set
+            links = [(np.sort(bw), np.sort(lat)[::-1]) for bw, lat in links]
+        keep.append([not any((b2 >= bw).all() and (l2 <= lat).all()
+                             and (j < i or (b2 > bw).any() or (l2 < lat).any())
+                             for j, (b2, l2) in enumerate(links) if j != i)
+                     for i, (bw, lat) in enumerate(links)])
+    return [(p, kn, kw) for p, kn, kw in zip(cands, *keep) if kn or kw or p is None]  # (the default: periodic plans)
+
+
+MAX_SITE_ORDER_SITES = 6
+"""Most sites whose orders the search tries by brute force (6! = 720 orders)."""
+
+
+def _distinct_site_links(cluster: ClusterSpec) -> bool:
+    """The links between a cluster's sites differ (site_links): otherwise every order is the same."""
+    k = cluster.num_dcs
+    links = {(link.bytes_per_s, link.latency_us, link.shared)
+             for a, b in itertools.combinations(range(k), 2) for link in [cluster.site_link(a, b)]}
+    return len(links) > 1
 
 
 def base_sync(base: Plan) -> tuple[Any, ...]:
@@ -538,7 +592,10 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
     caps = capabilities(graph)
     splitter = (_StageSplitter(graph, cluster, work, space.base, params)
                 if space.uneven_stages is not False else None)
-    base = {f: getattr(space.base, f) for f in FIELDS if f not in SEARCHED and f not in PER_TP and f != "mesh_order"}
+    # site orders (per mesh, as mesh_order) only where they can differ: else the base's '' (no cost)
+    by_site = space.base.site_order is not None or cluster.num_dcs >= 3
+    placed_f = ("mesh_order", "site_order") if by_site else ("mesh_order",)
+    base = {f: getattr(space.base, f) for f in FIELDS if f not in SEARCHED and f not in PER_TP and f not in placed_f}
     parts: list[dict[str, np.ndarray]] = []
     next_group = 0
     meshes = _mesh_shapes(caps, cluster, work, space)
@@ -590,15 +647,27 @@ def enumerate_space(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: W
                                  for o in syncs])
             part["sync_scope"] = np.where(single[k], "all", part["sync_scope"])
         next_group += na * nc
-        orders = placement_options(cluster, space, {AX.TP: tp, AX.CP: cp, AX.PP: pp, AX.DP: dp})
-        for k, o in enumerate(orders):  # the same rows once per placement (their own micro-batch groups)
-            placed = dict(part, mesh_order=np.full(n, ":".join(o) if o else ""))
+        sizes = {AX.TP: tp, AX.CP: cp, AX.PP: pp, AX.DP: dp}
+        orders = [(o, *so) for o in placement_options(cluster, space, sizes)
+                  for so in (site_order_options(cluster, space, sizes, o) if by_site else [(None, True, True)])]
+        if len(orders) > 1:
+            gs = np.asarray(part.get("grad_sync", np.full(n, space.base.grad_sync)))
+            periodic = np.isin(gs, PERIODIC_SYNC)  # a periodic plan's inner groups are its sites: default order
+            wrap = (part["virtual_stages"] > 1) & (part["schedule"] != SCHEDULES.index("zbv"))
+        for k, (o, so, no_wrap, with_wrap) in enumerate(orders):  # the same rows once per placement
+            placed = dict(part, mesh_order=np.full(n, ":".join(o) if o else ""))  # (their own micro-batch groups)
+            if by_site:
+                placed["site_order"] = np.full(n, ":".join(map(str, so)) if so else "")
+            keep = np.where(wrap, with_wrap, no_wrap) if not (no_wrap and with_wrap) else None
             if k:
-                gs = np.asarray(part.get("grad_sync", np.full(n, space.base.grad_sync)))
-                keep = ~np.isin(gs, PERIODIC_SYNC)  # a periodic plan's inner groups are its sites: default order
+                keep = ~periodic if keep is None else keep & ~periodic
+            elif keep is not None:
+                keep = keep | periodic
+            if keep is not None:
                 if not keep.any():
                     continue
                 placed = {f: v[keep] for f, v in placed.items()}
+            if k:
                 placed["_group"] = placed["_group"] + next_group - part["_group"].min()
                 next_group += na * nc
             parts.append(placed)

@@ -87,6 +87,58 @@ def _parse_order(value: Any, where: str = "plan: mesh_order") -> tuple[str, ...]
     return None if order == DEFAULT_ORDER else order
 
 
+def parse_sites(value: Any, where: str = "plan: site_order") -> tuple[int, ...] | None:
+    """A site order (Plan.site_order): the sites in the order the pipeline visits them, ``1:0:2``
+    text or a sequence of site numbers (0-based, a cluster's node order: site 0 holds its first
+    nodes_per_dc nodes). Logical site k (the k-th block of gpus_per_dc consecutive ranks as the
+    mesh order numbers them) runs on physical site ``order[k]``. None, '' or the identity -> None
+    (the default: site k runs site k's ranks). MeshplanError on anything not a permutation of
+    0 .. n - 1."""
+    from meshplan.errors import MeshplanError
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    raw = value.replace(",", ":").replace(";", ":").split(":") if isinstance(value, str) else list(value)
+    items = [str(x).strip() for x in raw]
+    hint = ("name every site once, in the order the pipeline visits them (0-based), e.g. site_order=1:0:2 "
+            "puts the first stages on site 1, then site 0, then site 2")
+    if not all(x.isdigit() for x in items):
+        raise MeshplanError(f"{where}={':'.join(items)}: site numbers are whole numbers >= 0", hint=hint)
+    sites = tuple(int(x) for x in items)
+    if sorted(sites) != list(range(len(sites))):
+        raise MeshplanError(f"{where}={':'.join(items)} is not a permutation of the sites 0..{len(sites) - 1}",
+                            hint=hint)
+    return None if sites == tuple(range(len(sites))) else sites
+
+
+def site_order_fault(dims: ParallelDims, num_sites: int) -> str | None:
+    """Why a plan's site order (``dims.sites``) cannot run on a cluster of ``num_sites`` equal sites
+    (None: it can, or there is none). The order must name each of the cluster's sites, and the
+    pipeline must be the only axis between sites: every stage's ranks in one site. Then the order
+    only relabels whole sites under the pipeline, so every group but the pipeline's boundaries
+    (and the tied sync between the first and last stages) keeps its links, and only those change."""
+    sites = dims.sites
+    if sites is None:
+        return None
+    if len(sites) != num_sites or dims.world_size % num_sites:
+        return (f"site_order={':'.join(map(str, sites))} names {len(sites)} sites but the cluster has "
+                f"{num_sites}; name each of its sites once (0-based), or drop site_order")
+    if not _stages_in_sites(dims.pp, dims.dp, dims.cp, dims.tp, dims.order, num_sites):
+        return (f"site_order needs every pipeline stage inside one site (the pipeline the only axis across the "
+                f"{num_sites} sites), but pp={dims.pp} under {':'.join(dims.order)} spreads a stage over several; "
+                f"use pp a multiple of {num_sites} with pp outermost (the default mesh_order), or drop site_order")
+    return None
+
+
+@lru_cache(maxsize=1024)
+def _stages_in_sites(pp: int, dp: int, cp: int, tp: int, order: tuple[str, ...], num_sites: int) -> bool:
+    """Every stage's ranks (in the rank numbering of ``order``) in one block of world / num_sites."""
+    world = pp * dp * cp * tp
+    if world % num_sites:
+        return False
+    grid = ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp, order=order).rank_grid().reshape(pp, -1) // (world // num_sites)
+    return bool((grid == grid[:, :1]).all())
+
+
 def axis_strides(order: tuple[str, ...] | None, sizes: dict[str, Any]) -> dict[str, Any]:
     """Rank distance between neighbours on each mesh axis under a placement (None: the default):
     the product of the sizes of the axes inside it. ``sizes`` maps each of AXES to an int or a
@@ -127,12 +179,17 @@ class ParallelDims:
     ep: int = 1
     order: tuple[str, ...] = DEFAULT_ORDER
     """The placement: the mesh axes outermost to innermost as ranks are numbered (parse_order)."""
+    sites: tuple[int, ...] | None = None
+    """The site order (parse_sites; None: site k holds the k-th block of world / sites ranks):
+    the ranks numbered by ``order`` in len(sites) equal blocks, block k on site sites[k]."""
 
     @classmethod
     def of(cls, plan: object) -> ParallelDims:
         """The degrees of a Plan (or of anything with the five degree attributes) and its placement."""
         order = getattr(plan, "mesh_order", None)
-        return cls(**{a: getattr(plan, a) for a in DEGREES}, order=tuple(order) if order else DEFAULT_ORDER)
+        sites = getattr(plan, "site_order", None)
+        return cls(**{a: getattr(plan, a) for a in DEGREES}, order=tuple(order) if order else DEFAULT_ORDER,
+                   sites=tuple(sites) if sites else None)
 
     @property
     def strides(self) -> dict[str, int]:
@@ -173,15 +230,30 @@ class ParallelDims:
         """The root mesh's shape: (pp, dp x cp, tp)."""
         return self.pp, self.dp_cp, self.tp
 
+    def _to_site(self, rank: Any) -> Any:
+        """A rank of the order's numbering -> the global rank (device) under the site order."""
+        if self.sites is None:
+            return rank
+        if self.world_size % len(self.sites):
+            from meshplan.errors import MeshplanError
+            raise MeshplanError(f"plan: site_order names {len(self.sites)} sites, which do not split its "
+                                f"{self.world_size} GPUs evenly",
+                                hint="name each of the cluster's (equal) sites once, or drop site_order")
+        block = self.world_size // len(self.sites)
+        return np.asarray(self.sites)[rank // block] * block + rank % block
+
     def rank(self, pp: int, dp: int, cp: int, tp: int) -> int:
         """The global rank at a mesh coordinate: row-major over the placement's order (by default
-        AXES: pp outermost, tp innermost)."""
+        AXES: pp outermost, tp innermost), its block of ranks moved to its site (``sites``)."""
         st, at = self.strides, {AX.PP: pp, AX.DP: dp, AX.CP: cp, AX.TP: tp}
-        return sum(at[a] * st[a] for a in AXES)
+        return int(self._to_site(sum(at[a] * st[a] for a in AXES)))
 
     def coords(self, rank: int) -> dict[str, int]:
         """A global rank's coordinate on each mesh axis (keys in AXES order; under the default
         placement tp varies fastest)."""
+        if self.sites is not None:  # the device's site back to the block of the order's numbering
+            block = self.world_size // len(self.sites)
+            rank = self.sites.index(rank // block) * block + rank % block
         out: dict[str, int] = {}
         for a in reversed(self.order):
             n = self.degree(a)
@@ -191,11 +263,12 @@ class ParallelDims:
 
     def rank_grid(self) -> np.ndarray:
         """The global rank at every coordinate, shaped mesh_shape ((pp, dp, cp, tp), whatever the
-        placement): the mesh tensor a DeviceMesh is built from."""
+        placement): the mesh tensor a DeviceMesh is built from. Under a site order, each block of
+        world / len(sites) ranks of the order's numbering moves whole to its site."""
         st = self.strides
         grid = np.zeros(self.mesh_shape, dtype=np.int64)
         for i, a in enumerate(AXES):
             shape = [1] * len(AXES)
             shape[i] = self.degree(a)
             grid = grid + st[a] * np.arange(self.degree(a)).reshape(shape)
-        return grid
+        return self._to_site(grid)

@@ -222,6 +222,13 @@ def precision_supported(c: Context) -> str | None:
     return None
 
 
+def site_order_valid(c: Context) -> str | None:
+    """A site order names each of the cluster's sites, and only the pipeline crosses them
+    (spec.axes.site_order_fault)."""
+    from meshplan.spec.axes import site_order_fault
+    return site_order_fault(c.plan.dims, getattr(c.cluster, "num_dcs", 1))
+
+
 CHECKS: dict[str, Check] = {
     "gpu count mismatch": gpus_match,
     "tp does not divide heads": tp_divides_heads,
@@ -244,6 +251,7 @@ CHECKS: dict[str, Check] = {
     "recompute_layers beyond the stage": recompute_layers_valid,
     "precision unsupported": precision_supported,
     "invalid gradient sync": sync_valid,
+    "invalid site order": site_order_valid,
 }
 
 

@@ -239,10 +239,18 @@ class Placement:
     (nodes, then sites), ``mesh_order=dp:pp:cp:tp``. The innermost axis gets consecutive ranks
     (the fastest links); the outermost crosses the slowest tier. None: the default pp:dp:cp:tp
     (spec.axes.DEFAULT_ORDER). ``placement=`` is an alias in plan strings."""
+    site_order: tuple[int, ...] | None = None
+    """On a cluster of several sites: the sites in the order the pipeline visits them,
+    ``site_order=1:0:2`` (0-based site numbers, a permutation of all the cluster's sites): the
+    first stages run on site 1, then site 0, then site 2. The ranks, numbered by mesh_order, are
+    cut into one equal block per site and block k runs on site site_order[k]; the pipeline must
+    be the only axis across the sites (every stage in one site; spec.axes.site_order_fault). None:
+    the sites in their own order (0, 1, ...). ``sites=`` is an alias in plan strings."""
 
     def __post_init__(self) -> None:
-        from meshplan.spec.axes import parse_order
+        from meshplan.spec.axes import parse_order, parse_sites
         object.__setattr__(self, "mesh_order", parse_order(self.mesh_order))
+        object.__setattr__(self, "site_order", parse_sites(self.site_order))
         if self.dp_shares is not None:  # (no entries: Plan says so, with dp)
             if any(not isinstance(x, int) or x < 1 for x in self.dp_shares):
                 raise MeshplanError(f"plan: dp_shares entries must be whole numbers >= 1; got "
@@ -288,7 +296,7 @@ PLAN_FIELDS: tuple[str, ...] = (
     "recompute_layers", "sequence_parallel", "offload_optimizer", "offload_params", "precision", "compile",
     "flash_attention", "fused_loss", "grad_sync", "sync_every", "sync_scope", "sync_overlap",
     "grad_compression", "compression_rank", "p2p_sharded", "async_tp", "stage_layers", "dp_shares", "pools",
-    "pool_dp", "pool_pp", "buckets", "mesh_order")
+    "pool_dp", "pool_pp", "buckets", "mesh_order", "site_order")
 """Every flat plan key (the keys of plan strings, plan JSON and plan files), in their written order."""
 
 FIELD_PART: dict[str, str] = {f.name: part for part, cls in PLAN_PARTS.items() for f in dataclasses.fields(cls)}
@@ -344,6 +352,11 @@ class Plan:
                                 "default order inside each",
                                 hint=f"drop mesh_order, or drop {which} (pools=A:B alone lays the ranks over the "
                                      "pools in the placement's order: device order)")
+        if self.site_order is not None:
+            if self.pools is not None:
+                raise MeshplanError("plan: site_order with pools: a cluster of several GPU pools has no sites to "
+                                    "order (pools are placed by pools, pool_dp or pool_pp)",
+                                    hint="drop site_order, or drop pools")
         if self.stage_layers is not None and len(self.stage_layers) != self.pp:
             raise MeshplanError(f"plan: stage_layers has {len(self.stage_layers)} entries but pp={self.pp}")
         self._check_shares_and_pools()
@@ -510,14 +523,14 @@ def parse_stage_layers(text: str, where: str = "plan: stage_layers") -> tuple[in
     return tuple(out)
 
 
-COLON_LISTS = ("dp_shares", "pools", "pool_dp", "pool_pp", "buckets", "mesh_order")
+COLON_LISTS = ("dp_shares", "pools", "pool_dp", "pool_pp", "buckets", "mesh_order", "site_order")
 """Plan fields written as colon-separated lists in plan strings (dp_shares=3:1, pools=h100:a100)."""
 
 
 def parse_colon_list(text: str, key: str) -> tuple:
     """``3:1`` -> (3, 1) for the count fields, ``h100:a100`` -> ('h100', 'a100') for pools."""
     parts = [t.strip() for t in str(text).replace(";", ":").split(":")]
-    if key in ("pools", "buckets", "mesh_order"):
+    if key in ("pools", "buckets", "mesh_order", "site_order"):  # (checked by the field)
         return tuple(parts)
     out = []
     for t in parts:
@@ -537,6 +550,7 @@ PLAN_KEY_ALIASES = {
     "sp": "sequence_parallel", "ac": "recompute", "activation_checkpointing": "recompute",
     "hsdp": "shard_group", "fsdp": "zero", "h": "sync_every", "compression": "grad_compression",
     "powersgd_rank": "compression_rank", "placement": "mesh_order", "order": "mesh_order",
+    "sites": "site_order",
 }
 
 
@@ -579,6 +593,7 @@ def parse_plan(text: str) -> Plan:
             if not value.strip():
                 raise MeshplanError(f"plan: {key} has no value",
                                     hint="e.g. mesh_order=dp:pp:cp:tp" if key == "mesh_order"
+                                    else "e.g. site_order=1:0:2" if key == "site_order"
                                     else f"e.g. {key}=3:1, or leave {key} out")
             kwargs[key] = parse_colon_list(value, key)
             continue
