@@ -168,7 +168,7 @@ def _at_length(model: LayerGraph | ModelSpec, cluster: ClusterSpec, subs: list[P
     end-of-step sync the one-length estimate hides under the last backward) per sub-plan."""
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in _b.plans_to_columns(subs).items()}
     g = math.lcm(*{p.dp * p.micro_batch for p in subs})  # one or more micro-batches on every row
-    w = Workload(global_batch=g, seq_len=int(length))
+    w = work.shaped(g, int(length))
     a = _b.assemble(graph_at(model, length), cluster, w, cols, params)
     est = _b.estimate_assembly(a, cluster, w, params)
     crit = np.argmax(a.totals, axis=1)
@@ -308,8 +308,8 @@ def bucket_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Pla
     for b in plan.bucket_specs:  # each bucket's sub-plan must be a valid plan at the lengths it holds
         held = [n for n in work.lengths.lengths if n <= b.max_len] if work.lengths else []
         if held:
-            _b.check(model, cluster, sub_plan(plan, b, b.micro_batch), Workload(
-                global_batch=plan.dp * plan.cp // b.cp * b.micro_batch, seq_len=max(held)))
+            _b.check(model, cluster, sub_plan(plan, b, b.micro_batch), work.shaped(
+                plan.dp * plan.cp // b.cp * b.micro_batch, max(held)))
     r = bucket_batch(model, cluster, work, [plan], params)
     rep = report_from_row(model, cluster, r, 0, params)
     if plan.zero >= 2:
