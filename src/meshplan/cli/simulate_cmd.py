@@ -38,6 +38,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "is traced at it), or a distribution of sample lengths (2048:0.6,8192:0.3,32768:0.1 or a "
                         "histogram file): --batches sampled steps are simulated (sim.varlen)")
     add_packing(p)
+    from meshplan.cli.args import add_optimizer
+    add_optimizer(p)
     p.add_argument("--batches", type=positive_int("--batches"), default=100,
                    help="with a --seq-len distribution: sampled global batches to simulate (default 100)")
     p.add_argument("--seed", type=int, default=0, help="with a --seq-len distribution: the sampling seed (default 0)")
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.sim import simulate
     cost = costing(args)
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
-    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths)
+    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths, inputs.optimizer)
     if len(cluster.pools) == 1:  # (a plan over pools is checked pool by pool)
         from meshplan.cost import check
         check(model, cluster, plan, work)
