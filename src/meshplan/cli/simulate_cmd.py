@@ -187,7 +187,7 @@ def _pooled(args: argparse.Namespace, model: Any, pc: Any, plan: Any, work: Any,
 def _problem(model: Any, cluster: Any, plan: Any, work: Any) -> dict[str, Any]:
     """What was simulated, the head of every --json summary."""
     return {"model": model.name, "cluster": cluster.name, "plan": plan.short(), "global_batch": work.global_batch,
-            "seq_len": work.seq_len}
+            "seq_len": work.seq_len, "optimizer": work.optimizer}
 
 
 def _write_outputs(args: argparse.Namespace, res: Any, title: str) -> None:
