@@ -130,9 +130,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         extra = {"lengths": lengths_summary(model, cluster, plan, work, cost.params)}
     if args.json:
         from meshplan.cli.views import runtime_status
-        out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
-                                  "global_batch": work.global_batch, "seq_len": work.seq_len,
-                                  "optimizer": work.optimizer, "runtime": runtime_status(model, plan, work)} | extra | cost.to_json()
+        out = (report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
+                                   "global_batch": work.global_batch, "seq_len": work.seq_len,
+                                   "optimizer": work.optimizer, "runtime": runtime_status(model, plan, work)}
+               | extra | cost.to_json())
         print(json_text(out))
     else:
         text = estimate_text(model, cluster, plan, work, report, cost.params)

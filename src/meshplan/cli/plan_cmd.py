@@ -932,7 +932,8 @@ def _write_out(path: str, result: Any, cost: dict[str, str | None] | None = None
     # spec_fields: the full model and cluster, so that the file reloads them exactly
     doc = plan_document(best.plan, model=model, cluster=best.cluster.name,
                         global_batch=result.work.global_batch, seq_len=result.work.seq_len,
-                        optimizer=result.work.optimizer, **spec_fields(result.model, best.cluster), predicted=best.report.to_dict(), **extra)
+                        optimizer=result.work.optimizer, **spec_fields(result.model, best.cluster),
+                        predicted=best.report.to_dict(), **extra)
     write_plan_file(path, doc)
 
 
