@@ -59,7 +59,7 @@ def test_replica_of_mixed_lengths_runs_each_microbatch_at_its_length(problem):
     from meshplan.sim.varlen import _Lengths
     model, cluster = problem
     p = parse_plan("tp=8,pp=1,dp=8,zero=1,micro_batch=1,sequence_parallel=1")
-    pieces = _Lengths(model, cluster, p, 64, LL.DEFAULT_PARAMS)
+    pieces = _Lengths(model, cluster, p, Workload(global_batch=64, seq_len=32768), LL.DEFAULT_PARAMS)
     res = run_step(replica_spec(pieces, [2048, 8192, 2048, 32768, 2048, 2048, 2048, 2048]))
     busy = sum(e.end - e.start for e in res.events if e.stream == "compute" and e.name[0] in "FB")
     want = sum(pieces.get(x)[0].fwd_s[0] + pieces.get(x)[0].bwd_input_s[0] + pieces.get(x)[0].bwd_weight_s[0]

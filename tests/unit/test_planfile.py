@@ -244,7 +244,8 @@ def ns(**kw) -> argparse.Namespace:
 
 def test_resolve_sources_and_lazy_loading(plan_file):
     inputs = resolve(ns(plan=str(plan_file), global_batch=16))
-    assert inputs.source == {"model": "file", "cluster": "file", "global_batch": "file", "seq_len": "file"}
+    assert inputs.source == {"model": "file", "cluster": "file", "global_batch": "file", "seq_len": "file",
+                             "optimizer": "file"}
     assert inputs.model().num_layers == 32 and inputs.seq_len == 2048 and inputs.cluster().num_gpus == 8
     assert inputs.plan.dp * inputs.plan.tp * inputs.plan.pp == 8
     inputs = resolve(ns(plan="dp=8", model="llama3-8b"))

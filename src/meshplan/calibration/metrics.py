@@ -147,4 +147,7 @@ def _problem(rec: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     gb, seq = rec["global_batch"], rec["seq_len"]
     if isinstance(gb, bool) or isinstance(seq, bool) or not isinstance(gb, int) or not isinstance(seq, int):
         raise MeshplanError(f"summary: global_batch and seq_len must be whole numbers; got {gb!r}, {seq!r}")
-    return model, cluster, plan, Workload(global_batch=gb, seq_len=seq)
+    optimizer = rec.get("optimizer", "adamw")  # train --metrics records it (older files: AdamW)
+    if not isinstance(optimizer, str):
+        raise MeshplanError(f"summary: optimizer must be a name; got {optimizer!r}")
+    return model, cluster, plan, Workload(global_batch=gb, seq_len=seq, optimizer=optimizer)

@@ -89,3 +89,16 @@ def accept_negative_values(parser: argparse.ArgumentParser) -> None:
     """Let ``parser`` read values like -5T as values (`NEGATIVE_VALUE`; argparse alone reads only
     plain negative numbers so, and treats -5T as an option)."""
     parser._negative_number_matcher = NEGATIVE_VALUE  # type: ignore[attr-defined]
+
+
+OPTIMIZER_HELP = ("the optimizer trained with: adamw (default), adam, sgd (momentum), adafactor, lion or adam8bit "
+                  "(bitsandbytes): its state bytes per parameter and step time (docs/cost-model.md, Memory)")
+
+
+def add_optimizer(parser: argparse.ArgumentParser, action: Any = None, default: str | None = None,
+                  help: str = OPTIMIZER_HELP) -> None:
+    """The ``--optimizer`` flag of every planning command (a workload field, spec.plan.Workload.optimizer;
+    recorded in plan files). Default None: the plan file's, else adamw (cli.model_arg.as_problem)."""
+    from meshplan.spec.plan import OPTIMIZERS
+    kw = {"action": action} if action is not None else {}
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default=default, help=help, **kw)

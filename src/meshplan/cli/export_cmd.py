@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="sequences per step (default: the plan file's)")
     p.add_argument("--seq-len", type=positive_int("--seq-len"),
                    help="tokens per sequence (default: the plan file's, else the model's)")
+    from meshplan.cli.args import OPTIMIZER_HELP, add_optimizer
+    add_optimizer(p, help=OPTIMIZER_HELP + "; written where the target has the setting (default: the plan file's, "
+                          "else adamw)")
     from meshplan.cli.planfile import add_override
     add_override(p)
 
@@ -71,7 +74,7 @@ def build_input(args: argparse.Namespace) -> Any:
     from meshplan.export import ExportInput
     from meshplan.spec.model import ModelSpec
     from meshplan.spec.plan import Workload
-    inputs = resolve(args, fields=("model", "cluster", "global_batch", "seq_len"))
+    inputs = resolve(args, fields=("model", "cluster", "global_batch", "seq_len", "optimizer"))
     plan = inputs.plan
     if plan.multi_pool or (plan.dp_shares is not None and len(set(plan.replica_shares)) > 1):
         what = "several GPU pools" if plan.multi_pool else "uneven dp_shares"
@@ -111,7 +114,8 @@ def build_input(args: argparse.Namespace) -> Any:
     if seq is None and isinstance(model, ModelSpec):
         seq = model.seq_len
     Workload(global_batch=gb or 1, seq_len=seq or 1)  # the bounds every command applies
-    return ExportInput(plan=plan, model=model, global_batch=gb, seq_len=seq, cluster=cluster)
+    return ExportInput(plan=plan, model=model, global_batch=gb, seq_len=seq, cluster=cluster,
+                       optimizer=inputs.optimizer)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     from meshplan.cli.lengths_arg import SEQ_LEN_HELP, add_packing, seq_len_type
     es.add_argument("--seq-len", type=seq_len_type, help=SEQ_LEN_HELP)
     add_packing(es)
+    from meshplan.cli.args import add_optimizer
+    add_optimizer(es)
     add_override(es)
     add_cost_flags(es, policy=True)
     es.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -113,14 +115,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     cost = costing(args)
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
-    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths)
+    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths, inputs.optimizer)
     report = estimate(model, cluster, plan, work, cost.params)
     if len(cluster.pools) > 1:  # every rank on its own pool's hardware: the pools' parts
         d = work.lengths
         dist = None if d is None else {"lengths": d.text(), "packing": d.packing, "mean_length": d.mean_len,
                                        "max_length": d.max_len}
         if args.json:
-            print(json_doc("estimate", report.to_dict() | {"global_batch": work.global_batch, "seq_len": work.seq_len}
+            print(json_doc("estimate", report.to_dict() | {"global_batch": work.global_batch, "seq_len": work.seq_len,
+                                                            "optimizer": work.optimizer}
                             | ({"lengths": dist} if dist else {}) | cost.to_json()))
         else:
             print(pooled_estimate_text(report, cluster, work))
@@ -131,9 +134,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         extra = {"lengths": lengths_summary(model, cluster, plan, work, cost.params)}
     if args.json:
         from meshplan.cli.views import runtime_status
-        out = report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
-                                  "global_batch": work.global_batch, "seq_len": work.seq_len,
-                                  "runtime": runtime_status(model, plan, work)} | extra | cost.to_json()
+        out = (report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
+                                   "global_batch": work.global_batch, "seq_len": work.seq_len,
+                                   "optimizer": work.optimizer, "runtime": runtime_status(model, plan, work)}
+               | extra | cost.to_json())
         print(json_doc("estimate", out))
     else:
         text = estimate_text(model, cluster, plan, work, report, cost.params)

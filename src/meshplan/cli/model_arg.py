@@ -51,17 +51,18 @@ def load_model_arg(arg: str, *, seq_len: int | None = None) -> ModelSpec | Layer
 
 
 def as_problem(model: ModelSpec | LayerGraph, global_batch: int, seq_len: int | None = None,
-               lengths: Any = None) -> tuple[LayerGraph, Any]:
+               lengths: Any = None, optimizer: str | None = None) -> tuple[LayerGraph, Any]:
     """(the model as a LayerGraph, the workload): the one representation every planning command
     takes. A transformer description is generated at ``seq_len`` (default: its own seq_len); a
     traced graph plans at the tokens per sample it was traced at. With ``lengths`` (a
     spec.lengths.LengthDist: --seq-len as a distribution) the workload carries it and the graph is
     generated at its longest length; a traced graph takes only packing or one length, at the length
-    it was traced at (cost.lengths.check_model says why)."""
+    it was traced at (cost.lengths.check_model says why). ``optimizer``: the workload's (--optimizer;
+    None: adamw)."""
     from meshplan.spec.plan import Workload
     from meshplan.spec.transformer import as_graph
     if lengths is not None:
-        work = Workload.of(global_batch, lengths)
+        work = Workload.of(global_batch, lengths, optimizer or "adamw")
         if isinstance(model, LayerGraph) and model.model is None:
             from meshplan.cost.lengths import check_model
             check_model(model, work)
@@ -71,7 +72,8 @@ def as_problem(model: ModelSpec | LayerGraph, global_batch: int, seq_len: int | 
                                     hint=f"ingest it at {work.seq_len}, or give one length")
         return as_graph(model, work.seq_len), work
     s = model.sample_tokens if isinstance(model, LayerGraph) else (seq_len or model.seq_len)
-    work = Workload(global_batch=global_batch, seq_len=s)  # its bounds checked before any arithmetic
+    work = Workload(global_batch=global_batch, seq_len=s,  # its bounds checked before any arithmetic
+                    optimizer=optimizer or "adamw")
     return as_graph(model, s), work
 
 

@@ -48,6 +48,8 @@ def add_parser(sub: Any, positive_int: Any) -> None:
     from meshplan.cli.lengths_arg import SEQ_LEN_HELP, add_packing, seq_len_type
     pl.add_argument("--seq-len", type=seq_len_type, action=Once, help=SEQ_LEN_HELP)
     add_packing(pl, Once)
+    from meshplan.cli.args import add_optimizer
+    add_optimizer(pl, Once)
     pl.add_argument("--top", type=positive_int("--top"), default=5, action=Once, help="plans to show (default 5)")
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
     from meshplan.cli.costing import add_cost_flags
@@ -435,7 +437,8 @@ def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any
     from meshplan.cli.lengths_arg import lengths_of
     lengths = lengths_of(args)  # --seq-len as a distribution: plans ranked by the expected step (cost.lengths)
     seq = args.seq_len if lengths is None else lengths.max_len
-    model, work = as_problem(load_model_arg(args.model, seq_len=seq), args.global_batch, seq, lengths)
+    model, work = as_problem(load_model_arg(args.model, seq_len=seq), args.global_batch, seq, lengths,
+                             getattr(args, "optimizer", None))
     if model.model is not None:
         check_positions(args, model.model, work.seq_len)
     space = search_space(args, clusters[0].pools[0], model)
@@ -863,6 +866,8 @@ def _text(result: Any, tokens: float | None, price: dict[str, Any] | None = None
     if result.work.lengths is not None:  # a length distribution: the plans are ranked by the expected step
         from meshplan.cli.lengths_arg import dist_line
         lines[0] = dist_line(result)
+    if result.work.optimizer != "adamw":
+        lines[0] += f", optimizer {result.work.optimizer}"
     if price is not None:
         lines.append(price_line(price))
     if result.deadline_days is not None:
@@ -933,7 +938,8 @@ def _write_out(path: str, result: Any, cost: dict[str, str | None] | None = None
     # spec_fields: the full model and cluster, so that the file reloads them exactly
     doc = plan_document(best.plan, model=model, cluster=best.cluster.name,
                         global_batch=result.work.global_batch, seq_len=result.work.seq_len,
-                        **spec_fields(result.model, best.cluster), predicted=best.report.to_dict(), **extra)
+                        optimizer=result.work.optimizer, **spec_fields(result.model, best.cluster),
+                        predicted=best.report.to_dict(), **extra)
     write_plan_file(path, doc)
 
 
@@ -1120,5 +1126,6 @@ def _write_pooled_out(path: str, result: Any, cluster: str) -> None:
         cluster = os.path.relpath(os.path.abspath(cluster), os.path.dirname(os.path.abspath(path)))
     extra = ({"lengths": work.lengths.text(), "packing": work.lengths.packing} if work.lengths is not None else {})
     doc = plan_document(best.plan, model=getattr(model, "source", None) or model.name, cluster=cluster,
-                        global_batch=work.global_batch, seq_len=work.seq_len, predicted=best.to_dict(), **extra)
+                        global_batch=work.global_batch, seq_len=work.seq_len, optimizer=work.optimizer,
+                        predicted=best.to_dict(), **extra)
     write_plan_file(path, doc)

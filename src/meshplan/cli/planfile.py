@@ -4,8 +4,8 @@ command lines against what `meshplan plan --out p.json` recorded.
 Reading and writing the file itself is spec.io's (read_plan_file, spec_fields, write_plan_file). A
 plan file holds the plan plus the problem it was planned for: ``model`` and ``cluster`` (the
 names shown to people), ``model_spec`` and ``cluster_spec`` (the full specs, so a model or
-cluster from a file, or a layer graph, reloads exactly and without torch), ``global_batch`` and
-``seq_len``. Given ``--plan p.json`` a command takes each of these from the file; a
+cluster from a file, or a layer graph, reloads exactly and without torch), ``global_batch``,
+``seq_len`` and ``optimizer``. Given ``--plan p.json`` a command takes each of these from the file; a
 command-line value that disagrees with the file is an error naming both values, unless
 ``--override`` is given: then the command-line value wins and one note on stderr says so.
 Importing this module is cheap (no numpy, no torch): spec.io is imported when a command runs.
@@ -22,10 +22,10 @@ from meshplan.errors import MeshplanError
 if TYPE_CHECKING:
     from meshplan.spec.io import PlanFile
 
-CONTEXT = ("model", "cluster", "global_batch", "seq_len")
+CONTEXT = ("model", "cluster", "global_batch", "seq_len", "optimizer")
 """What a plan file records besides the plan (the Namespace attribute of each flag; spec.io.PLAN_CONTEXT)."""
 
-OVERRIDE_HELP = ("with --plan FILE: let --model/--cluster/--global-batch/--seq-len replace the plan file's "
+OVERRIDE_HELP = ("with --plan FILE: let --model/--cluster/--global-batch/--seq-len/--optimizer replace the plan file's "
                  "values (without it, a value that disagrees with the file is an error)")
 FROM_FILE = " (default with --plan FILE: the plan file's)"
 
@@ -65,6 +65,11 @@ class Inputs:
     @property
     def seq_len(self) -> int | None:
         return self.values.get("seq_len")
+
+    @property
+    def optimizer(self) -> str:
+        """The workload's optimizer: --optimizer, the plan file's, else adamw."""
+        return self.values.get("optimizer") or "adamw"
 
     def from_file(self, key: str) -> bool:
         return self.source.get(key) == "file"

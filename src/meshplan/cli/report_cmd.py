@@ -26,7 +26,7 @@ NOT_IN_HELP = frozenset({"deadline"})
 """`meshplan plan` options the report does not take but still parses, so that giving one is a
 one-line error naming `meshplan plan` (plan_cmd.deadline_days), not an unknown option; its help
 leaves them out (the page ranks plans without a deadline)."""
-FROM_PLAN_FILE = ("model", "cluster", "global_batch", "seq_len")
+FROM_PLAN_FILE = ("model", "cluster", "global_batch", "seq_len", "optimizer")
 """Options that ``--plan FILE`` gives (required without it)."""
 
 

@@ -37,6 +37,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "is traced at it), or a distribution of sample lengths (2048:0.6,8192:0.3,32768:0.1 or a "
                         "histogram file): --batches sampled steps are simulated (sim.varlen)")
     add_packing(p)
+    from meshplan.cli.args import add_optimizer
+    add_optimizer(p)
     p.add_argument("--batches", type=positive_int("--batches"), default=100,
                    help="with a --seq-len distribution: sampled global batches to simulate (default 100)")
     p.add_argument("--seed", type=int, default=0, help="with a --seq-len distribution: the sampling seed (default 0)")
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.sim import simulate
     cost = costing(args)
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
-    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths)
+    model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths, inputs.optimizer)
     if len(cluster.pools) == 1:  # (a plan over pools is checked pool by pool)
         from meshplan.cost import check
         check(model, cluster, plan, work)
@@ -184,7 +186,7 @@ def _pooled(args: argparse.Namespace, model: Any, pc: Any, plan: Any, work: Any,
 def _problem(model: Any, cluster: Any, plan: Any, work: Any) -> dict[str, Any]:
     """What was simulated, the head of every --json summary."""
     return {"model": model.name, "cluster": cluster.name, "plan": plan.short(), "global_batch": work.global_batch,
-            "seq_len": work.seq_len}
+            "seq_len": work.seq_len, "optimizer": work.optimizer}
 
 
 def _write_outputs(args: argparse.Namespace, res: Any, title: str) -> None:

@@ -123,9 +123,10 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--metrics", help="append one JSON object per step (and a summary) to this file")
     t.add_argument("--lr", type=learning_rate, default=1e-3, help="AdamW learning rate, > 0 (default 1e-3)")
     t.add_argument("--seed", type=_positive("--seed", True), default=0)
-    t.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                   help="the optimizer (the inner one of local-sgd/diloco): adamw (betas 0.9, 0.95, weight decay "
-                        "0.1) or sgd (momentum 0.9); default adamw")
+    from meshplan.cli.args import add_optimizer
+    add_optimizer(t, help="the optimizer (the inner one of local-sgd/diloco): adamw (betas 0.9, 0.95, weight decay "
+                          "0.1), sgd (momentum 0.9) or adafactor (torch.optim.Adafactor's defaults); default: the plan "
+                          "file's, else adamw. lion and adam8bit are planned and priced, not run")
     t.add_argument("--grad-clip", type=number_in("--grad-clip", 0.0, low_open=False, example="1.0"), default=1.0,
                    help="largest global gradient norm (each inner group's own under local-sgd/diloco); 0: no "
                         "clipping; default 1.0")
@@ -242,6 +243,20 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return out + (["--resume"] if args.resume else [])
 
 
+def check_optimizer(args: argparse.Namespace, from_file: bool = False) -> None:
+    """--optimizer (or the plan file's): default adamw; one the runtime does not run (lion, adam8bit:
+    the planner prices them) is refused before anything starts."""
+    from meshplan.spec.plan import RUNTIME_OPTIMIZERS
+    if getattr(args, "optimizer", None) is None:
+        args.optimizer = "adamw"
+    if args.optimizer not in RUNTIME_OPTIMIZERS:
+        where = " (the plan file's)" if from_file else ""
+        raise MeshplanError(f"--optimizer {args.optimizer}{where}: meshplan train runs {', '.join(RUNTIME_OPTIMIZERS)} "
+                            f"(torch's own) only; {args.optimizer} is planned and priced, not run",
+                            hint="train with --optimizer adamw, sgd or adafactor (add --override with a plan file), "
+                                 "or export the plan to a framework that has it (meshplan export)")
+
+
 DEFAULT_MICROBATCHES = 2
 """Without --global-batch (and no plan file giving one): this many micro-batches per replica."""
 
@@ -262,8 +277,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     dist_text = args.seq_len if isinstance(args.seq_len, str) else None
     if dist_text is not None:
         args.seq_len = None
-    resolve_into(args, fields=("model", "global_batch", "seq_len"), required=("model",),
-                 quiet=launch.in_torchrun())
+    inputs = resolve_into(args, fields=("model", "global_batch", "seq_len", "optimizer"), required=("model",),
+                          quiet=launch.in_torchrun())
+    check_optimizer(args, from_file=inputs.from_file("optimizer"))
     if dist_text is not None:
         args.seq_len = dist_text
     elif getattr(args, "packing", None) and not launch.in_torchrun():

@@ -42,7 +42,11 @@ from meshplan.cost.memory import (
     FUSED_LOGITS_BYTES_PER_ELEM,
     LOGITS_BYTES_PER_ELEM,
     VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
+    OptimizerCost,
+    effective_zero,
+    master_bytes,
     model_state_arrays,
+    optimizer_cost,
     usable_gib,
 )
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams, flat_collectives, p2p_exposed
@@ -280,6 +284,7 @@ class Assembly:
     per_step: np.ndarray
     tied: np.ndarray            # (rows) tied-weight gradient all-reduce
     tied_local: np.ndarray      # (rows) tied parameters on one GPU
+    opt: OptimizerCost          # the workload's optimizer: its state bytes and step bytes (cost.memory)
 
 
 class Counts:
@@ -429,7 +434,8 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
         tp_f=tp_f, tp_b=tp_b, tp_f_ovl=tp_f_ovl, tp_b_ovl=tp_b_ovl, dp_f=dp_f, dp_b=dp_b,
         dp_f_ovl=dp_f_ovl, dp_b_ovl=dp_b_ovl, send=send, sends=sends, st=st, p2p=p2p,
         totals=totals, plocal=plocal, lp_unit=lp_unit, blk_params=blk_params, ag=ag, rs=rs, fsdp=fsdp,
-        per_step=per_step, tied=tied * np.ones(n), tied_local=tied_local * np.ones(n))
+        per_step=per_step, tied=tied * np.ones(n), tied_local=tied_local * np.ones(n),
+        opt=optimizer_cost(work.optimizer, graph))
 
 
 def local_params(lay: Layout, tp: np.ndarray, ep: np.ndarray) -> np.ndarray:
@@ -749,8 +755,8 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
     root_x, root_o = root_fsdp(cluster, p, a.plocal[rows, crit] - a.blk_params[rows, crit], a.shard, tp, tmax,
                                micro, a.fsdp, a.per_step, reduce_bytes(cols, p), a.st, cols[AX.CP].astype(float))
     dp_exp, dp_ovl = dp_exp + root_x, dp_ovl + root_o
-    opt_t = (optimizer_seconds(cluster, a.plocal, zero, a.shard, np.asarray(cols["offload_optimizer"], dtype=bool), p)
-             if rank_ends is None else rank_ends[2])
+    opt_t = (optimizer_seconds(cluster, a.plocal, zero, a.shard, np.asarray(cols["offload_optimizer"], dtype=bool), p,
+                               a.opt) if rank_ends is None else rank_ends[2])
     end = np.where(valid, e_r + opt_t - dr, -np.inf).max(axis=1)
     opt = np.minimum(np.where(valid, opt_t, 0).max(axis=1), end)  # >= 0: rank 0 has no drain
     dp_exp = dp_exp + end - opt
@@ -785,11 +791,13 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
 
     zero, pp = col(cols["zero"]), col(cols[AX.PP])
     plocal = a.plocal
+    prec = np.asarray(cols["precision"])[:, None]
     w, g, o, buffers = model_state_arrays(plocal, col(a.lp_unit), zero, col(a.shard), flag(cols["offload_params"]),
                                           flag(cols["offload_optimizer"]), col(cols[AX.DP] * cols[AX.CP]), p,
-                                          np.asarray(cols["precision"])[:, None])
-    per_step = (zero == 3) & (pp > 1)  # pipelined FSDP keeps unsharded bf16 params + fp32 grads
-    w, g = w + per_step * 2 * plocal, g + per_step * 4 * plocal
+                                          prec, opt=a.opt)
+    zero = effective_zero(zero, col(a.shard), flag(cols["offload_params"]))  # nothing to shard: ZeRO-0's memory
+    per_step = (zero == 3) & (pp > 1)  # pipelined FSDP keeps unsharded 16-bit (fp32) params + fp32 grads
+    w, g = w + per_step * np.where(prec == "fp32", 4, 2) * plocal, g + per_step * 4 * plocal
 
     t = col(a.tokens)
     rec = np.asarray(cols["recompute"])
@@ -842,7 +850,8 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     # the master copy but with ZeRO-3), and with parameter offload FSDP's fp32 parameter and
     # gradient shards (FSDP2's CPUOffloadPolicy keeps both on the host).
     offp = flag(cols["offload_params"])
-    opt_host = np.where(zero == 3, 8.0, 12.0) * plocal / np.where(zero >= 1, col(a.shard), 1.0)
+    opt_host = np.where(zero == 3, a.opt.state_bytes, master_bytes(prec) + a.opt.state_bytes) * plocal / np.where(
+        zero >= 1, col(a.shard), 1.0)
     parts["host"] = np.where(offo, opt_host, 0.0) + np.where(offp & (zero == 3), 8.0 * plocal / col(a.shard), 0.0)
     return {k: np.where(a.valid, v, np.nan) for k, v in parts.items()}
 

@@ -162,13 +162,14 @@ def expected_counts(dist: LengthDist, global_batch: int, buckets: tuple[Bucket, 
 
 
 def _at_length(model: LayerGraph | ModelSpec, cluster: ClusterSpec, subs: list[Plan], length: int,
-               params: CostParams) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+               params: CostParams, work: Workload) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """(estimate at ``length`` (with ``_samples``, the samples it prices, and ``_mb.KEY``, each
     per-micro-batch time term on the critical rank), one micro-batch on the critical rank, the
-    end-of-step sync the one-length estimate hides under the last backward) per sub-plan."""
+    end-of-step sync the one-length estimate hides under the last backward) per sub-plan (``work``:
+    the workload, for its optimizer)."""
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in _b.plans_to_columns(subs).items()}
     g = math.lcm(*{p.dp * p.micro_batch for p in subs})  # one or more micro-batches on every row
-    w = Workload(global_batch=g, seq_len=int(length))
+    w = work.shaped(g, int(length))
     a = _b.assemble(graph_at(model, length), cluster, w, cols, params)
     est = _b.estimate_assembly(a, cluster, w, params)
     crit = np.argmax(a.totals, axis=1)
@@ -207,7 +208,7 @@ def bucket_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Work
             subs += [sub_plan(plan, b, 1), sub_plan(plan, b, b.micro_batch)]
         where.append(idx)
     tops = sorted({int(L[b.max_len >= L].max()) for plan in plans for b in plan.bucket_specs if (b.max_len >= L).any()})
-    at = {x: _at_length(model, cluster, subs, x, params) for x in sorted(set(anchors) | set(tops))}
+    at = {x: _at_length(model, cluster, subs, x, params, work) for x in sorted(set(anchors) | set(tops))}
     T = np.stack([at[x][1] for x in anchors], axis=1) @ W.T  # (subs, J) one micro-batch at each length
     top = at[int(L[-1])][0]
     n = len(plans)
@@ -308,8 +309,8 @@ def bucket_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Pla
     for b in plan.bucket_specs:  # each bucket's sub-plan must be a valid plan at the lengths it holds
         held = [n for n in work.lengths.lengths if n <= b.max_len] if work.lengths else []
         if held:
-            _b.check(model, cluster, sub_plan(plan, b, b.micro_batch), Workload(
-                global_batch=plan.dp * plan.cp // b.cp * b.micro_batch, seq_len=max(held)))
+            _b.check(model, cluster, sub_plan(plan, b, b.micro_batch), work.shaped(
+                plan.dp * plan.cp // b.cp * b.micro_batch, max(held)))
     r = bucket_batch(model, cluster, work, [plan], params)
     rep = report_from_row(model, cluster, r, 0, params)
     if plan.zero >= 2:

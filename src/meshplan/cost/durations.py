@@ -128,7 +128,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         end_exp.append(float(end_x[0, r] + rx[0]))
         end_ovl.append(float(end_o[0, r]))
     offo = np.asarray(cols["offload_optimizer"], dtype=bool)
-    opt_t = optimizer_seconds(cluster, a.plocal, cols["zero"], a.shard, offo, p)
+    opt_t = optimizer_seconds(cluster, a.plocal, cols["zero"], a.shard, offo, p, a.opt)
     blk = a.lay.ids_where(a.lay.is_block)
     staged = (a.fsdp & a.per_step)[:, None]
     ag_s = np.where(staged, a.C.sum(a.ag, blk), 0)
@@ -201,8 +201,10 @@ def output_static_bytes(a: _b.Assembly, p: CostParams) -> float:
     plan_z, shard = int(cols["zero"][0]), float(a.shard[0])
     w, g, o, _ = model_state_arrays(n, 0.0, plan_z, shard, bool(cols["offload_params"][0]),
                                     bool(cols["offload_optimizer"][0]), float(cols[AX.DP][0] * cols[AX.CP][0]), p,
-                                    str(cols["precision"][0]))
-    states = float(w + g + o) + (6.0 * n if plan_z == 3 and int(cols[AX.PP][0]) > 1 else 0.0)
+                                    str(cols["precision"][0]), opt=a.opt)
+    staged = (plan_z == 3 and int(cols[AX.PP][0]) > 1  # pipelined FSDP's unsharded copies
+              and (shard > 1 or bool(cols["offload_params"][0])))
+    states = float(w + g + o) + ((8.0 if str(cols["precision"][0]) == "fp32" else 6.0) * n if staged else 0.0)
     logits = max((float(_b.logit_bytes(a, b, p)[0]) for b in a.lay.ids_where(a.lay.loss)), default=0.0)
     rec = str(cols["recompute"][0])
     t = float(a.tokens[0])

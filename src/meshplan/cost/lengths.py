@@ -521,7 +521,7 @@ def _per_length(model: LayerGraph | ModelSpec, cluster: ClusterSpec, work: Workl
     if priced is not None:
         a, est = priced(int(length))
     else:
-        w = Workload(global_batch=work.global_batch, seq_len=int(length))
+        w = work.shaped(work.global_batch, int(length))
         a = _b.assemble(graph_at(model, length), cluster, w, cols, params)
         est = _b.estimate_assembly(a, cluster, w, params)
     tot = np.where(a.valid, a.totals, 0.0)

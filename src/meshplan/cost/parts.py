@@ -13,8 +13,8 @@ import numpy as np
 
 from meshplan.cost.comm import (Group, dpcp_group, exposed_under, mesh_keys, mesh_placement, pair_link,
                                 pipeline_links)
-from meshplan.cost.memory import MAIN_GRAD_BYTES
-from meshplan.cost.params import DEFAULT_PARAMS, CostParams, flat_collectives
+from meshplan.cost.memory import ADAMW, MAIN_GRAD_BYTES, OptimizerCost
+from meshplan.cost.params import CostParams, flat_collectives
 from meshplan.spec.axes import AX, AXES
 from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.plan import COLON_LISTS, PLAN_FIELDS, Plan
@@ -117,12 +117,17 @@ def offload_seconds(cols: Mapping[str, np.ndarray], plocal: np.ndarray, shard: n
 
 
 def optimizer_seconds(cluster: ClusterSpec, plocal: np.ndarray, zero: np.ndarray, shard: np.ndarray,
-                      offload_optimizer: np.ndarray, params: CostParams = DEFAULT_PARAMS) -> np.ndarray:
-    """(rows, pp) seconds of each rank's optimizer step (on the host with optimizer offload)."""
+                      offload_optimizer: np.ndarray, params: CostParams, opt: OptimizerCost) -> np.ndarray:
+    """(rows, pp) seconds of each rank's optimizer step (on the host with optimizer offload) for
+    the workload's optimizer ``opt``: memory-bound, its bytes per parameter (cost.memory.
+    OPTIMIZER_STEP_BYTES, AdamW's being CostParams.optimizer_bytes_per_param) over the HBM; on the
+    host the vectorised CPU Adam's rate scaled by its bytes relative to AdamW's."""
     p = params
     n_opt = plocal / np.where(zero >= 1, shard, 1.0)[:, None]
-    host = n_opt / p.host_adam_params_per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
-    hbm = n_opt * p.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
+    per_s = p.host_adam_params_per_s if opt.step_ratio == 1.0 else p.host_adam_params_per_s / opt.step_ratio
+    host = n_opt / per_s + n_opt * 6 / (p.pcie_gbps * 1e9)
+    step_bytes = p.optimizer_bytes_per_param + (opt.step_bytes - ADAMW.step_bytes)
+    hbm = n_opt * step_bytes / (cluster.gpu.hbm_bandwidth_gbps * 1e9 * p.hbm_efficiency)
     return np.where(offload_optimizer[:, None], host, hbm)
 
 

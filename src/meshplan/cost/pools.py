@@ -259,7 +259,7 @@ def replica_parts(pools: list[ClusterSpec], plan: Plan, work: Workload) -> list[
                                                         "tp x pp x cp")
         out.append(ReplicaPart(pool=pool, replicas=n, samples=mine, cluster=pool_cluster(pool, gpus),
                                plan=_sub_plan(plan, n),
-                               work=Workload(global_batch=max(mine) * n, seq_len=work.seq_len, lengths=work.lengths)))
+                               work=work.shaped(max(mine) * n, work.seq_len, work.lengths)))
     return out
 
 
@@ -494,7 +494,7 @@ def _estimate_pool_pp(model: LayerGraph | ModelSpec, cluster: PooledCluster, poo
     time_row = res
     if work.varied:  # the expected step over the distribution, each length's pipeline spliced the same way
         def priced(length: int) -> tuple[_b.Assembly, dict[str, np.ndarray]]:
-            w = Workload(global_batch=work.global_batch, seq_len=length)
+            w = work.shaped(work.global_batch, length)
             a, r, _ = _pool_pipeline(model, big, owner, cluster.inter_pool, w, sub, params, graph_at(model, length))
             return a, r
         r = expected_batch(model, big[0], work, [sub], params, priced=priced)
@@ -628,7 +628,7 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
     a = dataclasses.replace(base, terms=terms, **fields)
     ends = [_b.end_of_step(x, c, p) for x, c in zip(asm, clusters)]
     offo = np.asarray(cols["offload_optimizer"], dtype=bool)
-    opts = [optimizer_seconds(c, x.plocal, cols["zero"], x.shard, offo, p) for x, c in zip(asm, clusters)]
+    opts = [optimizer_seconds(c, x.plocal, cols["zero"], x.shard, offo, p, x.opt) for x, c in zip(asm, clusters)]
     rank_ends = (_splice([e[0] for e in ends], own), _splice([e[1] for e in ends], own), _splice(opts, own))
     cross_dp = [0.0] * len(owner)
     cross_dp_gb = [0.0] * len(owner)
@@ -694,7 +694,7 @@ def shares_report(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Pla
     ran, run_notes = as_run(plan)
     plain = plain.replace(zero=ran.zero)
     samples = replica_samples(plan, work.global_batch)
-    sub = Workload(global_batch=max(samples) * plan.dp, seq_len=work.seq_len, lengths=work.lengths)
+    sub = work.shaped(max(samples) * plan.dp, work.seq_len, work.lengths)
     r = plan_report(model, cluster, plain, sub, params)
     k = work.global_batch / sub.global_batch
     waits = (max(samples) - min(samples)) // plan.micro_batch

@@ -33,6 +33,9 @@ class ExportInput:
     global_batch: int | None = None
     seq_len: int | None = None
     cluster: ClusterSpec | None = None
+    optimizer: str = "adamw"
+    """The workload's optimizer (spec.plan.OPTIMIZERS): each target writes it where it has the
+    setting and lists it as unsupported where it has not (``optimizer_unsupported``)."""
 
     def __post_init__(self) -> None:
         from meshplan.spec.graph import LayerGraph
@@ -267,3 +270,13 @@ def describe(inp: ExportInput) -> list[str]:
         work += f", {inp.microbatches} micro-batches of {p.micro_batch} per data-parallel rank per step"
         lines.append(work)
     return lines
+
+
+def optimizer_unsupported(target: str, inp: ExportInput, has: dict[str, str]) -> list[str]:
+    """The unsupported line of a workload optimizer ``target`` cannot set (``has``: the ones it can,
+    by meshplan name -> the target's name)."""
+    if inp.optimizer in has:
+        return []
+    names = ", ".join(sorted(has))
+    return [f"optimizer={inp.optimizer}: {target} configures {names} only; not exported (its default AdamW "
+            "would run: set the optimizer in the training code)"]

@@ -14,6 +14,7 @@ from meshplan.export.common import (
     ExportResult,
     compression_words,
     describe,
+    optimizer_unsupported,
     placement_unsupported,
     require,
     stage_layer_counts,
@@ -22,6 +23,12 @@ from meshplan.export.common import (
 
 TARGET = "deepspeed"
 
+
+DEEPSPEED_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "lion": "Lion", "sgd": "SGD", "adafactor": "Adafactor"}
+"""optimizer.type values DeepSpeed builds: its own Adam, AdamW and Lion (FusedAdam, FusedLion), and
+any other name as torch.optim.<type> (engine._configure_basic_optimizer's fallback: SGD,
+Adafactor). Not bitsandbytes' 8-bit Adam (a client optimizer in the training code). AdamW, the
+training code's usual client optimizer, is not written."""
 
 def build(inp: ExportInput) -> ExportResult:
     require(inp, TARGET, model=False, seq_len=False)
@@ -157,6 +164,13 @@ def build(inp: ExportInput) -> ExportResult:
     if p.async_tp and p.tp == 1:
         notes.append("async_tp has no effect with tp=1")
 
+    uns += optimizer_unsupported("DeepSpeed", inp, DEEPSPEED_OPTIMIZERS)
+    if inp.optimizer in DEEPSPEED_OPTIMIZERS and inp.optimizer != "adamw":
+        cfg["optimizer"] = {"type": DEEPSPEED_OPTIMIZERS[inp.optimizer]}
+        name = DEEPSPEED_OPTIMIZERS[inp.optimizer]
+        notes.append(f"optimizer.type {name}"
+                     + (f" (DeepSpeed builds torch.optim.{name} by name)" if inp.optimizer in ("sgd", "adafactor")
+                        else "") + ": give its params (lr, ...) in optimizer.params")
     notes.append(f"run on exactly {p.num_gpus} GPUs: DeepSpeed checks train_batch_size = "
                  f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size ({p.dp})")
     cfg["_meshplan"] = {"plan": p.short(), "model": m.name if m is not None else None,

@@ -11,6 +11,7 @@ from meshplan.export.common import (
     ExportResult,
     compression_words,
     describe,
+    optimizer_unsupported,
     placement_is,
     placement_words,
     recompute_layers_per_chunk,
@@ -33,6 +34,10 @@ TP_PP_DP_ORDER = (AX.DP, AX.PP, AX.CP, AX.TP)
 POSITIONS = {"rotary": "rope", "learned": "learned_absolute", "none": "none"}
 NORMS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
 
+
+MEGATRON_OPTIMIZERS = {"adamw": "adam", "adam": "adam", "sgd": "sgd"}
+"""--optimizer values of Megatron-LM (adam: apex/TE FusedAdam with decoupled weight decay, its
+default, not written for adamw; sgd with momentum)."""
 
 def layout(counts: list[int]) -> str:
     """--pipeline-model-parallel-layout: blocks per global stage in model order (Megatron's order:
@@ -232,6 +237,14 @@ def build(inp: ExportInput) -> ExportResult:
         notes.append("compile: Megatron fuses elementwise ops with its own kernels (on by default), "
                      "not torch.compile")
 
+    uns += optimizer_unsupported("Megatron-LM", inp, MEGATRON_OPTIMIZERS)
+    if inp.optimizer in ("adam", "sgd"):
+        add("--optimizer", MEGATRON_OPTIMIZERS[inp.optimizer])
+        if inp.optimizer == "adam":
+            notes.append("--optimizer adam: Megatron's Adam decays weights decoupled (AdamW); give --weight-decay 0 "
+                         "for plain Adam without decay")
+        else:
+            notes.append("--optimizer sgd: Megatron's SGD with --sgd-momentum (default 0.9)")
     notes.append(f"run on exactly {p.num_gpus} GPUs (Megatron infers data-parallel size "
                  f"{p.dp} = world size / (tp*pp*cp)), e.g. torchrun --nnodes N --nproc-per-node G "
                  "pretrain_gpt.py \"${MEGATRON_ARGS[@]}\" plus tokenizer, data, optimizer and schedule arguments")

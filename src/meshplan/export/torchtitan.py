@@ -14,6 +14,7 @@ from meshplan.export.common import (
     ExportResult,
     compression_words,
     describe,
+    optimizer_unsupported,
     placement_unsupported,
     recompute_layers_per_chunk,
     require,
@@ -56,6 +57,10 @@ SEMI_SYNC = {"local-sgd": "local_sgd", "diloco": "diloco"}
 """meshplan grad_sync -> fault_tolerance.semi_sync_method (torchtitan/components/ft/manager.py,
 maybe_semi_sync_training: torchft's local_sgd.LocalSGD / local_sgd.DiLoCo)."""
 
+
+TORCHTITAN_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}
+"""optimizer.name values torchtitan's build_optimizers accepts (torch.optim Adam and AdamW; its
+default AdamW is not written)."""
 
 def schedule_name(p: Plan) -> str:
     """The torch.distributed.pipelining schedule: an interleaved schedule needs >= 2 stages per rank,
@@ -259,12 +264,15 @@ def build(inp: ExportInput) -> ExportResult:
     if not p.flash_attention:
         uns.append("flash_attention=0: torchtitan always uses fused attention (SDPA / FlexAttention)")
 
+    uns += optimizer_unsupported("torchtitan", inp, TORCHTITAN_OPTIMIZERS)
     job: dict[str, Any] = {"description": f"meshplan export: {p.short()}"}
     if ft:
         job["custom_config_module"] = FT_CONFIG_MODULE
     tables: dict[str, dict[str, Any]] = {
         "job": job,
         "model": model,
+        **({"optimizer": {"name": TORCHTITAN_OPTIMIZERS[inp.optimizer]}}
+           if inp.optimizer in TORCHTITAN_OPTIMIZERS and inp.optimizer != "adamw" else {}),
         "training": training,
         "parallelism": par,
         "activation_checkpoint": ac,

@@ -772,7 +772,8 @@ def check_memory(job: Any, built: Built, graph: Any) -> Any:
     kw: dict[str, Any] = {"nproc_per_node": job.nproc_per_node, "nnodes": job.nnodes, "name": built.name,
                           "seq_len": built.seq_len, "process_gib": process_gib(job),
                           "retrace": lambda s: ingest(job.model, seq_len=s),
-                          "nodes_per_dc": getattr(job, "nodes_per_dc", None)}
+                          "nodes_per_dc": getattr(job, "nodes_per_dc", None),
+                          "optimizer": getattr(job, "optimizer", "adamw")}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return pre.check_graph_memory(graph, job.plan, job.global_batch, device_type="cuda",
@@ -791,7 +792,8 @@ def estimate(job: Any, device_type: str, graph: Any = None) -> dict[str, Any]:
         if graph is None:
             graph = ingest(job.model, seq_len=job.seq_len)
         cluster = local_cluster(job.world_size, device_type, job.nnodes, getattr(job, "nodes_per_dc", None))
-        work = Workload(global_batch=job.global_batch, seq_len=graph.sample_tokens)
+        work = Workload(global_batch=job.global_batch, seq_len=graph.sample_tokens,
+                        optimizer=getattr(job, "optimizer", "adamw"))
         r = cost_estimate(graph, cluster, job.plan, work)
     except MeshplanError as e:
         return {"error": str(e)}
@@ -800,7 +802,8 @@ def estimate(job: Any, device_type: str, graph: Any = None) -> dict[str, Any]:
            "activations_gib": r.memory.get("activations")}
     if device_type != "cuda":
         return cpu_memory(out, pre.graph_memory_estimate(graph, job.plan, job.global_batch, "cpu", process_gib(job),
-                                                     nodes=job.nnodes, nodes_per_dc=getattr(job, "nodes_per_dc", None)))
+                                                     nodes=job.nnodes, nodes_per_dc=getattr(job, "nodes_per_dc", None),
+                                                     optimizer=getattr(job, "optimizer", "adamw")))
     return out
 
 

@@ -57,7 +57,7 @@ class Job:
     switch: bool = False
     """--switch: at that check, checkpoint and continue under a plan predicted better."""
     optimizer: str = "adamw"
-    """--optimizer: the (inner) optimizer, adamw or sgd."""
+    """--optimizer: the (inner) optimizer, one of spec.plan.RUNTIME_OPTIMIZERS (adamw, sgd, adafactor)."""
     grad_clip: float = 1.0
     """--grad-clip: the largest global gradient norm (0: no clipping)."""
     outer_lr: float | None = None
@@ -168,10 +168,10 @@ def check_memory(job: Job) -> Any:
         return preflight.check_memory(job.model, job.plan, job.global_batch, job.seq_len,
                                       nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, device_type="cuda",
                                       available_gib=props.total_memory / 2**30, device_name=props.name,
-                                      nodes_per_dc=job.nodes_per_dc)
+                                      nodes_per_dc=job.nodes_per_dc, optimizer=job.optimizer)
     return preflight.check_memory(job.model, job.plan, job.global_batch, job.seq_len,
                                   nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, device_type="cpu",
-                                  nodes_per_dc=job.nodes_per_dc)
+                                  nodes_per_dc=job.nodes_per_dc, optimizer=job.optimizer)
 
 
 # ---- --replan-after and --switch ------------------------------------------------------------------

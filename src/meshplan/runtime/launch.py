@@ -150,7 +150,7 @@ def memory_context(job: Any, est: Any = None) -> str:
     if est is None and isinstance(job, Job) and not job.ingested:
         try:
             est = preflight.memory_estimate(job.model, job.plan, job.global_batch, job.seq_len, nodes=job.nnodes,
-                                            nodes_per_dc=job.nodes_per_dc)
+                                            nodes_per_dc=job.nodes_per_dc, optimizer=job.optimizer)
         except Exception:  # noqa: BLE001 - only words for an error message
             est = None
     return preflight.memory_text(est, job.nproc_per_node)
@@ -308,10 +308,10 @@ def estimate_for(job: Job, device_type: str, graph: Any = None) -> dict[str, Any
     basis_more = ""
     try:
         cluster = local_cluster(job.world_size, device_type, job.nnodes, job.nodes_per_dc)
-        work = Workload(global_batch=job.global_batch, seq_len=job.seq_len)
+        work = Workload(global_batch=job.global_batch, seq_len=job.seq_len, optimizer=job.optimizer)
         if job.lengths is not None and len(job.lengths.lengths) > 1:
             try:
-                r = estimate(job.model, cluster, plan, Workload.of(job.global_batch, job.lengths))
+                r = estimate(job.model, cluster, plan, Workload.of(job.global_batch, job.lengths, job.optimizer))
             except (MeshplanError, ValueError, TypeError, AttributeError):  # the cost model without lengths
                 r = estimate(job.model, cluster, plan, work)
                 basis_more = f"; estimate at the longest length ({job.seq_len}): the cost model did not price " \
@@ -324,7 +324,8 @@ def estimate_for(job: Job, device_type: str, graph: Any = None) -> dict[str, Any
            "peak_memory_gib": r.peak_memory_gib, "tokens_per_s": r.tokens_per_s}
     if device_type != "cuda":
         return cpu_memory(out, memory_estimate(job.model, job.plan, job.global_batch, job.seq_len, "cpu",
-                                               nodes=job.nnodes, nodes_per_dc=job.nodes_per_dc))
+                                               nodes=job.nnodes, nodes_per_dc=job.nodes_per_dc,
+                                               optimizer=job.optimizer))
     return out
 
 
@@ -343,6 +344,7 @@ def summary_record(job: Job, trainer: Any, records: list[Any], device_type: str,
         "model": trainer.model.name, **({"source": job.model} if job.ingested else {}),
         "world_size": job.world_size, "nproc_per_node": job.nproc_per_node, "nnodes": job.nnodes,
         "sample_tokens": trainer.sample_tokens, "global_batch": job.global_batch, "seq_len": seq,
+        "optimizer": job.optimizer,
         "device": device_type, "profile": "meshplan",
         "steps": [records[0].step, records[-1].step] if records else None,
         "measured": measured_summary(records, trainer.tokens_per_step), "estimate": est,

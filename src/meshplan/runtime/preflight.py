@@ -291,7 +291,7 @@ def _corrected(r: Any, *, activation_scale: float, device_type: str, process_gib
 
 def memory_estimate(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int,
                     device_type: str = "cpu", *, nodes: int = 1, nodes_per_dc: int | None = None,
-                    ) -> MemoryEstimate | None:
+                    optimizer: str = "adamw") -> MemoryEstimate | None:
     """Memory per process of ``plan`` on this runtime (see the module docstring); None when the
     cost model does not price the plan (the runtime's own checks speak for it)."""
     from meshplan.cost import estimate
@@ -302,11 +302,12 @@ def memory_estimate(model: ModelSpec, plan: Plan, global_batch: int, seq_len: in
             from meshplan.cost.buckets import sub_plan
             reports = [estimate(model, cluster, sub_plan(as_run, b, b.micro_batch),
                                 Workload(global_batch=as_run.dp * as_run.cp // b.cp * b.micro_batch,
-                                         seq_len=min(b.max_len, seq_len)))
+                                         seq_len=min(b.max_len, seq_len), optimizer=optimizer))
                        for b in as_run.bucket_specs]
             r = max(reports, key=lambda x: x.peak_memory_gib)
         else:
-            r = estimate(model, cluster, as_run, Workload(global_batch=global_batch, seq_len=seq_len))
+            r = estimate(model, cluster, as_run, Workload(global_batch=global_batch, seq_len=seq_len,
+                                                          optimizer=optimizer))
     except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
         return None
     # the cost model counts fp32 activations at 4 bytes itself (cost.layer.act_scale)
@@ -315,7 +316,7 @@ def memory_estimate(model: ModelSpec, plan: Plan, global_batch: int, seq_len: in
 
 def graph_memory_estimate(graph: Any, plan: Plan, global_batch: int, device_type: str = "cpu",
                           process_gib: float = CPU_PROCESS_GIB, *, nodes: int = 1,
-                          nodes_per_dc: int | None = None) -> MemoryEstimate | None:
+                          nodes_per_dc: int | None = None, optimizer: str = "adamw") -> MemoryEstimate | None:
     """Memory per process of ``plan`` on an ingested model's LayerGraph (traced at the run's sequence
     length): ``cost.estimate`` with this runtime's CPU corrections (module docstring). None when
     the cost model does not price the plan (the runtime's own checks speak for it)."""
@@ -323,7 +324,7 @@ def graph_memory_estimate(graph: Any, plan: Plan, global_batch: int, device_type
     as_run = run_plan(plan, device_type)
     try:
         r = estimate(graph, cpu_cluster(plan.num_gpus, nodes=nodes, nodes_per_dc=nodes_per_dc), as_run,
-                     Workload(global_batch=global_batch, seq_len=graph.sample_tokens))
+                     Workload(global_batch=global_batch, seq_len=graph.sample_tokens, optimizer=optimizer))
     except (MeshplanError, ValueError, ZeroDivisionError, OverflowError):
         return None
     # the cost model counts activations at the plan's width (cost.layer.act_scale)
@@ -442,13 +443,15 @@ def state_gib(model: ModelSpec) -> float:
 
 def check_memory(model: ModelSpec, plan: Plan, global_batch: int, seq_len: int, *, nproc_per_node: int,
                  nnodes: int = 1, device_type: str = "cpu", available_gib: float | None = None,
-                 device_name: str = "", nodes_per_dc: int | None = None) -> MemoryEstimate | None:
+                 device_name: str = "", nodes_per_dc: int | None = None,
+                 optimizer: str = "adamw") -> MemoryEstimate | None:
     """Refuse (one line) a run whose estimated memory exceeds what there is: host memory on CPU
     (``available_gib``, default MemAvailable; every process of the node counted), the device's
     memory on GPUs (``available_gib`` must be given). Returns the estimate (None: not priced, or
     nothing known of the memory available)."""
     def estimator(p: Plan, s: int) -> MemoryEstimate | None:
-        return memory_estimate(model, p, global_batch, s, device_type, nodes=nnodes, nodes_per_dc=nodes_per_dc)
+        return memory_estimate(model, p, global_batch, s, device_type, nodes=nnodes, nodes_per_dc=nodes_per_dc,
+                               optimizer=optimizer)
     return _check(model.name, estimator, plan, seq_len, f"{plan.micro_batch} x {seq_len} tokens", state_gib(model),
                   nproc_per_node=nproc_per_node, nnodes=nnodes, device_type=device_type,
                   available_gib=available_gib, device_name=device_name)
@@ -458,7 +461,8 @@ def check_graph_memory(graph: Any, plan: Plan, global_batch: int, *, nproc_per_n
                        device_type: str = "cpu", available_gib: float | None = None, device_name: str = "",
                        name: str | None = None, seq_len: int | None = None,
                        retrace: Callable[[int], Any] | None = None,
-                       process_gib: float = CPU_PROCESS_GIB, nodes_per_dc: int | None = None) -> MemoryEstimate | None:
+                       process_gib: float = CPU_PROCESS_GIB, nodes_per_dc: int | None = None,
+                       optimizer: str = "adamw") -> MemoryEstimate | None:
     """check_memory for an ingested model: ``graph`` is its LayerGraph traced at the run's sequence
     length ``seq_len`` (None: the model has none, e.g. images); ``retrace(s)`` traces it at another
     length, for the "would fit: --seq-len" hint (only called when the run does not fit). Returns the
@@ -473,7 +477,8 @@ def check_graph_memory(graph: Any, plan: Plan, global_batch: int, *, nproc_per_n
                 graphs[s] = None
         g = graphs[s]
         return None if g is None else graph_memory_estimate(g, p, global_batch, device_type, process_gib,
-                                                            nodes=nnodes, nodes_per_dc=nodes_per_dc)
+                                                            nodes=nnodes, nodes_per_dc=nodes_per_dc,
+                                                            optimizer=optimizer)
 
     tokens = f"{plan.micro_batch} x {graph.sample_tokens} tokens" if seq_len else \
         f"{plan.micro_batch} sample{'s' if plan.micro_batch > 1 else ''}"

@@ -123,7 +123,7 @@ def problem_of(job: Any, device_type: str) -> Problem:
                             "cost model has no estimate to check against")
     seq = model.sample_tokens if job.ingested else job.seq_len
     return Problem(model=model, cluster=local_cluster(job.world_size, device_type),
-                   work=Workload(global_batch=job.global_batch, seq_len=seq),
+                   work=Workload(global_batch=job.global_batch, seq_len=seq, optimizer=job.optimizer),
                    plan=run_plan(job.plan, device_type), params=get_profile(PROFILE).apply(DEFAULT_PARAMS))
 
 

@@ -40,7 +40,7 @@ class RunConfig:
     grad_clip: float = 1.0
     """Max global gradient norm; 0 disables clipping. Periodic plans clip each inner group's own."""
     optimizer: str = "adamw"
-    """The (inner) optimizer: adamw (``ADAMW``) or sgd (``SGD``)."""
+    """The (inner) optimizer: adamw (``ADAMW``), sgd (``SGD``) or adafactor (``ADAFACTOR``)."""
     outer_lr: float = 0.7
     """grad_sync=diloco: the outer Nesterov SGD's learning rate (the paper's 0.7)."""
     outer_momentum: float = 0.9

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshplan.errors import MeshplanError
 from meshplan.ingest.batch import Batch
 from meshplan.runtime import data as data_mod
 from meshplan.runtime import hetero
@@ -52,7 +53,7 @@ from meshplan.runtime.parallelize import VOCAB_PARAMS, Parallelized, logical_nam
 from meshplan.runtime.periodic import OuterSync, compression_of
 from meshplan.runtime.run_config import RunConfig, TrainModel
 from meshplan.spec.model import ModelSpec
-from meshplan.spec.plan import Plan, checked_microbatches
+from meshplan.spec.plan import RUNTIME_OPTIMIZERS, Plan, checked_microbatches
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """AdamW settings of Llama/GPT-3 pre-training; lr comes from the run config."""
 SGD = {"momentum": 0.9}
 """--optimizer sgd: SGD with (heavy-ball) momentum 0.9, no weight decay; lr from the run config."""
-OPTIMIZERS = ("adamw", "sgd")
+ADAFACTOR: dict[str, Any] = {}
+"""--optimizer adafactor: torch.optim.Adafactor with torch's defaults (beta2_decay -0.8, eps (None,
+1e-3), d 1, no weight decay; factored second moment, no first moment); lr from the run config."""
+OPTIMIZERS = RUNTIME_OPTIMIZERS
 FAIL_ENV = "MESHPLAN_FAIL_AT"
 """Fault injection for tests: 'RANK:STEP' makes that rank exit hard once STEP steps are done (first attempt only)."""
 
@@ -597,9 +601,16 @@ class Trainer:
 
 
 def make_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
-    """The run's (inner) optimizer over ``params``: AdamW (``ADAMW``) or SGD (``SGD``)."""
+    """The run's (inner) optimizer over ``params``: AdamW (``ADAMW``), SGD (``SGD``) or Adafactor
+    (``ADAFACTOR``); the others the planner prices (lion, adam8bit) are refused before launch
+    (cli.train_cmd), and here too."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, **SGD)
+    if cfg.optimizer == "adafactor":
+        return torch.optim.Adafactor(params, lr=cfg.lr, **ADAFACTOR)
+    if cfg.optimizer != "adamw":
+        raise MeshplanError(f"optimizer {cfg.optimizer!r}: meshplan's runtime runs {', '.join(OPTIMIZERS)} only",
+                            hint="plan and export it, or train with --optimizer adamw, sgd or adafactor")
     return torch.optim.AdamW(params, lr=cfg.lr, **ADAMW)
 
 

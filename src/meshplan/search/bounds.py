@@ -12,7 +12,7 @@ A bound may only reject a plan that `meshplan.cost.estimate` would also find not
    EP; embedding on the first stage; final norm and output projection, a copy when tied, on
    the last; under ZBV both on rank 0, no copy, and the last rank holds blocks only:
    ``cost.batch.output_stage``). The bytes per parameter come from the cost model's own
-   function, called once per distinct (degrees, zero, offload, split, zbv or not).
+   function, called once per distinct (degrees, zero, offload, split, zbv or not, precision).
 
 2. Micro-batch monotonicity (used by the search driver, not here): with every other field
    fixed, the estimate's peak memory does not decrease with micro_batch (kept activations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.cost.batch import stage_params
-from meshplan.cost.memory import model_state_arrays
+from meshplan.cost.memory import model_state_arrays, optimizer_cost
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.parts import plans_to_columns, shard_degree
 from meshplan.search.columns import CATEGORIES, NONE_CODE, PlanColumns
@@ -39,7 +39,7 @@ from meshplan.spec.transformer import as_graph
 from meshplan.units import GiB
 
 _STATE_KEYS = (AX.TP, AX.PP, AX.DP, AX.CP, AX.EP, "zero", "shard_group", "offload_optimizer",
-               "offload_params", "stage_layers", "virtual_stages")
+               "offload_params", "stage_layers", "virtual_stages", "precision")
 _ZBV = CATEGORIES["schedule"].index("zbv")
 
 
@@ -74,7 +74,7 @@ def states_lower_bound_gib(model: LayerGraph | ModelSpec, cols: PlanColumns, wor
                           shard_group=d["shard_group"], offload_optimizer=bool(d["offload_optimizer"]),
                           offload_params=bool(d["offload_params"]),
                           schedule="zbv" if row[-1] else ("interleaved-1f1b" if d["virtual_stages"] > 1 else "1f1b"),
-                          virtual_stages=d["virtual_stages"],
+                          virtual_stages=d["virtual_stages"], precision=CATEGORIES["precision"][d["precision"]],
                           stage_layers=None if code == NONE_CODE else cols.stage_table[code]))
     plain = plans_to_columns(plans)
     plocal, lp = stage_params(graph, plain)
@@ -83,8 +83,10 @@ def states_lower_bound_gib(model: LayerGraph | ModelSpec, cols: PlanColumns, wor
     def col(k: str) -> np.ndarray:
         return np.asarray(plain[k])[:, None]
 
+    opt = optimizer_cost(work.optimizer if work is not None else "adamw", graph)
     w, g, o, _ = model_state_arrays(plocal, lp[:, None], col("zero"), shard[:, None], col("offload_params"),
-                                    col("offload_optimizer"), col(AX.DP) * col(AX.CP), params)
+                                    col("offload_optimizer"), col(AX.DP) * col(AX.CP), params, col("precision"),
+                                    opt=opt)
     valid = np.arange(plocal.shape[1])[None, :] < col(AX.PP)
     out = np.where(valid, w + g + o, 0.0).max(axis=1)
     return out[inverse] / GiB + params.framework_overhead_gib

@@ -149,7 +149,7 @@ def larger_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: 
     b = work.global_batch
     while b < min(4 * cluster.num_gpus, MAX_COUNT // 2):
         b *= 2
-        c = memory_corner(model, cluster, Workload(global_batch=b, seq_len=work.seq_len), space, params)
+        c = memory_corner(model, cluster, work.shaped(b, work.seq_len), space, params)
         if c.plan is not None and c.fits:
             return b, c
     return None
@@ -249,7 +249,7 @@ def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, spac
         batch = larger_batch(model, cluster, work, space, params)
         if batch is not None:
             b, c = batch
-            c = refine(model, c, Workload(global_batch=b, seq_len=work.seq_len), space, params)
+            c = refine(model, c, work.shaped(b, work.seq_len), space, params)
             out.append(f"or, on {cluster.num_gpus} GPUs, a global batch of {b} sequences: "
                        f"e.g. {_short(c)} ({c.peak_memory_gib:.1f} GiB per GPU)")
         if out:

@@ -364,7 +364,7 @@ def _replicas(graph: LayerGraph, cluster: PooledCluster, pools: list[Any], shape
         for m in (lo, hi):
             one = base.replace(pools=(pool.name,), pool_dp=None, dp=n[i],
                                shard_group=base.shard_group if base.shard_group < n[i] * shape.cp else 0)
-            w = Workload(global_batch=n[i] * m * mb, seq_len=work.seq_len, lengths=work.lengths)
+            w = work.shaped(n[i] * m * mb, work.seq_len, work.lengths)
             ts.append(estimate(graph, cluster, one, w, params).step_time_s)
         b = (ts[1] - ts[0]) / (hi - lo)
         lines.append((ts[0] - b * lo, b))

@@ -204,7 +204,7 @@ class SearchResult:
             "model": self.model.name, "clusters": [c.name for c in self.clusters],
             "gpu": self.clusters[0].gpu.name if self.clusters else None,
             "global_batch": self.work.global_batch, "seq_len": self.work.seq_len,
-            "objective": self.objective,
+            "optimizer": self.work.optimizer, "objective": self.objective,
             "plans": [p.to_dict() for p in self.plans],
             "considered": self.considered, "evaluated": self.evaluated,
             "feasible": self.feasible, "rejected": dict(self.rejected),

@@ -248,11 +248,14 @@ def zero_options(cluster: ClusterSpec, tp: int, dp: int, cp: int,
     only = space.offload_only
     out = []
     for z in space.zero:
-        if not only:
+        # nothing to shard (dp x cp = 1): every ZeRO level is the same plan, in memory
+        # (cost.memory.effective_zero) and in time; the lowest level stands for them
+        same = dpc == 1 and z > min(space.zero)
+        if not only and not same:
             out.append((z, 0, False, False))
             if z >= 1:
                 out += [(z, g, False, False) for g in sorted(set(groups))]
-        if space.offload and (z >= 1 or dp == 1):
+        if space.offload and (z >= 1 or dp == 1) and not same:
             out.append((z, 0, True, False))
         if space.offload and z == 3:
             out.append((z, 0, True, True))

@@ -35,14 +35,15 @@ BUCKET_SEED = 0x51B0C4
 class _Timer:
     """Seconds of one micro-batch (bucket, samples, width) and the once-per-step work, memoised."""
 
-    def __init__(self, model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, params: CostParams) -> None:
-        self.model, self.cluster, self.plan, self.params = model, cluster, plan, params
+    def __init__(self, model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, params: CostParams,
+                 work: Workload) -> None:
+        self.model, self.cluster, self.plan, self.params, self.work = model, cluster, plan, params, work
         self.memo: dict[tuple[int, int, int], float] = {}
         self.buckets = plan.bucket_specs
 
     def spec(self, k: int, samples: int, width: int, micro: int) -> SimSpec:
         sub = sub_plan(self.plan, self.buckets[k], samples)
-        w = Workload(global_batch=sub.dp * samples * micro, seq_len=int(width))
+        w = self.work.shaped(sub.dp * samples * micro, int(width))
         d = stage_durations(graph_at(self.model, width), self.cluster, sub, w, self.params)
         return spec_from_durations(d, d.output_static_bytes)
 
@@ -83,7 +84,7 @@ def simulate_buckets(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
     check_model(model, work)
     dist = work.lengths
     assert dist is not None
-    timer = _Timer(model, cluster, plan, params)
+    timer = _Timer(model, cluster, plan, params, work)
     rest = timer.rest(work.seq_len)
     knee = model_knee(model)
     rng = np.random.default_rng([seed, BUCKET_SEED])
@@ -116,7 +117,7 @@ def bucket_timeline(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         raise MeshplanError(why or f"{plan.short()} has no buckets")
     dist = work.lengths
     assert dist is not None
-    timer = _Timer(model, cluster, plan, params)
+    timer = _Timer(model, cluster, plan, params, work)
     rest = timer.rest(work.seq_len)
     rng = np.random.default_rng([seed, BUCKET_SEED])
     lay = bucket_layout(dist.sample(work.global_batch, rng), plan.bucket_specs, plan.dp, plan.cp, model_knee(model))

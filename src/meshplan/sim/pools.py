@@ -193,7 +193,7 @@ def _pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list
 
         def durations(length: int) -> StageDurations:
             g = graph_at(model, length)
-            return _spliced(g, cluster, pools, plan, Workload(global_batch=work.global_batch, seq_len=length),
+            return _spliced(g, cluster, pools, plan, work.shaped(work.global_batch, length),
                             params, est.step_time_s)
         vr = simulate_lengths(model, pools[0], sub, work, params, batches=batches, seed=seed, durations=durations)
         res = run(vr.example)

@@ -95,16 +95,17 @@ GPU type; sim.pools splices a pipeline over pools)."""
 class _Lengths:
     """Durations and simulator pieces per padded length, memoised."""
 
-    def __init__(self, model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, global_batch: int,
+    def __init__(self, model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: Plan, work: Workload,
                  params: CostParams, durations: Durations | None = None) -> None:
-        self.model, self.cluster, self.plan, self.gb, self.params = model, cluster, plan, global_batch, params
+        self.model, self.cluster, self.plan, self.gb, self.params = model, cluster, plan, work.global_batch, params
+        self.work = work
         self.durations = durations
         self.d: dict[int, StageDurations] = {}
         self.spec: dict[int, SimSpec] = {}
 
     def get(self, length: int) -> tuple[StageDurations, SimSpec]:
         if length not in self.d:
-            w = Workload(global_batch=self.gb, seq_len=int(length))
+            w = self.work.shaped(self.gb, int(length))
             d = (self.durations(int(length)) if self.durations is not None else
                  stage_durations(graph_at(self.model, length), self.cluster, self.plan, w, self.params))
             self.d[length] = d
@@ -182,7 +183,7 @@ def simulate_lengths(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: 
     check_model(model, work)
     m = checked_microbatches(plan, work.global_batch)
     dist: LengthDist | None = work.lengths
-    pieces = _Lengths(model, cluster, plan, work.global_batch, params, durations)
+    pieces = _Lengths(model, cluster, plan, work, params, durations)
     per_length = {}
     if dist is None or not work.varied or (plan.pp > 1 and not params.pipeline_variable_shapes):
         # one length, packed, or a pipeline of one shape (every micro-batch padded to the longest)

@@ -544,13 +544,14 @@ def dump_toml(obj: Any) -> str:
 # from a file, or a layer graph, reloads exactly and without torch), ``global_batch`` and ``seq_len``.
 # cli.planfile resolves a command's flags against them.
 
-PLAN_CONTEXT = ("model", "cluster", "global_batch", "seq_len")
-"""What a plan file records besides the plan."""
+PLAN_CONTEXT = ("model", "cluster", "global_batch", "seq_len", "optimizer")
+"""What a plan file records besides the plan (``optimizer``: the workload's; a file without one
+was planned for AdamW)."""
 
 PLAN_CONTEXT_FLAGS = {"model": "--model", "cluster": "--cluster", "global_batch": "--global-batch",
-                      "seq_len": "--seq-len"}
+                      "seq_len": "--seq-len", "optimizer": "--optimizer"}
 PLAN_CONTEXT_WHAT = {"model": "model", "cluster": "cluster", "global_batch": "global batch",
-                     "seq_len": "sequence length"}
+                     "seq_len": "sequence length", "optimizer": "optimizer"}
 
 
 def spec_fields(model: Any, cluster: Any) -> dict[str, Any]:
@@ -596,7 +597,7 @@ class PlanFile:
 
     path: str
     values: dict[str, Any]
-    """model, cluster (names), global_batch, seq_len (positive ints)."""
+    """model, cluster (names), global_batch, seq_len (positive ints), optimizer (spec.plan.OPTIMIZERS)."""
     model_spec: dict[str, Any] | None = None
     cluster_spec: dict[str, Any] | None = None
 
@@ -620,6 +621,12 @@ def read_plan_file(arg: Any, fields: tuple[str, ...] = PLAN_CONTEXT) -> PlanFile
                 raise MeshplanError(f"{arg}: '{key}' must be a {PLAN_CONTEXT_WHAT[key]} name; got {v!r}",
                                     hint=f"fix the file or give {flag}")
             values[key] = v.strip()
+        elif key == "optimizer":
+            from meshplan.spec.plan import OPTIMIZERS
+            if v not in OPTIMIZERS:
+                raise MeshplanError(f"{arg}: 'optimizer' must be one of {', '.join(OPTIMIZERS)}; got {v!r}",
+                                    hint=f"fix the file or give {flag}")
+            values[key] = v
         else:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise MeshplanError(f"{arg}: '{key}' must be a positive integer; got {v!r}",

@@ -261,7 +261,13 @@ def _as_float(v: Any, p: Path, i: int) -> float:
 
 def workload_text(work: Any, unit: str = "tokens") -> str:
     """'global batch 256 x 4096 tokens'; with a length distribution, what a sample of the batch is
-    (padded/bucketed: samples of the mean length, up to the longest; packed: full windows)."""
+    (padded/bucketed: samples of the mean length, up to the longest; packed: full windows); an
+    optimizer other than the default AdamW is named."""
+    opt = getattr(work, "optimizer", "adamw")
+    return _batch_text(work, unit) + ("" if opt == "adamw" else f", optimizer {opt}")
+
+
+def _batch_text(work: Any, unit: str) -> str:
     d = work.lengths
     if d is None or len(d.lengths) == 1:
         return f"global batch {work.global_batch} x {work.seq_len} {unit}"

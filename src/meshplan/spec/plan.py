@@ -26,6 +26,11 @@ PERIODIC_SYNC = ("local-sgd", "diloco")
 """grad_sync methods that synchronise across sync_scope only every sync_every steps."""
 SYNC_SCOPES = ("all", "dc", "node")
 GRAD_COMPRESSION = ("none", "bf16", "fp8", "powersgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion", "adam8bit")
+"""The optimizer a workload trains with (Workload.optimizer): its state bytes, step time and
+sharding are cost.memory's (OPTIMIZER_STATE_BYTES, docs/cost-model.md "Memory")."""
+RUNTIME_OPTIMIZERS = ("adamw", "sgd", "adafactor")
+"""The optimizers `meshplan train` runs (torch's own: AdamW, SGD with momentum, Adafactor)."""
 SCHEDULE_ALIASES = {
     "none": "1f1b", "interleaved": "interleaved-1f1b", "interleaved_1f1b": "interleaved-1f1b",
     "zb": "zero-bubble", "zb-h1": "zero-bubble", "zero_bubble": "zero-bubble", "zbh1": "zero-bubble",
@@ -663,8 +668,13 @@ class Workload:
     lengths: LengthDist | None = None
     """A distribution of sample lengths and how samples form micro-batches (spec.lengths);
     None: every sample is seq_len tokens."""
+    optimizer: str = "adamw"
+    """The optimizer (OPTIMIZERS): adamw / adam (two fp32 moments), sgd (momentum), adafactor
+    (factored second moment, no first moment), lion (one momentum), adam8bit (bitsandbytes 8-bit
+    moments). It sets the optimizer-state bytes and the optimizer step's time (cost.memory)."""
 
     def __post_init__(self) -> None:
+        choice("workload: optimizer", self.optimizer, OPTIMIZERS)
         for name in ("global_batch", "seq_len"):
             value = getattr(self, name)
             positive(f"workload: {name}", value)
@@ -675,9 +685,14 @@ class Workload:
                                 f"distribution ({self.lengths.max_len})")
 
     @classmethod
-    def of(cls, global_batch: int, lengths: LengthDist) -> Workload:
+    def of(cls, global_batch: int, lengths: LengthDist, optimizer: str = "adamw") -> Workload:
         """A workload over a length distribution (seq_len = its longest length)."""
-        return cls(global_batch=global_batch, seq_len=lengths.max_len, lengths=lengths)
+        return cls(global_batch=global_batch, seq_len=lengths.max_len, lengths=lengths, optimizer=optimizer)
+
+    def shaped(self, global_batch: int, seq_len: int, lengths: LengthDist | None = None) -> Workload:
+        """The same training (its optimizer) on another batch shape: a part of this workload (one
+        length of a distribution, a bucket, a pool's share) as the cost model and simulator price it."""
+        return Workload(global_batch=global_batch, seq_len=seq_len, lengths=lengths, optimizer=self.optimizer)
 
     @property
     def varied(self) -> bool:
