@@ -49,15 +49,16 @@ KIND_DEFAULTS: dict[str, LinkDefault] = {
                         "(ml-engineering network/README.md); collectives_dev.csv row mle-mi300x-8"),
     "pcie": LinkDefault(0.8, "prior", "PCIe protocol overhead (TLP headers, flow control) caps DMA at "
                         "~80% of the raw rate; the default_links fallback (NVLINK_EFFICIENCY)"),
-    "efa": LinkDefault(0.61, "estimated", "AWS EFA: per-GPU NIC rate of multi-node all-reduce >= 1 GiB over "
-                       "line rate, mean of 2 sources: ml-engineering p6-b200 and p5en, 4 nodes (0.70-0.74); "
-                       "NVIDIA/nccl#527 p4dn, 2-4 nodes (0.44-0.61, NCCL 2.9.9); leave-one-source-out 0.50 / 0.72"),
+    "efa": LinkDefault(0.80, "estimated", "AWS EFA: the efficiency at which cost.comm reproduces multi-node "
+                       "all-reduce >= 1 GiB (ring; NCCL's tree on 2 nodes), mean of 2 sources: ml-engineering "
+                       "p6-b200 and p5en, 4 nodes (EFA v3/v4: 0.96-1.0); NVIDIA/nccl#527 p4d, 2-4 nodes "
+                       "(EFA v1, NCCL 2.9.9: 0.60-0.64); leave-one-source-out 0.62 / 0.99"),
     "roce": LinkDefault(0.75, "assumed", "RoCEv2 with GPUDirect RDMA, tuned, performs close to InfiniBand "
                         "(Gangidi et al., 'RDMA over Ethernet for Distributed AI Training at Meta Scale', "
                         "SIGCOMM 2024); taken a little below InfiniBand's 0.8 prior: no RoCE rows yet"),
-    "tcpx": LinkDefault(0.85, "estimated", "GCP GPUDirect-TCPX(O) (A3 / A3 Mega): 2 nodes x 8 H100, 1 and 8 GiB "
-                        "all-reduce busbw 297.86 and 338.82 GB/s, per-GPU rate 19.9 and 22.6 of 25 GB/s "
-                        "(collectives_dev.csv, one source)"),
+    "tcpx": LinkDefault(0.88, "estimated", "GCP GPUDirect-TCPX(O) (A3 / A3 Mega): 2 nodes x 8 H100, 1 and 8 GiB "
+                        "all-reduce busbw 297.86 and 338.82 GB/s, reproduced by NCCL's tree on 2 nodes at 0.86 "
+                        "and 0.91 of 25 GB/s per GPU (collectives_dev.csv, one source)"),
     "ethernet": LinkDefault(0.40, "prior", "NCCL's socket transport over plain TCP/IP Ethernet (no RDMA): "
                             "~4.7 GB/s busbw on 100 Gb/s = 0.38 (NVIDIA/nccl#398, p3dn); conservative"),
     "tcp": LinkDefault(0.40, "prior", "as ethernet (NCCL socket transport)"),
