@@ -54,9 +54,8 @@ Num = Any  # float or numpy array
 # a bandwidth factor on the link's bus bandwidth (ring LL 1/4, ring LL128 0.92, tree LL 1/3.8). NCCL
 # prices every (algorithm, protocol) as latency + bytes / bandwidth and runs the fastest. Here a link's
 # latency_us is the per-hop latency of the ring's Simple protocol (the bulk one, as before this table);
-# another protocol's hop is NCCL's hwLat for it on the same hardware (NVLink inside a node, NET across
-# nodes) plus whatever of the link's latency exceeds NCCL's ring/Simple hop (a physical delay, such as a
-# long link's, that no protocol avoids): hop_latency. LL128 needs NVLink (v2.7.5 enables it only
+# another protocol's (or the tree's) hop is that shifted by NCCL's hwLat difference to ring/Simple on the
+# same hardware (NVLink inside a node, NET across nodes), never below NCCL's hwLat for it: hop_latency. LL128 needs NVLink (v2.7.5 enables it only
 # there): inside a node only.
 NCCL_BASE_US = {("ring", "ll"): 3.6, ("ring", "ll128"): 10.0, ("ring", "simple"): 8.4,
                 ("tree", "ll"): 4.4, ("tree", "ll128"): 4.4, ("tree", "simple"): 0.0}
@@ -73,9 +72,12 @@ NCCL_BW_FACTOR = {("ring", "ll"): 1 / 4, ("ring", "ll128"): 0.92, ("ring", "simp
 
 def hop_latency(link_s: Num, hw: str, key: tuple[str, str]) -> Num:
     """Seconds per hop of (algorithm, protocol) ``key`` on a link of per-hop latency ``link_s`` (the
-    ring/Simple hop): NCCL's hwLat for the protocol plus the link's latency beyond NCCL's ring/Simple."""
+    ring/Simple hop, exactly): the link's latency shifted by NCCL's hwLat difference between the protocol
+    and ring/Simple, and never below NCCL's hwLat for the protocol (nor the link's own latency where that
+    is lower): a link's latency beyond NCCL's (a long link's) is a delay no protocol avoids."""
     t = NCCL_HW_US[hw]
-    return np.maximum(np.asarray(link_s, dtype=float) + (t[key] - t[("ring", "simple")]) * US, t[key] * US)
+    a = np.asarray(link_s, dtype=float)
+    return np.maximum(a + (t[key] - t[("ring", "simple")]) * US, np.minimum(a, t[key] * US))
 
 
 PROTOCOLS: tuple[str, ...] = ("simple",)
@@ -195,8 +197,6 @@ class Group:
     """Bytes/s of the intra-node link (the tree's chain inside a node); None: bytes_per_s."""
     intra_lat: Num = 0.0
     """Per-hop latency (s) of the intra-node link (the tree's chain inside a node)."""
-    nccl: bool = True
-    """NCCL's protocols and trees (False: one Simple ring, no base latency: gloo, a flat ring)."""
 
     @staticmethod
     def of(cluster: ClusterSpec, n: Num, stride: Num, flat: bool = False) -> Group:
@@ -267,7 +267,7 @@ class Group:
         node_n = np.where(inside, n, per_node)
         if cluster.inter_dc is None or not cluster.nodes_per_dc or cluster.num_dcs < 2:
             return Group(n, bw, lat, ~inside & (not flat), per_node=node_n, intra_bps=intra.bytes_per_s,
-                         intra_lat=intra_lat, nccl=not flat)
+                         intra_lat=intra_lat)
         gps = cluster.gpus_per_dc
         per_site, one_site = members_within(gps, parts)
         m = np.where(one_site, 1.0, np.round(n / np.maximum(per_site, 1)))
@@ -292,7 +292,7 @@ class Group:
                            intra_bps=intra_bw, intra_lat=intra_lat)
         if flat:  # one ring over every member at the slowest link (gloo; the hierarchical form's bound)
             return Group(n, fbw, flat_group.latency_s, np.zeros(np.shape(inside), dtype=bool), per_node=node_n,
-                         intra_bps=intra_bw, intra_lat=intra_lat, nccl=False)
+                         intra_bps=intra_bw, intra_lat=intra_lat)
         inner_n = np.where(m > 1, per_site, n)
         inner_inside = inside | (inner_n <= per_node)
         inner_bw = np.where(inner_inside, np.where(inside, bw, intra_bw), np.minimum(intra_bw, per_node * nic))
@@ -315,20 +315,15 @@ class Group:
         n = np.maximum(self.n, 1)
         m = n - 1
         size = np.asarray(size, dtype=float)
-        if not self.nccl:
-            t = passes * (m / n * size / self.bytes_per_s + m * self.latency_s)
-        else:
-            across = np.asarray(self.across_nodes, dtype=bool)
-            t = np.inf
-            for p in PROTOCOLS:
-                key = ("ring", p)
-                hop = np.where(across, hop_latency(self.latency_s, "net", key),
-                               hop_latency(self.latency_s, "nvlink", key))
-                tp = (passes * (m / n * size / (self.bytes_per_s * NCCL_BW_FACTOR[key]) + m * hop)
-                      + NCCL_BASE_US[key] * US)
-                if p == "ll128":  # NVLink only (NCCL v2.7.5 enables LL128 there only)
-                    tp = np.where(across, np.inf, tp)
-                t = np.minimum(t, tp)
+        across = np.asarray(self.across_nodes, dtype=bool)
+        t = np.inf
+        for p in PROTOCOLS:
+            key = ("ring", p)
+            hop = np.where(across, hop_latency(self.latency_s, "net", key), hop_latency(self.latency_s, "nvlink", key))
+            tp = passes * (m / n * size / (self.bytes_per_s * NCCL_BW_FACTOR[key]) + m * hop) + NCCL_BASE_US[key] * US
+            if p == "ll128":  # NVLink only (NCCL v2.7.5 enables LL128 there only)
+                tp = np.where(across, np.inf, tp)
+            t = np.minimum(t, tp)
         return np.where((self.n <= 1) | (size <= 0), 0.0, t)
 
     def _tree(self, size: Num) -> Num:
@@ -362,8 +357,7 @@ class Group:
         Megatron's / Horovod's hierarchical all-reduce): only 1 / n of the bytes crosses the slow
         tier, with 2 (m - 1) (or 2 log2 m) of its latencies instead of 2 (n m - 1)."""
         ring = self._ring(size, 2.0)
-        use_tree = (np.asarray(self.across_nodes, dtype=bool) & (self.n > 1) & (np.asarray(size) > 0)
-                    & bool(self.nccl))
+        use_tree = np.asarray(self.across_nodes, dtype=bool) & (self.n > 1) & (np.asarray(size) > 0)
         one = np.where(use_tree, np.minimum(ring, self._tree(size)), ring) if np.any(use_tree) else ring
         o = self.outer
         if o is None:
