@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshplan.cost import estimate
-from meshplan.cost.comm import NCCL_BASE_US, Group, hop_latency
+from meshplan.cost.comm import NCCL_BASE_US, NCCL_BW_FACTOR, Group, hop_latency, tree_correction
 from meshplan.cost.convergence import DEFAULTS, load_token_efficiency, token_efficiency
 from meshplan.cost.params import DEFAULT_PARAMS
 from meshplan.cost.sync import cross_bytes, expected_max_normal, straggler_seconds
@@ -258,7 +258,8 @@ def test_all_reduce_takes_the_tree_where_latency_dominates():
     ring = lambda s: 2 * 255 / 256 * s / bw + 2 * 255 * lat + base  # noqa: E731
     key = ("tree", "simple")
     hops = 2 * (7 * float(hop_latency(il, "nvlink", key)) + 5 * float(hop_latency(lat, "net", key)))
-    tree = lambda s: max(2 * s / bw, s / ib) + hops + NCCL_BASE_US[key] * 1e-6  # noqa: E731
+    tree = lambda s: (max(2 * s / bw, s / ib) / (NCCL_BW_FACTOR[key] * float(tree_correction("simple", s)))  # noqa: E731
+                      + hops + NCCL_BASE_US[key] * 1e-6)
     assert float(g.all_reduce(small)) == pytest.approx(tree(small)) and tree(small) < ring(small)
     assert float(g.all_reduce(big)) == pytest.approx(ring(big)) and ring(big) < tree(big)
     inside = Group.of(c, 8, 1)
@@ -272,7 +273,8 @@ def test_all_reduce_takes_the_tree_where_latency_dominates():
     inner = 2 * float(w._ring(small, 1.0))
     shard, obw = small / 16, float(o.bytes_per_s)
     between = min(2 * (1 / 2) * shard / obw + 2 * 0.01 + base,  # ring of 2
-                  shard / obw + 2 * float(hop_latency(0.01, "net", key)))  # tree of 2 sites: S each way
+                  shard / obw / (NCCL_BW_FACTOR[key] * float(tree_correction("simple", shard)))
+                  + 2 * float(hop_latency(0.01, "net", key)))  # tree of 2 sites: S each way
     assert float(w.all_reduce(small)) == pytest.approx(inner + between)
     flat = w.flat(TWO_DC, [(32, 8)])  # one ring at the slowest link (gloo): 62 latencies
     assert float(flat.all_reduce(small)) == pytest.approx(2 * 31 / 32 * small / float(flat.bytes_per_s)

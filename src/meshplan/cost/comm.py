@@ -49,14 +49,17 @@ from meshplan.units import US
 
 Num = Any  # float or numpy array
 
-# NCCL's protocols (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel, v2.7.5, commit 01afd20): per
-# (algorithm, protocol) a base latency (baseLat, us), a per-hop latency (hwLat[NVLINK or NET], us) and
-# a bandwidth factor on the link's bus bandwidth (ring LL 1/4, ring LL128 0.92, tree LL 1/3.8). NCCL
-# prices every (algorithm, protocol) as latency + bytes / bandwidth and runs the fastest. Here a link's
-# latency_us is the per-hop latency of the ring's Simple protocol (the bulk one, as before this table);
-# another protocol's (or the tree's) hop is that shifted by NCCL's hwLat difference to ring/Simple on the
-# same hardware (NVLink inside a node, NET across nodes), never below NCCL's hwLat for it: hop_latency. LL128 needs NVLink (v2.7.5 enables it only
-# there): inside a node only.
+# NCCL's cost model (NVIDIA/nccl src/graph/tuning.cc, v2.7.5, commit 01afd20: baseLat, hwLat,
+# ncclTopoTuneModel, ncclTopoGetAlgoTime): per (algorithm, protocol) a base latency (us), a per-hop latency
+# (hwLat[NVLINK or NET], us) and a factor on the link's bus bandwidth; NCCL prices every (algorithm,
+# protocol) as latency + bytes / bandwidth and runs the fastest. Here a link's latency_us is the per-hop
+# latency of the ring's Simple protocol (the bulk one, as before this table); another protocol's (or the
+# tree's) hop is that shifted by NCCL's hwLat difference to ring/Simple on the same hardware (NVLink inside
+# a node, NET across nodes), never below NCCL's hwLat for it: hop_latency. LL128 needs NVLink: inside a
+# node only. v2.7.5's constants, not the current ones (v2.30.7, commit 5067397c: tree/Simple hops of 4 and
+# 14 us instead of 28 and 50): with those, 1-16 MiB all-reduce on 2-4 nodes of EFA or TCPX comes out
+# 2-4.5x faster than measured (collectives busbw mean error 43% against 20%; docs/collectives.md): v2.7.5's
+# tree/Simple hop ('the latency of a 256kB chunk') is closer to what these networks show.
 NCCL_BASE_US = {("ring", "ll"): 3.6, ("ring", "ll128"): 10.0, ("ring", "simple"): 8.4,
                 ("tree", "ll"): 4.4, ("tree", "ll128"): 4.4, ("tree", "simple"): 0.0}
 """baseLat of NCCL v2.7.5 tuning.cc, microseconds, added once per collective."""
@@ -64,10 +67,24 @@ NCCL_HW_US = {"nvlink": {("ring", "ll"): 0.47, ("ring", "ll128"): 1.9, ("ring", 
                          ("tree", "ll"): 0.52, ("tree", "ll128"): 1.2, ("tree", "simple"): 28.0},
               "net": {("ring", "ll"): 2.7, ("ring", "ll128"): 4.0, ("ring", "simple"): 9.6,
                       ("tree", "ll"): 5.0, ("tree", "ll128"): 8.5, ("tree", "simple"): 50.0}}
-"""hwLat of NCCL v2.7.5 tuning.cc, microseconds per hop (tree/Simple: a 256 kB chunk's latency)."""
+"""hwLat of NCCL v2.7.5 tuning.cc, microseconds per hop ('Tree/Simple is the latency a 256kB chunk')."""
 NCCL_BW_FACTOR = {("ring", "ll"): 1 / 4, ("ring", "ll128"): 0.92, ("ring", "simple"): 1.0,
-                  ("tree", "ll"): 1 / 3.8, ("tree", "ll128"): 0.915, ("tree", "simple"): 1.0}
-"""Bandwidth factor of each protocol (NCCL v2.7.5 tuning.cc 'model refinements')."""
+                  ("tree", "ll"): 0.9 / 3.8, ("tree", "ll128"): 0.9 * 0.915, ("tree", "simple"): 0.9}
+"""Factor on the bus bandwidth per (algorithm, protocol) (NCCL v2.7.5 tuning.cc 'Various model
+refinements': ring LL 1/4, LL128 0.92; tree 0.9, with LL a further 1 / 3.8, LL128 0.915 across nodes)."""
+TREE_CORRECTION = {"ll": (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0,
+                          1.0),
+                   "simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .5, .5, .6, .6, .7, .8,
+                              .9)}
+"""NCCL v2.7.5 treeCorrectionFactor ('Trees are not perfectly sticking to the model for medium sizes'):
+the tree's bandwidth factor by log2(bytes / 64), 64 B to 128 MiB; 1 beyond."""
+
+
+def tree_correction(proto: str, size: Num) -> Num:
+    """TREE_CORRECTION for ``size`` bytes (1 from 256 MiB)."""
+    table = np.asarray(TREE_CORRECTION[proto] + (1.0,))
+    idx = np.floor(np.log2(np.maximum(np.asarray(size, dtype=float), 64.0) / 64.0)).astype(int)
+    return table[np.clip(idx, 0, len(table) - 1)]
 
 
 def hop_latency(link_s: Num, hw: str, key: tuple[str, str]) -> Num:
@@ -320,8 +337,9 @@ class Group:
         for p in PROTOCOLS:
             key = ("ring", p)
             hop = np.where(across, hop_latency(self.latency_s, "net", key), hop_latency(self.latency_s, "nvlink", key))
-            tp = passes * (m / n * size / (self.bytes_per_s * NCCL_BW_FACTOR[key]) + m * hop) + NCCL_BASE_US[key] * US
-            if p == "ll128":  # NVLink only (NCCL v2.7.5 enables LL128 there only)
+            lat = passes * m * hop + NCCL_BASE_US[key] * US
+            tp = passes * m / n * size / (self.bytes_per_s * NCCL_BW_FACTOR[key]) + lat
+            if p == "ll128":  # NVLink only
                 tp = np.where(across, np.inf, tp)
             t = np.minimum(t, tp)
         return np.where((self.n <= 1) | (size <= 0), 0.0, t)
@@ -347,7 +365,8 @@ class Group:
             key = ("tree", p)
             lat = 2.0 * ((c - 1) * hop_latency(self.intra_lat, "nvlink", key)
                          + np.ceil(np.log2(k)) * hop_latency(self.latency_s, "net", key))
-            t = np.minimum(t, np.maximum(net, chain) / NCCL_BW_FACTOR[key] + lat + NCCL_BASE_US[key] * US)
+            bw_factor = NCCL_BW_FACTOR[key] * tree_correction(p, size)
+            t = np.minimum(t, np.maximum(net, chain) / bw_factor + lat + NCCL_BASE_US[key] * US)
         return t
 
     def all_reduce(self, size: Num) -> Num:
