@@ -137,3 +137,13 @@ def test_tree_correction_is_nccls_at_powers_of_two():
         sizes = 64.0 * 2.0 ** np.arange(len(table))
         assert np.allclose(tree_correction(proto, sizes), table)
         assert float(tree_correction(proto, 2.0 ** 31)) == 1.0
+
+
+@pytest.mark.parametrize("nodes", (2, 4))
+def test_tree_is_monotone_across_nccls_steps(nodes):
+    """On a fine grid of sizes (64 B to 1 GiB, 64 per doubling, across every power of two where NCCL's
+    correction steps), the tree's time never falls as the size grows."""
+    g = Group.of(load_cluster(f"h100-sxm-80gb:{nodes * 8}"), nodes * 8, 1)
+    sizes = np.geomspace(64.0, 2.0 ** 30, 24 * 64 + 1)
+    t = np.asarray(g._tree(sizes), dtype=float)
+    assert np.all(np.diff(t) >= -1e-15)
