@@ -1,14 +1,19 @@
-"""Collective communication times (alpha-beta model, ring algorithms).
+"""Collective communication times (alpha-beta model of NCCL's ring and tree algorithms).
 
 Sizes are the full tensor size in bytes as each rank sees it after the collective
 (all-gather output, reduce-scatter input, all-reduce buffer). Ring costs (Thakur et al. 2005;
-NCCL docs, "bus bandwidth"):
-  all-reduce      2 (n-1)/n * S / B + 2 (n-1) * alpha  (across nodes: or the tree's
-                  2 S / B + 2 ceil(log2 n) alpha, where shorter, as NCCL picks)
+NCCL docs, "bus bandwidth"), plus NCCL's base latency per collective (NCCL_BASE_US):
+  all-reduce      2 (n-1)/n * S / B + 2 (n-1) * alpha  (across nodes: or NCCL's double binary
+                  tree, where shorter, as NCCL picks: S / B per node on 2 nodes, 2 S / B on 3 or
+                  more, the chain inside a node S / B_intra, 2 ((c-1) + ceil(log2 k)) tree hops;
+                  Group._tree)
   all-gather      (n-1)/n * S / B + (n-1) * alpha
   reduce-scatter  (n-1)/n * S / B + (n-1) * alpha
   all-to-all      (n-1)/n * S / B + (n-1) * alpha
   send/recv       S / B + alpha
+Each (algorithm, protocol) has NCCL v2.7.5's latencies and bandwidth factor (below: NCCL_BASE_US,
+NCCL_HW_US, NCCL_BW_FACTOR, TREE_CORRECTION); PROTOCOLS says which protocols are priced. The
+published nccl-tests rows that score these forms: data/collectives_dev.csv, docs/collectives.md.
 A group spanning nodes with k members per node runs k rings in parallel, one per NIC, so its
 per-rank bandwidth is min(intra-node, k x NIC) (NCCL multi-ring; busbw of DGX all-reduce). A
 node whose GPUs share one NIC (``ClusterSpec.node_nic_gbps``) gives each GPU its share.

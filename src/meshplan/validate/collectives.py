@@ -14,8 +14,9 @@ Rows whose ``scope`` is not ``modelled`` measure something the model does not cl
 they are listed and scored, but kept out of the headline mean.
 
 The per-kind efficiencies estimated from these rows (spec.links.KIND_DEFAULTS: efa, tcpx, xgmi) are
-in-sample for the rows of that kind; ``leave_one_source_out`` re-prices those rows with the
-kind's efficiency estimated without the row's own source.
+solved against the model itself (_solve_efficiency: the efficiency at which cost.comm reproduces each
+bandwidth-bound row) and are in-sample for the rows of that kind; the leave-one-source-out figures
+re-price those rows with the kind's efficiency estimated without the row's own source.
 """
 from __future__ import annotations
 
@@ -301,7 +302,7 @@ def validate_collectives(path: str | Path | None = None) -> dict[str, Any]:
 
 
 def _size(n: float) -> str:
-    for unit, k in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    for unit, k in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("GB", 10 ** 9), ("MB", 10 ** 6), ("KiB", 2 ** 10)):
         if n >= k and abs(n / k - round(n / k)) < 1e-9:
             return f"{n / k:g}{unit}"
     return f"{n / 1e9:g}GB" if n >= 1e9 else f"{n / 1e6:g}MB" if n >= 1e6 else f"{n:g}B"
