@@ -339,6 +339,9 @@ class Group:
         n = np.maximum(self.n, 1)
         m = n - 1
         size = np.asarray(size, dtype=float)
+        if PROTOCOLS == ("simple",):  # the default: the link's latency is the hop (hop_latency), factor 1
+            t = passes * (m / n * size / self.bytes_per_s + m * self.latency_s) + NCCL_BASE_US[("ring", "simple")] * US
+            return np.where((self.n <= 1) | (size <= 0), 0.0, t)
         across = np.asarray(self.across_nodes, dtype=bool)
         t = np.inf
         for p in PROTOCOLS:
