@@ -40,7 +40,7 @@ def test_published_times_give_the_published_busbw(rows):
 def test_row_links_override_the_preset(rows):
     jz = next(r for r in rows if r.source_id == "bigscience")
     c = cluster_for(jz)
-    assert c.inter_node.kind == "omnipath" and c.inter_node.bandwidth_gbps == 6.25
+    assert c.inter_node.kind == "omnipath" and c.inter_node.bandwidth_gbps == 1.5625  # the one HFI NCCL used
     assert c.intra_node.bandwidth_gbps == 100.0
     efa = next(r for r in rows if r.inter_kind == "efa")
     assert cluster_for(efa).inter_node.efficiency == KIND_DEFAULTS["efa"].efficiency

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshplan.cost import estimate
-from meshplan.cost.comm import Group
+from meshplan.cost.comm import NCCL_BASE_US, NCCL_BW_FACTOR, Group, hop_latency, tree_correction
 from meshplan.cost.convergence import DEFAULTS, load_token_efficiency, token_efficiency
 from meshplan.cost.params import DEFAULT_PARAMS
 from meshplan.cost.sync import cross_bytes, expected_max_normal, straggler_seconds
@@ -73,7 +73,8 @@ def test_outer_sync_closed_form():
     assert r.time["outer_sync"] == pytest.approx((r.outer_sync_s + step_bytes / hbm) / 100, rel=1e-6)
     # fp8 outer syncs send a quarter; sync_overlap=1 hides up to one inner step of it
     q = estimate(LLAMA8, TWO_DC, plan.replace(grad_compression="fp8"), WORK)
-    assert q.outer_sync_s == pytest.approx((r.outer_sync_s - 2 * lat) / 4 + 2 * lat, rel=1e-6)
+    fixed = 2 * lat + NCCL_BASE_US[("ring", "simple")] * 1e-6  # the ring's latencies and NCCL's base latency
+    assert q.outer_sync_s == pytest.approx((r.outer_sync_s - fixed) / 4 + fixed, rel=1e-6)
     o = estimate(LLAMA8, TWO_DC, plan.replace(sync_overlap=1), WORK)
     assert o.time["outer_sync"] < r.time["outer_sync"]
     assert o.time["outer_sync_overlapped"] > 0
@@ -245,14 +246,20 @@ def test_two_datacenters_done_when():
 
 
 def test_all_reduce_takes_the_tree_where_latency_dominates():
-    """Across nodes NCCL's tree (2 S / B + 2 ceil(log2 n) alpha) replaces the ring (2 (n-1)/n S / B +
-    2 (n-1) alpha) where shorter: small messages over many ranks, or slow links; inside a node, the ring."""
+    """Across nodes NCCL's tree replaces the ring where shorter: on k >= 3 nodes it moves 2 S per node
+    (the ring 2 (n-1)/n S) but pays 2 ((c-1) intra + ceil(log2 k) inter) tree hops instead of 2 (n-1):
+    small messages over many nodes, or slow links; inside a node, the ring."""
     c = load_cluster("h100-sxm-80gb:256")
-    g = Group.of(c, 256, 1)  # every rank: across nodes
-    small, big = 1e3, 1e12  # the ring wins only when 2 S / (n B) beats 2 (n - 1 - log2 n) alpha: ~160 GB here
+    g = Group.of(c, 256, 1)  # every rank: across nodes (32 nodes of 8)
+    small, big = 1e3, 1e12
     bw, lat = float(g.bytes_per_s), float(g.latency_s)
-    ring = lambda s: 2 * 255 / 256 * s / bw + 2 * 255 * lat  # noqa: E731
-    tree = lambda s: 2 * s / bw + 2 * 8 * lat  # noqa: E731
+    ib, il = float(g.intra_bps), float(g.intra_lat)
+    base = NCCL_BASE_US[("ring", "simple")] * 1e-6
+    ring = lambda s: 2 * 255 / 256 * s / bw + 2 * 255 * lat + base  # noqa: E731
+    key = ("tree", "simple")
+    hops = 2 * (7 * float(hop_latency(il, "nvlink", key)) + 5 * float(hop_latency(lat, "net", key)))
+    tree = lambda s: (max(2 * s / bw, s / ib) / (NCCL_BW_FACTOR[key] * float(tree_correction("simple", s)))  # noqa: E731
+                      + hops + NCCL_BASE_US[key] * 1e-6)
     assert float(g.all_reduce(small)) == pytest.approx(tree(small)) and tree(small) < ring(small)
     assert float(g.all_reduce(big)) == pytest.approx(ring(big)) and ring(big) < tree(big)
     inside = Group.of(c, 8, 1)
@@ -264,11 +271,14 @@ def test_all_reduce_takes_the_tree_where_latency_dominates():
     o = w.outer
     assert float(o.n) == 2 and float(w.n) == 16
     inner = 2 * float(w._ring(small, 1.0))
-    between = min(2 * (1 / 2) * small / 16 / float(o.bytes_per_s) + 2 * 0.01, 2 * small / 16 / float(o.bytes_per_s)
-                  + 2 * 1 * 0.01)
+    shard, obw = small / 16, float(o.bytes_per_s)
+    between = min(2 * (1 / 2) * shard / obw + 2 * 0.01 + base,  # ring of 2
+                  shard / obw / (NCCL_BW_FACTOR[key] * float(tree_correction("simple", shard)))
+                  + 2 * float(hop_latency(0.01, "net", key)))  # tree of 2 sites: S each way
     assert float(w.all_reduce(small)) == pytest.approx(inner + between)
     flat = w.flat(TWO_DC, [(32, 8)])  # one ring at the slowest link (gloo): 62 latencies
-    assert float(flat.all_reduce(small)) == pytest.approx(2 * 31 / 32 * small / float(flat.bytes_per_s) + 2 * 31 * 0.01)
+    assert float(flat.all_reduce(small)) == pytest.approx(2 * 31 / 32 * small / float(flat.bytes_per_s)
+                                                          + 2 * 31 * 0.01 + base)
     assert float(w.all_reduce(small)) < float(flat.all_reduce(small)) / 4
 
 

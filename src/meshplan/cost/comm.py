@@ -1,14 +1,19 @@
-"""Collective communication times (alpha-beta model, ring algorithms).
+"""Collective communication times (alpha-beta model of NCCL's ring and tree algorithms).
 
 Sizes are the full tensor size in bytes as each rank sees it after the collective
 (all-gather output, reduce-scatter input, all-reduce buffer). Ring costs (Thakur et al. 2005;
-NCCL docs, "bus bandwidth"):
-  all-reduce      2 (n-1)/n * S / B + 2 (n-1) * alpha  (across nodes: or the tree's
-                  2 S / B + 2 ceil(log2 n) alpha, where shorter, as NCCL picks)
+NCCL docs, "bus bandwidth"), plus NCCL's base latency per collective (NCCL_BASE_US):
+  all-reduce      2 (n-1)/n * S / B + 2 (n-1) * alpha  (across nodes: or NCCL's double binary
+                  tree, where shorter, as NCCL picks: S / B per node on 2 nodes, 2 S / B on 3 or
+                  more, the chain inside a node S / B_intra, 2 ((c-1) + ceil(log2 k)) tree hops;
+                  Group._tree)
   all-gather      (n-1)/n * S / B + (n-1) * alpha
   reduce-scatter  (n-1)/n * S / B + (n-1) * alpha
   all-to-all      (n-1)/n * S / B + (n-1) * alpha
   send/recv       S / B + alpha
+Each (algorithm, protocol) has NCCL v2.7.5's latencies and bandwidth factor (below: NCCL_BASE_US,
+NCCL_HW_US, NCCL_BW_FACTOR, TREE_CORRECTION); PROTOCOLS says which protocols are priced. The
+published nccl-tests rows that score these forms: data/collectives_dev.csv, docs/collectives.md.
 A group spanning nodes with k members per node runs k rings in parallel, one per NIC, so its
 per-rank bandwidth is min(intra-node, k x NIC) (NCCL multi-ring; busbw of DGX all-reduce). A
 node whose GPUs share one NIC (``ClusterSpec.node_nic_gbps``) gives each GPU its share.
@@ -48,6 +53,64 @@ from meshplan.spec.cluster import ClusterSpec
 from meshplan.units import US
 
 Num = Any  # float or numpy array
+
+# NCCL's cost model (NVIDIA/nccl src/graph/tuning.cc, v2.7.5, commit 01afd20: baseLat, hwLat,
+# ncclTopoTuneModel, ncclTopoGetAlgoTime): per (algorithm, protocol) a base latency (us), a per-hop latency
+# (hwLat[NVLINK or NET], us) and a factor on the link's bus bandwidth; NCCL prices every (algorithm,
+# protocol) as latency + bytes / bandwidth and runs the fastest. Here a link's latency_us is the per-hop
+# latency of the ring's Simple protocol (the bulk one, as before this table); another protocol's (or the
+# tree's) hop is that shifted by NCCL's hwLat difference to ring/Simple on the same hardware (NVLink inside
+# a node, NET across nodes), never below NCCL's hwLat for it: hop_latency. LL128 needs NVLink: inside a
+# node only. v2.7.5's constants, not the current ones (v2.30.7, commit 5067397c: tree/Simple hops of 4 and
+# 14 us instead of 28 and 50): with those, 1-16 MiB all-reduce on 2-4 nodes of EFA or TCPX comes out
+# 2-4.5x faster than measured (collectives busbw mean error 43% against 20%; docs/collectives.md): v2.7.5's
+# tree/Simple hop ('the latency of a 256kB chunk') is closer to what these networks show.
+NCCL_BASE_US = {("ring", "ll"): 3.6, ("ring", "ll128"): 10.0, ("ring", "simple"): 8.4,
+                ("tree", "ll"): 4.4, ("tree", "ll128"): 4.4, ("tree", "simple"): 0.0}
+"""baseLat of NCCL v2.7.5 tuning.cc, microseconds, added once per collective."""
+NCCL_HW_US = {"nvlink": {("ring", "ll"): 0.47, ("ring", "ll128"): 1.9, ("ring", "simple"): 3.4,
+                         ("tree", "ll"): 0.52, ("tree", "ll128"): 1.2, ("tree", "simple"): 28.0},
+              "net": {("ring", "ll"): 2.7, ("ring", "ll128"): 4.0, ("ring", "simple"): 9.6,
+                      ("tree", "ll"): 5.0, ("tree", "ll128"): 8.5, ("tree", "simple"): 50.0}}
+"""hwLat of NCCL v2.7.5 tuning.cc, microseconds per hop ('Tree/Simple is the latency a 256kB chunk')."""
+NCCL_BW_FACTOR = {("ring", "ll"): 1 / 4, ("ring", "ll128"): 0.92, ("ring", "simple"): 1.0,
+                  ("tree", "ll"): 0.9 / 3.8, ("tree", "ll128"): 0.9 * 0.915, ("tree", "simple"): 0.9}
+"""Factor on the bus bandwidth per (algorithm, protocol) (NCCL v2.7.5 tuning.cc 'Various model
+refinements': ring LL 1/4, LL128 0.92; tree 0.9, with LL a further 1 / 3.8, LL128 0.915 across nodes)."""
+TREE_CORRECTION = {"ll": (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0,
+                          1.0),
+                   "simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .5, .5, .6, .6, .7, .8,
+                              .9)}
+"""NCCL v2.7.5 treeCorrectionFactor ('Trees are not perfectly sticking to the model for medium sizes'):
+the tree's bandwidth factor by log2(bytes / 64), 64 B to 128 MiB; 1 beyond."""
+
+
+def tree_correction(proto: str, size: Num) -> Num:
+    """TREE_CORRECTION for ``size`` bytes, interpolated in log2(size) between NCCL's powers of two (1 from
+    256 MiB): NCCL steps it, which would make a larger message faster; a factor that changes by at most
+    0.1 per doubling, interpolated, keeps the time growing with the size."""
+    table = np.asarray(TREE_CORRECTION[proto] + (1.0,))
+    x = np.log2(np.maximum(np.asarray(size, dtype=float), 64.0) / 64.0)
+    return np.interp(x, np.arange(len(table), dtype=float), table)
+
+
+def hop_latency(link_s: Num, hw: str, key: tuple[str, str]) -> Num:
+    """Seconds per hop of (algorithm, protocol) ``key`` on a link of per-hop latency ``link_s`` (the
+    ring/Simple hop, exactly): the link's latency shifted by NCCL's hwLat difference between the protocol
+    and ring/Simple, and never below NCCL's hwLat for the protocol (nor the link's own latency where that
+    is lower): a link's latency beyond NCCL's (a long link's) is a delay no protocol avoids."""
+    t = NCCL_HW_US[hw]
+    a = np.asarray(link_s, dtype=float)
+    return np.maximum(a + (t[key] - t[("ring", "simple")]) * US, np.minimum(a, t[key] * US))
+
+
+PROTOCOLS: tuple[str, ...] = ("simple",)
+"""The ring protocols priced (the fastest is taken). Only Simple: with NCCL's LL/LL128 constants the
+1 MiB rows of data/collectives_dev.csv come out 1.5-6x faster than measured on every source (mean
+busbw error 54% with them, 20% without; docs/collectives.md), so the low-latency protocols are left
+out until rows show them. ("ll", "ll128", "simple") prices all three."""
+TREE_PROTOCOLS: tuple[str, ...] = ("simple",)
+"""The tree's protocols (LL128 needs NVLink and the tree runs across nodes: "ll", "simple")."""
 
 
 def exposed_under(comm: Num, compute: Num, slowdown: float) -> Num:
@@ -152,6 +215,12 @@ class Group:
     alt: Group | None = None
     """Across sites: one flat ring (or tree) over all the members at the slowest link, which the
     library runs instead where it is faster (the hierarchical phases run one after another)."""
+    per_node: Num = 1.0
+    """Members of the group in each node (across nodes: the tree's chain inside a node)."""
+    intra_bps: Num = None
+    """Bytes/s of the intra-node link (the tree's chain inside a node); None: bytes_per_s."""
+    intra_lat: Num = 0.0
+    """Per-hop latency (s) of the intra-node link (the tree's chain inside a node)."""
 
     @staticmethod
     def of(cluster: ClusterSpec, n: Num, stride: Num, flat: bool = False) -> Group:
@@ -187,7 +256,9 @@ class Group:
         o, a = self.outer, self.alt
         return (float(self.bytes_per_s), float(self.latency_s), bool(self.across_nodes), float(self.n),
                 None if o is None else (float(o.n), float(o.bytes_per_s), float(o.latency_s)),
-                None if a is None else (float(a.n), float(a.bytes_per_s), float(a.latency_s), bool(a.across_nodes)))
+                None if a is None else (float(a.n), float(a.bytes_per_s), float(a.latency_s), bool(a.across_nodes),
+                                        float(a.per_node), float(a.intra_bps), float(a.intra_lat)),
+                (float(self.per_node), float(self.intra_bps), float(self.intra_lat)))
 
     @staticmethod
     def from_scalars(hit: tuple[Any, ...], n: np.ndarray, shape: tuple[int, ...]) -> Group:
@@ -195,10 +266,13 @@ class Group:
         if hit[4] is not None:
             on, obw, olat = hit[4]
             outer = Group(np.full(shape, on), np.full(shape, obw), np.full(shape, olat), np.full(shape, True))
-            an, abw, alat, aac = hit[5]
-            alt = Group(np.full(shape, an), np.full(shape, abw), np.full(shape, alat), np.full(shape, aac))
+            an, abw, alat, aac, apn, aib, ail = hit[5]
+            alt = Group(np.full(shape, an), np.full(shape, abw), np.full(shape, alat), np.full(shape, aac),
+                        per_node=np.full(shape, apn), intra_bps=np.full(shape, aib), intra_lat=np.full(shape, ail))
             n = np.full(shape, hit[3])
-        return Group(n, np.full(shape, hit[0]), np.full(shape, hit[1]), np.full(shape, hit[2]), outer, alt)
+        pn, ib, il = hit[6]
+        return Group(n, np.full(shape, hit[0]), np.full(shape, hit[1]), np.full(shape, hit[2]), outer, alt,
+                     np.full(shape, pn), np.full(shape, ib), np.full(shape, il))
 
     @staticmethod
     def _of(cluster: ClusterSpec, parts: list[tuple[np.ndarray, np.ndarray]], flat: bool = False) -> Group:
@@ -213,8 +287,11 @@ class Group:
         intra_bw = intra.bytes_per_s
         bw = np.where(inside, intra_bw, np.minimum(intra_bw, per_node * nic))
         lat = np.where(n <= 1, 0.0, np.where(inside, intra.latency_us * US, inter.latency_us * US))
+        intra_lat = intra.latency_us * US
+        node_n = np.where(inside, n, per_node)
         if cluster.inter_dc is None or not cluster.nodes_per_dc or cluster.num_dcs < 2:
-            return Group(n, bw, lat, ~inside & (not flat))
+            return Group(n, bw, lat, ~inside & (not flat), per_node=node_n, intra_bps=intra.bytes_per_s,
+                         intra_lat=intra_lat)
         gps = cluster.gpus_per_dc
         per_site, one_site = members_within(gps, parts)
         m = np.where(one_site, 1.0, np.round(n / np.maximum(per_site, 1)))
@@ -235,16 +312,19 @@ class Group:
         outer_bw = np.minimum(np.minimum(intra_bw, nic), share)
         fbw = np.where(m > 1, np.minimum(bw, np.minimum(site_bw * n / cluster.num_gpus if shared else site_bw,
                                                         per_node * nic)), bw)
-        flat_group = Group(n, fbw, np.where(m > 1, site_lat, lat), ~inside)
+        flat_group = Group(n, fbw, np.where(m > 1, site_lat, lat), ~inside, per_node=node_n,
+                           intra_bps=intra_bw, intra_lat=intra_lat)
         if flat:  # one ring over every member at the slowest link (gloo; the hierarchical form's bound)
-            return Group(n, fbw, flat_group.latency_s, np.zeros(np.shape(inside), dtype=bool))
+            return Group(n, fbw, flat_group.latency_s, np.zeros(np.shape(inside), dtype=bool), per_node=node_n,
+                         intra_bps=intra_bw, intra_lat=intra_lat)
         inner_n = np.where(m > 1, per_site, n)
         inner_inside = inside | (inner_n <= per_node)
         inner_bw = np.where(inner_inside, np.where(inside, bw, intra_bw), np.minimum(intra_bw, per_node * nic))
         inner_lat = np.where(inner_n <= 1, 0.0, np.where(inner_inside, intra.latency_us * US,
                                                           inter.latency_us * US))
         outer = Group(m, np.where(m > 1, outer_bw, 1.0), np.where(m > 1, site_lat, 0.0), np.ones(np.shape(m), bool))
-        return Group(inner_n, inner_bw, inner_lat, ~inner_inside, outer, flat_group)
+        return Group(inner_n, inner_bw, inner_lat, ~inner_inside, outer, flat_group,
+                     np.where(inner_inside, inner_n, per_node), intra_bw, intra_lat)
 
     def flat(self, cluster: ClusterSpec, parts: list[tuple[Num, Num]]) -> Group:
         """The same devices as one flat ring at the slowest link it crosses (what gloo, or a
@@ -253,26 +333,61 @@ class Group:
                          flat=True)
 
     def _ring(self, size: Num, passes: float) -> Num:
+        """A ring of ``passes`` passes (all-reduce 2, the others 1): (n - 1) steps of size / n per pass,
+        each step as slow as the ring's slowest hop. Under NCCL the fastest of its protocols
+        (NCCL_BASE_US, hop_latency, NCCL_BW_FACTOR): LL for small messages, Simple for bulk."""
         n = np.maximum(self.n, 1)
         m = n - 1
-        t = passes * (m / n * size / self.bytes_per_s + m * self.latency_s)
+        size = np.asarray(size, dtype=float)
+        if PROTOCOLS == ("simple",):  # the default: the link's latency is the hop (hop_latency), factor 1
+            t = passes * (m / n * size / self.bytes_per_s + m * self.latency_s) + NCCL_BASE_US[("ring", "simple")] * US
+            return np.where((self.n <= 1) | (size <= 0), 0.0, t)
+        across = np.asarray(self.across_nodes, dtype=bool)
+        t = np.inf
+        for p in PROTOCOLS:
+            key = ("ring", p)
+            hop = np.where(across, hop_latency(self.latency_s, "net", key), hop_latency(self.latency_s, "nvlink", key))
+            lat = passes * m * hop + NCCL_BASE_US[key] * US
+            tp = passes * m / n * size / (self.bytes_per_s * NCCL_BW_FACTOR[key]) + lat
+            if p == "ll128":  # NVLink only
+                tp = np.where(across, np.inf, tp)
+            t = np.minimum(t, tp)
         return np.where((self.n <= 1) | (size <= 0), 0.0, t)
 
+    def _tree(self, size: Num) -> Num:
+        """NCCL's double binary tree all-reduce across k nodes with c members per node (a chain inside
+        each node, a binary tree between the nodes, two trees on half the data each): latency
+        2 ((c - 1) intra hop + ceil(log2 k) inter hop) (NCCL v2.7.5 tuning.cc). Bytes: each node sends
+        (and receives) S on its NICs when k = 2 (each node is the other's parent in one tree) and 2 S
+        when k >= 3 (an interior node of one tree forwards to two children), against the ring's
+        2 (n - 1) / n S; the chain moves S each way on the intra-node link; the chain and the tree
+        pipeline, so the slower of the two counts. On 2 nodes the tree's bus bandwidth is about
+        2 (n - 1) / n times the ring's (NVIDIA/nccl#527: 2 p4d nodes 57 GB/s, 3-4 nodes 30-32)."""
+        n = np.maximum(self.n, 1)
+        c = np.maximum(np.asarray(self.per_node, dtype=float), 1.0)
+        k = np.maximum(np.round(n / c), 1.0)
+        size = np.asarray(size, dtype=float)
+        ib = self.bytes_per_s if self.intra_bps is None else self.intra_bps
+        net = np.where(k <= 2, 1.0, 2.0) * size / self.bytes_per_s
+        chain = np.where(c > 1, size / ib, 0.0)
+        t = np.inf
+        for p in TREE_PROTOCOLS:
+            key = ("tree", p)
+            lat = 2.0 * ((c - 1) * hop_latency(self.intra_lat, "nvlink", key)
+                         + np.ceil(np.log2(k)) * hop_latency(self.latency_s, "net", key))
+            bw_factor = NCCL_BW_FACTOR[key] * tree_correction(p, size)
+            t = np.minimum(t, np.maximum(net, chain) / bw_factor + lat + NCCL_BASE_US[key] * US)
+        return t
+
     def all_reduce(self, size: Num) -> Num:
-        """Within one site: the ring's time, or across nodes the tree's where it is shorter. Across
-        sites: reduce-scatter within each site, all-reduce of each member's 1 / n shard between the
+        """Within one site: the ring's time, or across nodes NCCL's tree's where it is shorter (_tree).
+        Across sites: reduce-scatter within each site, all-reduce of each member's 1 / n shard between the
         sites (ring or tree), all-gather within each site (NCCL's hierarchical form, as in
         Megatron's / Horovod's hierarchical all-reduce): only 1 / n of the bytes crosses the slow
-        tier, with 2 (m - 1) (or 2 log2 m) of its latencies instead of 2 (n m - 1).
-        The single-site part: the ring's time, or across nodes the tree's where it is shorter: NCCL's double binary
-        tree moves about 2 S / B and pays 2 ceil(log2 n) latencies instead of the ring's 2 (n - 1),
-        so it wins when the latency dominates (small messages over many nodes, or slow links
-        between sites)."""
+        tier, with 2 (m - 1) (or 2 log2 m) of its latencies instead of 2 (n m - 1)."""
         ring = self._ring(size, 2.0)
-        n = np.maximum(self.n, 1)
-        tree = 2.0 * size / self.bytes_per_s + 2.0 * np.ceil(np.log2(n)) * self.latency_s
-        one = np.where(np.asarray(self.across_nodes, dtype=bool) & (self.n > 1) & (np.asarray(size) > 0),
-                       np.minimum(ring, tree), ring)
+        use_tree = np.asarray(self.across_nodes, dtype=bool) & (self.n > 1) & (np.asarray(size) > 0)
+        one = np.where(use_tree, np.minimum(ring, self._tree(size)), ring) if np.any(use_tree) else ring
         o = self.outer
         if o is None:
             return one

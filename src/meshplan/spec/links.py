@@ -7,11 +7,10 @@ value; every other kind uses the table below. Before this table, a link of an un
 efa, ethernet, wan, ...) silently inherited InfiniBand's fitted efficiency.
 
 Where the table's value is *estimated*, it comes from the collective-level rows of
-meshplan/data/collectives_dev.csv (docs/collectives.md): the per-GPU NIC rate of a multi-node
-all-reduce at >= 1 GiB, read hierarchically (NCCL reduces inside the node first, so each GPU's NIC
-carries 2 (k-1)/k x S/g of an S-byte all-reduce on k nodes of g GPUs: rate = busbw x (k-1)/(n-1),
-stas00/ml-engineering network/README.md, "So what should you expect?"), divided by the NIC's line
-rate per GPU; the mean over sources (each source weighs once). tests/unit/test_collectives_data.py
+meshplan/data/collectives_dev.csv (docs/collectives.md): for each all-reduce of >= 1 GiB (bandwidth-bound)
+the efficiency at which the cost model itself (cost.comm: NCCL's ring, or its tree on 2 nodes)
+reproduces the measured bus bandwidth; the mean over sources (each source weighs once). The estimate
+is thus consistent with whatever algorithm cost.comm prices. tests/unit/test_collectives_data.py
 recomputes these estimates from the data, and their leave-one-source-out spread. Where it is an
 *assumption*, the entry says so.
 
@@ -49,14 +48,16 @@ KIND_DEFAULTS: dict[str, LinkDefault] = {
                         "(ml-engineering network/README.md); collectives_dev.csv row mle-mi300x-8"),
     "pcie": LinkDefault(0.8, "prior", "PCIe protocol overhead (TLP headers, flow control) caps DMA at "
                         "~80% of the raw rate; the default_links fallback (NVLINK_EFFICIENCY)"),
-    "efa": LinkDefault(0.61, "estimated", "AWS EFA: per-GPU NIC rate of multi-node all-reduce >= 1 GiB over "
-                       "line rate, mean of 2 sources: ml-engineering p6-b200 and p5en, 4 nodes (0.70-0.74); "
-                       "NVIDIA/nccl#527 p4dn, 2-4 nodes (0.44-0.61, NCCL 2.9.9); leave-one-source-out 0.50 / 0.72"),
+    "efa": LinkDefault(0.81, "estimated", "AWS EFA: the efficiency at which cost.comm reproduces multi-node "
+                       "all-reduce >= 1 GiB (ring; NCCL's tree on 2 nodes), mean of 2 sources: ml-engineering "
+                       "p6-b200 and p5en, 4 nodes (EFA v3/v4: 0.96-1.0); NVIDIA/nccl#527 p4d, 2-4 nodes "
+                       "(EFA v1, NCCL 2.9.9: 0.60-0.69); leave-one-source-out 0.64 / 0.99"),
     "roce": LinkDefault(0.75, "assumed", "RoCEv2 with GPUDirect RDMA, tuned, performs close to InfiniBand "
                         "(Gangidi et al., 'RDMA over Ethernet for Distributed AI Training at Meta Scale', "
                         "SIGCOMM 2024); taken a little below InfiniBand's 0.8 prior: no RoCE rows yet"),
-    "tcpx": LinkDefault(0.85, "estimated", "GCP GPUDirect-TCPX(O) (A3 / A3 Mega): 2 nodes x 8 H100, 1 and 8 GiB "
-                        "all-reduce busbw 297.86 and 338.82 GB/s, per-GPU rate 19.9 and 22.6 of 25 GB/s "
+    "tcpx": LinkDefault(0.98, "estimated", "GCP GPUDirect-TCPX(O) (A3 / A3 Mega): 2 nodes x 8 H100, 1 and 8 GiB "
+                        "all-reduce busbw 297.86 and 338.82 GB/s, which NCCL's tree on 2 nodes (S per node each "
+                        "way, NCCL's 0.9 tree factor) reaches at 0.95 and 1.0 of 25 GB/s per GPU "
                         "(collectives_dev.csv, one source)"),
     "ethernet": LinkDefault(0.40, "prior", "NCCL's socket transport over plain TCP/IP Ethernet (no RDMA): "
                             "~4.7 GB/s busbw on 100 Gb/s = 0.38 (NVIDIA/nccl#398, p3dn); conservative"),

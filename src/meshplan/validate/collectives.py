@@ -14,8 +14,9 @@ Rows whose ``scope`` is not ``modelled`` measure something the model does not cl
 they are listed and scored, but kept out of the headline mean.
 
 The per-kind efficiencies estimated from these rows (spec.links.KIND_DEFAULTS: efa, tcpx, xgmi) are
-in-sample for the rows of that kind; ``leave_one_source_out`` re-prices those rows with the
-kind's efficiency estimated without the row's own source.
+solved against the model itself (_solve_efficiency: the efficiency at which cost.comm reproduces each
+bandwidth-bound row) and are in-sample for the rows of that kind; the leave-one-source-out figures
+re-price those rows with the kind's efficiency estimated without the row's own source.
 """
 from __future__ import annotations
 
@@ -171,23 +172,34 @@ def predict_busbw(row: CollectiveRow, efficiency: dict[str, float] | None = None
 # --- per-kind efficiency estimates (spec.links.KIND_DEFAULTS 'estimated' entries) ---------------------
 
 def _kind_samples(rows: Iterable[CollectiveRow], kind: str) -> dict[str, list[float]]:
-    """source -> achieved fractions of line rate of ``kind`` in its large (>= 1 GiB) modelled rows.
-    A network kind: multi-node all-reduce, the per-GPU NIC rate read hierarchically,
-    busbw x (k-1)/(n-1) (ml-engineering network/README.md), over the per-GPU line rate. An
-    intra-node kind: full-node single-node all-reduce, busbw over the per-GPU line rate."""
+    """source -> achieved fractions of line rate of ``kind`` in its large (>= 1 GiB, bandwidth-bound)
+    modelled all-reduce rows: the efficiency at which the cost model (cost.comm, whatever algorithm it
+    runs: ring, NCCL's tree on 2 nodes, ...) reproduces the measured bus bandwidth (solved by bisection
+    in (0, 1]; a row the model cannot reach at 1 counts 1). A network kind: multi-node rows whose
+    inter-node link is of the kind; an intra-node kind: full-node single-node rows."""
     out: dict[str, list[float]] = {}
     for r in rows:
         if r.scope != "modelled" or r.collective != "all_reduce" or r.nbytes < GIB:
             continue
-        if r.nodes > 1 and r.inter_kind == kind and r.inter_gbps:
-            x = r.busbw_gbs * (r.nodes - 1) / (r.ranks - 1) / r.inter_gbps
-        elif r.nodes == 1 and r.intra_kind == kind and r.ranks == r.gpus_per_node:
-            line = r.intra_gbps or load_gpu(r.gpu).intra_node_bandwidth_gbps
-            x = r.busbw_gbs / line
-        else:
+        if not ((r.nodes > 1 and r.inter_kind == kind and r.inter_gbps)
+                or (r.nodes == 1 and r.intra_kind == kind and r.ranks == r.gpus_per_node)):
             continue
-        out.setdefault(r.source_id, []).append(x)
+        out.setdefault(r.source_id, []).append(_solve_efficiency(r, kind))
     return out
+
+
+def _solve_efficiency(row: CollectiveRow, kind: str) -> float:
+    """The efficiency of ``kind`` at which predict_busbw(row) equals the measured busbw (monotone in it)."""
+    lo, hi = 1e-3, 1.0
+    if predict_busbw(row, {kind: hi}) <= row.busbw_gbs:
+        return hi
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        if predict_busbw(row, {kind: mid}) < row.busbw_gbs:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
 
 
 def estimate_kind_efficiency(rows: Iterable[CollectiveRow], kind: str, *,
@@ -290,7 +302,7 @@ def validate_collectives(path: str | Path | None = None) -> dict[str, Any]:
 
 
 def _size(n: float) -> str:
-    for unit, k in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    for unit, k in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("GB", 10 ** 9), ("MB", 10 ** 6), ("KiB", 2 ** 10)):
         if n >= k and abs(n / k - round(n / k)) < 1e-9:
             return f"{n / k:g}{unit}"
     return f"{n / 1e9:g}GB" if n >= 1e9 else f"{n / 1e6:g}MB" if n >= 1e6 else f"{n:g}B"
