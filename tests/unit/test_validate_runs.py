@@ -21,7 +21,7 @@ from meshplan.validate.runs import (
     flops_meg21,
 )
 
-SOURCES = {"MEG_SC21_T1": 10, "KOR22_T5": 8, "TT_2024_A100": 8, "TT_2412_H100": 18,
+SOURCES = {"MEG_SC21_T1": 10, "KOR22_T5": 8, "TT_2024_A100": 10, "TT_2412_H100": 18,
            "MOSAIC_LLMFOUNDRY": 139, "BLOOM176B": 3,
            # added after the shared/data copy (row_ids from 2000, see src/meshplan/data/README.md)
            "BLOOM_PREQ_0228": 20, "BLOOM_PREQ_0225": 25, "NEMO_2407_H100": 12,
@@ -106,7 +106,8 @@ def test_gpu_mapping(cases: list[RunCase]) -> None:
     for c in cases:
         gt, mem = c.raw["gpu_type"], c.raw["gpu_memory_gb"]
         if c.row_id.isdigit() and int(c.row_id) >= 2000:  # the added sources: 80 GB H100 SXM, V100, H200
-            want = ("h100-sxm-80gb" if gt.startswith("H100") else "v100-sxm-32gb" if gt.startswith("V100")
+            want = ("h100-sxm-96gb-500w" if gt.startswith("H100") and mem == "96"
+                    else "h100-sxm-80gb" if gt.startswith("H100") else "v100-sxm-32gb" if gt.startswith("V100")
                     else "h200-sxm-141gb" if gt.startswith("H200") else f"a100-sxm-{mem}gb")
         else:
             want = ("h100-sxm-96gb-500w" if gt.startswith("H100")
