@@ -190,12 +190,38 @@ def measure_peak_mem(row: Row, assume: Callable[[str], None]) -> float | None:
     return None
 
 
+#: The explicit label a row gives its measured memory ('memory measured: allocated' in notes):
+#: allocated = torch.cuda.max_memory_allocated (live tensors), reserved = max_memory_reserved
+#: (the caching allocator's segments), nvidia-smi = the device's used memory (also the CUDA
+#: context, NCCL's and other libraries' buffers).
+_MEMORY_KIND = re.compile(r"memory[\s_-]*measured\s*[:=]\s*(allocated|reserved|nvidia[\s_-]?smi)")
+MEMORY_KINDS = ("allocated", "reserved", "nvidia-smi")
+
+
+def memory_kind(row: Row) -> str | None:
+    """What the row's measured memory is: 'allocated', 'reserved' or 'nvidia-smi' as its
+    other_settings/notes/uncertain_fields label it ('memory measured: reserved'); without that
+    label, 'nvidia-smi' where the text names nvidia-smi, else None (not stated). A label naming
+    anything else is an error the row's author must fix."""
+    text = " ".join(row.lower(c) for c in ("other_settings", "notes", "uncertain_fields"))
+    m = _MEMORY_KIND.search(text)
+    if m:
+        kind = m.group(1)
+        return "nvidia-smi" if kind.startswith("nvidia") else kind
+    bad = re.search(r"memory[\s_-]*measured\s*[:=]\s*([a-z_-]+)", text)
+    if bad:
+        raise MeshplanError(f"row {row.text('row_id') or '?'}: 'memory measured: {bad.group(1)}' is not a "
+                            f"memory kind; write one of {', '.join(MEMORY_KINDS)}")
+    if "nvidia-smi" in text or "nvidia_smi" in text:
+        return "nvidia-smi"
+    return None
+
+
 def memory_by_nvidia_smi(row: Row) -> bool:
     """Whether the row says its measured memory is nvidia-smi's: that also holds memory outside
     torch's allocator (NCCL's own buffers, other libraries), which the cost model does not
     predict, so calibration reports such rows but does not fit to them."""
-    text = " ".join(row.lower(c) for c in ("other_settings", "notes", "uncertain_fields"))
-    return "nvidia-smi" in text or "nvidia_smi" in text
+    return memory_kind(row) == "nvidia-smi"
 
 
 def fit_from_status(run_status: str, how: str) -> tuple[bool | None, str]:
