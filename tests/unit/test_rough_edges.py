@@ -70,3 +70,14 @@ def test_plan_says_what_it_wrote(capsys, tmp_path):
                      "--out", str(out), "--plot", str(svg), "--json")
     assert rc == 0 and out.exists() and svg.exists()
     assert f"wrote {out}" in err and f"wrote {svg}" in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--shots", "1"], "--shots needs --cross-validate"),
+    (["--blind"], "--blind needs --shots"),
+    (["--cross-validate", "--shots", "0,,3"], "not a list of whole numbers"),
+    (["--cross-validate", "--shots", "-1"], "counts must be 0 to 50"),
+])
+def test_few_shot_flags_are_checked_before_any_fit(capsys, argv, needle):
+    rc, _, err = run(capsys, "validate", *argv)
+    assert rc == 2 and needle in err and err.count("\n") == 1

@@ -522,7 +522,7 @@ def _shots(args: argparse.Namespace) -> list[int] | None:
     if not args.cross_validate:
         raise MeshplanError("--shots needs --cross-validate", hint="e.g. --cross-validate --shots 0,1,3,5")
     try:
-        ks = sorted({int(x) for x in raw.split(",") if x.strip()})
+        ks = sorted({int(x) for x in raw.split(",")})  # an empty item ("0,,3") is not a number either
     except ValueError:
         raise MeshplanError(f"--shots {raw!r}: not a list of whole numbers", hint="e.g. --shots 0,1,3,5") from None
     if not ks or any(k < 0 or k > 50 for k in ks):
