@@ -647,7 +647,7 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
         dp_cross_exposed = max(0.0, float(res["time.dp_comm"][0] - within["time.dp_comm"][0]))
     # model FLOPs: hardware-independent (the same in every pool's assembly)
     res["model_flops"] = res["tflops_per_gpu"] * 1e12 * res["step_time_s"] * res["num_gpus"]
-    mem = _b.memory_parts(a, p)
+    mem = _b.memory_parts(a, p, clusters[own[crit]].gpu.family)
     total_mem = np.sum([mem[k] for k in _b.MEMORY_KEYS], axis=0)[0] / 2**30
     micro = float(a.micro[0])
     busy = [micro * float(fields["totals"][0, r]) + float(rank_ends[0][0, r] + rank_ends[2][0, r])
