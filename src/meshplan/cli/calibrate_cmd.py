@@ -485,6 +485,15 @@ def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
     lines += ["", f"out of sample: step MAPE {f(total['step_mape_pct'])}% over {total['runs']} runs "
               f"(mean of the sources with 3+ runs {f(total['mean_source_mape_pct'])}%, worst "
               f"{f(total['worst_source_mape_pct'])}%); OOM verdicts right {f(total['oom_accuracy_pct'])}%; "
-              f"{len(folds)} fits in {took:.0f} s", "", "In sample (the built-in calibration, fitted to every source):",
-              ""]
+              f"{len(folds)} fits in {took:.0f} s"]
+    by = total.get("memory_mape_pct_by_measure") or {}
+    if by:
+        lines.append("memory error out of sample by what the rows measured: "
+                     + ", ".join(f"{k} {f(v)}%" for k, v in by.items()))
+    mv = total.get("memory_verdicts") or {}
+    if mv:
+        lines.append(f"out-of-memory runs called at-risk or does-not-fit: {mv['oom_called_at_risk_or_does_not_fit']} "
+                     f"of {mv['oom_runs']}; runs that trained called does-not-fit: "
+                     f"{f(mv['trained_called_does_not_fit_pct'])}% of {mv['trained_runs']}")
+    lines += ["", "In sample (the built-in calibration, fitted to every source):", ""]
     return lines

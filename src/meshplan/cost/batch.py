@@ -98,7 +98,8 @@ cost.reserved."""
 ALLOCATED_KEYS = MEMORY_KEYS[:6]
 RESERVED_KEYS = MEMORY_KEYS[:7]
 
-__all__ = ["ALLOCATED_KEYS", "BLOCK_KEY", "MEMORY_KEYS", "RESERVED_KEYS", "TIME_KEYS", "Assembly", "Layout", "assemble", "check", "estimate_batch",
+__all__ = ["ALLOCATED_KEYS", "BLOCK_KEY", "MEMORY_KEYS", "RESERVED_KEYS",
+            "TIME_KEYS", "Assembly", "Layout", "assemble", "check", "estimate_batch",
            "layout", "plans_to_columns"]
 
 

@@ -101,7 +101,8 @@ _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise",
           "dp_bucket_mib": "DP buckets", "dp_bucket_buffers": "DP bucket memory", "main_grads": "gradients (ZeRO 0-2)",
           "fsdp_reduce_bytes": "FSDP reduce-scatter", "fsdp_prefetch_layers": "FSDP prefetch",
           "loss_kernel": "loss", "logits_fp32": "logits at the loss", "optimizer_temp_bytes": "optimizer step",
-          "cuda_context_gib": "CUDA context", "expandable_segments": "CUDA allocator", "nccl_buffer_gib": "NCCL buffers",
+          "cuda_context_gib": "CUDA context", "expandable_segments": "CUDA allocator",
+           "nccl_buffer_gib": "NCCL buffers",
           "framework_overhead_gib": "framework overhead", "pipeline_variable_shapes": "pipeline shapes",
           "pp_p2p_overlap": "pipeline sends", "collectives": "collectives"}
 
@@ -254,7 +255,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         loss_kernel=("torch", "cross_entropy_loss on pred.float()"),
         logits_fp32=(True, "cross_entropy_loss: pred.flatten(0, 1).float()"),
         optimizer_temp_bytes=(0.0, "[optimizer] implementation='fused'"),
-        expandable_segments=(True, "run_train.sh: PYTORCH_CUDA_ALLOC_CONF=\"expandable_segments:True\""),
+        expandable_segments=(True, "run_train.sh@47f63f4: "
+                                   "PYTORCH_CUDA_ALLOC_CONF=\"expandable_segments:True\" torchrun ..."),
         pp_p2p_overlap=("none", "torch.distributed.pipelining: batched isend/irecv, but each receive is waited "
                                 "right before its stage's compute (1F1B fuses the forward send with the backward "
                                 "receive and waits on both)"),
