@@ -456,7 +456,7 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
-    from meshplan.calibration.bands import oom_verdicts, residuals
+    from meshplan.calibration.bands import bands_info, oom_verdicts, residuals
     from meshplan.calibration.fit import cross_validate, pooled, runs_from_cases
     t0 = time.perf_counter()
     runs = runs_from_cases(cases)
@@ -464,7 +464,10 @@ def _cross_validate(cases: list[Any], result: dict[str, Any]) -> list[str]:
     print(f"meshplan: validate: leaving out each of the {n_src} sources in turn ({n_src} fits from the priors, in "
           "parallel processes; a few minutes) ...", file=sys.stderr, flush=True)
     folds = cross_validate(runs, progress=lambda s: print(f"meshplan: validate: {s.strip()}", file=sys.stderr))
-    oom_verdicts(residuals(runs, folds), folds)
+    res = residuals(runs, folds)
+    oom_verdicts(res, folds)
+    # the bands these out-of-sample predictions give (what `calibrate --bands` stores in a calibration)
+    result["cross_validation_bands"] = bands_info(res)
     took = time.perf_counter() - t0
     entries = [f.summary() for f in folds]
     total = pooled(folds)

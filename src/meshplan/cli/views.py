@@ -89,6 +89,9 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
         f"model TFLOP/s  {r.tflops_per_gpu:.1f} per GPU   MFU {r.mfu * 100:.1f}%   HFU {r.hfu * 100:.1f}%",
         f"peak memory    {r.peak_memory_gib:.1f} GiB per GPU of {cluster.gpu.memory_gib:.0f} "
         f"(usable {r.usable_memory_gib:.1f}; 95th percentile {r.peak_memory_gib_high:.1f}): {fit_word(r, params)}",
+        f"               allocated {r.allocated_memory_gib:.1f} GiB (torch max_memory_allocated), reserved "
+        f"{r.reserved_memory_gib:.1f} (max_memory_reserved); the peak adds the CUDA context and NCCL's buffers "
+        f"(what nvidia-smi shows)",
         *host_lines(r),
         *weak_link_lines(cluster, plan, r, params),
         *runtime_lines(model, plan, work),

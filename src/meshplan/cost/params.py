@@ -103,14 +103,15 @@ class CostParams:
     expandable segments (torchtitan's): extra memory over the live tensors that those rows show
     (fraction of activations and transient buffers), for every codebase. Without expandable
     segments segment_fragmentation comes on top (cost.reserved)."""
-    segment_fragmentation: float = 0.10
+    segment_fragmentation: float = 0.05
     """Reserved over allocated bytes of the churning allocations (activations, transients) that
     PyTorch's caching allocator keeps cached but cannot reuse without expandable segments
     (cost.reserved; doubled where the sizes vary within the step: pipelines, MoE; at most 0.3).
     Not fitted: no development row measured allocated and reserved memory without expandable
-    segments. 0.10: PyTorch's CUDA-semantics notes describe the fragmentation as the reason
-    for expandable_segments; bounded 0-0.3, the range calibration.space allows
-    allocator_fragmentation."""
+    segments. 0.05: the first-principles prior of allocator_fragmentation (calibration.space),
+    0.10 where sizes vary (PyTorch's CUDA-semantics notes give varying sizes as the cause of the
+    fragmentation expandable_segments removes); bounded 0-0.3, the range calibration.space
+    allows allocator_fragmentation."""
     expandable_segments: bool = False
     """The codebase runs PyTorch's caching allocator with PYTORCH_CUDA_ALLOC_CONF=
     expandable_segments:True (an implementation profile's choice: torchtitan's run_train.sh sets
