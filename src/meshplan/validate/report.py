@@ -302,7 +302,12 @@ def _cv_markdown(result: dict[str, Any]) -> list[str]:
     t = result.get("cross_validation_summary") or {}
     out += ["", f"Pooled over {t.get('runs')} runs: step MAPE {f(t.get('step_mape_pct'))}%, mean of the sources "
             f"{f(t.get('mean_source_mape_pct'))}%, worst source {f(t.get('worst_source_mape_pct'))}%; OOM verdicts "
-            f"right {f(t.get('oom_accuracy_pct'))}%.", "", "## In sample", ""]
+            f"right {f(t.get('oom_accuracy_pct'))}%."]
+    by = t.get("memory_mape_pct_by_measure") or {}
+    if by:
+        out += ["", "Peak memory error out of sample, by what the rows measured: "
+                + ", ".join(f"{k} {f(v)}%" for k, v in by.items()) + "."]
+    out += ["", "## In sample", ""]
     return out
 
 
