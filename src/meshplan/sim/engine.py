@@ -142,8 +142,8 @@ class SimResult:
                           "pipeline_wait_s": self.wait_s[r],
                           "straggler_wait_s": sum(e.end - e.start for e in self.events
                                                   if e.rank == r and e.name == "straggler wait"),
-                          "peak_memory_gib": max(b for _, b in self.memory[r]) / 2**30,
-                          "reserved_memory_gib": self.reserved(r)[0][1] / 2**30})
+                          "allocated_memory_gib": max(b for _, b in self.memory[r]) / 2**30,
+                          "peak_memory_gib": self.reserved(r)[0][1] / 2**30})
         return {"step_time_s": t, "bubble_fraction": sum(self.wait_s) / (self.pp * t) if t > 0 else 0.0,
                 "ranks": ranks, "events": len(self.events)}
 

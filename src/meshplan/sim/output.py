@@ -224,9 +224,9 @@ def sim_memory(res: SimResult, usable_gib: float | None = None) -> str:
         level = reserved[r][0][1]
         body.append(f'<line data-mark="reserved" class="series" x1="{f1(sx.a)}" x2="{f1(sx.b)}" y1="{f1(sy(level))}" '
                     f'y2="{f1(sy(level))}" stroke="{PALETTE[r % len(PALETTE)]}" stroke-dasharray="4 3">'
-                    f"{title(f'rank {r}: reserved by the caching allocator {level:.1f} GiB')}</line>")
+                    + title(f"rank {r}: reserved + CUDA context and NCCL (nvidia-smi) {level:.1f} GiB") + "</line>")
     return svg("sim-memory", W, H, body, "simulated memory per GPU over the step: allocated (solid), "
-               "reserved (dashed)")
+               "reserved + CUDA context and NCCL, what nvidia-smi shows (dashed)")
 
 
 def _column_max(series: list[tuple[float, float]], end: float, n: int) -> list[float]:
