@@ -286,7 +286,8 @@ def pooled_memory_words(e: Any) -> str:
     """The memory verdict of a plan over pools (cost.pools.PooledEstimate): its tightest pool's,
     as `simulate` says it for one GPU type ("fits (0.0% chance of running out)")."""
     t = e.tightest
-    where = f"pool {t.name}: {t.peak_memory_gib:.1f} of {t.usable_memory_gib:.1f} GiB usable"
+    where = (f"pool {t.name}: {t.peak_memory_gib:.1f} of {t.usable_memory_gib:.1f} GiB usable; allocated "
+             f"{t.allocated_memory_gib:.1f}, reserved {t.reserved_memory_gib:.1f}")
     return f"{e.verdict} ({100 * t.oom_probability:.1f}% chance of running out; tightest {where})"
 
 
