@@ -314,8 +314,9 @@ def pooled_extras(est: PooledEstimate, model: LayerGraph | ModelSpec, cluster: C
     pool (the memory verdict's, ``tightest``), each pool's own in ``pools``; the step's 90% band
     (step_time_s_low/high, cost.uncertainty.step_band); tflops_per_gpu the model FLOPs over the step and
     every GPU used; hfu the MFU times the hardware-to-model FLOPs ratio (recomputation); the rest
-    (microbatches, host memory, cross_site_gb, token_factor, outer and straggler sync) from the step's critical part (the pipeline's row, or the slowest pool's estimate;
-    host memory and cross_site_gb the most over pools). The paths' own values (``extra``) take precedence."""
+    (microbatches, host memory, cross_site_gb, token_factor, outer and straggler sync) from the step's
+    critical part (the pipeline's row, or the slowest pool's estimate; host memory and cross_site_gb the
+    most over pools). The paths' own values (``extra``) take precedence."""
     from meshplan.cost.uncertainty import memory_high, step_band
     from meshplan.spec.transformer import as_graph
     t = est.tightest
