@@ -63,6 +63,32 @@ class RunCase:
         return self.status == "ok"
 
 
+#: What a measured peak memory counts -> the estimate's field it is compared with (cost.reserved):
+#: torch's max_memory_allocated, max_memory_reserved, or nvidia-smi's (context and NCCL included).
+MEMORY_MEASURES = {"allocated": "allocated_memory_gib", "reserved": "reserved_memory_gib",
+                   "nvidia-smi": "peak_memory_gib"}
+
+
+def memory_measure(case: Any) -> str:
+    """Which memory a case's measured peak is: 'nvidia-smi' where the row says so; 'allocated'
+    where it names max_memory_allocated; else 'reserved' (torch's max_memory_reserved: what
+    torchtitan logs as its peak memory, and meshplan train --metrics records)."""
+    if getattr(case, "memory_by_nvidia_smi", False):
+        return "nvidia-smi"
+    raw = getattr(case, "raw", None) or {}
+    text = " ".join(str(raw.get(k, "")) for k in ("other_settings", "notes", "uncertain_fields")).lower()
+    return "allocated" if "max_memory_allocated" in text else "reserved"
+
+
+def predicted_memory(case: Any, est: Any) -> float | None:
+    """The estimate's memory that matches what ``case`` measured (memory_measure)."""
+    key = MEMORY_MEASURES[memory_measure(case)]
+    v = est.get(key) if isinstance(est, dict) else getattr(est, key, None)
+    if v is None:  # an estimate without the split (a stand-in estimate function): its peak
+        v = est.get("peak_memory_gib") if isinstance(est, dict) else getattr(est, "peak_memory_gib", None)
+    return None if v is None else float(v[0] if hasattr(v, "__len__") else v)
+
+
 def case_params(case: Any, base: CostParams = DEFAULT_PARAMS) -> CostParams:
     """A run's CostParams: its codebase's profile and its own cells (e.g. its attention kernel)."""
     p = get_profile(getattr(case, "profile", None) or None).apply(base)

@@ -386,11 +386,11 @@ def test_validate_errors_and_summary(cases: list[RunCase]) -> None:
     assert set(rows[0]) == {
         "row_id", "source_id", "model", "status", "reason", "assumptions", "measured_step_time_s",
         "predicted_step_time_s", "step_time_error_pct", "measured_peak_memory_gib",
-        "predicted_peak_memory_gib", "memory_error_pct", "predicted_fits", "measured_fits",
+        "predicted_peak_memory_gib", "memory_error_pct", "memory_measure", "predicted_fits", "measured_fits",
         "measured_from", "verdict", "oom_probability", "predicted_step_time_s_low", "predicted_step_time_s_high",
         "predicted_peak_memory_gib_high"}
     assert set(s) == {"rows", "ok", "unsupported", "step_time_mape_pct", "step_time_max_abs_pct",
-                      "memory_mape_pct", "memory_rows", "fit_verdicts", "by_source"}
+                      "memory_mape_pct", "memory_rows", "memory_mape_pct_by_measure", "fit_verdicts", "by_source"}
     assert s["rows"] == len(cases) and s["unsupported"] == 3 and s["ok"] == len(cases) - 3
     for r in rows:
         if r["model"] == "BLOOM-176B":

@@ -131,9 +131,10 @@ def oom_verdicts(r: Residuals, folds: Sequence[Any]) -> None:
     for f in folds:
         b = bands_without(r, f.source_id)
         idx = np.nonzero((r.runs.source == f.source_id) & (r.runs.fits != 0) & np.isfinite(r.pred_mem))[0]
-        f.oom = [(bool(r.runs.fits[i] > 0),
-                  bool(oom_probability(r.pred_mem[i], float(r.usable[i]), r.runs.bases[i], b) < 0.5))
-                 for i in idx]
+        prob = [float(oom_probability(r.pred_mem[i], float(r.usable[i]), r.runs.bases[i], b)) for i in idx]
+        f.oom = [(bool(r.runs.fits[i] > 0), q < 0.5) for i, q in zip(idx, prob)]
+        f.oom_risk = prob
+        f.max_oom_risk = [float(r.runs.bases[i].max_oom_risk) for i in idx]
 
 
 def bands_info(r: Residuals) -> dict[str, Any]:

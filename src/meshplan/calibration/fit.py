@@ -28,7 +28,7 @@ import numpy as np
 from meshplan.builtin_calibration import gpu_key, link_key
 from meshplan.calibration.space import CODEBASE, GLOBAL, GPU_FIELDS, Fittable, by_name
 from meshplan.calibration.store import Calibration
-from meshplan.cases import case_params
+from meshplan.cases import MEMORY_MEASURES, case_params, memory_measure
 from meshplan.cost.batch import estimate_batch
 from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
@@ -166,7 +166,10 @@ def runs_from_cases(cases: Sequence[Any], base: CostParams = DEFAULT_PARAMS) -> 
 
 def predict(runs: Runs, values: dict[str, float], idx: Sequence[int] | None = None,
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(step time s, peak memory GiB, usable GiB) of runs ``idx`` (all) under ``values``."""
+    """(step time s, peak memory GiB, usable GiB) of runs ``idx`` (all) under ``values``. The
+    peak is the quantity the run measured (meshplan.cases.memory_measure: allocated, reserved or
+    nvidia-smi's; the device peak where it measured none), and the usable memory is lowered by
+    what the device peak holds beyond it, so that peak <= usable is the verdict's test."""
     cal = Calibration(values)
     ix = range(len(runs)) if idx is None else idx
     t, m, u = [], [], []
@@ -176,8 +179,11 @@ def predict(runs: Runs, values: dict[str, float], idx: Sequence[int] | None = No
         cl = cal.apply_cluster(c.cluster)
         r = estimate_batch(c.model, cl, c.work, [c.plan], p)
         t.append(float(r["step_time_s"][0]))
-        m.append(float(r["peak_memory_gib"][0]))
-        u.append(usable_gib(cl, p))
+        peak = float(r["peak_memory_gib"][0])
+        key = MEMORY_MEASURES[memory_measure(c)] if c.measured_peak_mem_gib else "peak_memory_gib"
+        matched = float(r[key][0]) if key in r else peak
+        m.append(matched)
+        u.append(usable_gib(cl, p) - (peak - matched))
     return np.array(t), np.array(m), np.array(u)
 
 
@@ -429,6 +435,12 @@ class Fold:
     seconds: float
     posterior_sd: dict[str, float] = field(default_factory=dict)
     """The fold's fit's FitResult.posterior_sd (what a refinement of ``values`` takes as its prior)."""
+    mem_measures: list[str] = field(default_factory=list)
+    """What each of mem_errors_pct measured: allocated, reserved or nvidia-smi (cases.memory_measure)."""
+    oom_risk: list[float] = field(default_factory=list)
+    """P(out of memory) of the runs of ``oom`` (after oom_verdicts; empty before)."""
+    max_oom_risk: list[float] = field(default_factory=list)
+    """Each of those runs' CostParams.max_oom_risk: above it, a plan that fits is 'at-risk'."""
 
     def summary(self) -> dict[str, Any]:
         e = np.abs(np.array(self.errors_pct)) if self.errors_pct else None
@@ -440,6 +452,7 @@ class Fold:
             "step_bias_pct": None if e is None else round(float(np.mean(self.errors_pct)), 2),
             "memory_mape_pct": (round(float(np.mean(np.abs(self.mem_errors_pct))), 2)
                                 if self.mem_errors_pct else None),
+            "memory_mape_pct_by_measure": _by_measure(self.mem_errors_pct, self.mem_measures),
             "seconds": round(self.seconds, 1)}
         if any(not m for m, _ in self.oom):
             ok = sum(m == p for m, p in self.oom)
@@ -464,9 +477,19 @@ def _fold(runs: Runs, s: str, names: Sequence[str] | None, max_iter: int) -> Fol
     has_t, has_m = ~np.isnan(step), ~np.isnan(mem)
     err = ((t[has_t] / step[has_t] - 1) * 100).tolist()
     merr = ((m[has_m] / mem[has_m] - 1) * 100).tolist()
+    kinds = [memory_measure(runs.cases[i]) for i in test[has_m]]
     oom = [(bool(f > 0), bool(mm <= uu)) for f, mm, uu in zip(fits, m, u) if f != 0]
     return Fold(s, len(test), err, oom, merr, vals, time.perf_counter() - t0,
-                {n: v for r in res for n, v in r.posterior_sd.items()})
+                {n: v for r in res for n, v in r.posterior_sd.items()}, kinds)
+
+
+def _by_measure(errors: Sequence[float], kinds: Sequence[str]) -> dict[str, float]:
+    """Mean absolute memory error by what the rows measured (allocated, reserved, nvidia-smi)."""
+    out: dict[str, float] = {}
+    for k in dict.fromkeys(kinds):
+        e = [abs(x) for x, kk in zip(errors, kinds) if kk == k]
+        out[k] = round(float(np.mean(e)), 2)
+    return out
 
 
 def _fold_in_worker(args: tuple[str, Sequence[str] | None, int]) -> Fold:
@@ -505,6 +528,14 @@ def pooled(folds: Sequence[Fold]) -> dict[str, Any]:
     e = np.abs(np.array([x for f in folds for x in f.errors_pct]))
     oom = [x for f in folds for x in f.oom]
     big = [f for f in folds if len(f.errors_pct) >= 3]
+    risk = [(m, r, cap) for f in folds for (m, _), r, cap in zip(f.oom, f.oom_risk, f.max_oom_risk)]
+    ran = [r for m, r, _ in risk if m]
+    died = [(r, cap) for m, r, cap in risk if not m]
+    verdicts = {} if not risk else {
+        "oom_runs": len(died),
+        "oom_called_at_risk_or_does_not_fit": sum(r > cap for r, cap in died),
+        "trained_runs": len(ran),
+        "trained_called_does_not_fit_pct": round(100 * sum(r >= 0.5 for r in ran) / len(ran), 1) if ran else None}
     return {"step_mape_pct": round(float(e.mean()), 2) if len(e) else None,
             "max_abs_error_pct": round(float(e.max()), 2) if len(e) else None,
             "worst_source_mape_pct": (round(max(float(np.mean(np.abs(f.errors_pct))) for f in big), 2)
@@ -512,4 +543,7 @@ def pooled(folds: Sequence[Fold]) -> dict[str, Any]:
             "mean_source_mape_pct": (round(float(np.mean([np.mean(np.abs(f.errors_pct)) for f in big])), 2)
                                      if big else None),
             "oom_accuracy_pct": (round(100 * sum(m == p for m, p in oom) / len(oom), 1) if oom else None),
-            "runs": int(sum(len(f.errors_pct) for f in folds))}
+            "runs": int(sum(len(f.errors_pct) for f in folds)),
+            "memory_mape_pct_by_measure": _by_measure([x for f in folds for x in f.mem_errors_pct],
+                                                      [k for f in folds for k in f.mem_measures]),
+            "memory_verdicts": verdicts}

@@ -532,7 +532,7 @@ def _shots(args: argparse.Namespace) -> list[int] | None:
 
 def _cross_validate(cases: list[Any], result: dict[str, Any], shots: list[int] | None = None,
                     blind: bool = False) -> list[str]:
-    from meshplan.calibration.bands import oom_verdicts, residuals
+    from meshplan.calibration.bands import bands_info, oom_verdicts, residuals
     from meshplan.calibration.fit import cross_validate, pooled, runs_from_cases
     from meshplan.calibration.out_of_sample import coverage as oos_coverage
     from meshplan.calibration.out_of_sample import rank_rows as oos_rank_rows
@@ -549,6 +549,8 @@ def _cross_validate(cases: list[Any], result: dict[str, Any], shots: list[int] |
     result["ranking_out_of_sample"] = score_sweeps(oos_rank_rows(res))
     from meshplan.validate import coverage
     result["band_coverage_out_of_sample"] = oos_coverage(res)
+    # the bands these out-of-sample predictions give (what `calibrate --bands` stores in a calibration)
+    result["cross_validation_bands"] = bands_info(res)
     took = time.perf_counter() - t0
     entries = [f.summary() for f in folds]
     total = pooled(folds)
@@ -569,7 +571,17 @@ def _cross_validate(cases: list[Any], result: dict[str, Any], shots: list[int] |
     lines += ["", f"out of sample: step MAPE {f(total['step_mape_pct'])}% over {total['runs']} runs "
               f"(mean of the sources with 3+ runs {f(total['mean_source_mape_pct'])}%, worst "
               f"{f(total['worst_source_mape_pct'])}%); OOM verdicts right {f(total['oom_accuracy_pct'])}%; "
-              f"{len(folds)} fits in {took:.0f} s", ""]
+              f"{len(folds)} fits in {took:.0f} s"]
+    by = total.get("memory_mape_pct_by_measure") or {}
+    if by:
+        lines.append("memory error out of sample by what the rows measured: "
+                     + ", ".join(f"{k} {f(v)}%" for k, v in by.items()))
+    mv = total.get("memory_verdicts") or {}
+    if mv:
+        lines.append(f"out-of-memory runs called at-risk or does-not-fit: {mv['oom_called_at_risk_or_does_not_fit']} "
+                     f"of {mv['oom_runs']}; runs that trained called does-not-fit: "
+                     f"{f(mv['trained_called_does_not_fit_pct'])}% of {mv['trained_runs']}")
+    lines += [""]
     lines += ranking_lines(result["ranking_out_of_sample"], "Ranking within sweeps, out of sample")
     lines += coverage.to_lines(result["band_coverage_out_of_sample"], "Band coverage, out of sample")
     if shots:

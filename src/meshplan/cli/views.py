@@ -93,6 +93,9 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
         f"model TFLOP/s  {r.tflops_per_gpu:.1f} per GPU   MFU {r.mfu * 100:.1f}%   HFU {r.hfu * 100:.1f}%",
         f"peak memory    {r.peak_memory_gib:.1f} GiB per GPU of {cluster.gpu.memory_gib:.0f} "
         f"(usable {r.usable_memory_gib:.1f}; 95th percentile {r.peak_memory_gib_high:.1f}): {fit_word(r, params)}",
+        f"               allocated {r.allocated_memory_gib:.1f} GiB (torch max_memory_allocated), reserved "
+        f"{r.reserved_memory_gib:.1f} (max_memory_reserved); the peak adds the CUDA context and NCCL's buffers "
+        f"(what nvidia-smi shows)",
         *host_lines(r),
         *weak_link_lines(cluster, plan, r, params),
         *runtime_lines(model, plan, work),
@@ -287,7 +290,8 @@ def pooled_memory_words(e: Any) -> str:
     """The memory verdict of a plan over pools (cost.pools.PooledEstimate): its tightest pool's,
     as `simulate` says it for one GPU type ("fits (0.0% chance of running out)")."""
     t = e.tightest
-    where = f"pool {t.name}: {t.peak_memory_gib:.1f} of {t.usable_memory_gib:.1f} GiB usable"
+    where = (f"pool {t.name}: {t.peak_memory_gib:.1f} of {t.usable_memory_gib:.1f} GiB usable; allocated "
+             f"{t.allocated_memory_gib:.1f}, reserved {t.reserved_memory_gib:.1f}")
     return f"{e.verdict} ({100 * t.oom_probability:.1f}% chance of running out; tightest {where})"
 
 

@@ -76,6 +76,7 @@ from meshplan.cost.sync import (
     straggler_seconds,
 )
 from meshplan.cost.sync import groups as sync_groups
+from meshplan.cost.reserved import allocator_bytes, outside_bytes
 from meshplan.cost.uncertainty import memory_high, step_band, verdicts
 from meshplan.errors import MeshplanError
 from meshplan.spec.axes import AX, AXES
@@ -95,9 +96,15 @@ BLOCK_KEY = (AX.TP, AX.CP, "micro_batch", "precision", "recompute", "sequence_pa
 TIME_KEYS = ("compute", "recompute", "tp_comm", "tp_comm_overlapped", "cp_comm", "cp_comm_overlapped", "ep_comm",
              "dp_comm", "dp_comm_overlapped", "pp_comm", "offload", "bubble", "optimizer", "outer_sync",
              "outer_sync_overlapped", "straggler", "overhead")
-MEMORY_KEYS = ("weights", "grads", "optimizer", "activations", "transient", "overhead")
+MEMORY_KEYS = ("weights", "grads", "optimizer", "activations", "transient", "overhead", "allocator", "outside")
+"""The parts of a rank's peak: the allocated ones (ALLOCATED_KEYS), the caching allocator's extra
+('allocator': reserved - allocated) and the memory outside it ('outside': CUDA context, NCCL);
+cost.reserved."""
+ALLOCATED_KEYS = MEMORY_KEYS[:6]
+RESERVED_KEYS = MEMORY_KEYS[:7]
 
-__all__ = ["BLOCK_KEY", "MEMORY_KEYS", "TIME_KEYS", "Assembly", "Layout", "assemble", "check", "estimate_batch",
+__all__ = ["ALLOCATED_KEYS", "BLOCK_KEY", "MEMORY_KEYS", "RESERVED_KEYS",
+            "TIME_KEYS", "Assembly", "Layout", "assemble", "check", "estimate_batch",
            "layout", "plans_to_columns"]
 
 
@@ -771,7 +778,7 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
     out |= {"time.bubble": bubble, "time.optimizer": opt, "time.outer_sync": weak["outer_exposed"],
             "time.outer_sync_overlapped": weak["outer_overlapped"], "time.straggler": weak["straggler"],
             "time.overhead": np.full(len(rows), p.step_overhead_s)}
-    mem = memory_parts(a, p)
+    mem = memory_parts(a, p, cluster.gpu.family)
     out |= _summary(a, cluster, work, p, step, mem)
     out |= {"token_factor": weak["token_factor"], "time_to_target_s": step * weak["token_factor"],
             "outer_sync_s": weak["outer_sync_s"], "straggler_sync_s": weak["straggler_sync"],
@@ -779,8 +786,9 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
     return out
 
 
-def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
-    """(rows, ranks) bytes per part; see memory.py for the per-parameter byte counts."""
+def memory_parts(a: Assembly, p: CostParams, family: str = "") -> dict[str, np.ndarray]:
+    """(rows, ranks) bytes per part; see memory.py for the per-parameter byte counts and
+    cost.reserved for 'allocator' and 'outside' (``family``: the GPU's, for cuBLAS's workspace)."""
     cols = a.cols
 
     def col(x: Any) -> np.ndarray:
@@ -828,7 +836,9 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
     offo = flag(cols["offload_optimizer"])
     opt_tmp = np.where(offo, 0.0, p.optimizer_temp_bytes * plocal / np.where(zero >= 1, col(a.shard), 1.0))
     transient = np.maximum(transient, opt_tmp - acts)
-    overhead = (p.framework_overhead_gib + p.cuda_context_gib + p.nccl_buffer_gib) * GiB
+    # Framework state inside torch's allocator; the CUDA context and NCCL's buffers are outside it
+    # (the 'outside' part below, cost.reserved).
+    overhead = p.framework_overhead_gib * GiB
     # DiLoCo's outer state: the fp32 anchor and the Nesterov momentum of the parameters a rank
     # holds; PowerSGD's error feedback (fp32, the unsharded gradients) and its P, Q factors.
     # Local SGD with a compressed outer sync keeps the fp32 anchor it sends deltas from; an
@@ -846,6 +856,16 @@ def memory_parts(a: Assembly, p: CostParams) -> dict[str, np.ndarray]:
         g = g + np.where(psgd, 4.0 * plocal + factors, 0.0)
     parts = {"weights": w, "grads": g, "optimizer": o, "activations": acts, "transient": transient,
              "overhead": np.broadcast_to(overhead, plocal.shape)}
+    # Reserved beyond allocated (cost.reserved): rounding, the cached blocks the churning
+    # allocations (activations, transients) fragment without expandable segments, more so where
+    # their sizes vary within the step (several in-flight micro-batches of a pipeline, MoE), and
+    # cuBLAS's workspace; then the CUDA context and NCCL's buffers, outside the allocator.
+    varying = (pp > 1) | (col(cols[AX.EP]) > 1)
+    layers_held = C.sum(np.ones((plocal.shape[0], len(C.slices))))
+    parts["allocator"] = np.broadcast_to(
+        allocator_bytes(acts + transient, layers_held, varying, family, p), plocal.shape)
+    parts["outside"] = np.broadcast_to(
+        outside_bytes(col(cols[AX.TP]), col(cols[AX.DP]), col(cols[AX.CP]), col(cols[AX.EP]), pp, p), plocal.shape)
     # Host memory the offload takes per GPU: the optimizer states it moves (Adam's fp32 m, v, and
     # the master copy but with ZeRO-3), and with parameter offload FSDP's fp32 parameter and
     # gradient shards (FSDP2's CPUOffloadPolicy keeps both on the host).
@@ -908,6 +928,10 @@ def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, s
            "fits": fits, "at_risk": at_risk, "microbatches": a.micro,
            "num_gpus": n, "stage_memory_gib": total_mem / GiB}
     out |= {f"memory.{k}": mem[k][rows, worst] / GiB for k in MEMORY_KEYS}
+    # allocated (max_memory_allocated) and reserved (max_memory_reserved) of the same rank; the
+    # peak (what nvidia-smi shows, and what the verdict takes) adds the memory outside the allocator
+    out["allocated_memory_gib"] = np.sum([out[f"memory.{k}"] for k in ALLOCATED_KEYS], axis=0)
+    out["reserved_memory_gib"] = out["allocated_memory_gib"] + out["memory.allocator"]
     host = np.nanmax(mem["host"], axis=1) / GiB
     out |= {"host_memory_gib": host, "host_fits": host <= p.host_memory_per_gpu_gib}
     return out

@@ -78,6 +78,10 @@ class StageDurations:
     act_bytes_per_microbatch: list[float]  # activations one micro-batch leaves on a rank (+ fragmentation)
     analytic: dict[str, float] = field(default_factory=dict)
     """The cost model's own per-step terms (time.* of estimate_batch, step_time_s)."""
+    reserved_extra_bytes: list[float] = field(default_factory=list)
+    """Per rank: what the GPU holds beyond the allocated peak (cost.reserved: the caching
+    allocator's rounding, fragmentation and cuBLAS workspace, then the CUDA context and NCCL's
+    buffers): the memory timeline's dashed line, the peak the cost model reports."""
     output_static_bytes: float = 0.0
     """Under ZBV: the static bytes of the output layer (output_static_bytes) listed at rank
     pp - 1, which sim.build moves to rank 0 with the V's last stage."""
@@ -134,7 +138,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
     ag_s = np.where(staged, a.C.sum(a.ag, blk), 0)
     rs_s = np.where(staged, a.C.sum(a.rs, blk), 0)
 
-    mem = _b.memory_parts(a, p)
+    mem = _b.memory_parts(a, p, cluster.gpu.family)
     inflight = in_flight_array(cols[AX.PP][:, None], cols["virtual_stages"][:, None], cols["schedule"][:, None],
                                np.arange(width)[None, :], micro[:, None])
     acts = mem["activations"][0]
@@ -177,6 +181,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         staged_gather_s=row(ag_s), staged_reduce_s=row(rs_s),
         end_dp_exposed_s=end_exp, end_dp_overlapped_s=end_ovl, optimizer_s=row(opt_t),
         overhead_s=p.step_overhead_s, static_bytes=[float(x) for x in static],
+        reserved_extra_bytes=[float(x) for x in (mem["allocator"] + mem["outside"])[0]],
         overlap_slowdown=p.overlap_slowdown, output_static_bytes=float(moved),
         act_bytes_per_microbatch=[float(x) * (1 + frag) for x in per_mb], analytic=analytic,
         outer_sync_s=float(est["time.outer_sync"][0]), outer_sync_full_s=float(est["outer_sync_s"][0]),

@@ -99,12 +99,29 @@ class CostParams:
     schedule: runtimes that post receives ahead, as decentralized-training systems do). An
     overlapped send is costed as hidden (exposed fraction 0)."""
     allocator_fragmentation: float = 0.05
-    """FITTED to the memory rows measured by torch's allocator (prior 0.05). Extra reserved memory of the
-    caching allocator over live tensors (fraction of activations and transient buffers)."""
+    """FITTED to the memory rows measured by torch's allocator (prior 0.05), which all run with
+    expandable segments (torchtitan's): extra memory over the live tensors that those rows show
+    (fraction of activations and transient buffers), for every codebase. Without expandable
+    segments segment_fragmentation comes on top (cost.reserved)."""
+    segment_fragmentation: float = 0.05
+    """Reserved over allocated bytes of the churning allocations (activations, transients) that
+    PyTorch's caching allocator keeps cached but cannot reuse without expandable segments
+    (cost.reserved; doubled where the sizes vary within the step: pipelines, MoE; at most 0.3).
+    Not fitted: no development row measured allocated and reserved memory without expandable
+    segments. 0.05: the first-principles prior of allocator_fragmentation (calibration.space),
+    0.10 where sizes vary (PyTorch's CUDA-semantics notes give varying sizes as the cause of the
+    fragmentation expandable_segments removes); bounded 0-0.3, the range calibration.space
+    allows allocator_fragmentation."""
+    expandable_segments: bool = False
+    """The codebase runs PyTorch's caching allocator with PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:True (an implementation profile's choice: torchtitan's run_train.sh sets
+    it): freed ranges serve any later size, so segment_fragmentation does not apply."""
     framework_overhead_gib: float = 1.0
-    """FITTED (prior 1.0) to the memory rows measured by torch's allocator. Memory held by NCCL
-    buffers, cuBLAS workspaces and framework state, GiB (measured: ~0.5-1.5
-    GiB in torch.cuda.memory_reserved() on an idle trained step)."""
+    """FITTED (prior 1.0) to the memory rows measured by torch's allocator. Memory the framework
+    holds in torch's allocator beyond the model states, activations and transients (state, small
+    buffers, the allocator's slack not otherwise modelled), GiB (measured: ~0.5-1.5 GiB in
+    torch.cuda.memory_reserved() on an idle trained step). NCCL's buffers and the CUDA context are
+    outside the allocator: cost.reserved.outside_bytes."""
     memory_margin: float = 0.05
     """A plan 'fits' when predicted peak <= (1 - memory_margin) x HBM: the margin is memory the
     job cannot use (CUDA context, allocator limits, other processes' reservations)."""
@@ -177,11 +194,12 @@ class CostParams:
     tensor per parameter for sqrt(v) + eps). They live after the backward, so they count against
     the activations and transients, not on top of them."""
     cuda_context_gib: float = 0.0
-    """CUDA context and module images per GPU, GiB, counted in the overhead part. 0 by default:
-    the measured peaks (torch's max_reserved) exclude it, and memory_margin stands for it."""
+    """CUDA context and module images per GPU, GiB, counted in the 'outside' part (outside torch's
+    allocator: nvidia-smi shows it, max_memory_reserved does not). 0: cost.reserved.CUDA_CONTEXT_GIB
+    (lazy module loading); a row that measured its own (BLOOM: 1573 MiB) sets it."""
     nccl_buffer_gib: float = 0.0
-    """NCCL's communication buffers per GPU beyond framework_overhead_gib, GiB (outside torch's
-    allocator; e.g. Megatron's --tp-comm-overlap userbuffers). Counted in the overhead part."""
+    """NCCL buffers per GPU beyond those cost.reserved counts per communicator, GiB (outside
+    torch's allocator; e.g. Megatron's --tp-comm-overlap userbuffers). In the 'outside' part."""
 
     token_efficiency_file: str = ""
     """POLICY: a TOML/JSON file of token-efficiency factors replacing the defaults of
@@ -253,7 +271,8 @@ PARAM_KINDS: dict[str, str] = {
     "tp_exposed_async": "fitted", "overlap_slowdown": "fitted", "dp_bucket_mib": "derived",
     "fsdp_reduce_bytes": "derived",
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
-    "pp_p2p_exposed": "derived", "pp_p2p_overlap": "derived", "collectives": "derived", "allocator_fragmentation": "fitted",
+    "pp_p2p_exposed": "derived", "pp_p2p_overlap": "derived", "collectives": "derived",
+    "allocator_fragmentation": "fitted", "segment_fragmentation": "derived", "expandable_segments": "derived",
     "framework_overhead_gib": "fitted", "memory_margin": "derived", "max_oom_risk": "derived",
     "headroom_gib": "derived", "band_scale": "derived", "profile": "derived",
     "host_memory_per_gpu_gib": "derived",

@@ -83,10 +83,23 @@ class PoolPart:
     micro-batches and its end-of-step work (optimizer; its data-parallel sync in dp_comm), without the
     wait for the other stages (bubble)."""
 
+    @property
+    def allocated_memory_gib(self) -> float:
+        """The fullest GPU's live tensors at the peak (torch.cuda.max_memory_allocated), GiB: its
+        allocated parts (cost.batch.ALLOCATED_KEYS)."""
+        return float(sum(self.memory.get(k, 0.0) for k in _b.ALLOCATED_KEYS))
+
+    @property
+    def reserved_memory_gib(self) -> float:
+        """... plus what PyTorch's caching allocator keeps beyond them (torch.cuda.max_memory_reserved),
+        GiB; peak_memory_gib adds the CUDA context and NCCL's buffers (cost.reserved)."""
+        return self.allocated_memory_gib + float(self.memory.get("allocator", 0.0))
+
     def to_dict(self) -> dict[str, Any]:
         return {"pool": self.name, "gpu": self.gpu, "gpus": self.gpus, "gpus_total": self.gpus_total,
                 "role": self.role, "step_s": self.step_s, "idle_s": self.idle_s,
                 "utilisation": self.busy_fraction, "peak_memory_gib": self.peak_memory_gib,
+                "allocated_memory_gib": self.allocated_memory_gib, "reserved_memory_gib": self.reserved_memory_gib,
                 "usable_memory_gib": self.usable_memory_gib, "fits": self.fits, "at_risk": self.at_risk,
                 "oom_probability": self.oom_probability, "time": dict(self.time), "memory": dict(self.memory),
                 "memory_per_stage": list(self.memory_per_stage)}
@@ -297,12 +310,13 @@ def pooled_extras(est: PooledEstimate, model: LayerGraph | ModelSpec, cluster: C
                   params: CostParams) -> dict[str, Any]:
     """The keys of a plan on one GPU type's estimate (CostReport.to_dict) that a plan over pools gives
     with these meanings: memory (memory, memory_per_stage, peak_memory_gib, peak_memory_gib_high,
-    usable_memory_gib, named by ``memory_pool``) of the tightest pool (the memory verdict's, ``tightest``),
-    each pool's own in ``pools``; the step's 90% band (step_time_s_low/high, cost.uncertainty.step_band);
-    tflops_per_gpu the model FLOPs over the step and every GPU used; hfu the MFU times the hardware-to-model
-    FLOPs ratio (recomputation); the rest (microbatches, host memory, cross_site_gb, token_factor, outer
-    and straggler sync) from the step's critical part (the pipeline's row, or the slowest pool's estimate;
-    host memory and cross_site_gb the most over pools). The paths' own values (``extra``) take precedence."""
+    allocated_memory_gib, reserved_memory_gib, usable_memory_gib, named by ``memory_pool``) of the tightest
+    pool (the memory verdict's, ``tightest``), each pool's own in ``pools``; the step's 90% band
+    (step_time_s_low/high, cost.uncertainty.step_band); tflops_per_gpu the model FLOPs over the step and
+    every GPU used; hfu the MFU times the hardware-to-model FLOPs ratio (recomputation); the rest
+    (microbatches, host memory, cross_site_gb, token_factor, outer and straggler sync) from the step's
+    critical part (the pipeline's row, or the slowest pool's estimate; host memory and cross_site_gb the
+    most over pools). The paths' own values (``extra``) take precedence."""
     from meshplan.cost.uncertainty import memory_high, step_band
     from meshplan.spec.transformer import as_graph
     t = est.tightest
@@ -312,6 +326,7 @@ def pooled_extras(est: PooledEstimate, model: LayerGraph | ModelSpec, cluster: C
         "tflops_per_gpu": est.mfu_flops / est.step_time_s / max(1, est.num_gpus) / 1e12 if est.step_time_s else 0.0,
         "peak_memory_gib": t.peak_memory_gib, "usable_memory_gib": t.usable_memory_gib,
         "peak_memory_gib_high": float(memory_high(np.asarray([t.peak_memory_gib]), params)[0]),
+        "allocated_memory_gib": t.allocated_memory_gib, "reserved_memory_gib": t.reserved_memory_gib,
         "memory_pool": t.name, "memory": dict(t.memory), "memory_per_stage": list(t.memory_per_stage),
         "step_time_s_low": float(low[0]), "step_time_s_high": float(high[0]), "params": int(n_params),
         "model": str(getattr(model, "name", "")), "cluster": str(getattr(cluster, "name", ""))}
@@ -647,7 +662,7 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
         dp_cross_exposed = max(0.0, float(res["time.dp_comm"][0] - within["time.dp_comm"][0]))
     # model FLOPs: hardware-independent (the same in every pool's assembly)
     res["model_flops"] = res["tflops_per_gpu"] * 1e12 * res["step_time_s"] * res["num_gpus"]
-    mem = _b.memory_parts(a, p)
+    mem = _b.memory_parts(a, p, clusters[own[crit]].gpu.family)
     total_mem = np.sum([mem[k] for k in _b.MEMORY_KEYS], axis=0)[0] / 2**30
     micro = float(a.micro[0])
     busy = [micro * float(fields["totals"][0, r]) + float(rank_ends[0][0, r] + rank_ends[2][0, r])

@@ -46,6 +46,7 @@ PROFILE_FIELDS: dict[str, Any] = {
     "logits_fp32": bool,
     "optimizer_temp_bytes": (float, 0.0),
     "cuda_context_gib": (float, 0.0),
+    "expandable_segments": bool,
     "nccl_buffer_gib": (float, 0.0),
     "framework_overhead_gib": (float, 0.0),
     "pipeline_variable_shapes": bool,
@@ -89,8 +90,10 @@ _SAYS: dict[str, Any] = {
     "pipeline_variable_shapes": lambda v: ("each micro-batch of a pipeline at its own length" if v else
                                            "a pipeline's micro-batches padded to the longest length"),
     "optimizer_temp_bytes": lambda v: f"{v:g} B/param temporaries (foreach)" if v else "fused (no temporaries)",
-    "cuda_context_gib": lambda v: f"{v:g} GiB" if v else "in the memory margin",
-    "nccl_buffer_gib": lambda v: f"{v:g} GiB extra" if v else "in the framework overhead",
+    "cuda_context_gib": lambda v: f"{v:g} GiB" if v else "0.5 GiB (lazy module loading)",
+    "expandable_segments": lambda v: ("expandable segments (no fragmentation of cached blocks)" if v
+                                      else "caching allocator without expandable segments (fragmentation)"),
+    "nccl_buffer_gib": lambda v: f"{v:g} GiB extra" if v else "4 MiB per channel and peer per communicator",
     "framework_overhead_gib": lambda v: f"{v:g} GiB",
 }
 _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise", "dp_overlap": "DP gradient sync",
@@ -98,7 +101,8 @@ _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise",
           "dp_bucket_mib": "DP buckets", "dp_bucket_buffers": "DP bucket memory", "main_grads": "gradients (ZeRO 0-2)",
           "fsdp_reduce_bytes": "FSDP reduce-scatter", "fsdp_prefetch_layers": "FSDP prefetch",
           "loss_kernel": "loss", "logits_fp32": "logits at the loss", "optimizer_temp_bytes": "optimizer step",
-          "cuda_context_gib": "CUDA context", "nccl_buffer_gib": "NCCL buffers",
+          "cuda_context_gib": "CUDA context", "expandable_segments": "CUDA allocator",
+           "nccl_buffer_gib": "NCCL buffers",
           "framework_overhead_gib": "framework overhead", "pipeline_variable_shapes": "pipeline shapes",
           "pp_p2p_overlap": "pipeline sends", "collectives": "collectives"}
 
@@ -251,6 +255,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         loss_kernel=("torch", "cross_entropy_loss on pred.float()"),
         logits_fp32=(True, "cross_entropy_loss: pred.flatten(0, 1).float()"),
         optimizer_temp_bytes=(0.0, "[optimizer] implementation='fused'"),
+        expandable_segments=(True, "run_train.sh@47f63f4: "
+                                   "PYTORCH_CUDA_ALLOC_CONF=\"expandable_segments:True\" torchrun ..."),
         pp_p2p_overlap=("none", "torch.distributed.pipelining: batched isend/irecv, but each receive is waited "
                                 "right before its stage's compute (1F1B fuses the forward send with the backward "
                                 "receive and waits on both)"),

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.cost.batch import MEMORY_KEYS, TIME_KEYS
+from meshplan.cost.batch import ALLOCATED_KEYS, MEMORY_KEYS, TIME_KEYS
 from meshplan.cost.memory import usable_gib
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 
@@ -25,7 +25,8 @@ class CostReport:
     hfu: float
     """Hardware FLOPs utilisation (recompute counted)."""
     peak_memory_gib: float
-    """Maximum over pipeline stages of the predicted peak memory per GPU."""
+    """Maximum over pipeline stages of the predicted peak memory per GPU: what nvidia-smi shows
+    (reserved + the CUDA context and NCCL's buffers, cost.reserved), what the verdict takes."""
     fits: bool
     """peak_memory_gib <= usable memory (HBM less the stated safety margin)."""
     usable_memory_gib: float
@@ -44,6 +45,10 @@ class CostReport:
     """The 90% band of the step time from the cost model's out-of-sample errors."""
     peak_memory_gib_high: float = 0.0
     """The 95th percentile of the peak memory per GPU."""
+    allocated_memory_gib: float = 0.0
+    """The same rank's live tensors at the peak (torch.cuda.max_memory_allocated)."""
+    reserved_memory_gib: float = 0.0
+    """... plus what PyTorch's caching allocator keeps beyond them (torch.cuda.max_memory_reserved)."""
     params: int
     num_gpus: int
     microbatches: int
@@ -95,11 +100,13 @@ def report_from_row(model: Any, cluster: Any, r: dict[str, np.ndarray], i: int,
     exposed = {k: v for k, v in time.items() if not k.endswith("_overlapped")}
     memory = {k: float(r[f"memory.{k}"][i]) for k in MEMORY_KEYS}
     memory["total"] = sum(memory.values())
+    allocated = sum(memory[k] for k in ALLOCATED_KEYS)
     stages = r["stage_memory_gib"][i]
     return CostReport(
         step_time_s=float(r["step_time_s"][i]), tokens_per_s=float(r["tokens_per_s"][i]),
         tflops_per_gpu=float(r["tflops_per_gpu"][i]), mfu=float(r["mfu"][i]), hfu=float(r["hfu"][i]),
-        peak_memory_gib=float(r["peak_memory_gib"][i]), fits=bool(r["fits"][i]), at_risk=bool(r["at_risk"][i]),
+        peak_memory_gib=float(r["peak_memory_gib"][i]), allocated_memory_gib=allocated,
+        reserved_memory_gib=allocated + memory["allocator"], fits=bool(r["fits"][i]), at_risk=bool(r["at_risk"][i]),
         oom_probability=float(r["oom_probability"][i]), step_time_s_low=float(r["step_time_s_low"][i]),
         step_time_s_high=float(r["step_time_s_high"][i]), peak_memory_gib_high=float(r["peak_memory_gib_high"][i]),
         host_memory_gib=float(r["host_memory_gib"][i]), host_fits=bool(r["host_fits"][i]),

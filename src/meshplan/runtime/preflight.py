@@ -281,6 +281,9 @@ def _corrected(r: Any, *, activation_scale: float, device_type: str, process_gib
     if device_type != "cuda":
         extra += process_gib - parts.get("overhead", 0.0)
         parts["overhead"] = process_gib
+        # no CUDA caching allocator, CUDA context or NCCL on CPU/gloo (cost.reserved)
+        for k in ("allocator", "outside"):
+            extra -= parts.pop(k, 0.0)
     stages = r.memory_per_stage or [r.peak_memory_gib]
     peak = r.peak_memory_gib + extra
     mean = sum(stages) / len(stages) + extra

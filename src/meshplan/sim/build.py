@@ -48,7 +48,8 @@ def spec_from_durations(d: StageDurations, output_static_bytes: float = 0.0) -> 
         static[0] += output_static_bytes
         static[pp - 1] -= output_static_bytes
     ranks = [RankStep(d.staged_gather_s[r], d.staged_reduce_s[r], d.end_dp_exposed_s[r],
-                      d.end_dp_overlapped_s[r], d.optimizer_s[r], static[r]) for r in range(pp)]
+                      d.end_dp_overlapped_s[r], d.optimizer_s[r], static[r],
+                      d.reserved_extra_bytes[r] if r < len(d.reserved_extra_bytes) else 0.0) for r in range(pp)]
     return SimSpec(pp=pp, v=v, microbatches=d.microbatches, schedule=sched,
                    stages=stages, ranks=ranks, send_s=d.p2p_send_s, send_exposed=d.p2p_exposed,
                    boundary_send_s=d.boundary_send_s,

@@ -63,6 +63,8 @@ class RankStep:
     end_dp_overlapped_s: float = 0.0
     optimizer_s: float = 0.0
     static_bytes: float = 0.0
+    reserved_extra_bytes: float = 0.0
+    """What the caching allocator reserves beyond the allocated level (cost.reserved)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,16 @@ class SimResult:
     pp: int
     wait_s: list[float]                       # per rank: compute idle waiting for inputs
     rank_label: str = "pp rank"
+    reserved_extra: list[float] = field(default_factory=list)
+    """Per rank: bytes the caching allocator reserves beyond the allocated peak (cost.reserved)."""
+
+    def reserved(self, rank: int) -> list[tuple[float, float]]:
+        """The reserved memory of ``rank`` over a steady-state step: (time s, bytes) steps. The
+        caching allocator keeps freed blocks (torch.cuda.empty_cache aside), so from the second
+        step on it holds the step's allocated peak plus reserved_extra throughout."""
+        extra = self.reserved_extra[rank] if rank < len(self.reserved_extra) else 0.0
+        level = max(b for _, b in self.memory[rank]) + extra
+        return [(0.0, level), (self.step_time_s, level)]
     """What a row of the timeline is ('pp rank'; 'dp x cp rank' for a bucket plan's ranks)."""
 
     def busy(self, rank: int, stream: str) -> float:
@@ -130,7 +142,8 @@ class SimResult:
                           "pipeline_wait_s": self.wait_s[r],
                           "straggler_wait_s": sum(e.end - e.start for e in self.events
                                                   if e.rank == r and e.name == "straggler wait"),
-                          "peak_memory_gib": max(b for _, b in self.memory[r]) / 2**30})
+                          "allocated_memory_gib": max(b for _, b in self.memory[r]) / 2**30,
+                          "peak_memory_gib": self.reserved(r)[0][1] / 2**30})
         return {"step_time_s": t, "bubble_fraction": sum(self.wait_s) / (self.pp * t) if t > 0 else 0.0,
                 "ranks": ranks, "events": len(self.events)}
 
@@ -286,4 +299,5 @@ def run(spec: SimSpec) -> SimResult:
                 series.append((t, level))
         series.append((step, level))
         memory.append(series)
-    return SimResult(step_time_s=step, events=events, memory=memory, pp=pp, wait_s=wait)
+    return SimResult(step_time_s=step, events=events, memory=memory, pp=pp, wait_s=wait,
+                     reserved_extra=[spec.ranks[r].reserved_extra_bytes for r in range(pp)])

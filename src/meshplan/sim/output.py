@@ -193,7 +193,8 @@ def sim_memory(res: SimResult, usable_gib: float | None = None) -> str:
     left, right, top, bottom = GANTT_LEFT, 14.0, 8.0, 46.0
     W = left + GANTT_WIDTH + right
     series = [[(t, b / 2**30) for t, b in s] for s in res.memory]
-    peak = max((v for s in series for _, v in s), default=0.0)
+    reserved = [[(t, b / 2**30) for t, b in res.reserved(r)] for r in range(len(series))]
+    peak = max((v for s in series + reserved for _, v in s), default=0.0)
     keyh = 0.0
     names = [(PALETTE[r % len(PALETTE)], f"rank {r}") for r in range(res.pp)] if res.pp <= 16 else []
     if names:
@@ -219,8 +220,13 @@ def sim_memory(res: SimResult, usable_gib: float | None = None) -> str:
         pts.append(f"{f1(left + len(cols))},{f1(sy(last if last is not None else 0.0))}")
         body.append(f'<polyline data-mark="memory" class="series" points="{" ".join(pts)}" '
                     f'stroke="{PALETTE[r % len(PALETTE)]}">'
-                    f"{title(f'rank {r}: peak {max(v for _, v in s):.1f} GiB')}</polyline>")
-    return svg("sim-memory", W, H, body, "simulated memory per GPU over the step")
+                    f"{title(f'rank {r}: allocated, peak {max(v for _, v in s):.1f} GiB')}</polyline>")
+        level = reserved[r][0][1]
+        body.append(f'<line data-mark="reserved" class="series" x1="{f1(sx.a)}" x2="{f1(sx.b)}" y1="{f1(sy(level))}" '
+                    f'y2="{f1(sy(level))}" stroke="{PALETTE[r % len(PALETTE)]}" stroke-dasharray="4 3">'
+                    + title(f"rank {r}: reserved + CUDA context and NCCL (nvidia-smi) {level:.1f} GiB") + "</line>")
+    return svg("sim-memory", W, H, body, "simulated memory per GPU over the step: allocated (solid), "
+               "reserved + CUDA context and NCCL, what nvidia-smi shows (dashed)")
 
 
 def _column_max(series: list[tuple[float, float]], end: float, n: int) -> list[float]:

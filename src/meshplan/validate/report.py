@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from meshplan.cases import RunCase, case_params
+from meshplan.cases import RunCase, case_params, memory_measure, predicted_memory
 from meshplan.cost.uncertainty import verdict as verdict_of
 from meshplan.errors import MeshplanError
 
@@ -105,7 +105,7 @@ def validate(cases: Iterable[RunCase],
                 status, reason = "unsupported", str(e)
             else:
                 pred_t = _finite(_get(est, "step_time_s"))
-                pred_m = _finite(_get(est, "peak_memory_gib"))
+                pred_m = _finite(predicted_memory(c, est))
                 f = _get(est, "fits")
                 fits = None if f is None else bool(f)
                 band = {k: _finite(_get(est, k)) for k in ("step_time_s_low", "step_time_s_high",
@@ -126,6 +126,7 @@ def validate(cases: Iterable[RunCase],
             "measured_peak_memory_gib": meas_m,
             "predicted_peak_memory_gib": pred_m,
             "memory_error_pct": _err_pct(pred_m, meas_m) if status == "ok" else None,
+            "memory_measure": memory_measure(c) if meas_m is not None else None,
             "predicted_fits": fits,
             "verdict": verdict,
             "oom_probability": band.get("oom_probability"),
@@ -169,6 +170,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "step_time_max_abs_pct": _max_abs(t_err),
         "memory_mape_pct": _mean_abs(m_err),
         "memory_rows": len(m_err),
+        "memory_mape_pct_by_measure": {
+            k: _mean_abs([r["memory_error_pct"] for r in rows
+                          if r["memory_error_pct"] is not None and r.get("memory_measure") == k])
+            for k in dict.fromkeys(r.get("memory_measure") for r in rows if r["memory_error_pct"] is not None)},
         "fit_verdicts": fit_verdicts,
         "by_source": by_source,
     }
@@ -228,7 +233,8 @@ def _summary_lines(result: dict[str, Any]) -> list[str]:
         f"rows: {s['rows']} ({s['ok']} ok, {s['unsupported']} unsupported)",
         f"step time: MAPE {_f(s['step_time_mape_pct'], '.1f')}%, "
         f"max abs error {_f(s['step_time_max_abs_pct'], '.1f')}%",
-        f"peak memory: MAPE {_f(s['memory_mape_pct'], '.1f')}% over {s['memory_rows']} rows",
+        f"peak memory: MAPE {_f(s['memory_mape_pct'], '.1f')}% over {s['memory_rows']} rows"
+        + "".join(f"; {k} rows {_f(v, '.1f')}%" for k, v in (s.get("memory_mape_pct_by_measure") or {}).items()),
         *_verdict_lines(s.get("fit_verdicts")),
     ]
 
@@ -313,7 +319,12 @@ def _cv_markdown(result: dict[str, Any]) -> list[str]:
     t = result.get("cross_validation_summary") or {}
     out += ["", f"Pooled over {t.get('runs')} runs: step MAPE {f(t.get('step_mape_pct'))}%, mean of the sources "
             f"{f(t.get('mean_source_mape_pct'))}%, worst source {f(t.get('worst_source_mape_pct'))}%; OOM verdicts "
-            f"right {f(t.get('oom_accuracy_pct'))}%.", "", "## In sample", ""]
+            f"right {f(t.get('oom_accuracy_pct'))}%."]
+    by = t.get("memory_mape_pct_by_measure") or {}
+    if by:
+        out += ["", "Peak memory error out of sample, by what the rows measured: "
+                + ", ".join(f"{k} {f(v)}%" for k, v in by.items()) + "."]
+    out += ["", "## In sample", ""]
     return out
 
 
