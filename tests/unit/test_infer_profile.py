@@ -48,7 +48,7 @@ def test_summary_ties_and_ratio():
                                "step_s": {a.label: 1.0, c.label: 1.105}})
     assert info["tied"] == ["meshplan"] and info["next_best"][0]["likelihood_ratio"] == "20.1x"
     text = "\n".join(lines(info))
-    assert "cannot tell it from: meshplan" in text and "megatron with dp_overlap=true" in text and "11% apart" in text
+    assert "cannot tell it from: meshplan" in text and "weak evidence" in text and "megatron with dp_overlap=true" in text and "11% apart" in text
     toml = profile_toml(info | {"settings": {"dp_overlap": False, "attention_kernel": "flash2"}})
     assert 'base = "torchtitan"' in toml and "dp_overlap = false" in toml and 'attention_kernel = "flash2"' in toml
 
@@ -69,7 +69,7 @@ def test_calibrate_infers_a_profile_it_can_plan_with(tmp_path, capsys):
     assert rc == 0, err
     assert "inferred codebase profile:" in text
     info = json.loads(out.read_text())["inferred_profile"]
-    assert info["fitted_under"] and info["profile_file"].endswith("cal.profile.toml")
+    assert not info.get("fitted_under") and info["profile_file"].endswith("cal.profile.toml")
     rc, est, err = run(capsys, "estimate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--plan",
                        "dp=8,zero=3", "--global-batch", "16", "--profile", info["profile_file"],
                        "--calibration", str(out))

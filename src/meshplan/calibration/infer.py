@@ -275,6 +275,8 @@ def neighbours(plan: Any) -> list[Any]:
     return out
 
 
+WEAK = 3.0
+"""Below this likelihood ratio over the runner-up the output calls the inference weak."""
 TIE = 0.01
 """Candidates whose log posterior is within this of the best explain the runs equally well."""
 
@@ -302,6 +304,11 @@ def lines(info: dict[str, Any]) -> list[str]:
         out.append(f"  these runs cannot tell it from: {shown}")
     for c in info["next_best"]:
         out.append(f"  {c['likelihood_ratio']} more likely than {c['label']}")
+    nb = info["next_best"]
+    if info.get("tied") or (nb and not nb[0]["likelihood_ratio"].startswith(">") and
+                            float(nb[0]["likelihood_ratio"].rstrip("x")) < WEAK):
+        out.append(f"  weak evidence (a likelihood ratio under {WEAK:g} against the runner-up): a guess, not a finding; "
+                   "the suggested run is what would settle it")
     s = info.get("suggested_run")
     if s:
         (la, ta), (lb, tb) = list(s["step_s"].items())[:2]

@@ -248,11 +248,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
     m0 = m1 = None
     inferred = None
     if runs is not None and _infer_wanted(args, runs):
-        from meshplan.calibration.infer import infer_for_cases, runs_as
+        from meshplan.calibration.infer import infer_for_cases
+        # reported, and written as a profile file; the fit below stays under each run's own profile, so that
+        # this calibration predicts as it was fitted wherever it is used without that file (a weakly
+        # inferred profile must not silently change what --calibration means)
         inferred = infer_for_cases(runs)
-        if not any((getattr(c, "raw", {}).get("framework") or "").strip() for c in runs.cases):
-            runs = runs_as(runs, inferred["profile"], inferred["settings"])  # the fit below runs under it
-            inferred["fitted_under"] = True
     if runs is not None:
         run_names = None if names is None else [n for n in names if informs(runs, n)]
         if run_names is None or run_names:
@@ -463,8 +463,9 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
     if inf:
         from meshplan.calibration.infer import lines as inferred_lines
         lines += inferred_lines(inf)
-        lines.append(f"wrote {inf['profile_file']}: plan with it by --profile {inf['profile_file']}"
-                     + (" (the fit above ran under it)" if inf.get("fitted_under") else ""))
+        lines.append(f"wrote {inf['profile_file']}: the inferred profile, a hypothesis to test (the suggested run "
+                     f"tells it apart); this calibration was fitted under each run's own profile, so use "
+                     f"--calibration {cal.source} without --profile {inf['profile_file']}")
     for note in (cal.info.get("notes") or []):
         lines.append(f"note: {note}")
     if cal.measured_on_cpu:  # CPU micro-benchmarks, or a `meshplan train` run on CPU processes
