@@ -81,3 +81,14 @@ def test_plan_says_what_it_wrote(capsys, tmp_path):
 def test_few_shot_flags_are_checked_before_any_fit(capsys, argv, needle):
     rc, _, err = run(capsys, "validate", *argv)
     assert rc == 2 and needle in err and err.count("\n") == 1
+
+
+def test_gpu_budgets_on_a_cluster_of_sites_keep_the_links_of_the_sites_kept():
+    """Review: `plan --gpus 64` on three-region-h100 failed on a site link to a site the budget drops."""
+    from meshplan.search.sizes import resized
+    from meshplan.spec.io import load_cluster
+    c = load_cluster("three-region-h100")
+    two = resized(c, 64)
+    assert two.num_dcs == 2 and [t.sites for t in two.site_links] == [(0, 1)]
+    assert resized(c, 32).num_dcs == 1 and not resized(c, 32).site_links
+    assert resized(c, 96).site_links == c.site_links

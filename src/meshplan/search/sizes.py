@@ -34,13 +34,16 @@ def resized(cluster: ClusterSpec | PooledCluster, num_gpus: int) -> ClusterSpec 
         raise MeshplanError(f"cluster size must be positive; got {num_gpus}")
     if num_gpus < g:
         return cluster.replace(name=name, num_nodes=1, gpus_per_node=num_gpus, nodes_per_dc=None,
-                               inter_dc=None)
+                               inter_dc=None, site_links=())
     if num_gpus % g:
         raise MeshplanError(f"{num_gpus} GPUs is not a whole number of {g}-GPU nodes")
     nodes = num_gpus // g
     dc = cluster.nodes_per_dc if cluster.nodes_per_dc and nodes % cluster.nodes_per_dc == 0 else None
-    return cluster.replace(name=name, num_nodes=nodes, gpus_per_node=g, nodes_per_dc=dc,
-                           inter_dc=cluster.inter_dc if dc else None)
+    sites = nodes // dc if dc else 1
+    # the first sites of the cluster, with the links between them (a per-pair link to a site left out goes)
+    links = tuple(t for t in cluster.site_links if max(t.sites) < sites) if dc and sites > 1 else ()
+    return cluster.replace(name=name, num_nodes=nodes, gpus_per_node=g, nodes_per_dc=dc if sites > 1 else None,
+                           inter_dc=cluster.inter_dc if dc and sites > 1 else None, site_links=links)
 
 
 def nice_sizes(lo: int, hi: int, node: int) -> list[int]:
