@@ -92,3 +92,12 @@ def test_gpu_budgets_on_a_cluster_of_sites_keep_the_links_of_the_sites_kept():
     assert two.num_dcs == 2 and [t.sites for t in two.site_links] == [(0, 1)]
     assert resized(c, 32).num_dcs == 1 and not resized(c, 32).site_links
     assert resized(c, 96).site_links == c.site_links
+
+
+@pytest.mark.parametrize("cluster,order", [("three-region-h100", "0:1"), ("h100-sxm-80gb:8", "0:1")])
+def test_a_site_order_in_order_is_checked_too(capsys, cluster, order):
+    """Review: site_order=0:1 (in order, but the wrong count of sites) was dropped silently."""
+    rc, _, err = run(capsys, "estimate", "--model", "llama3-8b", "--cluster", cluster, "--global-batch", "256",
+                     "--plan", f"tp=1,pp=1,dp=8,site_order={order}" if cluster.endswith(":8") else
+                     f"tp=1,pp=3,dp=32,stage_layers=11:11:10,site_order={order}")
+    assert rc == 2 and "names 2 sites but the cluster has" in err

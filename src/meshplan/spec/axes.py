@@ -91,9 +91,9 @@ def parse_sites(value: Any, where: str = "plan: site_order") -> tuple[int, ...] 
     """A site order (Plan.site_order): the sites in the order the pipeline visits them, ``1:0:2``
     text or a sequence of site numbers (0-based, a cluster's node order: site 0 holds its first
     nodes_per_dc nodes). Logical site k (the k-th block of gpus_per_dc consecutive ranks as the
-    mesh order numbers them) runs on physical site ``order[k]``. None, '' or the identity -> None
-    (the default: site k runs site k's ranks). MeshplanError on anything not a permutation of
-    0 .. n - 1."""
+    mesh order numbers them) runs on physical site ``order[k]``. None or '' -> None (the default:
+    site k runs site k's ranks); an order in order is kept (a count of sites the cluster lacks is
+    refused by site_order_fault). MeshplanError on anything not a permutation of 0 .. n - 1."""
     from meshplan.errors import MeshplanError
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -107,7 +107,7 @@ def parse_sites(value: Any, where: str = "plan: site_order") -> tuple[int, ...] 
     if sorted(sites) != list(range(len(sites))):
         raise MeshplanError(f"{where}={':'.join(items)} is not a permutation of the sites 0..{len(sites) - 1}",
                             hint=hint)
-    return None if sites == tuple(range(len(sites))) else sites
+    return sites  # kept even in order, so a wrong count of sites is refused where the cluster is known
 
 
 def site_order_fault(dims: ParallelDims, num_sites: int) -> str | None:
