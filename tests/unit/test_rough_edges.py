@@ -101,3 +101,14 @@ def test_a_site_order_in_order_is_checked_too(capsys, cluster, order):
                      "--plan", f"tp=1,pp=1,dp=8,site_order={order}" if cluster.endswith(":8") else
                      f"tp=1,pp=3,dp=32,stage_layers=11:11:10,site_order={order}")
     assert rc == 2 and "names 2 sites but the cluster has" in err
+
+
+def test_placement_line_says_a_pipeline_crosses_what_some_of_its_groups_cross():
+    """Review: pp=3 under dp:pp:cp:tp on 8-GPU nodes was said to be 'inside a node', though groups such
+    as ranks 6, 7, 8 cross nodes (and 31, 32, 33 sites)."""
+    from meshplan.search.explain import axis_tiers
+    from meshplan.spec.io import load_cluster
+    c = load_cluster("three-region-h100")
+    tiers = axis_tiers(c, parse_plan("tp=1,pp=3,dp=32,stage_layers=11:11:10,mesh_order=dp:pp:cp:tp"))
+    assert tiers["pp"] == "across sites" and tiers["dp"] == "across sites"
+    assert axis_tiers(c, parse_plan("tp=8,pp=12,dp=1"))["tp"] == "inside a node"

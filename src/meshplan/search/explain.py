@@ -251,17 +251,22 @@ def axis_tiers(cluster: Any, plan: Plan) -> dict[str, str]:
     'across nodes' or 'across sites' (axes of degree 1 left out)."""
     import numpy as np
 
-    from meshplan.cost.comm import members_within
+    from meshplan.spec.axes import AXES
     dims = plan.dims
+    grid = dims.rank_grid()
     out = {}
-    for axis, stride in dims.strides.items():
+    for i, axis in enumerate(AXES):
         n = dims.degree(axis)
         if n < 2:
             continue
-        part = [(np.asarray(float(n)), np.asarray(float(stride)))]
-        if members_within(cluster.gpus_per_node, part)[1]:
+        groups = np.moveaxis(grid, i, -1).reshape(-1, n)  # every group of the axis, by its ranks
+
+        def inside(size: int) -> bool:  # every group of the axis within one block of ``size`` ranks
+            blocks = groups // size
+            return bool((blocks == blocks[:, :1]).all())
+        if inside(cluster.gpus_per_node):
             out[axis] = "inside a node"
-        elif cluster.num_dcs < 2 or members_within(cluster.gpus_per_dc, part)[1]:
+        elif cluster.num_dcs < 2 or inside(cluster.gpus_per_dc):
             out[axis] = "across nodes"
         else:
             out[axis] = "across sites"
