@@ -112,3 +112,10 @@ def test_placement_line_says_a_pipeline_crosses_what_some_of_its_groups_cross():
     tiers = axis_tiers(c, parse_plan("tp=1,pp=3,dp=32,stage_layers=11:11:10,mesh_order=dp:pp:cp:tp"))
     assert tiers["pp"] == "across sites" and tiers["dp"] == "across sites"
     assert axis_tiers(c, parse_plan("tp=8,pp=12,dp=1"))["tp"] == "inside a node"
+
+
+def test_plan_checks_its_out_path_before_searching(capsys):
+    """Review: `plan --out /nonexistent/dir/p.json` printed the whole plan, then the error."""
+    rc, out, err = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16",
+                       "--out", "/nonexistent/dir/p.json")
+    assert rc == 2 and not out and "does not exist" in err

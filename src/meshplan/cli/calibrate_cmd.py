@@ -182,7 +182,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         step_mape,
     )
     from meshplan.calibration.store import Calibration, builtin, save_calibration
-    from meshplan.cli.format import json_text
+    from meshplan.cli.format import json_doc
     from meshplan.paths import check_output_file
     metrics = _check_sources(args)
     check_output_file("--out", args.out)
@@ -310,7 +310,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     cal = Calibration({n: values[n] for n in fitted}, args.out, info)
     save_calibration(cal, args.out)
     if args.json:
-        print(json_text(cal.to_dict()))
+        print(json_doc("calibrate", cal.to_dict()))
         return 0
     print("\n".join(_calibrate_text(args, cal, runs, bf, before, took, m0, m1)))
     return 0

@@ -960,6 +960,8 @@ def plot_pareto(path: str, result: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshplan.cli.costing import costing
+    from meshplan.paths import check_output_file
+    check_output_file("--out", args.out, "plan.json")  # before the search, as calibrate checks its --out
     if args.plot is not None:
         from meshplan.sim.output import check_plot_path
         check_plot_path(args.plot)  # before the search: the format can be written
