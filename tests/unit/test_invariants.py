@@ -151,7 +151,11 @@ def test_every_memory_saving_carries_its_time(case):
         _, b = _same_or_less_memory_and_no_faster(model, cluster, base,
                                                   base.replace(offload_params=True, offload_optimizer=True), work)
         assert b.time["offload"] > 0 and b.memory["optimizer"] == 0
-        assert b.memory["weights"] < a.memory["weights"]  # under a pipeline the gathered stage stays
+        # under a pipeline the gathered stage stays on the GPU for the step: with nothing to shard over
+        # (dp x cp = 1, where every ZeRO level holds ZeRO-0's weights) offload then saves no weight bytes
+        assert b.memory["weights"] <= a.memory["weights"]
+        if base.pp == 1:
+            assert b.memory["weights"] < a.memory["weights"]
     # ZeRO-2 keeps gradients sharded only by reduce-scattering every micro-batch
     if base.pp == 1 and base.dp * base.cp > 1:
         z1, z2 = base.replace(zero=1), base.replace(zero=2)
