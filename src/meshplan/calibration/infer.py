@@ -305,8 +305,7 @@ def lines(info: dict[str, Any]) -> list[str]:
     for c in info["next_best"]:
         out.append(f"  {c['likelihood_ratio']} more likely than {c['label']}")
     nb = info["next_best"]
-    if info.get("tied") or (nb and not nb[0]["likelihood_ratio"].startswith(">") and
-                            float(nb[0]["likelihood_ratio"].rstrip("x")) < WEAK):
+    if info.get("tied") or (nb and info["log_posterior"] - nb[0]["log_posterior"] < math.log(WEAK)):
         out.append(f"  weak evidence (a likelihood ratio under {WEAK:g} against the runner-up): a guess, not a finding; "
                    "the suggested run is what would settle it")
     s = info.get("suggested_run")
