@@ -135,8 +135,8 @@ def test_profile_choices_cost_time_and_memory():
     assert meg.memory["grads"] == pytest.approx(2 * base.memory["grads"])
     # the loss: 16-bit logits < fp32 upcast; chunked < fused < torch
     mem = {k: estimate(*case, DEFAULT_PARAMS.replace(loss_kernel=k)).peak_memory_gib
-           for k in ("torch", "fused", "chunked")}
-    assert mem["chunked"] < mem["fused"] < mem["torch"]
+           for k in ("torch", "inplace", "fused", "chunked")}
+    assert mem["chunked"] < mem["fused"] < mem["inplace"] < mem["torch"]
     assert estimate(*case, DEFAULT_PARAMS.replace(logits_fp32=False)).peak_memory_gib < mem["torch"]
     # optimizer temporaries, CUDA context, NCCL buffers never lower the peak
     for k, v in (("optimizer_temp_bytes", 4.0), ("cuda_context_gib", 0.5), ("nccl_buffer_gib", 0.5),
@@ -182,7 +182,10 @@ ROW = {"row_id": "1", "source_id": "X", "model": "m", "num_layers": "4", "hidden
     ("flash-attn", "flash2"), ("FA1", "flash1"), ("FA2", "flash2"), ("FA3", "flash3"), ("flash v1", "flash1"),
     ("flash v2", "flash2"), ("flash v3", "flash3"), ("triton", "triton"), ("cudnn", "cudnn"),
     ("xformers", "flash2"), ("PyTorch SDPA (flash/cuDNN backend)", "sdpa"),
-    ("Megatron fused softmax (2021, pre-FlashAttention)", "fused-softmax")])
+    ("Megatron fused softmax (2021, pre-FlashAttention)", "fused-softmax"),
+    # "unfused" contains "fused attention": megatron-core's local (unfused) attention is eager
+    ("unfused attention (--transformer-impl local)", "eager"), ("unfused softmax", "eager"),
+    ("--attention-backend unfused (unfused)", "eager")])
 def test_attention_impl_spellings(text, kernel):
     said: list[str] = []
     assert attention_kernel(text, "flash2", said.append) == kernel
@@ -207,3 +210,31 @@ def test_run_case_profile_and_overrides():
     assert any("framework 'frobnicate' not understood" in a for a in c.assumptions)
     c = case_from_row({**ROW, "framework": "nanotron"})
     assert c.profile == "nanotron"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("fp32", [True, False])
+def test_megatron_vocab_parallel_loss_is_in_place(tp, fp32):
+    """Megatron's vocabulary-parallel cross-entropy works in place on one fp32 copy of the logits:
+    6 B per logit (2 on 16-bit logits), at any tp; torch's holds 14 (20 vocabulary-parallel)."""
+    import numpy as np
+
+    from meshplan.cost import batch as _b
+    from meshplan.spec.transformer import as_graph
+    for name in ("megatron", "nemo", "megatron-deepspeed"):
+        assert get_profile(name).apply(DEFAULT_PARAMS).loss_kernel == "inplace"
+    m, cluster, plan, work = _case(tp=tp, dp=8 // tp)
+    cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in _b.plans_to_columns([plan]).items()}
+    per_logit = {}
+    for kernel in ("torch", "inplace"):
+        p = DEFAULT_PARAMS.replace(loss_kernel=kernel, logits_fp32=fp32)
+        a = _b.assemble(as_graph(m, work.seq_len), cluster, work, cols, p)
+        b = int(a.lay.ids_where(a.lay.loss)[0])
+        logits = float(a.tokens[0]) * float(a.lay.vocab[b]) / tp
+        per_logit[kernel] = float(_b.logit_bytes(a, b, p)[0]) / logits
+    assert per_logit["inplace"] == pytest.approx(6.0 if fp32 else 2.0)
+    assert per_logit["torch"] == pytest.approx((20.0 if tp > 1 else 14.0) if fp32 else 6.0)
+    # a plan that asks for the fused loss gets it under Megatron's profile too (--cross-entropy-loss-fusion)
+    from meshplan.cost.compute import loss_kind
+    assert loss_kind(True, get_profile("megatron").apply(DEFAULT_PARAMS)) == "fused"
+    assert loss_kind(False, get_profile("megatron").apply(DEFAULT_PARAMS)) == "inplace"

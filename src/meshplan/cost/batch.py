@@ -40,6 +40,8 @@ from meshplan.cost.layer import QUANTITIES, act_scale, table
 from meshplan.cost.memory import (
     BF16_LOGITS_BYTES_PER_ELEM,
     FUSED_LOGITS_BYTES_PER_ELEM,
+    INPLACE_16_LOGITS_BYTES_PER_ELEM,
+    INPLACE_LOGITS_BYTES_PER_ELEM,
     LOGITS_BYTES_PER_ELEM,
     VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
     OptimizerCost,
@@ -888,7 +890,9 @@ def logit_bytes(a: Assembly, b: int, p: CostParams = DEFAULT_PARAMS) -> np.ndarr
     torch_per = np.where((tp > 1) & split, VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM,
                          LOGITS_BYTES_PER_ELEM) if p.logits_fp32 else np.full(len(tp), BF16_LOGITS_BYTES_PER_ELEM)
     chunks = max(1.0, float(np.ceil(a.lay.vocab[b] / max(1.0, _loss_hidden(a.lay.ops[b])))))
-    per_kind = {"torch": torch_per, "fused": np.full(len(tp), FUSED_LOGITS_BYTES_PER_ELEM),
+    inplace = INPLACE_LOGITS_BYTES_PER_ELEM if p.logits_fp32 else INPLACE_16_LOGITS_BYTES_PER_ELEM
+    per_kind = {"torch": torch_per, "inplace": np.full(len(tp), inplace),
+                "fused": np.full(len(tp), FUSED_LOGITS_BYTES_PER_ELEM),
                 "chunked": np.full(len(tp), FUSED_LOGITS_BYTES_PER_ELEM / chunks)}
     per = np.where(fused, per_kind[kinds[True]], per_kind[kinds[False]])
     return a.tokens * a.lay.vocab[b] / (tp if split else 1.0) * per

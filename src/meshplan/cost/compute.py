@@ -120,7 +120,7 @@ def attention_seconds(att: Attention, plan: Any, b: int, s: int, gpu: GPUSpec, p
 
 
 ELEMENTWISE_KERNELS = ("eager", "hand-fused", "compiled")
-LOSS_KERNELS = ("torch", "fused", "chunked")
+LOSS_KERNELS = ("torch", "inplace", "fused", "chunked")
 
 
 def elementwise_fused(compile_: bool, p: CostParams) -> bool:
@@ -132,6 +132,6 @@ def elementwise_fused(compile_: bool, p: CostParams) -> bool:
 def loss_kind(fused_loss: bool, p: CostParams) -> str:
     """The cross-entropy a plan runs: the profile's chunked or fused kernel, else fused when the
     plan asks for it (``fused_loss``), else torch's."""
-    if p.loss_kernel != "torch":
+    if p.loss_kernel in ("fused", "chunked"):
         return p.loss_kernel
-    return "fused" if fused_loss else "torch"
+    return "fused" if fused_loss else p.loss_kernel

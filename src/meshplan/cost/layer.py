@@ -42,7 +42,12 @@ from meshplan.spec.graph import LayerOps
 #: read 4 write 4; the backward the same), torch's on 16-bit logits (2 + 2 + 2 each way), a fused
 #: in-place CE (read 2, write the gradient in place 2; nothing more in the backward), a chunked
 #: fused linear + CE (Liger: the same bytes per chunk).
-CE_BYTES = {"torch": (14.0, 14.0), "torch-bf16": (6.0, 6.0), "fused": (4.0, 0.0), "chunked": (4.0, 0.0)}
+CE_BYTES = {"torch": (14.0, 14.0), "torch-bf16": (6.0, 6.0), "fused": (4.0, 0.0), "chunked": (4.0, 0.0),
+            "inplace": (38.0, 14.0), "inplace-16": (14.0, 6.0)}
+"""inplace: Megatron's _VocabParallelCrossEntropy, one kernel per step on the fp32 copy
+(megatron/core/tensor_parallel/cross_entropy.py): forward .float() r2 w4, max r4, sub_ r4 w4,
+exp r4 w4, sum r4, div_ r4 w4 = 38; backward mul_ r4 w4, the cast back r4 w2 = 14. inplace-16
+(--fp16-lm-cross-entropy): the same steps on the 16-bit logits without the cast (2 B each)."""
 #: Per-layer quantities, one column each (see LayerTable).
 QUANTITIES = ("f", "bi", "bw", "rc", "flops", "rc_flops", "full", "inp", "op", "loss_f", "loss_b")
 
@@ -112,7 +117,8 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
     if o.loss_vocab:
         logits = tokens * o.loss_vocab / (t if o.loss_split else 1)
         kind = loss_kind(c.fused_loss, p)
-        fb, bb = CE_BYTES["torch-bf16" if kind == "torch" and not p.logits_fp32 else kind]
+        fb, bb = CE_BYTES[{"torch": "torch-bf16", "inplace": "inplace-16"}.get(kind, kind) if not p.logits_fp32
+                          else kind]
         loss_f, loss_b = mem_time(logits * fb, gpu, p), mem_time(logits * bb, gpu, p)
     fwd = lin_fwd + att_f + ew_f + loss_f
     bwd_w = lin_fwd + o.ew_bwd_weight * ew_f

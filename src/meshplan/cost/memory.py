@@ -43,6 +43,15 @@ VOCAB_PARALLEL_LOGITS_BYTES_PER_ELEM = 20.0
 logits (tp > 1: torchtitan's loss_parallel, Megatron's vocab-parallel cross-entropy): the
 log-softmax is decomposed into separate ops (max-subtract, exp, sum, log), each holding a
 full-size fp32 tensor for a while (~1.5 more than the single-kernel path)."""
+INPLACE_LOGITS_BYTES_PER_ELEM = 6.0
+"""The same for Megatron's vocabulary-parallel cross-entropy (megatron/core/tensor_parallel/
+cross_entropy.py, _VocabParallelCrossEntropy; the same in place in Megatron-DeepSpeed's mpu):
+the 16-bit logits 2 + their fp32 copy 4, on which max-subtract, exp and the division by the sum
+run in place and which is saved as the softmax; the backward writes the gradient into it in place
+and casts it back to 16 bit (4 + 2). The same with tp > 1 (only the max and the sum are
+all-reduced). With --fp16-lm-cross-entropy (logits_fp32 False) the steps run on the 16-bit
+logits themselves: INPLACE_16_LOGITS_BYTES_PER_ELEM."""
+INPLACE_16_LOGITS_BYTES_PER_ELEM = 2.0
 FUSED_LOGITS_BYTES_PER_ELEM = 4.0
 """The same with a fused cross-entropy: bf16 logits 2 + their gradient written in place 2."""
 BF16_LOGITS_BYTES_PER_ELEM = 6.0

@@ -180,7 +180,8 @@ class CostParams:
     reduced in 16 bit). With fp32 or bf16 the data-parallel reduction moves those bytes."""
     loss_kernel: str = "torch"
     """The cross-entropy a plan without ``fused_loss`` runs: torch (F.cross_entropy on the full
-    logits), fused (an in-place fused CE: flash-attn's xentropy, llm-foundry's
+    logits), inplace (Megatron's vocabulary-parallel cross-entropy, in place on one fp32 copy of
+    the logits: 6 B per logit), fused (an in-place fused CE: flash-attn's xentropy, llm-foundry's
     fused_crossentropy) or chunked (a fused linear + CE over vocabulary-sized chunks: Liger's
     FusedLinearCrossEntropy; the full logits never exist). A plan with ``fused_loss`` runs fused
     unless the profile chunks."""

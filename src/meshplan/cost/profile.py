@@ -78,6 +78,8 @@ _SAYS: dict[str, Any] = {
     "fsdp_reduce_bytes": lambda v: "fp32" if v >= 4 else "16-bit",
     "fsdp_prefetch_layers": lambda v: f"{v} layer(s) gathered ahead",
     "loss_kernel": lambda v: {"torch": "torch cross_entropy on the full logits (fused only with fused_loss)",
+                              "inplace": "vocabulary-parallel cross-entropy in place on one copy of the logits "
+                                         "(Megatron; fused only with fused_loss)",
                               "fused": "fused in-place cross-entropy",
                               "chunked": "chunked fused linear + CE (Liger)"}[v],
     "logits_fp32": lambda v: "upcast to fp32" if v else "16-bit",
@@ -194,7 +196,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         dp_bucket_buffers=(0.0, "buckets are views into the param-and-grad buffer (param_and_grad_buffer.py)"),
         main_grads=("fp32", "bf16 sets accumulate_allreduce_grads_in_fp32: fp32 main_grad buffer, "
                             "18 B/param without --use-distributed-optimizer"),
-        loss_kernel=("torch", "--cross-entropy-loss-fusion off by default"),
+        loss_kernel=("inplace", "--cross-entropy-loss-fusion off by default: megatron-core's vocab-parallel "
+                                "cross-entropy, in place on the fp32 copy (tensor_parallel/cross_entropy.py)"),
         logits_fp32=(True, "--fp16-lm-cross-entropy off by default: the loss upcasts the logits"),
         optimizer_temp_bytes=(0.0, "apex/TE FusedAdam (multi-tensor apply)"),
         pp_p2p_overlap=("interleaved", "overlap_p2p_comm on by default (--no-overlap-p2p-communication turns it "
@@ -213,7 +216,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                           "overlap_param_gather=True)"),
         dp_bucket_buffers=(0.0, "megatron-core buckets are views into the param-and-grad buffer"),
         main_grads=("fp32", "recipes' grad_reduce_in_fp32=True (bf16_mixed plugin)"),
-        loss_kernel=("torch", "megatron-core vocab-parallel cross-entropy"),
+        loss_kernel=("inplace", "megatron-core vocab-parallel cross-entropy, in place on the fp32 copy"),
         logits_fp32=(True, "megatron-core upcasts the logits for the loss"),
         optimizer_temp_bytes=(0.0, "TE/apex FusedAdam"),
         pp_p2p_overlap=("interleaved", "MegatronCommOverlapCallback: overlap_p2p_comm=True (batch_p2p_comm=False) "
@@ -226,7 +229,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         elementwise_kernels=("hand-fused", "apex fused LayerNorm, bias-GeLU and bias-dropout-add fusions"),
         dp_overlap=(False, "DeepSpeed zero_optimization.overlap_comm=false by default"),
         main_grads=("auto", "bf16 runs use DeepSpeed's BF16_Optimizer: fp32 gradient accumulation"),
-        loss_kernel=("torch", "Megatron's vocab-parallel cross-entropy"),
+        loss_kernel=("inplace", "Megatron's vocab-parallel cross-entropy (mpu/cross_entropy.py), in place on "
+                                "the fp32 copy"),
         logits_fp32=(True, "--fp16-lm-cross-entropy off by default"),
         optimizer_temp_bytes=(0.0, "DeepSpeed FusedAdam"),
         pp_p2p_overlap=("none", "DeepSpeed's PipelineEngine: runtime/pipe/p2p.py send/recv are blocking "

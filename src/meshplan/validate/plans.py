@@ -209,13 +209,13 @@ def split_layers(L: int, pp: int, vs: int, fw: str, notes: str) -> tuple[int, ..
 #: attention_impl spellings -> the kernel (cost.compute.ATTENTION_KERNELS), first match wins;
 #: (pattern, kernel, note: an assumption line when the kernel is costed as another's).
 _ATTENTION_SPELLINGS: tuple[tuple[str, str, str], ...] = (
-    (r"fused[\s_-]*(scale[\s_-]*)?(masked[\s_-]*)?softmax|scaled[\s_-]*masked[\s_-]*softmax", "fused-softmax", ""),
+    (r"(?<!un)fused[\s_-]*(scale[\s_-]*)?(masked[\s_-]*)?softmax|scaled[\s_-]*masked[\s_-]*softmax", "fused-softmax", ""),
     (r"flash[\s_-]*(attn|attention)?[\s_-]*(v|version)?[\s_-]*3|\bfa[\s_-]*3\b|fav3", "flash3", ""),
     (r"flash[\s_-]*(attn|attention)?[\s_-]*(v|version)?[\s_-]*2|\bfa[\s_-]*2\b|fav2", "flash2", ""),
     (r"flash[\s_-]*(attn|attention)?[\s_-]*(v|version)?[\s_-]*1\b|\bfa[\s_-]*1\b|fav1", "flash1", ""),
     (r"\bsdpa\b|scaled[\s_-]*dot[\s_-]*product|pytorch[\s_-]*(native[\s_-]*)?attention", "sdpa", ""),
     # megatron-core's --attention-backend names: flash, fused (TE's cuDNN FusedAttention), unfused, local
-    (r"cudnn|fused[\s_-]*attn|fused[\s_-]*attention|^fused$", "cudnn", ""),
+    (r"cudnn|(?<!un)fused[\s_-]*attn|(?<!un)fused[\s_-]*attention|^fused$", "cudnn", ""),
     (r"triton", "triton", "Triton FlashAttention kernel: FlashAttention-2 is 1.3-2.5x faster (FA2 paper); costed at "
                           "1/1.3 of its rate"),
     (r"xformers|memory[\s_-]*efficient|mem[\s_-]*eff", "flash2",
