@@ -1,37 +1,32 @@
-"""Wide residual networks for meshplan's tensor-parallel convolutions (issue 29), built from code
-(no downloaded weights, random init), with ``tests/data/modules`` on PYTHONPATH:
+"""Wide residual networks (Zagoruyko and Komodakis, "Wide Residual Networks", 2016) for meshplan's
+tensor-parallel convolutions (issue 29), built from code (no downloaded weights, random init), with
+``tests/data/modules`` on PYTHONPATH. Every block is the paper's pre-activation basic block
+(BatchNorm, ReLU, 3x3 convolution, BatchNorm, ReLU, dropout, 3x3 convolution, plus the input, or its
+1x1 projection taken after the first activation where the shape changes); the blocks are one
+``nn.ModuleList``.
 
-- ``module:wide_resnet:make_wide_resnet`` (WRN-50-21): ResNet-50's bottleneck layout
-  (resnet50.py: a stem, [3, 4, 6, 3] bottlenecks, a linear head) with every channel count
-  multiplied by a width factor k = 21 (stem 1344 channels, the last stage's blocks 10752 -> 43008),
-  224x224 images, 1000 classes: 10.4B parameters, of which 2.66B in the first block of the last
-  stage (its 3x3 convolution alone 1.04B). The factory takes ``width_factor`` (k) for other sizes.
-- ``module:wide_resnet:make_wrn_tiny``: Zagoruyko and Komodakis' CIFAR Wide-ResNet (WRN-d-k,
-  "Wide Residual Networks", 2016) at depth 10, k = 2: a 3x3 stem convolution to 16 channels, three
-  groups of one pre-activation basic block (BatchNorm, ReLU, 3x3 convolution, BatchNorm, ReLU,
-  dropout, 3x3 convolution; a 1x1 projection shortcut where the shape changes) of 32, 64 and 128
-  channels (strides 1, 2, 2), BatchNorm, ReLU, global pooling and a linear head; 16x16 images, 10
-  classes, dropout 0 (trains on a CPU in seconds). The blocks are one ``nn.ModuleList``.
+- ``module:wide_resnet:make_wide_resnet``: WRN-18-24 for 224x224 images (ResNet-18's layout: a 7x7
+  stride-2 convolution to 64 channels, BatchNorm, ReLU, 3x3 max-pool, four groups of two blocks of
+  64k, 128k, 256k, 512k channels with strides 1, 2, 2, 2; BatchNorm, ReLU, global pooling, a linear
+  head to 1000 classes) at width factor k = 24: 6.42B parameters, 2.72B of them in the last block
+  (two 3x3 convolutions of 12288 channels). ``width_factor`` sets k.
+- ``module:wide_resnet:make_wrn_tiny``: the paper's CIFAR network WRN-10-2 (a 3x3 convolution to 16
+  channels, three groups of one block of 32, 64, 128 channels, strides 1, 2, 2) on 16x16 images, 10
+  classes, dropout 0: trains on a CPU in seconds.
 
-Under tensor parallelism meshplan splits each block's first and second 3x3 convolutions as a
-column -> row pair, with the BatchNorm between them split on channels (ingest/tp.py). The loss is
-cross-entropy against a label computed from the image (the sign of its mean), as resnet50.py's.
+Under tensor parallelism meshplan splits each block's two 3x3 convolutions as a column -> row pair,
+the BatchNorm between them on channels (ingest/tp.py); the shortcut projections stay whole. The loss
+is cross-entropy against a label computed from the image (the sign of its mean), as resnet50.py's.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from resnet50 import ResNet50
 from torch import nn
 
 TASK = "classification"
-WIDTH_FACTOR = 21
-"""k of ``make_wide_resnet``: the last stage's first block holds 6,029,312 k^2 parameters (2.66B)."""
-
-
-def make_wide_resnet(width_factor: int = WIDTH_FACTOR, image_size: int = 224, num_classes: int = 1000) -> ResNet50:
-    """WRN-50-k: ResNet-50 with every channel count multiplied by ``width_factor``."""
-    return ResNet50(width=64 * width_factor, image_size=image_size, num_classes=num_classes)
+WIDTH_FACTOR = 24
+"""k of ``make_wide_resnet``: its last block holds 18 (512 k)^2 parameters (2.72B at k = 24)."""
 
 
 class PreActBlock(nn.Module):
@@ -56,22 +51,27 @@ class PreActBlock(nn.Module):
 
 
 class WideResNet(nn.Module):
-    """WRN-d-k for small images: d = 6 n + 4 (n blocks per group), groups of 16k, 32k, 64k channels."""
+    """A Wide-ResNet of pre-activation basic blocks: ``widths`` channels per group, ``blocks`` per
+    group; ``imagenet``: a 7x7 stride-2 stem to 64 channels with BatchNorm, ReLU and a 3x3 max-pool,
+    else a 3x3 stem to 16 channels (CIFAR)."""
 
-    def __init__(self, depth: int = 10, k: int = 2, image_size: int = 16, num_classes: int = 10,
-                 dropout: float = 0.0) -> None:
+    def __init__(self, widths: tuple[int, ...], blocks: int, image_size: int, num_classes: int, *,
+                 imagenet: bool, dropout: float = 0.0) -> None:
         super().__init__()
-        if (depth - 4) % 6:
-            raise ValueError(f"WRN depth must be 6n+4, got {depth}")
-        n = (depth - 4) // 6
         self.image_size = image_size
-        self.stem = nn.Conv2d(3, 16, 3, padding=1, bias=False)
-        blocks, cin = [], 16
-        for g, width in enumerate((16 * k, 32 * k, 64 * k)):
-            for i in range(n):
-                blocks.append(PreActBlock(cin, width, 2 if (i == 0 and g > 0) else 1, dropout))
+        if imagenet:
+            stem = 64
+            self.stem = nn.Sequential(nn.Conv2d(3, stem, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(stem),
+                                      nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1))
+        else:
+            stem = 16
+            self.stem = nn.Conv2d(3, stem, 3, padding=1, bias=False)
+        layers, cin = [], stem
+        for g, width in enumerate(widths):
+            for i in range(blocks):
+                layers.append(PreActBlock(cin, width, 2 if (i == 0 and g > 0) else 1, dropout))
                 cin = width
-        self.blocks = nn.ModuleList(blocks)
+        self.blocks = nn.ModuleList(layers)
         self.head = nn.Sequential(nn.BatchNorm2d(cin), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                                   nn.Linear(cin, num_classes))
 
@@ -85,9 +85,15 @@ class WideResNet(nn.Module):
         return torch.randn(batch_size, 3, self.image_size, self.image_size)
 
 
+def make_wide_resnet(width_factor: int = WIDTH_FACTOR, image_size: int = 224, num_classes: int = 1000) -> WideResNet:
+    """WRN-18-k for ImageNet-sized images (k = 24: 6.42B parameters, a 2.72B-parameter last block)."""
+    k = width_factor
+    return WideResNet((64 * k, 128 * k, 256 * k, 512 * k), 2, image_size, num_classes, imagenet=True)
+
+
 def make_wrn_tiny() -> WideResNet:
     """WRN-10-2 on 16x16 images, 10 classes, no dropout."""
-    return WideResNet(depth=10, k=2, image_size=16, num_classes=10)
+    return WideResNet((32, 64, 128), 1, 16, 10, imagenet=False)
 
 
 def loss(outputs: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
