@@ -33,8 +33,13 @@ presets' order with the shared pieces of parallelize.py:
                     logits a DTensor sharded on the vocabulary, the loss under ``loss_parallel()``
                     (``Parallelized.vocab_parallel``, as for presets), and the nn.Embedding tables of its
                     vocabulary ``VocabParallelEmbedding`` (a tied head re-tied to its table: both
-                    ``Shard(0)``). Classification heads stay whole. Checked on one sample against the
-                    unsplit model (pp = 1);
+                    ``Shard(0)``). Classification heads stay whole. Convolution pairs
+                    (``ingest.tp.conv_pairs``: conv -> BatchNorm/activation -> conv in a block, e.g.
+                    ResNet's conv1 -> conv2) are split by ``shard_convs``: DTensor parameters (column
+                    ``Shard(0)``, row ``Shard(1)``, the BatchNorm between them ``Shard(0)``) whose
+                    forwards run on the local shards with explicit collectives (the column input's
+                    gradient and the row output all-reduced), DTensor's styles taking nn.Linear only.
+                    Checked on one sample against the unsplit model (pp = 1);
 3. recompute        full: ``checkpoint_wrapper`` per block (the first ``recompute_layers`` of each stage);
 4. data parallel    parallelize.apply_data_parallel: DDP (``find_unused_parameters`` only for a model
                     with parameters that get no gradient: ``unused_parameters``), the manual
