@@ -3,7 +3,8 @@ ResNet-50 (BatchNorm), a vision transformer and a graph neural network written a
 (tests/data/modules, ``module:`` factories), and Hugging Face BERT and ViT configs (``hf:``, tiny
 configs written by the test). Each trains under data parallelism (zero=0, DDP), FSDP (zero=3), a
 pipeline (pp=2: stages count the blocks, the stem/embeddings go with the first stage, the head with
-the last) and, where its blocks have column/row linear pairs, tensor parallelism (tp=2); the losses
+the last) and, where its blocks have column/row linear pairs, tensor parallelism (tp=2; the ResNet's
+convolution pairs: tests/dist/test_conv_tp.py); the losses
 and gradient norms of every step must equal a single-process run of the same global batch in the
 same micro-batches (train.reference_run: BatchNorm normalises each micro-batch with its own
 statistics) within ``TOLERANCE`` of the precision. Also: a checkpoint saved under FSDP resumed under
@@ -146,8 +147,9 @@ def test_meshplan_train_resnet_pipeline(tmp_path: Path) -> None:
 
 def test_refusals(sources: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plans these models cannot run: one line, exit 2, before any process starts: tp on the ResNet
-    (convolutions, nothing to split), a pipeline of a BERT whose output projection is tied to its
+    """Plans these models cannot run: one line, exit 2, before any process starts: tp on the small CNN
+    (one convolution per block: no column -> row pair; the ResNet's pairs run, tests/dist/test_conv_tp.py),
+    a pipeline of a BERT whose output projection is tied to its
     embedding, stage_layers that do not count the blocks."""
     pytest.importorskip("transformers")
     from meshplan.cli.main import main
@@ -155,7 +157,8 @@ def test_refusals(sources: dict[str, str], tmp_path: Path, capsys: pytest.Captur
     tied = tmp_path / "bert-tied.json"
     tied.write_text(json.dumps({**BERT, "tie_word_embeddings": True}))
     # (the planner's reasons, from the one table: spec.constraints on the traced graph)
-    for model, plan, needle in ((RESNET, "tp=2", "no layer of the model has linear layers tensor parallelism"),
+    for model, plan, needle in (("module:small_cnn:make_cnn", "tp=2",
+                                 "no layer of the model has linear layers tensor parallelism"),
                                 (f"hf:{tied}", "pp=2", "ties weights across units"),
                                 (RESNET, "pp=2,stage_layers=9:9", "stage_layers sum to 18 but the model has 16")):
         seq = ["--seq-len", "16"] if model.startswith("hf:") else []

@@ -272,9 +272,15 @@ def test_resnet50_convolutions_as_gemms(modules):
     stem = g.ops[g.layers[0].block]
     assert stem.gemms == (Gemm(n=64, k=3 * 49, m=112 * 112),)  # im2col: out channels, in x kernel, positions
     blocks = [x for x in g.layers if x.kind == "block"]
-    assert len(blocks) == 16 and all(not g.ops[x.block].splits for x in blocks)  # convolutions: no TP pairs
+    assert len(blocks) == 16
+    # issue 29: conv1 -> bn1 -> conv2 is a TP pair (column, row), conv3 and the shortcut stay whole;
+    # the pair all-reduces conv2's output (w channels x positions, 2 B), not the block's (4 w channels)
     last = g.ops[blocks[-1].block]
-    assert Gemm(n=512, k=512 * 9, m=49) in last.gemms
+    assert last.gemms == (Gemm(n=512, k=2048, m=49, split="column"), Gemm(n=512, k=512 * 9, m=49, split="row"),
+                          Gemm(n=2048, k=512, m=49))
+    assert last.tp_allreduces == 1 and last.tp_reduce == 512 * 49 * 2 and last.hidden == 2048 * 49 * 2
+    assert last.params_split == 2048 * 512 + 512 * 512 * 9 + 2 * 512  # conv1, conv2, bn1's weight and bias
+    assert last.tp_divides == {"conv1.out_channels": 512, "conv2.in_channels": 512}
     assert g.ops[g.layers[-1].block].loss_vocab == 1000 and not g.ops[g.layers[-1].block].loss_split
 
 

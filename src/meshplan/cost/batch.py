@@ -129,6 +129,7 @@ class Layout:
     hidden: np.ndarray          # (B,) bytes per token (2-byte activations) of the layer's output
     send: float                 # the largest bytes per token a pipeline cut between blocks sends
     pairs: np.ndarray           # (B,) TP all-reduces per pass
+    tp_size: np.ndarray         # (B,) bytes per token of each TP all-reduce (hidden, or LayerOps.tp_reduce / pairs)
     kv_dim: np.ndarray          # (B,) attention's key width (0: no attention)
     a2a: np.ndarray             # (B,) bytes per token of one EP all-to-all (0: no experts)
     params: np.ndarray          # (B,) params, params_split, params_expert
@@ -171,7 +172,9 @@ def _layout(graph: LayerGraph) -> Layout:
         graph=graph, ids=ids, ops=ops, kinds=kinds, layer_id=lid, is_block=is_block,
         prefix=counts(range(first)), suffix=counts(range(last + 1, len(kinds))), total=counts(range(len(kinds))),
         loss=arr(lambda o: o.loss_vocab > 0) > 0, hidden=arr(lambda o: o.hidden), send=float(send),
-        pairs=arr(lambda o: o.tp_allreduces), kv_dim=arr(lambda o: o.attention.kv_dim if o.attention else 0),
+        pairs=arr(lambda o: o.tp_allreduces),
+        tp_size=arr(lambda o: o.tp_reduce / o.tp_allreduces if o.tp_reduce and o.tp_allreduces else o.hidden),
+        kv_dim=arr(lambda o: o.attention.kv_dim if o.attention else 0),
         a2a=arr(lambda o: o.top_k * o.hidden if o.experts else 0), params=arr(lambda o: o.params),
         params_split=arr(lambda o: o.params_split), params_expert=arr(lambda o: o.params_expert),
         vocab=arr(lambda o: o.loss_vocab), loss_split=arr(lambda o: o.loss_split) > 0)
@@ -360,7 +363,7 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     st = mesh_strides(cols)  # the placement: each axis's rank distance, per row
     fl = flat_collectives(p)  # the profile's collectives: NCCL's forms, or one flat ring
     tp_one = Group.of(cluster, tp[:, None], st[AX.TP][:, None], flat=fl).all_reduce(
-        (tokens * scale)[:, None] * lay.hidden[None, :])
+        (tokens * scale)[:, None] * lay.tp_size[None, :])
     per_pass = tp_one * lay.pairs[None, :]  # one direction (forward or backward)
     re = np.where(full_rc, 1.0, 0.0)[:, None]
     tp_fwd = C.sum(per_pass, tp_ids)

@@ -123,6 +123,7 @@ def param_info(units: list[_layers.Unit], tp_info: dict[str, tp.TPInfo], sigs: d
     out: dict[int, _ops.ParamInfo] = {}
     for u in units:
         t = tp_info.get(sigs[id(u)]) if u.in_container else None
+        mods = dict(u.module.named_modules())
         for pname, p in u.module.named_parameters():
             k = storage_key(p)
             if k is None or k in out:
@@ -136,8 +137,17 @@ def param_info(units: list[_layers.Unit], tp_info: dict[str, tp.TPInfo], sigs: d
             out[k] = _ops.ParamInfo(role=t.roles.get(pname, "none") if t else "none", name=name,
                                     slot=slot or name, expert=slot is not None,
                                     attention=bool(t and pname in t.attention),
-                                    fused=_ops.FUSED_PROJECTIONS.get(name.rsplit(".", 1)[-1], 1))
+                                    fused=_ops.FUSED_PROJECTIONS.get(name.rsplit(".", 1)[-1], 1),
+                                    kernel=_kernel(mods, pname, p))
     return out
+
+
+def _kernel(mods: dict[str, nn.Module], pname: str, p: torch.Tensor) -> int:
+    """Kernel positions of a convolution's weight (``ParamInfo.kernel``), 0 for anything else."""
+    owner = mods.get(pname.rsplit(".", 1)[0] if "." in pname else "")
+    if pname.rsplit(".", 1)[-1] == "weight" and type(owner) in tp.CONVS:
+        return max(1, math.prod(p.shape[2:]))
+    return 0
 
 
 def assemble(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs: dict[int, str],
@@ -304,12 +314,16 @@ def graph_ops(built: Built, tracer: Tracer, tp_info: dict[str, tp.TPInfo], sigs:
         tied_extra = sum(p.numel() for p in r.unit.module.parameters() if last_holder.get(id(p)) == i)
         tables_here = sum(m.weight.numel() for m in r.unit.module.modules() if id(m) in tables) if r.call == 0 else 0
         moes = [m for m in moe_layers if any(id(p) in own for p in m.module.parameters())]
+        norms = [r.unit.module.get_submodule(n) for n, role in (info.convs.items() if is_tp and info else ())
+                 if role == "channel"]
         ctx = _ops.LayerContext(
             kind=x.kind, tp=is_tp, pairs=info.pairs if info else 0, params=float(params[i] + tied_extra),
             param_numel=numel, biases=biases, vocab_tables=float(tables_here),
             loss_vocab=vocab if i == last else 0.0, lm_head=lm_head,
             send=sends[i], heads=built.heads, experts=moes[0].experts if moes else 0,
-            top_k=moes[0].top_k if moes else 0, gemm_dim=float(x.extra.get("gemm_dim", 1.0)))
+            top_k=moes[0].top_k if moes else 0, gemm_dim=float(x.extra.get("gemm_dim", 1.0)),
+            conv_pairs=info.conv_pairs if is_tp and info else 0,
+            channel_params=float(sum(p.numel() for m in norms for p in m.parameters())))
         o, eager, n = _ops.layer_ops(rr.records.get(i, _ops.LayerRecord()), rr, ctx, tokens, built.sample_tokens,
                                      built.task == "causal-lm", i)
         ops[bid] = o

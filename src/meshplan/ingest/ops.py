@@ -77,6 +77,9 @@ class ParamInfo:
     expert: bool = False
     attention: bool = False
     fused: int = 1
+    kernel: int = 0
+    """A convolution's weight: its kernel positions (a row convolution's GEMM k is in channels x
+    kernel); 0 for a matrix."""
 
 
 @dataclass
@@ -154,6 +157,8 @@ class LayerRecord:
     mm_count: int = 0
     other_flops: float = 0.0
     """FLOPs of ops that are neither GEMMs nor attention (a fallback GEMM reproduces them)."""
+    conv_rows: float = 0.0
+    """Bytes of the row convolutions' outputs (what their pairs all-reduce)."""
     inp: float = 0.0
     inp_key: int | None = None
     out: float = 0.0
@@ -302,6 +307,8 @@ class OpRecorder:
         if param is not None:
             role = self.params.get(param, ParamInfo()).role
             split = role == "column" or (role == "none" and split_in)
+            if role == "row" and self.params[param].kernel:
+                rec.conv_rows += self.nbytes(outs[0])
             self._tag(out_keys, split, None, level + 1)
         else:
             split = split_in
@@ -381,6 +388,10 @@ class LayerContext:
     experts: int = 0
     top_k: int = 0
     gemm_dim: float = 1024.0
+    conv_pairs: int = 0
+    """Of ``pairs``: convolution pairs (each all-reduces its row convolution's output, not the layer's)."""
+    channel_params: float = 0.0
+    """Elements of the BatchNorm parameters split with a column convolution's channels."""
 
 
 def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float, sample_tokens: int,
@@ -469,8 +480,9 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
         if role != "none":
             split_weights.add(g.param)  # type: ignore[arg-type]
             if g.param != ctx.lm_head and not (info.attention and found):
-                width = g.n / info.fused if role == "column" else g.k
-                name = f"{info.name}.{'out' if role == 'column' else 'in'}_features"
+                width = g.n / info.fused if role == "column" else g.k / max(1, info.kernel)
+                unit = "channels" if info.kernel else "features"
+                name = f"{info.name}.{'out' if role == 'column' else 'in'}_{unit}"
                 divides[name] = int(width)
     for key_, gs in groups.items():  # parameters of experts: every expert's
         if key_[0] == "slot":
@@ -486,6 +498,8 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
         if rr.params.get(p, ParamInfo()).role == "column" or p == ctx.lm_head:
             params_split += ctx.biases.get(p, 0)
     params_split += ctx.vocab_tables
+    if ctx.tp:
+        params_split += ctx.channel_params
     if rec.other_flops:
         d = ctx.gemm_dim if ctx.gemm_dim > 1 else 1024.0
         gemms.append(Gemm(n=d, k=d, m=rec.other_flops / (2.0 * d * d) * per))
@@ -588,6 +602,7 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
         saved_input=rec.inp * per,
         saved_op=(op_rep * per, op_split * per),
         hidden=rec.out * per, send=ctx.send * per, tp_allreduces=ctx.pairs if tp else 0,
+        tp_reduce=(rec.conv_rows + (ctx.pairs - ctx.conv_pairs) * rec.out) * per if tp and ctx.conv_pairs else 0.0,
         loss_vocab=ctx.loss_vocab,
         loss_split=not ctx.loss_vocab or (ctx.lm_head is not None and any(g.param == ctx.lm_head for g in rec.gemms)),
         fp8=ctx.kind != "head", tp_divides=divides)

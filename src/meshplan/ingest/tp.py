@@ -17,6 +17,16 @@ model divides every attention's heads by tp), and then no layer of the model is 
 Under TP the LM head and the embedding tables of its vocabulary are vocabulary-parallel
 (``model_tp``): the head a column-split nn.Linear whose logits stay sharded (the loss under
 ``loss_parallel``), the tables (exactly ``nn.Embedding``) split by rows, a tied pair alike.
+
+Convolutions (issue 29): in a block, two ``nn.Conv1d/2d/3d`` (exactly those classes, groups 1) of
+the same parent module, registered one after the other with only channel-wise modules between them
+(BatchNorm of the first one's output channels, activations, dropout, identity), the first's output
+channels the second's input channels, are a pair too (``conv_pairs``): the first split by output
+channels (column), the second by input channels (row; its partial outputs all-reduced, its bias added
+once after), the BatchNorm between them split with the column's channels; a BatchNorm after the row
+convolution stays whole (its input is all-reduced). Each pair is one all-reduce of the row
+convolution's output (not of the block's output: ``TPInfo.conv_rows``). ResNet's bottleneck pairs
+conv1 -> conv2 (conv3 and the shortcut stay whole), a basic or Wide-ResNet block conv1 -> conv2.
 """
 from __future__ import annotations
 
@@ -44,6 +54,14 @@ KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "k
 FUSED = frozenset({"qkv_proj", "c_attn", "qkv", "wqkv", "query_key_value", "gate_up_proj", "in_proj"})
 """Column matrices that hold several projections side by side: a column split would mix them (kept whole)."""
 LM_TASKS = ("causal-lm", "masked-lm", "seq2seq-lm")
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+"""Convolutions TP splits by channels (exactly these classes: a subclass may compute otherwise)."""
+NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+"""Channel norms that split with a column convolution's output channels (per-channel statistics)."""
+CHANNELWISE = (*NORMS, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Hardswish, nn.Mish,
+               nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+"""Modules that may sit between the two convolutions of a pair: each output channel depends on the
+same input channel only."""
 """Tasks whose head is a vocabulary projection: vocabulary-parallel under TP."""
 
 
@@ -89,6 +107,11 @@ class TPInfo:
     """Recognised matrices kept whole, and why (one line each)."""
     attention_kept: bool = False
     """An attention pair is kept whole: TP cannot split this model's attention."""
+    convs: dict[str, str] = field(default_factory=dict)
+    """Convolution pairs (``conv_pairs``): module path -> column | row for the convolutions, channel
+    for the BatchNorms between them (split with the column's output channels)."""
+    conv_pairs: int = 0
+    """Of ``pairs``: the convolution pairs (each all-reduces its row convolution's output)."""
 
 
 def _role(owner: str, leaf: str) -> str | None:
@@ -107,6 +130,8 @@ def _widths(module: nn.Module, pname: str, shape: tuple[int, ...]) -> tuple[int,
     """(in, out) features of a weight matrix."""
     if type(module).__name__ == "Conv1D" and len(shape) == 2:  # GPT-2's transposed linear [in, out]
         return shape[0], shape[1]
+    if pname == "weight" and type(module) in CONVS:
+        return module.in_channels, module.out_channels
     if pname == "weight" and isinstance(getattr(module, "in_features", None), int):
         return module.in_features, module.out_features
     return shape[-1], shape[-2]  # [out, in] or fused experts [E, out, in]
@@ -218,7 +243,10 @@ def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (Non
     if info.attention_kept:  # the attention is not split: neither is the block
         return info
     pairs = [p for p in pairs if p not in kept]
+    convs = conv_pairs(block)
     if not pairs:
+        if convs:
+            _add_convs(info, block, convs)
         return info
     # one all-reduce per MoE layer: its experts (pairs under one ModuleList/ModuleDict, or fused
     # expert parameters) and any other pair beside them (a shared expert) are summed first
@@ -270,7 +298,73 @@ def analyse(block: nn.Module, config_heads: tuple[int | None, int | None] = (Non
     split = sum(p.numel() for p in {id(p): p for o in owners for p in mods[o].parameters()}.values())
     total = sum(p.numel() for p in block.parameters())
     info.param_fraction = min(1.0, split / total) if total else 0.0
+    if convs:
+        _add_convs(info, block, convs)
     return info
+
+
+@dataclass
+class ConvPair:
+    column: str
+    row: str
+    norms: list[str]
+    """The BatchNorms between them (split with the column's output channels)."""
+
+
+def conv_pairs(block: nn.Module) -> list[ConvPair]:
+    """The convolution pairs of a block (see the module docstring): leaf modules in registration
+    order; a convolution and the next one, of the same parent, with only CHANNELWISE modules between
+    them (BatchNorms of the first's output channels), the first's output channels the second's input
+    channels, both of one class (Conv1d/2d/3d exactly, groups 1); pairs do not overlap."""
+    leaves = [(n, m) for n, m in block.named_modules() if n and next(m.children(), None) is None]
+    out: list[ConvPair] = []
+    used: set[str] = set()
+
+    def parent(path: str) -> str:
+        return path.rsplit(".", 1)[0] if "." in path else ""
+
+    for i, (name, a) in enumerate(leaves):
+        if type(a) not in CONVS or a.groups != 1 or name in used:
+            continue
+        j = next((j for j in range(i + 1, len(leaves)) if type(leaves[j][1]) in CONVS), None)
+        if j is None:
+            continue
+        rname, b = leaves[j]
+        between = leaves[i + 1:j]
+        if (type(b) is not type(a) or b.groups != 1 or parent(rname) != parent(name)
+                or b.in_channels != a.out_channels
+                or any(type(m) not in CHANNELWISE for _, m in between)
+                or any(type(m) in NORMS and m.num_features != a.out_channels for _, m in between)):
+            continue
+        out.append(ConvPair(name, rname, [n for n, m in between if type(m) in NORMS]))
+        used |= {name, rname}
+    return out
+
+
+def _add_convs(info: TPInfo, block: nn.Module, convs: list[ConvPair]) -> None:
+    """Add the convolution pairs to a block's split (one all-reduce each; TP divides the row
+    convolutions' input channels)."""
+    mods = dict(block.named_modules())
+    caps = [info.tp_max] if info.style == "megatron" else []
+    owners: set[str] = set()
+    for c in convs:
+        for path, role in ((c.column, "column"), (c.row, "row"), *((n, "channel") for n in c.norms)):
+            info.convs[path] = role
+            owners.add(path)
+            if role != "channel":
+                info.roles[f"{path}.weight"] = role
+        caps.append(mods[c.row].in_channels)
+        info.regions += [c.column, c.row]
+    info.style = "megatron"
+    info.pairs += len(convs)
+    info.conv_pairs = len(convs)
+    info.tp_max = math.gcd(*caps)
+    regions = sorted(set(info.regions), key=lambda r: (r.count("."), r))
+    info.regions = [r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)]
+    linear = info.param_fraction * sum(p.numel() for p in block.parameters())
+    split = sum(p.numel() for o in owners for p in mods[o].parameters())
+    total = sum(p.numel() for p in block.parameters())
+    info.param_fraction = min(1.0, (linear + split) / total) if total else 0.0
 
 
 def _whole(m: _Matrix, mods: dict[str, nn.Module]) -> bool:
@@ -349,7 +443,8 @@ def model_tp(model: nn.Module, blocks: list[tuple[str, nn.Module]], heads: tuple
     out.blocks = by_path
     if not any(i.style == "megatron" for i in cache.values()):
         out.refusal = (f"tp>1: no block of {name} has attention/MLP matrices this runtime can split (nn.Linear "
-                       "q/k/v/o, gate/up/down, fc1/fc2 ...); use tp=1")
+                       "q/k/v/o, gate/up/down, fc1/fc2 ...) nor a pair of convolutions (conv -> BatchNorm/"
+                       "activation -> conv, the channels in between split); use tp=1")
         return out
     found = lm_head(model, task)
     if found is not None:

@@ -33,8 +33,13 @@ presets' order with the shared pieces of parallelize.py:
                     logits a DTensor sharded on the vocabulary, the loss under ``loss_parallel()``
                     (``Parallelized.vocab_parallel``, as for presets), and the nn.Embedding tables of its
                     vocabulary ``VocabParallelEmbedding`` (a tied head re-tied to its table: both
-                    ``Shard(0)``). Classification heads stay whole. Checked on one sample against the
-                    unsplit model (pp = 1);
+                    ``Shard(0)``). Classification heads stay whole. Convolution pairs
+                    (``ingest.tp.conv_pairs``: conv -> BatchNorm/activation -> conv in a block, e.g.
+                    ResNet's conv1 -> conv2) are split by ``shard_convs``: DTensor parameters (column
+                    ``Shard(0)``, row ``Shard(1)``, the BatchNorm between them ``Shard(0)``) whose
+                    forwards run on the local shards with explicit collectives (the column input's
+                    gradient and the row output all-reduced), DTensor's styles taking nn.Linear only.
+                    Checked on one sample against the unsplit model (pp = 1);
 3. recompute        full: ``checkpoint_wrapper`` per block (the first ``recompute_layers`` of each stage);
 4. data parallel    parallelize.apply_data_parallel: DDP (``find_unused_parameters`` only for a model
                     with parameters that get no gradient: ``unused_parameters``), the manual
@@ -433,6 +438,9 @@ def apply_tp(model: nn.Module, blocks: list[str], built: Built, tp_mesh: Any, tp
         block = resolve(model, path)
         info = split.blocks.get(path.removeprefix(f"{STAGE}."), TPInfo())
         plan = tp_plan(block, info, built.heads)
+        if info.convs:  # convolution pairs: explicit shards (DTensor's styles take nn.Linear only)
+            shard_convs(block, info, tp_mesh, tp, path)
+            n += not plan.styles
         if not plan.styles:
             continue
         if plan.tp_max % tp:
@@ -450,6 +458,116 @@ def apply_tp(model: nn.Module, blocks: list[str], built: Built, tp_mesh: Any, tp
         parallelize_module(block, tp_mesh, styles)
         n += 1
     return n
+
+
+# ---- tensor parallel: convolutions (issue 29) ------------------------------------------------------
+class _ToTP(torch.autograd.Function):
+    """Enter a column convolution: identity forward, the input gradient all-reduced over TP backward
+    (each rank's gradient comes from its output channels only)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _all_reduce(g, ctx.group), None
+
+
+class _FromTP(torch.autograd.Function):
+    """Leave a row convolution: its partial outputs (each rank's input channels) all-reduced forward,
+    identity backward (the gradient is the same on every rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return g, None
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    from torch.distributed import _functional_collectives as funcol
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+
+
+def _local(t: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _column_forward(m: Any, group: Any) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return m._conv_forward(_ToTP.apply(x, group), _local(m.weight), _local(m.bias))
+    return forward
+
+
+def _row_forward(m: Any, group: Any) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = _FromTP.apply(m._conv_forward(x, _local(m.weight), None), group)
+        if m.bias is None:
+            return y
+        return y + _local(m.bias).reshape(1, -1, *([1] * (y.dim() - 2)))  # once, after the sum
+    return forward
+
+
+def _norm_forward(m: Any) -> Any:
+    """nn.BatchNorm*d's forward on the local channels of its (sharded) parameters and statistics."""
+    import torch.nn.functional as F
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        factor = 0.0 if m.momentum is None else m.momentum
+        if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+            m.num_batches_tracked.add_(1)
+            factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+        batch_stats = m.training or (m.running_mean is None and m.running_var is None)
+        keep = not m.training or m.track_running_stats
+        return F.batch_norm(x, _local(m.running_mean) if keep else None, _local(m.running_var) if keep else None,
+                            _local(m.weight), _local(m.bias), batch_stats, factor, m.eps)
+    return forward
+
+
+def shard_convs(block: nn.Module, info: TPInfo, tp_mesh: Any, tp: int, path: str) -> None:
+    """Split ``block``'s convolution pairs (``info.convs``: ingest.tp.conv_pairs) over ``tp_mesh``:
+    a column convolution's weight and bias ``Shard(0)`` (output channels), a row convolution's weight
+    ``Shard(1)`` (input channels) and its bias replicated, added once after the all-reduce; the
+    BatchNorms between them ``Shard(0)``, running statistics included. The parameters are DTensors
+    (clipping, FSDP2, the checkpoints and ``full_weights`` see them as for nn.Linear pairs); the
+    forwards run on their local shards with explicit collectives (``_ToTP``, ``_FromTP``):
+    DTensor's ColwiseParallel/RowwiseParallel take nn.Linear and nn.Embedding only (torch 2.13)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if info.tp_max % tp:
+        raise MeshplanError(f"plan: tp={tp} does not divide the channels of {path}'s split convolutions "
+                            f"(tp_max={info.tp_max})", hint="use a tp that divides the channels")
+    group = tp_mesh
+
+    def place(m: nn.Module, name: str, placement: Any, buffer: bool = False) -> None:
+        table = m._buffers if buffer else m._parameters
+        t = table.get(name)
+        if t is None:
+            return
+        d = distribute_tensor(t.detach(), tp_mesh, [placement], src_data_rank=None)  # same weights everywhere
+        table[name] = d if buffer else nn.Parameter(d, requires_grad=t.requires_grad)
+
+    for sub, role in info.convs.items():
+        m = resolve(block, sub)
+        if role == "column":
+            place(m, "weight", Shard(0))
+            place(m, "bias", Shard(0))
+            m.forward = _column_forward(m, group)
+        elif role == "row":
+            place(m, "weight", Shard(1))
+            place(m, "bias", Replicate())
+            m.forward = _row_forward(m, group)
+        else:
+            for name in ("weight", "bias"):
+                place(m, name, Shard(0))
+            for name in ("running_mean", "running_var"):
+                place(m, name, Shard(0), buffer=True)
+            m.forward = _norm_forward(m)
 
 
 def _owned(m: nn.Module) -> bool:
@@ -674,7 +792,8 @@ def parallelize_ingested(built: Built, plan: Plan, mesh: RuntimeMesh | None, dev
             err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
             if err > 1e-4:
                 raise MeshplanError(f"plan: tp={plan.tp} changes {built.name}'s output (relative error {err:.1e}): "
-                                    "its attention reshapes with a head count this runtime does not adjust",
+                                    "its attention reshapes with a head count this runtime does not adjust, or "
+                                    "a split convolution's channels are read by something other than its pair",
                                     hint="use tp=1 for this model")
     for part, paths in zip(parts, part_blocks):
         apply_ac(part, paths, plan)  # the wrapper takes the block's place: same paths

@@ -53,7 +53,8 @@ def tp_divides_widths(c: Context) -> str | None:
 def tp_has_layers(c: Context) -> str | None:
     if c.plan.tp > 1 and not c.caps.tp_layers:
         return (f"tp={c.plan.tp} but no layer of the model has linear layers tensor parallelism can split "
-                "(column -> row pairs); use tp=1")
+                "(column -> row pairs of linear layers, or of convolutions with only BatchNorm/activations "
+                "between them); use tp=1")
     return None
 
 

@@ -140,6 +140,10 @@ class LayerOps:
     """Bytes per token a pipeline cut after this layer sends onward (output + side inputs)."""
     tp_allreduces: int = 0
     """Column -> row GEMM pairs: one all-reduce of ``hidden`` each, forward and backward."""
+    tp_reduce: float = 0.0
+    """Bytes per token TP all-reduces per pass (forward or backward) where that is not
+    ``tp_allreduces x hidden``: a convolution pair all-reduces its row convolution's output, not the
+    block's (ResNet's bottleneck: conv2's width x its positions). 0: ``tp_allreduces x hidden``."""
     loss_vocab: float = 0.0
     """The layer ends in a cross-entropy over this many logits per token (0: no loss here)."""
     loss_split: bool = True
@@ -153,7 +157,7 @@ class LayerOps:
     def __post_init__(self) -> None:
         for f in ("params", "params_split", "params_expert", "ew_whole", "saved_rep", "saved_whole",
                   "saved_input", "saved_gemm_rep", "saved_gemm_split", "saved_attn_out", "hidden", "send",
-                  "loss_vocab"):
+                  "loss_vocab", "tp_reduce"):
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
                 raise MeshplanError(f"layer ops: {f} must be a finite number >= 0, got {v}")
