@@ -62,6 +62,7 @@ from meshplan.ingest.layers import Unit, find_units, pipeline_refusal
 from meshplan.ingest.tp import ModelTP, TPInfo, model_tp
 from meshplan.runtime import preflight as pre
 from meshplan.runtime.data import take
+from meshplan.runtime.expert_parallel import ep_refusal, shard_ingested
 from meshplan.runtime.hetero import check_batch, replica_span
 from meshplan.runtime.local import cpu_memory, estimate_basis, local_cluster
 from meshplan.runtime.mesh import RuntimeMesh
@@ -446,7 +447,9 @@ def apply_tp(model: nn.Module, blocks: list[str], built: Built, tp_mesh: Any, tp
                     if v % tp:
                         raise MeshplanError(f"plan: tp={tp} does not divide {path}.{scope}.{a}={v}")
                     setattr(att, a, v // tp)
-        styles = {p: RowwiseParallel() if s == "row" else ColwiseParallel() for p, s in plan.styles.items()}
+        present = dict(block.named_modules())  # (expert parallelism keeps only this rank's experts)
+        styles = {p: RowwiseParallel() if s == "row" else ColwiseParallel() for p, s in plan.styles.items()
+                  if p in present}
         parallelize_module(block, tp_mesh, styles)
         n += 1
     return n
@@ -643,6 +646,8 @@ def parallelize_ingested(built: Built, plan: Plan, mesh: RuntimeMesh | None, dev
     split = split_of(built) if plan.tp > 1 else None  # on the whole model, before the pipeline split
     if split is not None and split.refusal:
         raise MeshplanError(split.refusal)
+    if plan.ep > 1:  # on the whole model (every rank runs the checks below alike: their forwards exchange)
+        shard_ingested(model, built.name, mesh.ep_group, plan.ep, mesh.ep_rank)
     if plan.pp > 1:
         why = pp_refusal(built, units)
         if why:
@@ -730,6 +735,9 @@ def preflight(job: Any) -> tuple[Any, Any]:
         why = pp_refusal(built, units)
         if why:
             raise MeshplanError(why)
+    why = ep_refusal(built.module, built.name, plan.ep)
+    if why:
+        raise MeshplanError(why, hint="use ep=1")
     if plan.tp > 1:
         split = split_of(built)
         if split.refusal:
@@ -828,14 +836,17 @@ def quiet_false_positives() -> None:
 
 
 def search_space(source: str, *, seq_len: int | None = None, base: Plan | None = None) -> Any:
-    """A ``search.space.SearchSpace`` holding only what this runtime runs on ``source``: no cp, ep,
+    """A ``search.space.SearchSpace`` holding only what this runtime runs on ``source``: no cp,
     sequence parallelism nor selective/op recompute on any ingested model (``plan_refusal``); pp=1
     when the model cannot be pipeline-split (pp_refusal), tp=1 when TP splits nothing of it
-    (``split_of``)."""
+    (``split_of``), ep=1 when it has no experts the runtime splits (expert_parallel.find_moe; else
+    the search's divisors of the expert counts)."""
+    from meshplan.runtime.expert_parallel import find_moe
     from meshplan.search.space import SearchSpace
     built = build(source, device="meta", seq_len=seq_len)
     units, blocks = unit_paths(built.module)
     pp = (1,) if pp_refusal(built, units) else None
     splittable = split_of(built).refusal is None
-    return SearchSpace(base=base or Plan(), pp=pp, tp=None if splittable else (1,), cp=(1,), ep=(1,),
-                       sequence_parallel=False, recompute=("none", "full"))
+    return SearchSpace(base=base or Plan(), pp=pp, tp=None if splittable else (1,), cp=(1,),
+                       ep=None if find_moe(built.module) else (1,), sequence_parallel=False,
+                       recompute=("none", "full"))
