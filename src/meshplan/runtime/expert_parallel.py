@@ -220,11 +220,14 @@ def list_mismatch(m: nn.Module, path: str) -> str | None:
     return None
 
 
-def shard_ingested(model: nn.Module, name: str, group: dist.ProcessGroup, ep: int, ep_rank: int) -> list[str]:
+def shard_ingested(model: nn.Module, name: str, group: dist.ProcessGroup, ep: int,
+                   ep_rank: int) -> dict[str, tuple[int, int]]:
     """Expert parallelism on an ingested model (all experts, the same weights on every rank): each
     recognised MoE module keeps this rank's experts and exchanges tokens with all-to-all. Returns
-    the paths of the sharded modules. Raises MeshplanError for a model it cannot split
-    (``ep_refusal``, a list module whose routing is not the standard one)."""
+    the fused parameters kept in part, by name in the model -> (rows of the whole, first row kept):
+    ``TrainModel.expert_rows`` (a list module's experts keep their own names). Raises
+    MeshplanError for a model it cannot split (``ep_refusal``, a list module whose routing is not
+    the standard one)."""
     from meshplan.errors import MeshplanError
     why = ep_refusal(model, name, ep)
     if why:
@@ -235,7 +238,8 @@ def shard_ingested(model: nn.Module, name: str, group: dist.ProcessGroup, ep: in
             why = list_mismatch(m, path)
             if why:
                 raise MeshplanError(f"plan: ep={ep}: {why}", hint="use ep=1 for this model")
-    for _path, m, kind in found:
+    rows: dict[str, tuple[int, int]] = {}
+    for path, m, kind in found:
         n = num_experts(m, kind)
         keep = local_expert_ids(n, ep, ep_rank)
         m.meshplan_experts, m.meshplan_ep_size, m.meshplan_ep_group = n, ep, group
@@ -244,6 +248,7 @@ def shard_ingested(model: nn.Module, name: str, group: dist.ProcessGroup, ep: in
             for pname, p in list(m.named_parameters(recurse=False)):
                 if p.dim() >= 1 and p.shape[0] == n:
                     setattr(m, pname, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
+                    rows[f"{path}.{pname}" if path else pname] = (n, lo)
             m.forward = types.MethodType(fused_forward, m)
             m.meshplan_ep = True
         else:
@@ -252,4 +257,4 @@ def shard_ingested(model: nn.Module, name: str, group: dist.ProcessGroup, ep: in
             m.experts = nn.ModuleDict({k: e for i, (k, e) in enumerate(items) if i in keep})
             m.experts.meshplan_ep = True
             m.forward = types.MethodType(list_forward, m)
-    return [p for p, _, _ in found]
+    return rows

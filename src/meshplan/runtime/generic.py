@@ -601,7 +601,9 @@ class IngestedModel(TrainModel):
         torch.manual_seed(self.cfg.seed)
         self.built = build(self.source, device=str(device), seq_len=self.cfg.seq_len)
         self.name = self.built.name
-        return parallelize_ingested(self.built, plan, mesh, device, microbatches=microbatches)
+        self.expert_rows = {}
+        return parallelize_ingested(self.built, plan, mesh, device, microbatches=microbatches,
+                                    expert_rows=self.expert_rows)
 
     def rank_batch(self, step: int, mesh: RuntimeMesh | None, device: torch.device) -> Batch:
         assert self.built is not None
@@ -628,8 +630,9 @@ class IngestedModel(TrainModel):
 
 
 def parallelize_ingested(built: Built, plan: Plan, mesh: RuntimeMesh | None, device: torch.device, *,
-                         microbatches: int) -> Parallelized:
-    """Apply ``plan`` to ``built.module`` (the full model, the same weights on every rank)."""
+                         microbatches: int, expert_rows: dict[str, tuple[int, int]] | None = None) -> Parallelized:
+    """Apply ``plan`` to ``built.module`` (the full model, the same weights on every rank).
+    ``expert_rows``: filled with the fused expert parameters EP keeps in part (TrainModel.expert_rows)."""
     why = plan_refusal(plan)
     if why:
         raise MeshplanError(why)
@@ -647,7 +650,9 @@ def parallelize_ingested(built: Built, plan: Plan, mesh: RuntimeMesh | None, dev
     if split is not None and split.refusal:
         raise MeshplanError(split.refusal)
     if plan.ep > 1:  # on the whole model (every rank runs the checks below alike: their forwards exchange)
-        shard_ingested(model, built.name, mesh.ep_group, plan.ep, mesh.ep_rank)
+        rows = shard_ingested(model, built.name, mesh.ep_group, plan.ep, mesh.ep_rank)
+        if expert_rows is not None:
+            expert_rows.update(rows)
     if plan.pp > 1:
         why = pp_refusal(built, units)
         if why:
