@@ -112,3 +112,8 @@ def test_train_cli_ep_and_refusals() -> None:
                            "--steps", "1", "--seq-len", "16", "--nproc-per-node", "2", env=modules_env())
     assert dense.returncode != 0 and "Traceback" not in dense.stderr
     assert "no experts" in dense.stderr, dense.stderr
+    ckpt = meshplan_train("--model", SOURCES["mixtral"], "--plan", "dp=2,ep=2,precision=fp32", "--steps", "1",
+                          "--seq-len", "16", "--nproc-per-node", "2", "--checkpoint-dir", "/nonexistent/ep-ckpt",
+                          env=modules_env())
+    assert ckpt.returncode != 0 and "Traceback" not in ckpt.stderr
+    assert "--checkpoint-dir with ep=2" in ckpt.stderr, ckpt.stderr

@@ -22,6 +22,15 @@ presets' order with the shared pieces of parallelize.py:
                     (``ingest.layers.pipeline_refusal``: the graph's ``no pipeline:`` note, the same
                     words), a forward whose result changes when cut at a stage boundary (side values
                     passed between units);
+1b. EP              ep > 1 (ep divides dp x cp and every MoE layer's experts): on the whole model,
+                    before the pipeline split, ``expert_parallel.shard_ingested``: transformers' fused
+                    experts (Mixtral, Qwen-MoE, DeepSeek-V2/V3 ...) keep this rank's rows of their
+                    [E, ...] parameters and a ``gate`` + ``experts`` list + ``top_k`` module keeps its
+                    rank's experts; tokens go to their experts' owners by all-to-all and come back in
+                    the single-process order (the router, shared experts and their gates run on every
+                    rank). Refused: a model without such experts, ep not dividing a layer's experts, a
+                    list module whose routing is not softmax top-k renormalised (checked on a random
+                    input), --checkpoint-dir with fused experts;
 2. TP               tp > 1: what ``ingest.tp.model_tp`` says (ingestion marks the LayerOps from the
                     same function): in each block the column/row pairs whose matrices are all
                     non-fused nn.Linear (q/k/v, gate/up, fc1 ... column-wise; o, down, fc2 ... row-wise),
@@ -41,7 +50,7 @@ presets' order with the shared pieces of parallelize.py:
                     all-reduce under TP or PP, FSDP2 per block then per stage (HSDP), the ZeRO levels;
 5. precision        FSDP2 MixedPrecisionPolicy, else autocast (fp32: nothing).
 
-Not run (one-line refusal before anything starts): cp > 1, ep > 1, sequence_parallel,
+Not run (one-line refusal before anything starts): cp > 1, sequence_parallel,
 recompute=selective/op, fp8 (what the graph cost model does not price either), zero-bubble
 schedules with dp > 1.
 """
@@ -62,7 +71,7 @@ from meshplan.ingest.layers import Unit, find_units, pipeline_refusal
 from meshplan.ingest.tp import ModelTP, TPInfo, model_tp
 from meshplan.runtime import preflight as pre
 from meshplan.runtime.data import take
-from meshplan.runtime.expert_parallel import ep_refusal, shard_ingested
+from meshplan.runtime.expert_parallel import FUSED, ep_refusal, find_moe, shard_ingested
 from meshplan.runtime.hetero import check_batch, replica_span
 from meshplan.runtime.local import cpu_memory, estimate_basis, local_cluster
 from meshplan.runtime.mesh import RuntimeMesh
@@ -743,6 +752,10 @@ def preflight(job: Any) -> tuple[Any, Any]:
     why = ep_refusal(built.module, built.name, plan.ep)
     if why:
         raise MeshplanError(why, hint="use ep=1")
+    if plan.ep > 1 and job.checkpoint_dir and any(k == FUSED for _, _, k in find_moe(built.module)):
+        raise MeshplanError(f"--checkpoint-dir with ep={plan.ep}: checkpoints of {built.name}'s fused experts split "
+                            "over the ep group are not written by this runtime yet",
+                            hint="train without --checkpoint-dir, or with ep=1")
     if plan.tp > 1:
         split = split_of(built)
         if split.refusal:
