@@ -192,7 +192,9 @@ def run_case(case: dict, device: torch.device) -> dict:
                                         if k in ref_w and k.endswith(NOISE_ONLY)), default=0.0),
             "worst": {k: per[k] for k in worst}, "params": sorted(weights), "ref_params": sorted(ref_w),
             "unknown_params": [k for k in weights if k not in ref_w],
-            "notes": trainer.par.notes, "dp_mode": trainer.par.dp_mode, "seconds": time.perf_counter() - t0}
+            "notes": trainer.par.notes, "dp_mode": trainer.par.dp_mode, "seconds": time.perf_counter() - t0,
+            "expert_rows": {k: list(v) for k, v in trainer.model.expert_rows.items()},
+            "local_params": sorted(clean_fqn(n) for part in trainer.par.parts for n, _ in part.named_parameters())}
 
 
 if __name__ == "__main__":

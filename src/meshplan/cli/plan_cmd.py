@@ -168,7 +168,6 @@ RULE_FLAGS = {
     "optimizer offload without parameter offload": ("--fix offload=1 without zero=3", "fix zero=3 with offload=1"),
     "fp8 with tensor parallel": ("--precision fp8 with tp > 1", "use --precision bf16, or fix tp=1"),
     "context parallel on a traced model": ("--fix cp", "drop cp from --fix"),
-    "expert parallel on a traced model": ("--fix ep", "drop ep from --fix"),
     "selective recompute on a traced model": ("--fix recompute", "fix recompute=none|full"),
     "fp8 on a traced model": ("--precision fp8", "use --precision bf16"),
     "sequence parallel on a traced model": ("--fix sequence_parallel=1", "drop it from --fix"),

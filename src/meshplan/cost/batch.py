@@ -132,9 +132,10 @@ class Layout:
     tp_size: np.ndarray         # (B,) bytes per token of each TP all-reduce (hidden, or LayerOps.tp_reduce / pairs)
     kv_dim: np.ndarray          # (B,) attention's key width (0: no attention)
     a2a: np.ndarray             # (B,) bytes per token of one EP all-to-all (0: no experts)
-    params: np.ndarray          # (B,) params, params_split, params_expert
+    params: np.ndarray          # (B,) params, params_split, params_expert, params_ep
     params_split: np.ndarray
     params_expert: np.ndarray
+    params_ep: np.ndarray
     vocab: np.ndarray           # (B,) logits per token at the loss
     loss_split: np.ndarray
 
@@ -177,6 +178,7 @@ def _layout(graph: LayerGraph) -> Layout:
         kv_dim=arr(lambda o: o.attention.kv_dim if o.attention else 0),
         a2a=arr(lambda o: o.top_k * o.hidden if o.experts else 0), params=arr(lambda o: o.params),
         params_split=arr(lambda o: o.params_split), params_expert=arr(lambda o: o.params_expert),
+        params_ep=arr(lambda o: o.params_ep),
         vocab=arr(lambda o: o.loss_vocab), loss_split=arr(lambda o: o.loss_split) > 0)
 
 
@@ -451,9 +453,11 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
 
 
 def local_params(lay: Layout, tp: np.ndarray, ep: np.ndarray) -> np.ndarray:
-    """(rows, B) parameters of each distinct layer on one GPU before ZeRO sharding (TP and EP)."""
-    return ((lay.params - lay.params_split)[None, :] + (lay.params_split - lay.params_expert)[None, :] / tp[:, None]
-            + lay.params_expert[None, :] / (tp * ep)[:, None])
+    """(rows, B) parameters of each distinct layer on one GPU before ZeRO sharding (TP and EP;
+    experts kept whole under TP, ``params_ep``, by EP alone)."""
+    return ((lay.params - lay.params_split - lay.params_ep)[None, :]
+            + (lay.params_split - lay.params_expert)[None, :] / tp[:, None]
+            + lay.params_expert[None, :] / (tp * ep)[:, None] + lay.params_ep[None, :] / ep[:, None])
 
 
 def _rank_params(lay: Layout, C: Counts, lp: np.ndarray, tp: np.ndarray, pp: np.ndarray,

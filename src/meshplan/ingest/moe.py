@@ -53,29 +53,43 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed
     return y + b if b is not None else y
 
 
+def fused_expert(m: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` (an index into the fused parameters' first dimension) of a transformers >= 5
+    fused experts module ``m`` on the rows ``x``: transformers' own per-expert computation
+    (``integrations.moe``: gate_up or up projection, its gate or activation, down projection,
+    biases, transposed weights and the post-expert norm where the module has them)."""
+    has_gate = bool(getattr(m, "has_gate", hasattr(m, "gate_up_proj")))
+    has_bias = bool(getattr(m, "has_bias", False))
+    transposed = bool(getattr(m, "is_transposed", False))
+    w_in = m.gate_up_proj if has_gate else m.up_proj
+    b_in = getattr(m, "gate_up_proj_bias" if has_gate else "up_proj_bias", None) if has_bias else None
+    b_out = getattr(m, "down_proj_bias", None) if has_bias else None
+    y = _linear(x, w_in[e], None if b_in is None else b_in[e], transposed)
+    if has_gate:
+        y = m._apply_gate(y) if hasattr(m, "_apply_gate") else _gate_act(m, y)
+    else:
+        y = m.act_fn(y)
+    y = _linear(y, m.down_proj[e], None if b_out is None else b_out[e], transposed)
+    if getattr(m, "has_post_expert_norm", False):
+        y = m.post_expert_norm(y)
+    return y
+
+
+def _gate_act(m: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up of a fused gate_up output (transformers' default gating)."""
+    gate, up = y.chunk(2, dim=-1)
+    return m.act_fn(gate) * up
+
+
 def _uniform_fused(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
     h = hidden_states.shape[-1]
     flat = hidden_states.reshape(-1, h)
     k, n_exp = top_k_index.shape[-1], int(self.num_experts)
     _seen(self, k)
-    has_gate = bool(getattr(self, "has_gate", hasattr(self, "gate_up_proj")))
-    has_bias = bool(getattr(self, "has_bias", False))
-    transposed = bool(getattr(self, "is_transposed", False))
-    w_in = self.gate_up_proj if has_gate else self.up_proj
-    b_in = getattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", None) if has_bias else None
-    b_out = getattr(self, "down_proj_bias", None) if has_bias else None
     pairs = flat.repeat_interleave(k, dim=0)  # [tokens*k, h], token-major like top_k_index.reshape(-1)
-    outs = []
-    for e, chunk in enumerate(pairs.split(_counts(pairs.shape[0], n_exp))):
-        if chunk.shape[0] == 0:
-            continue
-        y = _linear(chunk, w_in[e], None if b_in is None else b_in[e], transposed)
-        y = self._apply_gate(y) if has_gate else self.act_fn(y)
-        y = _linear(y, self.down_proj[e], None if b_out is None else b_out[e], transposed)
-        if getattr(self, "has_post_expert_norm", False):
-            y = self.post_expert_norm(y)
-        outs.append(y)
+    outs = [fused_expert(self, e, chunk) for e, chunk in enumerate(pairs.split(_counts(pairs.shape[0], n_exp)))
+            if chunk.shape[0]]
     y = torch.cat(outs) * top_k_weights.reshape(-1, 1).to(flat.dtype)
     return y.view(flat.shape[0], k, -1).sum(dim=1).view(hidden_states.shape).to(hidden_states.dtype)
 
@@ -115,7 +129,7 @@ def _expert_params(m: nn.Module, fused: bool) -> dict[str, str]:
     return out
 
 
-def _is_fused(m: nn.Module) -> bool:
+def is_fused(m: nn.Module) -> bool:
     return (isinstance(getattr(m, "num_experts", None), int) and isinstance(getattr(m, "down_proj", None), nn.Parameter)
             and (isinstance(getattr(m, "gate_up_proj", None), nn.Parameter)
                  or isinstance(getattr(m, "up_proj", None), nn.Parameter))
@@ -135,7 +149,7 @@ def uniform_routing(model: nn.Module) -> Iterator[list[MoeLayer]]:
     patched: list[tuple[nn.Module, bool, object]] = []
     layers: list[MoeLayer] = []
     for name, m in model.named_modules():
-        fused = _is_fused(m)
+        fused = is_fused(m)
         fn = _uniform_fused if fused else _uniform_list if is_expert_list(m) else None
         if fn is None:
             continue

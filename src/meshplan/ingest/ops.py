@@ -456,6 +456,7 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
         groups.setdefault(key, []).append(g)
     params_split = 0.0
     params_expert = 0.0
+    params_ep = 0.0
     split_weights: set[int] = set()
     merged: dict[tuple, int] = {}  # (input, split, k, rows) -> index in gemms: one input, one GEMM
     for key, gs in groups.items():
@@ -488,9 +489,11 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
         if key_[0] == "slot":
             info = rr.params.get(gs[0].param, ParamInfo())
             numel = sum(n for k, n in ctx.param_numel.items() if rr.params.get(k, ParamInfo()).slot == info.slot)
-            if gs[0].param in split_weights:  # experts kept whole under TP (fused 3-D parameters) are
-                params_expert += numel        # neither TP- nor EP-divided (the runtime runs ep=1 on them)
+            if gs[0].param in split_weights:  # TP splits them and EP divides them
+                params_expert += numel
                 params_split += numel
+            else:  # kept whole under TP (fused 3-D parameters): EP alone divides them
+                params_ep += numel
     for p in split_weights:
         if rr.params.get(p, ParamInfo()).expert:
             continue
@@ -590,7 +593,8 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
     no_flops = not gemms and attention is None
     ops = LayerOps(
         params=float(ctx.params), params_split=min(float(ctx.params), params_split),
-        params_expert=min(params_expert, params_split), gemms=tuple(gemms), attention=attention,
+        params_expert=min(params_expert, params_split),
+        params_ep=min(params_ep, max(0.0, float(ctx.params) - min(float(ctx.params), params_split))), gemms=tuple(gemms), attention=attention,
         experts=ctx.experts if ctx.top_k else 0, top_k=ctx.top_k if ctx.experts else 0,
         ew_rep=(fused["rep"] * per, eager["rep"] * per) if tp else (0.0, 0.0),
         ew_split=(fused["split"] * per, eager["split"] * per) if tp else (0.0, 0.0),

@@ -22,6 +22,15 @@ presets' order with the shared pieces of parallelize.py:
                     (``ingest.layers.pipeline_refusal``: the graph's ``no pipeline:`` note, the same
                     words), a forward whose result changes when cut at a stage boundary (side values
                     passed between units);
+1b. EP              ep > 1 (ep divides dp x cp and every MoE layer's experts): on the whole model,
+                    before the pipeline split, ``expert_parallel.shard_ingested``: transformers' fused
+                    experts (Mixtral, Qwen-MoE, DeepSeek-V2/V3 ...) keep this rank's rows of their
+                    [E, ...] parameters and a ``gate`` + ``experts`` list + ``top_k`` module keeps its
+                    rank's experts; tokens go to their experts' owners by all-to-all and come back in
+                    the single-process order (the router, shared experts and their gates run on every
+                    rank). Refused: a model without such experts, ep not dividing a layer's experts, a
+                    list module whose routing is not softmax top-k renormalised (checked on a random
+                    input), --checkpoint-dir with fused experts;
 2. TP               tp > 1: what ``ingest.tp.model_tp`` says (ingestion marks the LayerOps from the
                     same function): in each block the column/row pairs whose matrices are all
                     non-fused nn.Linear (q/k/v, gate/up, fc1 ... column-wise; o, down, fc2 ... row-wise),
@@ -46,7 +55,7 @@ presets' order with the shared pieces of parallelize.py:
                     all-reduce under TP or PP, FSDP2 per block then per stage (HSDP), the ZeRO levels;
 5. precision        FSDP2 MixedPrecisionPolicy, else autocast (fp32: nothing).
 
-Not run (one-line refusal before anything starts): cp > 1, ep > 1, sequence_parallel,
+Not run (one-line refusal before anything starts): cp > 1, sequence_parallel,
 recompute=selective/op, fp8 (what the graph cost model does not price either), zero-bubble
 schedules with dp > 1.
 """
@@ -67,6 +76,7 @@ from meshplan.ingest.layers import Unit, find_units, pipeline_refusal
 from meshplan.ingest.tp import ModelTP, TPInfo, model_tp
 from meshplan.runtime import preflight as pre
 from meshplan.runtime.data import take
+from meshplan.runtime.expert_parallel import FUSED, ep_refusal, find_moe, shard_ingested
 from meshplan.runtime.hetero import check_batch, replica_span
 from meshplan.runtime.local import cpu_memory, estimate_basis, local_cluster
 from meshplan.runtime.mesh import RuntimeMesh
@@ -454,7 +464,9 @@ def apply_tp(model: nn.Module, blocks: list[str], built: Built, tp_mesh: Any, tp
                     if v % tp:
                         raise MeshplanError(f"plan: tp={tp} does not divide {path}.{scope}.{a}={v}")
                     setattr(att, a, v // tp)
-        styles = {p: RowwiseParallel() if s == "row" else ColwiseParallel() for p, s in plan.styles.items()}
+        present = dict(block.named_modules())  # (expert parallelism keeps only this rank's experts)
+        styles = {p: RowwiseParallel() if s == "row" else ColwiseParallel() for p, s in plan.styles.items()
+                  if p in present}
         parallelize_module(block, tp_mesh, styles)
         n += 1
     return n
@@ -716,7 +728,9 @@ class IngestedModel(TrainModel):
         torch.manual_seed(self.cfg.seed)
         self.built = build(self.source, device=str(device), seq_len=self.cfg.seq_len)
         self.name = self.built.name
-        return parallelize_ingested(self.built, plan, mesh, device, microbatches=microbatches)
+        self.expert_rows = {}
+        return parallelize_ingested(self.built, plan, mesh, device, microbatches=microbatches,
+                                    expert_rows=self.expert_rows)
 
     def rank_batch(self, step: int, mesh: RuntimeMesh | None, device: torch.device) -> Batch:
         assert self.built is not None
@@ -743,8 +757,9 @@ class IngestedModel(TrainModel):
 
 
 def parallelize_ingested(built: Built, plan: Plan, mesh: RuntimeMesh | None, device: torch.device, *,
-                         microbatches: int) -> Parallelized:
-    """Apply ``plan`` to ``built.module`` (the full model, the same weights on every rank)."""
+                         microbatches: int, expert_rows: dict[str, tuple[int, int]] | None = None) -> Parallelized:
+    """Apply ``plan`` to ``built.module`` (the full model, the same weights on every rank).
+    ``expert_rows``: filled with the fused expert parameters EP keeps in part (TrainModel.expert_rows)."""
     why = plan_refusal(plan)
     if why:
         raise MeshplanError(why)
@@ -761,6 +776,10 @@ def parallelize_ingested(built: Built, plan: Plan, mesh: RuntimeMesh | None, dev
     split = split_of(built) if plan.tp > 1 else None  # on the whole model, before the pipeline split
     if split is not None and split.refusal:
         raise MeshplanError(split.refusal)
+    if plan.ep > 1:  # on the whole model (every rank runs the checks below alike: their forwards exchange)
+        rows = shard_ingested(model, built.name, mesh.ep_group, plan.ep, mesh.ep_rank)
+        if expert_rows is not None:
+            expert_rows.update(rows)
     if plan.pp > 1:
         why = pp_refusal(built, units)
         if why:
@@ -849,6 +868,13 @@ def preflight(job: Any) -> tuple[Any, Any]:
         why = pp_refusal(built, units)
         if why:
             raise MeshplanError(why)
+    why = ep_refusal(built.module, built.name, plan.ep)
+    if why:
+        raise MeshplanError(why, hint="use ep=1")
+    if plan.ep > 1 and job.checkpoint_dir and any(k == FUSED for _, _, k in find_moe(built.module)):
+        raise MeshplanError(f"--checkpoint-dir with ep={plan.ep}: checkpoints of {built.name}'s fused experts split "
+                            "over the ep group are not written by this runtime yet",
+                            hint="train without --checkpoint-dir, or with ep=1")
     if plan.tp > 1:
         split = split_of(built)
         if split.refusal:
@@ -947,14 +973,17 @@ def quiet_false_positives() -> None:
 
 
 def search_space(source: str, *, seq_len: int | None = None, base: Plan | None = None) -> Any:
-    """A ``search.space.SearchSpace`` holding only what this runtime runs on ``source``: no cp, ep,
+    """A ``search.space.SearchSpace`` holding only what this runtime runs on ``source``: no cp,
     sequence parallelism nor selective/op recompute on any ingested model (``plan_refusal``); pp=1
     when the model cannot be pipeline-split (pp_refusal), tp=1 when TP splits nothing of it
-    (``split_of``)."""
+    (``split_of``), ep=1 when it has no experts the runtime splits (expert_parallel.find_moe; else
+    the search's divisors of the expert counts)."""
+    from meshplan.runtime.expert_parallel import find_moe
     from meshplan.search.space import SearchSpace
     built = build(source, device="meta", seq_len=seq_len)
     units, blocks = unit_paths(built.module)
     pp = (1,) if pp_refusal(built, units) else None
     splittable = split_of(built).refusal is None
-    return SearchSpace(base=base or Plan(), pp=pp, tp=None if splittable else (1,), cp=(1,), ep=(1,),
-                       sequence_parallel=False, recompute=("none", "full"))
+    return SearchSpace(base=base or Plan(), pp=pp, tp=None if splittable else (1,), cp=(1,),
+                       ep=None if find_moe(built.module) else (1,), sequence_parallel=False,
+                       recompute=("none", "full"))

@@ -570,15 +570,20 @@ def apply_fsdp(parts: list[nn.Module], blocks: list[list[str]], plan: Plan, mesh
             # zero=3: reshard after forward, but not the last block, whose backward comes first
             # (FSDP would gather it again at once: torchtitan's choice)
             rs = reshard and i < len(mods) - 1
-            ff = getattr(_inner(block), "feed_forward", None)
-            if plan.ep > 1 and hasattr(ff, "experts"):  # experts: over their replicas only; FSDP
-                shard(ff.experts, mesh=mesh.expert_fsdp_mesh(), reshard_after_forward=rs, **kw)  # averages
-                # over those, the trainer divides by ep (not set_gradient_divide_factor: gloo has no
+            for experts in (expert_modules(block) if plan.ep > 1 else []):  # experts: over their replicas
+                shard(experts, mesh=mesh.expert_fsdp_mesh(), reshard_after_forward=rs, **kw)  # only; FSDP
+                # averages over those, the trainer divides by ep (not set_gradient_divide_factor: gloo has no
                 # PREMUL_SUM, and with a one-rank shard group torch 2.13 divides twice when forced to sums)
             shard(block, mesh=dp_mesh, reshard_after_forward=rs, **kw)
         # the root (embedding, final norm, output) is kept gathered from forward to backward: its
         # output projection's backward comes first (FSDP2's default for the root module)
         shard(part, mesh=dp_mesh, reshard_after_forward=False, **kw)
+
+
+def expert_modules(block: nn.Module) -> list[nn.Module]:
+    """The expert-parallel experts in ``block`` (marked ``meshplan_ep`` by expert_parallel: a
+    preset MoE's experts, an ingested model's fused experts or experts container)."""
+    return [m for m in block.modules() if getattr(m, "meshplan_ep", False)]
 
 
 def fsdp_reduce_dtype(plan: Plan) -> torch.dtype:

@@ -65,6 +65,11 @@ class TrainModel:
     vocab_rows: int | None = None
     """Presets: the vocabulary (rows of ``VOCAB_PARAMS`` past it are tp padding, never saved nor
     compared); None: no padded tensors."""
+    expert_rows: dict[str, tuple[int, int]] = {}  # noqa: RUF012 - read-only default; instances set their own
+    """Parameters holding rows [first, first + local) of a [rows, ...] tensor of the single-process
+    model, by name -> (rows, first): an ingested model's fused experts under expert parallelism
+    (runtime/expert_parallel.py). ``Trainer.full_weights`` gathers them over the ep group;
+    checkpoints save and load each rank's rows as chunks of the whole tensor."""
     varied: bool = False
     """Samples of several lengths padded per micro-batch (padded or bucketed packing): micro-batch
     losses are weighted by their real tokens (``Trainer._mb_weight``)."""

@@ -584,13 +584,18 @@ class Trainer:
     # ---- inspection ----------------------------------------------------------------------------
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters this rank's stages hold, by their names in the single-process model
-        (collective over dp/tp): a tied output copy as ``embed.tok.weight``, padded vocabulary
-        rows cut off."""
+        (collective over dp/tp, and over ep for fused experts held in part: ``expert_rows``): a tied
+        output copy as ``embed.tok.weight``, padded vocabulary rows cut off."""
         out: dict[str, torch.Tensor] = {}
         vocab = self.model.vocab_rows
         for part in self.par.parts:
             for name, p in part.named_parameters():
                 t = p.full_tensor() if _is_dtensor(p) else p
+                if clean_fqn(name) in self.model.expert_rows:
+                    assert self.mesh is not None
+                    pieces = [torch.empty_like(t) for _ in range(self.mesh.ep)]
+                    dist.all_gather(pieces, t.detach().contiguous(), group=self.mesh.ep_group)
+                    t = torch.cat(pieces)
                 key, t = self.model.logical(part, clean_fqn(name), t)
                 if key is None:
                     continue

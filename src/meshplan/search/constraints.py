@@ -308,10 +308,6 @@ def traced_cp(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> n
     return (_i64(cols, AX.CP) > 1) & _is_traced(m, w)
 
 
-def traced_ep(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
-    return (_i64(cols, AX.EP) > 1) & _is_traced(m, w)
-
-
 def traced_recompute(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     r = cols["recompute"]
     return ((r == _code("recompute", "selective")) | (r == _code("recompute", "op"))) & _is_traced(m, w)
@@ -374,7 +370,6 @@ TWINS: dict[Callable[..., str | None], Masker] = {
     su.kv_replicated: kv_replicated,
     su.traced_sp: traced_sp,
     su.traced_cp: traced_cp,
-    su.traced_ep: traced_ep,
     su.traced_recompute: traced_recompute,
     su.traced_fp8: traced_fp8,
     su.powersgd_fsdp: powersgd_fsdp,

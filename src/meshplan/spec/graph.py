@@ -99,6 +99,9 @@ class LayerOps:
     """Of which tensor parallelism divides (weights of split GEMMs, vocabulary-parallel tables)."""
     params_expert: float = 0.0
     """Of params_split: the experts' (expert parallelism divides them too)."""
+    params_ep: float = 0.0
+    """Not in params_split: experts' parameters tensor parallelism keeps whole on every TP rank
+    (transformers' fused 3-D expert parameters) and expert parallelism alone divides."""
     gemms: tuple[Gemm, ...] = ()
     attention: Attention | None = None
     experts: int = 0
@@ -155,7 +158,7 @@ class LayerOps:
     with an attention, its heads too, and its kv heads or tp a multiple of them."""
 
     def __post_init__(self) -> None:
-        for f in ("params", "params_split", "params_expert", "ew_whole", "saved_rep", "saved_whole",
+        for f in ("params", "params_split", "params_expert", "params_ep", "ew_whole", "saved_rep", "saved_whole",
                   "saved_input", "saved_gemm_rep", "saved_gemm_split", "saved_attn_out", "hidden", "send",
                   "loss_vocab", "tp_reduce"):
             v = getattr(self, f)
@@ -163,6 +166,8 @@ class LayerOps:
                 raise MeshplanError(f"layer ops: {f} must be a finite number >= 0, got {v}")
         if self.params_split > self.params * (1 + 1e-9) or self.params_expert > self.params_split * (1 + 1e-9):
             raise MeshplanError("layer ops: need params >= params_split >= params_expert")
+        if self.params_split + self.params_ep > self.params * (1 + 1e-9):
+            raise MeshplanError("layer ops: need params >= params_split + params_ep")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise MeshplanError(f"layer ops: top_k={self.top_k} must be in 1..experts={self.experts}")
 

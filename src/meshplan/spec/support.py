@@ -93,12 +93,6 @@ def traced_cp(p: Plan, micro: int, m: Model = None) -> str | None:
     return None
 
 
-def traced_ep(p: Plan, micro: int, m: Model = None) -> str | None:
-    if p.ep > 1 and is_traced(m):
-        return f"ep={p.ep} on a traced model: the runtime does not split a traced model's experts; use ep=1"
-    return None
-
-
 def traced_recompute(p: Plan, micro: int, m: Model = None) -> str | None:
     if p.recompute in ("selective", "op") and is_traced(m):
         return (f"recompute={p.recompute} on a traced model: the runtime recomputes a traced model's blocks whole "
@@ -113,8 +107,11 @@ def traced_fp8(p: Plan, micro: int, m: Model = None) -> str | None:
 
 
 TRACED = ("sequence parallel on a traced model", "context parallel on a traced model",
-          "expert parallel on a traced model", "selective recompute on a traced model", "fp8 on a traced model")
-"""The rules that hold for traced models only: what runtime/generic.py does not run."""
+          "selective recompute on a traced model", "fp8 on a traced model")
+"""The rules that hold for traced models only: what runtime/generic.py does not run. (Expert
+parallelism runs on them: runtime/expert_parallel.py splits the experts ingestion recognises, the
+same ones whose count the LayerGraph carries, so ``spec.constraints``' "invalid expert parallel"
+is the whole rule.)"""
 
 
 def traced_refusal(plan: Plan) -> str | None:
@@ -216,7 +213,6 @@ RULES: dict[str, Rule] = {r.name: r for r in (
     Rule("kv heads replicated under tensor parallel", "refused", ("megatron",), kv_replicated),
     Rule("sequence parallel on a traced model", "refused", (), traced_sp),
     Rule("context parallel on a traced model", "refused", (), traced_cp),
-    Rule("expert parallel on a traced model", "refused", (), traced_ep),
     Rule("selective recompute on a traced model", "refused", (), traced_recompute),
     Rule("fp8 on a traced model", "refused", (), traced_fp8),
     Rule("PowerSGD under FSDP2", "runs-as", (), powersgd_fsdp),
