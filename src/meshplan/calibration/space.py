@@ -66,8 +66,10 @@ GLOBAL: tuple[Fittable, ...] = (
              "and only the first chunk's transfer and the slowdown of the rest stay exposed"),
     Fittable("allocator_fragmentation", 0.0, 0.3, 0.05, 0.05, False, "memory",
              "caching-allocator reserve over live activations and transients"),
-    Fittable("framework_overhead_gib", 0.2, 3.0, 1.0, 0.5, True, "memory",
-             "NCCL buffers, cuBLAS workspaces and framework state, GiB (0.5-1.5 GiB measured)"),
+    Fittable("framework_overhead_gib", 0.02, 3.0, 0.3, 1.0, True, "memory",
+             "framework state in torch's allocator beyond the model states, activations and "
+             "transients, GiB (a few hundred MiB: RNG and timer state, small buffers; NCCL buffers, "
+             "cuBLAS workspaces and the CUDA context are cost.reserved's own terms)"),
 )
 
 #: Per GPU family. Priors: large cuBLAS GEMMs reach 70-80% of the dense peak at sustained clocks
