@@ -114,3 +114,43 @@ def test_site_order_trains_as_the_default(tmp_path: Path) -> None:
     assert grid[0].ravel().tolist() == [2, 3] and grid[1].ravel().tolist() == [0, 1]
     assert len(base_losses) == 3 and all(np.isfinite(base_losses))
     assert got_losses == base_losses
+
+
+def test_site_flag_realises_the_site_order(tmp_path: Path) -> None:
+    """`meshplan train --site S` (no --node-rank) on a plan with site_order=1:0: the launcher of site 1
+    takes node rank 0 and says so, each rank runs the coordinates the plan's rank grid (with the site
+    order) names for its device (site S's devices are S x 2 onwards, in cluster order), and the
+    losses are the default placement's. Each emulated node writes its groups to its own folder, so
+    the test knows which node (site) every global rank ran on."""
+    plan = "tp=2,pp=2,precision=fp32"
+    base_losses, base_ranks = train_two_nodes(tmp_path, "default", plan)
+    moved = f"{plan},site_order=1:0"
+    port, m = free_port(), tmp_path / "site.jsonl"
+    cmd = [sys.executable, "-m", "meshplan.cli.train_cmd", *COMMON, "--nproc-per-node", "2", "--nnodes", "2",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--plan", moved]
+    procs = {}
+    for site in (0, 1):
+        env = run_env(MESHPLAN_MESH_GROUPS=str(tmp_path / f"site{site}"))
+        metrics = ["--metrics", str(m)] if site == 1 else []  # the node holding global rank 0 writes them
+        procs[site] = subprocess.Popen([*cmd, "--site", str(site), *metrics], env=env, cwd=ROOT,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outs = {s: p.communicate(timeout=240) for s, p in procs.items()}
+    for s, p in procs.items():
+        assert p.returncode == 0, outs[s][1][-4000:]
+    assert "site 1 node 0 (of 1 per site) -> node rank 0 of 2, global ranks 0-1" in outs[1][1]
+    assert "site 0 node 0 (of 1 per site) -> node rank 1 of 2, global ranks 2-3" in outs[0][1]
+    sites_dims = ParallelDims.of(parse_plan(moved))
+    ranks = {}
+    for site in (0, 1):
+        docs = [json.loads(f.read_text()) for f in (tmp_path / f"site{site}").glob("rank*.json")]
+        assert sorted(d["rank"] for d in docs) == ([2, 3] if site == 0 else [0, 1])
+        for d in docs:
+            device = site * 2 + d["rank"] % 2  # this node's devices in the cluster's order
+            assert d["coords"] == sites_dims.coords(device), (site, d)  # what the plan names for it
+            ranks[int(d["rank"])] = d
+    check_groups(plan, ranks)  # the groups are the default placement's
+    assert got_losses_equal(metric_losses(m), base_losses)
+
+
+def got_losses_equal(got: list[float], base: list[float]) -> bool:
+    return len(base) == 3 and all(np.isfinite(base)) and got == base  # exactly (module docstring)

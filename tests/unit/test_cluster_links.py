@@ -136,3 +136,14 @@ def test_site_links_parse_or_fail_cleanly(entries):
         return
     assert c.inter_dc.bytes_per_s == min(t.bytes_per_s for t in c.site_links)
     assert all(t.sites[0] < t.sites[1] < 4 for t in c.site_links)
+
+
+def test_efa_generations_are_distinct_kinds():
+    """EFA v1 (p4d, 0.5-0.7 of its line rate in the published rows) is its own kind; the later
+    generations share 'efa' under their own names too (issue 26)."""
+    assert link_efficiency("inter_node", "efa-v1") == KIND_DEFAULTS["efa-v1"].efficiency
+    assert KIND_DEFAULTS["efa-v1"].efficiency < 0.7 < KIND_DEFAULTS["efa"].efficiency
+    for alias in ("efa-v2", "efa-v3", "EFA-v4"):
+        assert link_efficiency("inter_node", alias) == KIND_DEFAULTS["efa"].efficiency
+    with pytest.raises(MeshplanError, match="efa-v2"):
+        link_efficiency("inter_node", "efa-v9")

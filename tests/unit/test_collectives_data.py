@@ -93,3 +93,12 @@ def test_bad_csv_is_a_clear_error(tmp_path):
         load_rows(p)
     with pytest.raises(MeshplanError, match="cannot read"):
         load_rows(tmp_path / "missing.csv")
+
+
+def test_p4d_rows_are_efa_v1(rows):
+    """Every p4d (A100-40GB over EFA) row is priced as EFA v1, not with the p5en/p6 efficiency."""
+    p4d = [r for r in rows if r.gpu == "a100-sxm-40gb" and r.nodes > 1]
+    assert len({r.source_id for r in p4d}) >= 2
+    for r in p4d:
+        assert r.inter_kind == "efa-v1"
+        assert cluster_for(r).inter_node.efficiency == KIND_DEFAULTS["efa-v1"].efficiency

@@ -109,7 +109,14 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--nproc-per-node", type=_positive("--nproc-per-node"),
                    help="processes on this node (default: the plan's GPU count / --nnodes)")
     t.add_argument("--nnodes", type=_positive("--nnodes"), default=1)
-    t.add_argument("--node-rank", type=_positive("--node-rank", True), default=0)
+    t.add_argument("--node-rank", type=_positive("--node-rank", True),
+                   help="this node's rank among --nnodes (default 0; with --site: derived from the plan's site_order)")
+    t.add_argument("--site", type=_positive("--site", True),
+                   help="the site (datacenter, 0-based, in the cluster's node order) this node is in: with a plan's "
+                        "site_order, the node rank that realises it is derived (site site_order[k]'s nodes are the "
+                        "k-th block of node ranks) and printed")
+    t.add_argument("--site-node", type=_positive("--site-node", True),
+                   help="with --site: this node's index within its site, 0-based (default 0 with one node per site)")
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node)")
     t.add_argument("--max-restarts", type=_positive("--max-restarts", True), default=0,
                    help="torchrun restarts after a failure; the run resumes from the last checkpoint")
@@ -185,6 +192,63 @@ def _procs_per_node(args: argparse.Namespace, plan: Any) -> int:
     return plan.num_gpus // args.nnodes
 
 
+def site_node_rank(plan: Any, nnodes: int, site: int, site_node: int | None,
+                   nodes_per_dc: int | None = None) -> tuple[int, int]:
+    """(node rank, nodes per site) that realise ``plan``'s site order for the node ``site_node`` of
+    site ``site``: site site_order[k]'s nodes are the k-th block of node ranks (runtime/mesh.py
+    root_mesh), so node i of site s is node rank site_order.index(s) x nodes per site + i."""
+    sites = getattr(plan, "site_order", None)
+    if not sites:
+        raise MeshplanError(f"--site {site}: the plan has no site_order, so the node rank is not derived from the site",
+                            hint="give --node-rank, or add site_order=... to the plan")
+    m = len(sites)
+    order = ":".join(map(str, sites))
+    if nnodes % m:
+        raise MeshplanError(f"--site: --nnodes {nnodes} is not a multiple of the {m} sites of site_order={order}",
+                            hint=f"start the same number of nodes on each site (--nnodes a multiple of {m})")
+    per = nnodes // m
+    if nodes_per_dc is not None and nodes_per_dc != per:
+        raise MeshplanError(f"--nodes-per-dc {nodes_per_dc} but --nnodes {nnodes} over the {m} sites of "
+                            f"site_order={order} is {per} nodes per site", hint=f"--nodes-per-dc {per}")
+    if site >= m:
+        raise MeshplanError(f"--site {site}: site_order={order} has sites 0..{m - 1}", hint="give this node's site")
+    if site_node is None:
+        if per > 1:
+            raise MeshplanError(f"--site {site}: each site has {per} nodes; say which one this is with --site-node "
+                                f"(0..{per - 1})", hint="e.g. --site-node 0")
+        site_node = 0
+    if site_node >= per:
+        raise MeshplanError(f"--site-node {site_node}: each site has {per} node(s) (0..{per - 1})",
+                            hint=f"--nnodes {nnodes} over {m} sites")
+    return sites.index(site) * per + site_node, per
+
+
+def resolve_site(args: argparse.Namespace, plan: Any, quiet: bool = False) -> None:
+    """--site / --site-node: set args.node_rank to the node rank that realises the plan's site order
+    (and print the mapping); an explicit --node-rank that disagrees is refused. Without --site the
+    node rank is --node-rank's (default 0)."""
+    site, site_node = getattr(args, "site", None), getattr(args, "site_node", None)
+    if site is None:
+        if site_node is not None:
+            raise MeshplanError("--site-node needs --site (the site this node is in)", hint="add --site S")
+        if args.node_rank is None:
+            args.node_rank = 0
+        return
+    rank, per = site_node_rank(plan, args.nnodes, site, site_node, getattr(args, "nodes_per_dc", None))
+    if args.node_rank is not None and args.node_rank != rank:
+        raise MeshplanError(f"--node-rank {args.node_rank} disagrees with --site {site} --site-node {site_node or 0}, "
+                            f"which site_order={':'.join(map(str, plan.site_order))} puts at node rank {rank}",
+                            hint="drop --node-rank: --site derives it")
+    args.node_rank = rank
+    args.site, args.site_node = None, None  # the workers get the node rank (and the launcher's environment)
+    args.site_ranks = True
+    if not quiet:
+        nproc = _procs_per_node(args, plan)
+        print(f"meshplan: site_order={':'.join(map(str, plan.site_order))}: site {site} node {site_node or 0} "
+              f"(of {per} per site) -> node rank {rank} of {args.nnodes}, global ranks {rank * nproc}-"
+              f"{(rank + 1) * nproc - 1}", file=sys.stderr)
+
+
 def _job(args: argparse.Namespace) -> Any:
     """The job of a preset model or file, or of an ingested model (hf:/module:, by its source)."""
     from meshplan.cli.model_arg import is_ingested
@@ -208,7 +272,8 @@ def _job(args: argparse.Namespace) -> Any:
         seq_len = lengths.max_len if lengths is not None else args.seq_len or model.seq_len
     return Job(model_arg=args.model, plan_arg=args.plan, model=model, plan=plan,
                global_batch=args.global_batch, seq_len=seq_len, steps=args.steps,
-               nproc_per_node=_procs_per_node(args, plan), nnodes=args.nnodes, node_rank=args.node_rank,
+               nproc_per_node=_procs_per_node(args, plan), nnodes=args.nnodes, node_rank=args.node_rank or 0,
+               site_ranks=getattr(args, "site_ranks", False),
                rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                resume=args.resume, overwrite=getattr(args, "overwrite", False),
@@ -224,7 +289,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     """The same request as command-line arguments, for the processes torchrun starts (not --overwrite:
     the launcher deletes the old checkpoint once, before any rank starts)."""
     out = ["--model", args.model, "--plan", args.plan, "--global-batch", str(args.global_batch),
-           "--steps", str(args.steps), "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank),
+           "--steps", str(args.steps), "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank or 0),
            "--max-restarts", str(args.max_restarts), "--checkpoint-every", str(args.checkpoint_every),
            "--lr", repr(args.lr), "--seed", str(args.seed), "--pg-timeout", repr(args.pg_timeout),
            "--optimizer", getattr(args, "optimizer", "adamw"), "--grad-clip", repr(getattr(args, "grad_clip", 1.0))]
@@ -292,6 +357,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not launch.in_torchrun():
             print(f"meshplan: note: --global-batch {args.global_batch} ({DEFAULT_MICROBATCHES} micro-batches of "
                   f"{plan.micro_batch} per data-parallel replica; give --global-batch to change it)", file=sys.stderr)
+    from meshplan.spec.io import load_plan
+    resolve_site(args, load_plan(args.plan), quiet=launch.in_torchrun())
     job = _job(args)
     if launch.in_torchrun():
         return launch.worker_main(job)

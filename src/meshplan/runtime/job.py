@@ -35,6 +35,9 @@ class Job:
     nproc_per_node: int
     nnodes: int = 1
     node_rank: int = 0
+    site_ranks: bool = False
+    """The node rank was derived from --site (the plan's site_order): the ranks take their global rank
+    from it (node rank x processes per node + local rank), not from torchrun's rendezvous order."""
     rdzv_endpoint: str | None = None
     max_restarts: int = 0
     checkpoint_dir: str | None = None

@@ -70,6 +70,12 @@ def before_launch(job: Any, est: dict[str, Any] | None, device_type: str, steps:
                   f"({', '.join(gone)})", file=sys.stderr, flush=True)
 
 
+NODE_RANK_ENV = "MESHPLAN_NODE_RANK"
+"""Set by the launcher when --site derived the node rank: torchrun's c10d rendezvous numbers the nodes
+in its own order (it ignores --node-rank), so each rank takes global rank node rank x LOCAL_WORLD_SIZE +
+LOCAL_RANK instead (train.init_distributed)."""
+
+
 def torchrun_argv(job: Job, worker_argv: list[str]) -> list[str]:
     """torchrun's command line for the job, through ``torchrun_main`` (this module as a script)."""
     cmd = [sys.executable, "-m", "meshplan.runtime.launch", f"--nproc-per-node={job.nproc_per_node}",
@@ -112,8 +118,10 @@ def _launch_once(job: Job, worker_argv: list[str]) -> dict[str, Any] | None:
                 else:
                     os.environ[SWITCH_ENV] = old
         else:
-            run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s, memory=memory_context(job, est),
-                         env={SWITCH_ENV: str(path)})
+            env = {SWITCH_ENV: str(path)}
+            if getattr(job, "site_ranks", False):  # train.init_distributed numbers the ranks by it
+                env[NODE_RANK_ENV] = str(job.node_rank)
+            run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s, memory=memory_context(job, est), env=env)
         return json.loads(path.read_text()) if path.is_file() else None
 
 

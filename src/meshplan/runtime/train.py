@@ -708,6 +708,26 @@ def maybe_fail(step: int) -> None:
         os._exit(17)
 
 
+def site_rank(env: Any) -> int | None:
+    """Under ``meshplan train --site`` (the launcher sets MESHPLAN_NODE_RANK): this rank's global rank is
+    node rank x LOCAL_WORLD_SIZE + LOCAL_RANK, written into RANK (and GROUP_RANK) before the process group
+    is made, so that site site_order[k]'s nodes hold the k-th block of ranks whatever order torchrun's
+    c10d rendezvous gave the nodes (it numbers them by host and pid and ignores --node-rank). The
+    workers connect to torchrun's agent store as clients, so any rank may sit on any node. None: no
+    remap (RANK as torchrun set it)."""
+    node = env.get("MESHPLAN_NODE_RANK")
+    if node is None:
+        return None
+    if str(env.get("TORCHELASTIC_USE_AGENT_STORE", "")).lower() != "true":
+        from meshplan.errors import MeshplanError
+        raise MeshplanError("--site: the ranks are numbered by site only under torchrun's agent store "
+                            "(TORCHELASTIC_USE_AGENT_STORE); this torchrun does not provide it",
+                            hint="start the nodes with --node-rank in site_order (docs/runtime.md, Placement)")
+    rank = int(node) * int(env["LOCAL_WORLD_SIZE"]) + int(env.get("LOCAL_RANK", "0"))
+    env["RANK"], env["GROUP_RANK"] = str(rank), str(node)
+    return rank
+
+
 def init_distributed(timeout_s: float) -> torch.device:
     """Join the torchrun job: NCCL on GPUs, gloo on CPU, with a process-group timeout."""
     import datetime
@@ -721,6 +741,7 @@ def init_distributed(timeout_s: float) -> torch.device:
     timeout = datetime.timedelta(seconds=timeout_s)
     if dist.is_initialized():
         return device
+    site_rank(os.environ)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if attempt == "0":
         dist.init_process_group(backend=backend, timeout=timeout)

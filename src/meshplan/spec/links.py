@@ -48,10 +48,14 @@ KIND_DEFAULTS: dict[str, LinkDefault] = {
                         "(ml-engineering network/README.md); collectives_dev.csv row mle-mi300x-8"),
     "pcie": LinkDefault(0.8, "prior", "PCIe protocol overhead (TLP headers, flow control) caps DMA at "
                         "~80% of the raw rate; the default_links fallback (NVLINK_EFFICIENCY)"),
-    "efa": LinkDefault(0.81, "estimated", "AWS EFA: the efficiency at which cost.comm reproduces multi-node "
-                       "all-reduce >= 1 GiB (ring; NCCL's tree on 2 nodes), mean of 2 sources: ml-engineering "
-                       "p6-b200 and p5en, 4 nodes (EFA v3/v4: 0.96-1.0); NVIDIA/nccl#527 p4d, 2-4 nodes "
-                       "(EFA v1, NCCL 2.9.9: 0.60-0.69); leave-one-source-out 0.64 / 0.99"),
+    "efa": LinkDefault(0.98, "estimated", "AWS EFA v2 and later (p5 EFA v2, p5en EFA v3, p6 EFA v4; also 'efa-v2', "
+                       "'efa-v3', 'efa-v4'): the efficiency at which cost.comm reproduces multi-node all-reduce "
+                       ">= 1 GiB (ring on 4 nodes), ml-engineering p6-b200 and p5en, 4 nodes: 0.96-1.0 (one source: "
+                       "its rows' leave-one-source-out falls back to the 0.8 prior). EFA v1 (p4d) is 'efa-v1'"),
+    "efa-v1": LinkDefault(0.58, "estimated", "AWS EFA v1 (p4d / p4de, 4 x 100 Gb/s per node, aws-ofi-nccl): the "
+                          "efficiency at which cost.comm reproduces all-reduce >= 1 GiB (NCCL's tree on 2 nodes, ring "
+                          "on 3-4), mean of 2 sources: NVIDIA/nccl#527 (NCCL 2.9.9, 2-4 nodes: 0.60-0.69) and AWS's "
+                          "aws-samples/aws-efa-eks log (NCCL 2.8.3, 2 nodes: 0.51-0.52); leave-one-source-out 0.51 / 0.64"),
     "roce": LinkDefault(0.75, "assumed", "RoCEv2 with GPUDirect RDMA, tuned, performs close to InfiniBand "
                         "(Gangidi et al., 'RDMA over Ethernet for Distributed AI Training at Meta Scale', "
                         "SIGCOMM 2024); taken a little below InfiniBand's 0.8 prior: no RoCE rows yet"),
@@ -67,6 +71,10 @@ KIND_DEFAULTS: dict[str, LinkDefault] = {
 }
 """kind -> its default efficiency. Kinds are lower-case; a kind the calibration has fitted uses the
 fitted value first (``link_efficiency``)."""
+
+KIND_ALIASES: dict[str, str] = {"efa-v2": "efa", "efa-v3": "efa", "efa-v4": "efa"}
+"""Other names of a kind: the EFA generations after v1 share 'efa' (their rows reach the same fraction
+of the line rate; EFA v1 on p4d, at 0.5-0.7 of it, is its own kind 'efa-v1')."""
 
 TIERS = ("intra_node", "inter_node", "inter_dc", "inter_pool")
 
@@ -91,13 +99,14 @@ def link_efficiency(tier: str, kind: str, *, where: str = "link") -> float:
     """Efficiency of a ``tier`` link of ``kind`` that states none: the calibration's fitted value
     for the kind, else KIND_DEFAULTS; an unknown kind is an error listing the known ones."""
     key = kind.strip().lower()
+    key = KIND_ALIASES.get(key, key)
     fitted = fitted_efficiency(tier, key)
     if fitted is not None:
         return fitted
     hit = KIND_DEFAULTS.get(key)
     if hit is None:
         raise MeshplanError(f"{where}: link kind {kind!r} has no default efficiency; known kinds: "
-                            f"{', '.join(known_kinds())}",
+                            f"{', '.join(known_kinds())} (and {', '.join(KIND_ALIASES)})",
                             hint="use one of the known kinds, or state efficiency = 0.8 (the achieved fraction "
                                  "of the line rate) in the same table")
     return hit.efficiency
