@@ -905,7 +905,7 @@ def routed_excess(a: Assembly, p: CostParams, recomputing: np.ndarray) -> np.nda
         return out
     tp = np.asarray(cols[AX.TP], dtype=float)
     sp = np.where(np.asarray(cols["sequence_parallel"], dtype=bool), tp, 1.0)
-    fused = np.array([elementwise_fused(bool(c), p) for c in cols["compile"]])
+    fused = np.asarray(cols["compile"], dtype=bool) | elementwise_fused(False, p)
     scale = act_scale(cols["precision"])
     held = C.sum(np.ones((C.shape[0], len(C.slices))), ids)  # MoE layers on each rank
     for b in ids:
