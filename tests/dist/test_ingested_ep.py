@@ -10,16 +10,20 @@ DeepSeek-V2 (shared experts, fine-grained routed experts, group-limited greedy r
 first layer), DeepSeek-V3 (sigmoid scores with the correction bias, group-limited top-k,
 renormalised and scaled weights) and a hand-written ``nn.ModuleList`` of experts with a top-k gate
 (tests/data/modules/list_moe.py). Plus: ZeRO-3 (experts FSDP-sharded over their replicas) and a
-pipeline beside EP, and the refusals (ep not dividing the experts, a model without experts).
+pipeline beside EP, the refusals (ep not dividing the experts, a model without experts), and a
+checkpoint saved under ``dp=2,ep=2`` (fused experts as chunks of the whole tensors) resumed under
+``dp=2`` and one process against the uninterrupted run.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, meshplan_train, run_env, torchrun_worker
 from test_ingested import HF, MODULES, WORKER, check_weights
 from test_parity import check_errors
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 SOURCES = {"mixtral": f"hf:{HF / 'mixtral-tiny.json'}", "qwen_moe": f"hf:{HF / 'qwen2-moe-tiny.json'}",
@@ -112,8 +116,52 @@ def test_train_cli_ep_and_refusals() -> None:
                            "--steps", "1", "--seq-len", "16", "--nproc-per-node", "2", env=modules_env())
     assert dense.returncode != 0 and "Traceback" not in dense.stderr
     assert "no experts" in dense.stderr, dense.stderr
-    ckpt = meshplan_train("--model", SOURCES["mixtral"], "--plan", "dp=2,ep=2,precision=fp32", "--steps", "1",
-                          "--seq-len", "16", "--nproc-per-node", "2", "--checkpoint-dir", "/nonexistent/ep-ckpt",
-                          env=modules_env())
-    assert ckpt.returncode != 0 and "Traceback" not in ckpt.stderr
-    assert "--checkpoint-dir with ep=2" in ckpt.stderr, ckpt.stderr
+
+
+CKPT_TOL = 1e-5
+"""Relative difference of a resumed run's losses and final weights from the uninterrupted one (fp32:
+the layouts differ only in summation order, as test_train_cli's resume checks)."""
+
+
+def test_checkpoint_under_ep_resumes_under_other_layouts(tmp_path: Path) -> None:
+    """`meshplan train --checkpoint-dir` with HF fused experts under dp=2,ep=2 (it used to be refused):
+    each rank saves its rows of the [E, ...] expert tensors (and their AdamW state) as chunks at its
+    offset. The checkpoint holds the whole tensors, and resumed under dp=2 (ep=1) and under one process
+    it continues the uninterrupted dp=2,ep=2 run: the same losses and final weights."""
+    import shutil
+
+    from test_train_cli import final_weights, losses
+
+    base = ["--model", SOURCES["mixtral"], "--global-batch", "4", "--seq-len", "16", "--pg-timeout", "60"]
+    ep_plan = "dp=2,ep=2,micro_batch=1,precision=fp32"
+
+    def train(name: str, plan: str, steps: int, nproc: int, ck: Path, *extra: str) -> dict[int, float]:
+        m = tmp_path / f"{name}.jsonl"
+        p = meshplan_train(*base, "--plan", plan, "--steps", str(steps), "--nproc-per-node", str(nproc),
+                           "--checkpoint-dir", str(ck), "--metrics", str(m), *extra, env=modules_env())
+        assert p.returncode == 0, p.stderr[-4000:]
+        assert "Traceback" not in p.stderr
+        return losses(m)
+
+    want = train("continuous", ep_plan, 4, 2, tmp_path / "continuous")
+    train("first", ep_plan, 2, 2, tmp_path / "saved")
+    saved = final_weights(tmp_path / "saved")
+    experts = [k for k in saved if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(experts) == 2 * 3, sorted(saved)  # 3 layers
+    assert all(saved[k].shape[0] == 4 for k in experts)  # all 4 experts' rows, from both ep ranks
+    for k in experts:  # each rank's half is its own rows, not a copy of the other's
+        assert not torch.equal(saved[k][:2], saved[k][2:]), k
+    ref = final_weights(tmp_path / "continuous")
+    for name, plan, nproc in (("dp2", "dp=2,micro_batch=1,precision=fp32", 2),
+                              ("one", "micro_batch=2,precision=fp32", 1)):
+        ck = tmp_path / f"resume-{name}"
+        shutil.copytree(tmp_path / "saved", ck)
+        got = train(name, plan, 4, nproc, ck, "--resume")
+        assert sorted(got) == [3, 4], got
+        for step in (3, 4):
+            assert abs(got[step] - want[step]) <= CKPT_TOL * abs(want[step]), (name, step, got, want)
+        w = final_weights(ck)
+        assert set(w) == set(ref)
+        for k in ref:
+            err = float((w[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12))
+            assert err < CKPT_TOL, (name, k, err)

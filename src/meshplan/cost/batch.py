@@ -34,7 +34,7 @@ from meshplan.cost.comm import (
     staged_fsdp_exposed,
     staged_fsdp_overlapped,
 )
-from meshplan.cost.compute import loss_kind
+from meshplan.cost.compute import elementwise_fused, loss_kind
 from meshplan.cost.convergence import token_efficiency
 from meshplan.cost.layer import QUANTITIES, act_scale, table
 from meshplan.cost.memory import (
@@ -51,6 +51,7 @@ from meshplan.cost.memory import (
     optimizer_cost,
     usable_gib,
 )
+from meshplan.cost.moe import load_factor, memory_factor
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams, flat_collectives, p2p_exposed
 from meshplan.cost.parts import (
     boundary_sends,
@@ -132,6 +133,8 @@ class Layout:
     tp_size: np.ndarray         # (B,) bytes per token of each TP all-reduce (hidden, or LayerOps.tp_reduce / pairs)
     kv_dim: np.ndarray          # (B,) attention's key width (0: no attention)
     a2a: np.ndarray             # (B,) bytes per token of one EP all-to-all (0: no experts)
+    experts: np.ndarray         # (B,) experts and top-k of a MoE layer (0: none)
+    top_k: np.ndarray
     params: np.ndarray          # (B,) params, params_split, params_expert, params_ep
     params_split: np.ndarray
     params_expert: np.ndarray
@@ -176,7 +179,8 @@ def _layout(graph: LayerGraph) -> Layout:
         pairs=arr(lambda o: o.tp_allreduces),
         tp_size=arr(lambda o: o.tp_reduce / o.tp_allreduces if o.tp_reduce and o.tp_allreduces else o.hidden),
         kv_dim=arr(lambda o: o.attention.kv_dim if o.attention else 0),
-        a2a=arr(lambda o: o.top_k * o.hidden if o.experts else 0), params=arr(lambda o: o.params),
+        a2a=arr(lambda o: o.top_k * o.hidden if o.experts else 0), experts=arr(lambda o: o.experts),
+        top_k=arr(lambda o: o.top_k if o.experts else 0), params=arr(lambda o: o.params),
         params_split=arr(lambda o: o.params_split), params_expert=arr(lambda o: o.params_expert),
         params_ep=arr(lambda o: o.params_ep),
         vocab=arr(lambda o: o.loss_vocab), loss_split=arr(lambda o: o.loss_split) > 0)
@@ -384,8 +388,10 @@ def assemble(graph: LayerGraph, cluster: ClusterSpec, work: Workload, cols: dict
     ep_s = zeros
     if exp_ids:
         ep_g = dpcp_group(cluster, column_st(st), cp[:, None], ep[:, None], flat=fl)
+        # the busiest rank receives (and sends back) its load over the mean rank's (cost.moe)
+        busiest = load_factor(tokens[:, None], lay.experts[None, :], lay.top_k[None, :], ep[:, None], p)
         ep_t = np.where(lay.a2a[None, :] > 0, 4 * ep_g.all_to_all(
-            (tokens * scale)[:, None] * lay.a2a[None, :]), 0.0)
+            (tokens * scale)[:, None] * lay.a2a[None, :] * busiest), 0.0)
         ep_s = C.sum(ep_t, exp_ids)
     async_f = col(np.where(cols["async_tp"], p.tp_exposed_async, 1.0))
     tp_f = tp_fwd * async_f + cp_f + ep_s / 2
@@ -823,6 +829,7 @@ def memory_parts(a: Assembly, p: CostParams, family: str = "") -> dict[str, np.n
     C, R = a.C, a.R
     blk_ids = a.lay.ids_where(a.lay.is_block)
     kept = t * (R.sum(keep, blk_ids) + C.sum(a.q["full"]) - R.sum(a.q["full"], blk_ids))
+    kept = kept + t * routed_excess(a, p, full_mode | op_mode)
     one_block = np.zeros(C.shape)
     for b in blk_ids:  # the largest block a rank holds, being recomputed: what the recompute makes
         # again beyond what the block kept (its kept tensors are already in the activations)
@@ -883,6 +890,32 @@ def memory_parts(a: Assembly, p: CostParams, family: str = "") -> dict[str, np.n
         zero >= 1, col(a.shard), 1.0)
     parts["host"] = np.where(offo, opt_host, 0.0) + np.where(offp & (zero == 3), 8.0 * plocal / col(a.shard), 0.0)
     return {k: np.where(a.valid, v, np.nan) for k, v in parts.items()}
+
+
+def routed_excess(a: Assembly, p: CostParams, recomputing: np.ndarray) -> np.ndarray:
+    """(rows, ranks) bytes per token the busiest expert-parallel rank keeps beyond the mean rank:
+    the MoE layers' routed activations (LayerOps.saved_routed_*) of the layers it keeps whole (not
+    recomputed: ``recomputing`` (rows, 1) says the recomputed blocks keep their input only), times
+    cost.moe.memory_factor - 1 over the MoE layers it holds."""
+    cols, lay, C, R = a.cols, a.lay, a.C, a.R
+    out = np.zeros(C.shape)
+    ep = np.asarray(cols[AX.EP], dtype=float)
+    ids = lay.ids_where(lay.experts > 0)
+    if not ids or not ((ep > 1).any() or p.moe_pad_to_capacity):
+        return out
+    tp = np.asarray(cols[AX.TP], dtype=float)
+    sp = np.where(np.asarray(cols["sequence_parallel"], dtype=bool), tp, 1.0)
+    fused = np.asarray(cols["compile"], dtype=bool) | elementwise_fused(False, p)
+    scale = act_scale(cols["precision"])
+    held = C.sum(np.ones((C.shape[0], len(C.slices))), ids)  # MoE layers on each rank
+    for b in ids:
+        o = lay.ops[b]
+        routed = (o.saved_routed_rep / (sp if o.splits else 1.0)
+                  + np.where(fused, o.saved_routed_split[0], o.saved_routed_split[1]) / tp) * scale
+        f = memory_factor(a.tokens[:, None], o.experts, o.top_k, ep[:, None], held, p)
+        kept = C.slices[b] - np.where(recomputing, R.slices[b], 0.0)
+        out += kept * (f - 1.0) * routed[:, None]
+    return out
 
 
 def logit_bytes(a: Assembly, b: int, p: CostParams = DEFAULT_PARAMS) -> np.ndarray:

@@ -7,7 +7,8 @@ tokens per GPU, tensor-parallel degree t:
   GEMMs      each Gemm(n, k, m, split) runs as an (m T) x k @ k x n GEMM with n / t (column) or
              k / t (row), at the GPU's peak for the plan's precision times gemm_efficiency of
              the shape; a MoE layer's expert GEMMs run per local expert (E / ep of them) on the
-             T top_k / (E / ep) token-expert pairs each receives. Backward: input gradients and
+             T top_k / (E / ep) token-expert pairs each receives, times the busiest ep rank's
+             load over the mean (cost.moe.load_factor; model FLOPs stay the mean's). Backward: input gradients and
              weight gradients, each the forward's GEMMs again (Narayanan et al. 2021).
   attention  4 b s^2 q / (t cp) FLOPs forward, halved for causal masks with FlashAttention's
              block skipping; FlashAttention's efficiency from the head width and keys per call,
@@ -33,6 +34,7 @@ import numpy as np
 
 from meshplan.cost.activations import attention_saved_bytes, fp8_saved_change
 from meshplan.cost.compute import attention_seconds, elementwise_fused, gemm_time, loss_kind, mem_time
+from meshplan.cost.moe import load_factor
 from meshplan.cost.params import CostParams
 from meshplan.spec.cluster import GPUSpec
 from meshplan.spec.graph import LayerOps
@@ -91,6 +93,8 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
 
     lin_fwd = lin_flops = cast = 0.0
     local = max(1, o.experts // c.ep) if o.experts else 1
+    # the busiest expert-parallel rank's load over the mean (cost.moe): its experts' GEMMs set the pace
+    busiest = float(load_factor(tokens, o.experts, o.top_k, c.ep, p)) if o.experts else 1.0
     cast_seen: set[int] = set()
     for i, g in enumerate(o.gemms):
         n = g.n / t if g.split == "column" else g.n
@@ -99,7 +103,7 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
             m, count = tokens * o.top_k / local, local
         else:
             m, count = tokens * g.m, 1
-        one = gemm_time(m, n, kk, lin_peak, gpu, p)
+        one = gemm_time(m * busiest if g.expert else m, n, kk, lin_peak, gpu, p)
         lin_fwd += count * one
         fl = 2.0 * m * n * kk * count
         lin_flops += fl if g.split != "none" else fl / t  # replicated work counts once per TP group

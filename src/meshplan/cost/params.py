@@ -202,6 +202,24 @@ class CostParams:
     """NCCL buffers per GPU beyond those cost.reserved counts per communicator, GiB (outside
     torch's allocator; e.g. Megatron's --tp-comm-overlap userbuffers). In the 'outside' part."""
 
+    moe_expert_load_cv: float = 0.1
+    """Coefficient of variation of the per-expert token loads of a trained, auxiliary-loss-balanced
+    router over many tokens (the skew that finite batches add to: cost.moe). Bounded 0-1 (cost.moe.
+    CV_BOUNDS). Prior 0.1 from Switch Transformer's capacity convention (Fedus, Zoph and Shazeer,
+    JMLR 2022, sec. 2.2 and Table 1: capacity factor 1.0-1.25, i.e. buffers sized so that the busiest
+    of E = 128 experts seldom exceeds 1.25 x the mean): 1 + c e(128) = 1.25 with e(128) = 2.59 the
+    expected maximum of 128 standard normals gives c = 0.096. Not fitted: no development row is a
+    MoE run."""
+    moe_capacity_factor: float = 0.0
+    """Expert capacity as a multiple of the mean load per expert, past which the codebase drops
+    tokens (GShard/Switch/DeepSpeed-MoE ``capacity_factor``; Megatron-core's
+    ``--moe-expert-capacity-factor``): the busiest rank's load is capped there. 0: dropless
+    (Hugging Face, torchtitan, Megatron-core's default, meshplan's runtime)."""
+    moe_pad_to_capacity: bool = False
+    """With a capacity factor, every expert's buffer is padded to its capacity (DeepSpeed-MoE's
+    einsum dispatch of [E, capacity, hidden]; Megatron-core's --moe-pad-expert-input-to-capacity):
+    every rank runs capacity-sized GEMMs and all-to-alls, the load factor is the capacity factor."""
+
     token_efficiency_file: str = ""
     """POLICY: a TOML/JSON file of token-efficiency factors replacing the defaults of
     cost.convergence (`meshplan plan --token-efficiency`); "" = the defaults."""
@@ -283,6 +301,7 @@ PARAM_KINDS: dict[str, str] = {
     "loss_kernel": "derived", "logits_fp32": "derived", "optimizer_temp_bytes": "derived",
     "cuda_context_gib": "derived", "nccl_buffer_gib": "derived", "token_efficiency_file": "derived",
     "powersgd_bytes_per_param": "derived", "outer_step_bytes_per_param": "derived",
+    "moe_expert_load_cv": "measured", "moe_capacity_factor": "derived", "moe_pad_to_capacity": "derived",
 }
 #: Per-GPU numbers in the GPU data files that are fitted (the rest are datasheet values).
 GPU_FITTED_FIELDS = ("gemm_efficiency", "attention_efficiency")

@@ -52,6 +52,8 @@ PROFILE_FIELDS: dict[str, Any] = {
     "pipeline_variable_shapes": bool,
     "pp_p2p_overlap": P2P_OVERLAP,
     "collectives": COLLECTIVES_ALGORITHMS,
+    "moe_capacity_factor": (float, 0.0),
+    "moe_pad_to_capacity": bool,
 }
 
 #: What each value means, for Profile.describe().
@@ -97,6 +99,9 @@ _SAYS: dict[str, Any] = {
                                       else "caching allocator without expandable segments (fragmentation)"),
     "nccl_buffer_gib": lambda v: f"{v:g} GiB extra" if v else "4 MiB per channel and peer per communicator",
     "framework_overhead_gib": lambda v: f"{v:g} GiB",
+    "moe_capacity_factor": lambda v: f"tokens past {v:g} x an expert's mean load dropped" if v else "dropless",
+    "moe_pad_to_capacity": lambda v: ("every expert's buffer padded to its capacity" if v
+                                      else "experts run the tokens they get"),
 }
 _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise", "dp_overlap": "DP gradient sync",
           "param_gather_overlap": "DP parameter gather",
@@ -106,7 +111,8 @@ _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise",
           "cuda_context_gib": "CUDA context", "expandable_segments": "CUDA allocator",
            "nccl_buffer_gib": "NCCL buffers",
           "framework_overhead_gib": "framework overhead", "pipeline_variable_shapes": "pipeline shapes",
-          "pp_p2p_overlap": "pipeline sends", "collectives": "collectives"}
+          "pp_p2p_overlap": "pipeline sends", "collectives": "collectives",
+          "moe_capacity_factor": "MoE capacity", "moe_pad_to_capacity": "MoE expert buffers"}
 
 
 @dataclass(frozen=True)
@@ -235,6 +241,11 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         optimizer_temp_bytes=(0.0, "DeepSpeed FusedAdam"),
         pp_p2p_overlap=("none", "DeepSpeed's PipelineEngine: runtime/pipe/p2p.py send/recv are blocking "
                                 "dist.send/dist.recv (assert async_op == False)"),
+        moe_capacity_factor=(1.0, "--moe-train-capacity-factor 1.0 by default, tokens dropped unless "
+                                  "--disable-moe-token-dropping (deepspeed/moe/sharded_moe.py: capacity = "
+                                  "ceil(tokens / E x capacity_factor))"),
+        moe_pad_to_capacity=(True, "deepspeed/moe/sharded_moe.py: MOELayer dispatches einsum('sec,sm->ecm'), "
+                                   "an [E, capacity, hidden] buffer, and all-to-alls it whole"),
     ),
     _profile(
         "deepspeed", "DeepSpeed ZeRO (HF model code, DeepSpeed engine)",

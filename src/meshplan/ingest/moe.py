@@ -5,7 +5,9 @@ written (``nonzero``/``where`` over the router's choice). While tracing, ingesti
 experts' forward by a uniform-routing equivalent: the router still runs (its FLOPs and saved
 tensors are counted), and the ``tokens x k`` token-expert pairs are split evenly over the E experts
 (``tokens k / E`` each, the remainder spread one by one), each expert running its real matrices on
-its share. FLOPs therefore equal a perfectly balanced step: ``k/E`` of the experts' dense cost.
+its share. FLOPs therefore equal a perfectly balanced step: ``k/E`` of the experts' dense cost;
+what the pairs keep for the backward is recorded apart (``routed``), for the cost model's
+load-imbalance term under expert parallelism (cost.moe).
 
 Two layouts are handled:
 - transformers >= 5 fused experts (``gate_up_proj``/``up_proj`` and ``down_proj`` as [E, out, in]
@@ -87,10 +89,11 @@ def _uniform_fused(self: nn.Module, hidden_states: torch.Tensor, top_k_index: to
     flat = hidden_states.reshape(-1, h)
     k, n_exp = top_k_index.shape[-1], int(self.num_experts)
     _seen(self, k)
-    pairs = flat.repeat_interleave(k, dim=0)  # [tokens*k, h], token-major like top_k_index.reshape(-1)
-    outs = [fused_expert(self, e, chunk) for e, chunk in enumerate(pairs.split(_counts(pairs.shape[0], n_exp)))
-            if chunk.shape[0]]
-    y = torch.cat(outs) * top_k_weights.reshape(-1, 1).to(flat.dtype)
+    with routed():
+        pairs = flat.repeat_interleave(k, dim=0)  # [tokens*k, h], token-major like top_k_index.reshape(-1)
+        outs = [fused_expert(self, e, chunk) for e, chunk in enumerate(pairs.split(_counts(pairs.shape[0], n_exp)))
+                if chunk.shape[0]]
+        y = torch.cat(outs) * top_k_weights.reshape(-1, 1).to(flat.dtype)
     return y.view(flat.shape[0], k, -1).sum(dim=1).view(hidden_states.shape).to(hidden_states.dtype)
 
 
@@ -102,15 +105,33 @@ def _uniform_list(self: nn.Module, x: torch.Tensor, *args: object, **kwargs: obj
     probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
     weights, _chosen = probs.topk(k, dim=-1)
     weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
-    pairs = flat.repeat_interleave(k, dim=0)
     experts = list(self.experts.values() if isinstance(self.experts, nn.ModuleDict) else self.experts)
-    outs = [expert(chunk) for expert, chunk in zip(experts, pairs.split(_counts(pairs.shape[0], len(experts))))
-            if chunk.shape[0]]
-    y = torch.cat(outs) * weights.reshape(-1, 1)
+    with routed():
+        pairs = flat.repeat_interleave(k, dim=0)
+        outs = [expert(chunk) for expert, chunk in zip(experts, pairs.split(_counts(pairs.shape[0], len(experts))))
+                if chunk.shape[0]]
+        y = torch.cat(outs) * weights.reshape(-1, 1)
     return y.view(flat.shape[0], k, -1).sum(dim=1).view(shape)
 
 
 _ACTIVE: dict[int, MoeLayer] = {}
+_ROUTED = [0]
+
+
+@contextlib.contextmanager
+def routed() -> Iterator[None]:
+    """While the token-expert pairs are dispatched, run by their experts and weighted for the
+    combine: what autograd saves here is kept per pair on the expert's rank (LayerOps.saved_routed_*,
+    the part of the activations expert parallelism's load imbalance scales: cost.moe)."""
+    _ROUTED[0] += 1
+    try:
+        yield
+    finally:
+        _ROUTED[0] -= 1
+
+
+def in_routed() -> bool:
+    return _ROUTED[0] > 0
 
 
 def _seen(m: nn.Module, k: int) -> None:

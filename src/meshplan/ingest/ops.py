@@ -44,6 +44,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from meshplan.ingest import flops as _flops
+from meshplan.ingest import moe as _moe
 from meshplan.spec.graph import Attention, Gemm, LayerOps
 
 aten = torch.ops.aten
@@ -129,6 +130,8 @@ class _Saved:
     nbytes: float
     split: bool
     score: int | None
+    routed: bool = False
+    """Saved while a MoE layer's token-expert pairs ran (ingest.moe.routed)."""
 
 
 @dataclass
@@ -231,7 +234,7 @@ class OpRecorder:
 
     def saved(self, layer: int, t: torch.Tensor, key: int) -> None:
         self.record(layer).saved.append(_Saved(key, storage_bytes(t) * self.scale(t), key in self.split,
-                                               self.score.get(key)))
+                                               self.score.get(key), _moe.in_routed()))
 
     # -- ops --------------------------------------------------------------------------------------
     def op(self, func: Any, packet: Any, args: tuple, kwargs: dict, out: Any, flops: float, layer: int) -> None:
@@ -565,17 +568,25 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
     saved = [s for s in rec.saved if s.score not in absorbed]
     s_eager = {"split": 0.0, "rep": 0.0}
     s_fused = {"split": 0.0, "rep": 0.0}
+    r_eager = {"split": 0.0, "rep": 0.0}  # of which routed (a MoE's token-expert pairs: ingest.moe.routed)
+    r_fused = {"split": 0.0, "rep": 0.0}
     counted: set[int | None] = set()
     for s in saved:
         s_eager["split" if s.split else "rep"] += s.nbytes
+        if s.routed:
+            r_eager["split" if s.split else "rep"] += s.nbytes
         if s.key in internal:
             for key, b, sp in ext_inputs.get(internal[s.key], []):
                 if key not in counted:
                     counted.add(key)
                     s_fused["split" if sp else "rep"] += b
+                    if s.routed:
+                        r_fused["split" if sp else "rep"] += b
         elif s.key not in counted:
             counted.add(s.key)
             s_fused["split" if s.split else "rep"] += s.nbytes
+            if s.routed:
+                r_fused["split" if s.split else "rep"] += s.nbytes
     op_rep, op_split = rec.inp, 0.0
     sac_seen: set[int | None] = set()
     for key, b, sp in rec.sac:
@@ -603,6 +614,8 @@ def layer_ops(rec: LayerRecord, rr: OpRecorder, ctx: LayerContext, tokens: float
         saved_rep=s_fused["rep"] * per if tp else 0.0,
         saved_split=(s_fused["split"] * per, s_eager["split"] * per) if tp else (0.0, 0.0),
         saved_whole=0.0 if tp else (s_fused["rep"] + s_fused["split"]) * per,
+        saved_routed_rep=(r_fused["rep"] if tp else r_fused["rep"] + r_fused["split"]) * per,
+        saved_routed_split=(r_fused["split"] * per, r_eager["split"] * per) if tp else (0.0, 0.0),
         saved_input=rec.inp * per,
         saved_op=(op_rep * per, op_split * per),
         hidden=rec.out * per, send=ctx.send * per, tp_allreduces=ctx.pairs if tp else 0,

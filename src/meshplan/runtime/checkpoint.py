@@ -39,7 +39,13 @@ The checkpoint holds the single-process model's logical tensors, whatever the pl
 - a vocabulary padded for tp (``Transformer.pad_vocab``) is saved unpadded: each rank writes the
   rows of its shard below ``vocab_size`` (a shard of padding only writes nothing) as chunks of
   the [vocab_size, hidden] tensor, and reads them back the same way, the padded rows keeping
-  their zeros. So a run resumes under any tp (any padding), pp and data parallelism.
+  their zeros. So a run resumes under any tp (any padding), pp and data parallelism;
+- an ingested model's fused experts under expert parallelism (``TrainModel.expert_rows``: an ep
+  rank holds rows [first, first + E/ep) of each [E, ...] expert parameter, FSDP-sharded or not) are
+  saved the same way: each rank writes its rows, and their AdamW state, as chunks of the [E, ...]
+  tensor at their offset (ranks holding the same rows, the expert's replicas, write the same chunk,
+  which DCP deduplicates), and reads its rows back from whatever chunks the checkpoint holds. So a
+  checkpoint saved under ep = 2 resumes under ep = 1, another ep, or one process, and back.
 """
 from __future__ import annotations
 
@@ -82,6 +88,7 @@ def _logical(model: Any, part: Any, sd: dict[str, Any], optim: bool) -> list[Ent
     """The entries of one part's state dict under their checkpoint keys (see the module doc);
     ``model``: the trainer's TrainModel."""
     vocab = model.vocab_rows
+    experts = model.expert_rows
     out = []
     for key, value in sd.items():
         prefix, param, suffix = _param_of(key, optim)
@@ -92,16 +99,21 @@ def _logical(model: Any, part: Any, sd: dict[str, Any], optim: bool) -> list[Ent
         if vocab is not None and param in VOCAB_PARAMS and isinstance(value, torch.Tensor) and value.dim() >= 1 \
                 and value.shape[0] > vocab:
             value = _rows_below(value, vocab)
+        elif param in experts and isinstance(value, torch.Tensor) and value.dim() >= 1:
+            rows, first = experts[param]  # this ep rank's rows [first, first + local) of the [rows, ...] tensor
+            value = _rows_below(value, value.shape[0], rows=rows, first=first)
         out.append((key, prefix + name + suffix, value))
     return out
 
 
-def _rows_below(value: torch.Tensor, rows: int) -> torch.Tensor:
-    """A stand-in for ``value`` (a tensor or DTensor whose dim 0 is padded past ``rows``) that DCP
-    saves and loads as the [rows, ...] tensor: this rank's shard cut at ``rows``, a view of the
-    same memory (loading writes into ``value``). DCP's protocol for objects that place their own
-    chunks (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``, the
-    global ``size()``), set on an alias of the view; ``_original`` is ``value``."""
+def _rows_below(value: torch.Tensor, keep_rows: int, *, rows: int | None = None, first: int = 0) -> torch.Tensor:
+    """A stand-in for ``value`` (a tensor or DTensor) that DCP saves and loads as a chunk of the
+    [rows, ...] tensor, ``value``'s dim 0 placed at row ``first`` of it and cut at ``keep_rows`` (a
+    vocabulary padded past ``keep_rows`` = rows; an ep rank's fused experts: rows ``first`` ... of
+    all the experts' ``rows``): this rank's shard, a view of the same memory (loading writes into
+    ``value``). DCP's protocol for objects that place their own chunks (``__create_write_items__``,
+    ``__create_chunk_list__``, ``__get_tensor_shard__``, the global ``size()``), set on an alias of
+    the view; ``_original`` is ``value``."""
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         MetadataIndex,
@@ -115,14 +127,14 @@ def _rows_below(value: torch.Tensor, rows: int) -> torch.Tensor:
         local = value.to_local()
         if list(local.shape) != list(shape) or any(offset[1:]):
             raise RuntimeError(f"checkpoint: unexpected shard {list(local.shape)} at {list(offset)} of a "
-                               f"padded vocabulary tensor {list(value.shape)}")
+                               f"row-placed tensor {list(value.shape)}")
         start = offset[0]
     else:
         local, start = value, 0
-    keep = max(0, min(local.shape[0], rows - start))
+    keep = max(0, min(local.shape[0], keep_rows - start))
     view = local[:keep]
-    size = torch.Size([rows, *value.shape[1:]])
-    offsets = torch.Size([start, *([0] * (value.dim() - 1))])
+    size = torch.Size([keep_rows if rows is None else rows, *value.shape[1:]])
+    offsets = torch.Size([first + start, *([0] * (value.dim() - 1))])
     chunk = ChunkStorageMetadata(offsets=offsets, sizes=view.shape)
 
     def write_items(fqn: str, obj: Any) -> list[Any]:

@@ -30,7 +30,8 @@ presets' order with the shared pieces of parallelize.py:
                     the single-process order (the router, shared experts and their gates run on every
                     rank). Refused: a model without such experts, ep not dividing a layer's experts, a
                     list module whose routing is not softmax top-k renormalised (checked on a random
-                    input), --checkpoint-dir with fused experts;
+                    input). Checkpoints save each rank's rows of the fused experts as chunks of the
+                    [E, ...] tensors (runtime/checkpoint.py): they resume under any ep;
 2. TP               tp > 1: what ``ingest.tp.model_tp`` says (ingestion marks the LayerOps from the
                     same function): in each block the column/row pairs whose matrices are all
                     non-fused nn.Linear (q/k/v, gate/up, fc1 ... column-wise; o, down, fc2 ... row-wise),
@@ -76,7 +77,7 @@ from meshplan.ingest.layers import Unit, find_units, pipeline_refusal
 from meshplan.ingest.tp import ModelTP, TPInfo, model_tp
 from meshplan.runtime import preflight as pre
 from meshplan.runtime.data import take
-from meshplan.runtime.expert_parallel import FUSED, ep_refusal, find_moe, shard_ingested
+from meshplan.runtime.expert_parallel import ep_refusal, shard_ingested
 from meshplan.runtime.hetero import check_batch, replica_span
 from meshplan.runtime.local import cpu_memory, estimate_basis, local_cluster
 from meshplan.runtime.mesh import RuntimeMesh
@@ -871,10 +872,6 @@ def preflight(job: Any) -> tuple[Any, Any]:
     why = ep_refusal(built.module, built.name, plan.ep)
     if why:
         raise MeshplanError(why, hint="use ep=1")
-    if plan.ep > 1 and job.checkpoint_dir and any(k == FUSED for _, _, k in find_moe(built.module)):
-        raise MeshplanError(f"--checkpoint-dir with ep={plan.ep}: checkpoints of {built.name}'s fused experts split "
-                            "over the ep group are not written by this runtime yet",
-                            hint="train without --checkpoint-dir, or with ep=1")
     if plan.tp > 1:
         split = split_of(built)
         if split.refusal:

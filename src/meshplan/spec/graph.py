@@ -126,6 +126,13 @@ class LayerOps:
     """Bytes per token of the layer's input: what full recomputation keeps (SP splits it)."""
     saved_op: Pair = (0.0, 0.0)
     """(replicated, split) bytes per token kept under op-level selective checkpointing."""
+    saved_routed_rep: float = 0.0
+    """Of saved_rep: what a MoE layer keeps per token for its routed token-expert pairs (the
+    dispatched copies, the experts' own tensors, the outputs the combine weights) on the rank that
+    runs the expert: expert parallelism's busiest rank keeps more of it (cost.moe). (In a layer
+    without TP pairs: of saved_whole.)"""
+    saved_routed_split: Pair = (0.0, 0.0)
+    """... of saved_split (fused, eager): the experts' hidden-width tensors."""
     saved_gemm_rep: float = 0.0
     """Of saved_rep: the 2-byte inputs of fp8-capable (split) GEMMs that only the GEMM keeps, for
     its weight gradient (a norm's output before the q/k/v or MLP-in GEMMs; a MoE's dispatched
@@ -159,7 +166,7 @@ class LayerOps:
 
     def __post_init__(self) -> None:
         for f in ("params", "params_split", "params_expert", "params_ep", "ew_whole", "saved_rep", "saved_whole",
-                  "saved_input", "saved_gemm_rep", "saved_gemm_split", "saved_attn_out", "hidden", "send",
+                  "saved_input", "saved_routed_rep", "saved_gemm_rep", "saved_gemm_split", "saved_attn_out", "hidden", "send",
                   "loss_vocab", "tp_reduce"):
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
@@ -168,6 +175,8 @@ class LayerOps:
             raise MeshplanError("layer ops: need params >= params_split >= params_expert")
         if self.params_split + self.params_ep > self.params * (1 + 1e-9):
             raise MeshplanError("layer ops: need params >= params_split + params_ep")
+        if not all(v >= 0 and math.isfinite(v) for v in self.saved_routed_split):
+            raise MeshplanError(f"layer ops: saved_routed_split must be finite numbers >= 0, got {self.saved_routed_split}")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise MeshplanError(f"layer ops: top_k={self.top_k} must be in 1..experts={self.experts}")
 

@@ -101,6 +101,10 @@ def block_ops(model: ModelSpec) -> LayerOps:
         # permute / unpermute with probabilities, torchtitan's routed output x scores alike.)
         mlp_in = top * ACT_BYTES * h
         saved_rep += 2 * mlp_in + FP32_BYTES * (m.num_experts + top)
+    # routed: kept per token-expert pair on the expert's rank (the dispatched copies, the combine's
+    # expert outputs, the experts' hidden-width tensors), the router's softmax aside
+    routed_rep = 2 * mlp_in if m.is_moe else 0.0
+    routed_split = mlp if m.is_moe else (0.0, 0.0)
     return LayerOps(
         params=m.layer_params(), params_split=m.layer_params(), params_expert=experts,
         gemms=tuple(gemms), attention=Attention(heads=m.num_attention_heads, kv_heads=m.kv_heads,
@@ -110,6 +114,7 @@ def block_ops(model: ModelSpec) -> LayerOps:
         ew_rep=_pair(*rep_ops), ew_split=_pair(*split_ops),
         saved_rep=saved_rep,
         saved_split=(saved_split + gqa_repeat + mlp[0], saved_split + gqa_repeat + mlp[1]),
+        saved_routed_rep=routed_rep, saved_routed_split=routed_split,
         saved_gemm_rep=ACT_BYTES * h + mlp_in, saved_gemm_split=ACT_BYTES * f_tok,
         saved_attn_out=ACT_BYTES * q,
         saved_input=ACT_BYTES * h,
