@@ -19,3 +19,101 @@ def test_no_plan_fits_names_memory_not_a_size_tried_while_growing(capsys):
     assert "no plan fits megatron-39b on 16 x v100-sxm-32gb" in line
     assert "the most memory-saving plan (tp=1,pp=16,dp=1" in line and "needs 33.5 GiB per GPU of 30.1 usable" in line
     assert "needs at least 32 x v100-sxm-32gb" in line
+
+
+# ---- item 3: every [export only: X] is a plan X runs as planned --------------------------------
+
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from meshplan.errors import MeshplanError  # noqa: E402
+from meshplan.spec.plan import GRAD_COMPRESSION, GRAD_SYNC, PERIODIC_SYNC, PRECISIONS, SCHEDULES, Plan  # noqa: E402
+
+ORDERS = [None, "dp:pp:cp:tp", "pp:dp:cp:tp", "tp:cp:dp:pp", "dp:cp:pp:tp"]
+
+
+@st.composite
+def any_plans(draw) -> Plan:
+    """Plans over every field an exporter or a runtime rule reads, each setting drawn often."""
+    pp = draw(st.sampled_from([1, 2, 4]))
+    schedule = draw(st.sampled_from(SCHEDULES)) if pp > 1 else "1f1b"
+    v = draw(st.sampled_from([1, 2])) if schedule in ("interleaved-1f1b", "zero-bubble", "gpipe") else \
+        (2 if schedule == "zbv" else 1)
+    dp, cp = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 1, 2]))
+    zero = draw(st.integers(0, 3))
+    recompute = draw(st.sampled_from(["none", "selective", "op", "full"]))
+    sync = {"grad_sync": draw(st.sampled_from(GRAD_SYNC)), "grad_compression": draw(st.sampled_from(GRAD_COMPRESSION))}
+    if sync["grad_sync"] in PERIODIC_SYNC:
+        sync |= {"sync_every": 4, "sync_scope": draw(st.sampled_from(["all", "node"])),
+                 "sync_overlap": draw(st.sampled_from([0, 1]))}
+    if sync["grad_compression"] == "powersgd":
+        sync["compression_rank"] = 4
+    stages = None
+    if pp > 1 and draw(st.booleans()):
+        stages = {2: (14, 18), 4: (6, 10, 8, 8)}[pp] if v == 1 else {2: (12, 20), 4: (6, 10, 8, 8)}[pp]
+    return Plan(tp=draw(st.sampled_from([1, 2, 4, 8])), pp=pp, dp=dp, cp=cp, zero=zero,
+                shard_group=draw(st.sampled_from([0, 0, 2])) if zero else 0,
+                micro_batch=draw(st.sampled_from([1, 2])), schedule=schedule, virtual_stages=v,
+                recompute=recompute,
+                recompute_layers=draw(st.sampled_from([None, 0, 2, 3])) if recompute == "full" else None,
+                sequence_parallel=draw(st.booleans()), p2p_sharded=draw(st.booleans()),
+                offload_optimizer=draw(st.booleans()), offload_params=draw(st.booleans()),
+                precision=draw(st.sampled_from(PRECISIONS)), compile=draw(st.booleans()),
+                async_tp=draw(st.booleans()), flash_attention=draw(st.booleans()), fused_loss=draw(st.booleans()),
+                stage_layers=stages, mesh_order=draw(st.sampled_from(ORDERS)), **sync)
+
+
+def _plan_lines(res, model) -> list[str]:
+    """An exporter's unsupported lines about the plan (not the model's shape or the optimizer)."""
+    return [u for u in res.unsupported if not u.startswith((f"model {model.name}", "optimizer="))]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(plan=any_plans())
+def test_an_export_only_target_runs_the_plan_as_planned(plan):
+    """Item 3: cp=2 with flash_attention=0 was offered as [export only: megatron], though Megatron's context
+    parallelism runs only in Transformer Engine's fused attention; recompute=op, gpipe or zero=2 as megatron's
+    too. A target is offered exactly when the plan breaks runtime rules that target runs and its exporter
+    lists no setting of the plan as unsupported; the search's masks say the same."""
+    from meshplan.export import export
+    from meshplan.export.common import ExportInput
+    from meshplan.search.columns import PlanColumns
+    from meshplan.search.constraints import NO_EXPORT_TARGET, RUNTIME_CHECKS, violation_masks
+    from meshplan.spec.io import load_cluster, load_model
+    from meshplan.spec.plan import Workload, microbatches
+    from meshplan.spec.support import TARGETS, export_targets, runtime_violations
+    m, c = load_model("llama3-8b"), load_cluster("h100-sxm-80gb:64")
+    batch = plan.dp * plan.micro_batch * 8
+    micro = microbatches(batch, plan.dp, plan.micro_batch)
+    results = {}
+    try:
+        for t in TARGETS:
+            results[t] = export(t, ExportInput(plan=plan, model=m, global_batch=batch, seq_len=8192, cluster=c))
+    except MeshplanError:  # a plan that cannot run at all (spec.constraints): not exported, not searched
+        assume(False)
+    bad = runtime_violations(plan, micro, m)
+    got = export_targets(plan, micro, m, c)
+    if not bad:
+        assert got is None
+        return
+    want = tuple(t for t in TARGETS if all(t in r.targets for r, _ in bad) and not _plan_lines(results[t], m))
+    assert got == want, (plan.short(), got, {t: _plan_lines(results[t], m) for t in TARGETS})
+    masks = violation_masks(m, c, Workload(global_batch=batch, seq_len=8192), PlanColumns.from_plans([plan]),
+                            export_only=True)
+    rejected = masks[NO_EXPORT_TARGET][0] or any(masks[n][0] for n in RUNTIME_CHECKS)
+    assert bool(rejected) == (got == ()), plan.short()
+
+
+def test_cp_with_unfused_attention_is_not_offered_as_megatron(capsys):
+    """Item 3, the case of the issue: every plan listed is one Megatron runs as planned (no cp > 1 with
+    unfused attention, no op-level recompute)."""
+    rc, out, err = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:16", "--global-batch", "64",
+                       "--no-flash-attention", "--allow-export-only", "--top", "20", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["plans"]
+    for p in doc["plans"]:
+        assert p["export_only"] == ["megatron"] and p["plan"]["cp"] == 1 and p["plan"]["recompute"] != "op", p["plan"]
+    rc, _, err = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:16", "--global-batch", "64",
+                     "--no-flash-attention", "--allow-export-only", "--fix", "cp=2")
+    assert rc == 3 and "no export target runs it as planned" in err

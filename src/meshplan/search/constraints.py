@@ -421,9 +421,12 @@ def violation_masks(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols
     if search_rules:
         n = cols.num_rows
         broken = np.zeros(n, dtype=bool)  # some rule with export targets is broken
+        untargeted = np.zeros(n, dtype=bool)  # some rule no target runs is broken (rejected under its name)
         runs = {t: np.ones(n, dtype=bool) for t in TARGETS}  # target t runs every broken rule
         for name, fn in RUNTIME_CHECKS.items():
             mask = np.asarray(fn(model, cluster, work, cols), dtype=bool)
+            if export_only and not RULES[name].targets:
+                untargeted |= mask
             if export_only and RULES[name].targets:
                 broken |= mask
                 for t in TARGETS:
@@ -431,6 +434,19 @@ def violation_masks(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols
                         runs[t] &= ~mask
                 mask = np.zeros(n, dtype=bool)
             out[name] = mask
+        if export_only and broken.any():  # each target's own limits (export.limits), on the rows kept for it
+            if is_traced(model):
+                runs = {t: r & untargeted for t, r in runs.items()}
+            else:
+                from meshplan.export.limits import Ctx, masks as limit_masks
+                g = as_graph(model, work.seq_len)
+                ctx = Ctx(num_layers=g.model.num_layers if g.model is not None else None, cluster=cluster)
+                cand = np.zeros(n, dtype=bool)
+                for t in TARGETS:
+                    cand |= runs[t] & broken & ~untargeted
+                hit = limit_masks(cols, ctx, np.nonzero(cand)[0])
+                for t in TARGETS:
+                    runs[t] &= ~hit.get(t, np.zeros(n, dtype=bool))
         some_target = np.zeros(n, dtype=bool)
         for t in TARGETS:
             some_target |= runs[t]

@@ -474,7 +474,7 @@ def _ranked(rank: int, scan: _Scan, row: int, model: ModelSpec, work: Workload,
                                        report.step_time_s, work.tokens))
     micro = microbatches(work.global_batch, plan.dp, plan.micro_batch)
     return RankedPlan(rank=rank, plan=plan, cluster=scan.cluster, report=report, usd_per_mtok=usd,
-                      export_only=export_targets(plan, micro, model))
+                      export_only=export_targets(plan, micro, model, scan.cluster))
 
 
 def _pareto(scans: list[_Scan], which: np.ndarray, rows: np.ndarray,
@@ -530,7 +530,7 @@ def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work
                 "a micro-batch of its own width over cp ranks only under a bucket plan, which is not searched here "
                 "(one GPU type per bucket plan)")
     if name == NO_EXPORT_TARGET:
-        return _no_target_message(model, plan, work)
+        return _no_target_message(model, plan, work, cluster)
     if name in RUNTIME_CHECKS:
         reason = RULES[name].why(plan, microbatches(work.global_batch, plan.dp, plan.micro_batch), model)
         return f"{plan.short()}: {reason or name}"
@@ -538,12 +538,24 @@ def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work
     return f"{plan.short()}: {reasons.get(name, name)}"
 
 
-def _no_target_message(model: ModelSpec, plan: Plan, work: Workload) -> str:
-    """The rules ``plan`` breaks, each with the export targets that run it as planned."""
+def _no_target_message(model: ModelSpec, plan: Plan, work: Workload, cluster: ClusterSpec | None = None) -> str:
+    """The rules ``plan`` breaks, each with the export targets that run it as planned, and what
+    keeps each of those targets from running the rest of the plan as planned (export.limits)."""
+    from meshplan.export.limits import Ctx, limits
+    from meshplan.spec.support import is_traced
     bad = runtime_violations(plan, microbatches(work.global_batch, plan.dp, plan.micro_batch), model)
     rules = "; ".join(f"{rule.name}: {' or '.join(rule.targets) or 'no target'}" for rule, _ in bad)
-    return (f"{plan.short()}: no export target runs every runtime rule it breaks (the targets that run each "
-            f"as planned: {rules}); drop the options behind the rules that the chosen target does not run")
+    common = [t for t in dict.fromkeys(t for rule, _ in bad for t in rule.targets)
+              if all(t in rule.targets for rule, _ in bad)]
+    if is_traced(model):
+        tail = "; no export target takes a traced model"
+    else:
+        g = as_graph(model, work.seq_len)
+        ctx = Ctx(num_layers=g.model.num_layers if g.model is not None else None, cluster=cluster)
+        hits = [f"{t} does not run its {', '.join(limits(t, plan, ctx))}" for t in common]
+        tail = f"; {'; '.join(hits)}" if hits else ""
+    return (f"{plan.short()}: no export target runs it as planned (the targets that run each runtime rule it breaks "
+            f"as planned: {rules}{tail}); drop the options behind the rules or settings the chosen target does not run")
 
 
 def _oom_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
