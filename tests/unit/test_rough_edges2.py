@@ -117,3 +117,33 @@ def test_cp_with_unfused_attention_is_not_offered_as_megatron(capsys):
     rc, _, err = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:16", "--global-batch", "64",
                      "--no-flash-attention", "--allow-export-only", "--fix", "cp=2")
     assert rc == 3 and "no export target runs it as planned" in err
+
+
+def test_a_copied_plan_file_of_pools_loads(capsys, tmp_path, monkeypatch):
+    """Edge 3: `plan --out` on a cluster of pools recorded the cluster file by its relative path, so a copy of the
+    plan file elsewhere failed to load; the cluster (and the model) are embedded now. An old file (the cluster by
+    path, no cluster_spec) still loads beside its cluster file."""
+    import shutil
+    from pathlib import Path
+    src = Path(__file__).resolve().parents[2] / "docs" / "examples" / "a100-h100-pools.toml"
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    shutil.copy(src, a / "pools.toml")
+    monkeypatch.chdir(a)
+    rc, _, err = run(capsys, "plan", "--model", "gpt2-medium", "--cluster", "pools.toml", "--global-batch", "64",
+                     "--out", "p.json")
+    assert rc == 0, err
+    doc = json.loads((a / "p.json").read_text())
+    assert "pools" in doc["cluster_spec"] and doc["model_spec"]
+    shutil.copy(a / "p.json", b / "p.json")
+    monkeypatch.chdir(b)
+    rc, out, err = run(capsys, "estimate", "--plan", "p.json", "--json")
+    assert rc == 0, err
+    here = json.loads(out)
+    # an old plan file: the cluster by a path relative to the plan file, nothing embedded
+    old = {k: v for k, v in doc.items() if k not in ("cluster_spec", "model_spec")} | {"cluster": "pools.toml",
+                                                                                          "model": "gpt2-medium"}
+    (a / "old.json").write_text(json.dumps(old))
+    rc, out, err = run(capsys, "estimate", "--plan", str(a / "old.json"), "--json")
+    assert rc == 0, err
+    assert json.loads(out)["step_time_s"] == pytest.approx(here["step_time_s"], rel=1e-9)

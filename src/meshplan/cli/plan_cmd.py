@@ -1118,16 +1118,17 @@ def pooled_text(result: Any, tokens: float | None = None, price: dict[str, Any] 
 
 
 def _write_pooled_out(path: str, result: Any, cluster: str) -> None:
-    """--out on pools: the winner as a plan file that every command reloads, its cluster file
-    recorded relative to the plan file (cli.planfile resolves it there)."""
+    """--out on pools: the winner as a plan file that every command reloads on its own: the model
+    and the cluster of pools are embedded (model_spec, cluster_spec), as `plan --out` does on one
+    GPU type, so a copied plan file loads anywhere (issue 29: the cluster file was recorded by a
+    relative path, and a copy failed to load). ``cluster`` is kept as the name people see."""
     import os
 
-    from meshplan.spec.io import plan_document, write_plan_file
+    from meshplan.spec.io import plan_document, spec_fields, write_plan_file
     best, work, model = result.best_pooled, result.work, result.model
-    if os.path.isfile(cluster):
-        cluster = os.path.relpath(os.path.abspath(cluster), os.path.dirname(os.path.abspath(path)))
+    name = result.clusters[0].name or (os.path.basename(cluster) if os.path.isfile(cluster) else cluster)
     extra = ({"lengths": work.lengths.text(), "packing": work.lengths.packing} if work.lengths is not None else {})
-    doc = plan_document(best.plan, model=getattr(model, "source", None) or model.name, cluster=cluster,
+    doc = plan_document(best.plan, model=getattr(model, "source", None) or model.name, cluster=name,
                         global_batch=work.global_batch, seq_len=work.seq_len, optimizer=work.optimizer,
-                        predicted=best.to_dict(), **extra)
+                        predicted=best.to_dict(), **extra, **spec_fields(model, result.clusters[0]))
     write_plan_file(path, doc)
