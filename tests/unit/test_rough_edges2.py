@@ -147,3 +147,60 @@ def test_a_copied_plan_file_of_pools_loads(capsys, tmp_path, monkeypatch):
     rc, out, err = run(capsys, "estimate", "--plan", str(a / "old.json"), "--json")
     assert rc == 0, err
     assert json.loads(out)["step_time_s"] == pytest.approx(here["step_time_s"], rel=1e-9)
+
+
+# ---- edge 9: multi-node pre-flight, SIGTERM ---------------------------------------------------------
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node0"], "is not HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node0:99999"], "is not HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "node0:29500"], "--node-rank 2 is not one of the 2"),
+    (["--node-rank", "1"], "--node-rank 1 with one node"),
+    (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "node0:29500"], "= 4 processes, but the plan"),
+])
+def test_multi_node_train_is_checked_before_any_process_starts(capsys, argv, needle):
+    """Edge 9: `train --nnodes 2` without a rendezvous endpoint waited about 2 minutes, then a torch traceback."""
+    import time
+    t0 = time.perf_counter()
+    rc, _, err = run(capsys, "train", "--model", "tiny-llama", "--plan", "dp=2", "--global-batch", "4",
+                     "--steps", "1", *argv)
+    assert rc == 2 and needle in err and "Traceback" not in err, err
+    assert time.perf_counter() - t0 < 30
+
+
+def test_sigterm_ends_train_cleanly():
+    """Edge 9: SIGTERM during a 2-process `train` printed a 30-line torchrun traceback (Ctrl-C was clean): now the
+    ranks are stopped, one line says so, exit 143."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("torch")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "meshplan", "train", "--model", "tiny-llama", "--plan", "dp=2",
+                          "--global-batch", "4", "--steps", "100000", "--seq-len", "32"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in p.stderr:  # the ranks are training once a step line appears
+            seen.append(line)
+            if line.startswith("step ") and "/100000" in line:
+                break
+        p.send_signal(signal.SIGTERM)
+        try:
+            rest = p.communicate(timeout=90)[1]
+        except subprocess.TimeoutExpired:  # before the fix: the launcher died, its ranks trained on
+            pytest.fail("the ranks still run 90 s after SIGTERM: " + "".join(seen)[-2000:])
+        rc = p.returncode
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # whatever of its session is left
+        except ProcessLookupError:
+            pass
+    err = "".join(seen) + rest
+    assert rc == 143, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1] == "meshplan: terminated (SIGTERM)"

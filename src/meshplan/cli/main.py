@@ -5,13 +5,14 @@ Every user error is a MeshplanError printed as one line `meshplan: error: ...` w
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 from meshplan.cli.args import positive_int
 from meshplan.cli.planfile import FROM_FILE, add_override
-from meshplan.errors import MeshplanError
+from meshplan.errors import MeshplanError, Terminated
 
 EPILOG = """examples:
   meshplan presets
@@ -23,7 +24,7 @@ EPILOG = """examples:
 
 exit codes: 0 done; 2 bad usage or input (the message says what is wrong and how to fix it);
   3 the request is well formed but nothing meets it: no plan fits, or none meets --deadline (the
-  message says what would); 130 interrupted.
+  message says what would); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
 """
 
 
@@ -219,8 +220,41 @@ COMMANDS = {"presets": cmd_presets, "ingest": cmd_ingest, "estimate": cmd_estima
             "report": cmd_report, "export": cmd_export, "calibrate": cmd_calibrate}
 
 
+def _on_sigterm() -> object:
+    """SIGTERM ends a command cleanly, as Ctrl-C does (errors.Terminated, exit 143): in the main thread
+    of a process that is not a torchrun rank (a rank keeps the default, so torchrun's SIGTERM to its
+    ranks stops them at once even inside a collective; the launcher says how the job ended)."""
+    import signal
+    import threading
+
+    from meshplan.errors import raise_terminated
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ:
+        return None
+    before = signal.getsignal(signal.SIGTERM)
+    if before not in (signal.SIG_DFL, None):  # someone else's handler (an embedding program): keep it
+        return None
+    signal.signal(signal.SIGTERM, raise_terminated)
+    return before
+
+
+def _restore_sigterm(before: object) -> None:
+    if before is not None:
+        import signal
+        signal.signal(signal.SIGTERM, before)  # type: ignore[arg-type]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    before = _on_sigterm()
+    try:
+        return _main(parser, argv)
+    finally:
+        _restore_sigterm(before)
+
+
+def _main(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     try:
         args = parser.parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # what was run (a calibration records it)
@@ -238,6 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meshplan: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("meshplan: terminated (SIGTERM)", file=sys.stderr)
+        return Terminated.exit_code
     except BrokenPipeError:
         return 0
 

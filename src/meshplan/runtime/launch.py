@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from meshplan.errors import MeshplanError
+from meshplan.errors import MeshplanError, Terminated
 from meshplan.runtime import hetero, preflight, replan
 from meshplan.runtime.hetero import local_plan, micro_counts
 from meshplan.runtime.job import Job, check_checkpoint_dir, check_flags, check_steps, checked_job
@@ -169,7 +169,9 @@ def run_torchrun(argv: list[str], pg_timeout_s: float, *, memory: str = "", env:
     with tempfile.TemporaryDirectory(prefix="meshplan-torchrun-") as tmp:
         report = Path(tmp) / "failure.json"
         env[FAILURE_ENV] = str(report)
-        rc = subprocess.call(argv, env=env)
+        rc, got = _call_forwarding_signals(argv, env)
+        if got is not None:  # SIGTERM or SIGINT reached the launcher: the ranks were stopped, end as Ctrl-C does
+            raise KeyboardInterrupt if got == signal.SIGINT else Terminated()
         failures = None
         if rc != 0 and report.is_file():
             try:
@@ -179,6 +181,40 @@ def run_torchrun(argv: list[str], pg_timeout_s: float, *, memory: str = "", env:
     if rc != 0:
         raise MeshplanError(failure_message(failures, rc, memory))
     return 0
+
+
+def _call_forwarding_signals(argv: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+    """Run torchrun to its end; a SIGTERM or SIGINT this process gets meanwhile is passed on to it once
+    (torchrun stops its ranks, torchrun_main exits without a traceback) instead of killing this process
+    and orphaning the ranks. Returns (exit code, the signal received or None)."""
+    got: list[int] = []
+    proc = subprocess.Popen(argv, env=env)
+
+    def forward(signum: int, frame: object) -> None:
+        if signum not in got:
+            got.append(signum)
+            try:
+                proc.send_signal(signum)
+            except ProcessLookupError:  # pragma: no cover - it had just ended
+                pass
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    main_thread = _is_main_thread()
+    if main_thread:
+        for s in old:
+            signal.signal(s, forward)
+    try:
+        rc = proc.wait()
+    finally:
+        if main_thread:
+            for s, h in old.items():
+                signal.signal(s, h)
+    return rc, (got[0] if got else None)
+
+
+def _is_main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
 
 
 def signal_name(num: int) -> str:
@@ -222,10 +258,15 @@ def torchrun_main(argv: list[str]) -> int:
     """``python -m meshplan.runtime.launch TORCHRUN-ARGS``: torch.distributed.run with the same
     arguments; a failed job writes its failed ranks to $MESHPLAN_TORCHRUN_FAILURE (JSON, the first
     failure first) and exits 1 without torchrun's ChildFailedError traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
     try:
         run(parse_args(argv))
+    except (SignalException, KeyboardInterrupt) as e:  # SIGTERM/SIGINT: torchrun has stopped the ranks
+        logging.disable(logging.CRITICAL)
+        sig = getattr(e, "sigval", signal.SIGINT)
+        return 128 + int(sig)
     except ChildFailedError as e:
         first, _ = e.get_first_failure()
         ranks = [first] + sorted(r for r in e.failures if r != first)
