@@ -204,3 +204,50 @@ def test_sigterm_ends_train_cleanly():
     assert rc == 143, err[-3000:]
     assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
     assert err.rstrip().splitlines()[-1] == "meshplan: terminated (SIGTERM)"
+
+
+# ---- silently accepted inputs (edge 8 leftovers, the review's) -----------------------------------
+
+PLAN = ["plan", "--model", "gpt2-medium", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16"]
+EST = ["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16", "--plan", "dp=8"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (PLAN + ["--gpus", "8,,16"], "--gpus 8,,16: an empty item"),
+    (PLAN + ["--gpus", "8,16,"], "an empty item"),
+    (PLAN + ["--fix", ""], "--fix is empty"),
+    (PLAN + ["--fix", "tp=1,,zero=3"], "--fix tp=1,,zero=3: an empty item"),
+    (PLAN + ["--seq-len", "1000000000"], "longer than any model is trained on"),
+    (EST + ["--seq-len", "1000000000"], "longer than any model is trained on"),
+    (["export", "--to", "megatron", "--model", "gpt2-medium", "--plan", "dp=8", "--global-batch", "16",
+      "--seq-len", "99999999999"], "longer than any model is trained on"),
+    (["train", "--model", "tiny-llama", "--plan", "dp=1", "--steps", "1", "--seq-len", "1000000000"],
+     "longer than any model is trained on"),
+    (EST + ["--override"], "--override needs --plan FILE"),
+])
+def test_inputs_accepted_silently_are_refused(capsys, argv, needle):
+    """Edge 8 and the review: `--gpus 8,,16`, `--fix ""`, `--seq-len 10^9` and `--override` without a plan file
+    were accepted without a word."""
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and needle in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_estimate_says_when_the_sequence_is_past_the_trained_context(capsys):
+    """Edge 14: `estimate` gave no warning past the model's trained context (plan did)."""
+    rc, _, err = run(capsys, *EST[:-2], "--plan", "dp=8,recompute=full", "--seq-len", "65536")
+    assert rc == 0, err
+    assert "exceeds llama3-8b's trained context (8,192 tokens)" in err
+    rc, _, err = run(capsys, *EST[:-2], "--plan", "dp=8", "--seq-len", "8192")
+    assert "trained context" not in err
+
+
+def test_local_cpu_is_a_cluster_meshplan_takes(capsys, monkeypatch):
+    """Edge 14: `local-cpu` is printed (train's CPU estimates) but was not accepted as --cluster."""
+    monkeypatch.setenv("MESHPLAN_CPU_TFLOPS", "0.05")
+    rc, out, err = run(capsys, "estimate", "--model", "tiny-llama", "--cluster", "local-cpu:2", "--global-batch", "4",
+                       "--plan", "dp=2", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["cluster"] == "local-cpu:2"
+    rc, _, err = run(capsys, "estimate", "--model", "tiny-llama", "--cluster", "local-cpu:x", "--global-batch", "4",
+                     "--plan", "dp=2")
+    assert rc == 2 and "expected local-cpu, local-cpu:N" in err

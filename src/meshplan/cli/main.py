@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from meshplan.cli.args import positive_int
+from meshplan.cli.args import positive_int, seq_len_int
 from meshplan.cli.planfile import FROM_FILE, add_override
 from meshplan.errors import MeshplanError, Terminated
 
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "activations and tensor-parallel structure. The graph (--out) plans "
                                     "without torch: pass it as --model to estimate/plan.")
     ig.add_argument("--model", required=True, help="hf:path/to/config.json or module:package.module:factory")
-    ig.add_argument("--seq-len", type=positive_int("--seq-len"), help="tokens per sample (default: the model's)")
+    ig.add_argument("--seq-len", type=seq_len_int, help="tokens per sample (default: the model's)")
     ig.add_argument("--out", help="write the layer graph to this .json file")
     ig.add_argument("--json", action="store_true", help="print the layer graph as JSON")
 
@@ -117,6 +117,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
     model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths, inputs.optimizer)
+    if getattr(model, "model", None) is not None:  # past the trained context: a note; past a learned table: an error
+        from meshplan.cli.plan_cmd import check_positions
+        check_positions(args, model.model, work.seq_len)
     report = estimate(model, cluster, plan, work, cost.params)
     if len(cluster.pools) > 1:  # every rank on its own pool's hardware: the pools' parts
         d = work.lengths

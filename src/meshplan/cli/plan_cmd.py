@@ -133,7 +133,7 @@ def search_space(args: argparse.Namespace, cluster: Any, model: Any = None) -> A
                                "allow_export_only": getattr(args, "allow_export_only", False),
                                "headroom": not getattr(args, "no_headroom", False)}
     fixed: set[str] = set()
-    if args.fix:
+    if args.fix is not None:
         fixed = _apply_fix(args.fix, base, changes)
     if base["precision"] == "fp8" and "fp8" not in cluster.gpu.peak_tflops:
         raise MeshplanError(f"--precision fp8: {cluster.gpu.name} has no fp8 tensor cores",
@@ -245,7 +245,13 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[
     fixable = "fixable: " + ", ".join(SEARCHABLE_FIX) + ", offload, sequence_parallel, mesh_order (placement), " \
               "site_order, and the fields the search " \
               "does not choose (precision, compile, flash_attention, fused_loss, grad_sync, p2p_sharded, async_tp)"
-    for part in (p.strip() for p in text.split(",") if p.strip()):
+    parts = [p.strip() for p in text.split(",")]
+    if not any(parts):
+        raise MeshplanError("--fix is empty", hint="give key=value[|value...],..., e.g. --fix tp=8,zero=1|3; or drop it")
+    if not all(parts):
+        raise MeshplanError(f"--fix {text}: an empty item (two commas, or a comma at an end)",
+                            hint="e.g. --fix tp=8,zero=1|3")
+    for part in parts:
         if "=" not in part:
             raise MeshplanError(f"--fix: {part!r} is not key=value", hint="e.g. --fix tp=8,zero=1|3")
         key, value = (s.strip() for s in part.split("=", 1))
@@ -463,7 +469,7 @@ def check_positions(args: argparse.Namespace | None, model: Any, seq_len: int) -
     trained = model.max_position_embeddings or model.seq_len
     if model.position in ("rotary", "alibi") and seq_len > trained:
         note(args, f"--seq-len {seq_len:,} exceeds {model.name}'s trained context ({trained:,} tokens); "
-                   f"the plans are for {seq_len:,}-token sequences as asked")
+                   f"priced for {seq_len:,}-token sequences as asked (the model may not train well past its context)")
 
 
 def check_gpus(model: Any, cluster: Any, work: Any, space: Any) -> None:
