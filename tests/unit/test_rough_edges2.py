@@ -251,3 +251,28 @@ def test_local_cpu_is_a_cluster_meshplan_takes(capsys, monkeypatch):
     rc, _, err = run(capsys, "estimate", "--model", "tiny-llama", "--cluster", "local-cpu:x", "--global-batch", "4",
                      "--plan", "dp=2")
     assert rc == 2 and "expected local-cpu, local-cpu:N" in err
+
+
+def test_the_closing_summary_after_a_switch_shows_the_calibrated_prediction(monkeypatch):
+    """Edge 1: after `train --replan-after N --switch` the closing summary compared the measured step (0.08 s) with
+    the uncalibrated estimate (0.0138 s) only, not the calibrated prediction the switch was decided on (0.08375 s).
+    (tests/dist/test_replan.py checks it on a real switch.)"""
+    pytest.importorskip("torch")
+    from meshplan.runtime.launch import PREDICTION_ENV, summary_text, switch_prediction
+    from meshplan.spec.plan import parse_plan
+    pred = {"plan": "tp=1,pp=1,dp=2,micro_batch=4", "step_time_s": 0.08375, "calibration": "run.calibration.json",
+            "step": 3}
+    monkeypatch.setenv(PREDICTION_ENV, json.dumps(pred))
+
+    class J:
+        plan = parse_plan(pred["plan"])
+    assert switch_prediction(J()) == pred
+    J.plan = parse_plan("dp=2")
+    assert switch_prediction(J()) is None  # another plan: not this run's prediction
+    text = summary_text({"step_time_s": 0.08, "tokens_per_s": 3200.0, "peak_memory_gib": 0.3},
+                        {"step_time_s": 0.0138, "tokens_per_s": 18550.0, "peak_memory_gib": 0.25,
+                         "cluster": "local-cpu:2"}, pred)
+    lines = text.splitlines()
+    assert lines[1].split() == ["measured", "estimated", "calibrated"]
+    assert lines[2].split() == ["step", "time", "(s)", "0.0800", "0.0138", "0.0838"]
+    assert "measured -4.5% against it" in text
