@@ -276,3 +276,39 @@ def test_the_closing_summary_after_a_switch_shows_the_calibrated_prediction(monk
     assert lines[1].split() == ["measured", "estimated", "calibrated"]
     assert lines[2].split() == ["step", "time", "(s)", "0.0800", "0.0138", "0.0838"]
     assert "measured -4.5% against it" in text
+
+
+def test_plans_within_the_memory_are_at_risk_not_out_of_memory(capsys):
+    """Edge 5: plans whose estimate is within the usable memory but whose chance of running out is 1/2 or more
+    were counted (and drawn in the rejection histogram) as "out of memory", their example reading "needs 73.1 GiB
+    per GPU of 75.6 usable (within it, but a 52% chance ...)". They are at risk; out of memory is over the limit."""
+    rc, out, err = run(capsys, "plan", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb:16", "--global-batch", "32",
+                       "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    ex = doc["reject_examples"]
+    oom, risk = ex["out of memory"], ex["at risk of running out of memory"]
+    assert "within it" not in oom and "over by" in oom, oom
+    assert "chance of running out of memory" in risk and "accept such plans" in risk
+    likely = ex["at risk: likely to run out of memory"]  # within by the estimate, a chance of 1/2 or more
+    assert "chance of running out of memory" in likely and "no flag accepts such a plan" in likely
+    # the passed-over plan is one a flag accepts (a chance under 1/2), as its advice says
+    po = doc.get("passed_over")
+    assert po is None or po["oom_probability"] < 0.5
+
+
+def test_an_at_risk_example_likely_to_run_out_says_no_flag_accepts_it():
+    """Edge 5: the example of a plan within the memory but likely (>= 1/2) to run out reads sensibly."""
+    import numpy as np
+    from types import SimpleNamespace
+    from meshplan.cost.params import DEFAULT_PARAMS
+    from meshplan.search.columns import PlanColumns
+    from meshplan.search.driver import _at_risk_example
+    from meshplan.spec.io import load_cluster
+    from meshplan.spec.plan import Plan
+    c = load_cluster("h100-sxm-80gb:8")
+    s = SimpleNamespace(cluster=c, cols=PlanColumns.from_plans([Plan(dp=8), Plan(dp=8, zero=3)]),
+                        res={"peak_memory_gib": np.array([73.0, 74.0]), "oom_probability": np.array([0.52, 0.6])})
+    ex = _at_risk_example(s, np.array([0, 1]), DEFAULT_PARAMS)
+    assert ex.startswith("tp=1,pp=1,dp=8,micro_batch=1 needs 73.0 GiB per GPU of 75.6 usable, but has a 52% chance")
+    assert "no flag accepts such a plan" in ex and "within it" not in ex

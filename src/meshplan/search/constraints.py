@@ -48,6 +48,11 @@ HOST_OOM = "out of host memory"
 AT_RISK = "at risk of running out of memory"
 """Fits by the estimate, but within the cost model's demonstrated memory error of the limit
 (CostParams.memory_error): not recommended by default (``SearchSpace.headroom``)."""
+LIKELY_OOM = "at risk: likely to run out of memory"
+"""Within the usable memory by the estimate, but with a chance of running out of 1/2 or more (the
+codebase's measured bias puts its peak over the limit): the verdict does-not-fit, which no flag
+accepts; counted apart from OUT_OF_MEMORY (over the limit by the estimate) and AT_RISK (a flag
+accepts it) so that neither label says something the example contradicts (issue 29 edge 5)."""
 NO_EXPORT_TARGET = "no export target runs it as planned"
 """With ``export_only``: the plan breaks runtime rules that export targets run, but no one
 target runs them all (spec.support.export_targets is empty)."""
@@ -391,7 +396,7 @@ SEARCH_CHECKS = RUNTIME_CHECKS  # the search-only rules are the runtime's
 def reason_names() -> list[str]:
     """Every rejection reason, in counting order."""
     return list(CHECKS) + list(RUNTIME_CHECKS) + [NO_EXPORT_TARGET, VARIED_CP, COST_MODEL_REFUSED, OUT_OF_MEMORY,
-                                                  HOST_OOM, AT_RISK]
+                                                  HOST_OOM, AT_RISK, LIKELY_OOM]
 
 
 def _scalar_mask(name: str, model: ModelSpec, cluster: ClusterSpec, work: Workload,
