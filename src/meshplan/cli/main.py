@@ -88,7 +88,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     from meshplan.cli import calibrate_cmd
     calibrate_cmd.add_parsers(sub)
+    for name, sp in sub.choices.items():  # every subcommand's --help ends with examples that run as written
+        if name in EXAMPLES and not (sp.epilog or "").lstrip().startswith("examples"):
+            sp.epilog = "examples:\n" + "\n".join(f"  {x}" for x in EXAMPLES[name]) + (
+                f"\n\n{sp.epilog}" if sp.epilog else "")
+            sp.formatter_class = _KeepEpilog
     return p
+
+
+class _KeepEpilog(argparse.HelpFormatter):
+    """Wraps the description as usual and keeps an epilog of examples line by line."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.lstrip().startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "presets": ("meshplan presets models", "meshplan presets gpus --json"),
+    "estimate": ("meshplan estimate --model llama3-8b --cluster h100-sxm-80gb:8 --global-batch 16 "
+                 "--plan dp=8,zero=3,micro_batch=1,recompute=op --seq-len 8192",
+                 "meshplan estimate --plan plan.json          # a plan file from `meshplan plan --out`"),
+    "plan": ("meshplan plan --model llama3-8b --cluster h100-sxm-80gb:8 --global-batch 16 --out plan.json",
+             "meshplan plan --model gpt3-13b --cluster h100-sxm-80gb --gpus 16..64 --global-batch 512 --objective cost"),
+    "simulate": ("meshplan simulate --model gpt2-medium --cluster h100-sxm-80gb:8 --plan dp=8 --global-batch 16 "
+                 "--plot step.svg",),
+    "report": ("meshplan report --model llama3-8b --cluster h100-sxm-80gb:8 --global-batch 16 --out report.html",),
+    "export": ("meshplan export --to megatron --model llama3-8b --plan tp=2,pp=1,dp=4 --global-batch 16",
+               "meshplan export --to torchtitan --plan plan.json --out job.toml"),
+    "ingest": ("meshplan ingest --model hf:path/to/config.json --out graph.json",),
+    "validate": ("meshplan validate", "meshplan validate --report validation.md"),
+    "calibrate": ("meshplan calibrate --runs runs.csv --out cal.json",
+                  "meshplan calibrate --metrics run.jsonl --out cal.json"),
+}
+"""One or two examples per subcommand (train has its own, train_cmd.EXAMPLES)."""
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
