@@ -17,3 +17,16 @@ class Infeasible(MeshplanError):
     make the request feasible."""
 
     exit_code = 3
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (cli.main turns it into this, as Python turns SIGINT into KeyboardInterrupt): the
+    command ends with one line and exit code 143, like Ctrl-C's 130 (issue 29: SIGTERM during
+    `train` printed a torchrun traceback)."""
+
+    exit_code = 143
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    """A SIGTERM handler: raise Terminated where the main thread is."""
+    raise Terminated()

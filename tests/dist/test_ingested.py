@@ -240,7 +240,7 @@ def test_preflight_refuses_once_before_any_rank_starts() -> None:
     env = modules_env()
     for argv, needle in (
             (["--model", f"hf:{HF / 'gpt2-tiny.json'}", "--seq-len", "256"], "seq_len 256 exceeds the model's 128"),
-            (["--model", SOURCES["llama"], "--seq-len", "100000000"], "not enough host memory for llama-tiny")):
+            (["--model", SOURCES["llama"], "--seq-len", "16777216"], "not enough host memory for llama-tiny")):
         p = meshplan_train(*argv, "--plan", "dp=2,precision=fp32", "--global-batch", "4", "--steps", "1", env=env)
         lines = [x for x in p.stderr.splitlines() if x.strip()]
         assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]

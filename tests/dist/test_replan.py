@@ -73,8 +73,19 @@ def test_switch_continues_the_losses(tmp_path: Path) -> None:
     assert ranking["faster_pct"] >= 100 * replan.MARGIN and ranking["switch_to"] == ranking["best"]["plan"]
     assert ranking["best"]["step_time_s"] <= (1 - replan.MARGIN) * ranking["current"]["step_time_s"]
     to = ranking["switch_to"]
+    predicted = {"plan": to, "step_time_s": ranking["best"]["step_time_s"], "calibration": cal["path"], "step": 3}
     assert switch == {"kind": "switch", "step": 3, "from": first["plan"], "to": to,
-                      "checkpoint": str(ck / "step-00000003")}
+                      "checkpoint": str(ck / "step-00000003"), "predicted": predicted}
+    # issue 29 edge 1: the closing summary sets the measurement beside the calibrated prediction the switch was
+    # decided on, not only the uncalibrated estimate
+    assert last["calibrated"] == predicted and "calibrated" not in first
+    assert last["calibrated"]["step_time_s"] != last["estimate"]["step_time_s"]
+    lines = p.stdout.splitlines()
+    head = max(i for i, x in enumerate(lines) if x.split()[:2] == ["measured", "estimated"])
+    table = "\n".join(lines[head:])
+    assert lines[head].split() == ["measured", "estimated", "calibrated"], lines[head]
+    assert f"{predicted['step_time_s']:.4f}" in next(x for x in table.splitlines() if x.startswith("step time"))
+    assert f"the step time predicted for {to} under {cal['path']}" in table
     assert first["ended"] == "switch" and first["steps"] == [1, 3] and first["plan"].startswith("tp=2,")
     assert last["plan"] == to and last["steps"] == [4, STEPS] and "ended" not in last
     assert json.loads((ck / "meta.json").read_text())["plan"] == to

@@ -132,8 +132,8 @@ def test_runs_that_cannot_fit_are_refused_before_launch() -> None:
     """The estimate (every process on this machine counted) against MemAvailable: far beyond any host."""
     one_error_line(meshplan_train("--model", "llama3-70b", "--plan", "dp=2", "--global-batch", "2", "--steps", "1"),
                    "not enough host memory for llama3-70b with dp=2", "x 2 processes", "MemAvailable")
-    one_error_line(meshplan_train(*COMMON[:4], "--seq-len", "100000000", "--plan", "dp=2", "--steps", "1"),
-                   "not enough host memory", "x 100000000 tokens", "--seq-len")
+    one_error_line(meshplan_train(*COMMON[:4], "--seq-len", "16777216", "--plan", "dp=2", "--steps", "1"),
+                   "not enough host memory", "x 16777216 tokens", "--seq-len")
 
 
 def test_rank_killed_by_sigkill_is_one_line() -> None:

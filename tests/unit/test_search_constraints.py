@@ -101,7 +101,7 @@ def test_vectorised_masks_equal_scalar_predicates(case):
 
 def test_every_scalar_check_has_a_vectorised_twin():
     assert set(VECTOR_CHECKS) == set(CHECKS)
-    assert reason_names()[-3:] == ["out of memory", HOST_OOM, AT_RISK] and set(SEARCH_CHECKS) <= set(reason_names())
+    assert reason_names()[-4:] == ["out of memory", HOST_OOM, AT_RISK, "at risk: likely to run out of memory"] and set(SEARCH_CHECKS) <= set(reason_names())
     assert set(RUNTIME_CHECKS) == set(RULES)
 
 

@@ -100,8 +100,8 @@ def test_a_huge_seq_len_is_refused_with_the_length_that_fits(capsys: pytest.Capt
                                                              host_24gib: None) -> None:
     pytest.importorskip("torch")
     line = error_line(capsys, ["train", "--model", "tiny-llama", "--plan", "micro_batch=8", "--global-batch", "8",
-                               "--steps", "1", "--seq-len", "100000000"])
-    assert "not enough host memory" in line and "8 x 100000000 tokens" in line
+                               "--steps", "1", "--seq-len", "10000000"])
+    assert "not enough host memory" in line and "8 x 10000000 tokens" in line
     assert "would fit: --seq-len " in line
 
 
@@ -368,9 +368,9 @@ def test_ingested_bad_config_is_refused_before_launch(capsys: pytest.CaptureFixt
 def test_ingested_run_that_cannot_fit_is_refused_before_launch(
         capsys: pytest.CaptureFixture[str], host_24gib: None, no_launch: list) -> None:
     line = error_line(capsys, ["train", "--model", f"hf:{HF / 'llama-tiny.json'}", "--plan", "dp=2",
-                               "--global-batch", "2", "--steps", "1", "--seq-len", "100000000"])
+                               "--global-batch", "2", "--steps", "1", "--seq-len", "10000000"])
     assert "not enough host memory for llama-tiny with dp=2" in line and "x 2 processes" in line
-    assert "a micro-batch of 1 x 100000000 tokens" in line and "24.0 GiB is available (MemAvailable)" in line
+    assert "a micro-batch of 1 x 10000000 tokens" in line and "24.0 GiB is available (MemAvailable)" in line
     assert "would fit: --seq-len " in line
     assert no_launch == []
 

@@ -22,6 +22,24 @@ def positive_int(name: str) -> Callable[[str], int]:
     return conv
 
 
+MAX_SEQ_LEN = 2**24
+"""The longest --seq-len accepted: 16,777,216 tokens, above the longest contexts trained (10M tokens,
+Llama 4 Scout). A longer one is a typo (10^9 was accepted and planned, issue 29's review)."""
+
+
+def check_seq_len(v: int, text: object = None) -> int:
+    """``v`` if it is at most MAX_SEQ_LEN, else argparse's one-line error."""
+    if v > MAX_SEQ_LEN:
+        raise argparse.ArgumentTypeError(f"{text if text is not None else v} tokens is longer than any model is trained "
+                                         f"on (at most {MAX_SEQ_LEN:,} = 2^24 accepted)")
+    return v
+
+
+def seq_len_int(text: str) -> int:
+    """An argparse type for a one-length --seq-len: positive_int, at most MAX_SEQ_LEN."""
+    return check_seq_len(positive_int("--seq-len")(text), text)
+
+
 GIVEN = "_given_once"
 """Namespace attribute: {dest: (option string, value)} of the options given so far (`Once`)."""
 

@@ -18,7 +18,7 @@ TARGETS = ("torchtitan", "megatron", "deepspeed")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from meshplan.cli.args import positive_int
+    from meshplan.cli.args import positive_int, seq_len_int
     p = sub.add_parser(
         "export", help="write a plan as torchtitan, Megatron-LM or DeepSpeed settings",
         description="Write a plan as the settings of a training framework: a torchtitan job-config TOML "
@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "local-sgd/diloco plans with sync_scope=node or dc")
     p.add_argument("--global-batch", type=positive_int("--global-batch"),
                    help="sequences per step (default: the plan file's)")
-    p.add_argument("--seq-len", type=positive_int("--seq-len"),
+    p.add_argument("--seq-len", type=seq_len_int,
                    help="tokens per sequence (default: the plan file's, else the model's)")
     from meshplan.cli.args import OPTIMIZER_HELP, add_optimizer
     add_optimizer(p, help=OPTIMIZER_HELP + "; written where the target has the setting (default: the plan file's, "

@@ -41,7 +41,8 @@ def seq_len_type(text: str) -> int | str:
             from None
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return v
+    from meshplan.cli.args import check_seq_len
+    return check_seq_len(v, text)
 
 
 def add_packing(parser: argparse.ArgumentParser, action: Any = None) -> None:

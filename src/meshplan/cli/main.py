@@ -5,13 +5,14 @@ Every user error is a MeshplanError printed as one line `meshplan: error: ...` w
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from meshplan.cli.args import positive_int
+from meshplan.cli.args import positive_int, seq_len_int
 from meshplan.cli.planfile import FROM_FILE, add_override
-from meshplan.errors import MeshplanError
+from meshplan.errors import MeshplanError, Terminated
 
 EPILOG = """examples:
   meshplan presets
@@ -23,7 +24,7 @@ EPILOG = """examples:
 
 exit codes: 0 done; 2 bad usage or input (the message says what is wrong and how to fix it);
   3 the request is well formed but nothing meets it: no plan fits, or none meets --deadline (the
-  message says what would); 130 interrupted.
+  message says what would); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
 """
 
 
@@ -81,13 +82,47 @@ def build_parser() -> argparse.ArgumentParser:
                                     "activations and tensor-parallel structure. The graph (--out) plans "
                                     "without torch: pass it as --model to estimate/plan.")
     ig.add_argument("--model", required=True, help="hf:path/to/config.json or module:package.module:factory")
-    ig.add_argument("--seq-len", type=positive_int("--seq-len"), help="tokens per sample (default: the model's)")
+    ig.add_argument("--seq-len", type=seq_len_int, help="tokens per sample (default: the model's)")
     ig.add_argument("--out", help="write the layer graph to this .json file")
     ig.add_argument("--json", action="store_true", help="print the layer graph as JSON")
 
     from meshplan.cli import calibrate_cmd
     calibrate_cmd.add_parsers(sub)
+    for name, sp in sub.choices.items():  # every subcommand's --help ends with examples that run as written
+        if name in EXAMPLES and not (sp.epilog or "").lstrip().startswith("examples"):
+            sp.epilog = "examples:\n" + "\n".join(f"  {x}" for x in EXAMPLES[name]) + (
+                f"\n\n{sp.epilog}" if sp.epilog else "")
+            sp.formatter_class = _KeepEpilog
     return p
+
+
+class _KeepEpilog(argparse.HelpFormatter):
+    """Wraps the description as usual and keeps an epilog of examples line by line."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.lstrip().startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "presets": ("meshplan presets models", "meshplan presets gpus --json"),
+    "estimate": ("meshplan estimate --model llama3-8b --cluster h100-sxm-80gb:8 --global-batch 16 "
+                 "--plan dp=8,zero=3,micro_batch=1,recompute=op --seq-len 8192",
+                 "meshplan estimate --plan plan.json          # a plan file from `meshplan plan --out`"),
+    "plan": ("meshplan plan --model llama3-8b --cluster h100-sxm-80gb:8 --global-batch 16 --out plan.json",
+             "meshplan plan --model gpt3-13b --cluster h100-sxm-80gb --gpus 16..64 --global-batch 512 --objective cost"),
+    "simulate": ("meshplan simulate --model gpt2-medium --cluster h100-sxm-80gb:8 --plan dp=8 --global-batch 16 "
+                 "--plot step.svg",),
+    "report": ("meshplan report --model llama3-8b --cluster h100-sxm-80gb:8 --global-batch 16 --out report.html",),
+    "export": ("meshplan export --to megatron --model llama3-8b --plan tp=2,pp=1,dp=4 --global-batch 16",
+               "meshplan export --to torchtitan --plan plan.json --out job.toml"),
+    "ingest": ("meshplan ingest --model hf:path/to/config.json --out graph.json",),
+    "validate": ("meshplan validate", "meshplan validate --report validation.md"),
+    "calibrate": ("meshplan calibrate --runs runs.csv --out cal.json",
+                  "meshplan calibrate --metrics run.jsonl --out cal.json"),
+}
+"""One or two examples per subcommand (train has its own, train_cmd.EXAMPLES)."""
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -116,6 +151,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     inputs = resolve(args, required=("model", "cluster", "global_batch"))
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
     model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths, inputs.optimizer)
+    if getattr(model, "model", None) is not None:  # past the trained context: a note; past a learned table: an error
+        from meshplan.cli.plan_cmd import check_positions
+        check_positions(args, model.model, work.seq_len)
     report = estimate(model, cluster, plan, work, cost.params)
     if len(cluster.pools) > 1:  # every rank on its own pool's hardware: the pools' parts
         d = work.lengths
@@ -219,8 +257,41 @@ COMMANDS = {"presets": cmd_presets, "ingest": cmd_ingest, "estimate": cmd_estima
             "report": cmd_report, "export": cmd_export, "calibrate": cmd_calibrate}
 
 
+def _on_sigterm() -> object:
+    """SIGTERM ends a command cleanly, as Ctrl-C does (errors.Terminated, exit 143): in the main thread
+    of a process that is not a torchrun rank (a rank keeps the default, so torchrun's SIGTERM to its
+    ranks stops them at once even inside a collective; the launcher says how the job ended)."""
+    import signal
+    import threading
+
+    from meshplan.errors import raise_terminated
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ:
+        return None
+    before = signal.getsignal(signal.SIGTERM)
+    if before not in (signal.SIG_DFL, None):  # someone else's handler (an embedding program): keep it
+        return None
+    signal.signal(signal.SIGTERM, raise_terminated)
+    return before
+
+
+def _restore_sigterm(before: object) -> None:
+    if before is not None:
+        import signal
+        signal.signal(signal.SIGTERM, before)  # type: ignore[arg-type]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    before = _on_sigterm()
+    try:
+        return _main(parser, argv)
+    finally:
+        _restore_sigterm(before)
+
+
+def _main(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     try:
         args = parser.parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # what was run (a calibration records it)
@@ -238,6 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meshplan: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("meshplan: terminated (SIGTERM)", file=sys.stderr)
+        return Terminated.exit_code
     except BrokenPipeError:
         return 0
 

@@ -133,7 +133,7 @@ def search_space(args: argparse.Namespace, cluster: Any, model: Any = None) -> A
                                "allow_export_only": getattr(args, "allow_export_only", False),
                                "headroom": not getattr(args, "no_headroom", False)}
     fixed: set[str] = set()
-    if args.fix:
+    if args.fix is not None:
         fixed = _apply_fix(args.fix, base, changes)
     if base["precision"] == "fp8" and "fp8" not in cluster.gpu.peak_tflops:
         raise MeshplanError(f"--precision fp8: {cluster.gpu.name} has no fp8 tensor cores",
@@ -244,7 +244,13 @@ def _apply_fix(text: str, base: dict[str, Any], changes: dict[str, Any]) -> set[
     fixable = "fixable: " + ", ".join(SEARCHABLE_FIX) + ", offload, sequence_parallel, mesh_order (placement), " \
               "site_order, and the fields the search " \
               "does not choose (precision, compile, flash_attention, fused_loss, grad_sync, p2p_sharded, async_tp)"
-    for part in (p.strip() for p in text.split(",") if p.strip()):
+    parts = [p.strip() for p in text.split(",")]
+    if not any(parts):
+        raise MeshplanError("--fix is empty", hint="give key=value[|value...],..., e.g. --fix tp=8,zero=1|3; or drop it")
+    if not all(parts):
+        raise MeshplanError(f"--fix {text}: an empty item (two commas, or a comma at an end)",
+                            hint="e.g. --fix tp=8,zero=1|3")
+    for part in parts:
         if "=" not in part:
             raise MeshplanError(f"--fix: {part!r} is not key=value", hint="e.g. --fix tp=8,zero=1|3")
         key, value = (s.strip() for s in part.split("=", 1))
@@ -462,7 +468,7 @@ def check_positions(args: argparse.Namespace | None, model: Any, seq_len: int) -
     trained = model.max_position_embeddings or model.seq_len
     if model.position in ("rotary", "alibi") and seq_len > trained:
         note(args, f"--seq-len {seq_len:,} exceeds {model.name}'s trained context ({trained:,} tokens); "
-                   f"the plans are for {seq_len:,}-token sequences as asked")
+                   f"priced for {seq_len:,}-token sequences as asked (the model may not train well past its context)")
 
 
 def check_gpus(model: Any, cluster: Any, work: Any, space: Any) -> None:
@@ -1117,16 +1123,17 @@ def pooled_text(result: Any, tokens: float | None = None, price: dict[str, Any] 
 
 
 def _write_pooled_out(path: str, result: Any, cluster: str) -> None:
-    """--out on pools: the winner as a plan file that every command reloads, its cluster file
-    recorded relative to the plan file (cli.planfile resolves it there)."""
+    """--out on pools: the winner as a plan file that every command reloads on its own: the model
+    and the cluster of pools are embedded (model_spec, cluster_spec), as `plan --out` does on one
+    GPU type, so a copied plan file loads anywhere (issue 29: the cluster file was recorded by a
+    relative path, and a copy failed to load). ``cluster`` is kept as the name people see."""
     import os
 
-    from meshplan.spec.io import plan_document, write_plan_file
+    from meshplan.spec.io import plan_document, spec_fields, write_plan_file
     best, work, model = result.best_pooled, result.work, result.model
-    if os.path.isfile(cluster):
-        cluster = os.path.relpath(os.path.abspath(cluster), os.path.dirname(os.path.abspath(path)))
+    name = result.clusters[0].name or (os.path.basename(cluster) if os.path.isfile(cluster) else cluster)
     extra = ({"lengths": work.lengths.text(), "packing": work.lengths.packing} if work.lengths is not None else {})
-    doc = plan_document(best.plan, model=getattr(model, "source", None) or model.name, cluster=cluster,
+    doc = plan_document(best.plan, model=getattr(model, "source", None) or model.name, cluster=name,
                         global_batch=work.global_batch, seq_len=work.seq_len, optimizer=work.optimizer,
-                        predicted=best.to_dict(), **extra)
+                        predicted=best.to_dict(), **extra, **spec_fields(model, result.clusters[0]))
     write_plan_file(path, doc)

@@ -196,6 +196,10 @@ def resolve(args: argparse.Namespace, *, fields: tuple[str, ...] = CONTEXT, requ
     plan = load_plan(plan_arg) if plan_arg is not None else None
     pf = read_plan_file(plan_arg, fields) if plan_arg is not None else None
     override = bool(getattr(args, "override", False))
+    if override and pf is None:
+        raise MeshplanError("--override needs --plan FILE: it lets --model/--cluster/--global-batch/--seq-len/"
+                            f"--optimizer replace a plan file's values, and {'--plan ' + str(plan_arg) if plan_arg else 'no --plan'}"
+                            " is not a plan file", hint="drop --override, or give --plan PLAN.json from `meshplan plan --out`")
     inputs = Inputs(plan=plan, file=pf, values={}, source={})
     clashes: list[tuple[str, Any, Any]] = []
     for key in fields:

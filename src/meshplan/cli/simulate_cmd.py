@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     cost = costing(args)
     cluster, plan = cost.cluster(inputs.cluster()), inputs.plan
     model, work = as_problem(inputs.model(), inputs.global_batch, inputs.seq_len, lengths, inputs.optimizer)
+    if getattr(model, "model", None) is not None:  # past the trained context: a note; past a learned table: an error
+        from meshplan.cli.plan_cmd import check_positions
+        check_positions(args, model.model, work.seq_len)
     if len(cluster.pools) == 1:  # (a plan over pools is checked pool by pool)
         from meshplan.cost import check
         check(model, cluster, plan, work)

@@ -163,7 +163,8 @@ def _seq_len(text: str) -> int | str:
     from meshplan.spec.lengths import looks_like_dist
     if looks_like_dist(text):
         return text.strip()
-    return _positive("--seq-len")(text)
+    from meshplan.cli.args import check_seq_len
+    return check_seq_len(_positive("--seq-len")(text), text)
 
 
 def _lengths(args: argparse.Namespace) -> Any:

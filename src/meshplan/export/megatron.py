@@ -224,6 +224,10 @@ def build(inp: ExportInput) -> ExportResult:
 
     # ---- kernels -------------------------------------------------------------------------------
     add("--attention-backend", "flash" if p.flash_attention else "unfused")
+    if p.cp > 1 and not p.flash_attention:
+        uns.append(f"cp={p.cp} with flash_attention=0: Megatron-core's context parallelism runs inside Transformer "
+                   "Engine's flash or fused attention (its ring exchange is part of those kernels); the unfused "
+                   "backend has no context parallelism, so the exported run fails at its first attention")
     if p.fused_loss:
         add("--cross-entropy-loss-fusion")
     if p.async_tp and p.tp > 1:

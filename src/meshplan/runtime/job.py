@@ -105,6 +105,9 @@ def checked_job(job: Job) -> tuple[Any, Any]:
     """``check_job``; also the traced LayerGraph of an ingested model (None: a preset, or a model
     that cannot be traced on the meta device)."""
     from meshplan.runtime import mesh as mesh_mod  # imports torch; only reached by `train`
+    preflight.check_rendezvous(nnodes=job.nnodes, node_rank=job.node_rank, rdzv_endpoint=job.rdzv_endpoint,
+                               nproc_per_node=job.nproc_per_node, world_size=job.world_size,
+                               plan_gpus=job.plan.num_gpus)
     preflight.check_lr(job.lr)
     preflight.check_weak_links(job.plan, nnodes=job.nnodes, nodes_per_dc=job.nodes_per_dc, outer_lr=job.outer_lr,
                                outer_momentum=job.outer_momentum)

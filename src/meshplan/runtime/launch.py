@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from meshplan.errors import MeshplanError
+from meshplan.errors import MeshplanError, Terminated
 from meshplan.runtime import hetero, preflight, replan
 from meshplan.runtime.hetero import local_plan, micro_counts
 from meshplan.runtime.job import Job, check_checkpoint_dir, check_flags, check_steps, checked_job
@@ -47,6 +47,10 @@ from meshplan.spec.plan import Workload
 log = logging.getLogger(__name__)
 
 SWITCH_ENV = "MESHPLAN_SWITCH_FILE"
+PREDICTION_ENV = "MESHPLAN_SWITCH_PREDICTION"
+"""JSON the launcher sets for a run it started again after a --switch: the plan switched to and its
+step time predicted under the calibration fitted at the --replan-after check (what the switch was
+decided on), so that the run's closing summary compares the measurement with it (issue 29 edge 1)."""
 """Where the ranks (local rank 0 of each node) write the plan a --switch moved the run to, as JSON for
 the launcher, which then starts the run again under it (``launch``)."""
 FAILURE_ENV = "MESHPLAN_TORCHRUN_FAILURE"
@@ -91,10 +95,13 @@ def launch(job: Job, worker_argv: list[str]) -> int:
     """Run the job: in this process for one process, else under torchrun. Returns an exit code.
     A run that --switch moved to another plan at its --replan-after check (the ranks checkpointed
     and said so in the switch file) is started again under that plan with --resume."""
-    switch = _launch_once(job, worker_argv)
-    while switch is not None:
-        job, worker_argv = switched(job, worker_argv, switch)
+    try:
         switch = _launch_once(job, worker_argv)
+        while switch is not None:
+            job, worker_argv = switched(job, worker_argv, switch)
+            switch = _launch_once(job, worker_argv)
+    finally:
+        os.environ.pop(PREDICTION_ENV, None)
     return 0
 
 
@@ -133,6 +140,8 @@ def switched(job: Job, worker_argv: list[str], switch: dict[str, Any]) -> tuple[
     print(f"meshplan: note: switching from {switch['from']} to {to} at step {switch['step']}: resuming from the "
           f"checkpoint in {job.checkpoint_dir}", file=sys.stderr, flush=True)
     new = replace(job, plan=parse_plan(to), plan_arg=to, resume=True, overwrite=False, replan_after=None, switch=False)
+    if switch.get("predicted"):  # the calibrated prediction the switch was decided on, for the closing summary
+        os.environ[PREDICTION_ENV] = json.dumps(switch["predicted"])
     return new, switched_argv(worker_argv, to)
 
 
@@ -177,7 +186,9 @@ def run_torchrun(argv: list[str], pg_timeout_s: float, *, memory: str = "", env:
     with tempfile.TemporaryDirectory(prefix="meshplan-torchrun-") as tmp:
         report = Path(tmp) / "failure.json"
         env[FAILURE_ENV] = str(report)
-        rc = subprocess.call(argv, env=env)
+        rc, got = _call_forwarding_signals(argv, env)
+        if got is not None:  # SIGTERM or SIGINT reached the launcher: the ranks were stopped, end as Ctrl-C does
+            raise KeyboardInterrupt if got == signal.SIGINT else Terminated()
         failures = None
         if rc != 0 and report.is_file():
             try:
@@ -187,6 +198,40 @@ def run_torchrun(argv: list[str], pg_timeout_s: float, *, memory: str = "", env:
     if rc != 0:
         raise MeshplanError(failure_message(failures, rc, memory))
     return 0
+
+
+def _call_forwarding_signals(argv: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+    """Run torchrun to its end; a SIGTERM or SIGINT this process gets meanwhile is passed on to it once
+    (torchrun stops its ranks, torchrun_main exits without a traceback) instead of killing this process
+    and orphaning the ranks. Returns (exit code, the signal received or None)."""
+    got: list[int] = []
+    proc = subprocess.Popen(argv, env=env)
+
+    def forward(signum: int, frame: object) -> None:
+        if signum not in got:
+            got.append(signum)
+            try:
+                proc.send_signal(signum)
+            except ProcessLookupError:  # pragma: no cover - it had just ended
+                pass
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    main_thread = _is_main_thread()
+    if main_thread:
+        for s in old:
+            signal.signal(s, forward)
+    try:
+        rc = proc.wait()
+    finally:
+        if main_thread:
+            for s, h in old.items():
+                signal.signal(s, h)
+    return rc, (got[0] if got else None)
+
+
+def _is_main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
 
 
 def signal_name(num: int) -> str:
@@ -230,10 +275,15 @@ def torchrun_main(argv: list[str]) -> int:
     """``python -m meshplan.runtime.launch TORCHRUN-ARGS``: torch.distributed.run with the same
     arguments; a failed job writes its failed ranks to $MESHPLAN_TORCHRUN_FAILURE (JSON, the first
     failure first) and exits 1 without torchrun's ChildFailedError traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
     try:
         run(parse_args(argv))
+    except (SignalException, KeyboardInterrupt) as e:  # SIGTERM/SIGINT: torchrun has stopped the ranks
+        logging.disable(logging.CRITICAL)
+        sig = getattr(e, "sigval", signal.SIGINT)
+        return 128 + int(sig)
     except ChildFailedError as e:
         first, _ = e.get_first_failure()
         ranks = [first] + sorted(r for r in e.failures if r != first)
@@ -359,8 +409,24 @@ def summary_record(job: Job, trainer: Any, records: list[Any], device_type: str,
         "warnings": trainer.par.notes, **extra}
     if job.lengths is not None:  # variable lengths: seq_len above is the longest; tokens/s count real tokens
         rec.update(lengths=job.lengths.text(), packing=job.lengths.packing, mean_length=job.lengths.mean_len)
+    cal = switch_prediction(job)
+    if cal is not None:
+        rec["calibrated"] = cal
     rec.update(spec_fields(model, cluster))
     return rec
+
+
+def switch_prediction(job: Job) -> dict[str, Any] | None:
+    """For a run that --switch moved to this plan: {plan, step_time_s, calibration, step}, the step time
+    predicted for it under the calibration the switch was decided on (PREDICTION_ENV); else None."""
+    text = os.environ.get(PREDICTION_ENV)
+    if not text:
+        return None
+    try:
+        d = json.loads(text)
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) and d.get("plan") == job.plan.short() and d.get("step_time_s") else None
 
 
 def _write(path: str | None, record: dict[str, Any]) -> None:
@@ -369,16 +435,26 @@ def _write(path: str | None, record: dict[str, Any]) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def summary_text(measured: dict[str, Any], est: dict[str, Any]) -> str:
-    lines = ["", f"{'':24}{'measured':>14}{'estimated':>14}"]
+def summary_text(measured: dict[str, Any], est: dict[str, Any], calibrated: dict[str, Any] | None = None) -> str:
+    """The closing table: measured beside the cost model's estimate and, after a --switch, beside the
+    step time predicted under the calibration the switch was decided on (``calibrated``)."""
+    lines = ["", f"{'':24}{'measured':>14}{'estimated':>14}" + (f"{'calibrated':>14}" if calibrated else "")]
     if "error" in est:
         lines.append(f"estimate unavailable: {est['error']}")
         est = {}
     for key, label, fmt in (("step_time_s", "step time (s)", "{:.4f}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
                             ("peak_memory_gib", "peak memory/rank (GiB)", "{:.3f}")):
         m, e = measured.get(key), est.get(key)
+        c = (calibrated or {}).get(key)
         lines.append(f"{label:24}{fmt.format(m) if m is not None else '-':>14}"
-                     f"{fmt.format(e) if e is not None else '-':>14}")
+                     f"{fmt.format(e) if e is not None else '-':>14}"
+                     + (f"{fmt.format(c) if c is not None else '-':>14}" if calibrated else ""))
+    if calibrated:
+        m = measured.get("step_time_s")
+        off = f": measured {100 * (m / calibrated['step_time_s'] - 1):+.1f}% against it" if m else ""
+        lines.append(f"calibrated: the step time predicted for {calibrated['plan']} under {calibrated.get('calibration')} "
+                     f"(fitted at the --replan-after check after step {calibrated.get('step')}), what the switch to "
+                     f"it was decided on{off}")
     if est.get("cluster"):
         basis = est.get("basis") or estimate_basis(est["cluster"])
         lines.append(f"estimated: {basis} (cluster {est['cluster']})")
@@ -494,7 +570,7 @@ def worker_main(job: Job) -> int:
             ckpt.save(trainer, job.checkpoint_dir)
     if rank0:
         rec = summary_record(job, trainer, records, device.type)
-        print(summary_text(rec["measured"], rec["estimate"]), flush=True)
+        print(summary_text(rec["measured"], rec["estimate"], rec.get("calibrated")), flush=True)
         _write(job.metrics, rec)
     if trainer.outer is not None:
         trainer.outer.wait()  # an overlapped outer sync still in flight: its thread's collectives end first
@@ -536,7 +612,7 @@ def replan_check(job: Job, trainer: Any, records: list[Any], device_type: str, r
             _write(job.metrics, r)
         replan.say(out.notes)
         if failure is None:
-            msg = {"to": out.switch_to}
+            msg = {"to": out.switch_to, "predicted": out.predicted}
     if dist.is_initialized():
         box = [msg]
         dist.broadcast_object_list(box, src=0)
@@ -545,6 +621,7 @@ def replan_check(job: Job, trainer: Any, records: list[Any], device_type: str, r
         raise failure
     if msg.get("failed"):
         raise MeshplanError(f"the --replan-after check failed on rank 0 ({msg['failed']})")
+    trainer.replan_prediction = msg.get("predicted")
     return msg["to"]
 
 
@@ -559,11 +636,12 @@ def switch_plan(job: Job, trainer: Any, records: list[Any], device_type: str, ra
     if not (job.checkpoint_every and trainer.step % job.checkpoint_every == 0):  # not saved by run_step already
         ckpt.save(trainer, job.checkpoint_dir)
     sw = {"kind": "switch", "step": trainer.step, "from": job.plan.short(), "to": to,
-          "checkpoint": str(Path(job.checkpoint_dir) / f"step-{trainer.step:08d}")}
+          "checkpoint": str(Path(job.checkpoint_dir) / f"step-{trainer.step:08d}"),
+          "predicted": getattr(trainer, "replan_prediction", None)}
     path = os.environ.get(SWITCH_ENV)
     if rank0:
         rec = summary_record(job, trainer, records, device_type, ended="switch")
-        print(summary_text(rec["measured"], rec["estimate"]), flush=True)
+        print(summary_text(rec["measured"], rec["estimate"], rec.get("calibrated")), flush=True)
         _write(job.metrics, rec)
         _write(job.metrics, sw)
         then = (f"the run goes on under {to}" if path else  # started by torchrun by hand: no launcher to go on

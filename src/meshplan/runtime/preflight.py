@@ -67,6 +67,34 @@ def check_lr(lr: float) -> float:
     return float(lr)
 
 
+def check_rendezvous(*, nnodes: int, node_rank: int, rdzv_endpoint: str | None, nproc_per_node: int,
+                     world_size: int, plan_gpus: int) -> None:
+    """A multi-node launch that can run: the rendezvous endpoint (HOST:PORT) every node connects to,
+    this node's rank among --nnodes, and nodes x processes per node = the plan's GPUs. Without this,
+    `train --nnodes 2` with no endpoint waited about 2 minutes for a rendezvous that could not
+    happen and ended in a torch traceback (issue 29)."""
+    if nnodes == 1 and node_rank:
+        raise MeshplanError(f"--node-rank {node_rank} with one node", hint="drop --node-rank, or give --nnodes")
+    if node_rank >= nnodes:
+        raise MeshplanError(f"--node-rank {node_rank} is not one of the {nnodes} node(s) of --nnodes {nnodes} "
+                            f"(ranks 0 to {nnodes - 1})", hint="give each node its own --node-rank, 0 on the first")
+    if rdzv_endpoint is not None:
+        host, sep, port = rdzv_endpoint.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise MeshplanError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT (a port 1 to 65535)",
+                                hint="e.g. --rdzv-endpoint node0.example:29500, the same on every node")
+    elif nnodes > 1:
+        raise MeshplanError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT: the rendezvous every node "
+                            "connects to (without it no node can find the others)",
+                            hint="run the same command on every node with --rdzv-endpoint FIRST_NODE:29500 and "
+                                 "--node-rank 0 .. " + str(nnodes - 1))
+    if world_size != plan_gpus:
+        raise MeshplanError(f"--nnodes {nnodes} x --nproc-per-node {nproc_per_node} = {world_size} processes, but "
+                            f"the plan runs on {plan_gpus} GPUs",
+                            hint=f"give --nproc-per-node {plan_gpus // nnodes}" if plan_gpus % nnodes == 0 else
+                            "give --nnodes and --nproc-per-node whose product is the plan's GPU count")
+
+
 def check_weak_links(plan: Plan, *, nnodes: int, nodes_per_dc: int | None, outer_lr: float | None,
                      outer_momentum: float | None) -> None:
     """The flags of periodic syncs (runtime/periodic.py): --nodes-per-dc against --nnodes (and

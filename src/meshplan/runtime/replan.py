@@ -243,6 +243,9 @@ class Outcome:
     """The better plan (by the MARGIN rule), or None."""
     calibration: str | None = None
     """The calibration file written, or None."""
+    predicted: dict[str, Any] | None = None
+    """With switch_to: {plan, step_time_s, calibration, step}, the plan's step time under the fitted
+    calibration (what the switch is decided on; the closing summary of the switched run shows it)."""
 
 
 def run_check(job: Any, summary: dict[str, Any], device_type: str) -> Outcome:
@@ -284,6 +287,9 @@ def run_check(job: Any, summary: dict[str, Any], device_type: str) -> Outcome:
     ranking["step"] = step
     out.records.append(ranking)
     out.switch_to = ranking["switch_to"]
+    if out.switch_to is not None and ranking.get("best"):
+        out.predicted = {"plan": out.switch_to, "step_time_s": ranking["best"]["step_time_s"],
+                         "calibration": path, "step": step}
     out.notes.append(f"replan after step {step}: {'; '.join(why)}; calibration written to {path} (step-time error "
                      f"{fit.get('step_mape_pct_before')}% -> {fit.get('step_mape_pct_after')}%); {ranking['decision']}"
                      + ("" if out.switch_to is None or job.switch else "; pass --switch to switch to it"))

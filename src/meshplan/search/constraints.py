@@ -48,6 +48,11 @@ HOST_OOM = "out of host memory"
 AT_RISK = "at risk of running out of memory"
 """Fits by the estimate, but within the cost model's demonstrated memory error of the limit
 (CostParams.memory_error): not recommended by default (``SearchSpace.headroom``)."""
+LIKELY_OOM = "at risk: likely to run out of memory"
+"""Within the usable memory by the estimate, but with a chance of running out of 1/2 or more (the
+codebase's measured bias puts its peak over the limit): the verdict does-not-fit, which no flag
+accepts; counted apart from OUT_OF_MEMORY (over the limit by the estimate) and AT_RISK (a flag
+accepts it) so that neither label says something the example contradicts (issue 29 edge 5)."""
 NO_EXPORT_TARGET = "no export target runs it as planned"
 """With ``export_only``: the plan breaks runtime rules that export targets run, but no one
 target runs them all (spec.support.export_targets is empty)."""
@@ -386,7 +391,7 @@ SEARCH_CHECKS = RUNTIME_CHECKS  # the search-only rules are the runtime's
 def reason_names() -> list[str]:
     """Every rejection reason, in counting order."""
     return list(CHECKS) + list(RUNTIME_CHECKS) + [NO_EXPORT_TARGET, VARIED_CP, COST_MODEL_REFUSED, OUT_OF_MEMORY,
-                                                  HOST_OOM, AT_RISK]
+                                                  HOST_OOM, AT_RISK, LIKELY_OOM]
 
 
 def _scalar_mask(name: str, model: ModelSpec, cluster: ClusterSpec, work: Workload,
@@ -416,9 +421,12 @@ def violation_masks(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols
     if search_rules:
         n = cols.num_rows
         broken = np.zeros(n, dtype=bool)  # some rule with export targets is broken
+        untargeted = np.zeros(n, dtype=bool)  # some rule no target runs is broken (rejected under its name)
         runs = {t: np.ones(n, dtype=bool) for t in TARGETS}  # target t runs every broken rule
         for name, fn in RUNTIME_CHECKS.items():
             mask = np.asarray(fn(model, cluster, work, cols), dtype=bool)
+            if export_only and not RULES[name].targets:
+                untargeted |= mask
             if export_only and RULES[name].targets:
                 broken |= mask
                 for t in TARGETS:
@@ -426,6 +434,19 @@ def violation_masks(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols
                         runs[t] &= ~mask
                 mask = np.zeros(n, dtype=bool)
             out[name] = mask
+        if export_only and broken.any():  # each target's own limits (export.limits), on the rows kept for it
+            if is_traced(model):
+                runs = {t: r & untargeted for t, r in runs.items()}
+            else:
+                from meshplan.export.limits import Ctx, masks as limit_masks
+                g = as_graph(model, work.seq_len)
+                ctx = Ctx(num_layers=g.model.num_layers if g.model is not None else None, cluster=cluster)
+                cand = np.zeros(n, dtype=bool)
+                for t in TARGETS:
+                    cand |= runs[t] & broken & ~untargeted
+                hit = limit_masks(cols, ctx, np.nonzero(cand)[0])
+                for t in TARGETS:
+                    runs[t] &= ~hit.get(t, np.zeros(n, dtype=bool))
         some_target = np.zeros(n, dtype=bool)
         for t in TARGETS:
             some_target |= runs[t]

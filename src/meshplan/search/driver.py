@@ -38,6 +38,7 @@ from meshplan.search.bounds import states_lower_bound_gib
 from meshplan.search.columns import PlanColumns
 from meshplan.search.constraints import (
     AT_RISK,
+    LIKELY_OOM,
     COST_MODEL_REFUSED,
     HOST_OOM,
     NO_EXPORT_TARGET,
@@ -126,7 +127,7 @@ def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostPa
     that do not fit, end the larger micro-batches of the same plan, whose memory is no less)."""
     names = reason_names()
     oom_idx, refused_idx = names.index(OUT_OF_MEMORY), names.index(COST_MODEL_REFUSED)
-    risk_idx, host_idx = names.index(AT_RISK), names.index(HOST_OOM)
+    risk_idx, host_idx, likely_idx = names.index(AT_RISK), names.index(HOST_OOM), names.index(LIKELY_OOM)
     group, rank = scan.cols.meta.get("group"), scan.cols.meta.get("mb_rank")
     if not prune or group is None or rank is None:
         group, rank = np.arange(scan.cols.num_rows), np.zeros(scan.cols.num_rows, dtype=np.int64)
@@ -146,9 +147,16 @@ def _evaluate_scan(model: ModelSpec, work: Workload, scan: _Scan, params: CostPa
             fits = out["fits"] & priced
             risky = fits & np.asarray(out.get("at_risk", np.zeros(len(part), dtype=bool))) & headroom
             host = fits & ~np.asarray(out.get("host_fits", np.ones(len(part), dtype=bool)))
-            reason = np.where(risky, risk_idx, np.where(fits, -1, np.where(priced, oom_idx, refused_idx)))
+            # a plan whose estimate is within the usable memory but whose chance of running out is 1/2 or more
+            # (the codebase's measured bias pushes it over) is at risk, not "out of memory" (issue 29 edge 5);
+            # like a does-not-fit plan no flag accepts it (cost.uncertainty)
+            within = priced & ~fits & (np.asarray(out["peak_memory_gib"]) <= usable_gib(scan.cluster, params))
+            reason = np.where(risky, risk_idx, np.where(within, likely_idx,
+                              np.where(fits, -1, np.where(priced, oom_idx, refused_idx))))
             scan.reason[part] = np.where(host, host_idx, reason)
-            dead[group[part[priced & (~fits | risky | host)]]] = True
+            # the larger micro-batches of a plan over the limit are over it too (counted so, unpriced); those of
+            # a plan at risk are priced, since they may be at risk or over (the counts stay exact)
+            dead[group[part[priced & ((~fits & ~within) | host)]]] = True
             scan.evaluated += len(part)
             tick(len(part))
 
@@ -373,7 +381,8 @@ def _passed_over(scans: list[_Scan], names: list[str], result: SearchResult) -> 
     k = names.index(AT_RISK)
     best: tuple[float, _Scan, int] | None = None
     for s in scans:
-        hit = np.nonzero(s.reason == k)[0]
+        prob = np.asarray(s.res["oom_probability"], dtype=float)
+        hit = np.nonzero((s.reason == k) & ~(prob >= 0.5))[0]  # a flag accepts it
         if len(hit):
             t = s.res["step_time_s"][hit]
             j = int(hit[int(np.argmin(t))])
@@ -474,7 +483,7 @@ def _ranked(rank: int, scan: _Scan, row: int, model: ModelSpec, work: Workload,
                                        report.step_time_s, work.tokens))
     micro = microbatches(work.global_batch, plan.dp, plan.micro_batch)
     return RankedPlan(rank=rank, plan=plan, cluster=scan.cluster, report=report, usd_per_mtok=usd,
-                      export_only=export_targets(plan, micro, model))
+                      export_only=export_targets(plan, micro, model, scan.cluster))
 
 
 def _pareto(scans: list[_Scan], which: np.ndarray, rows: np.ndarray,
@@ -507,7 +516,7 @@ def _examples(model: ModelSpec, work: Workload, scans: list[_Scan], names: list[
                 continue
             if name == OUT_OF_MEMORY:
                 out[name] = _oom_example(s, hit, params)
-            elif name == AT_RISK:
+            elif name in (AT_RISK, LIKELY_OOM):
                 out[name] = _at_risk_example(s, hit, params)
             elif name == HOST_OOM:
                 plan = s.cols.plan(int(hit[0]))
@@ -530,7 +539,7 @@ def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work
                 "a micro-batch of its own width over cp ranks only under a bucket plan, which is not searched here "
                 "(one GPU type per bucket plan)")
     if name == NO_EXPORT_TARGET:
-        return _no_target_message(model, plan, work)
+        return _no_target_message(model, plan, work, cluster)
     if name in RUNTIME_CHECKS:
         reason = RULES[name].why(plan, microbatches(work.global_batch, plan.dp, plan.micro_batch), model)
         return f"{plan.short()}: {reason or name}"
@@ -538,12 +547,24 @@ def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work
     return f"{plan.short()}: {reasons.get(name, name)}"
 
 
-def _no_target_message(model: ModelSpec, plan: Plan, work: Workload) -> str:
-    """The rules ``plan`` breaks, each with the export targets that run it as planned."""
+def _no_target_message(model: ModelSpec, plan: Plan, work: Workload, cluster: ClusterSpec | None = None) -> str:
+    """The rules ``plan`` breaks, each with the export targets that run it as planned, and what
+    keeps each of those targets from running the rest of the plan as planned (export.limits)."""
+    from meshplan.export.limits import Ctx, limits
+    from meshplan.spec.support import is_traced
     bad = runtime_violations(plan, microbatches(work.global_batch, plan.dp, plan.micro_batch), model)
     rules = "; ".join(f"{rule.name}: {' or '.join(rule.targets) or 'no target'}" for rule, _ in bad)
-    return (f"{plan.short()}: no export target runs every runtime rule it breaks (the targets that run each "
-            f"as planned: {rules}); drop the options behind the rules that the chosen target does not run")
+    common = [t for t in dict.fromkeys(t for rule, _ in bad for t in rule.targets)
+              if all(t in rule.targets for rule, _ in bad)]
+    if is_traced(model):
+        tail = "; no export target takes a traced model"
+    else:
+        g = as_graph(model, work.seq_len)
+        ctx = Ctx(num_layers=g.model.num_layers if g.model is not None else None, cluster=cluster)
+        hits = [f"{t} does not run its {', '.join(limits(t, plan, ctx))}" for t in common]
+        tail = f"; {'; '.join(hits)}" if hits else ""
+    return (f"{plan.short()}: no export target runs it as planned (the targets that run each runtime rule it breaks "
+            f"as planned: {rules}{tail}); drop the options behind the rules or settings the chosen target does not run")
 
 
 def _oom_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
@@ -553,7 +574,7 @@ def _oom_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
         j = hit[np.nanargmin(np.where(np.isfinite(peak), peak, np.inf))]
         need = float(s.res["peak_memory_gib"][j])
         odds = (f" (within it, but a {100 * float(s.res['oom_probability'][j]):.0f}% chance of running out: this "
-                "codebase's runs used more than the model predicts)" if need <= usable else "")
+                "codebase's runs used more than the model predicts)" if need <= usable else "")  # pre-check rows
         return (f"closest to fitting on {s.cluster.num_gpus} GPUs: {s.cols.plan(int(j)).short()} "
                 f"needs {gib_need(need, usable)}{odds}")
     lb = s.lower_bound[hit]
@@ -563,11 +584,22 @@ def _oom_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
 
 
 def _at_risk_example(s: _Scan, hit: np.ndarray, params: CostParams) -> str:
+    """The at-risk plan closest to safe: its need, its chance of running out, and what accepts it (a
+    chance of 1/2 or more: nothing does, the codebase's measured bias puts its peak over the limit)."""
     usable = usable_gib(s.cluster, params)
+    prob = np.asarray(s.res["oom_probability"], dtype=float)[hit]
     peak = s.res["peak_memory_gib"][hit]
-    j = hit[np.nanargmin(np.where(np.isfinite(peak), peak, np.inf))]
-    return (f"{s.cols.plan(int(j)).short()} needs {gib_need(float(s.res['peak_memory_gib'][j]), usable)}, "
-            f"and {risk_words(params)} (the memory model's out-of-sample errors); "
+    key = np.where(np.isfinite(prob), prob, np.where(np.isfinite(peak), 1.0 + peak, np.inf))
+    j = hit[int(np.argmin(key))]
+    need, p = float(s.res["peak_memory_gib"][j]), float(s.res["oom_probability"][j])
+    head = f"{s.cols.plan(int(j)).short()} needs {gib_need(need, usable)}"
+    if np.isfinite(p) and p >= 0.5:
+        return (f"{head}, but has a {100 * p:.0f}% chance of running out of memory: this codebase's runs used more "
+                "than the model predicts (the memory model's out-of-sample errors), which puts it over the limit; "
+                "no flag accepts such a plan")
+    from meshplan.cost.uncertainty import risk_reason
+    why = risk_reason(need, usable, p, params) if np.isfinite(p) else risk_words(params)
+    return (f"{head}: {why} (from the memory model's out-of-sample errors); "
             "--max-oom-risk or --no-headroom accept such plans")
 
 

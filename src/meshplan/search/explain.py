@@ -12,7 +12,7 @@ from typing import Any
 
 from meshplan.cost.params import DEFAULT_PARAMS, CostParams
 from meshplan.cost.report import CostReport
-from meshplan.search.constraints import AT_RISK, COST_MODEL_REFUSED, HOST_OOM, OUT_OF_MEMORY
+from meshplan.search.constraints import AT_RISK, COST_MODEL_REFUSED, HOST_OOM, LIKELY_OOM, OUT_OF_MEMORY
 from meshplan.search.result import OVER_DEADLINE, RankedPlan, SearchResult, token_count, train_days
 from meshplan.spec.axes import AX
 from meshplan.spec.plan import PLAN_FIELDS, Plan, format_stage_layers
@@ -477,9 +477,16 @@ def size_reason(result: SearchResult) -> str:
         return ("the plans that fit the GPU need more host memory for their offload than a GPU has"
                 + (f" (e.g. {m[1]} GiB per GPU of {m[2]})" if m else ""))
     if rej.get(AT_RISK):
-        m = re.search(NEED, result.reject_examples.get(AT_RISK, ""))
+        ex = result.reject_examples.get(AT_RISK, "")
+        m = re.search(NEED, ex)
         return ("no plan fits with the memory model's headroom" + (f" (closest needs {m[1]}; --no-headroom "
                 "accepts it)" if m else " (--no-headroom accepts such plans)"))
+    if rej.get(LIKELY_OOM):
+        ex = result.reject_examples.get(LIKELY_OOM, "")
+        m = re.search(NEED, ex)
+        odds = re.search(r"(a \d+% chance of running out of memory)", ex)
+        return ("no plan fits in memory with this codebase's measured bias" + (
+            f" (closest needs {m[1]} by the estimate, with {odds[1]})" if m and odds else ""))
     if rej.get(OUT_OF_MEMORY):
         ex = result.reject_examples.get(OUT_OF_MEMORY, "")
         m = re.search(NEED, ex)

@@ -92,6 +92,17 @@ def memory_corner(model: ModelSpec, cluster: ClusterSpec, work: Workload, space:
                   float(res["step_time_s"][j]))
 
 
+def _corner_at(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: SearchSpace,
+               params: CostParams) -> Corner:
+    """`memory_corner`, or a Corner without a plan where no mesh of ``space`` makes the cluster's
+    GPU count (e.g. 56 GPUs under --fix pp=16): that size has no plan, which is not the reason
+    the request fails (issue 29: the error of a size tried while growing was reported instead)."""
+    try:
+        return memory_corner(model, cluster, work, space, params)
+    except MeshplanError:
+        return Corner(cluster, None, float("inf"), False, float("inf"))
+
+
 def next_size(n: int, node: int) -> int:
     """The next cluster size tried when growing: doubling, in whole nodes once past one node."""
     return n * 2 if n >= node else min(n * 2, node)
@@ -110,7 +121,7 @@ def smallest_fitting_size(model: ModelSpec, cluster: ClusterSpec, work: Workload
         size = next_size(size, node)
         if size > limit:
             return None
-        c = memory_corner(model, resized(cluster, size), work, space, params)
+        c = _corner_at(model, resized(cluster, size), work, space, params)
         if c.fits:
             found = c
         else:
@@ -118,7 +129,7 @@ def smallest_fitting_size(model: ModelSpec, cluster: ClusterSpec, work: Workload
     lo_nodes, hi_nodes = lo // node, size // node
     while hi_nodes - lo_nodes > 1 and hi_nodes > 1:
         mid = (lo_nodes + hi_nodes) // 2
-        c = memory_corner(model, resized(cluster, mid * node), work, space, params)
+        c = _corner_at(model, resized(cluster, mid * node), work, space, params)
         if c.fits:
             hi_nodes, found = mid, c
         else:
@@ -133,10 +144,7 @@ def fewer_gpus(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: Se
     the usual sizes (powers of two and 3 x 2^k, `sizes.nice_sizes`) where the corner fits.
     None down to one GPU."""
     for n in reversed(nice_sizes(1, cluster.num_gpus - 1, node_size(cluster))):
-        try:
-            c = memory_corner(model, resized(cluster, n), work, space, params)
-        except MeshplanError:  # no mesh of a --fix-restricted space makes n GPUs
-            continue
+        c = _corner_at(model, resized(cluster, n), work, space, params)
         if c.plan is not None and c.fits:
             return c
     return None
@@ -149,7 +157,7 @@ def larger_batch(model: ModelSpec, cluster: ClusterSpec, work: Workload, space: 
     b = work.global_batch
     while b < min(4 * cluster.num_gpus, MAX_COUNT // 2):
         b *= 2
-        c = memory_corner(model, cluster, work.shaped(b, work.seq_len), space, params)
+        c = _corner_at(model, cluster, work.shaped(b, work.seq_len), space, params)
         if c.plan is not None and c.fits:
             return b, c
     return None

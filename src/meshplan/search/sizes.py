@@ -63,6 +63,7 @@ def nice_sizes(lo: int, hi: int, node: int) -> list[int]:
 def parse_gpus(text: str, node: int) -> list[int]:
     """--gpus 'A..B' (the nice sizes in the range) or 'A,B,C' (exactly these)."""
     t = text.strip()
+    empty = False
     try:
         if not t.strip(" ,"):
             raise ValueError("no size")
@@ -70,10 +71,17 @@ def parse_gpus(text: str, node: int) -> list[int]:
             lo, hi = (int(x) for x in t.split("..", 1))
             listed = None
         else:
-            listed = sorted({int(x) for x in t.split(",") if x.strip()})
+            items = t.split(",")
+            listed = sorted({int(x) for x in items if x.strip()})
+            if not all(x.strip() for x in items):
+                listed = None
+                empty = True
     except ValueError:  # int() of a non-number (MeshplanError is raised below, outside)
         raise MeshplanError(f"--gpus {text}: expected LOW..HIGH or a comma-separated list of GPU counts",
                             hint="e.g. --gpus 64..1024 or --gpus 64,128,256") from None
+    if empty:
+        raise MeshplanError(f"--gpus {text}: an empty item in the list (two commas, or a comma at an end)",
+                            hint="e.g. --gpus 64,128,256")
     if listed is None:
         if lo <= 0 or hi <= 0:
             raise MeshplanError(f"--gpus {text}: sizes must be positive")

@@ -424,7 +424,49 @@ def load_cluster(arg: str) -> ClusterSpec:
         return cluster_from_dict(data, where=arg)
     if ":" not in arg and arg.lower() in preset_names("clusters"):
         return cluster_from_dict(load_preset_data("clusters", arg), where=f"cluster {arg}")
+    if arg.strip().lower().partition(":")[0] == "local-cpu":
+        return local_cpu_cluster(arg)
     return parse_cluster_shorthand(arg)
+
+
+def local_cpu_cluster(arg: str) -> ClusterSpec:
+    """--cluster local-cpu[:N | :NODESxPER_NODE]: this machine's CPU as N 'GPUs' of one core each, the
+    device `meshplan train` prints its CPU estimates for (runtime.local.cpu_cluster), so that a name
+    meshplan prints is one it takes (issue 29). Its rate: $MESHPLAN_CPU_TFLOPS (what `train` measured),
+    else numpy's fp32 256x256 matmul rate measured here (torch is not imported by planning)."""
+    import os
+    import time
+
+    import numpy as np
+
+    from meshplan.runtime.local import CPU_TFLOPS_ENV, cpu_cluster
+    _, _, count = arg.strip().partition(":")
+    try:
+        if not count:
+            nodes, per = 1, 1
+        elif "x" in count.lower():
+            nodes, per = (int(x) for x in count.lower().split("x", 1))
+        else:
+            nodes, per = 1, int(count)
+        if nodes <= 0 or per <= 0:
+            raise ValueError
+    except ValueError:
+        raise MeshplanError(f"--cluster {arg}: expected local-cpu, local-cpu:N or local-cpu:NODESxPER_NODE "
+                            "(N processes of one core each)", hint="e.g. --cluster local-cpu:4") from None
+    rate = None
+    try:
+        rate = float(os.environ.get(CPU_TFLOPS_ENV, "")) or None
+    except ValueError:
+        rate = None
+    if rate is None:
+        a = np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32)
+        a @ a
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.1:
+            a @ a
+            n += 1
+        rate = 2 * 256**3 * n / (time.perf_counter() - t0) / 1e12
+    return cpu_cluster(nodes * per, rate, nodes=nodes)
 
 
 PLAN_HINT = "a plan string like tp=8,pp=4,dp=16,micro_batch=1, or a plan file from `meshplan plan --out`"
