@@ -55,7 +55,7 @@ KIND_DEFAULTS: dict[str, LinkDefault] = {
     "efa-v1": LinkDefault(0.58, "estimated", "AWS EFA v1 (p4d / p4de, 4 x 100 Gb/s per node, aws-ofi-nccl): the "
                           "efficiency at which cost.comm reproduces all-reduce >= 1 GiB (NCCL's tree on 2 nodes, ring "
                           "on 3-4), mean of 2 sources: NVIDIA/nccl#527 (NCCL 2.9.9, 2-4 nodes: 0.60-0.69) and AWS's "
-                          "aws-samples/aws-efa-eks log (NCCL 2.8.3, 2 nodes: 0.51-0.52); leave-one-source-out 0.51 / 0.64"),
+                          "aws-samples/aws-efa-eks log (NCCL 2.9.9, 2 nodes: 0.51-0.52); leave-one-source-out 0.51 / 0.64"),
     "roce": LinkDefault(0.75, "assumed", "RoCEv2 with GPUDirect RDMA, tuned, performs close to InfiniBand "
                         "(Gangidi et al., 'RDMA over Ethernet for Distributed AI Training at Meta Scale', "
                         "SIGCOMM 2024); taken a little below InfiniBand's 0.8 prior: no RoCE rows yet"),
