@@ -4,10 +4,15 @@ their physics priors and predict the source left out. The time parameters stay t
 (memory does not depend on them), so this takes about a minute where the full
 `validate --cross-validate` takes half an hour.
 
-    PYTHONPATH=src python3 benchmarks/memory_loso.py [OUT.json]
+    PYTHONPATH=src python3 benchmarks/memory_loso.py [OUT.json] [--write-bands]
 
 Prints per source the out-of-sample memory error by what the rows measured (allocated, reserved,
-nvidia-smi), pooled figures, the out-of-memory verdicts, and the fitted values per fold.
+nvidia-smi), pooled figures, the out-of-memory verdicts (the point estimate's, and the band-aware
+ones `validate --cross-validate` reports: each source judged with the memory bands of the other
+sources, calibration.bands.oom_verdicts), and the fitted values per fold. With --write-bands the
+memory bands these folds give (calibration.bands: per profile, measured peaks and censored
+outcomes) replace the "memory" part of src/meshplan/data/calibration.json's uncertainty section
+(the step part stays: it comes from the full cross-validation).
 """
 from __future__ import annotations
 
@@ -35,11 +40,24 @@ def main() -> None:
     oom = [(m, p) for f in folds for m, p in f.oom]
     died = [p for m, p in oom if not m]
     ran = [p for m, p in oom if m]
-    out = {"parameters": names, "seconds": round(time.perf_counter() - t0, 1),
+    from meshplan.calibration.bands import _memory_bands, oom_verdicts, residuals
+    point = {"oom_runs": len(died), "oom_predicted_to_fit": int(sum(died)), "trained_runs": len(ran),
+             "trained_predicted_not_to_fit": int(sum(not p for p in ran))}
+    res = residuals(runs, folds)
+    oom_verdicts(res, folds)  # band-aware: P(out of memory) >= 1/2 is 'does not fit', above max_oom_risk 'at risk'
+    risk = [(m, r, cap) for f in folds for (m, _), r, cap in zip(f.oom, f.oom_risk, f.max_oom_risk)]
+    died_r = [(r, cap) for m, r, cap in risk if not m]
+    ran_r = [r for m, r, _ in risk if m]
+    verdicts = {"oom_runs": len(died_r), "oom_called_at_risk_or_does_not_fit": sum(r > cap for r, cap in died_r),
+                "trained_runs": len(ran_r),
+                "trained_called_does_not_fit_pct": round(100 * sum(r >= 0.5 for r in ran_r) / max(1, len(ran_r)), 1),
+                "oom_accuracy_pct": round(100 * sum(m == p for f in folds for m, p in f.oom)
+                                          / max(1, sum(len(f.oom) for f in folds)), 1)}
+    bands = _memory_bands(res)
+    out = {"parameters": names, "point_estimate_fits": point, "memory_verdicts": verdicts,
+           "memory_bands": {k: {"mu": round(a, 5), "sigma": round(b, 5)} for k, (a, b) in bands.items()}, "seconds": round(time.perf_counter() - t0, 1),
            "memory_mape_pct_by_measure": _by_measure(errs, kinds),
            "memory_mape_pct": round(float(np.mean(np.abs(errs))), 2) if errs else None,
-           "oom_runs": len(died), "oom_predicted_to_fit": int(sum(died)),
-           "trained_runs": len(ran), "trained_predicted_not_to_fit": int(sum(not p for p in ran)),
            "folds": [{"source_id": f.source_id, "memory_rows": len(f.mem_errors_pct),
                       "memory_mape_pct_by_measure": _by_measure(f.mem_errors_pct, f.mem_measures),
                       "memory_bias_pct": (round(float(np.mean(f.mem_errors_pct)), 2) if f.mem_errors_pct else None),
@@ -47,13 +65,25 @@ def main() -> None:
     for f in out["folds"]:
         print(f"{f['source_id']:22s} rows {f['memory_rows']:3d}  {f['memory_mape_pct_by_measure']}  "
               f"bias {f['memory_bias_pct']}  {f['values']}")
-    print("pooled:", out["memory_mape_pct_by_measure"], "all", out["memory_mape_pct"],
-          f"OOM runs predicted to fit {out['oom_predicted_to_fit']}/{out['oom_runs']};",
-          f"trained predicted not to fit {out['trained_predicted_not_to_fit']}/{out['trained_runs']};",
-          f"{out['seconds']} s")
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as fh:
+    print("pooled:", out["memory_mape_pct_by_measure"], "all", out["memory_mape_pct"], f"{out['seconds']} s")
+    print("point estimate:", point)
+    print("verdicts (band-aware, out of sample):", verdicts)
+    print("memory bands:", out["memory_bands"])
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if args:
+        with open(args[0], "w") as fh:
             json.dump(out, fh, indent=1)
+    if "--write-bands" in sys.argv:
+        from pathlib import Path
+        p = Path(__file__).resolve().parents[1] / "src" / "meshplan" / "data" / "calibration.json"
+        cal = json.loads(p.read_text())
+        cal["uncertainty"]["memory"] = out["memory_bands"]
+        cal["uncertainty"]["memory_derived_from"] = (
+            f"benchmarks/memory_loso.py --write-bands: leave-one-source-out memory fits of {len(runs)} runs from "
+            f"{len(sources)} sources with measured peaks or out-of-memory outcomes ({len(errs)} measured peaks, "
+            f"{verdicts['oom_runs']} out-of-memory runs)")
+        p.write_text(json.dumps(cal, indent=1) + "\n")
+        print(f"wrote the memory bands into {p}")
 
 
 if __name__ == "__main__":

@@ -413,8 +413,7 @@ def fit_as_calibrate(runs: Runs, names: Sequence[str] | None = None, *, prior: s
     from meshplan.calibration.store import builtin
     if names is None:  # every parameter the runs inform, and the codebase's own (one codebase's runs)
         names = [n for t in ("time", "memory") for n in default_names(runs, t)]
-        if runs.measured("time").any():
-            names += codebase_names()
+        names += [n for n in codebase_names() if runs.measured(fittable(n).target).any()]
     full, results = fit(runs, names, start=start or None, prior=prior, from_prior=prior == "physics" and not start,
                         **(refinement_of(builtin()) if prior == "builtin" else {}))
     return {n: full[n] for r in results for n in r.names}, results

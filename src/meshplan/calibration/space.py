@@ -12,7 +12,8 @@ Kinds:
   link   a link kind's achieved fraction of line rate (link_efficiency@inter_node:infiniband).
   codebase  the user's codebase against the ones the built-in calibration learned from: a speed
          factor per kind of work (codebase_speed@gemm, @attention, @memory, @comm) and one for all
-         of them (codebase_speed@all), and its fixed per-step overhead (step_overhead_s). Fitted
+         of them (codebase_speed@all), its fixed per-step overhead (step_overhead_s) and its
+         allocated memory relative to the model's count (codebase_memory). Fitted
          only by `meshplan calibrate` on one codebase's own runs (never in the pooled fit of the
          development runs, where each source is another codebase): a slower codebase is not a
          slower GPU, so these take the difference and the GPU and link efficiencies keep their
@@ -112,7 +113,10 @@ CODEBASE: tuple[Fittable, ...] = tuple(
              f"this codebase's speed relative to the built-in calibration's codebases: {what}")
     for k, what in CODEBASE_KINDS.items()) + (
     Fittable("step_overhead_s", 0.0, 30.0, 0.0, 0.1, False, "time",
-             "fixed per-step host overhead of this codebase (data loading, logging, launch gaps), seconds"),)
+             "fixed per-step host overhead of this codebase (data loading, logging, launch gaps), seconds"),
+    Fittable("codebase_memory", 0.6, 1.6, 1.0, 0.15, True, "memory",
+             "this codebase's allocated memory relative to what the model counts (its engine's own "
+             "buffers scale with the states, activations and transients the model names)"),)
 
 
 def codebase_factor(values: dict[str, float], kind: str) -> float:

@@ -409,7 +409,7 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
                      f"(prior: {args.prior})")
     def was_of(n: str) -> float | None:  # a codebase parameter the built-in calibration lacks starts at its prior
         was = cal.info["changes"][n].get("from")
-        return fittable(n).prior if was is None and n.partition("@")[0] in ("codebase_speed", "step_overhead_s") \
+        return fittable(n).prior if was is None and n.partition("@")[0] in {f.name.partition("@")[0] for f in CODEBASE} \
             else was
 
     def unchanged(n: str) -> bool:

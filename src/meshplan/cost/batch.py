@@ -872,6 +872,8 @@ def memory_parts(a: Assembly, p: CostParams, family: str = "") -> dict[str, np.n
         g = g + np.where(psgd, 4.0 * plocal + factors, 0.0)
     parts = {"weights": w, "grads": g, "optimizer": o, "activations": acts, "transient": transient,
              "overhead": np.broadcast_to(overhead, plocal.shape)}
+    if p.codebase_memory != 1.0:  # a calibrated codebase's own allocations (calibration.space.CODEBASE)
+        parts = {k: v * p.codebase_memory for k, v in parts.items()}
     # Reserved beyond allocated (cost.reserved): rounding, the cached blocks the churning
     # allocations (activations, transients) fragment without expandable segments, more so where
     # their sizes vary within the step (several in-flight micro-batches of a pipeline, MoE), and

@@ -116,6 +116,12 @@ class CostParams:
     """The codebase runs PyTorch's caching allocator with PYTORCH_CUDA_ALLOC_CONF=
     expandable_segments:True (an implementation profile's choice: torchtitan's run_train.sh sets
     it): freed ranges serve any later size, so segment_fragmentation does not apply."""
+    codebase_memory: float = 1.0
+    """The codebase's allocated memory relative to what the model counts for it (states,
+    activations, transients, framework state): 1 for the codebases the model describes. Fitted
+    only by `meshplan calibrate` on one codebase's measured peaks (calibration.space.CODEBASE:
+    buffers of its engine the model does not name scale with what it does); never in the pooled
+    fit of the development sources."""
     framework_overhead_gib: float = 1.0
     """FITTED (prior 1.0) to the memory rows measured by torch's allocator. Memory the framework
     holds in torch's allocator beyond the model states, activations and transients (state, small
@@ -292,7 +298,7 @@ PARAM_KINDS: dict[str, str] = {
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
     "pp_p2p_exposed": "derived", "pp_p2p_overlap": "derived", "collectives": "derived",
     "allocator_fragmentation": "fitted", "segment_fragmentation": "derived", "expandable_segments": "derived",
-    "framework_overhead_gib": "fitted", "memory_margin": "derived", "max_oom_risk": "derived",
+    "framework_overhead_gib": "fitted", "codebase_memory": "derived", "memory_margin": "derived", "max_oom_risk": "derived",
     "headroom_gib": "derived", "band_scale": "derived", "profile": "derived",
     "host_memory_per_gpu_gib": "derived",
     "step_overhead_s": "derived", "pipeline_variable_shapes": "derived",
