@@ -4,7 +4,7 @@ ResNet-50 (BatchNorm), a vision transformer and a graph neural network written a
 configs written by the test). Each trains under data parallelism (zero=0, DDP), FSDP (zero=3), a
 pipeline (pp=2: stages count the blocks, the stem/embeddings go with the first stage, the head with
 the last) and, where its blocks have column/row linear pairs, tensor parallelism (tp=2; the ResNet's
-convolution pairs: tests/dist/test_conv_tp.py); the losses
+convolution pairs: tests/dist/test_conv_tp_runtime.py); the losses
 and gradient norms of every step must equal a single-process run of the same global batch in the
 same micro-batches (train.reference_run: BatchNorm normalises each micro-batch with its own
 statistics) within ``TOLERANCE`` of the precision. Also: a checkpoint saved under FSDP resumed under
@@ -148,7 +148,7 @@ def test_meshplan_train_resnet_pipeline(tmp_path: Path) -> None:
 def test_refusals(sources: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Plans these models cannot run: one line, exit 2, before any process starts: tp on the small CNN
-    (one convolution per block: no column -> row pair; the ResNet's pairs run, tests/dist/test_conv_tp.py),
+    (one convolution per block: no column -> row pair; the ResNet's pairs run, tests/dist/test_conv_tp_runtime.py),
     a pipeline of a BERT whose output projection is tied to its
     embedding, stage_layers that do not count the blocks."""
     pytest.importorskip("transformers")

@@ -2,7 +2,7 @@
 function ingestion prices and the runtime splits), how the LayerOps and the cost model price the pairs
 (split GEMMs and weights divided by tp, the row convolution's output all-reduced), and the search:
 tp > 1 offered for CNNs whose channels divide it, refused with the reason where they do not or where
-no block has a pair. The runtime's parity under tp=2: tests/dist/test_conv_tp.py."""
+no block has a pair. The runtime's parity under tp=2: tests/dist/test_conv_tp_runtime.py."""
 from __future__ import annotations
 
 import dataclasses

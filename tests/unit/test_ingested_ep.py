@@ -2,7 +2,7 @@
 on a traced model, the graph cost model divides fused experts' parameters by ep (``params_ep``),
 the runtime's search space enumerates ep for models with experts it splits, and on 64 H100 the
 search recommends an ep>1 plan for ingested Mixtral-8x7B and DeepSeek-V2-Lite configs. The
-runtime side (parity with one process) is tests/dist/test_ingested_ep.py."""
+runtime side (parity with one process) is tests/dist/test_ingested_ep_runtime.py."""
 from __future__ import annotations
 
 import json
