@@ -139,7 +139,7 @@ def test_vectorised_verdict_equals_export_targets(case, batch):
         targeted = [set(RULES[n].targets) for n in broken if RULES[n].targets]
         if any(not RULES[n].targets for n in broken):  # rejected under that rule's name; the rules' targets alone
             assert bool(masks[NO_EXPORT_TARGET][i]) == bool(targeted and not set.intersection(*targeted))
-        else:  # no target in common, or each common one has a limit of its own (export.limits)
+        else:  # no target in common, or each common one has a limit of its own (spec.export_limits)
             assert bool(masks[NO_EXPORT_TARGET][i]) == bool(targeted and targets == ())
 
 

@@ -181,6 +181,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         runs_from_cases,
         step_mape,
     )
+    from meshplan.calibration.space import CODEBASE
     from meshplan.calibration.store import Calibration, builtin, save_calibration
     from meshplan.cli.format import json_doc
     from meshplan.paths import check_output_file

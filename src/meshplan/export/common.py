@@ -13,6 +13,7 @@ from meshplan.spec.cluster import ClusterSpec
 from meshplan.spec.io import toml_value
 from meshplan.spec.model import ModelSpec
 from meshplan.spec.plan import Plan, Workload, microbatches
+from meshplan.spec.export_limits import placement_axes, placement_is, plan_sync_groups, recompute_layers_per_chunk
 from meshplan.spec.stages import stage_ids_for_rank as stage_ids_for_rank  # re-exported for the exporters
 from meshplan.spec.stages import stage_layer_counts as stage_layer_counts
 
@@ -151,16 +152,9 @@ def compression_words(plan: Plan) -> str:
 
 def sync_groups(inp: ExportInput) -> tuple[int, int] | None:
     """(data-parallel ranks per inner group, inner groups) of a local-sgd/diloco plan
-    (spec.sync.inner_dp); None when its sync_scope (node, dc) needs the cluster and the input
-    has none."""
-    p = inp.plan
-    if p.sync_scope == "all":
-        return 1, p.dp
-    if inp.cluster is None:
-        return None
-    from meshplan.spec.sync import inner_dp
-    n = int(inner_dp(p.dp, p.tp, p.cp, p.sync_scope, inp.cluster))
-    return n, p.dp // n
+    (spec.export_limits.plan_sync_groups); None when its sync_scope (node, dc) needs the cluster
+    and the input has none."""
+    return plan_sync_groups(inp.plan, inp.cluster)
 
 
 def sync_unsupported(target: str, plan: Plan) -> list[str]:
@@ -179,18 +173,6 @@ def sync_unsupported(target: str, plan: Plan) -> list[str]:
 
 # ---- placement (mesh_order) ----------------------------------------------------------------------
 
-def placement_axes(plan: Plan, order: tuple[str, ...] | None = None) -> tuple[str, ...]:
-    """The axes of degree > 1 of ``order`` (default: the plan's placement, spec.axes.ParallelDims.order),
-    outermost first: two orders that differ only in where axes of degree 1 sit lay the ranks out alike."""
-    dims = plan.dims
-    return tuple(a for a in (order or dims.order) if dims.degree(a) > 1)
-
-
-def placement_is(plan: Plan, order: tuple[str, ...]) -> bool:
-    """Whether the plan's placement lays out the ranks as ``order`` does (outermost first)."""
-    return placement_axes(plan) == placement_axes(plan, order)
-
-
 def placement_words(plan: Plan) -> str:
     """``mesh_order=dp:pp:cp:tp``, as unsupported lines name the plan's placement."""
     return f"mesh_order={':'.join(plan.dims.order)}"
@@ -207,15 +189,6 @@ def placement_unsupported(target: str, plan: Plan, runs: str) -> list[str]:
 
 
 # ---- pipeline stages -----------------------------------------------------------------------------
-
-def recompute_layers_per_chunk(plan: Plan, counts: list[int]) -> int | None:
-    """With recompute=full: blocks recomputed per model chunk (the runtime recomputes the first
-    ``recompute_layers`` blocks of each chunk). None: every block."""
-    k = plan.recompute_layers
-    if k is None or k >= max(counts):
-        return None
-    return k
-
 
 # ---- output --------------------------------------------------------------------------------------
 

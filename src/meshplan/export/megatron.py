@@ -21,13 +21,14 @@ from meshplan.export.common import (
     sync_unsupported,
 )
 from meshplan.spec.axes import AX
+from meshplan.spec.export_limits import MEGATRON_ORDER, MEGATRON_TP_PP_DP_ORDER
 
 TARGET = "megatron"
 
-DEFAULT_ORDER = (AX.PP, AX.DP, AX.CP, AX.TP)
+DEFAULT_ORDER = MEGATRON_ORDER
 """Megatron-LM's default rank order 'tp-cp-ep-dp-pp' (innermost first; megatron/training/initialize.py
 passes it to initialize_model_parallel) as a mesh_order (outermost first): meshplan's default."""
-TP_PP_DP_ORDER = (AX.DP, AX.PP, AX.CP, AX.TP)
+TP_PP_DP_ORDER = MEGATRON_TP_PP_DP_ORDER
 """``--use-tp-pp-dp-mapping``: 'tp-cp-ep-pp-dp' (NVIDIA/Megatron-LM megatron/training/initialize.py,
 2025; older releases passed 'tp-pp-dp', without context parallelism) as a mesh_order."""
 

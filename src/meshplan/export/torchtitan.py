@@ -24,6 +24,7 @@ from meshplan.export.common import (
     sync_words,
 )
 from meshplan.spec.model import ModelSpec
+from meshplan.spec.export_limits import torchtitan_dp_split
 from meshplan.spec.plan import Plan
 
 TARGET = "torchtitan"
@@ -140,7 +141,7 @@ def build(inp: ExportInput) -> ExportResult:
 
     # ---- data parallel / FSDP ------------------------------------------------------------------
     par: dict[str, Any] = {}
-    rep, shard = _dp_split(group_plan, uns)
+    rep, shard = torchtitan_dp_split(group_plan, uns)
     par["data_parallel_replicate_degree"] = rep
     par["data_parallel_shard_degree"] = shard
     fsdp = shard > 1 or p.cp > 1
@@ -340,32 +341,6 @@ def _fault_tolerance(inp: ExportInput, uns: list[str], notes: list[str]) -> tupl
                  + ("; DiLoCo's outer optimizer is SGD(lr=0.7, momentum=0.9, nesterov=True), fixed in "
                     "torchtitan/components/ft/manager.py" if p.grad_sync == "diloco" else ""))
     return ft, groups
-
-
-def _dp_split(p: Plan, uns: list[str]) -> tuple[int, int]:
-    """(data_parallel_replicate_degree, data_parallel_shard_degree) for the plan."""
-    if p.dp * p.cp == 1:
-        return 1, 1
-    if p.zero == 0:
-        if p.dp == 1:  # cp > 1: torchtitan's FSDP group always includes cp
-            uns.append("zero=0 with cp>1: torchtitan FSDP-shards parameters over the context-parallel group "
-                       "(its FSDP mesh is dp_shard x cp)")
-            return 1, 1
-        if p.tp > 1 or p.pp > 1 or p.cp > 1:
-            uns.append("zero=0 (DDP) with TP/PP/CP: torchtitan's DDP is 1-D only; exported as FSDP over the "
-                       "data-parallel ranks without resharding after forward (ZeRO-2-like)")
-            return 1, p.dp
-        return p.dp, 1
-    if p.zero == 1:
-        uns.append("zero=1: torchtitan (FSDP2) has no optimizer-only sharding; exported as FSDP without "
-                   "resharding after forward, which also shards gradients (ZeRO-2-like)")
-    s = p.effective_shard  # ranks over dp*cp
-    if s % p.cp:
-        uns.append(f"shard_group={p.shard_group} is not a multiple of cp={p.cp}: torchtitan's FSDP group always "
-                   "spans the whole cp group; exported as FSDP over all data-parallel ranks")
-        return 1, p.dp
-    shard = s // p.cp
-    return p.dp // shard, shard
 
 
 def _cli_value(v: Any) -> list[str]:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_TOPK_ATTRS = ("top_k", "num_experts_per_tok", "experts_per_token", "k")
+TOPK_ATTRS = ("top_k", "num_experts_per_tok", "experts_per_token", "k")
 
 
 @dataclass(eq=False)
@@ -100,7 +100,7 @@ def _uniform_fused(self: nn.Module, hidden_states: torch.Tensor, top_k_index: to
 def _uniform_list(self: nn.Module, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    k = next(int(getattr(self, a)) for a in _TOPK_ATTRS if isinstance(getattr(self, a, None), int))
+    k = next(int(getattr(self, a)) for a in TOPK_ATTRS if isinstance(getattr(self, a, None), int))
     _seen(self, k)
     probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
     weights, _chosen = probs.topk(k, dim=-1)
@@ -161,7 +161,7 @@ def is_expert_list(m: nn.Module) -> bool:
     experts, gate = getattr(m, "experts", None), getattr(m, "gate", None)
     return (isinstance(experts, (nn.ModuleList, nn.ModuleDict)) and len(experts) > 1 and isinstance(gate, nn.Linear)
             and gate.out_features == len(experts)
-            and any(isinstance(getattr(m, a, None), int) for a in _TOPK_ATTRS))
+            and any(isinstance(getattr(m, a, None), int) for a in TOPK_ATTRS))
 
 
 @contextlib.contextmanager

@@ -145,8 +145,8 @@ def ep_refusal(model: nn.Module, name: str, ep: int) -> str | None:
 
 
 def _top_k(m: nn.Module) -> int:
-    from meshplan.ingest.moe import _TOPK_ATTRS
-    return next(int(getattr(m, a)) for a in _TOPK_ATTRS if isinstance(getattr(m, a, None), int))
+    from meshplan.ingest.moe import TOPK_ATTRS
+    return next(int(getattr(m, a)) for a in TOPK_ATTRS if isinstance(getattr(m, a, None), int))
 
 
 def _combine(flat: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int,

@@ -17,12 +17,9 @@ from meshplan.runtime.hetero import local_plan
 from meshplan.spec.cluster import ClusterSpec, GPUSpec, LinkTier, default_links
 from meshplan.spec.io import parse_cluster_shorthand
 from meshplan.spec.plan import Plan
+from meshplan.spec.local_cpu import CPU_MEMORY_BANDWIDTH_GBPS, CPU_TFLOPS_ENV, LOOPBACK_GBPS, cpu_cluster
 from meshplan.units import GiB
 
-CPU_MEMORY_BANDWIDTH_GBPS = 20.0
-"""Assumed DRAM bandwidth of the local CPU 'device' (one socket, a few channels); order of magnitude."""
-LOOPBACK_GBPS = 2.0
-"""Assumed gloo-over-loopback bandwidth between local processes, GB/s; order of magnitude."""
 CUDA_PRESETS = (("H200", "h200-sxm-141gb"), ("H100", "h100-sxm-80gb"), ("A100-SXM4-40GB", "a100-sxm-40gb"),
                 ("A100", "a100-sxm-80gb"), ("B200", "b200-sxm-192gb"), ("L40S", "l40s-48gb"),
                 ("V100", "v100-sxm-32gb"))
@@ -40,31 +37,6 @@ the cost model's raw GPU figure, which is kept as ``cost_model_peak_memory_gib``
 def this_device_type() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def cpu_cluster(nproc: int, tflops: float = 1.0, memory_gib: float | None = None, *, nodes: int = 1,
-                nodes_per_dc: int | None = None) -> Any:
-    """A ClusterSpec of this machine's CPU as ``nproc`` 'GPUs' (one process each) for the cost
-    model: fp32 matmul rate ``tflops`` (memory estimates do not depend on it), host memory; spread
-    over ``nodes`` nodes (when they divide ``nproc``) of ``nodes_per_dc`` per datacenter (several
-    datacenters: an inter_dc tier at the loopback rate), as `meshplan train --nnodes --nodes-per-dc`
-    runs it (what decides a periodic plan's inner groups, spec.sync)."""
-    if memory_gib is None:
-        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-    gpu = GPUSpec(name="local-cpu", vendor_name="this machine's CPU, one core per process",
-                  peak_tflops={"fp32": tflops, "bf16": tflops, "fp16": tflops}, memory_gib=memory_gib,
-                  hbm_bandwidth_gbps=CPU_MEMORY_BANDWIDTH_GBPS, intra_node_bandwidth_gbps=LOOPBACK_GBPS,
-                  intra_node_link="pcie", default_nic_gbps=LOOPBACK_GBPS, gemm_efficiency=1.0,
-                  source="measured fp32 matmul rate of one thread")
-    intra, inter = default_links(gpu)
-    if nodes < 1 or nproc % nodes:
-        nodes = 1
-    dc = None
-    if nodes_per_dc and nodes_per_dc < nodes and nodes % nodes_per_dc == 0:
-        dc = LinkTier(name="inter_dc", bandwidth_gbps=LOOPBACK_GBPS, kind="loopback")
-    name = f"local-cpu:{nproc}" if nodes == 1 else f"local-cpu:{nodes}x{nproc // nodes}"
-    return ClusterSpec(name=name, gpu=gpu, num_nodes=nodes, gpus_per_node=nproc // nodes,
-                       intra_node=intra, inter_node=inter, inter_dc=dc, nodes_per_dc=nodes_per_dc if dc else None)
 
 
 def run_plan(plan: Plan, device_type: str) -> Plan:
@@ -109,11 +81,6 @@ def _local_cluster(nproc: int, device_type: str, nodes: int = 1, nodes_per_dc: i
                                                     kind="wan"), nodes_per_dc=nodes_per_dc)
                 return c
     return cpu_cluster(nproc, cpu_tflops(), nodes=nodes, nodes_per_dc=nodes_per_dc)
-
-
-CPU_TFLOPS_ENV = "MESHPLAN_CPU_TFLOPS"
-"""The CPU rate the launcher measured, passed to its ranks so that the estimate before the launch, the
---replan-after check and the summary price the same machine."""
 
 
 def cpu_tflops(seconds: float = 0.2) -> float:

@@ -434,11 +434,11 @@ def violation_masks(model: ModelSpec, cluster: ClusterSpec, work: Workload, cols
                         runs[t] &= ~mask
                 mask = np.zeros(n, dtype=bool)
             out[name] = mask
-        if export_only and broken.any():  # each target's own limits (export.limits), on the rows kept for it
+        if export_only and broken.any():  # each target's own limits (spec.export_limits), on the rows kept for it
             if is_traced(model):
                 runs = {t: r & untargeted for t, r in runs.items()}
             else:
-                from meshplan.export.limits import Ctx, masks as limit_masks
+                from meshplan.spec.export_limits import Ctx, masks as limit_masks
                 g = as_graph(model, work.seq_len)
                 ctx = Ctx(num_layers=g.model.num_layers if g.model is not None else None, cluster=cluster)
                 cand = np.zeros(n, dtype=bool)

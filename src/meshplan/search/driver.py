@@ -549,8 +549,8 @@ def _message(name: str, model: ModelSpec, cluster: ClusterSpec, plan: Plan, work
 
 def _no_target_message(model: ModelSpec, plan: Plan, work: Workload, cluster: ClusterSpec | None = None) -> str:
     """The rules ``plan`` breaks, each with the export targets that run it as planned, and what
-    keeps each of those targets from running the rest of the plan as planned (export.limits)."""
-    from meshplan.export.limits import Ctx, limits
+    keeps each of those targets from running the rest of the plan as planned (spec.export_limits)."""
+    from meshplan.spec.export_limits import Ctx, limits
     from meshplan.spec.support import is_traced
     bad = runtime_violations(plan, microbatches(work.global_batch, plan.dp, plan.micro_batch), model)
     rules = "; ".join(f"{rule.name}: {' or '.join(rule.targets) or 'no target'}" for rule, _ in bad)

@@ -431,7 +431,7 @@ def load_cluster(arg: str) -> ClusterSpec:
 
 def local_cpu_cluster(arg: str) -> ClusterSpec:
     """--cluster local-cpu[:N | :NODESxPER_NODE]: this machine's CPU as N 'GPUs' of one core each, the
-    device `meshplan train` prints its CPU estimates for (runtime.local.cpu_cluster), so that a name
+    device `meshplan train` prints its CPU estimates for (spec.local_cpu.cpu_cluster), so that a name
     meshplan prints is one it takes (issue 29). Its rate: $MESHPLAN_CPU_TFLOPS (what `train` measured),
     else numpy's fp32 256x256 matmul rate measured here (torch is not imported by planning)."""
     import os
@@ -439,7 +439,7 @@ def local_cpu_cluster(arg: str) -> ClusterSpec:
 
     import numpy as np
 
-    from meshplan.runtime.local import CPU_TFLOPS_ENV, cpu_cluster
+    from meshplan.spec.local_cpu import CPU_TFLOPS_ENV, cpu_cluster
     _, _, count = arg.strip().partition(":")
     try:
         if not count:

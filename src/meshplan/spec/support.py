@@ -247,14 +247,14 @@ def runtime_violations(plan: Plan, micro: int, model: Model = None) -> list[tupl
 def export_targets(plan: Plan, micro: int, model: Model = None, cluster: object = None) -> tuple[str, ...] | None:
     """None when the runtime runs ``plan`` as planned; else the export targets that run it as
     planned: those common to every violated rule, less those whose exporter cannot express one of
-    the plan's settings (export.limits; none for a traced model, which no target takes); empty
+    the plan's settings (spec.export_limits; none for a traced model, which no target takes); empty
     when none does."""
     bad = runtime_violations(plan, micro, model)
     if not bad:
         return None
     if is_traced(model):
         return ()
-    from meshplan.export.limits import Ctx, limits
+    from meshplan.spec.export_limits import Ctx, limits
     g = _graph(model)
     ctx = Ctx(num_layers=None if g is None else g.model.num_layers if g.model is not None else None, cluster=cluster)
     return tuple(t for t in TARGETS if all(t in rule.targets for rule, _ in bad) and not limits(t, plan, ctx))
