@@ -96,7 +96,7 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
         f"               allocated {r.allocated_memory_gib:.1f} GiB (torch max_memory_allocated), reserved "
         f"{r.reserved_memory_gib:.1f} (max_memory_reserved); the peak adds the CUDA context and NCCL's buffers "
         f"(what nvidia-smi shows)",
-        *host_lines(r),
+        *host_lines(r, cluster),
         *weak_link_lines(cluster, plan, r, params),
         *runtime_lines(model, plan, work),
         "",
@@ -132,14 +132,17 @@ def safe_peak(r: CostReport, params: object = None) -> float:
     return safe_peak_gib(r.usable_memory_gib, params or DEFAULT_PARAMS)
 
 
-def host_lines(r: CostReport) -> list[str]:
+def host_lines(r: CostReport, cluster: object = None) -> list[str]:
     """The host memory an offload takes, when the plan offloads anything."""
     if r.host_memory_gib <= 0:
         return []
-    from meshplan.cost.params import DEFAULT_PARAMS
-    have = DEFAULT_PARAMS.host_memory_per_gpu_gib
-    return [f"host memory    {r.host_memory_gib:.1f} GiB per GPU offloaded, of {have:.0f} assumed per GPU: "
-            + ("fits" if r.host_fits else "DOES NOT FIT (offload less, or shard more: zero=3, more GPUs)")]
+    have = r.host_memory_per_gpu_gib
+    line = f"host memory    {r.host_memory_gib:.1f} GiB per GPU offloaded, of {have:.0f} per GPU"
+    if cluster is not None and len(getattr(cluster, "pools", (cluster,))) == 1:
+        line += (f" (a node's {cluster.host_memory_per_node_gib:,.0f} GiB over {cluster.gpus_per_node} GPUs: "
+                 f"{cluster.host_memory_basis()})")
+    return [line + ": " + ("fits" if r.host_fits else "DOES NOT FIT (offload less, or shard more: zero=3, more "
+                                                     "GPUs; or a cluster file with the nodes' host_memory_gib)")]
 
 
 def runtime_status(model: LayerGraph, plan: Plan, work: Workload) -> dict[str, object]:

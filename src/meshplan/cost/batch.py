@@ -977,6 +977,7 @@ def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, s
     out["allocated_memory_gib"] = np.sum([out[f"memory.{k}"] for k in ALLOCATED_KEYS], axis=0)
     out["reserved_memory_gib"] = out["allocated_memory_gib"] + out["memory.allocator"]
     host = np.nanmax(mem["host"], axis=1) / GiB
-    out |= {"host_memory_gib": host, "host_fits": host <= p.host_memory_per_gpu_gib}
+    # the fullest GPU's offload against its share of the node's host memory (ClusterSpec.host_memory_gib)
+    out |= {"host_memory_gib": host, "host_fits": host <= cluster.host_memory_per_gpu_gib}
     return out
 

@@ -138,9 +138,6 @@ class CostParams:
     profile: str = "meshplan"
     """The implementation profile these numbers follow (set by cost.profile.Profile.apply): the
     memory band uses that codebase's out-of-sample errors."""
-    host_memory_per_gpu_gib: float = 128.0
-    """Host memory an offloading plan may use per GPU, GiB: a DGX A100 node's 1 TiB over its 8
-    GPUs (a DGX H100 has 2 TiB). Plans that offload more are 'out of host memory'."""
     step_overhead_s: float = 0.0
     """Fixed per-step host overhead (data loading, logging, launch), seconds."""
     pipeline_variable_shapes: bool = False
@@ -294,7 +291,6 @@ PARAM_KINDS: dict[str, str] = {
     "allocator_fragmentation": "fitted", "segment_fragmentation": "derived", "expandable_segments": "derived",
     "framework_overhead_gib": "fitted", "memory_margin": "derived", "max_oom_risk": "derived",
     "headroom_gib": "derived", "band_scale": "derived", "profile": "derived",
-    "host_memory_per_gpu_gib": "derived",
     "step_overhead_s": "derived", "pipeline_variable_shapes": "derived",
     "attention_kernel": "derived", "elementwise_kernels": "derived",
     "dp_overlap": "derived", "param_gather_overlap": "derived", "dp_bucket_buffers": "derived", "main_grads": "derived",

@@ -521,9 +521,11 @@ def _examples(model: ModelSpec, work: Workload, scans: list[_Scan], names: list[
             elif name == HOST_OOM:
                 plan = s.cols.plan(int(hit[0]))
                 r = estimate(model, s.cluster, plan, work, params)
+                c = s.cluster
                 out[name] = (f"{plan.short()}: its offload needs {r.host_memory_gib:.0f} GiB of host memory per GPU, "
-                             f"over the {params.host_memory_per_gpu_gib:.0f} GiB assumed (a DGX A100's 1 TiB over "
-                             "8 GPUs); offload less, or shard more (zero=3, more GPUs)")
+                             f"over the {c.host_memory_per_gpu_gib:.0f} GiB a GPU has ({c.host_memory_per_node_gib:,.0f} "
+                             f"GiB per node over {c.gpus_per_node} GPUs: {c.host_memory_basis()}); offload less, "
+                             "or shard more (zero=3, more GPUs)")
             elif name == COST_MODEL_REFUSED:
                 out[name] = _refused_example(model, s, int(hit[0]), work, params)
             else:
