@@ -447,12 +447,37 @@ def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any
     if model.model is not None:
         check_positions(args, model.model, work.seq_len)
     space = search_space(args, clusters[0].pools[0], model)
+    space = _without_idle_selective(args, space, model, work, cost.params)
     if args.objective is None:  # by time (to a target, where sync methods trade tokens for time), or by
         # dollars under a deadline
         from meshplan.search.space import base_sync, sync_options
         weak = any(sync_options(p, space) != [base_sync(space.base)] for c in clusters for p in c.pools)
         args.objective = "cost" if deadline is not None else ("time-to-target" if weak else "time")
     return model, clusters, tokens, space, work
+
+
+SELECTIVE_LEFT_OUT = ("recompute=selective (Megatron's: the attention core) is not searched: with flash attention it "
+                      "recomputes the core's forward and saves no memory, so recompute=none beats it; torchtitan's "
+                      "'selective' (op-level SAC) is recompute=op (docs/cost-model.md)")
+
+
+def _without_idle_selective(args: argparse.Namespace, space: Any, model: Any, work: Any, params: Any) -> Any:
+    """The space without recompute=selective where it keeps what recompute=none keeps (flash attention,
+    no fp8: cost.activations.selective_saves_nothing), so that no plan pays its recompute for nothing;
+    a --fix that names selective keeps it (estimate notes what it costs)."""
+    import dataclasses
+
+    from meshplan.cost.activations import selective_saves_nothing
+    from meshplan.spec.plan import RECOMPUTE
+    if "selective" not in space.recompute or len(space.recompute) < len(RECOMPUTE):  # fixed by --fix
+        return space
+    if not selective_saves_nothing(model, space.base, params, work.seq_len):
+        return space
+    notes = getattr(args, "plan_notes", None)  # in the result's notes (--json) and a line of the text: not on
+    if notes is None:                            # stderr, which a plan's one-line refusals keep to themselves
+        notes = args.plan_notes = []
+    notes.append(SELECTIVE_LEFT_OUT)
+    return dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != "selective"))
 
 
 def check_positions(args: argparse.Namespace | None, model: Any, seq_len: int) -> None:
@@ -879,7 +904,11 @@ def _text(result: Any, tokens: float | None, price: dict[str, Any] | None = None
         lines.append(f"deadline: {result.deadline_days:g} days to train {token_count(tokens)} tokens "
                      "(plans that take longer are rejected)")
     lines += [(f"searched {result.considered:,} plans in {result.search_time_s:.2f} s: "
-               f"{result.feasible:,} feasible, {result.evaluated:,} priced by the cost model"), ""]
+               f"{result.feasible:,} feasible, {result.evaluated:,} priced by the cost model")]
+    if SELECTIVE_LEFT_OUT in result.notes:
+        lines.append("recompute=selective (Megatron's: the attention core) not searched: with flash attention it "
+                     "saves no memory and costs time; torchtitan's 'selective' is recompute=op")
+    lines.append("")
     if result.plans:
         lines += [_table(result, tokens), ""]
     if result.data_aware is not None:
