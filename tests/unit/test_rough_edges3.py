@@ -136,3 +136,22 @@ def test_selective_is_left_out_exactly_where_it_keeps_what_none_keeps(tp, pp, ze
     same = abs(sel.memory["activations"] - none.memory["activations"]) < 1e-9
     assert selective_saves_nothing(m, plan, params, w.seq_len) == same, plan.short()
     assert sel.time["recompute"] > 0 and sel.step_time_s >= none.step_time_s  # (hidden where comm is exposed)
+
+
+# ---- review: an 8-bit optimizer with its states offloaded to the CPU -------------------------------
+
+def test_adam8bit_with_cpu_optimizer_offload_is_refused_and_not_searched(capsys):
+    """Review: optimizer=adam8bit with offload_optimizer was priced and recommended, though bitsandbytes' 8-bit
+    optimizers have CUDA kernels only (no CPU step for offloaded states)."""
+    rc, _, err = run(capsys, "estimate", *L8B, "--optimizer", "adam8bit", "--plan",
+                     "dp=8,zero=3,offload_optimizer=1,offload_params=1")
+    assert rc == 2 and err.count("\n") == 1 and "optimizer=adam8bit" in err and "GPU only" in err, err
+    rc, _, err = run(capsys, "estimate", *L8B, "--plan", "dp=8,zero=3,offload_optimizer=1,offload_params=1")
+    assert rc == 0, err  # adamw offloads
+    rc, out, err = run(capsys, "plan", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16",
+                       "--optimizer", "adam8bit", "--json")
+    doc = json.loads(out) if rc == 0 else None
+    assert doc is None or not any(p["plan"]["offload_optimizer"] for p in doc["plans"] + doc["pareto"]), err
+    rc, _, err = run(capsys, "plan", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16",
+                     "--optimizer", "adam8bit", "--fix", "offload=1")
+    assert rc == 3 and "invalid offload" in err.strip().splitlines()[-1]

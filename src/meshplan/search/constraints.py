@@ -185,7 +185,8 @@ def hybrid_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -
 def offload_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     z = cols["zero"]
     return ((cols["offload_params"] & (z != 3))
-            | (cols["offload_optimizer"] & (z == 0) & (cols[AX.DP] > 1)))
+            | (cols["offload_optimizer"] & (z == 0) & (cols[AX.DP] > 1))
+            | (cols["offload_optimizer"] & (w.optimizer in sc.CUDA_ONLY_OPTIMIZERS)))
 
 
 def zero2_pipeline(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
