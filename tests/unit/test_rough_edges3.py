@@ -155,3 +155,35 @@ def test_adam8bit_with_cpu_optimizer_offload_is_refused_and_not_searched(capsys)
     rc, _, err = run(capsys, "plan", "--model", "llama3-70b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16",
                      "--optimizer", "adam8bit", "--fix", "offload=1")
     assert rc == 3 and "invalid offload" in err.strip().splitlines()[-1]
+
+
+# ---- edge 14: a sync method for a negligible gain ---------------------------------------------------
+
+def test_a_sync_method_needs_a_meaningful_gain(capsys):
+    """Edge 14: `--sync-methods on` picked fp8 gradient compression for a 0.05-0.3% predicted gain. Each sync method
+    (compression, a periodic sync) must now gain CostParams.sync_method_min_gain (3%) to rank above a plan without
+    it; the note names the one held back."""
+    from meshplan.cost.params import DEFAULT_PARAMS
+    assert DEFAULT_PARAMS.sync_method_min_gain == 0.03
+    rc, out, err = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:16", "--global-batch", "64",
+                       "--sync-methods", "on", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    win = doc["plans"][0]
+    assert win["plan"]["grad_compression"] == "none" and win["plan"]["grad_sync"] == "auto"
+    fp8 = [p for p in doc["plans"] if p["plan"]["grad_compression"] == "fp8"]
+    assert fp8 and fp8[0]["cost"]["time_to_target_s"] < win["cost"]["time_to_target_s"]  # faster, by too little
+    gain = 1 - fp8[0]["cost"]["time_to_target_s"] / win["cost"]["time_to_target_s"]
+    assert 0 < gain < 0.03
+    note = next(n for n in doc["notes"] if "sync_method_min_gain" in n)
+    assert note.startswith("grad_compression=fp8 (") and f"{100 * gain:.2f}% faster to the target loss" in note
+    rc, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:16", "--global-batch", "64",
+                     "--sync-methods", "on")
+    assert "note: grad_compression=fp8" in out
+    # on a weak cluster a method that gains more than that still wins (DiLoCo across 100 GbE nodes)
+    rc, out, err = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "cloud-h100-100gbe", "--global-batch", "256",
+                       "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["plans"][0]["plan"]["grad_sync"] == "diloco"
+    assert doc["plans"][0]["cost"]["time_to_target_s"] < 0.97 * doc["best_synchronous"]["cost"]["time_to_target_s"]

@@ -911,6 +911,7 @@ def _text(result: Any, tokens: float | None, price: dict[str, Any] | None = None
     lines.append("")
     if result.plans:
         lines += [_table(result, tokens), ""]
+    lines += [f"note: {n}" for n in result.notes if "CostParams.sync_method_min_gain" in n]
     if result.data_aware is not None:
         from meshplan.cli.lengths_arg import data_aware_lines
         lines += data_aware_lines(result.data_aware) + [""]

@@ -129,6 +129,12 @@ class CostParams:
     """POLICY: the largest chance of running out of memory (cost.uncertainty.oom_probability, from
     the memory model's out-of-sample errors) at which a plan is still recommended; a plan that
     fits but exceeds it is 'at-risk' (`meshplan plan --max-oom-risk`)."""
+    sync_method_min_gain: float = 0.03
+    """POLICY: the least gain, a fraction of the objective (time to target, step time or $), a plan
+    with a gradient-sync method (grad_compression bf16/fp8/powersgd, local-sgd, diloco) must show over
+    one that syncs every full-precision gradient every step to rank above it: smaller predicted gains
+    are within what the cost model resolves between two near-identical plans and do not pay for the
+    method's numerical risk (the search ranks such a plan as if it took 1/(1 - gain) longer)."""
     headroom_gib: float = 0.0
     """POLICY: memory a recommended plan must leave free below the usable memory, GiB
     (`meshplan plan --headroom`); a plan that fits with less is 'at-risk'."""
@@ -290,7 +296,7 @@ PARAM_KINDS: dict[str, str] = {
     "pp_p2p_exposed": "derived", "pp_p2p_overlap": "derived", "collectives": "derived",
     "allocator_fragmentation": "fitted", "segment_fragmentation": "derived", "expandable_segments": "derived",
     "framework_overhead_gib": "fitted", "memory_margin": "derived", "max_oom_risk": "derived",
-    "headroom_gib": "derived", "band_scale": "derived", "profile": "derived",
+    "headroom_gib": "derived", "sync_method_min_gain": "derived", "band_scale": "derived", "profile": "derived",
     "step_overhead_s": "derived", "pipeline_variable_shapes": "derived",
     "attention_kernel": "derived", "elementwise_kernels": "derived",
     "dp_overlap": "derived", "param_gather_overlap": "derived", "dp_bucket_buffers": "derived", "main_grads": "derived",

@@ -350,6 +350,10 @@ def _collect(model: ModelSpec, work: Workload, scans: list[_Scan], params: CostP
         "usd_per_mtok": _gather(scans, feas, lambda s, r: _usd(s, r, work)),
         "num_gpus": _gather(scans, feas, lambda s, r: np.full(len(r), s.cluster.num_gpus)),
     }
+    method = _sync_method_rows(scans, which, rows)
+    # each sync method a plan adds (compression; a periodic sync) must gain CostParams.sync_method_min_gain to rank above
+    # the plan without it
+    pts["rank_factor"] = (1.0 / (1.0 - params.sync_method_min_gain)) ** method
     result = SearchResult(
         model=model, clusters=[s.cluster for s in scans], work=work, objective=objective,
         plans=[], considered=sum(s.cols.num_rows for s in scans),
@@ -359,6 +363,9 @@ def _collect(model: ModelSpec, work: Workload, scans: list[_Scan], params: CostP
     order = _rank(scans, which, rows, pts, objective, top)
     result.plans = [_ranked(i + 1, scans[which[j]], int(rows[j]), model, work, params)
                     for i, j in enumerate(order)]
+    held = _held_back_method(scans, which, rows, pts, objective, order, method, params)
+    if held:
+        result.notes.append(held)
     # the other ranking (per step, or per token of progress) where the two differ
     other = "time" if objective == "time-to-target" else "time-to-target"
     if objective != "cost" and len(rows) and np.any(pts["time_to_target_s"] != pts["step_time_s"]):
@@ -408,6 +415,7 @@ def _rank(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str
         return []
     obj = {"time": pts["step_time_s"], "cost": pts["usd_per_mtok"],
            "time-to-target": pts["time_to_target_s"]}[objective]
+    obj = obj * pts.get("rank_factor", 1.0)  # sync methods need a meaningful gain (CostParams.sync_method_min_gain)
     keys = (pts["peak_memory_gib"], pts["num_gpus"], pts["step_time_s"], obj)  # last = first: result.rank_key
     order = np.lexsort(keys)
     kth = order[min(top, len(order)) - 1]
@@ -426,6 +434,41 @@ def _rank(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str
     head.sort(key=lambda j: (obj[j], pts["step_time_s"][j], pts["num_gpus"][j], pts["peak_memory_gib"][j], axes(j),
                              short(j)))
     return head[:top]
+
+
+def _sync_method_rows(scans: list[_Scan], which: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Per feasible row, how many gradient-sync methods it uses (0 to 2): compression (bf16, fp8, powersgd), and
+    a sync that is not every full gradient every step (local-sgd, diloco)."""
+    out = np.zeros(len(rows), dtype=np.int64)
+    for i, s in enumerate(scans):
+        idx = np.nonzero(which == i)[0]
+        gs = np.asarray(s.cols["grad_sync"])[rows[idx]]
+        comp = np.asarray(s.cols["grad_compression"])[rows[idx]]
+        out[idx] = (~np.isin(gs, ("auto", "all-reduce", "reduce-scatter"))).astype(np.int64) + (comp != "none")
+    return out
+
+
+def _held_back_method(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str, np.ndarray],
+                      objective: str, order: list[int], method: np.ndarray, params: CostParams) -> str | None:
+    """A note when the best plan by the objective alone uses more sync methods than the winner, for a gain below
+    CostParams.sync_method_min_gain per method."""
+    if not order or not method.any():
+        return None
+    obj = {"time": pts["step_time_s"], "cost": pts["usd_per_mtok"],
+           "time-to-target": pts["time_to_target_s"]}[objective]
+    w = order[0]
+    j = int(np.argmin(np.where(method > method[w], obj, np.inf)))
+    if not method[j] > method[w] or not obj[j] < obj[w]:
+        return None
+    plan = scans[which[j]].cols.plan(int(rows[j]))
+    what = ",".join(f"{k}={v}" for k, v in (("grad_sync", plan.grad_sync), ("grad_compression", plan.grad_compression))
+                    if v not in ("auto", "none"))
+    unit = {"time": "per step", "cost": "in $ per token", "time-to-target": "to the target loss"}[objective]
+    return (f"{what} ({plan.short()}) would be {100 * (1 - obj[j] / obj[w]):.2f}% faster {unit}"
+            if objective != "cost" else
+            f"{what} ({plan.short()}) would be {100 * (1 - obj[j] / obj[w]):.2f}% cheaper per token") + (
+        f" than the winner: below the {100 * params.sync_method_min_gain:g}% each gradient-sync method (compression, "
+        "a periodic sync) must gain to rank above a plan without it (CostParams.sync_method_min_gain)")
 
 
 def _best_synchronous(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str, np.ndarray],
