@@ -187,3 +187,66 @@ def test_a_sync_method_needs_a_meaningful_gain(capsys):
     doc = json.loads(out)
     assert doc["plans"][0]["plan"]["grad_sync"] == "diloco"
     assert doc["plans"][0]["cost"]["time_to_target_s"] < 0.97 * doc["best_synchronous"]["cost"]["time_to_target_s"]
+
+
+# ---- edge 14: the progress bar's count against "searched N plans" ------------------------------------
+
+def test_progress_and_searched_counts_say_what_they_count():
+    """Edge 14: the bar read "125,208/125,208 plans" and the result "searched 658,374 plans" (the bar counts the
+    plans that pass the constraints, of one cluster size; the line every plan enumerated, of all sizes). Both now
+    say what they count, and the counts add up: the bar's totals sum to the line's "pass the constraints", of which
+    the cost model priced some and a memory bound ruled out the rest."""
+    import io
+    import re
+    from argparse import Namespace
+
+    from meshplan.cli.plan_cmd import Progress, cluster_sizes, search_sizes, searched_line
+    from meshplan.cli.model_arg import as_problem, load_model_arg
+    from meshplan.search.space import SearchSpace
+    stream = io.StringIO()
+    bar = Progress(stream, delay_s=0.0, columns=400)
+    args = Namespace(cluster="h100-sxm-80gb", gpus="8,16", price_per_gpu_hour=None)
+    clusters = cluster_sizes(args)
+    model, work = as_problem(load_model_arg("llama3-8b", seq_len=8192), 64, 8192, None, None)
+    result = search_sizes(model, clusters, work, SearchSpace(), objective="time", top=5, progress=bar)
+    bar.close()
+    seen = re.findall(r"searching (\d+) GPUs \((\d)/2\) \[[# ]*\]\s+\d+% ([\d,]+)/([\d,]+) plans that pass the "
+                      r"constraints", stream.getvalue())
+    last = {}
+    for gpus, _, done, total in seen:
+        last[gpus] = (int(done.replace(",", "")), int(total.replace(",", "")))
+    assert set(last) == {"8", "16"} and all(d == t for d, t in last.values())
+    line = searched_line(result)
+    m = re.fullmatch(r"searched ([\d,]+) plans over 2 cluster sizes in [\d.]+ s: ([\d,]+) pass the constraints, "
+                     r"([\d,]+) of them priced by the cost model \(([\d,]+) ruled out by a memory bound first\), "
+                     r"([\d,]+) feasible", line)
+    assert m, line
+    considered, passed, priced, bounded, feasible = (int(g.replace(",", "")) for g in m.groups())
+    assert passed == sum(t for _, t in last.values()) == result.passed_constraints
+    assert considered == result.considered > passed and priced + bounded == passed and feasible <= priced
+
+
+def test_each_step_time_band_names_its_plans(capsys):
+    """Edge 14: "step time within -11%/+14%, -14%/+12% (90%)": two bands, and no word of whose each is (the band
+    widens with the pipeline depth). Each now names the plans of the table it belongs to."""
+    import re
+    rc, out, err = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "64",
+                       "--top", "5", "--json")
+    assert rc == 0, err
+    plans = json.loads(out)["plans"]
+    rc, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "64",
+                     "--top", "5")
+    line = next(x for x in out.splitlines() if x.startswith("step time within"))
+    bands = re.findall(r"([+-]\d+)%/([+-]\d+)% for ((?:#\d+(?:-#\d+)?(?:, )?)+)", line)
+    assert len(bands) >= 2, line  # this request shows plans with and without a pipeline
+    owner = {}
+    for lo, hi, ranks in bands:
+        for part in ranks.split(", "):
+            a, _, b = part.partition("-")
+            for k in range(int(a[1:]), int((b or a)[1:]) + 1):
+                owner[k] = (int(lo), int(hi))
+    assert sorted(owner) == list(range(1, len(plans) + 1))
+    for i, p in enumerate(plans, 1):
+        c = p["cost"]
+        assert owner[i] == (round(100 * (c["step_time_s_low"] / c["step_time_s"] - 1)),
+                            round(100 * (c["step_time_s_high"] / c["step_time_s"] - 1))), (i, line)

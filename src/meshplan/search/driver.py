@@ -236,6 +236,7 @@ def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | PooledCluster 
     t2 = time.perf_counter()
     bucket_stage = work.varied and evaluator is evaluate_lengths and space.buckets
     result = _collect(model, work, scans, params, objective, max(top, POOL) if bucket_stage else top)
+    result.passed_constraints = total  # what the progress bar counted: priced (evaluated) or over a memory bound
     result.headroom = space.headroom
     if bucket_stage:  # micro-batch and cp per length bucket, built from the best one-shape plans
         data_aware(result, params, top, _best_runnable_one_shape(scans, model, work, params, objective),
