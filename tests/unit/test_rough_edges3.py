@@ -250,3 +250,84 @@ def test_each_step_time_band_names_its_plans(capsys):
         c = p["cost"]
         assert owner[i] == (round(100 * (c["step_time_s_low"] / c["step_time_s"] - 1)),
                             round(100 * (c["step_time_s_high"] / c["step_time_s"] - 1))), (i, line)
+
+
+# ---- edge 4: the README's and docs' memory figures are validate's, each saying what it counts ------------
+
+@pytest.fixture(scope="module")
+def validate_summary():
+    import contextlib
+    import io
+
+    from meshplan.cli.main import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["validate", "--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def _close(quoted: str, actual: float) -> bool:
+    return abs(float(quoted) - actual) <= 0.1  # a figure as quoted (one decimal), small drifts tolerated
+
+
+def test_readme_memory_figures_are_validates(validate_summary):
+    """Edge 4: the README quoted a peak-memory error of 3.5% on 18 rows while `validate` printed 13.8% on 53 (and
+    now 21.8% on 128): the figures counted different rows and different memory. The README now quotes validate's
+    line, and each kind of row (reserved, nvidia-smi, allocated) with its count and what it measures."""
+    import re
+    from pathlib import Path
+    s = validate_summary["summary"]
+    text = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    by, n = s["memory_mape_pct_by_measure"], s["memory_rows_by_measure"]
+    assert set(by) == set(n) == {"reserved", "nvidia-smi", "allocated"}
+    m = re.search(r"`peak memory: MAPE ([\d.]+)% over (\d+) rows; reserved rows ([\d.]+)% \((\d+) rows\); nvidia-smi "
+                  r"rows ([\d.]+)% \((\d+) rows\); allocated rows ([\d.]+)% \((\d+) rows\)`", text)
+    assert m, "the README quotes validate's peak-memory line"
+    assert _close(m[1], s["memory_mape_pct"]) and int(m[2]) == s["memory_rows"]
+    for (pct, rows), kind in zip(((m[3], m[4]), (m[5], m[6]), (m[7], m[8])), ("reserved", "nvidia-smi", "allocated")):
+        assert _close(pct, by[kind]) and int(rows) == n[kind], kind
+    prose = dict((k, (p, r)) for p, r, k in re.findall(r"([\d.]+)% on the (\d+) (reserved|nvidia-smi|allocated) rows",
+                                                       text))
+    assert set(prose) == set(by)
+    for kind, (pct, rows) in prose.items():
+        assert _close(pct, by[kind]) and int(rows) == n[kind], kind
+    whats = {"reserved": "max_memory_reserved", "nvidia-smi": "whole GPU memory", "allocated": "max_memory_allocated"}
+    for kind, words in whats.items():  # each says what it counts
+        at = text.index(f"on the {n[kind]} {kind} rows")
+        assert words in text[at:at + 260], kind
+    all_rows = re.search(r"([\d.]+)% over all (\d+) rows", text)
+    assert all_rows and _close(all_rows[1], s["memory_mape_pct"]) and int(all_rows[2]) == s["memory_rows"]
+
+
+def test_cost_model_in_sample_table_is_validates(validate_summary):
+    """Edge 4: docs/cost-model.md's in-sample table showed 3.5% (torchtitan) and 13.8% over 53 rows, from before
+    the memory fit and the later sources. Every source of validate's summary is a row, with its counts, errors
+    and the kind of memory its rows measured."""
+    import re
+    from pathlib import Path
+    s, rows = validate_summary["summary"], validate_summary["rows"]
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cost-model.md").read_text()
+    part = doc[doc.index("## Accuracy in sample"):doc.index("How `meshplan validate` reads each source")]
+    table = {m[0]: m[1:] for m in re.findall(r"^\| (\w+) \| (\d+) \| ([\d.]+%|-) \| ([\d.]+%|-) \| (.*?) \|$", part,
+                                             re.M)}
+    assert set(table) == set(s["by_source"])
+
+    def same(quoted: str, actual: float | None) -> bool:
+        return quoted == "-" if actual is None else quoted != "-" and _close(quoted.rstrip("%"), actual)
+    for src, v in s["by_source"].items():
+        n, step, worst, mem = table[src]
+        assert int(n) == v["rows"] and same(step, v["mape_pct"]) and same(worst, v["max_abs_pct"]), src
+        measured = [r for r in rows if r["source_id"] == src and r["memory_error_pct"] is not None]
+        if not measured:
+            assert mem == "-", src
+            continue
+        kinds = "/".join(sorted({r["memory_measure"] for r in measured}))
+        m = re.fullmatch(r"([\d.]+)% \(([\w/-]+), (\d+) rows\)", mem)
+        assert m and _close(m[1], v["memory_mape_pct"]) and m[2] == kinds and int(m[3]) == len(measured), (src, mem)
+    total = re.search(r"\| all \((\d+) runs with a step time\) \| (\d+) \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% over all "
+                      r"(\d+) rows \|", part)
+    assert total and int(total[2]) == s["rows"] and _close(total[3], s["step_time_mape_pct"])
+    assert _close(total[5], s["memory_mape_pct"]) and int(total[6]) == s["memory_rows"]
+    for kind, pct in s["memory_mape_pct_by_measure"].items():
+        m = re.search(rf"\*\*{re.escape(kind)}\*\* \((\d+) rows[^)]*\).*?MAPE \*\*([\d.]+)%\*\*", part, re.S)
+        assert m and int(m[1]) == s["memory_rows_by_measure"][kind] and _close(m[2], pct), kind
