@@ -331,3 +331,24 @@ def test_cost_model_in_sample_table_is_validates(validate_summary):
     for kind, pct in s["memory_mape_pct_by_measure"].items():
         m = re.search(rf"\*\*{re.escape(kind)}\*\* \((\d+) rows[^)]*\).*?MAPE \*\*([\d.]+)%\*\*", part, re.S)
         assert m and int(m[1]) == s["memory_rows_by_measure"][kind] and _close(m[2], pct), kind
+
+
+# ---- review: MFU's basis for fp32 plans ---------------------------------------------------------------
+
+@pytest.mark.parametrize("precision,dtype,peak", [("fp32", "fp32", 67.0), ("bf16", "bf16", 989.4),
+                                                  ("fp8", "bf16", 989.4), ("fp16", "fp16", 989.4)])
+def test_mfu_says_which_peak_it_divides_by(capsys, precision, dtype, peak):
+    """Review: an fp32 plan's MFU divided by the GPU's fp32 (CUDA-core) peak without saying so, so 33% read like a
+    bf16 plan's 33%. estimate states the basis (text and --json) and it is the one MFU uses."""
+    args = ["--model", "gpt2-medium", "--cluster", "h100-sxm-80gb:8", "--global-batch", "16",
+            "--plan", f"dp=8,precision={precision}"]
+    d = _estimate(capsys, *args)
+    assert d["mfu_basis"] == {"dtype": dtype, "peak_tflops_per_gpu": pytest.approx(peak)}
+    assert d["mfu"] == pytest.approx(d["tflops_per_gpu"] / peak, rel=1e-9)
+    rc, out, _ = run(capsys, "estimate", *args)
+    line = next(x for x in out.splitlines() if x.startswith("model TFLOP/s"))
+    assert f"(over the {dtype} peak, {peak:,.1f} TFLOP/s per GPU" in line
+    assert ("not tf32's tensor-core peak" in line) == (precision == "fp32")
+    if precision == "fp32":
+        rc, out, _ = run(capsys, "plan", *args[:-2], "--precision", "fp32")
+        assert rc == 0 and "MFU: model FLOP/s over the fp32 peak, 67.0 TFLOP/s per GPU" in out

@@ -833,8 +833,13 @@ def band_line(result: Any) -> str:
     else:  # the band widens with the pipeline depth (cost.uncertainty.step_band): say whose each is
         band = "; ".join(f"{_band(k)} for {_ranks(v)}" for k, v in sorted(ranks.items(), key=lambda kv: kv[1][0]))
     policy = memory_policy_words(result.params or DEFAULT_PARAMS, result.headroom)
+    mfu = ""
+    prec = result.plans[0].plan.precision if result.plans else "bf16"
+    if prec in ("fp32", "fp16") and result.clusters:  # not the usual bf16 basis: say which peak MFU divides by
+        from meshplan.cli.views import mfu_basis_words
+        mfu = f"\nMFU: model FLOP/s over {mfu_basis_words(result.clusters[0].gpu, prec)}"
     return (f"step time within {band} (90%); P(OOM): chance of running out of memory; both from the cost model's "
-            f"out-of-sample errors\n{policy}")
+            f"out-of-sample errors\n{policy}{mfu}")
 
 
 SMALL_BATCH_TOKENS = 8192

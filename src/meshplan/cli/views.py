@@ -90,7 +90,8 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
         f"step time      {seconds(r.step_time_s)}   (90% band {seconds(r.step_time_s_low)} to "
         f"{seconds(r.step_time_s_high)}, from the cost model's out-of-sample errors)",
         f"throughput     {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s / r.num_gpus:,.0f} per GPU)",
-        f"model TFLOP/s  {r.tflops_per_gpu:.1f} per GPU   MFU {r.mfu * 100:.1f}%   HFU {r.hfu * 100:.1f}%",
+        f"model TFLOP/s  {r.tflops_per_gpu:.1f} per GPU   MFU {r.mfu * 100:.1f}%   HFU {r.hfu * 100:.1f}%   "
+        f"(over {mfu_basis_words(cluster.gpu, plan.precision)})",
         f"peak memory    {r.peak_memory_gib:.1f} GiB per GPU of {cluster.gpu.memory_gib:.0f} "
         f"(usable {r.usable_memory_gib:.1f}; 95th percentile {r.peak_memory_gib_high:.1f}): {fit_word(r, params)}",
         f"               allocated {r.allocated_memory_gib:.1f} GiB (torch max_memory_allocated), reserved "
@@ -111,6 +112,18 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
     if not r.fits:
         out.append("\n" + fit_hint(plan, r))
     return "\n".join(out)
+
+
+def mfu_basis_words(gpu: Any, precision: str) -> str:
+    """Which peak MFU divides by, e.g. 'the bf16 peak, 989.4 TFLOP/s per GPU' (cost.batch.mfu_basis)."""
+    from meshplan.cost.batch import mfu_basis
+    basis = mfu_basis(precision)
+    words = f"the {basis} peak, {gpu.peak(basis) / 1e12:,.1f} TFLOP/s per GPU"
+    if precision == "fp32":
+        words += ": CUDA cores, not tf32's tensor-core peak"
+    elif precision == "fp8":
+        words += ": fp8 plans against the 16-bit peak"
+    return words
 
 
 def fit_word(r: CostReport, params: object = None) -> str:
