@@ -352,3 +352,40 @@ def test_mfu_says_which_peak_it_divides_by(capsys, precision, dtype, peak):
     if precision == "fp32":
         rc, out, _ = run(capsys, "plan", *args[:-2], "--precision", "fp32")
         assert rc == 0 and "MFU: model FLOP/s over the fp32 peak, 67.0 TFLOP/s per GPU" in out
+
+
+# ---- edge 13: the Pareto plot's colour bar ------------------------------------------------------------
+
+def test_pareto_colour_bar_is_coloured_in_every_format():
+    """Edge 13: the Pareto plot's colour bar was an SVG gradient, which the matplotlib painter of .png/.pdf files
+    fills grey. It is now solid viridis cells: coloured in the SVG/HTML and in what the painter draws."""
+    import xml.etree.ElementTree as ET
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from meshplan.report.charts import pareto_plot
+    from meshplan.search import search
+    from meshplan.spec.io import load_cluster, load_model
+    from meshplan.spec.plan import Workload
+    from meshplan.svg import VIRIDIS, paint, viridis
+    result = search(load_model("llama3-8b"), load_cluster("h100-sxm-80gb:8"), Workload(global_batch=16, seq_len=8192))
+    fig = pareto_plot(result, "peak_memory_gib")
+    assert "url(" not in fig and "linearGradient" not in fig
+    root = ET.fromstring(fig)
+    ns = root.tag.partition("}")[0] + "}" if root.tag.startswith("{") else ""
+    bar = [g for g in root.iter(f"{ns}g") if (g.get("id") or "").startswith("cbar-")]
+    assert len(bar) == 1
+    fills = [r.get("fill") for r in bar[0].iter(f"{ns}rect")]
+    assert len(fills) >= 8 and fills[0] == viridis(0.0) and fills[-1] == viridis(1.0)
+    rgb = [tuple(int(f[i:i + 2], 16) for i in (1, 3, 5)) for f in fills]
+    assert all(len(set(c)) > 1 for c in rgb)  # none grey
+    assert rgb[0] == VIRIDIS[0] and rgb[-1] == VIRIDIS[-1]
+    f, ax = plt.subplots()
+    try:
+        assert paint(fig, ax) == []
+        faces = {tuple(round(255 * v) for v in p.get_facecolor()[:3]) for p in ax.patches}
+    finally:
+        plt.close(f)
+    assert VIRIDIS[0] in faces and VIRIDIS[-1] in faces and (128, 128, 128) not in faces
