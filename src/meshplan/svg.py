@@ -242,12 +242,18 @@ def legend(items: Sequence[tuple[str, str]], x: float, y: float, width: float, *
     return out, cy - y + box + 8
 
 
+COLOR_BAR_STEPS = 24
+"""Cells of a colour bar (viridis, evenly spaced)."""
+
+
 def color_bar(x: float, y: float, w: float, h: float, lo: str, hi: str, label: str, gid: str) -> list[str]:
-    """A horizontal viridis gradient with its end labels."""
-    stops = "".join(f'<stop offset="{k / (len(VIRIDIS) - 1):.2f}" stop-color="{viridis(k / (len(VIRIDIS) - 1))}"/>'
-                    for k in range(len(VIRIDIS)))
-    return [f'<defs><linearGradient id="{gid}">{stops}</linearGradient></defs>',
-            f'<rect x="{f1(x)}" y="{f1(y)}" width="{f1(w)}" height="{f1(h)}" fill="url(#{gid})"/>',
+    """A horizontal viridis scale with its end labels: COLOR_BAR_STEPS solid cells (not an SVG gradient, which the
+    matplotlib painter of .png/.pdf files cannot fill and drew grey); ``gid`` names the group."""
+    n = COLOR_BAR_STEPS
+    cell = w / n
+    cells = "".join(f'<rect x="{f1(x + k * cell)}" y="{f1(y)}" width="{f1(cell + 0.5 if k < n - 1 else cell)}" '
+                    f'height="{f1(h)}" fill="{viridis(k / (n - 1))}"/>' for k in range(n))
+    return [f'<g id="{gid}">{cells}</g>',
             f'<text class="tick" x="{f1(x)}" y="{f1(y + h + 11)}">{esc(lo)}</text>',
             f'<text class="tick" x="{f1(x + w)}" y="{f1(y + h + 11)}" text-anchor="end">{esc(hi)}</text>',
             f'<text class="tick" x="{f1(x + w / 2)}" y="{f1(y - 3)}" text-anchor="middle">{esc(label)}</text>']

@@ -285,8 +285,8 @@ def test_rotary_positions_note_a_longer_sequence(capsys):
     rc, out, err = run(capsys, "plan", "--model", "tiny-llama", "--cluster", "h100-sxm-80gb:4", "--global-batch", "8",
                        "--seq-len", "128")
     assert rc == 0 and out
-    assert err == ("meshplan: note: --seq-len 128 exceeds tiny-llama's trained context (64 tokens); the plans are "
-                   "for 128-token sequences as asked\n")
+    assert err == ("meshplan: note: --seq-len 128 exceeds tiny-llama's trained context (64 tokens); priced for "
+                   "128-token sequences as asked (the model may not train well past its context)\n")
 
 
 # ---- [20] more GPUs than the batch can use ----------------------------------------------------------

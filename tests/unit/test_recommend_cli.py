@@ -136,17 +136,20 @@ def test_simulate_says_what_its_idle_fraction_is(capsys):
     assert rc == 0 and "ranks idle waiting on the pipeline" in out and "critical rank's bubble" in out
 
 
-def test_offload_plans_are_checked_against_host_memory(capsys):
-    # Llama 3 70B fully offloaded over 8 GPUs: 131 GiB of host memory per GPU, over the 128 assumed
+def test_offload_plans_are_checked_against_host_memory(capsys, tmp_path):
+    # Llama 3 70B fully offloaded over 8 GPUs: 131 GiB of host memory per GPU, over the 128 of a node with 1 TiB
     plan = "tp=1,dp=8,zero=3,offload_params=1,offload_optimizer=1,recompute=full"
-    args = ["--model", "llama3-70b", "--cluster", "h100-sxm-80gb:8", "--global-batch", "8", "--seq-len", "8192"]
+    f = tmp_path / "c.toml"
+    f.write_text('gpu = "h100-sxm-80gb"\nnum_nodes = 1\ngpus_per_node = 8\nhost_memory_gib = 1024\n')
+    args = ["--model", "llama3-70b", "--cluster", str(f), "--global-batch", "8", "--seq-len", "8192"]
     rc, out, _ = run(capsys, "estimate", *args, "--plan", plan)
     assert rc == 0 and "host memory    131.4 GiB per GPU offloaded" in out and "DOES NOT FIT" in out
     rc, out, _ = run(capsys, "estimate", *args, "--plan", plan, "--json")
     doc = json.loads(out)
     assert doc["fits"] and not doc["host_fits"] and doc["host_memory_gib"] > 128
     rc, out, err = run(capsys, "plan", *args)
-    assert rc == 3 and "of host memory per GPU (of 128)" in err and "at least 16 x h100-sxm-80gb" in err
+    assert rc == 3 and "of host memory per GPU (of 128, the node's 1,024 GiB over 8)" in err
+    assert "at least 16 x h100-sxm-80gb" in err
 
 
 @pytest.mark.parametrize("flag", ["--even-stages-only", "--uneven-stages"])

@@ -147,7 +147,7 @@ def test_infeasible_page_says_what_would_make_it_feasible(infeasible):
     assert p.bad == []
     assert set(p.plots) == {"rejections"}
     assert "No plan fits" in infeasible and "What would make it feasible" in infeasible
-    assert "needs at least 56 x h100-sxm-80gb" in infeasible  # fewer: offloads need too much host memory
+    assert "needs at least 32 x h100-sxm-80gb" in infeasible  # fewer: offloads need more than a DGX H100's host memory
     assert "out of memory" in infeasible and "Why no plan fits" in infeasible
     doc = data_block(infeasible)
     assert doc["plans"] == [] and doc["nearest"] and doc["simulation"] is None

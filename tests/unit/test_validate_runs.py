@@ -390,7 +390,8 @@ def test_validate_errors_and_summary(cases: list[RunCase]) -> None:
         "measured_from", "verdict", "oom_probability", "predicted_step_time_s_low", "predicted_step_time_s_high",
         "predicted_peak_memory_gib_high"}
     assert set(s) == {"rows", "ok", "unsupported", "step_time_mape_pct", "step_time_max_abs_pct",
-                      "memory_mape_pct", "memory_rows", "memory_mape_pct_by_measure", "fit_verdicts", "by_source"}
+                      "memory_mape_pct", "memory_rows", "memory_mape_pct_by_measure", "memory_rows_by_measure",
+                      "fit_verdicts", "by_source"}
     assert s["rows"] == len(cases) and s["unsupported"] == 3 and s["ok"] == len(cases) - 3
     for r in rows:
         if r["model"] == "BLOOM-176B":

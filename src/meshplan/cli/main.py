@@ -172,7 +172,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         extra = {"lengths": lengths_summary(model, cluster, plan, work, cost.params)}
     if args.json:
         from meshplan.cli.views import runtime_status
-        out = (report.to_dict() | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
+        from meshplan.cost.batch import mfu_basis
+        basis = mfu_basis(plan.precision)
+        out = (report.to_dict() | {"mfu_basis": {"dtype": basis,
+                                                 "peak_tflops_per_gpu": cluster.gpu.peak(basis) / 1e12}}
+               | {"model": model.name, "cluster": cluster.name, "plan": plan.short(),
                                    "global_batch": work.global_batch, "seq_len": work.seq_len,
                                    "optimizer": work.optimizer, "runtime": runtime_status(model, plan, work)}
                | extra | cost.to_json())

@@ -447,12 +447,37 @@ def problem(args: argparse.Namespace) -> tuple[Any, list[Any], float | None, Any
     if model.model is not None:
         check_positions(args, model.model, work.seq_len)
     space = search_space(args, clusters[0].pools[0], model)
+    space = _without_idle_selective(args, space, model, work, cost.params)
     if args.objective is None:  # by time (to a target, where sync methods trade tokens for time), or by
         # dollars under a deadline
         from meshplan.search.space import base_sync, sync_options
         weak = any(sync_options(p, space) != [base_sync(space.base)] for c in clusters for p in c.pools)
         args.objective = "cost" if deadline is not None else ("time-to-target" if weak else "time")
     return model, clusters, tokens, space, work
+
+
+SELECTIVE_LEFT_OUT = ("recompute=selective (Megatron's: the attention core) is not searched: with flash attention it "
+                      "recomputes the core's forward and saves no memory, so recompute=none beats it; torchtitan's "
+                      "'selective' (op-level SAC) is recompute=op (docs/cost-model.md)")
+
+
+def _without_idle_selective(args: argparse.Namespace, space: Any, model: Any, work: Any, params: Any) -> Any:
+    """The space without recompute=selective where it keeps what recompute=none keeps (flash attention,
+    no fp8: cost.activations.selective_saves_nothing), so that no plan pays its recompute for nothing;
+    a --fix that names selective keeps it (estimate notes what it costs)."""
+    import dataclasses
+
+    from meshplan.cost.activations import selective_saves_nothing
+    from meshplan.spec.plan import RECOMPUTE
+    if "selective" not in space.recompute or len(space.recompute) < len(RECOMPUTE):  # fixed by --fix
+        return space
+    if not selective_saves_nothing(model, space.base, params, work.seq_len):
+        return space
+    notes = getattr(args, "plan_notes", None)  # in the result's notes (--json) and a line of the text: not on
+    if notes is None:                            # stderr, which a plan's one-line refusals keep to themselves
+        notes = args.plan_notes = []
+    notes.append(SELECTIVE_LEFT_OUT)
+    return dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != "selective"))
 
 
 def check_positions(args: argparse.Namespace | None, model: Any, seq_len: int) -> None:
@@ -540,7 +565,8 @@ class Progress:
         self.last = now
         frac = done / total if total else 1.0
         bar = "#" * int(frac * self.width)
-        self._write(f"{self.label} [{bar:<{self.width}}] {100 * frac:3.0f}% {done:,}/{total:,} plans")
+        self._write(f"{self.label} [{bar:<{self.width}}] {100 * frac:3.0f}% {done:,}/{total:,} plans that pass "
+                    "the constraints")
 
     @contextlib.contextmanager
     def step(self, label: str) -> Iterator[Progress]:
@@ -778,16 +804,42 @@ TABLE_WIDTH = 200
 """The plan table drops its tokens/s column when it would be wider (plan strings of huge models)."""
 
 
+def _band(lo_hi: tuple[int, int]) -> str:
+    return f"{lo_hi[0]:+d}%/{lo_hi[1]:+d}%"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'#1', '#1-#3, #5': the plans of the table a band belongs to."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"#{x[0]}" if len(x) == 1 else f"#{x[0]}-#{x[-1]}" for x in runs)
+
+
 def band_line(result: Any) -> str:
     """How sure the table is: the step-time band of the plans shown and what P(OOM) is."""
     from meshplan.cost.params import DEFAULT_PARAMS
     from meshplan.cost.uncertainty import memory_policy_words
-    rel = sorted({(round(100 * (p.report.step_time_s_low / p.report.step_time_s - 1)),
-                   round(100 * (p.report.step_time_s_high / p.report.step_time_s - 1))) for p in result.plans})
-    band = ", ".join(f"{lo:+d}%/{hi:+d}%" for lo, hi in rel)
+    ranks: dict[tuple[int, int], list[int]] = {}  # each band, with the plans (their # in the table) it belongs to
+    for i, p in enumerate(result.plans):
+        key = (round(100 * (p.report.step_time_s_low / p.report.step_time_s - 1)),
+               round(100 * (p.report.step_time_s_high / p.report.step_time_s - 1)))
+        ranks.setdefault(key, []).append(getattr(p, "rank", 0) or i + 1)
+    if len(ranks) == 1:
+        band = f"{_band(next(iter(ranks)))} for every plan shown"
+    else:  # the band widens with the pipeline depth (cost.uncertainty.step_band): say whose each is
+        band = "; ".join(f"{_band(k)} for {_ranks(v)}" for k, v in sorted(ranks.items(), key=lambda kv: kv[1][0]))
     policy = memory_policy_words(result.params or DEFAULT_PARAMS, result.headroom)
+    mfu = ""
+    prec = result.plans[0].plan.precision if result.plans else "bf16"
+    if prec in ("fp32", "fp16") and result.clusters:  # not the usual bf16 basis: say which peak MFU divides by
+        from meshplan.cli.views import mfu_basis_words
+        mfu = f"\nMFU: model FLOP/s over {mfu_basis_words(result.clusters[0].gpu, prec)}"
     return (f"step time within {band} (90%); P(OOM): chance of running out of memory; both from the cost model's "
-            f"out-of-sample errors\n{policy}")
+            f"out-of-sample errors\n{policy}{mfu}")
 
 
 SMALL_BATCH_TOKENS = 8192
@@ -878,10 +930,14 @@ def _text(result: Any, tokens: float | None, price: dict[str, Any] | None = None
     if result.deadline_days is not None:
         lines.append(f"deadline: {result.deadline_days:g} days to train {token_count(tokens)} tokens "
                      "(plans that take longer are rejected)")
-    lines += [(f"searched {result.considered:,} plans in {result.search_time_s:.2f} s: "
-               f"{result.feasible:,} feasible, {result.evaluated:,} priced by the cost model"), ""]
+    lines += [searched_line(result)]
+    if SELECTIVE_LEFT_OUT in result.notes:
+        lines.append("recompute=selective (Megatron's: the attention core) not searched: with flash attention it "
+                     "saves no memory and costs time; torchtitan's 'selective' is recompute=op")
+    lines.append("")
     if result.plans:
         lines += [_table(result, tokens), ""]
+    lines += [f"note: {n}" for n in result.notes if "CostParams.sync_method_min_gain" in n]
     if result.data_aware is not None:
         from meshplan.cli.lengths_arg import data_aware_lines
         lines += data_aware_lines(result.data_aware) + [""]
@@ -896,6 +952,21 @@ def _text(result: Any, tokens: float | None, price: dict[str, Any] | None = None
     if result.pareto:
         lines += [""] + _pareto_lines(result, tokens)
     return "\n".join(lines)
+
+
+def searched_line(result: Any) -> str:
+    """What the search counted, in the progress bar's terms: candidates enumerated, those that pass the
+    constraints (the bar's count), those of them priced by the cost model (the others over a memory bound),
+    and those feasible."""
+    n = len(result.clusters)
+    head = (f"searched {result.considered:,} plans" + (f" over {n} cluster sizes" if n > 1 else "")
+            + f" in {result.search_time_s:.2f} s: ")
+    if result.passed_constraints < 0:
+        return head + f"{result.feasible:,} feasible, {result.evaluated:,} priced by the cost model"
+    skipped = result.passed_constraints - result.evaluated
+    return (head + f"{result.passed_constraints:,} pass the constraints, {result.evaluated:,} of them priced by the "
+            "cost model" + (f" ({skipped:,} ruled out by a memory bound first)" if skipped > 0 else "")
+            + f", {result.feasible:,} feasible")
 
 
 def _pareto_lines(result: Any, tokens: float | None) -> list[str]:

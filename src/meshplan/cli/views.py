@@ -90,13 +90,14 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
         f"step time      {seconds(r.step_time_s)}   (90% band {seconds(r.step_time_s_low)} to "
         f"{seconds(r.step_time_s_high)}, from the cost model's out-of-sample errors)",
         f"throughput     {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s / r.num_gpus:,.0f} per GPU)",
-        f"model TFLOP/s  {r.tflops_per_gpu:.1f} per GPU   MFU {r.mfu * 100:.1f}%   HFU {r.hfu * 100:.1f}%",
+        f"model TFLOP/s  {r.tflops_per_gpu:.1f} per GPU   MFU {r.mfu * 100:.1f}%   HFU {r.hfu * 100:.1f}%   "
+        f"(over {mfu_basis_words(cluster.gpu, plan.precision)})",
         f"peak memory    {r.peak_memory_gib:.1f} GiB per GPU of {cluster.gpu.memory_gib:.0f} "
         f"(usable {r.usable_memory_gib:.1f}; 95th percentile {r.peak_memory_gib_high:.1f}): {fit_word(r, params)}",
         f"               allocated {r.allocated_memory_gib:.1f} GiB (torch max_memory_allocated), reserved "
         f"{r.reserved_memory_gib:.1f} (max_memory_reserved); the peak adds the CUDA context and NCCL's buffers "
         f"(what nvidia-smi shows)",
-        *host_lines(r),
+        *host_lines(r, cluster),
         *weak_link_lines(cluster, plan, r, params),
         *runtime_lines(model, plan, work),
         "",
@@ -111,6 +112,18 @@ def estimate_text(model: LayerGraph, cluster: ClusterSpec, plan: Plan, work: Wor
     if not r.fits:
         out.append("\n" + fit_hint(plan, r))
     return "\n".join(out)
+
+
+def mfu_basis_words(gpu: Any, precision: str) -> str:
+    """Which peak MFU divides by, e.g. 'the bf16 peak, 989.4 TFLOP/s per GPU' (cost.batch.mfu_basis)."""
+    from meshplan.cost.batch import mfu_basis
+    basis = mfu_basis(precision)
+    words = f"the {basis} peak, {gpu.peak(basis) / 1e12:,.1f} TFLOP/s per GPU"
+    if precision == "fp32":
+        words += ": CUDA cores, not tf32's tensor-core peak"
+    elif precision == "fp8":
+        words += ": fp8 plans against the 16-bit peak"
+    return words
 
 
 def fit_word(r: CostReport, params: object = None) -> str:
@@ -132,14 +145,17 @@ def safe_peak(r: CostReport, params: object = None) -> float:
     return safe_peak_gib(r.usable_memory_gib, params or DEFAULT_PARAMS)
 
 
-def host_lines(r: CostReport) -> list[str]:
+def host_lines(r: CostReport, cluster: object = None) -> list[str]:
     """The host memory an offload takes, when the plan offloads anything."""
     if r.host_memory_gib <= 0:
         return []
-    from meshplan.cost.params import DEFAULT_PARAMS
-    have = DEFAULT_PARAMS.host_memory_per_gpu_gib
-    return [f"host memory    {r.host_memory_gib:.1f} GiB per GPU offloaded, of {have:.0f} assumed per GPU: "
-            + ("fits" if r.host_fits else "DOES NOT FIT (offload less, or shard more: zero=3, more GPUs)")]
+    have = r.host_memory_per_gpu_gib
+    line = f"host memory    {r.host_memory_gib:.1f} GiB per GPU offloaded, of {have:.0f} per GPU"
+    if cluster is not None and len(getattr(cluster, "pools", (cluster,))) == 1:
+        line += (f" (a node's {cluster.host_memory_per_node_gib:,.0f} GiB over {cluster.gpus_per_node} GPUs: "
+                 f"{cluster.host_memory_basis()})")
+    return [line + ": " + ("fits" if r.host_fits else "DOES NOT FIT (offload less, or shard more: zero=3, more "
+                                                     "GPUs; or a cluster file with the nodes' host_memory_gib)")]
 
 
 def runtime_status(model: LayerGraph, plan: Plan, work: Workload) -> dict[str, object]:

@@ -83,3 +83,23 @@ def fp8_saved_change(o: Any, flash_attention: bool, p: Any, recompute: str) -> t
                   and attention_kind(flash_attention, p) in FLASH_KERNELS)
         split += (0.5 if shared else -0.5) * o.saved_attn_out
     return rep, split
+
+
+SELECTIVE_NOTE = ("recompute=selective (Megatron's --recompute-granularity selective: the attention core) recomputes "
+                  "the flash-attention forward in the backward ({cost}) and saves no memory: a flash kernel "
+                  "keeps no s x s scores, only its inputs, output and log-sum-exp, which the layer keeps anyway "
+                  "(Megatron does the same: its core attention, Transformer Engine's fused kernel too, runs under "
+                  "tensor_parallel.checkpoint). recompute=none keeps the same memory for less time; torchtitan's "
+                  "'selective' (op-level SAC) is recompute=op here")
+
+
+def selective_saves_nothing(model: Any, plan: Any, p: Any, seq_len: int) -> bool:
+    """Whether recompute=selective keeps exactly what recompute=none keeps for ``plan``: the model has an
+    attention core, the plan's kernel for it is a flash kernel (attention_saved_bytes: no scores to free)
+    and the GEMM inputs are not fp8-cast (fp8_saved_change: the one term where a recomputed core differs).
+    Megatron runs selective this way too (it still recomputes the core: the time is paid, cost.layer)."""
+    from meshplan.spec.transformer import as_graph
+    if plan.precision == "fp8" or attention_kind(plan.flash_attention, p) not in FLASH_KERNELS:
+        return False
+    graph = as_graph(model, seq_len)
+    return any(o.attention is not None for o in graph.ops.values())

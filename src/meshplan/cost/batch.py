@@ -946,6 +946,14 @@ def _loss_hidden(o: Any) -> float:
     return max((float(g.k) for g in o.gemms), default=float(o.loss_vocab))
 
 
+def mfu_basis(precision: str) -> str:
+    """The peak MFU (and HFU) divide by, as a dtype of GPUSpec.peak_tflops: bf16 for bf16 and fp8 plans (the
+    convention of Megatron, torchtitan and PaLM's MFU: fp8 runs are reported against the 16-bit peak), fp16
+    for fp16, and fp32 for fp32 plans: the GPU's plain fp32 (CUDA-core) peak, not tf32's tensor cores (an
+    fp32 plan's GEMMs are priced at that peak too), so an fp32 plan's MFU is not comparable with a bf16 one's."""
+    return "bf16" if precision in ("bf16", "fp8") else precision
+
+
 def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, step: np.ndarray,
              mem: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     cols = a.cols
@@ -958,8 +966,8 @@ def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, s
     rc_flops = (total * a.lay.is_block[None, :] * a.q["rc_flops"]).sum(1) * scale
     prec = cols["precision"]
     peak = np.empty(len(prec))
-    for name in np.unique(prec):  # MFU basis: the 16-bit peak for bf16/fp8, else the dtype's own
-        peak[prec == name] = gpu.peak("bf16" if name in ("bf16", "fp8") else str(name))
+    for name in np.unique(prec):  # MFU basis (mfu_basis): the 16-bit peak for bf16/fp8, else the dtype's own
+        peak[prec == name] = gpu.peak(mfu_basis(str(name)))
     total_mem = np.sum([mem[k] for k in MEMORY_KEYS], axis=0)
     worst = np.nanargmax(total_mem, axis=1)
     rows = np.arange(len(worst))
@@ -979,6 +987,7 @@ def _summary(a: Assembly, cluster: ClusterSpec, work: Workload, p: CostParams, s
     out["allocated_memory_gib"] = np.sum([out[f"memory.{k}"] for k in ALLOCATED_KEYS], axis=0)
     out["reserved_memory_gib"] = out["allocated_memory_gib"] + out["memory.allocator"]
     host = np.nanmax(mem["host"], axis=1) / GiB
-    out |= {"host_memory_gib": host, "host_fits": host <= p.host_memory_per_gpu_gib}
+    # the fullest GPU's offload against its share of the node's host memory (ClusterSpec.host_memory_gib)
+    out |= {"host_memory_gib": host, "host_fits": host <= cluster.host_memory_per_gpu_gib}
     return out
 

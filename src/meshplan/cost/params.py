@@ -135,6 +135,12 @@ class CostParams:
     """POLICY: the largest chance of running out of memory (cost.uncertainty.oom_probability, from
     the memory model's out-of-sample errors) at which a plan is still recommended; a plan that
     fits but exceeds it is 'at-risk' (`meshplan plan --max-oom-risk`)."""
+    sync_method_min_gain: float = 0.03
+    """POLICY: the least gain, a fraction of the objective (time to target, step time or $), a plan
+    with a gradient-sync method (grad_compression bf16/fp8/powersgd, local-sgd, diloco) must show over
+    one that syncs every full-precision gradient every step to rank above it: smaller predicted gains
+    are within what the cost model resolves between two near-identical plans and do not pay for the
+    method's numerical risk (the search ranks such a plan as if it took 1/(1 - gain) longer)."""
     headroom_gib: float = 0.0
     """POLICY: memory a recommended plan must leave free below the usable memory, GiB
     (`meshplan plan --headroom`); a plan that fits with less is 'at-risk'."""
@@ -144,9 +150,6 @@ class CostParams:
     profile: str = "meshplan"
     """The implementation profile these numbers follow (set by cost.profile.Profile.apply): the
     memory band uses that codebase's out-of-sample errors."""
-    host_memory_per_gpu_gib: float = 128.0
-    """Host memory an offloading plan may use per GPU, GiB: a DGX A100 node's 1 TiB over its 8
-    GPUs (a DGX H100 has 2 TiB). Plans that offload more are 'out of host memory'."""
     step_overhead_s: float = 0.0
     """Fixed per-step host overhead (data loading, logging, launch), seconds."""
     pipeline_variable_shapes: bool = False
@@ -298,9 +301,9 @@ PARAM_KINDS: dict[str, str] = {
     "host_adam_params_per_s": "measured", "pcie_gbps": "measured", "fsdp_prefetch_layers": "derived",
     "pp_p2p_exposed": "derived", "pp_p2p_overlap": "derived", "collectives": "derived",
     "allocator_fragmentation": "fitted", "segment_fragmentation": "derived", "expandable_segments": "derived",
-    "framework_overhead_gib": "fitted", "codebase_memory": "derived", "memory_margin": "derived", "max_oom_risk": "derived",
-    "headroom_gib": "derived", "band_scale": "derived", "profile": "derived",
-    "host_memory_per_gpu_gib": "derived",
+    "framework_overhead_gib": "fitted", "codebase_memory": "derived", "memory_margin": "derived",
+    "max_oom_risk": "derived", "headroom_gib": "derived", "sync_method_min_gain": "derived", "band_scale": "derived",
+    "profile": "derived",
     "step_overhead_s": "derived", "pipeline_variable_shapes": "derived",
     "attention_kernel": "derived", "elementwise_kernels": "derived",
     "dp_overlap": "derived", "param_gather_overlap": "derived", "dp_bucket_buffers": "derived", "main_grads": "derived",

@@ -329,7 +329,11 @@ def pooled_extras(est: PooledEstimate, model: LayerGraph | ModelSpec, cluster: C
         "allocated_memory_gib": t.allocated_memory_gib, "reserved_memory_gib": t.reserved_memory_gib,
         "memory_pool": t.name, "memory": dict(t.memory), "memory_per_stage": list(t.memory_per_stage),
         "step_time_s_low": float(low[0]), "step_time_s_high": float(high[0]), "params": int(n_params),
-        "model": str(getattr(model, "name", "")), "cluster": str(getattr(cluster, "name", ""))}
+        "model": str(getattr(model, "name", "")), "cluster": str(getattr(cluster, "name", "")),
+        # the smallest share of host memory a GPU of the pools used has (each pool's offload is checked against its own)
+        "host_memory_per_gpu_gib": min((p.host_memory_per_gpu_gib for p in cluster.pools
+                                        if p.name in {q.name for q in est.parts}),
+                                       default=min(p.host_memory_per_gpu_gib for p in cluster.pools))}
     reports = [p.report for p in est.parts if p.report is not None]
     if reports:
         crit = max(est.parts, key=lambda p: p.step_s).report or reports[0]

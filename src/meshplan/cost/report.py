@@ -33,7 +33,10 @@ class CostReport:
     host_memory_gib: float = 0.0
     """Host memory per GPU the offload takes (optimizer states, FSDP's offloaded shards)."""
     host_fits: bool = True
-    """host_memory_gib <= CostParams.host_memory_per_gpu_gib."""
+    """host_memory_gib <= host_memory_per_gpu_gib."""
+    host_memory_per_gpu_gib: float = 0.0
+    """A GPU's share of its node's host memory (ClusterSpec.host_memory_per_gpu_gib): what its
+    offload may take."""
     at_risk: bool = False
     """Fits, but its chance of running out of memory exceeds CostParams.max_oom_risk (or it
     leaves less than CostParams.headroom_gib free): not recommended by default."""
@@ -84,7 +87,7 @@ class CostReport:
     def verdict(self) -> str:
         """fits, at-risk or does-not-fit (cost.uncertainty)."""
         from meshplan.cost.uncertainty import verdict
-        return verdict(self.fits, self.at_risk)
+        return verdict(self.fits and self.host_fits, self.at_risk)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"verdict": self.verdict}
@@ -110,6 +113,7 @@ def report_from_row(model: Any, cluster: Any, r: dict[str, np.ndarray], i: int,
         oom_probability=float(r["oom_probability"][i]), step_time_s_low=float(r["step_time_s_low"][i]),
         step_time_s_high=float(r["step_time_s_high"][i]), peak_memory_gib_high=float(r["peak_memory_gib_high"][i]),
         host_memory_gib=float(r["host_memory_gib"][i]), host_fits=bool(r["host_fits"][i]),
+        host_memory_per_gpu_gib=float(getattr(cluster, "host_memory_per_gpu_gib", 0.0)),
         usable_memory_gib=usable_gib(cluster, params),
         params=model.num_params(), num_gpus=int(r["num_gpus"][i]),
         microbatches=int(r["microbatches"][i]), memory=memory,

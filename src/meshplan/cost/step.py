@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from meshplan.cost.activations import SELECTIVE_NOTE, selective_saves_nothing
 from meshplan.cost.batch import check
 from meshplan.cost.buckets import plan_batch, plan_report
 from meshplan.cost.lengths import expected_batch
@@ -49,7 +50,12 @@ def estimate(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster
     pool = cluster.pools[0]
     if plan.pools is not None or plan.dp_shares is not None:  # placement on the pool, uneven shares
         return shares_report(model, pool, plan, work, params)
-    return plan_report(model, pool, plan, work, params)
+    report = plan_report(model, pool, plan, work, params)
+    if plan.recompute == "selective" and selective_saves_nothing(model, plan, params, work.seq_len):
+        rc = report.time.get("recompute", 0.0)
+        took = f"{rc * 1e3:,.1f} ms" if rc < 1 else f"{rc:,.2f} s"
+        report.notes.append(SELECTIVE_NOTE.format(cost=f"+{took} per step, {100 * rc / report.step_time_s:.1f}% of the step"))
+    return report
 
 
 def estimate_batch(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster, work: Workload,

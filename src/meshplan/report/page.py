@@ -165,8 +165,10 @@ def _problem(r: SearchResult, command: str | None) -> str:
             ("objective", {"time": "fastest step", "cost": "fewest dollars per token",
                            "time-to-target": "soonest to a target loss (step time x token-efficiency factor)"}
              .get(r.objective, r.objective)),
-            ("searched", f"{r.considered:,} plans: {r.feasible:,} feasible, {r.evaluated:,} priced by the "
-                         f'cost model, in <span class="timing">{r.search_time_s:.2f} s</span>')]
+            ("searched", f"{r.considered:,} plans: "
+                         + (f"{r.passed_constraints:,} pass the constraints, " if r.passed_constraints >= 0 else "")
+                         + f"{r.evaluated:,} priced by the cost model, {r.feasible:,} feasible, "
+                         f'in <span class="timing">{r.search_time_s:.2f} s</span>')]
     if command:
         work.append(("command", f"<code>{esc(command)}</code>"))
     return ('<section id="problem"><h2>Problem</h2><div class="cols">'

@@ -44,7 +44,7 @@ ZERO_BUBBLE_DP = "zero-bubble schedule with data parallel gives wrong gradients 
 OUT_OF_MEMORY = "out of memory"
 HOST_OOM = "out of host memory"
 """Fits on the GPU, but the offload needs more host memory than a GPU has its share of
-(CostParams.host_memory_per_gpu_gib)."""
+(ClusterSpec.host_memory_per_gpu_gib: its node's host memory over its GPUs)."""
 AT_RISK = "at risk of running out of memory"
 """Fits by the estimate, but within the cost model's demonstrated memory error of the limit
 (CostParams.memory_error): not recommended by default (``SearchSpace.headroom``)."""
@@ -185,7 +185,8 @@ def hybrid_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -
 def offload_valid(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:
     z = cols["zero"]
     return ((cols["offload_params"] & (z != 3))
-            | (cols["offload_optimizer"] & (z == 0) & (cols[AX.DP] > 1)))
+            | (cols["offload_optimizer"] & (z == 0) & (cols[AX.DP] > 1))
+            | (cols["offload_optimizer"] & (w.optimizer in sc.CUDA_ONLY_OPTIMIZERS)))
 
 
 def zero2_pipeline(m: ModelSpec, c: ClusterSpec, w: Workload, cols: PlanColumns) -> np.ndarray:

@@ -236,6 +236,7 @@ def search(model: LayerGraph | ModelSpec, clusters: ClusterSpec | PooledCluster 
     t2 = time.perf_counter()
     bucket_stage = work.varied and evaluator is evaluate_lengths and space.buckets
     result = _collect(model, work, scans, params, objective, max(top, POOL) if bucket_stage else top)
+    result.passed_constraints = total  # what the progress bar counted: priced (evaluated) or over a memory bound
     result.headroom = space.headroom
     if bucket_stage:  # micro-batch and cp per length bucket, built from the best one-shape plans
         data_aware(result, params, top, _best_runnable_one_shape(scans, model, work, params, objective),
@@ -350,6 +351,10 @@ def _collect(model: ModelSpec, work: Workload, scans: list[_Scan], params: CostP
         "usd_per_mtok": _gather(scans, feas, lambda s, r: _usd(s, r, work)),
         "num_gpus": _gather(scans, feas, lambda s, r: np.full(len(r), s.cluster.num_gpus)),
     }
+    method = _sync_method_rows(scans, which, rows)
+    # each sync method a plan adds (compression; a periodic sync) must gain CostParams.sync_method_min_gain to rank above
+    # the plan without it
+    pts["rank_factor"] = (1.0 / (1.0 - params.sync_method_min_gain)) ** method
     result = SearchResult(
         model=model, clusters=[s.cluster for s in scans], work=work, objective=objective,
         plans=[], considered=sum(s.cols.num_rows for s in scans),
@@ -359,6 +364,9 @@ def _collect(model: ModelSpec, work: Workload, scans: list[_Scan], params: CostP
     order = _rank(scans, which, rows, pts, objective, top)
     result.plans = [_ranked(i + 1, scans[which[j]], int(rows[j]), model, work, params)
                     for i, j in enumerate(order)]
+    held = _held_back_method(scans, which, rows, pts, objective, order, method, params)
+    if held:
+        result.notes.append(held)
     # the other ranking (per step, or per token of progress) where the two differ
     other = "time" if objective == "time-to-target" else "time-to-target"
     if objective != "cost" and len(rows) and np.any(pts["time_to_target_s"] != pts["step_time_s"]):
@@ -408,6 +416,7 @@ def _rank(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str
         return []
     obj = {"time": pts["step_time_s"], "cost": pts["usd_per_mtok"],
            "time-to-target": pts["time_to_target_s"]}[objective]
+    obj = obj * pts.get("rank_factor", 1.0)  # sync methods need a meaningful gain (CostParams.sync_method_min_gain)
     keys = (pts["peak_memory_gib"], pts["num_gpus"], pts["step_time_s"], obj)  # last = first: result.rank_key
     order = np.lexsort(keys)
     kth = order[min(top, len(order)) - 1]
@@ -426,6 +435,41 @@ def _rank(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str
     head.sort(key=lambda j: (obj[j], pts["step_time_s"][j], pts["num_gpus"][j], pts["peak_memory_gib"][j], axes(j),
                              short(j)))
     return head[:top]
+
+
+def _sync_method_rows(scans: list[_Scan], which: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Per feasible row, how many gradient-sync methods it uses (0 to 2): compression (bf16, fp8, powersgd), and
+    a sync that is not every full gradient every step (local-sgd, diloco)."""
+    out = np.zeros(len(rows), dtype=np.int64)
+    for i, s in enumerate(scans):
+        idx = np.nonzero(which == i)[0]
+        gs = np.asarray(s.cols["grad_sync"])[rows[idx]]
+        comp = np.asarray(s.cols["grad_compression"])[rows[idx]]
+        out[idx] = (~np.isin(gs, ("auto", "all-reduce", "reduce-scatter"))).astype(np.int64) + (comp != "none")
+    return out
+
+
+def _held_back_method(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str, np.ndarray],
+                      objective: str, order: list[int], method: np.ndarray, params: CostParams) -> str | None:
+    """A note when the best plan by the objective alone uses more sync methods than the winner, for a gain below
+    CostParams.sync_method_min_gain per method."""
+    if not order or not method.any():
+        return None
+    obj = {"time": pts["step_time_s"], "cost": pts["usd_per_mtok"],
+           "time-to-target": pts["time_to_target_s"]}[objective]
+    w = order[0]
+    j = int(np.argmin(np.where(method > method[w], obj, np.inf)))
+    if not method[j] > method[w] or not obj[j] < obj[w]:
+        return None
+    plan = scans[which[j]].cols.plan(int(rows[j]))
+    what = ",".join(f"{k}={v}" for k, v in (("grad_sync", plan.grad_sync), ("grad_compression", plan.grad_compression))
+                    if v not in ("auto", "none"))
+    unit = {"time": "per step", "cost": "in $ per token", "time-to-target": "to the target loss"}[objective]
+    return (f"{what} ({plan.short()}) would be {100 * (1 - obj[j] / obj[w]):.2f}% faster {unit}"
+            if objective != "cost" else
+            f"{what} ({plan.short()}) would be {100 * (1 - obj[j] / obj[w]):.2f}% cheaper per token") + (
+        f" than the winner: below the {100 * params.sync_method_min_gain:g}% each gradient-sync method (compression, "
+        "a periodic sync) must gain to rank above a plan without it (CostParams.sync_method_min_gain)")
 
 
 def _best_synchronous(scans: list[_Scan], which: np.ndarray, rows: np.ndarray, pts: dict[str, np.ndarray],
@@ -521,9 +565,11 @@ def _examples(model: ModelSpec, work: Workload, scans: list[_Scan], names: list[
             elif name == HOST_OOM:
                 plan = s.cols.plan(int(hit[0]))
                 r = estimate(model, s.cluster, plan, work, params)
+                c = s.cluster
                 out[name] = (f"{plan.short()}: its offload needs {r.host_memory_gib:.0f} GiB of host memory per GPU, "
-                             f"over the {params.host_memory_per_gpu_gib:.0f} GiB assumed (a DGX A100's 1 TiB over "
-                             "8 GPUs); offload less, or shard more (zero=3, more GPUs)")
+                             f"over the {c.host_memory_per_gpu_gib:.0f} GiB a GPU has ({c.host_memory_per_node_gib:,.0f} "
+                             f"GiB per node over {c.gpus_per_node} GPUs: {c.host_memory_basis()}); offload less, "
+                             "or shard more (zero=3, more GPUs)")
             elif name == COST_MODEL_REFUSED:
                 out[name] = _refused_example(model, s, int(hit[0]), work, params)
             else:

@@ -13,7 +13,7 @@ per row of ``cols``, in the same order:
   peak_memory_gib  float64  predicted peak memory of the fullest GPU, GiB
   fits             bool     peak_memory_gib <= usable memory (HBM less the cost model's margin)
   at_risk          bool     fits, but within the memory model's demonstrated error of the limit
-  host_fits        bool     the host memory an offload takes fits (CostParams.host_memory_per_gpu_gib)
+  host_fits        bool     the host memory an offload takes fits (ClusterSpec.host_memory_per_gpu_gib)
   dominant         str      the largest exposed time term (CostReport.dominant: compute,
                             recompute, tp_comm, cp_comm, ep_comm, dp_comm, pp_comm, bubble,
                             optimizer, overhead; the first in that order on ties)

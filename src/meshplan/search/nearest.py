@@ -237,7 +237,8 @@ def nearest_options(model: ModelSpec, cluster: ClusterSpec, work: Workload, spac
             from meshplan.cost import estimate
             r = estimate(model, cluster, here.plan, work, params)
             why += (f", but its offload needs {r.host_memory_gib:.0f} GiB of host memory per GPU (of "
-                    f"{params.host_memory_per_gpu_gib:.0f})" if not r.host_fits else
+                    f"{cluster.host_memory_per_gpu_gib:.0f}, the node's {cluster.host_memory_per_node_gib:,.0f} GiB "
+                    f"over {cluster.gpus_per_node})" if not r.host_fits else
                     f", but {risk_words(params)}")
         out.append(f"on {cluster.num_gpus} x {gpu} the most memory-saving plan ({here.plan.short()}) {why}")
     open_space = SearchSpace(base=space.base, uneven_stages=space.uneven_stages)

@@ -106,7 +106,8 @@ class SearchResult:
     considered: int
     """Candidate plans enumerated (all cluster sizes together)."""
     evaluated: int
-    """Candidates priced with the full cost model (the rest were rejected before)."""
+    """Candidates priced with the full cost model (the rest were rejected before: by a constraint, or,
+    among those that pass the constraints, by a memory bound)."""
     feasible: int
     """Candidates that satisfy every constraint and fit in memory."""
     rejected: dict[str, int]
@@ -115,6 +116,9 @@ class SearchResult:
     pareto: list[ParetoPoint]
     """Non-dominated plans over (step time, peak memory per GPU, dollars per million tokens),
     sorted by step time."""
+    passed_constraints: int = -1
+    """Candidates that pass every constraint (all sizes together): what the progress bar counts, each
+    then priced by the cost model (``evaluated``) or ruled out by a memory bound. -1: not counted (pools)."""
     reject_examples: dict[str, str] = field(default_factory=dict)
     """One example message per rejection reason (what was wrong and how to fix it)."""
     per_cluster: list[ClusterCount] = field(default_factory=list)
@@ -206,8 +210,8 @@ class SearchResult:
             "global_batch": self.work.global_batch, "seq_len": self.work.seq_len,
             "optimizer": self.work.optimizer, "objective": self.objective,
             "plans": [p.to_dict() for p in self.plans],
-            "considered": self.considered, "evaluated": self.evaluated,
-            "feasible": self.feasible, "rejected": dict(self.rejected),
+            "considered": self.considered, "passed_constraints": self.passed_constraints,
+            "evaluated": self.evaluated, "feasible": self.feasible, "rejected": dict(self.rejected),
             "reject_examples": dict(self.reject_examples),
             "search_time_s": self.search_time_s,
             "pareto": [p.to_dict() for p in self.pareto],
@@ -377,6 +381,7 @@ def merge(results: Sequence[SearchResult], top: int) -> SearchResult:
         model=first.model, clusters=[c for r in results for c in r.clusters], work=first.work,
         objective=objective, plans=plans, considered=sum(r.considered for r in results),
         evaluated=sum(r.evaluated for r in results), feasible=feasible, rejected=rejected,
+        passed_constraints=sum(max(0, r.passed_constraints) for r in results),
         search_time_s=sum(r.search_time_s for r in results), pareto=front, reject_examples=examples,
         per_cluster=[c for r in results for c in r.per_cluster],
         nearest=list(largest.nearest) if feasible == 0 else [], points=points, notes=notes,

@@ -13,6 +13,10 @@ from meshplan.spec.base import positive
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
+DEFAULT_HOST_MEMORY_GIB_PER_GPU = 128.0
+"""Host memory per GPU of a GPU file that states none: a DGX A100 320GB's 1 TiB over its 8 GPUs
+(the smallest of the 8-GPU SXM systems' figures in the presets, docs/cost-model.md)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPUSpec:
@@ -56,6 +60,10 @@ class GPUSpec:
     gpus_per_node: int = 8
     """GPUs in the typical node of this part (8 for HGX/DGX; 4 for GH200 blades): the node
     size of the ``--cluster GPU:COUNT`` shorthand."""
+    host_memory_gib_per_gpu: float = DEFAULT_HOST_MEMORY_GIB_PER_GPU
+    """Host (CPU) memory of the typical system of this part, GiB, over its GPUs: what a cluster of
+    this GPU has for offloaded optimizer states and parameters unless its file gives
+    ``host_memory_gib`` (per node). E.g. 256 for a DGX H100 (2 TiB over 8 GPUs)."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -73,6 +81,7 @@ class GPUSpec:
         positive(f"{w}: price_per_hour_usd", self.price_per_hour_usd, allow_zero=True)
         positive(f"{w}: default_nic_gbps", self.default_nic_gbps)
         positive(f"{w}: tdp_w", self.tdp_w, allow_zero=True)
+        positive(f"{w}: host_memory_gib_per_gpu", self.host_memory_gib_per_gpu)
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
                 or self.gpus_per_node <= 0:
             raise MeshplanError(f"{w}: gpus_per_node must be a positive whole number; got {self.gpus_per_node!r}")
@@ -169,8 +178,14 @@ class ClusterSpec:
     """Coefficient of variation of one GPU's step time from run to run (noisy neighbours,
     throttling, network contention; 0.02 = 2%). A synchronous step waits for the slowest of
     the ranks it syncs: meshplan prices the expected maximum (cost.sync.straggler_seconds)."""
+    host_memory_gib: float | None = None
+    """Host (CPU) memory of one node, GiB: what offloaded optimizer states and parameters
+    (offload_optimizer, offload_params) of the node's GPUs share. None: the GPU preset's
+    typical system (GPUSpec.host_memory_gib_per_gpu x gpus_per_node)."""
 
     def __post_init__(self) -> None:
+        if self.host_memory_gib is not None:
+            positive(f"cluster {self.name}: host_memory_gib", self.host_memory_gib)
         if not 0 <= self.step_jitter < 1:
             raise MeshplanError(f"cluster {self.name}: step_jitter must be in [0, 1) (a fraction of the step "
                                 f"time, e.g. 0.02); got {self.step_jitter}")
@@ -206,6 +221,24 @@ class ClusterSpec:
     @property
     def num_gpus(self) -> int:
         return self.num_nodes * self.gpus_per_node
+
+    @property
+    def host_memory_per_node_gib(self) -> float:
+        """Host memory of one node, GiB (host_memory_gib, else the GPU preset's typical system)."""
+        if self.host_memory_gib is not None:
+            return float(self.host_memory_gib)
+        return self.gpu.host_memory_gib_per_gpu * self.gpus_per_node
+
+    @property
+    def host_memory_per_gpu_gib(self) -> float:
+        """A GPU's share of its node's host memory, GiB: what one GPU's offload may take."""
+        return self.host_memory_per_node_gib / self.gpus_per_node
+
+    def host_memory_basis(self) -> str:
+        """Where host_memory_per_node_gib comes from, in words."""
+        if self.host_memory_gib is not None:
+            return f"{self.name}'s host_memory_gib"
+        return f"the typical {self.gpu.name} system's"
 
     @property
     def price_per_hour(self) -> float:

@@ -188,7 +188,16 @@ def offload_valid(c: Context) -> str | None:
         return "offload_params needs zero=3 (FSDP)"
     if p.offload_optimizer and p.zero == 0 and p.dp > 1:
         return "offload_optimizer needs zero >= 1 when dp > 1"
+    if p.offload_optimizer and c.work.optimizer in CUDA_ONLY_OPTIMIZERS:
+        return (f"offload_optimizer with optimizer={c.work.optimizer}: bitsandbytes' 8-bit optimizers step on the "
+                "GPU only (CUDA kernels; no CPU step for offloaded states); offload with adamw, or keep adam8bit's "
+                "states on the GPU")
     return None
+
+
+CUDA_ONLY_OPTIMIZERS = ("adam8bit",)
+"""Optimizers whose step has no CPU implementation (bitsandbytes' blockwise 8-bit kernels are CUDA ones), so
+their states cannot be offloaded to the host (offload_optimizer)."""
 
 
 def zero2_pipeline(c: Context) -> str | None:

@@ -174,6 +174,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             k: _mean_abs([r["memory_error_pct"] for r in rows
                           if r["memory_error_pct"] is not None and r.get("memory_measure") == k])
             for k in dict.fromkeys(r.get("memory_measure") for r in rows if r["memory_error_pct"] is not None)},
+        "memory_rows_by_measure": {
+            k: sum(1 for r in rows if r["memory_error_pct"] is not None and r.get("memory_measure") == k)
+            for k in dict.fromkeys(r.get("memory_measure") for r in rows if r["memory_error_pct"] is not None)},
         "fit_verdicts": fit_verdicts,
         "by_source": by_source,
     }
@@ -234,7 +237,11 @@ def _summary_lines(result: dict[str, Any]) -> list[str]:
         f"step time: MAPE {_f(s['step_time_mape_pct'], '.1f')}%, "
         f"max abs error {_f(s['step_time_max_abs_pct'], '.1f')}%",
         f"peak memory: MAPE {_f(s['memory_mape_pct'], '.1f')}% over {s['memory_rows']} rows"
-        + "".join(f"; {k} rows {_f(v, '.1f')}%" for k, v in (s.get("memory_mape_pct_by_measure") or {}).items()),
+        + "".join(f"; {k} rows {_f(v, '.1f')}%" + (f" ({n} rows)" if (n := (s.get("memory_rows_by_measure") or {})
+                                                                     .get(k)) is not None else "")
+                  for k, v in (s.get("memory_mape_pct_by_measure") or {}).items())
+        + (" (what each row measured: reserved = torch.cuda.max_memory_reserved, nvidia-smi = the process's whole "
+           "GPU memory, allocated = max_memory_allocated)" if s.get("memory_mape_pct_by_measure") else ""),
         *_verdict_lines(s.get("fit_verdicts")),
     ]
 
