@@ -48,9 +48,12 @@ def test_step_time_accuracy(result):
 
 def test_peak_memory_accuracy(result):
     s = result["summary"]
-    assert s["memory_rows"] == 18 and s["memory_mape_pct"] <= 3.7
+    # 4.4% / 12.2% since issue 27's memory refit: the framework overhead is fitted to the allocator-measured
+    # peaks of every codebase (0.14 GiB; 0.80 when only these reserved rows informed it), which leaves the
+    # torchtitan rows about 0.7 GiB (~1%) lower; they were 3.6% / 11.4%
+    assert s["memory_rows"] == 18 and s["memory_mape_pct"] <= 4.6
     errors = [r["memory_error_pct"] for r in result["rows"] if r["memory_error_pct"] is not None]
-    assert len(errors) == 18 and max(abs(e) for e in errors) <= 11.5
+    assert len(errors) == 18 and max(abs(e) for e in errors) <= 12.5
 
 
 def test_runs_that_ran_are_predicted_to_fit_or_within_the_margin(result, cases):

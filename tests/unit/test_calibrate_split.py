@@ -109,7 +109,7 @@ def test_a_row_that_only_trained_changes_nothing(tmp_path, capsys):
     vals = calibrate_then_validate(capsys, tmp_path, [row], [r for j, r in enumerate(ROWS) if j != i])
     shipped = builtin().values
     for n, v in vals.items():
-        assert v == pytest.approx(shipped[n], rel=1e-9, abs=1e-12), n
+        assert v == pytest.approx(shipped.get(n, by_name(n).prior), rel=1e-9, abs=1e-12), n
 
 
 def test_every_row_of_one_source(tmp_path, capsys):

@@ -135,7 +135,7 @@ def test_selective_is_left_out_exactly_where_it_keeps_what_none_keeps(tp, pp, ze
     none, sel = (estimate(m, c, plan.replace(recompute=r), w, params) for r in ("none", "selective"))
     same = abs(sel.memory["activations"] - none.memory["activations"]) < 1e-9
     assert selective_saves_nothing(m, plan, params, w.seq_len) == same, plan.short()
-    assert sel.time["recompute"] > 0 and sel.step_time_s >= none.step_time_s  # (hidden where comm is exposed)
+    assert sel.time["recompute"] > 0 and sel.step_time_s >= none.step_time_s * (1 - 1e-12)  # (hidden where comm is exposed)
 
 
 # ---- review: an 8-bit optimizer with its states offloaded to the CPU -------------------------------

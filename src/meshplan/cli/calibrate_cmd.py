@@ -181,7 +181,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
         runs_from_cases,
         step_mape,
     )
-    from meshplan.calibration.space import CODEBASE
     from meshplan.calibration.store import Calibration, builtin, save_calibration
     from meshplan.cli.format import json_doc
     from meshplan.paths import check_output_file
@@ -409,6 +408,7 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
         lines.append(f"runs: {len(runs)} run{'s' * (len(runs) != 1)} from {ns} source{'s' * (ns != 1)} "
                      f"(prior: {args.prior})")
     def was_of(n: str) -> float | None:  # a codebase parameter the built-in calibration lacks starts at its prior
+        from meshplan.calibration.space import CODEBASE
         was = cal.info["changes"][n].get("from")
         return fittable(n).prior if was is None and n.partition("@")[0] in {f.name.partition("@")[0] for f in CODEBASE} \
             else was

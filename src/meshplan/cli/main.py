@@ -160,7 +160,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         dist = None if d is None else {"lengths": d.text(), "packing": d.packing, "mean_length": d.mean_len,
                                        "max_length": d.max_len}
         if args.json:
-            print(json_doc("estimate", report.to_dict() | {"global_batch": work.global_batch, "seq_len": work.seq_len,
+            from meshplan.cost.batch import mfu_basis
+            basis = mfu_basis(plan.precision)
+            used = [c for c in cluster.pools if not plan.pools or c.gpu.name in plan.pools] or list(cluster.pools)
+            n = sum(c.num_gpus for c in used)  # the GPU-weighted mean peak of the pools the plan uses
+            peak = sum(c.num_gpus * c.gpu.peak(basis) for c in used) / max(1, n) / 1e12
+            print(json_doc("estimate", report.to_dict() | {"mfu_basis": {"dtype": basis, "peak_tflops_per_gpu": peak},
+                                                            "global_batch": work.global_batch, "seq_len": work.seq_len,
                                                             "optimizer": work.optimizer}
                             | ({"lengths": dist} if dist else {}) | cost.to_json()))
         else:

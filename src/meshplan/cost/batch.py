@@ -829,7 +829,6 @@ def memory_parts(a: Assembly, p: CostParams, family: str = "") -> dict[str, np.n
     C, R = a.C, a.R
     blk_ids = a.lay.ids_where(a.lay.is_block)
     kept = t * (R.sum(keep, blk_ids) + C.sum(a.q["full"]) - R.sum(a.q["full"], blk_ids))
-    kept = kept + t * routed_excess(a, p, full_mode | op_mode)
     one_block = np.zeros(C.shape)
     for b in blk_ids:  # the largest block a rank holds, being recomputed: what the recompute makes
         # again beyond what the block kept (its kept tensors are already in the activations)
@@ -839,7 +838,9 @@ def memory_parts(a: Assembly, p: CostParams, family: str = "") -> dict[str, np.n
     width = plocal.shape[1]
     inflight = in_flight_array(col(cols[AX.PP]), col(cols["virtual_stages"]), cols["schedule"][:, None],
                                np.arange(width)[None, :], a.micro[:, None])
-    acts = kept * inflight
+    # MoE: the busiest expert-parallel rank's routed activations over the in-flight micro-batches
+    # (independent routing draws: their excess adds as sqrt(in flight), not in flight)
+    acts = (kept + t * routed_excess(a, p, full_mode | op_mode, inflight)) * inflight
     logits = np.zeros(C.shape)
     for b in a.lay.ids_where(a.lay.loss):
         logits = np.maximum(logits, np.where(C.slices[b] > 0, logit_bytes(a, b, p)[:, None], 0.0))
@@ -894,11 +895,12 @@ def memory_parts(a: Assembly, p: CostParams, family: str = "") -> dict[str, np.n
     return {k: np.where(a.valid, v, np.nan) for k, v in parts.items()}
 
 
-def routed_excess(a: Assembly, p: CostParams, recomputing: np.ndarray) -> np.ndarray:
-    """(rows, ranks) bytes per token the busiest expert-parallel rank keeps beyond the mean rank:
-    the MoE layers' routed activations (LayerOps.saved_routed_*) of the layers it keeps whole (not
-    recomputed: ``recomputing`` (rows, 1) says the recomputed blocks keep their input only), times
-    cost.moe.memory_factor - 1 over the MoE layers it holds."""
+def routed_excess(a: Assembly, p: CostParams, recomputing: np.ndarray, inflight: Any = 1.0) -> np.ndarray:
+    """(rows, ranks) bytes per token and in-flight micro-batch the busiest expert-parallel rank keeps
+    beyond the mean rank: the MoE layers' routed activations (LayerOps.saved_routed_*) of the layers
+    it keeps whole (not recomputed: ``recomputing`` (rows, 1) says the recomputed blocks keep their
+    input only), times cost.moe.memory_factor - 1 over the MoE layers it holds and the ``inflight``
+    micro-batches it keeps (each an independent draw of every router)."""
     cols, lay, C, R = a.cols, a.lay, a.C, a.R
     out = np.zeros(C.shape)
     ep = np.asarray(cols[AX.EP], dtype=float)
@@ -909,7 +911,7 @@ def routed_excess(a: Assembly, p: CostParams, recomputing: np.ndarray) -> np.nda
     sp = np.where(np.asarray(cols["sequence_parallel"], dtype=bool), tp, 1.0)
     fused = np.asarray(cols["compile"], dtype=bool) | elementwise_fused(False, p)
     scale = act_scale(cols["precision"])
-    held = C.sum(np.ones((C.shape[0], len(C.slices))), ids)  # MoE layers on each rank
+    held = C.sum(np.ones((C.shape[0], len(C.slices))), ids) * inflight  # routing draws a rank keeps
     for b in ids:
         o = lay.ops[b]
         routed = (o.saved_routed_rep / (sp if o.splits else 1.0)
