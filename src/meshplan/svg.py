@@ -274,15 +274,51 @@ def size(figure: str) -> tuple[float, float]:
     return float(m.group(1)), float(m.group(2))
 
 
+TICK_PX = float(CLASS_STYLES["tick"]["font-size"].removesuffix("px"))
+"""The tick labels' font size, px."""
+
+
+def text_width(text: str, px: float) -> float:
+    """An upper estimate of ``text``'s width in pixels at font size ``px`` in the sans-serif FONT,
+    bold: 0.62 em per character (wide letters and digits; narrow ones take less)."""
+    return 0.62 * px * len(text)
+
+
+HEADING_LINE = 17.0
+"""Height of each further line of a heading that wraps."""
+
+
+def heading_lines(heading: str, width: float) -> list[str]:
+    """The heading broken into lines that fit ``width`` pixels (8 px margins), at its font's width
+    (text_width): at word boundaries, a word longer than a line on its own line."""
+    if not heading:
+        return []
+    px = _px(CLASS_STYLES["heading"]["font-size"])
+    room = max(1.0, width - 16.0)
+    lines: list[str] = []
+    for word in heading.split(" "):
+        if lines and text_width(lines[-1] + " " + word, px) <= room:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines
+
+
+def _heading_top(lines: list[str]) -> float:
+    return 0.0 if not lines else HEADING + HEADING_LINE * (len(lines) - 1)
+
+
 def document(figures: Sequence[str], heading: str = "") -> str:
-    """A standalone SVG file: the heading, then the figures one under the other, with the
-    classes' look (``plot_css``) in its own <style>."""
+    """A standalone SVG file: the heading (wrapped to the figures' width), then the figures one
+    under the other, with the classes' look (``plot_css``) in its own <style>."""
     sizes = [size(f) for f in figures]
-    top = HEADING if heading else 0.0
-    W, H = max((w for w, _ in sizes), default=1.0), top + sum(h for _, h in sizes)
+    W = max((w for w, _ in sizes), default=1.0)
+    lines = heading_lines(heading, W)
+    top = _heading_top(lines)
+    H = top + sum(h for _, h in sizes)
     parts = [f'<rect width="{f1(W)}" height="{f1(H)}" fill="#fff"/>']
-    if heading:
-        parts.append(f'<text class="heading" x="8" y="{f1(top - 9)}">{esc(heading)}</text>')
+    for i, line in enumerate(lines):
+        parts.append(f'<text class="heading" x="8" y="{f1(HEADING - 9 + HEADING_LINE * i)}">{esc(line)}</text>')
     y = top
     for fig, (_, h) in zip(figures, sizes):
         parts.append(f'<g transform="translate(0,{f1(y)})">{fig}</g>')
@@ -305,15 +341,17 @@ def save_image(figures: Sequence[str], file: Any, fmt: str, heading: str = "", d
     import matplotlib.pyplot as plt
 
     sizes = [size(f) for f in figures]
-    top = HEADING if heading else 0.0
-    W, H = max(w for w, _ in sizes), top + sum(h for _, h in sizes)
+    W = max(w for w, _ in sizes)
+    lines = heading_lines(heading, W)
+    top = _heading_top(lines)
+    H = top + sum(h for _, h in sizes)
     fig, axes = plt.subplots(len(figures), 1, figsize=(W / 96, H / 96), dpi=96,
                              gridspec_kw={"height_ratios": [h for _, h in sizes]})
     try:
         fig.subplots_adjust(left=0, right=1, bottom=0, top=1 - top / H, hspace=0)
-        if heading:
-            style = CLASS_STYLES["heading"]
-            fig.text(8 / W, 1 - (top - 9) / H, heading, color=style["fill"], fontweight="bold",
+        style = CLASS_STYLES["heading"]
+        for i, line in enumerate(lines):
+            fig.text(8 / W, 1 - (HEADING - 9 + HEADING_LINE * i) / H, line, color=style["fill"], fontweight="bold",
                      fontsize=_px(style["font-size"]) * PX_PT, va="baseline")
         for ax, figure, (_, h) in zip(axes if len(figures) > 1 else [axes], figures, sizes):
             ax.set_xlim(0, W)

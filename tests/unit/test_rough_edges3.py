@@ -389,3 +389,65 @@ def test_pareto_colour_bar_is_coloured_in_every_format():
     finally:
         plt.close(f)
     assert VIRIDIS[0] in faces and VIRIDIS[-1] in faces and (128, 128, 128) not in faces
+
+
+# ---- edge 13: graphics that cut or clip their text ------------------------------------------------
+
+def test_a_long_simulate_heading_wraps_inside_the_figure(tmp_path):
+    """The simulate plot's title was one line cut at the figure's right edge; it now wraps, each
+    line within the figure's width, and the figure grows to hold the lines (SVG and PNG alike)."""
+    import re as _re
+
+    from meshplan.svg import CLASS_STYLES, heading_lines, text_width
+    from meshplan.sim.output import write_figures
+    fig = ('<svg class="plot" viewBox="0 0 420 80" width="420" height="80" data-plot="x">'
+           '<rect x="0" y="0" width="10" height="10"/></svg>')
+    heading = ("llama3-70b on 64 x h100-sxm-80gb: tp=8,pp=4,dp=2,zero=1,micro_batch=1,virtual_stages=5,"
+               "schedule=interleaved-1f1b,recompute=selective,sequence_parallel=1: step 12.345 s (simulated)")
+    write_figures([fig], tmp_path / "s.svg", heading)
+    doc = (tmp_path / "s.svg").read_text()
+    lines = _re.findall(r'<text class="heading"[^>]*>([^<]*)</text>', doc)
+    px = float(CLASS_STYLES["heading"]["font-size"].removesuffix("px"))
+    assert len(lines) > 1 and " ".join(lines) == heading
+    assert all(text_width(x, px) <= 420 - 16 or " " not in x for x in lines)
+    assert lines == heading_lines(heading, 420.0)
+    height = float(_re.search(r'<svg [^>]*height="([\d.]+)"', doc)[1])
+    assert height > 80 + 26  # the lines above the figure, not over it
+    write_figures([fig], tmp_path / "s.png", heading)  # the painted formats wrap the same lines
+    assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_a_rejection_percentage_is_never_clipped():
+    """The count and share after the longest bar ran past the figure's right edge; it now goes
+    inside the bar where it would not fit after it."""
+    import re as _re
+    from types import SimpleNamespace
+
+    from meshplan.report.charts import rejection_chart
+    from meshplan.svg import TICK_PX, text_width
+    res = SimpleNamespace(feasible=1_234_567, rejected={"out of memory": 987_654, "no mesh": 3},
+                          considered=2_222_224, reject_examples={})
+    svg = rejection_chart(res)
+    W = float(_re.search(r'viewBox="0 0 ([\d.]+) ', svg)[1])
+    for m in _re.finditer(r'<text class="tick" x="([\d.]+)"( [^>]*)?>([^<]*\(\d+\.\d%\))</text>', svg):
+        x, attrs, label = float(m[1]), m[2] or "", m[3]
+        if 'text-anchor="end"' in attrs:
+            assert x - text_width(label, TICK_PX) >= 0 and x <= W, label
+        else:
+            assert x + text_width(label, TICK_PX) <= W, label
+
+
+def test_the_pools_report_tables_scroll_instead_of_running_off_the_page(capsys, tmp_path):
+    """The pools report's plan table (long plan strings that do not wrap) ran off the page: both of
+    its tables now sit in a horizontally scrolling block, as the main report's do."""
+    import re as _re
+    import sys as _sys
+    from pathlib import Path as _Path
+    _sys.path.insert(0, str(_Path(__file__).parent))
+    from test_pools import SMALL_SPACE, _small_example
+    rc, _, err = run(capsys, "report", "--model", "llama3-8b", "--cluster", _small_example(tmp_path),
+                     "--global-batch", "32", "--seq-len", "4096", *SMALL_SPACE, "--out", str(tmp_path / "r.html"))
+    assert rc == 0, err
+    html = (tmp_path / "r.html").read_text()
+    tables = _re.findall(r"(.{0,20})<table class=sortable>", html)
+    assert len(tables) >= 2 and all(t.endswith("<div class=wide>") for t in tables), tables

@@ -15,6 +15,7 @@ from meshplan.search.result import SearchResult
 from meshplan.sim.output import gantt, sim_memory
 from meshplan.svg import (
     PALETTE,
+    TICK_PX,
     axes,
     color_bar,
     esc,
@@ -24,6 +25,7 @@ from meshplan.svg import (
     num,
     star,
     svg,
+    text_width,
     title,
     viridis,
 )
@@ -270,6 +272,10 @@ def rejection_chart(result: SearchResult) -> str:
         body.append(f'<rect data-mark="{"feasible" if name == "feasible" else "rejected"}" x="{f1(left)}" '
                     f'y="{f1(y + 14)}" width="{f1(max(w, 1.0 if n else 0.0))}" height="16" fill="{color}">'
                     f"{title(tip)}</rect>")
-        body.append(f'<text class="tick" x="{f1(left + max(w, 1.0) + 5)}" y="{f1(y + 26)}">{n:,} '
-                    f"({share:.1f}%)</text>")
+        label = f"{n:,} ({share:.1f}%)"
+        if left + max(w, 1.0) + 5 + text_width(label, TICK_PX) <= W - 2:  # after the bar
+            body.append(f'<text class="tick" x="{f1(left + max(w, 1.0) + 5)}" y="{f1(y + 26)}">{esc(label)}</text>')
+        else:  # inside the bar's end, so that the figure never clips it
+            body.append(f'<text class="tick" x="{f1(left + w - 5)}" y="{f1(y + 26)}" text-anchor="end" '
+                        f'fill="#fff">{esc(label)}</text>')
     return svg("rejections", W, H, body, "candidate plans by outcome")

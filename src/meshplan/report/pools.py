@@ -64,11 +64,11 @@ def render_pooled(res: Any, sim: Any = None, summary: dict[str, Any] | None = No
             for p in best.parts)
         lost = best.imbalance_s
         parts_html = (
-            '<section id="pools"><h2>Per-pool utilisation</h2>'
+            '<section id="pools"><h2>Per-pool utilisation</h2><div class=wide>'
             "<table class=sortable><thead><tr><th class=l data-sort=str>pool</th><th class=l>GPU</th>"
             "<th>GPUs used</th><th class=l>role</th><th data-sort=num>own part (s)</th>"
             "<th data-sort=num>waits (s)</th><th data-sort=num>utilisation</th><th>memory GiB</th></tr></thead>"
-            f"<tbody>{rows}</tbody></table>"
+            f"<tbody>{rows}</tbody></table></div>"
             + _util_bars([_Bar(p, best.cross_pool_s) for p in best.parts], best.step_time_s)
             + f"<p><b>Time lost to imbalance:</b> {lost:.3f} s per step ({100 * lost / best.step_time_s:.1f}% of "
               f"the step, GPU-weighted): the pools that finish first wait for the slowest. "
@@ -113,9 +113,9 @@ def render_pooled(res: Any, sim: Any = None, summary: dict[str, Any] | None = No
         f'<p class="mut">{esc(workload_text(work))}{esc(lengths_note(work))}; {res.considered:,} plans '
         f"searched over {len(pc.pools)} pools" + (f"; <code>{esc(command)}</code>" if command else "")
         + f"</p><nav>{nav}</nav>", verdict, parts_html,
-        f'<section id="plans"><h2>Plans</h2><ul>{kinds}</ul><table class=sortable><thead><tr><th>#</th>'
+        f'<section id="plans"><h2>Plans</h2><ul>{kinds}</ul><div class=wide><table class=sortable><thead><tr><th>#</th>'
         "<th data-sort=num>step (s)</th><th>GPUs</th><th data-sort=num>$/M tokens</th>"
-        f"<th data-sort=num>imbalance (s)</th><th class=l>plan</th></tr></thead><tbody>{plans}</tbody></table>"
+        f"<th data-sort=num>imbalance (s)</th><th class=l>plan</th></tr></thead><tbody>{plans}</tbody></table></div>"
         "</section>", timeline,
         '<section id="explanation"><h2>Why</h2><ul>'
         + "".join(f"<li>{esc(x.strip())}</li>" for x in res.explanation) + "</ul></section>",
