@@ -475,6 +475,16 @@ def _rank_params(lay: Layout, C: Counts, lp: np.ndarray, tp: np.ndarray, pp: np.
     return np.where(valid, C.sum(lp) - (first & last & single) * tied_local[:, None], 0.0), tied_local
 
 
+def expert_local_params(a: Assembly) -> np.ndarray:
+    """(rows, ranks) parameters of the experts each rank holds (split over tp x ep, or over ep
+    alone for experts TP keeps whole: local_params), before ZeRO sharding."""
+    tp = np.asarray(a.cols[AX.TP], dtype=float)
+    ep = np.asarray(a.cols[AX.EP], dtype=float)
+    lay = a.lay
+    le = lay.params_expert[None, :] / (tp * ep)[:, None] + lay.params_ep[None, :] / ep[:, None]
+    return np.where(a.valid, a.C.sum(le), 0.0)
+
+
 def stage_params(graph: LayerGraph, cols: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """((rows, ranks) parameters per GPU before ZeRO sharding, (rows) parameters of the largest
     block) for plain plan columns with tp, ep, pp, virtual_stages, schedule, stage_layers: the
@@ -815,9 +825,18 @@ def memory_parts(a: Assembly, p: CostParams, family: str = "") -> dict[str, np.n
     zero, pp = col(cols["zero"]), col(cols[AX.PP])
     plocal = a.plocal
     prec = np.asarray(cols["precision"])[:, None]
-    w, g, o, buffers = model_state_arrays(plocal, col(a.lp_unit), zero, col(a.shard), flag(cols["offload_params"]),
-                                          flag(cols["offload_optimizer"]), col(cols[AX.DP] * cols[AX.CP]), p,
-                                          prec, opt=a.opt)
+    # The experts a rank holds (split over ep) are sharded over their own replicas only (the
+    # expert-data-parallel group, dp*cp/ep ranks: Megatron's and torchtitan's EP layout; at most the
+    # plan's sharding group), the rest over the whole sharding group: expert_local_params.
+    ep_ = col(cols[AX.EP])
+    elocal = expert_local_params(a) if (ep_ > 1).any() else np.zeros_like(plocal)
+    eshard = np.maximum(1.0, np.minimum(col(a.shard), col(cols[AX.DP] * cols[AX.CP]) / ep_))
+    args = (flag(cols["offload_params"]), flag(cols["offload_optimizer"]), col(cols[AX.DP] * cols[AX.CP]), p, prec)
+    w, g, o, buffers = model_state_arrays(plocal - elocal, col(a.lp_unit), zero, col(a.shard), *args, opt=a.opt)
+    if (ep_ > 1).any():
+        we, ge, oe, _ = model_state_arrays(elocal, col(a.lp_unit), zero, eshard, *args, opt=a.opt,
+                                           level_shard=col(a.shard))
+        w, g, o = w + we, g + ge, o + oe
     zero = effective_zero(zero, col(a.shard), flag(cols["offload_params"]))  # nothing to shard: ZeRO-0's memory
     per_step = (zero == 3) & (pp > 1)  # pipelined FSDP keeps unsharded 16-bit (fp32) params + fp32 grads
     w, g = w + per_step * np.where(prec == "fp32", 4, 2) * plocal, g + per_step * 4 * plocal

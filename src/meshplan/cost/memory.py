@@ -261,7 +261,8 @@ def effective_zero(zero: Num, shard: Num, offload_params: Num = False) -> Num:
 
 def model_state_arrays(params: Num, layer_params: Num, zero: Num, shard: Num, offload_params: Num,
                        offload_optimizer: Num, dp_cp: Num, p: CostParams,
-                       precision: Num = None, *, opt: OptimizerCost) -> tuple[Num, Num, Num, Num]:
+                       precision: Num = None, *, opt: OptimizerCost,
+                       level_shard: Num = None) -> tuple[Num, Num, Num, Num]:
     """(weights, grads, optimizer, transient) bytes for ``params`` parameters held by one GPU
     before ZeRO sharding over ``shard`` ranks; ``layer_params`` for FSDP's gathered copies
     (``precision``: the plan's, for the master copy, the 16- or 32-bit weights and the profile's
@@ -270,8 +271,10 @@ def model_state_arrays(params: Num, layer_params: Num, zero: Num, shard: Num, of
     ZeRO-1+ shards all the optimizer's states (and the master copy) over ``shard`` ranks, ZeRO-2
     the grads, ZeRO-3 the weights; with ``shard`` = 1 there is nothing to shard and every ZeRO
     level gives ZeRO-0's bytes (effective_zero; no profile charges extra flat buffers for a ZeRO
-    stage: docs/profiles.md)."""
-    zero = effective_zero(zero, shard, offload_params)
+    stage: docs/profiles.md). ``level_shard`` (default ``shard``): the group whose size decides
+    whether anything shards (the plan's), where ``shard`` divides a part held by fewer ranks (the
+    experts over their own replicas)."""
+    zero = effective_zero(zero, shard if level_shard is None else level_shard, offload_params)
     z3 = zero == 3
     wb = 2.0 if precision is None else np.where(np.asarray(precision) == "fp32", 4.0, 2.0)  # unsharded weights
     w = np.where(z3, np.where(offload_params, 0, 4 * params / shard), wb * params)
