@@ -485,6 +485,28 @@ def expert_local_params(a: Assembly) -> np.ndarray:
     return np.where(a.valid, a.C.sum(le), 0.0)
 
 
+def expert_shard(a: Assembly) -> np.ndarray:
+    """(rows, 1) ranks each expert a rank holds is sharded over: its replicas (dp*cp/ep), at most
+    the plan's sharding group; at least 1."""
+    cols = a.cols
+    dpcp = np.asarray(cols[AX.DP], dtype=float) * np.asarray(cols[AX.CP], dtype=float)
+    ep = np.asarray(cols[AX.EP], dtype=float)
+    return np.maximum(1.0, np.minimum(np.asarray(a.shard, dtype=float), dpcp / ep))[:, None]
+
+
+def optimizer_params(a: Assembly) -> np.ndarray:
+    """(rows, ranks) parameters to pass cost.parts.optimizer_seconds with the plan's sharding
+    group: the experts counted shard / expert_shard times, so that dividing by the group gives each
+    rank's own share of them (as the memory does: model_state_arrays' expert part)."""
+    ep = np.asarray(a.cols[AX.EP], dtype=float)
+    if not (ep > 1).any():
+        return a.plocal
+    zero = np.asarray(a.cols["zero"], dtype=float)[:, None]
+    shard = np.asarray(a.shard, dtype=float)[:, None]
+    factor = np.where(zero >= 1, shard / expert_shard(a), 1.0)
+    return a.plocal + expert_local_params(a) * (factor - 1.0)
+
+
 def stage_params(graph: LayerGraph, cols: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """((rows, ranks) parameters per GPU before ZeRO sharding, (rows) parameters of the largest
     block) for plain plan columns with tp, ep, pp, virtual_stages, schedule, stage_layers: the
@@ -787,7 +809,7 @@ def estimate_assembly(a: Assembly, cluster: ClusterSpec, work: Workload, params:
     root_x, root_o = root_fsdp(cluster, p, a.plocal[rows, crit] - a.blk_params[rows, crit], a.shard, tp, tmax,
                                micro, a.fsdp, a.per_step, reduce_bytes(cols, p), a.st, cols[AX.CP].astype(float))
     dp_exp, dp_ovl = dp_exp + root_x, dp_ovl + root_o
-    opt_t = (optimizer_seconds(cluster, a.plocal, zero, a.shard, np.asarray(cols["offload_optimizer"], dtype=bool), p,
+    opt_t = (optimizer_seconds(cluster, optimizer_params(a), zero, a.shard, np.asarray(cols["offload_optimizer"], dtype=bool), p,
                                a.opt) if rank_ends is None else rank_ends[2])
     end = np.where(valid, e_r + opt_t - dr, -np.inf).max(axis=1)
     opt = np.minimum(np.where(valid, opt_t, 0).max(axis=1), end)  # >= 0: rank 0 has no drain
@@ -830,7 +852,7 @@ def memory_parts(a: Assembly, p: CostParams, family: str = "") -> dict[str, np.n
     # plan's sharding group), the rest over the whole sharding group: expert_local_params.
     ep_ = col(cols[AX.EP])
     elocal = expert_local_params(a) if (ep_ > 1).any() else np.zeros_like(plocal)
-    eshard = np.maximum(1.0, np.minimum(col(a.shard), col(cols[AX.DP] * cols[AX.CP]) / ep_))
+    eshard = expert_shard(a)
     args = (flag(cols["offload_params"]), flag(cols["offload_optimizer"]), col(cols[AX.DP] * cols[AX.CP]), p, prec)
     w, g, o, buffers = model_state_arrays(plocal - elocal, col(a.lp_unit), zero, col(a.shard), *args, opt=a.opt)
     if (ep_ > 1).any():

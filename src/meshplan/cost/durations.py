@@ -132,7 +132,7 @@ def stage_durations(model: LayerGraph | ModelSpec, cluster: ClusterSpec, plan: P
         end_exp.append(float(end_x[0, r] + rx[0]))
         end_ovl.append(float(end_o[0, r]))
     offo = np.asarray(cols["offload_optimizer"], dtype=bool)
-    opt_t = optimizer_seconds(cluster, a.plocal, cols["zero"], a.shard, offo, p, a.opt)
+    opt_t = optimizer_seconds(cluster, _b.optimizer_params(a), cols["zero"], a.shard, offo, p, a.opt)
     blk = a.lay.ids_where(a.lay.is_block)
     staged = (a.fsdp & a.per_step)[:, None]
     ag_s = np.where(staged, a.C.sum(a.ag, blk), 0)
