@@ -211,7 +211,11 @@ def risk_reason(peak_gib: float, usable_gib: float, prob: float, p: Any) -> str:
     little free memory for --headroom (or both)."""
     out = []
     if prob > float(p.max_oom_risk):
-        out.append(f"a {100 * prob:.0f}% chance of running out of memory, over the {100 * float(p.max_oom_risk):g}% "
+        for digits in range(4):  # never "a 5% chance ... over the 5% allowed": as many digits as tell them apart
+            pct = f"{100 * prob:.{digits}f}"
+            if float(pct) > 100 * float(p.max_oom_risk):
+                break
+        out.append(f"a {pct}% chance of running out of memory, over the {100 * float(p.max_oom_risk):g}% "
                    "allowed (--max-oom-risk)")
     free = usable_gib - peak_gib
     if free < float(p.headroom_gib):
