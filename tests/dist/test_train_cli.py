@@ -112,7 +112,7 @@ def one_error_line(p: subprocess.CompletedProcess, *needles: str) -> None:
 
 def test_bad_input(baseline: Path, tmp_path: Path) -> None:
     one_error_line(meshplan_train(*COMMON, "--plan", "dp=4", "--nproc-per-node", "2", "--steps", "2"),
-                   "needs 4 processes")
+                   "the plan runs on 4 GPUs (give --nproc-per-node 4)")
     one_error_line(meshplan_train(*COMMON, "--plan", "dp=2", "--steps", "2", "--resume",
                                   "--checkpoint-dir", str(tmp_path / "missing")), "does not exist")
     one_error_line(meshplan_train("--model", "tiny-gpt2", "--global-batch", "8", "--plan", "dp=2", "--steps", "2",
