@@ -384,7 +384,7 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
                     m0: float | None, m1: float | None) -> list[str]:
     import numpy as np
 
-    from meshplan.calibration.fit import fittable
+    from meshplan.calibration.fit import codebase_names, fittable
     lines = []
     fitted = list(cal.values)
     if bf is not None:
@@ -408,10 +408,8 @@ def _calibrate_text(args: argparse.Namespace, cal: Any, runs: Any, bf: Any, befo
         lines.append(f"runs: {len(runs)} run{'s' * (len(runs) != 1)} from {ns} source{'s' * (ns != 1)} "
                      f"(prior: {args.prior})")
     def was_of(n: str) -> float | None:  # a codebase parameter the built-in calibration lacks starts at its prior
-        from meshplan.calibration.space import CODEBASE
         was = cal.info["changes"][n].get("from")
-        return fittable(n).prior if was is None and n.partition("@")[0] in {f.name.partition("@")[0] for f in CODEBASE} \
-            else was
+        return fittable(n).prior if was is None and n in codebase_names() else was
 
     def unchanged(n: str) -> bool:
         was = was_of(n)

@@ -161,11 +161,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                                        "max_length": d.max_len}
         if args.json:
             from meshplan.cost.batch import mfu_basis
-            basis = mfu_basis(plan.precision)
-            used = [c for c in cluster.pools if not plan.pools or c.gpu.name in plan.pools] or list(cluster.pools)
-            n = sum(c.num_gpus for c in used)  # the GPU-weighted mean peak of the pools the plan uses
-            peak = sum(c.num_gpus * c.gpu.peak(basis) for c in used) / max(1, n) / 1e12
-            print(json_doc("estimate", report.to_dict() | {"mfu_basis": {"dtype": basis, "peak_tflops_per_gpu": peak},
+            # the mean peak of the GPUs the plan uses, as cost.pools' MFU divides by it
+            peak = (report.mfu_flops / report.step_time_s / report.mfu / report.num_gpus / 1e12
+                    if report.mfu and report.step_time_s and report.num_gpus else 0.0)
+            print(json_doc("estimate", report.to_dict() | {"mfu_basis": {"dtype": mfu_basis(plan.precision),
+                                                                         "peak_tflops_per_gpu": peak},
                                                             "global_batch": work.global_batch, "seq_len": work.seq_len,
                                                             "optimizer": work.optimizer}
                             | ({"lengths": dist} if dist else {}) | cost.to_json()))

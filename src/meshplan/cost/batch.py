@@ -850,13 +850,12 @@ def memory_parts(a: Assembly, p: CostParams, family: str = "") -> dict[str, np.n
     # The experts a rank holds (split over ep) are sharded over their own replicas only (the
     # expert-data-parallel group, dp*cp/ep ranks: Megatron's and torchtitan's EP layout; at most the
     # plan's sharding group), the rest over the whole sharding group: expert_local_params.
-    ep_ = col(cols[AX.EP])
-    elocal = expert_local_params(a) if (ep_ > 1).any() else np.zeros_like(plocal)
-    eshard = expert_shard(a)
+    has_ep = bool((np.asarray(cols[AX.EP]) > 1).any())
+    elocal = expert_local_params(a) if has_ep else np.zeros_like(plocal)
     args = (flag(cols["offload_params"]), flag(cols["offload_optimizer"]), col(cols[AX.DP] * cols[AX.CP]), p, prec)
     w, g, o, buffers = model_state_arrays(plocal - elocal, col(a.lp_unit), zero, col(a.shard), *args, opt=a.opt)
-    if (ep_ > 1).any():
-        we, ge, oe, _ = model_state_arrays(elocal, col(a.lp_unit), zero, eshard, *args, opt=a.opt,
+    if has_ep:
+        we, ge, oe, _ = model_state_arrays(elocal, col(a.lp_unit), zero, expert_shard(a), *args, opt=a.opt,
                                            level_shard=col(a.shard))
         w, g, o = w + we, g + ge, o + oe
     zero = effective_zero(zero, col(a.shard), flag(cols["offload_params"]))  # nothing to shard: ZeRO-0's memory

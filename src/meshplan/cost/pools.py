@@ -451,8 +451,7 @@ def runtime_issues(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledC
 def _finish(plan: Plan, work: Workload, pools: list[ClusterSpec], parts: list[PoolPart], step: float,
             model_flops: float, cross_s: float, cross_gb: float) -> PooledEstimate:
     gpus = sum(p.gpus for p in parts)
-    peak = sum(p.gpus * pool.gpu.peak(plan.precision if plan.precision != "fp8" else "bf16")
-               for p, pool in zip(parts, pools))
+    peak = sum(p.gpus * pool.gpu.peak(_b.mfu_basis(plan.precision)) for p, pool in zip(parts, pools))
     usd = sum(p.gpus * pool.price_per_hour for p, pool in zip(parts, pools)) * step / 3600
     imbalance = sum(p.gpus * p.idle_s for p in parts) / max(1, gpus)
     return PooledEstimate(plan=plan, step_time_s=step, tokens_per_s=work.tokens / step,

@@ -25,13 +25,6 @@ from meshplan.spec.export_limits import MEGATRON_ORDER, MEGATRON_TP_PP_DP_ORDER
 
 TARGET = "megatron"
 
-DEFAULT_ORDER = MEGATRON_ORDER
-"""Megatron-LM's default rank order 'tp-cp-ep-dp-pp' (innermost first; megatron/training/initialize.py
-passes it to initialize_model_parallel) as a mesh_order (outermost first): meshplan's default."""
-TP_PP_DP_ORDER = MEGATRON_TP_PP_DP_ORDER
-"""``--use-tp-pp-dp-mapping``: 'tp-cp-ep-pp-dp' (NVIDIA/Megatron-LM megatron/training/initialize.py,
-2025; older releases passed 'tp-pp-dp', without context parallelism) as a mesh_order."""
-
 POSITIONS = {"rotary": "rope", "learned": "learned_absolute", "none": "none"}
 NORMS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
 
@@ -76,8 +69,8 @@ def build(inp: ExportInput) -> ExportResult:
     if p.pp > 1 and p.tp > 1 and p.p2p_sharded and not p.sequence_parallel:
         uns.append("p2p_sharded=1 without sequence_parallel: Megatron-core pipelines send the whole "
                    "activation from every TP rank unless --sequence-parallel is on")
-    if not placement_is(p, DEFAULT_ORDER):
-        if placement_is(p, TP_PP_DP_ORDER):
+    if not placement_is(p, MEGATRON_ORDER):
+        if placement_is(p, MEGATRON_TP_PP_DP_ORDER):
             add("--use-tp-pp-dp-mapping")
             if p.cp > 1:
                 notes.append("--use-tp-pp-dp-mapping with cp>1 needs a Megatron-LM whose order is tp-cp-ep-pp-dp "

@@ -34,9 +34,11 @@ PERIODIC = ("grad_sync", "sync_scope", "sync_overlap", "grad_compression")
 # ---- what the exporters share with these limits (export/common.py, megatron.py, torchtitan.py) ----
 
 MEGATRON_ORDER = (AX.PP, AX.DP, AX.CP, AX.TP)
-"""Megatron-LM's default rank order (outermost first): TP innermost, then CP, DP, PP."""
+"""Megatron-LM's default rank order 'tp-cp-ep-dp-pp' (innermost first; megatron/training/initialize.py
+passes it to initialize_model_parallel) as a mesh_order (outermost first): meshplan's default."""
 MEGATRON_TP_PP_DP_ORDER = (AX.DP, AX.PP, AX.CP, AX.TP)
-"""Megatron-LM's --use-tp-pp-dp-mapping order."""
+"""``--use-tp-pp-dp-mapping``: 'tp-cp-ep-pp-dp' (NVIDIA/Megatron-LM megatron/training/initialize.py,
+2025; older releases passed 'tp-pp-dp', without context parallelism) as a mesh_order."""
 
 
 def placement_axes(plan: Plan, order: tuple[str, ...] | None = None) -> tuple[str, ...]:
