@@ -23,79 +23,73 @@ from pathlib import Path
 
 import numpy as np
 
-SOURCES = ("TT_2412_H100", "MOSAIC_LLMFOUNDRY", "BLOOM_PREQ_0225", "NEMO_2407_H100", "MEG_SC21_T1")
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclasses.dataclass(frozen=True)
+class Half:
+    """One half of the stress test: what is scaled, by how much, and which prediction carries it."""
+
+    sources: tuple[str, ...]
+    factor: float
+    measured: str
+    """Runs field the scaling applies to and the runs are chosen from: step or mem."""
+    param: str
+    """The codebase parameter the fit should move (reported per row)."""
+    out: str
+    label: str | None = None
+
+
+TIME = Half(("TT_2412_H100", "MOSAIC_LLMFOUNDRY", "BLOOM_PREQ_0225", "NEMO_2407_H100", "MEG_SC21_T1"), 1.25,
+            "step", "codebase_speed@all", "codebase_stress.json")
+MEMORY = Half(("TT_2412_H100", "MCORE_FT_H100_SMALL"), 1.15, "mem", "codebase_memory",
+              "codebase_stress_memory.json", "memory (+15% peaks)")
+
+
+def scaled(runs, half: Half):
+    """The runs with every measured step (or peak, also as reported) ``half.factor`` times larger."""
+    if half.measured == "step":
+        return dataclasses.replace(runs, step=runs.step * half.factor)
+    rep = runs.mem_reported
+    return dataclasses.replace(runs, mem=runs.mem * half.factor, mem_reported=None if rep is None else rep * half.factor)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "codebase_stress.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/codebase_stress[_memory].json")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--memory", action="store_true", help="the memory half (+15%% peaks)")
     args = ap.parse_args()
-    if args.memory:
-        return memory_half(args)
+    half = MEMORY if args.memory else TIME
     from meshplan.calibration.fit import fit_as_calibrate, predict, runs_from_cases
     from meshplan.calibration.store import builtin
     from meshplan.cli.calibrate_cmd import _cases
     from meshplan.validate.report import default_runs_path
     cases = _cases(str(default_runs_path()))
     base = dict(builtin().values)
+    which = 0 if half.measured == "step" else 1  # predict's (step, memory, usable)
     rows = []
-    for src in SOURCES:
+    for src in half.sources:
         runs = runs_from_cases([c for c in cases if c.source_id == src])
-        timed = np.nonzero(np.isfinite(runs.step))[0]
+        chosen = np.nonzero(np.isfinite(getattr(runs, half.measured)))[0]
+        big = scaled(runs, half)
         for seed in range(args.seeds):
-            pick = np.random.default_rng(seed).choice(timed, 3, replace=False)
-            rest = np.array([i for i in timed if i not in pick])[:30]
+            pick = np.random.default_rng(seed).choice(chosen, 3, replace=False)
+            rest = np.array([i for i in chosen if i not in pick])[:30]
             as_is, _ = fit_as_calibrate(runs.subset(pick))
-            slow, _ = fit_as_calibrate(dataclasses.replace(runs, step=runs.step * 1.25).subset(pick))
-            t0, _, _ = predict(runs, {**base, **as_is}, rest)
-            t1, _, _ = predict(runs, {**base, **slow}, rest)
-            dev = np.abs(t1 / t0 / 1.25 - 1) * 100
+            moved, _ = fit_as_calibrate(big.subset(pick))
+            x0 = predict(runs, {**base, **as_is}, rest)[which]
+            x1 = predict(runs, {**base, **moved}, rest)[which]
+            dev = np.abs(x1 / x0 / half.factor - 1) * 100
             rows.append({"source": src, "seed": seed, "rest": len(rest), "mean_dev_pct": round(float(dev.mean()), 2),
                          "max_dev_pct": round(float(dev.max()), 2),
-                         "codebase_speed_all": slow.get("codebase_speed@all")})
+                         half.param.replace("@", "_"): moved.get(half.param)})
             print(rows[-1], flush=True)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"commit": rev, "rows": rows, "mean_dev_pct": round(float(np.mean([r["mean_dev_pct"] for r in rows])), 2),
-           "max_dev_pct": max(r["max_dev_pct"] for r in rows)}
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"mean {out['mean_dev_pct']}%, worst {out['max_dev_pct']}% -> {args.out}")
-
-
-MEMORY_SOURCES = ("TT_2412_H100", "MCORE_FT_H100_SMALL")
-
-
-def memory_half(args: argparse.Namespace) -> None:
-    from meshplan.calibration.fit import fit_as_calibrate, predict, runs_from_cases
-    from meshplan.calibration.store import builtin
-    from meshplan.cli.calibrate_cmd import _cases
-    from meshplan.validate.report import default_runs_path
-    cases = _cases(str(default_runs_path()))
-    base = dict(builtin().values)
-    rows = []
-    for src in MEMORY_SOURCES:
-        runs = runs_from_cases([c for c in cases if c.source_id == src])
-        measured = np.nonzero(np.isfinite(runs.mem))[0]
-        big = dataclasses.replace(runs, mem=runs.mem * 1.15,
-                                  mem_reported=None if runs.mem_reported is None else runs.mem_reported * 1.15)
-        for seed in range(args.seeds):
-            pick = np.random.default_rng(seed).choice(measured, 3, replace=False)
-            rest = np.array([i for i in measured if i not in pick])[:30]
-            as_is, _ = fit_as_calibrate(runs.subset(pick))
-            bigger, _ = fit_as_calibrate(big.subset(pick))
-            _, m0, _ = predict(runs, {**base, **as_is}, rest)
-            _, m1, _ = predict(runs, {**base, **bigger}, rest)
-            dev = np.abs(m1 / m0 / 1.15 - 1) * 100
-            rows.append({"source": src, "seed": seed, "rest": len(rest), "mean_dev_pct": round(float(dev.mean()), 2),
-                         "max_dev_pct": round(float(dev.max()), 2), "codebase_memory": bigger.get("codebase_memory")})
-            print(rows[-1], flush=True)
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"commit": rev, "half": "memory (+15% peaks)", "rows": rows,
+    out = {"commit": rev, **({"half": half.label} if half.label else {}), "rows": rows,
            "mean_dev_pct": round(float(np.mean([r["mean_dev_pct"] for r in rows])), 2),
            "max_dev_pct": max(r["max_dev_pct"] for r in rows)}
-    dest = args.out if args.out != str(Path(__file__).parent / "results" / "codebase_stress.json") \
-        else str(Path(__file__).parent / "results" / "codebase_stress_memory.json")
+    dest = args.out or str(RESULTS / half.out)
     Path(dest).write_text(json.dumps(out, indent=1) + "\n")
     print(f"mean {out['mean_dev_pct']}%, worst {out['max_dev_pct']}% -> {dest}")
 
