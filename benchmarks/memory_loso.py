@@ -24,7 +24,7 @@ import numpy as np
 
 
 def main() -> None:
-    from meshplan.calibration.fit import _by_measure, _fold, runs_from_cases
+    from meshplan.calibration.fit import _by_measure, _fold, pooled, runs_from_cases
     from meshplan.calibration.space import GLOBAL
     from meshplan.cli.calibrate_cmd import _cases
     from meshplan.validate.report import default_runs_path
@@ -45,14 +45,8 @@ def main() -> None:
              "trained_predicted_not_to_fit": int(sum(not p for p in ran))}
     res = residuals(runs, folds)
     oom_verdicts(res, folds)  # band-aware: P(out of memory) >= 1/2 is 'does not fit', above max_oom_risk 'at risk'
-    risk = [(m, r, cap) for f in folds for (m, _), r, cap in zip(f.oom, f.oom_risk, f.max_oom_risk)]
-    died_r = [(r, cap) for m, r, cap in risk if not m]
-    ran_r = [r for m, r, _ in risk if m]
-    verdicts = {"oom_runs": len(died_r), "oom_called_at_risk_or_does_not_fit": sum(r > cap for r, cap in died_r),
-                "trained_runs": len(ran_r),
-                "trained_called_does_not_fit_pct": round(100 * sum(r >= 0.5 for r in ran_r) / max(1, len(ran_r)), 1),
-                "oom_accuracy_pct": round(100 * sum(m == p for f in folds for m, p in f.oom)
-                                          / max(1, sum(len(f.oom) for f in folds)), 1)}
+    summary = pooled(folds)  # the verdicts as `validate --cross-validate` counts them
+    verdicts = dict(summary["memory_verdicts"], oom_accuracy_pct=summary["oom_accuracy_pct"])
     bands = _memory_bands(res)
     out = {"parameters": names, "point_estimate_fits": point, "memory_verdicts": verdicts,
            "memory_bands": {k: {"mu": round(a, 5), "sigma": round(b, 5)} for k, (a, b) in bands.items()}, "seconds": round(time.perf_counter() - t0, 1),
