@@ -302,6 +302,12 @@ def test_cross_validate_blind_few_shot(tmp_path, capsys, dev_rows):
     assert fs["summary"]["k3"]["runs"] == 5 + 7 and fs["summary"]["k0"]["runs"] == 18
     for k in ("k0", "k3"):
         assert 0 < fs["summary"][k]["pooled_mape_pct"] < 60
+    # issue 28, item 4: the band of an unknown codebase (K = 0 blind) and of one calibrated on 3 runs,
+    # each source's coverage judged against the other sources' band (MEG_SC21_T1's 10 runs give KOR22_T5 one;
+    # KOR22_T5's 8 are too few for a band)
+    kb = fs["knowledge_bands"]
+    assert set(kb) == {"unknown", "k3"} and all(lo <= 0 <= hi for lo, hi in kb.values())
+    assert 0 <= by["KOR22_T5"]["coverage"]["k0"] <= 100 and by["MEG_SC21_T1"]["coverage"]["k0"] is None
 
 
 def test_calibrate_errors(tmp_path, capsys, dev_rows):

@@ -46,7 +46,23 @@ class Calibration:
         scale = self.band_scale
         if scale != 1.0:
             changes["band_scale"] = scale
+        basis = self.band_basis
+        if basis is not None:
+            changes["band_basis"] = basis
         return p.replace(**changes) if changes else p
+
+    @property
+    def band_basis(self) -> str | None:
+        """How well this calibration knows its codebase (CostParams.band_basis): fitted on K timed runs
+        of one source (a user's codebase), the blind few-shot band at K (cost.uncertainty.
+        knowledge_for_runs); None for a calibration of several sources, of micro-benchmarks only, or
+        measured on CPU (the built-in bands stay)."""
+        from meshplan.cost.uncertainty import knowledge_for_runs
+        ff = self.info.get("fitted_from") or {}
+        n, sources = ff.get("timed_runs"), ff.get("sources") or {}
+        if not isinstance(n, int) or isinstance(n, bool) or len(sources) != 1 or self.measured_on_cpu:
+            return None
+        return knowledge_for_runs(n)
 
     @property
     def band_scale(self) -> float:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import shlex
 import sys
 import time
@@ -279,6 +280,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if runs is not None:
         info["fitted_from"].update({
             "runs": args.runs, **({"metrics": metrics} if metrics else {}), "rows": len(runs),
+            "timed_runs": int(sum(math.isfinite(float(x)) for x in runs.step)),
             "sources": {s: int((runs.source == s).sum()) for s in dict.fromkeys(runs.source.tolist())},
             "prior": args.prior})
         if skipped:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,15 +88,25 @@ class Costing:
             vals = self.calibration.describe()
             out.append(f"calibration  {self.calibration.source}: {len(vals)} fitted values replace the built-in ones")
             out += [f"             {v}" for v in vals]
-            if self.params.band_scale != 1.0:
+            if self.params.band_scale != 1.0 and self.knowledge_band() is None:
                 out.append(f"             bands x {self.params.band_scale:.2f}: the step error it earned on its runs")
+        band = self.knowledge_band()
+        if band is not None:
+            from meshplan.cost.uncertainty import KNOWLEDGE_WORDS
+            out.append(f"step band    {100 * (math.exp(band[0]) - 1):+.0f}% to {100 * (math.exp(band[1]) - 1):+.0f}%: "
+                       f"{KNOWLEDGE_WORDS[self.params.band_basis]}")
         return out
+
+    def knowledge_band(self) -> tuple[float, float] | None:
+        """The step band of how well the codebase is known, where it is not a built-in profile's."""
+        from meshplan.cost.uncertainty import builtin_bands
+        return builtin_bands().knowledge_log(self.params.band_basis)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"profile": self.profile.name,
                                "memory_policy": {"max_oom_risk": self.params.max_oom_risk,
                                                  "headroom_gib": self.params.headroom_gib},
-                               "band_scale": self.params.band_scale}
+                               "band_scale": self.params.band_scale, "band_basis": self.params.band_basis}
         if self.profile.name != DEFAULT_PROFILE:
             out["profile_settings"] = dict(self.profile.overrides)
         if self.calibration is not None:

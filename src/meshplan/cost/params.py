@@ -146,7 +146,15 @@ class CostParams:
     (`meshplan plan --headroom`); a plan that fits with less is 'at-risk'."""
     band_scale: float = 1.0
     """How much a calibration of the user's own runs shrinks the out-of-sample bands
-    (cost.uncertainty): 1 for the built-in calibration."""
+    (cost.uncertainty): 1 for the built-in calibration. Used only where the calibration carries
+    no knowledge bands (band_basis)."""
+    band_basis: str = "profile"
+    """How well meshplan knows the codebase the step band is for (cost.uncertainty.KNOWLEDGE):
+    'profile' (a built-in profile, or meshplan's runtime: the leave-one-source-out band of the
+    named codebases), 'unknown' (a codebase it has no evidence for: a profile file, runs whose
+    framework it does not recognise: the spread across codebases, measured blind and leave one
+    source out), or 'k1'/'k3'/'k5' (calibrated on that many of the codebase's own runs: the blind
+    few-shot band at that K)."""
     profile: str = "meshplan"
     """The implementation profile these numbers follow (set by cost.profile.Profile.apply): the
     memory band uses that codebase's out-of-sample errors."""
@@ -302,7 +310,7 @@ PARAM_KINDS: dict[str, str] = {
     "pp_p2p_exposed": "derived", "pp_p2p_overlap": "derived", "collectives": "derived",
     "allocator_fragmentation": "fitted", "segment_fragmentation": "derived", "expandable_segments": "derived",
     "framework_overhead_gib": "fitted", "codebase_memory": "derived", "memory_margin": "derived",
-    "max_oom_risk": "derived", "headroom_gib": "derived", "sync_method_min_gain": "derived", "band_scale": "derived",
+    "max_oom_risk": "derived", "headroom_gib": "derived", "sync_method_min_gain": "derived", "band_scale": "derived", "band_basis": "derived",
     "profile": "derived",
     "step_overhead_s": "derived", "pipeline_variable_shapes": "derived",
     "attention_kernel": "derived", "elementwise_kernels": "derived",

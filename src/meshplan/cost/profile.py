@@ -125,9 +125,14 @@ class Profile:
     """CostParams field -> value."""
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     """CostParams field -> the codebase default it follows (a short citation)."""
+    builtin: bool = True
+    """A built-in profile (validated on the development runs of its codebase where it has any); False for
+    a profile file: a codebase meshplan has no evidence for, whose step band is the unknown codebase's
+    (CostParams.band_basis) until a calibration on its runs narrows it."""
 
     def apply(self, params: CostParams) -> CostParams:
-        return params.replace(**self.overrides, profile=self.name)
+        extra = {} if self.builtin else {"band_basis": "unknown"}
+        return params.replace(**self.overrides, profile=self.name, **extra)
 
     def describe(self, params: CostParams = DEFAULT_PARAMS) -> list[str]:
         """One line per choice, as applied to ``params``: 'attention: PyTorch SDPA ... [source]'."""
@@ -376,7 +381,7 @@ def load_profile(path: str | Path) -> Profile:
         base = PROFILES[base_name]
     own = _check({**data, **settings}, where)
     sources = {**base.sources, **{k: f"{p.name}" for k in own}}
-    return Profile(name, label, {**base.overrides, **own}, sources)
+    return Profile(name, label, {**base.overrides, **own}, sources, builtin=False)
 
 
 def profile_for_framework(fw: str) -> str:

@@ -22,12 +22,21 @@ The chance of running out of memory is then
   than ``CostParams.headroom_gib`` free; meshplan does not recommend it by default;
 - ``fits``: otherwise.
 
-A calibration of the user's own runs shrinks the bands by what it earned on them
-(``CostParams.band_scale``: its step error after the fit over before, never below
-``MIN_BAND_SCALE``). Pure numpy: no torch.
+The step band's width also depends on how well meshplan knows the codebase
+(``CostParams.band_basis``, issue 28): a built-in profile takes the bands above, fitted on the
+named codebases; a codebase meshplan has no evidence for (a profile file, runs whose framework it
+does not recognise) takes the **unknown** band, the 5th/95th percentiles of every development
+source's step error when it is predicted blind (its framework, attention and kernel cells hidden)
+by the calibration fitted without it; a codebase calibrated on K of its own runs takes the band of
+the blind few-shot benchmark at that K (the held-out runs' errors after the K-run fit), ``KNOWLEDGE``.
+Both come from ``meshplan validate --cross-validate --shots 0,1,3,5 --blind`` (written by
+benchmarks/blind_bands.py). Where the calibration carries no such band, a calibration of the
+user's own runs shrinks the built-in band by what it earned on them (``CostParams.band_scale``: its
+step error after the fit over before, never below ``MIN_BAND_SCALE``). Pure numpy: no torch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -51,6 +60,23 @@ ALIASES = {"meshplan": "torchtitan"}
 is FSDP2/DTensor on torch's caching allocator, as torchtitan is (whose runs measured
 torch.cuda.max_memory_reserved)."""
 
+KNOWLEDGE = ("unknown", "k1", "k3", "k5")
+"""The step bands by how well the codebase is known (CostParams.band_basis other than 'profile'):
+never seen (blind, K = 0), or calibrated on 1, 3, 5 of its runs."""
+KNOWLEDGE_WORDS = {"profile": "the named codebases' leave-one-source-out errors",
+                   "unknown": "an unknown codebase: the spread across codebases, blind",
+                   "k1": "a codebase calibrated on 1 of its runs (blind few-shot, K = 1)",
+                   "k3": "a codebase calibrated on 3 of its runs (blind few-shot, K = 3)",
+                   "k5": "a codebase calibrated on 5+ of its runs (blind few-shot, K = 5)"}
+
+
+def knowledge_for_runs(k: int) -> str:
+    """The knowledge band of a calibration on ``k`` timed runs of one codebase: the largest measured
+    K not above k (fewer runs: the wider band); 0 runs: 'unknown'."""
+    k = int(k)
+    return "unknown" if k < 1 else "k1" if k < 3 else "k3" if k < 5 else "k5"
+
+
 # Used only when the calibration carries no bands (a broken install): wide, conservative.
 _FALLBACK_STEP = (-0.15, 0.15)
 _FALLBACK_MEMORY = (0.05, 0.15)
@@ -62,9 +88,15 @@ class Bands:
     """plan kind -> (log q05, log q95) of measured / predicted step time."""
     memory: dict[str, tuple[float, float]]
     """profile (or POOLED) -> (mu, sigma) of log(true / predicted peak memory)."""
+    knowledge: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    """KNOWLEDGE key -> (log q05, log q95) of measured / predicted step time (blind, out of sample)."""
 
     def step_log(self, kind: str) -> tuple[float, float]:
         return self.step.get(kind) or self.step.get(POOLED) or _FALLBACK_STEP
+
+    def knowledge_log(self, basis: str) -> tuple[float, float] | None:
+        """The knowledge band of ``basis`` (None: 'profile', or a calibration without that band)."""
+        return None if basis == "profile" else self.knowledge.get(basis)
 
     def memory_log(self, profile: str | None) -> tuple[float, float]:
         return self.memory.get(self.memory_group(profile), _FALLBACK_MEMORY)
@@ -78,8 +110,12 @@ class Bands:
         return POOLED
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": {k: {"log_q05": round(a, 5), "log_q95": round(b, 5)} for k, (a, b) in self.step.items()},
-                "memory": {k: {"mu": round(a, 5), "sigma": round(b, 5)} for k, (a, b) in self.memory.items()}}
+        out = {"step": {k: {"log_q05": round(a, 5), "log_q95": round(b, 5)} for k, (a, b) in self.step.items()},
+               "memory": {k: {"mu": round(a, 5), "sigma": round(b, 5)} for k, (a, b) in self.memory.items()}}
+        if self.knowledge:
+            out["knowledge"] = {k: {"log_q05": round(a, 5), "log_q95": round(b, 5)}
+                                for k, (a, b) in self.knowledge.items()}
+        return out
 
 
 def bands_from_dict(d: dict[str, Any] | None) -> Bands | None:
@@ -88,11 +124,14 @@ def bands_from_dict(d: dict[str, Any] | None) -> Bands | None:
     try:
         step = {k: (float(v["log_q05"]), float(v["log_q95"])) for k, v in d.get("step", {}).items()}
         mem = {k: (float(v["mu"]), float(v["sigma"])) for k, v in d.get("memory", {}).items()}
+        know = {k: (float(v["log_q05"]), float(v["log_q95"])) for k, v in d.get("knowledge", {}).items()
+                if k in KNOWLEDGE}
     except (KeyError, TypeError, ValueError):
         return None
-    if any(not (a <= 0 <= b) for a, b in step.values()) or any(s <= 0 for _, s in mem.values()):
+    if any(not (a <= 0 <= b) for a, b in step.values()) or any(s <= 0 for _, s in mem.values()) \
+            or any(not a < b for a, b in know.values()):
         return None
-    return Bands(step, mem)
+    return Bands(step, mem, know)
 
 
 @lru_cache(maxsize=1)
@@ -118,9 +157,13 @@ def normal_cdf(z: Any) -> np.ndarray:
 
 
 def step_band(step_s: Any, pp: Any, p: Any, bands: Bands | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(low, high): the 90% band of the step time, by plan kind (pipeline or not)."""
+    """(low, high): the 90% band of the step time: by how well the codebase is known
+    (p.band_basis, where the calibration carries that band), else by plan kind (pipeline or not)."""
     b = bands or builtin_bands()
     step = np.asarray(step_s, dtype=float)
+    know = b.knowledge_log(str(getattr(p, "band_basis", "profile")))
+    if know is not None:
+        return step * math.exp(know[0]), step * math.exp(know[1])
     pipe = np.broadcast_to(np.asarray(pp) > 1, step.shape)
     lo_p, hi_p = b.step_log(PIPELINE)
     lo_n, hi_n = b.step_log(NO_PIPELINE)

@@ -70,7 +70,9 @@ def case_from_row(raw: dict[str, Any], index: int = 0) -> RunCase:
     if fw == "unknown" and profile == DEFAULT_PROFILE and not row.text("framework"):
         # no codebase recognised: meshplan's settings, but the memory band of all codebases (cost.uncertainty)
         overrides["profile"] = "unknown"
-        assume(f"implementation profile: {profile} (codebase not recognised: its memory band is that of all codebases)")
+        overrides["band_basis"] = "unknown"
+        assume(f"implementation profile: {profile} (codebase not recognised: its memory band is that of all codebases, "
+               "its step band the unknown codebase's)")
     elif row.text("framework"):
         assume(f"implementation profile: {profile}")
     out: dict[str, Any] = dict(row_id=row_id, source_id=source_id, model_name=model_name,
