@@ -29,10 +29,13 @@ SOURCES = {"MEG_SC21_T1": 10, "KOR22_T5": 8, "TT_2024_A100": 8, "TT_2412_H100": 
            # issue 27's out-of-memory and measured-memory rows (row_ids from 2100)
            "BIGS_TR3M_V100": 16, "BIGS_GPT2_52B_V100": 2, "TT_2506_H200_TRAINY": 2, "BLOOM_PREQ_0221": 21,
            "MCORE_FT_H100": 2, "MCORE_FT_H100_SMALL": 31, "MCORE_FT_A100": 2, "MEG_ISSUE_525": 1, "DS_TUT_ZERO": 3,
-           "TT_2024_PERF_OOM": 2}
+           "TT_2024_PERF_OOM": 2,
+           # issue 27 item 5 (row_ids from 4000): the A100 golden values of the small Megatron-Core test cases,
+           # and DeepSpeed issue #477's out-of-memory run
+           "MCORE_FT_A100_SMALL": 30, "DS_ISSUE_477": 1}
 #: Sources whose trained rows may carry no step time: measured memory only (Megatron-LM's functional-test
 #: goldens of small test models, whose iteration times are overhead) or the outcome only (DeepSpeed's tutorial).
-MEMORY_ONLY_SOURCES = {"MCORE_FT_H100", "MCORE_FT_H100_SMALL", "MCORE_FT_A100", "DS_TUT_ZERO"}
+MEMORY_ONLY_SOURCES = {"MCORE_FT_H100", "MCORE_FT_H100_SMALL", "MCORE_FT_A100", "MCORE_FT_A100_SMALL", "DS_TUT_ZERO"}
 N_SHARED = 186
 """Rows of the shared/data copy; the shipped file starts with them byte for byte."""
 
