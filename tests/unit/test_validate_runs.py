@@ -29,10 +29,13 @@ SOURCES = {"MEG_SC21_T1": 10, "KOR22_T5": 8, "TT_2024_A100": 8, "TT_2412_H100": 
            # issue 27's out-of-memory and measured-memory rows (row_ids from 2100)
            "BIGS_TR3M_V100": 16, "BIGS_GPT2_52B_V100": 2, "TT_2506_H200_TRAINY": 2, "BLOOM_PREQ_0221": 21,
            "MCORE_FT_H100": 2, "MCORE_FT_H100_SMALL": 31, "MCORE_FT_A100": 2, "MEG_ISSUE_525": 1, "DS_TUT_ZERO": 3,
-           "TT_2024_PERF_OOM": 1}
+           "TT_2024_PERF_OOM": 1,
+           # issue 27 item 5 (row_ids from 4000): the A100 golden values of the small Megatron-Core test cases,
+           # and DeepSpeed issue #477's out-of-memory run
+           "MCORE_FT_A100_SMALL": 30, "DS_ISSUE_477": 1, "MEGATRON_JZ_V100_16GB": 2}
 #: Sources whose trained rows may carry no step time: measured memory only (Megatron-LM's functional-test
 #: goldens of small test models, whose iteration times are overhead) or the outcome only (DeepSpeed's tutorial).
-MEMORY_ONLY_SOURCES = {"MCORE_FT_H100", "MCORE_FT_H100_SMALL", "MCORE_FT_A100", "DS_TUT_ZERO"}
+MEMORY_ONLY_SOURCES = {"MCORE_FT_H100", "MCORE_FT_H100_SMALL", "MCORE_FT_A100", "MCORE_FT_A100_SMALL", "DS_TUT_ZERO"}
 N_SHARED = 186
 """Rows of the shared/data copy; the shipped file starts with them byte for byte."""
 
@@ -106,9 +109,9 @@ def test_ok_cases_are_complete_and_feasible(cases: list[RunCase]) -> None:
 def test_gpu_mapping(cases: list[RunCase]) -> None:
     for c in cases:
         gt, mem = c.raw["gpu_type"], c.raw["gpu_memory_gb"]
-        if c.row_id.isdigit() and int(c.row_id) >= 2000:  # the added sources: 80 GB H100 SXM, V100, H200
+        if c.row_id.isdigit() and int(c.row_id) >= 2000:  # the added sources: 80 GB H100 SXM, V100 16/32 GB, H200
             want = ("h100-sxm-96gb-500w" if gt.startswith("H100") and mem == "96"
-                    else "h100-sxm-80gb" if gt.startswith("H100") else "v100-sxm-32gb" if gt.startswith("V100")
+                    else "h100-sxm-80gb" if gt.startswith("H100") else f"v100-sxm-{mem}gb" if gt.startswith("V100")
                     else "h200-sxm-141gb" if gt.startswith("H200") else f"a100-sxm-{mem}gb")
         else:
             want = ("h100-sxm-96gb-500w" if gt.startswith("H100")
