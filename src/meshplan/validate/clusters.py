@@ -40,8 +40,8 @@ def gpu_preset_for(gpu_type: str, memory_gb: float | None,
 
     if "mi300x" in t or "mi300" in t:
         return "mi300x-192gb"
-    if "gb200" in t:
-        raise Unsupported(f"no GPU preset for {gpu_type!r} (Grace Blackwell superchips are not modelled)")
+    if "gb200" in t:  # the Blackwell GPU of a GB200 superchip (NVL72 rack: a 72-GPU NVLink domain)
+        return "gb200-nvl72-186gb"
     if "gh200" in t:
         if memory_gb is None and "hbm3e" in t:
             return "gh200-144gb"
