@@ -79,7 +79,7 @@ from meshplan.cost.sync import (
     straggler_seconds,
 )
 from meshplan.cost.sync import groups as sync_groups
-from meshplan.cost.reserved import allocator_bytes, outside_bytes
+from meshplan.cost.reserved import allocator_bytes, deepspeed_init_reserved_bytes, outside_bytes
 from meshplan.cost.uncertainty import memory_high, step_band, verdicts
 from meshplan.errors import MeshplanError
 from meshplan.spec.axes import AX, AXES
@@ -923,6 +923,13 @@ def memory_parts(a: Assembly, p: CostParams, family: str = "") -> dict[str, np.n
     layers_held = C.sum(np.ones((plocal.shape[0], len(C.slices))))
     parts["allocator"] = np.broadcast_to(
         allocator_bytes(acts + transient, layers_held, varying, family, p), plocal.shape)
+    if p.optimizer_init_cache:
+        # DeepSpeed's fp16 optimizer wrapper frees the tensors its flat buffers replaced without
+        # emptying the cache: the reserved peak is at least its start-up mark (cost.reserved).
+        init = deepspeed_init_reserved_bytes(plocal, col(a.shard), zero, a.opt.state_bytes)
+        applies = (prec == "fp16") & (zero < 3) & ~flag(cols["offload_optimizer"]) & ~flag(cols["offload_params"])
+        held = sum(parts[k] for k in ALLOCATED_KEYS) + parts["allocator"]
+        parts["allocator"] = parts["allocator"] + np.where(applies, np.maximum(0.0, init - held), 0.0)
     parts["outside"] = np.broadcast_to(
         outside_bytes(col(cols[AX.TP]), col(cols[AX.DP]), col(cols[AX.CP]), col(cols[AX.EP]), pp, p), plocal.shape)
     # Host memory the offload takes per GPU: the optimizer states it moves (Adam's fp32 m, v, and

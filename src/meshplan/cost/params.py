@@ -218,6 +218,19 @@ class CostParams:
     nccl_buffer_gib: float = 0.0
     """NCCL buffers per GPU beyond those cost.reserved counts per communicator, GiB (outside
     torch's allocator; e.g. Megatron's --tp-comm-overlap userbuffers). In the 'outside' part."""
+    nccl_groups: str = "axes"
+    """Which NCCL communicators a rank initializes (cost.reserved.nccl_communicators; an
+    implementation profile's choice): axes (the default group and one per parallel axis of
+    degree > 1) or deepspeed-pipe (DeepSpeed's PipelineEngine under Megatron-DeepSpeed: its
+    PipelineParallelGrid's data-parallel, model-parallel, pipeline and tensor-slice groups and
+    the tied-embedding group beside Megatron's own tensor-parallel group and the default group:
+    cost.reserved.deepspeed_pipe_communicators)."""
+    optimizer_init_cache: bool = False
+    """The codebase's optimizer wrapper builds its flat buffers at start-up and frees the
+    per-parameter tensors and temporaries it replaced without torch.cuda.empty_cache(), so the
+    caching allocator keeps them reserved (an implementation profile's choice: DeepSpeed's fp16
+    ZeRO-0/1/2 optimizers, cost.reserved.deepspeed_init_reserved_bytes). The reserved peak is then
+    at least that start-up high-water mark."""
 
     moe_expert_load_cv: float = 0.1
     """Coefficient of variation of the per-expert token loads of a trained, auxiliary-loss-balanced
@@ -316,7 +329,8 @@ PARAM_KINDS: dict[str, str] = {
     "attention_kernel": "derived", "elementwise_kernels": "derived",
     "dp_overlap": "derived", "param_gather_overlap": "derived", "dp_bucket_buffers": "derived", "main_grads": "derived",
     "loss_kernel": "derived", "logits_fp32": "derived", "optimizer_temp_bytes": "derived",
-    "cuda_context_gib": "derived", "nccl_buffer_gib": "derived", "token_efficiency_file": "derived",
+    "cuda_context_gib": "derived", "nccl_buffer_gib": "derived", "nccl_groups": "derived",
+    "optimizer_init_cache": "derived", "token_efficiency_file": "derived",
     "powersgd_bytes_per_param": "derived", "outer_step_bytes_per_param": "derived",
     "moe_expert_load_cv": "measured", "moe_capacity_factor": "derived", "moe_pad_to_capacity": "derived",
 }

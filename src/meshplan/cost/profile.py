@@ -26,6 +26,7 @@ from typing import Any
 from meshplan.cost.compute import ATTENTION_KERNELS, ELEMENTWISE_KERNELS, LOSS_KERNELS
 from meshplan.cost.memory import MAIN_GRAD_BYTES
 from meshplan.cost.params import COLLECTIVES_ALGORITHMS, DEFAULT_PARAMS, P2P_OVERLAP, CostParams
+from meshplan.cost.reserved import NCCL_GROUPS
 from meshplan.errors import MeshplanError
 
 DEFAULT_PROFILE = "meshplan"
@@ -48,6 +49,8 @@ PROFILE_FIELDS: dict[str, Any] = {
     "cuda_context_gib": (float, 0.0),
     "expandable_segments": bool,
     "nccl_buffer_gib": (float, 0.0),
+    "nccl_groups": NCCL_GROUPS,
+    "optimizer_init_cache": bool,
     "framework_overhead_gib": (float, 0.0),
     "pipeline_variable_shapes": bool,
     "pp_p2p_overlap": P2P_OVERLAP,
@@ -73,6 +76,11 @@ _SAYS: dict[str, Any] = {
                              else "after the backward (not overlapped)"),
     "param_gather_overlap": lambda v: ("ZeRO-1/2 parameter gather under the next forward" if v
                                        else "ZeRO-1/2 parameter gather after the optimizer step"),
+    "nccl_groups": lambda v: {"axes": "one NCCL communicator per parallel axis plus the default group",
+                              "deepspeed-pipe": "DeepSpeed PipelineEngine's grid groups beside Megatron's "
+                                                "tensor-parallel and the default group"}[v],
+    "optimizer_init_cache": lambda v: ("the fp16 optimizer's start-up buffers stay reserved (no empty_cache)" if v
+                                       else "start-up buffers released or reused"),
     "dp_bucket_mib": lambda v: f"{v:g} MiB buckets",
     "dp_bucket_buffers": lambda v: f"{v:g} bucket buffer(s) held" if v else "buckets are views of the gradient buffer",
     "main_grads": lambda v: {"auto": "16-bit (DDP) / fp32 (ZeRO-1/2)", "fp32": "fp32 main grads",
@@ -109,7 +117,8 @@ _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise",
           "fsdp_reduce_bytes": "FSDP reduce-scatter", "fsdp_prefetch_layers": "FSDP prefetch",
           "loss_kernel": "loss", "logits_fp32": "logits at the loss", "optimizer_temp_bytes": "optimizer step",
           "cuda_context_gib": "CUDA context", "expandable_segments": "CUDA allocator",
-           "nccl_buffer_gib": "NCCL buffers",
+           "nccl_buffer_gib": "NCCL buffers", "nccl_groups": "NCCL communicators",
+           "optimizer_init_cache": "optimizer start-up",
           "framework_overhead_gib": "framework overhead", "pipeline_variable_shapes": "pipeline shapes",
           "pp_p2p_overlap": "pipeline sends", "collectives": "collectives",
           "moe_capacity_factor": "MoE capacity", "moe_pad_to_capacity": "MoE expert buffers"}
@@ -246,6 +255,12 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         optimizer_temp_bytes=(0.0, "DeepSpeed FusedAdam"),
         pp_p2p_overlap=("none", "DeepSpeed's PipelineEngine: runtime/pipe/p2p.py send/recv are blocking "
                                 "dist.send/dist.recv (assert async_op == False)"),
+        nccl_groups=("deepspeed-pipe", "deepspeed.initialize hands a PipelineModule's PipelineParallelGrid to the "
+                                       "engine as its mpu; the grid creates its own data/model/pipe/slice groups "
+                                       "(runtime/pipe/topology.py@2151c787a) beside Megatron's mpu groups"),
+        optimizer_init_cache=(True, "DeepSpeed fp16 ZeRO-0/1/2 (fused_optimizer.py, zero/stage_1_and_2.py@2151c787a) "
+                                    "flatten the 16-bit parameters and free the originals and temporaries; no "
+                                    "torch.cuda.empty_cache() in DeepSpeed's runtime or Megatron-DeepSpeed@541b967f"),
         moe_capacity_factor=(1.0, "--moe-train-capacity-factor 1.0 by default, tokens dropped unless "
                                   "--disable-moe-token-dropping (deepspeed/moe/sharded_moe.py: capacity = "
                                   "ceil(tokens / E x capacity_factor))"),
@@ -265,6 +280,9 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         optimizer_temp_bytes=(0.0, "DeepSpeed FusedAdam"),
         pp_p2p_overlap=("none", "PipelineEngine: runtime/pipe/p2p.py send/recv are blocking dist.send/dist.recv "
                                 "(assert async_op == False)"),
+        optimizer_init_cache=(True, "DeepSpeed fp16 ZeRO-0/1/2 (fused_optimizer.py, zero/stage_1_and_2.py@2151c787a) "
+                                    "flatten the 16-bit parameters and free the originals and temporaries without "
+                                    "torch.cuda.empty_cache()"),
     ),
     _profile(
         "torchtitan", "torchtitan (FSDP2, DTensor TP, SDPA)",

@@ -161,11 +161,48 @@ def nccl_communicators(tp: Any, dp: Any, cp: Any, ep: Any) -> np.ndarray:
     return 1.0 + np.sum(axes, axis=0)
 
 
-def nccl_bytes(tp: Any, dp: Any, cp: Any, ep: Any, pp: Any, channels: float = NCCL_CHANNELS) -> np.ndarray:
+NCCL_GROUPS = ("axes", "deepspeed-pipe")
+"""CostParams.nccl_groups: how a codebase's communicators are counted (nccl_communicators or
+deepspeed_pipe_communicators)."""
+
+
+def deepspeed_pipe_communicators(tp: Any, dp: Any, pp: Any) -> np.ndarray:
+    """Collective communicators a rank of Megatron-DeepSpeed's PipelineEngine initializes (each
+    process group NCCL is used on gets its own communicator, with its own buffers), from the code
+    that ran (microsoft/DeepSpeed@2151c787a, 2022-02-18; bigscience-workshop/Megatron-DeepSpeed
+    @541b967f, 2022-02-17):
+
+    * the default group (torch.distributed.barrier() in Megatron's initialize and checkpointing);
+    * Megatron's tensor-parallel group (mpu layers' all-reduces), tp > 1;
+    * PipelineParallelGrid (deepspeed/runtime/pipe/topology.py), which deepspeed.initialize hands
+      the engine as its mpu (``mpu=model.mpu()``), creates its own groups beside Megatron's:
+      the data-parallel group (ZeRO's reduce and all-gather, the loss average), dp > 1; the model
+      group of one replica's pp x tp ranks (get_model_parallel_group: ZeRO's overflow and
+      gradient-norm all-reduces), pp x tp > 1; the pipeline group (_aggregate_total_loss
+      broadcasts the loss), pp > 1; the tensor-slice group (PartitionedTensor's all-gather of the
+      partitioned pipeline activations), tp > 1 with pp > 1;
+    * the tied-embedding group of the first and last stage (PipelineModule._index_tied_modules:
+      allreduce_tied_weight_gradients), pp > 1: counted for every stage (the stages holding the
+      embedding are the fullest).
+
+    Its send/receive pairs (runtime/pipe/p2p.py: dist.send/dist.recv with torch >= 1.8) are the
+    two-rank communicators nccl_bytes adds for pp > 1."""
+    tp, dp, pp = (np.asarray(x) for x in (tp, dp, pp))
+    default, megatron_tp, ds_dp = 1.0, tp > 1, dp > 1
+    ds_model, ds_pipe, ds_slice, tied = (tp * pp) > 1, pp > 1, (tp > 1) & (pp > 1), pp > 1
+    return default + sum(np.asarray(x, dtype=float) for x in (megatron_tp, ds_dp, ds_model, ds_pipe, ds_slice, tied))
+
+
+def nccl_bytes(tp: Any, dp: Any, cp: Any, ep: Any, pp: Any, channels: float = NCCL_CHANNELS,
+               groups: str = "axes") -> np.ndarray:
     """NCCL buffer bytes per rank (outside the caching allocator): collective communicators x
     channels x peers x protocols x NCCL_BUFFSIZE, plus the pipeline's two-rank send/receive
-    communicators (a stage talks to its predecessor and successor)."""
-    coll = nccl_communicators(tp, dp, cp, ep) * channels * NCCL_RING_PEERS * NCCL_PROTOCOL_BUFFERS * NCCL_BUFFSIZE
+    communicators (a stage talks to its predecessor and successor). ``groups`` (CostParams.
+    nccl_groups): which communicators a rank initializes: axes (nccl_communicators) or
+    deepspeed-pipe (deepspeed_pipe_communicators)."""
+    count = (deepspeed_pipe_communicators(tp, dp, pp) if groups == "deepspeed-pipe"
+             else nccl_communicators(tp, dp, cp, ep))
+    coll = count * channels * NCCL_RING_PEERS * NCCL_PROTOCOL_BUFFERS * NCCL_BUFFSIZE
     p2p = np.where(np.asarray(pp) > 1, 2.0 * NCCL_P2P_CHANNELS_PER_PEER * 2.0 * NCCL_BUFFSIZE, 0.0)
     return coll + p2p
 
@@ -174,4 +211,37 @@ def outside_bytes(tp: Any, dp: Any, cp: Any, ep: Any, pp: Any, p: Any) -> np.nda
     """Device memory outside the caching allocator per rank: the CUDA context and NCCL's buffers
     (plus a profile's own extra, nccl_buffer_gib: e.g. Megatron's userbuffers)."""
     ctx = float(p.cuda_context_gib) if float(p.cuda_context_gib) > 0 else CUDA_CONTEXT_GIB
-    return ctx * GiB + float(p.nccl_buffer_gib) * GiB + nccl_bytes(tp, dp, cp, ep, pp)
+    groups = str(getattr(p, "nccl_groups", "axes"))
+    return ctx * GiB + float(p.nccl_buffer_gib) * GiB + nccl_bytes(tp, dp, cp, ep, pp, groups=groups)
+
+
+def deepspeed_init_reserved_bytes(params: Any, shard: Any, zero: Any, state_bytes: float) -> np.ndarray:
+    """Bytes PyTorch's caching allocator holds once DeepSpeed's fp16 optimizer wrapper has been
+    built (CostParams.optimizer_init_cache), for ``params`` 16-bit parameters on the rank, its
+    optimizer states (``state_bytes`` per parameter, Adam's 8) sharded over ``shard`` ranks at
+    ZeRO >= 1 (``zero``: the level memory sees, cost.memory.effective_zero). Neither DeepSpeed's
+    runtime nor Megatron-DeepSpeed calls torch.cuda.empty_cache() (none at microsoft/DeepSpeed
+    @2151c787a or bigscience-workshop/Megatron-DeepSpeed@541b967f), so what the start-up freed
+    stays reserved, and the reserved peak is at least this:
+
+    * ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__):
+      move_to_cpu(bit16_groups) frees the model's per-parameter 16-bit tensors (2 B/param,
+      cached) and flatten_dense_tensors_aligned(...).cuda() allocates the flat 16-bit buffer
+      (2 B/param) the parameters become views of; the fp32 master partition is
+      ``partition.clone().float()`` (a 16-bit clone, 2 B per sharded parameter, freed; the
+      master 4 B); initialize_optimizer_states gives it an fp32 zero gradient (4 B, freed after
+      the optimizer's first step) and the optimizer creates its states: 4 P + (10 + S) P / shard.
+    * ZeRO-0 (deepspeed/runtime/fp16/fused_optimizer.py, FP16_Optimizer.__init__, the wrapper of a
+      fused Adam): _flatten_dense_tensors([p.clone() for p in group]) holds the originals, their
+      clones and the flat buffer at once (6 B/param; the originals and clones are freed), the
+      master is ``fp16_groups_flat.clone().float()`` (2 B freed, 4 B kept) and
+      initialize_optimizer_states' fp32 zero gradients (4 B, freed): (16 + S) P.
+
+    An upper estimate of the start-up mark: a later allocation of the start-up (the next param
+    group's) may reuse a block an earlier one freed."""
+    params = np.asarray(params, dtype=float)
+    shard = np.maximum(np.asarray(shard, dtype=float), 1.0)
+    sharded = np.asarray(zero) >= 1
+    z12 = 4.0 * params + (10.0 + state_bytes) * params / shard
+    z0 = (16.0 + state_bytes) * params
+    return np.where(sharded, z12, z0)
