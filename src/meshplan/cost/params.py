@@ -236,6 +236,15 @@ class CostParams:
     """With a capacity factor, every expert's buffer is padded to its capacity (DeepSpeed-MoE's
     einsum dispatch of [E, capacity, hidden]; Megatron-core's --moe-pad-expert-input-to-capacity):
     every rank runs capacity-sized GEMMs and all-to-alls, the load factor is the capacity factor."""
+    moe_probs_in_activation: bool = False
+    """The experts multiply each token copy by its routing probability inside their activation
+    (before the second GEMM) and the combine only sums the copies, so no expert output is kept for
+    the probabilities' gradient (LayerOps.saved_combine_rep is not kept). Megatron-core's
+    TEGroupedMLP ("Memory efficient token permutation by moving the probs multiplication from
+    unpermutation to activation function of GroupedMLP", megatron/core/transformer/moe/README.md;
+    experts.py ``weighted_bias_swiglu_impl(fc1_output, bias, permuted_probs)``, token_dispatcher.py
+    ``combine_postprocess``: ``unpermute`` without probabilities). False: the combine weights the
+    outputs and keeps them (Hugging Face, torchtitan, meshplan's runtime)."""
 
     token_efficiency_file: str = ""
     """POLICY: a TOML/JSON file of token-efficiency factors replacing the defaults of
@@ -319,6 +328,7 @@ PARAM_KINDS: dict[str, str] = {
     "cuda_context_gib": "derived", "nccl_buffer_gib": "derived", "token_efficiency_file": "derived",
     "powersgd_bytes_per_param": "derived", "outer_step_bytes_per_param": "derived",
     "moe_expert_load_cv": "measured", "moe_capacity_factor": "derived", "moe_pad_to_capacity": "derived",
+    "moe_probs_in_activation": "derived",
 }
 #: Per-GPU numbers in the GPU data files that are fitted (the rest are datasheet values).
 GPU_FITTED_FIELDS = ("gemm_efficiency", "attention_efficiency")
