@@ -131,3 +131,16 @@ def test_moe_time_monotone_in_top_k_and_not_below_dense(h: int, e: int, k: int, 
                                 expert_ffn_hidden_size=None)
     d = _time(quantities(block_ops(dense), parse_plan(f"dp=8,micro_batch={mb},precision={prec}"), 512, g, P))
     assert a >= d * (1 - 1e-12)
+
+
+def test_force_balanced_router_rows_have_no_persistent_skew() -> None:
+    """A Megatron-Bridge Qwen3 row run with moe_router_force_load_balancing=True (random logits) is
+    validated with moe_expert_load_cv = 0; a dense row of the same source keeps the default."""
+    from meshplan.validate.report import case_params
+    from meshplan.validate.runs import load_runs
+    from meshplan.validate.report import default_runs_path
+    cases = {c.row_id: c for c in load_runs(default_runs_path()) if c.row_id in ("3016", "3020")}
+    moe, dense = cases["3016"], cases["3020"]
+    assert moe.overrides.get("moe_expert_load_cv") == 0.0 and case_params(moe).moe_expert_load_cv == 0.0
+    assert any("forced to balance" in a for a in moe.assumptions)
+    assert "moe_expert_load_cv" not in dense.overrides

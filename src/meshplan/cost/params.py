@@ -225,8 +225,8 @@ class CostParams:
     CV_BOUNDS). Prior 0.1 from Switch Transformer's capacity convention (Fedus, Zoph and Shazeer,
     JMLR 2022, sec. 2.2 and Table 1: capacity factor 1.0-1.25, i.e. buffers sized so that the busiest
     of E = 128 experts seldom exceeds 1.25 x the mean): 1 + c e(128) = 1.25 with e(128) = 2.59 the
-    expected maximum of 128 standard normals gives c = 0.096. Not fitted: no development row is a
-    MoE run."""
+    expected maximum of 128 standard normals gives c = 0.096. Not fitted: the development MoE rows
+    run force-balanced routers (validate sets 0 for them: validate.plans.cost_settings)."""
     moe_capacity_factor: float = 0.0
     """Expert capacity as a multiple of the mean load per expert, past which the codebase drops
     tokens (GShard/Switch/DeepSpeed-MoE ``capacity_factor``; Megatron-core's
