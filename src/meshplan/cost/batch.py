@@ -961,7 +961,8 @@ def routed_excess(a: Assembly, p: CostParams, recomputing: np.ndarray, inflight:
     held = C.sum(np.ones((C.shape[0], len(C.slices))), ids) * inflight  # routing draws a rank keeps
     for b in ids:
         o = lay.ops[b]
-        routed = (o.saved_routed_rep / (sp if o.splits else 1.0)
+        kept_rep = o.saved_routed_rep - (o.saved_combine_rep if p.moe_probs_in_activation else 0.0)
+        routed = (kept_rep / (sp if o.splits else 1.0)
                   + np.where(fused, o.saved_routed_split[0], o.saved_routed_split[1]) / tp) * scale
         f = memory_factor(a.tokens[:, None], o.experts, o.top_k, ep[:, None], held, p)
         kept = C.slices[b] - np.where(recomputing, R.slices[b], 0.0)

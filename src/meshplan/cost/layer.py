@@ -8,8 +8,11 @@ tokens per GPU, tensor-parallel degree t:
              k / t (row), at the GPU's peak for the plan's precision times gemm_efficiency of
              the shape; a MoE layer's expert GEMMs run per local expert (E / ep of them) on the
              T top_k / (E / ep) token-expert pairs each receives, times the busiest ep rank's
-             load over the mean (cost.moe.load_factor; model FLOPs stay the mean's). Backward: input gradients and
+             load over the mean (cost.moe.load_factor; model FLOPs stay the mean's); under fp8 each
+             local expert casts its own rows and weight. Backward: input gradients and
              weight gradients, each the forward's GEMMs again (Narayanan et al. 2021).
+  permutation  a MoE layer's token permute / per-expert sort / unpermute copies (cost.moe.permute_bytes)
+             at the achieved HBM bandwidth, forward and again backward.
   attention  4 b s^2 q / (t cp) FLOPs forward, halved for causal masks with FlashAttention's
              block skipping; FlashAttention's efficiency from the head width and keys per call,
              times the kernel's published speed relative to FA2 (compute.FLASH_SPEED); unfused
@@ -34,7 +37,7 @@ import numpy as np
 
 from meshplan.cost.activations import attention_saved_bytes, fp8_saved_change
 from meshplan.cost.compute import attention_seconds, elementwise_fused, gemm_time, loss_kind, mem_time
-from meshplan.cost.moe import load_factor
+from meshplan.cost.moe import load_factor, permute_bytes
 from meshplan.cost.params import CostParams
 from meshplan.spec.cluster import GPUSpec
 from meshplan.spec.graph import LayerOps
@@ -108,7 +111,8 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
         fl = 2.0 * m * n * kk * count
         lin_flops += fl if g.split != "none" else fl / t  # replicated work counts once per TP group
         if fp8 and g.split != "none" and (not g.expert or i not in cast_seen):
-            cast += m * kk + kk * n
+            # every local expert casts its own rows and its own weight (count of them; 1 for a dense GEMM)
+            cast += count * (m * kk + kk * n)
             cast_seen.add(i)
     att_f = att_b = att_flops = 0.0
     if o.attention is not None:
@@ -117,6 +121,9 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
     if fp8:
         ew += p.fp8_cast_bytes_per_elem * cast
     ew_f = mem_time(ew, gpu, p)
+    # a MoE layer's token permutation (cost.moe.permute_bytes): forward, and the same bytes backward
+    perm_f = mem_time(tokens / sp * scale * permute_bytes(o.hidden, o.top_k, local, busiest), gpu, p) \
+        if o.experts else 0.0
     loss_f = loss_b = 0.0
     if o.loss_vocab:
         logits = tokens * o.loss_vocab / (t if o.loss_split else 1)
@@ -124,9 +131,9 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
         fb, bb = CE_BYTES[{"torch": "torch-bf16", "inplace": "inplace-16"}.get(kind, kind) if not p.logits_fp32
                           else kind]
         loss_f, loss_b = mem_time(logits * fb, gpu, p), mem_time(logits * bb, gpu, p)
-    fwd = lin_fwd + att_f + ew_f + loss_f
+    fwd = lin_fwd + att_f + ew_f + loss_f + perm_f
     bwd_w = lin_fwd + o.ew_bwd_weight * ew_f
-    bwd_in = lin_fwd + att_b + o.ew_bwd_input * ew_f + loss_b
+    bwd_in = lin_fwd + att_b + o.ew_bwd_input * ew_f + loss_b + perm_f
     rc = rc_flops = 0.0
     if recomputable:
         rc = {"full": fwd, "op": 0.5 * lin_fwd + ew_f, "selective": att_f}.get(c.recompute, 0.0)
@@ -134,7 +141,7 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
                     "selective": att_flops}.get(c.recompute, 0.0)
     split = o.saved_split[k]
     split += attention_saved_bytes(o.attention, c.flash_attention, p, s, c.recompute)  # unfused: s x s scores
-    rep = o.saved_rep
+    rep = o.saved_rep - (o.saved_combine_rep if p.moe_probs_in_activation else 0.0)  # cost.params
     if c.precision == "fp8" and o.fp8:  # GEMM inputs kept fp8-cast (Transformer Engine)
         d_rep, d_split = fp8_saved_change(o, c.flash_attention, p, c.recompute)
         rep, split = rep + d_rep, split + d_split

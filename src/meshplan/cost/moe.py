@@ -33,6 +33,28 @@ busiest-rank load over the mean, from routing statistics:
 Memory (``memory_factor``): the routed activations a rank keeps are the sum over the MoE layers it
 holds, whose loads are independent draws (each layer has its own router), so their busiest-rank
 excess over the mean shrinks as ``1 / sqrt(layers)``.
+
+Token permutation (``permute_bytes``, issue 29): besides the expert GEMMs and the all-to-alls, a
+dropless MoE layer copies every token-expert pair through HBM several times, as memory-bound
+kernels. In Megatron-core's all-to-all dispatcher (megatron/core/transformer/moe/token_dispatcher.py,
+``MoEAlltoAllTokenDispatcher``; the flex dispatcher's permute and unpermute alike) one micro-batch's
+forward runs, per token of ``H`` bytes routed to ``k`` experts:
+
+- ``permute`` (``dispatch_preprocess``, "Permutation 1: input to AlltoAll input"; TE's fused
+  ``moe_permute_with_probs`` with ``--moe-permute-fusion``): gathers ``k`` copies, reading and
+  writing ``k H`` (2 k H);
+- ``sort_chunks_by_idxs`` (``dispatch_postprocess``, "Permutation 2: Sort tokens by local
+  expert"), only where a rank holds more than one expert: the received ``k H`` read and written
+  (2 k H), and its inverse before the combine all-to-all (``combine_preprocess``, 2 k H);
+- ``unpermute`` (``combine_postprocess``, "Unpermutation 1: AlltoAll output to output"): the ``k``
+  copies read and summed into one token (k H + H).
+
+Each kernel's backward moves the same bytes the other way (the gradient of a gather is a
+scatter-add and vice versa), so the backward repeats them. The received-side sorts run on the
+busiest rank's load (``load_factor``). The routing probabilities permuted alongside (4 B per pair)
+and the router's fused top-k/softmax over ``E`` fp32 logits (``--moe-router-fusion``: about
+``9 E`` B per token) are under 2 % of these bytes for the rows this was checked on and are not
+counted.
 """
 from __future__ import annotations
 
@@ -124,3 +146,16 @@ def memory_factor(tokens: Any, experts: Any, top_k: Any, ep: Any, layers: Any, p
     f = np.minimum(1.0 + s / np.sqrt(n) * _e_max(np.broadcast_to(np.asarray(ep), np.broadcast(s, n).shape)), most)
     f = _apply_capacity(f, p)
     return np.where(np.asarray(experts) > 0, f, 1.0)
+
+
+def permute_bytes(hidden_bytes: float, top_k: int, local_experts: int, busiest: float = 1.0) -> float:
+    """HBM bytes per token that one forward of a dropless MoE layer's token permutation moves
+    (module doc: Megatron-core's permute, the per-expert sort and its inverse where a rank holds more
+    than one expert, and the unpermute), for tokens of ``hidden_bytes`` routed to ``top_k`` experts,
+    ``local_experts`` per rank; the received-side sorts at the busiest rank's ``busiest`` load. The
+    backward moves the same bytes again. 0 for a layer without experts (``top_k`` 0)."""
+    if top_k <= 0:
+        return 0.0
+    kh = float(top_k) * float(hidden_bytes)
+    sort = 4.0 * kh * busiest if local_experts > 1 else 0.0
+    return 2.0 * kh + sort + kh + float(hidden_bytes)

@@ -238,8 +238,8 @@ class CostParams:
     CV_BOUNDS). Prior 0.1 from Switch Transformer's capacity convention (Fedus, Zoph and Shazeer,
     JMLR 2022, sec. 2.2 and Table 1: capacity factor 1.0-1.25, i.e. buffers sized so that the busiest
     of E = 128 experts seldom exceeds 1.25 x the mean): 1 + c e(128) = 1.25 with e(128) = 2.59 the
-    expected maximum of 128 standard normals gives c = 0.096. Not fitted: no development row is a
-    MoE run."""
+    expected maximum of 128 standard normals gives c = 0.096. Not fitted: the development MoE rows
+    run force-balanced routers (validate sets 0 for them: validate.plans.cost_settings)."""
     moe_capacity_factor: float = 0.0
     """Expert capacity as a multiple of the mean load per expert, past which the codebase drops
     tokens (GShard/Switch/DeepSpeed-MoE ``capacity_factor``; Megatron-core's
@@ -249,6 +249,15 @@ class CostParams:
     """With a capacity factor, every expert's buffer is padded to its capacity (DeepSpeed-MoE's
     einsum dispatch of [E, capacity, hidden]; Megatron-core's --moe-pad-expert-input-to-capacity):
     every rank runs capacity-sized GEMMs and all-to-alls, the load factor is the capacity factor."""
+    moe_probs_in_activation: bool = False
+    """The experts multiply each token copy by its routing probability inside their activation
+    (before the second GEMM) and the combine only sums the copies, so no expert output is kept for
+    the probabilities' gradient (LayerOps.saved_combine_rep is not kept). Megatron-core's
+    TEGroupedMLP ("Memory efficient token permutation by moving the probs multiplication from
+    unpermutation to activation function of GroupedMLP", megatron/core/transformer/moe/README.md;
+    experts.py ``weighted_bias_swiglu_impl(fc1_output, bias, permuted_probs)``, token_dispatcher.py
+    ``combine_postprocess``: ``unpermute`` without probabilities). False: the combine weights the
+    outputs and keeps them (Hugging Face, torchtitan, meshplan's runtime)."""
 
     token_efficiency_file: str = ""
     """POLICY: a TOML/JSON file of token-efficiency factors replacing the defaults of
@@ -333,6 +342,7 @@ PARAM_KINDS: dict[str, str] = {
     "optimizer_init_cache": "derived", "token_efficiency_file": "derived",
     "powersgd_bytes_per_param": "derived", "outer_step_bytes_per_param": "derived",
     "moe_expert_load_cv": "measured", "moe_capacity_factor": "derived", "moe_pad_to_capacity": "derived",
+    "moe_probs_in_activation": "derived",
 }
 #: Per-GPU numbers in the GPU data files that are fitted (the rest are datasheet values).
 GPU_FITTED_FIELDS = ("gemm_efficiency", "attention_efficiency")

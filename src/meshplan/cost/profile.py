@@ -57,6 +57,7 @@ PROFILE_FIELDS: dict[str, Any] = {
     "collectives": COLLECTIVES_ALGORITHMS,
     "moe_capacity_factor": (float, 0.0),
     "moe_pad_to_capacity": bool,
+    "moe_probs_in_activation": bool,
 }
 
 #: What each value means, for Profile.describe().
@@ -110,6 +111,9 @@ _SAYS: dict[str, Any] = {
     "moe_capacity_factor": lambda v: f"tokens past {v:g} x an expert's mean load dropped" if v else "dropless",
     "moe_pad_to_capacity": lambda v: ("every expert's buffer padded to its capacity" if v
                                       else "experts run the tokens they get"),
+    "moe_probs_in_activation": lambda v: ("routing probabilities applied in the experts' activation (no expert "
+                                          "outputs kept for the combine)" if v
+                                          else "the combine weights the expert outputs (and keeps them)"),
 }
 _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise", "dp_overlap": "DP gradient sync",
           "param_gather_overlap": "DP parameter gather",
@@ -121,7 +125,8 @@ _TOPIC = {"attention_kernel": "attention", "elementwise_kernels": "elementwise",
            "optimizer_init_cache": "optimizer start-up",
           "framework_overhead_gib": "framework overhead", "pipeline_variable_shapes": "pipeline shapes",
           "pp_p2p_overlap": "pipeline sends", "collectives": "collectives",
-          "moe_capacity_factor": "MoE capacity", "moe_pad_to_capacity": "MoE expert buffers"}
+          "moe_capacity_factor": "MoE capacity", "moe_pad_to_capacity": "MoE expert buffers",
+          "moe_probs_in_activation": "MoE combine"}
 
 
 @dataclass(frozen=True)
@@ -220,6 +225,9 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                                 "cross-entropy, in place on the fp32 copy (tensor_parallel/cross_entropy.py)"),
         logits_fp32=(True, "--fp16-lm-cross-entropy off by default: the loss upcasts the logits"),
         optimizer_temp_bytes=(0.0, "apex/TE FusedAdam (multi-tensor apply)"),
+        moe_probs_in_activation=(True, "megatron-core TEGroupedMLP multiplies the routing probabilities in the "
+                                       "activation (weighted_bias_swiglu_impl) and unpermutes without them "
+                                       "(moe/README.md: 'Memory efficient token permutation')"),
         pp_p2p_overlap=("interleaved", "overlap_p2p_comm on by default (--no-overlap-p2p-communication turns it "
                                        "off), forced off without virtual stages ('non-interleaved schedule does not "
                                        "support overlapping p2p communication', arguments.py validate_args)"),
@@ -239,6 +247,9 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         loss_kernel=("inplace", "megatron-core vocab-parallel cross-entropy, in place on the fp32 copy"),
         logits_fp32=(True, "megatron-core upcasts the logits for the loss"),
         optimizer_temp_bytes=(0.0, "TE/apex FusedAdam"),
+        moe_probs_in_activation=(True, "megatron-core TEGroupedMLP multiplies the routing probabilities in the "
+                                       "activation (weighted_bias_swiglu_impl) and unpermutes without them "
+                                       "(moe/README.md: 'Memory efficient token permutation')"),
         pp_p2p_overlap=("interleaved", "MegatronCommOverlapCallback: overlap_p2p_comm=True (batch_p2p_comm=False) "
                                        "when pp > 1 and virtual stages > 1, else False"),
     ),

@@ -133,6 +133,11 @@ class LayerOps:
     without TP pairs: of saved_whole.)"""
     saved_routed_split: Pair = (0.0, 0.0)
     """... of saved_split (fused, eager): the experts' hidden-width tensors."""
+    saved_combine_rep: float = 0.0
+    """Of saved_routed_rep: the expert outputs the combine keeps to weight them by their routing
+    probabilities (the probabilities' gradient reads them). A codebase that multiplies the
+    probabilities inside the experts' activation instead keeps none of it
+    (CostParams.moe_probs_in_activation)."""
     saved_gemm_rep: float = 0.0
     """Of saved_rep: the 2-byte inputs of fp8-capable (split) GEMMs that only the GEMM keeps, for
     its weight gradient (a norm's output before the q/k/v or MLP-in GEMMs; a MoE's dispatched
@@ -166,7 +171,7 @@ class LayerOps:
 
     def __post_init__(self) -> None:
         for f in ("params", "params_split", "params_expert", "params_ep", "ew_whole", "saved_rep", "saved_whole",
-                  "saved_input", "saved_routed_rep", "saved_gemm_rep", "saved_gemm_split", "saved_attn_out", "hidden", "send",
+                  "saved_input", "saved_routed_rep", "saved_combine_rep", "saved_gemm_rep", "saved_gemm_split", "saved_attn_out", "hidden", "send",
                   "loss_vocab", "tp_reduce"):
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
@@ -177,6 +182,8 @@ class LayerOps:
             raise MeshplanError("layer ops: need params >= params_split + params_ep")
         if not all(v >= 0 and math.isfinite(v) for v in self.saved_routed_split):
             raise MeshplanError(f"layer ops: saved_routed_split must be finite numbers >= 0, got {self.saved_routed_split}")
+        if self.saved_combine_rep > self.saved_routed_rep * (1 + 1e-9):
+            raise MeshplanError("layer ops: saved_combine_rep is part of saved_routed_rep and cannot exceed it")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise MeshplanError(f"layer ops: top_k={self.top_k} must be in 1..experts={self.experts}")
 

@@ -115,6 +115,7 @@ def block_ops(model: ModelSpec) -> LayerOps:
         saved_rep=saved_rep,
         saved_split=(saved_split + gqa_repeat + mlp[0], saved_split + gqa_repeat + mlp[1]),
         saved_routed_rep=routed_rep, saved_routed_split=routed_split,
+        saved_combine_rep=mlp_in if m.is_moe else 0.0,  # the combine's expert outputs (top_k x 2 h)
         saved_gemm_rep=ACT_BYTES * h + mlp_in, saved_gemm_split=ACT_BYTES * f_tok,
         saved_attn_out=ACT_BYTES * q,
         saved_input=ACT_BYTES * h,

@@ -516,7 +516,10 @@ def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Ass
       ZeRO-1/2 with fp16) -> main_grads='bf16' (16-bit buffers); fp32 gradient accumulation
       ('fp32 grad accumulation', 'fp32 main grads') -> main_grads='fp32';
     * a measured CUDA context ('CUDA context 1573 MiB': the measured memory is nvidia-smi's, which
-      includes it) -> cuda_context_gib."""
+      includes it) -> cuda_context_gib;
+    * a MoE router forced to balance ('moe_router_force_load_balancing=True', 'force-balanced':
+      megatron-core's benchmarking router, random logits) -> moe_expert_load_cv=0 (no effect on a
+      dense model)."""
     other = " ".join(row.lower(c) for c in ("other_settings", "sharding", "precision"))
     base = get_profile(profile).apply(DEFAULT_PARAMS)
     out: dict = {}
@@ -556,6 +559,12 @@ def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Ass
                "(DeepSpeed BF16_Optimizer)"}[grads]
         assume(f"gradients held and reduced in {how} as the row states "
                f"(main_grads={grads!r})")
+    if re.search(r"moe_router_force_load_balancing\s*=\s*true|force[\s-]*balanced", other):
+        # megatron-core's router.py: moe_router_force_load_balancing replaces the logits with random
+        # ones ("Apply force load balancing with random logits for benchmark"): no persistent skew
+        out["moe_expert_load_cv"] = 0.0
+        assume("MoE router forced to balance (moe_router_force_load_balancing=True: random logits, as the row "
+               "states): no persistent expert skew (moe_expert_load_cv=0), only the finite-token spread")
     m = re.search(r"cuda[\s_-]*context\D{0,40}?(\d+(?:\.\d+)?)\s*(mib|gib|mb|gb)\b", other)
     if m:
         gib = float(m.group(1)) / (1024.0 if m.group(2) in ("mib", "mb") else 1.0)
