@@ -133,7 +133,8 @@ def band_of(residuals: Sequence[float]) -> tuple[float, float] | None:
     if len(x) < 10:
         return None
     lo, hi = np.quantile(x, [0.05, 0.95])
-    return round(min(float(lo), 0.0), 5), round(max(float(hi), 0.0), 5)
+    # rounded outward to 5 digits (what the calibration file stores): never narrower than the errors say
+    return math.floor(min(float(lo), 0.0) * 1e5) / 1e5, math.ceil(max(float(hi), 0.0) * 1e5) / 1e5
 
 
 def knowledge_coverage(resid: dict[int, dict[str, list[float]]]) -> tuple[
