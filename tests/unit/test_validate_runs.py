@@ -656,6 +656,10 @@ def test_named_settings_and_cost_overrides(dev_rows: list[dict[str, str]]) -> No
     assert "pp_p2p_exposed" not in flat.overrides  # only the interleaved schedule overlaps them
     grad = case_from_row(dict(base, other_settings="NeMo; overlap_grad_reduce=False"))
     assert grad.overrides.get("dp_overlap") is False
+    # megatron-core's DistributedDataParallelConfig.grad_reduce_in_fp32: the gradient buffer's dtype
+    bf = case_from_row(dict(base, other_settings="NeMo; grad_reduce_in_fp32=False"))
+    assert bf.overrides.get("main_grads") == "bf16"
+    assert "main_grads" not in case_from_row(dict(base, other_settings="NeMo")).overrides
     bloom = next(r for r in dev_rows if r["source_id"] == "BLOOM_PREQ_0225")
     c = case_from_row(bloom)
     assert c.ok and c.plan.precision == "fp16" and c.overrides["main_grads"] == "bf16"

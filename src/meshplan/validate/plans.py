@@ -514,7 +514,8 @@ def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Ass
     * ``overlap_grad_reduce`` / ``overlap_grad_sync`` on or off -> dp_overlap;
     * 16-bit gradient accumulation ('grads accumulated in fp16', 'fp16 gradients': DeepSpeed
       ZeRO-1/2 with fp16) -> main_grads='bf16' (16-bit buffers); fp32 gradient accumulation
-      ('fp32 grad accumulation', 'fp32 main grads') -> main_grads='fp32';
+      ('fp32 grad accumulation', 'fp32 main grads') -> main_grads='fp32'; megatron-core's
+      grad_reduce_in_fp32=False / True (its gradient buffer in the parameters' dtype / fp32) -> bf16 / fp32;
     * a measured CUDA context ('CUDA context 1573 MiB': the measured memory is nvidia-smi's, which
       includes it) -> cuda_context_gib;
     * a MoE router forced to balance ('moe_router_force_load_balancing=True', 'force-balanced':
@@ -546,6 +547,10 @@ def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Ass
                f"(the row's overlap_grad_reduce={grad}; the profile's default is {base.dp_overlap})")
     if re.search(r"bf16[\s_-]*optimizer|bf16_optimizer", other):
         grads = "bf16+fp32"  # DeepSpeed BF16_Optimizer: bf16 .grad + an unsharded fp32 accumulation buffer
+    elif re.search(r"grad_reduce_in_fp32\s*=\s*false", other):
+        grads = "bf16"  # megatron-core DistributedDataParallelConfig: the grad buffer in the param dtype
+    elif re.search(r"grad_reduce_in_fp32\s*=\s*true", other):
+        grads = "fp32"
     elif re.search(r"grad\w*\s+(?:accumulat\w*\s+)?in\s+(?:fp16|bf16|16[\s-]*bit)"
                  r"|(?:fp16|bf16|16[\s-]*bit)\s+grad\w*\s+accumulat", other):
         grads = "bf16"
