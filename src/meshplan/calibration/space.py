@@ -65,6 +65,12 @@ GLOBAL: tuple[Fittable, ...] = (
              "fraction of tensor-parallel communication left exposed when it is overlapped with the "
              "GEMMs (async TP, Transformer Engine userbuffers): the GEMMs are split into tp chunks "
              "and only the first chunk's transfer and the slowdown of the rest stay exposed"),
+    Fittable("launch_gap_s", 5e-6, 300e-6, 45e-6, 0.7, True, "time",
+             "host seconds per kernel when CUDA_LAUNCH_BLOCKING=1 makes every launch wait for its kernel "
+             "(runs that set it only: CostParams.launch_blocking). Prior from BigScience's A/B on 80 A100 "
+             "(chronicles-prequel 'dealing with JZ hanging': 97.20 vs 91.04 TFLOPs, 3.5 ms per block per "
+             "micro-batch over a Megatron block's 78 counted kernels); bounds: a bare launch and wake-up "
+             "(5 us) to a slow Python host (300 us); loose (the same chronicles saw no difference at 160 GPUs)"),
     Fittable("allocator_fragmentation", 0.0, 0.3, 0.05, 0.05, False, "memory",
              "caching-allocator reserve over live activations and transients"),
     Fittable("framework_overhead_gib", 0.02, 3.0, 0.3, 1.0, True, "memory",

@@ -24,6 +24,9 @@ tokens per GPU, tensor-parallel degree t:
              the fp32 upcast), 4 B and 0 fused or chunked (plan.fused_loss, compute.loss_kind).
   recompute  full: one more forward; op (torchtitan SAC): half the GEMMs + the memory-bound ops;
              selective (Megatron): the attention core.
+  launches   only where the run launches synchronously (CostParams.launch_blocking:
+             CUDA_LAUNCH_BLOCKING=1): launch_gap_s of host time per kernel of each pass
+             (kernel_counts), in every micro-batch; it does not shrink with a larger micro-batch.
   saved      bytes per token kept for the backward, with the same TP/SP splits; the unfused
              attention's s x s scores (5 B per element) unless recomputed.
 Activations are 2 bytes in the LayerOps; fp32 plans hold 4.
@@ -36,7 +39,15 @@ from typing import Any
 import numpy as np
 
 from meshplan.cost.activations import attention_saved_bytes, fp8_saved_change
-from meshplan.cost.compute import attention_seconds, elementwise_fused, gemm_time, loss_kind, mem_time
+from meshplan.cost.compute import (
+    FLASH_KERNELS,
+    attention_kind,
+    attention_seconds,
+    elementwise_fused,
+    gemm_time,
+    loss_kind,
+    mem_time,
+)
 from meshplan.cost.moe import load_factor, permute_bytes
 from meshplan.cost.params import CostParams
 from meshplan.spec.cluster import GPUSpec
@@ -55,6 +66,38 @@ exp r4 w4, sum r4, div_ r4 w4 = 38; backward mul_ r4 w4, the cast back r4 w2 = 1
 (--fp16-lm-cross-entropy): the same steps on the 16-bit logits without the cast (2 B each)."""
 #: Per-layer quantities, one column each (see LayerTable).
 QUANTITIES = ("f", "bi", "bw", "rc", "flops", "rc_flops", "full", "inp", "op", "loss_f", "loss_b")
+
+
+#: Kernels a layer launches per micro-batch, for the host time of synchronous launches
+#: (CostParams.launch_blocking), counted from Megatron(-DeepSpeed)'s ParallelTransformerLayer
+#: (bigscience-workshop/Megatron-DeepSpeed megatron/model/transformer.py@541b967): each GEMM runs with
+#: its bias or a layout copy (2 forward kernels); the unfused attention core runs the scores' batched
+#: GEMM, the scale-mask-softmax, the dropout, the weighted sum's batched GEMM and two layout copies (6;
+#: a FlashAttention call: 1); a block's memory-bound ops are its 2 norms, 2 bias-dropout-adds,
+#: the activation and 3 copies/casts (8; another layer with memory-bound bytes: 2). The input-gradient
+#: pass mirrors the forward's kernels; the weight-gradient pass runs, per GEMM, the weight-gradient
+#: GEMM, the bias-gradient reduction and the gradient-accumulation add (3). A GPT block: 22 forward,
+#: 22 input-gradient, 12 weight-gradient, and 22 more recomputed under full recompute: 78.
+KERNELS_PER_GEMM = 2
+KERNELS_ATTENTION_UNFUSED = 6
+KERNELS_ATTENTION_FLASH = 1
+KERNELS_ELEMENTWISE_BLOCK = 8
+KERNELS_ELEMENTWISE_OTHER = 2
+KERNELS_WGRAD_PER_GEMM = 3
+
+
+def kernel_counts(o: LayerOps, block: bool, flash_attention: bool, p: CostParams) -> tuple[int, int, int]:
+    """(forward, input-gradient, weight-gradient) kernels one micro-batch of layer ``o`` launches
+    (the KERNELS_* counts; a recomputed forward launches the forward's again)."""
+    fwd = KERNELS_PER_GEMM * len(o.gemms)
+    if o.attention is not None:
+        fwd += KERNELS_ATTENTION_FLASH if attention_kind(flash_attention, p) in FLASH_KERNELS \
+            else KERNELS_ATTENTION_UNFUSED
+    if block:
+        fwd += KERNELS_ELEMENTWISE_BLOCK
+    elif any(o.ew_rep) or any(o.ew_split) or o.ew_whole or o.loss_vocab:
+        fwd += KERNELS_ELEMENTWISE_OTHER
+    return fwd, fwd, KERNELS_WGRAD_PER_GEMM * len(o.gemms)
 
 
 @dataclass(frozen=True)
@@ -134,6 +177,9 @@ def layer_quantities(o: LayerOps, c: Combo, seq_len: int, gpu: GPUSpec, p: CostP
     fwd = lin_fwd + att_f + ew_f + loss_f + perm_f
     bwd_w = lin_fwd + o.ew_bwd_weight * ew_f
     bwd_in = lin_fwd + att_b + o.ew_bwd_input * ew_f + loss_b + perm_f
+    if p.launch_blocking:  # every kernel waits for the host's gap before it (CostParams.launch_blocking)
+        k_f, k_bi, k_bw = kernel_counts(o, recomputable, c.flash_attention, p)
+        fwd, bwd_in, bwd_w = fwd + k_f * p.launch_gap_s, bwd_in + k_bi * p.launch_gap_s, bwd_w + k_bw * p.launch_gap_s
     rc = rc_flops = 0.0
     if recomputable:
         rc = {"full": fwd, "op": 0.5 * lin_fwd + ew_f, "selective": att_f}.get(c.recompute, 0.0)

@@ -160,6 +160,25 @@ class CostParams:
     memory band uses that codebase's out-of-sample errors."""
     step_overhead_s: float = 0.0
     """Fixed per-step host overhead (data loading, logging, launch), seconds."""
+    launch_blocking: bool = False
+    """The run sets CUDA_LAUNCH_BLOCKING=1 (a run setting, read from the row by validate): every
+    kernel launch waits for the kernel to finish, so the host's time between two kernels (Python,
+    the dispatcher, the launch, the wake-up from the wait) is GPU idle time, launch_gap_s per
+    kernel (cost.layer.kernel_counts: the kernels of each layer's forward, input-gradient and
+    weight-gradient passes, and of the recomputed forward), in every micro-batch of every layer;
+    it does not shrink with a larger micro-batch. BigScience ran its Jean Zay A100 jobs of 320+
+    GPUs this way to avoid NCCL hangs (bigscience train/tr11-176B-ml/chronicles-prequel.md,
+    'dealing with JZ hanging on the large model'; tr11-200B-ml.slurm@1a13e1f: 'do not remove or
+    the training will hang')."""
+    launch_gap_s: float = 45e-6
+    """FITTED (prior 45e-6) where rows run with launch_blocking. Host seconds per counted kernel
+    when launches are synchronous. Prior: BigScience's own A/B (chronicles-prequel 'dealing with JZ
+    hanging': 200B, 80 layers x 14400, TP8 PP10 DP1 on 80 A100, MBS 1, GBS 512: 97.20 TFLOPs async,
+    91.04 with CUDA_LAUNCH_BLOCKING=1): 6.8% of a ~215 s iteration = 14.6 s over (512 + 9) x 8 block
+    passes = 3.5 ms per block per micro-batch, over the 78 kernels cost.layer.kernel_counts gives a
+    Megatron block with full recompute = 45 us (PyTorch's per-op host time from Python, ~10-30 us,
+    the launch, ~5 us, the synchronous wait's wake-up, and the small kernels the count leaves out:
+    casts, fills, AccumulateGrad, the checkpoint's RNG handling)."""
     pipeline_variable_shapes: bool = False
     """Under a sample-length distribution, whether a pipeline runs each micro-batch at its own
     padded length (an implementation profile's choice: Megatron-LM with --variable-seq-lengths,
@@ -334,7 +353,8 @@ PARAM_KINDS: dict[str, str] = {
     "framework_overhead_gib": "fitted", "codebase_memory": "derived", "memory_margin": "derived",
     "max_oom_risk": "derived", "headroom_gib": "derived", "sync_method_min_gain": "derived", "band_scale": "derived", "band_basis": "derived",
     "profile": "derived",
-    "step_overhead_s": "derived", "pipeline_variable_shapes": "derived",
+    "step_overhead_s": "derived", "launch_blocking": "derived", "launch_gap_s": "fitted",
+    "pipeline_variable_shapes": "derived",
     "attention_kernel": "derived", "elementwise_kernels": "derived",
     "dp_overlap": "derived", "param_gather_overlap": "derived", "dp_bucket_buffers": "derived", "main_grads": "derived",
     "loss_kernel": "derived", "logits_fp32": "derived", "optimizer_temp_bytes": "derived",

@@ -27,7 +27,7 @@ Every candidate is a full Plan for one cluster. The dimensions, and the values e
                   stage's blocks (recompute_layers)
   sequence_parallel  on exactly when tp > 1 (it only saves memory and elementwise time);
                   ``sequence_parallel=False``: off for every tp. Where the request's sends are
-                  unsharded (``base.p2p_sharded=False``, e.g. DeepSpeed's pipeline), off where
+                  unsharded (``base.p2p_sharded=False``, e.g. DeepSpeed's pipe_partitioned off), off where
                   tp > 1 and pp > 1 too: the runtime's pipeline sends carry the sequence-parallel
                   shard exactly when it is on (spec.support), so a pipeline with TP sends whole
                   activations only without it (and BLOOM's own tp=4, pp=12 plan is in the space)
@@ -574,7 +574,7 @@ def mesh_sequence_parallel(sp_allowed: bool, tp: int, pp: int, p2p_sharded: bool
     """(sequence_parallel, p2p_sharded) of the enumerated plans of a tp x pp mesh, given
     `sequence_parallel_allowed` and the request's p2p_sharded: sequence parallel on exactly where
     it is allowed and tp > 1, except with a pipeline whose sends are unsharded (p2p_sharded=False,
-    e.g. DeepSpeed's pipeline): the runtime's pipeline sends carry the sequence-parallel shard
+    e.g. DeepSpeed's pipe_partitioned off): the runtime's pipeline sends carry the sequence-parallel shard
     exactly when it is on (spec.support). The sends are the request's where tp > 1 and pp > 1
     (sharded only with sequence parallel), sharded elsewhere (the same plan either way)."""
     sp = sp_allowed and tp > 1 and (pp == 1 or p2p_sharded)

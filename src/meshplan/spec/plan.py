@@ -118,7 +118,8 @@ class Pipeline:
     """gpipe, 1f1b, interleaved-1f1b, zero-bubble (ZB-H1) or zbv."""
     p2p_sharded: bool = True
     """Pipeline sends carry 1/tp of the activation (Megatron's scatter-gather, or sequence
-    parallel); False: every TP rank sends the whole tensor (DeepSpeed's pipeline engine)."""
+    parallel; DeepSpeed's pipeline engine by default: pipe_partitioned, all-gathered on arrival);
+    False: every TP rank sends the whole tensor (DeepSpeed with pipe_partitioned off)."""
     stage_layers: tuple[int, ...] | None = None
     """Optional explicit transformer blocks per pipeline stage (length pp, sums to num_layers)."""
 

@@ -500,6 +500,18 @@ def named_setting(text: str, name: str) -> bool | None:
     return True if v is None else v
 
 
+_LAUNCH_BLOCKING = re.compile(r"(#\s*)?(?:export\s+)?cuda_launch_blocking\s*=\s*(\d)([^;]{0,40})")
+
+
+def launch_blocking(text: str) -> bool:
+    """The cell sets CUDA_LAUNCH_BLOCKING=1 for the run: named =1, not commented out ('#export',
+    'commented out' right after it) and not =0."""
+    for m in _LAUNCH_BLOCKING.finditer(text.lower()):
+        if m.group(2) == "1" and not m.group(1) and "comment" not in m.group(3):
+            return True
+    return False
+
+
 def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Assume) -> dict:
     """CostParams settings beyond the profile that the row's cells name (the case's overrides),
     each said in the assumptions:
@@ -520,7 +532,10 @@ def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Ass
       includes it) -> cuda_context_gib;
     * a MoE router forced to balance ('moe_router_force_load_balancing=True', 'force-balanced':
       megatron-core's benchmarking router, random logits) -> moe_expert_load_cv=0 (no effect on a
-      dense model)."""
+      dense model);
+    * ``CUDA_LAUNCH_BLOCKING=1`` set for the run ('export CUDA_LAUNCH_BLOCKING=1'; not where the cell
+      says it was commented out, '#export ...', or =0) -> launch_blocking (synchronous launches:
+      CostParams.launch_blocking)."""
     other = " ".join(row.lower(c) for c in ("other_settings", "sharding", "precision"))
     base = get_profile(profile).apply(DEFAULT_PARAMS)
     out: dict = {}
@@ -570,6 +585,10 @@ def cost_settings(row: Row, fw: str, pp: int, vs: int, profile: str, assume: Ass
         out["moe_expert_load_cv"] = 0.0
         assume("MoE router forced to balance (moe_router_force_load_balancing=True: random logits, as the row "
                "states): no persistent expert skew (moe_expert_load_cv=0), only the finite-token spread")
+    if launch_blocking(row.lower("other_settings")) and not base.launch_blocking:
+        out["launch_blocking"] = True
+        assume("CUDA_LAUNCH_BLOCKING=1 as the row states: every kernel launch waits for the kernel, each kernel "
+               "costs the host's gap before it (launch_blocking, launch_gap_s per kernel)")
     m = re.search(r"cuda[\s_-]*context\D{0,40}?(\d+(?:\.\d+)?)\s*(mib|gib|mb|gb)\b", other)
     if m:
         gib = float(m.group(1)) / (1024.0 if m.group(2) in ("mib", "mb") else 1.0)
@@ -625,7 +644,11 @@ def plan_from_row(row: Row, fw: str, model: ModelSpec, assume: Assume, profile: 
                     offload_optimizer=k.offload_optimizer, offload_params=k.offload_params,
                     precision=precision, compile=k.compile, async_tp=k.async_tp,
                     flash_attention=k.flash_attention, fused_loss=k.fused_loss,
-                    stage_layers=stage_layers, p2p_sharded=fw != "deepspeed",
+                    # sends carry 1/tp of the activation: Megatron's scatter-gather, and DeepSpeed's
+                    # PipelineEngine too (is_pipe_partitioned = is_grad_partitioned = is_model_parallel:
+                    # PartitionedTensor sends each TP rank's part, the receiver all-gathers it;
+                    # deepspeed/runtime/pipe/engine.py@2151c78)
+                    stage_layers=stage_layers, p2p_sharded=True,
                     grad_sync="all-reduce" if fw == "deepspeed" else "auto")
         work = Workload(global_batch=B, seq_len=model.seq_len)
     except MeshplanError as e:
