@@ -218,3 +218,21 @@ def test_group_across_pools_is_never_faster_than_its_slowest_member_and_link(gpt
                                         inter_node=dataclasses.replace(link, name="inter_node")), flat, W).step_time_s
     assert e.step_time_s >= own * (1 - 1e-9)
     assert e.step_time_s >= on_link * (1 - 1e-9)
+
+
+def test_the_docs_a100_v100_example_prices_shares_and_a_group_across_pools():
+    """docs/examples/a100-v100-pools.toml (docs/heterogeneous-hardware.md, Measured): tp=16,pp=2 puts stage 1's
+    tensor-parallel group on 8 A100 and 8 V100; dp_shares=3:1 beats even shares for pp=2,dp=16."""
+    from pathlib import Path
+
+    from meshplan.spec.io import load_cluster
+    c = load_cluster(str(Path(__file__).resolve().parents[2] / "docs" / "examples" / "a100-v100-pools.toml"))
+    m, w = load_model("gpt3-2.7b"), Workload(global_batch=256, seq_len=2048)
+    lay = device_layout(list(c.pools), parse_plan("tp=16,pp=2,dp=1,pools=a100:v100"))
+    assert lay.groups == (((0,),), ((0, 1),))
+    tp = simulate_pooled(m, c, parse_plan("tp=16,pp=2,dp=1,micro_batch=2,pools=a100:v100"), w)
+    assert tp.step_time_s == pytest.approx(tp.analytic_step_time_s, rel=0.02)
+    even = estimate(m, c, parse_plan("tp=1,pp=2,dp=16,zero=1,micro_batch=2,pools=a100:v100"), w)
+    shared = simulate_pooled(m, c, parse_plan("tp=1,pp=2,dp=16,zero=1,micro_batch=2,dp_shares=3:1,pools=a100:v100"), w)
+    assert shared.step_time_s == pytest.approx(shared.analytic_step_time_s, rel=0.02)
+    assert shared.analytic_step_time_s < 0.6 * even.step_time_s

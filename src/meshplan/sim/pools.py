@@ -10,7 +10,10 @@
 - device order (neither pool_dp nor pool_pp, cost.pools.device_order): the same one pipeline,
   each stage taking the durations of the slowest pool its GPUs touch, the sends where a replica's
   two stages lie in different pools slower by inter_pool, and a stage whose data-parallel group
-  spans pools ending its step with the exchange across them (cost.pools.device_splice).
+  spans pools ending its step with the exchange across them (cost.pools.device_splice). A stage
+  whose tensor- or context-parallel group spans pools takes the durations of its slowest member's
+  GPU on the slowest link it crosses (cost.pools.spanning_cluster). With uneven dp_shares, one
+  pipeline per class of replicas (its micro-batches, its own GPUs), the longest setting the step.
 
 On CPU (meshplan train) the pools are only emulated: the GPU types differ in this simulator and
 the cost model, never in the local processes.
