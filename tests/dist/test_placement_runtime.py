@@ -154,3 +154,44 @@ def test_site_flag_realises_the_site_order(tmp_path: Path) -> None:
 
 def got_losses_equal(got: list[float], base: list[float]) -> bool:
     return len(base) == 3 and all(np.isfinite(base)) and got == base  # exactly (module docstring)
+
+
+def test_two_nodes_given_the_same_site_fail_fast(tmp_path: Path) -> None:
+    """Two nodes started with the same --site (issue 26; both map to node rank 0). On one host the second launcher
+    is refused by the pre-flight at once (preflight.node_lock). On two hosts (emulated here by separate temporary
+    folders, so that the lock does not see the other) both reach torchrun, and every rank fails at the ranks' check
+    (train.claim_rank) in seconds, in one line naming the node rank, instead of waiting out --pg-timeout 60."""
+    import time
+    moved = "tp=2,pp=2,precision=fp32,site_order=1:0"
+    port = free_port()
+    cmd = [sys.executable, "-m", "meshplan.cli.train_cmd", *COMMON, "--nproc-per-node", "2", "--nnodes", "2",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--plan", moved, "--site", "1"]
+    first = subprocess.Popen(cmd, env=run_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)  # its own process group: the launcher and its torchrun
+    try:
+        time.sleep(8)  # the first launcher holds node rank 0 (it waits for the second node at the rendezvous)
+        second = subprocess.run(cmd, env=run_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0
+        line = [x for x in second.stderr.splitlines() if "error" in x]
+        assert line and "--site 1: node rank 0 of the rendezvous" in line[0] and "already held" in line[0], \
+            second.stderr[-2000:]
+    finally:
+        import os
+        import signal
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(30)
+    port = free_port()
+    cmd[cmd.index("--rdzv-endpoint") + 1] = f"127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    procs = []
+    for k in range(2):
+        tmp = tmp_path / f"tmp{k}"
+        tmp.mkdir()
+        procs.append(subprocess.Popen(cmd, env=run_env(TMPDIR=str(tmp)), cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=240) for p in procs]
+    took = time.perf_counter() - t0
+    assert all(p.returncode != 0 for p in procs)
+    err = "\n".join(e for _, e in outs)
+    assert "two nodes took node rank 0" in err and "node rank 1 none" in err, err[-4000:]
+    assert took < 50, took  # not the 60 s process-group timeout

@@ -243,6 +243,7 @@ def resolve_site(args: argparse.Namespace, plan: Any, quiet: bool = False) -> No
     args.node_rank = rank
     args.site, args.site_node = None, None  # the workers get the node rank (and the launcher's environment)
     args.site_ranks = True
+    args.site_flags = f"--site {site}" + (f" --site-node {site_node}" if site_node is not None else "")
     if not quiet:
         nproc = _procs_per_node(args, plan)
         print(f"meshplan: site_order={':'.join(map(str, plan.site_order))}: site {site} node {site_node or 0} "
@@ -274,7 +275,7 @@ def _job(args: argparse.Namespace) -> Any:
     return Job(model_arg=args.model, plan_arg=args.plan, model=model, plan=plan,
                global_batch=args.global_batch, seq_len=seq_len, steps=args.steps,
                nproc_per_node=_procs_per_node(args, plan), nnodes=args.nnodes, node_rank=args.node_rank or 0,
-               site_ranks=getattr(args, "site_ranks", False),
+               site_ranks=getattr(args, "site_ranks", False), site_flags=getattr(args, "site_flags", ""),
                rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                resume=args.resume, overwrite=getattr(args, "overwrite", False),

@@ -599,7 +599,7 @@ PER_RANK = ("fwd", "b_in", "b_w", "fwd_x", "bin_x", "bw_x", "tp_f", "tp_b", "tp_
 def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], owner: list[int],
                    link: Any, work: Workload, plan: Plan, params: CostParams,
                    graph: LayerGraph | None = None, layout: DeviceLayout | None = None,
-                   ) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
+                   replicas: tuple[int, ...] | None = None) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
     """cost.batch's estimate of a pipeline whose rank r runs on clusters[owner[r]]: the plan is
     assembled once per pool, each rank's per-micro-batch terms and end-of-step work are taken
     from its own pool's assembly, and the sends between two pools' boundary stages are priced
@@ -610,7 +610,10 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
     their assemblies), its memory checked against the smallest usable memory among them, a send
     crosses ``link`` where the two stages' GPUs of some replica lie in different pools, and a
     stage whose data-parallel group spans pools adds the exchange across them (`cross_dp_seconds`)
-    to its end-of-step sync."""
+    to its end-of-step sync. A stage with a tensor- or context-parallel group spanning pools is timed
+    on `spanning_cluster`s (its group's GPUs, the slowest links it crosses), appended to ``clusters``.
+    ``replicas`` (with ``layout``): only those replicas' GPUs time the stages and their sends (a class of
+    replicas with its own share of the batch, `replica_classes`); ``work`` then holds their micro-batches."""
     import dataclasses
 
     from meshplan.cost.parts import optimizer_seconds, plans_to_columns
@@ -618,10 +621,18 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
     p = params
     graph = as_graph(model, work.seq_len) if graph is None else graph
     cols = {k: np.asarray(v) if k != "stage_layers" else v for k, v in plans_to_columns([plan]).items()}
+    clusters = list(clusters)
+    if layout is not None:  # (pool, None): its own hardware; (pool, pools): a group spanning those pools
+        cands = stage_candidates(layout, replicas)
+        keys: list[tuple[int, tuple[int, ...] | None]] = [(i, None) for i in range(len(clusters))]
+        keys += list(dict.fromkeys(k for c in cands for k in c if k not in keys))
+        clusters += [spanning_cluster(clusters[i], [clusters[m] for m in span], link)
+                     for i, span in keys[len(clusters):]]
     asm = [_b.assemble(graph, c, work, cols, p) for c in clusters]
     width = asm[0].valid.shape[1]
     if layout is not None:
-        owner = [max(t, key=lambda i: (float(asm[i].totals[0, j]), -i)) for j, t in enumerate(layout.touched)]
+        owner = [max((keys.index(k) for k in cands[j]), key=lambda x: (float(asm[x].totals[0, j]), -x))
+                 for j in range(len(cands))]
     own = splice_owner(owner, width)
     fields = {f: _splice([getattr(x, f) for x in asm], own) for f in PER_RANK}
     terms = {k: _splice([x.terms[k] for x in asm], own) for k in asm[0].terms}
@@ -632,8 +643,8 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
     # one send across pools, exposed, whole (the pool's own network's part and the extra): max(send, cross) x exposed
     full = float(asm[0].send[0]) * float(p2p_exposed(p, plan.virtual_stages)) + extra
     n_cross = 0
-    crossing = (layout.crossing if layout is not None else
-                [owner[b] != owner[b + 1] for b in range(len(owner) - 1)])
+    crossing = ([owner[b] != owner[b + 1] for b in range(len(owner) - 1)] if layout is None else layout.crossing
+                if replicas is None else [any(c[d] for d in replicas) for c in layout.rep_crossing])
     for b in range(len(owner) - 1):
         if crossing[b]:
             n_cross += 1
@@ -688,7 +699,9 @@ def _pool_pipeline(model: LayerGraph | ModelSpec, clusters: list[ClusterSpec], o
     rank = {"busy_s": busy, "memory_gib": [float(x) for x in total_mem[:len(owner)]], "memory": rank_mem,
             "terms": rank_terms, "crit_cross_s": micro * full * on_crit, "crit_cross_dp_s": dp_cross_exposed,
             "cross_gb": max(sent_gb, default=0.0),
-            "usable_gib": [usable_gib(c, p) for c in clusters], "owner": list(owner), "cross_dp_s": cross_dp}
+            "usable_gib": [usable_gib(c, p) for c in clusters], "owner": list(owner), "cross_dp_s": cross_dp,
+            "clusters": clusters, "crossing": list(crossing),
+            "keys": keys if layout is not None else [(i, None) for i in range(len(clusters))]}
     return a, res, rank
 
 
@@ -763,18 +776,29 @@ class DeviceLayout:
     """GPUs of each pool the plan uses (they add up to the plan's GPUs)."""
     touched: tuple[tuple[int, ...], ...]
     """Per pipeline stage: the pools its GPUs lie in."""
+    groups: tuple[tuple[tuple[int, ...], ...], ...]
+    """Per pipeline stage, per data-parallel replica: the pools its tensor- and context-parallel group
+    (tp x cp GPUs) lies in: one, or several where the group spans pools (`spanning`)."""
     dp_counts: tuple[tuple[int, ...], ...]
-    """Per pipeline stage: its data-parallel replicas in each pool it touches (a replica's stage lies
-    in one pool: its tp x cp GPUs never span pools)."""
+    """Per pipeline stage: its data-parallel replicas in each pool it touches, for the exchange across
+    pools after the sync within each (`cross_dp_seconds`). A stage with a group spanning pools has one
+    entry, dp: its whole sync is priced on the spanning links (`spanning_cluster`), no exchange is added."""
     crossing: tuple[bool, ...]
     """Per stage boundary b (stages b, b + 1): some replica's two GPUs lie in different pools."""
+    rep_crossing: tuple[tuple[bool, ...], ...]
+    """Per stage boundary b, per replica: its send between stages b and b + 1 crosses pools."""
+
+    def spanning(self, stage: int) -> bool:
+        """Stage ``stage`` has a tensor- or context-parallel group whose GPUs lie in several pools."""
+        return any(len(g) > 1 for g in self.groups[stage])
 
 
 def device_layout(pools: list[ClusterSpec], plan: Plan) -> DeviceLayout:
     """The layout of a plan in device order over ``pools``; a MeshplanError (with a hint) for what is
-    not supported: more GPUs than the pools hold, a named pool left without GPUs, a tensor- or
-    context-parallel group across pools, expert parallelism, interleaved or ZBV schedules, dp_shares."""
-    from meshplan.spec.axes import AX, ParallelDims
+    not runnable or not modelled: more GPUs than the pools hold, a named pool left without GPUs, expert
+    parallelism, interleaved or ZBV schedules. A tensor- or context-parallel group may span pools
+    (priced by `spanning_cluster`)."""
+    from meshplan.spec.axes import ParallelDims
     names = ":".join(p.name for p in pools)
     hint = f"or place whole replicas (pools={names},pool_dp=...) or stages (pool_pp=...) on pools"
     total, held = plan.num_gpus, sum(p.num_gpus for p in pools)
@@ -795,26 +819,47 @@ def device_layout(pools: list[ClusterSpec], plan: Plan) -> DeviceLayout:
     if plan.virtual_stages > 1 or plan.schedule == "zbv":
         raise MeshplanError("plan: a pipeline in device order over pools takes one stage per rank "
                             "(virtual_stages=1, not zbv)", hint="drop virtual_stages / schedule=zbv")
-    if plan.dp_shares is not None:
-        raise MeshplanError("plan: dp_shares with a plan in device order over pools is not supported (a stage "
-                            "spanning GPU types runs at its slowest member)", hint=hint)
     owner = np.repeat(np.arange(len(pools)), gpus)
     grid = ParallelDims.of(plan).rank_grid()  # (pp, dp, cp, tp) -> global rank
-    where = owner[grid]
-    inner = where.reshape(plan.pp, plan.dp, -1)
-    if (inner != inner[:, :, :1]).any():
-        j, d = (int(x[0]) for x in np.nonzero((inner != inner[:, :, :1]).any(axis=2)))
-        what = "tensor-parallel" if plan.cp == 1 else "tensor- and context-parallel"
-        raise MeshplanError(f"plan: stage {j}, replica {d}: its {what} group of {plan.tp * plan.cp} GPUs spans pools "
-                            f"{' and '.join(pools[i].name for i in sorted(set(inner[j, d].tolist())))}: not "
-                            "supported", hint=f"a placement ({AX.TP} innermost) and pool sizes that are multiples of "
-                                              f"tp x cp = {plan.tp * plan.cp}; {hint}")
-    rep = inner[:, :, 0]  # (pp, dp): the pool of each replica's stage
-    touched = tuple(tuple(sorted(set(rep[j].tolist()))) for j in range(plan.pp))
-    counts = tuple(tuple(int((rep[j] == i).sum()) for i in t) for j, t in enumerate(touched))
-    crossing = tuple(bool((rep[b] != rep[b + 1]).any()) for b in range(plan.pp - 1))
-    return DeviceLayout(pool_of_rank=tuple(int(x) for x in owner), gpus=tuple(gpus), touched=touched,
-                        dp_counts=counts, crossing=crossing)
+    inner = owner[grid].reshape(plan.pp, plan.dp, -1)  # the pool of every GPU of each (stage, replica)
+    groups = tuple(tuple(tuple(sorted(set(inner[j, d].tolist()))) for d in range(plan.dp)) for j in range(plan.pp))
+    touched = tuple(tuple(sorted({i for g in groups[j] for i in g})) for j in range(plan.pp))
+    counts = tuple((plan.dp,) if any(len(g) > 1 for g in groups[j]) else
+                   tuple(sum(1 for g in groups[j] if g == (i,)) for i in t) for j, t in enumerate(touched))
+    rep_crossing = tuple(tuple(bool((inner[b, d] != inner[b + 1, d]).any()) for d in range(plan.dp))
+                         for b in range(plan.pp - 1))
+    return DeviceLayout(pool_of_rank=tuple(int(x) for x in owner), gpus=tuple(gpus), touched=touched, groups=groups,
+                        dp_counts=counts, crossing=tuple(any(r) for r in rep_crossing), rep_crossing=rep_crossing)
+
+
+def spanning_cluster(pool: ClusterSpec, members: list[ClusterSpec], link: Any) -> ClusterSpec:
+    """A tensor- or context-parallel group (and its stage's data-parallel sync) that spans pools, as a
+    cluster: ``pool`` (one member's GPU, its part of the plan) with every tier of its network the slowest
+    of ``link`` (inter_pool) and the members' own tiers, the largest latency: a group spanning pools runs
+    its collectives at the pace of the slowest link it crosses, as a group spanning any slow tier does."""
+    import dataclasses
+
+    def slowest(tiers: list[Any], name: str) -> Any:
+        t = min(tiers, key=lambda x: (x.bytes_per_s, -x.latency_us))
+        return dataclasses.replace(t, name=name, latency_us=max(x.latency_us for x in tiers), shared=False,
+                                   sites=None)
+    return pool.replace(intra_node=slowest([link, *(m.intra_node for m in members)], "intra_node"),
+                        inter_node=slowest([link, *(m.inter_node for m in members)], "inter_node"))
+
+
+def stage_candidates(layout: DeviceLayout, replicas: tuple[int, ...] | None = None
+                     ) -> list[list[tuple[int, tuple[int, ...] | None]]]:
+    """Per pipeline stage, what each of its replicas (``replicas``; None: all) may be timed on, as
+    (pool whose GPU computes, the pools whose links a spanning group crosses, or None): a replica whose
+    group lies in one pool, that pool's own hardware; in a stage with a group spanning pools, every
+    replica on its group's GPUs with the links of all the pools the stage touches (`spanning_cluster`).
+    The stage (or the replica class) is timed on the slowest of them."""
+    out = []
+    for j, per in enumerate(layout.groups):
+        reps = range(len(per)) if replicas is None else replicas
+        link = layout.touched[j] if layout.spanning(j) else None
+        out.append(list(dict.fromkeys((i, link) for d in reps for i in per[d])))
+    return out
 
 
 def cross_dp_seconds(params_per_gpu: float, plan: Plan, counts: tuple[int, ...], link: Any,
@@ -842,70 +887,209 @@ def cross_dp_bytes(params_per_gpu: float, plan: Plan, counts: tuple[int, ...], p
     return 2 * (k - 1) / k * shard
 
 
+@dataclass(frozen=True)
+class ReplicaClass:
+    """Data-parallel replicas of a plan in device order that run alike: the same pools at every stage,
+    the same sends across pools and (with uneven dp_shares) the same micro-batches per step."""
+
+    replicas: tuple[int, ...] | None
+    """Their indices; None: every replica, in lockstep (even shares: each stage at its slowest replica's pace)."""
+    micro: int
+    """Micro-batches per step of each of them."""
+
+
+def replica_classes(layout: DeviceLayout, micro: list[int]) -> list[ReplicaClass]:
+    """The replicas grouped by what they run on (their groups' pools at every stage, their sends across
+    pools) and their micro-batches (``micro``, one per replica), in replica order."""
+    out: dict[Any, list[int]] = {}
+    for d, m in enumerate(micro):
+        key = (tuple(g[d] for g in layout.groups), tuple(c[d] for c in layout.rep_crossing), m)
+        out.setdefault(key, []).append(d)
+    return [ReplicaClass(tuple(v), k[2]) for k, v in out.items()]
+
+
+def uneven_shares(plan: Plan) -> bool:
+    """``plan``'s dp_shares give its replicas different shares of the batch."""
+    return plan.dp_shares is not None and len(set(plan.replica_shares)) > 1
+
+
+@dataclass
+class DevicePipelines:
+    """A plan in device order as the cost model prices it (`device_pipelines`), shared with the simulator."""
+
+    layout: DeviceLayout
+    plan: Plan
+    """The pipeline's plan on one GPU type (as the runtime runs it: `as_run`; no pools, no shares)."""
+    notes: list[str]
+    priced: list[tuple[ReplicaClass, Workload, dict[str, np.ndarray], dict[str, Any]]]
+    """Per replica class: its work (its micro-batches x dp x micro_batch samples), its `_pool_pipeline`
+    row and per-rank facts."""
+
+    @property
+    def critical(self) -> tuple[ReplicaClass, Workload, dict[str, np.ndarray], dict[str, Any]]:
+        """The class whose pipeline sets the step (the longest)."""
+        return max(self.priced, key=lambda x: float(x[2]["step_time_s"][0]))
+
+
+def device_pipelines(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
+                     params: CostParams = DEFAULT_PARAMS) -> DevicePipelines:
+    """The one rule for a plan in device order, for the estimate and the simulator. Even shares: one
+    pipeline whose stages run in lockstep, each at the slowest replica's pace (`_pool_pipeline` with the
+    layout). Uneven ``dp_shares`` (the runtime then keeps the parameters gathered, `as_run`, so the
+    replicas run apart until the end-of-step sync): one pipeline per class of replicas (`replica_classes`),
+    each with its own micro-batches and each stage on the slowest GPU its own group touches; the step is
+    the longest class's (its stages' time: share x its per-micro-batch time on its slowest member)."""
+    pools = plan_pools(cluster, plan)
+    layout = device_layout(pools, plan)
+    ran, notes = as_run(plan)
+    sub = ran.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
+    big = [pool_cluster(pool, plan.num_gpus) for pool in pools]
+    if uneven_shares(plan):
+        samples = replica_samples(plan, work.global_batch)
+        classes = replica_classes(layout, [n // plan.micro_batch for n in samples])
+    else:
+        classes = [ReplicaClass(None, microbatches(work.global_batch, sub.dp, sub.micro_batch))]
+    priced = [(cls, *_class_pipeline(model, cluster, big, layout, sub, work, params, cls)) for cls in classes]
+    return DevicePipelines(layout=layout, plan=sub, notes=notes, priced=priced)
+
+
+def _class_pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, big: list[ClusterSpec],
+                    layout: DeviceLayout, sub: Plan, work: Workload, params: CostParams, cls: ReplicaClass
+                    ) -> tuple[Workload, dict[str, np.ndarray], dict[str, Any]]:
+    """One class of replicas' pipeline: (its work, its `_pool_pipeline` row, per-rank facts)."""
+    w = work if cls.replicas is None else work.shaped(cls.micro * sub.dp * sub.micro_batch, work.seq_len,
+                                                      work.lengths)
+    _, res, rank = _pool_pipeline(model, big, [], cluster.inter_pool, w, sub, params, layout=layout,
+                                  replicas=cls.replicas)
+    return w, res, rank
+
+
+def class_step(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
+               params: CostParams, replicas: tuple[int, ...], micro: int) -> float:
+    """Seconds per step of the pipeline of ``replicas`` (one class of `replica_classes`) of ``plan`` in device
+    order when each of them runs ``micro`` micro-batches, as `device_pipelines` prices it under uneven shares
+    (the parameters kept gathered: zero=2/3 as zero=1). The search fits its shares by speed on it."""
+    pools = plan_pools(cluster, plan)
+    sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None, zero=min(plan.zero, 1))
+    big = [pool_cluster(pool, plan.num_gpus) for pool in pools]
+    _, res, _ = _class_pipeline(model, cluster, big, device_layout(pools, plan), sub, work, params,
+                                ReplicaClass(replicas, micro))
+    return float(res["step_time_s"][0])
+
+
 def _estimate_device_order(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec],
                            plan: Plan, work: Workload, params: CostParams) -> PooledEstimate:
-    """A plan in device order over pools (`device_order`): one pipeline, spliced as for pool_pp, with
-    each stage on the slowest of the pools it touches (`_pool_pipeline` with a DeviceLayout)."""
+    """A plan in device order over pools (`device_order`): one pipeline (or one per class of replicas
+    with uneven shares), spliced as for pool_pp, each stage on the slowest GPU it touches
+    (`device_pipelines`)."""
     layout = device_layout(pools, plan)
-    sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
+    sub = as_run(plan)[0].replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
     big = [pool_cluster(pool, plan.num_gpus) for pool in pools]
+    # uneven shares: each replica's share whole micro-batches (one line otherwise), the plan checked at the largest
+    checked = (work.shaped(max(replica_samples(plan, work.global_batch)) * plan.dp, work.seq_len, work.lengths)
+               if uneven_shares(plan) else work)
     for pool, c in zip(pools, big):
-        bad = violations(model, c, sub, work, skip=("gpu count mismatch",))
+        bad = violations(model, c, sub, checked, skip=("gpu count mismatch",))
         if bad:
             raise MeshplanError(f"plan cannot run: pool {pool.name}: " + "; ".join(reason for _, reason in bad))
     if work.varied:
         raise MeshplanError("plan: a plan in device order over pools under a length distribution is not "
                             "supported yet", hint="give one --seq-len, or place replicas (pool_dp) or stages "
                                                    "(pool_pp) on pools")
-    _, res, rank = _pool_pipeline(model, big, [], cluster.inter_pool, work, sub, params, layout=layout)
+    dev = device_pipelines(model, cluster, plan, work, params)
+    crit_cls, crit_work, res, rank = dev.critical
     step = float(res["step_time_s"][0])
     usable = rank["usable_gib"]
+    every = tuple(range(plan.dp))
+    per_stage = [max(r["memory_gib"][j] for *_, r in dev.priced) for j in range(plan.pp)]
     parts = []
     for i, pool in enumerate(pools):
-        stages = [j for j, t in enumerate(layout.touched) if i in t]
-        busy = max(rank["busy_s"][j] for j in stages)
-        mem = max(rank["memory_gib"][j] for j in stages)
+        on = [(k, j) for k, (cls, *_rest) in enumerate(dev.priced) for j in range(plan.pp)
+              if any(i in layout.groups[j][d] for d in (cls.replicas or every))]
+        stages = sorted({j for _, j in on})
+
+        def fact(key: str, kj: tuple[int, int]) -> Any:
+            return dev.priced[kj[0]][3][key][kj[1]]
+        top = max(on, key=lambda kj: fact("busy_s", kj))
+        full = max(on, key=lambda kj: fact("memory_gib", kj))
+        busy, mem = fact("busy_s", top), fact("memory_gib", full)
         fits, risk, prob = verdicts(np.asarray([mem]), usable[i], params)  # (so each stage's smallest GPU too)
         span = f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}-{stages[-1]}"
         mixed = [j for j in stages if len(layout.touched[j]) > 1]
+        across = [j for j in stages if layout.spanning(j)]
         role = (f"{span}, {layout.gpus[i]} GPUs in device order"
                 + (f"; stage{'s' * (len(mixed) > 1)} {', '.join(map(str, mixed))} shared with other pools, "
-                   "at the slowest member's pace" if mixed else ""))
-        top = max(stages, key=lambda j: rank["busy_s"][j])
-        full = max(stages, key=lambda j: rank["memory_gib"][j])
+                   "at the slowest member's pace" if mixed else "")
+                + (f"; tensor/context-parallel groups across pools in stage{'s' * (len(across) > 1)} "
+                   f"{', '.join(map(str, across))}, on inter_pool" if across else ""))
+        if crit_cls.replicas is not None:
+            mine = sorted({c.micro for c, *_ in dev.priced
+                           if any(i in layout.groups[j][d] for j in range(plan.pp) for d in c.replicas or ())})
+            role += (f"; {mine[0]}{f'-{mine[-1]}' if mine[-1] != mine[0] else ''} micro-batches per replica "
+                     "(dp_shares)")
         parts.append(PoolPart(name=pool.name, gpu=pool.gpu.name, gpus=layout.gpus[i], gpus_total=pool.num_gpus,
                               role=role, step_s=busy, busy_fraction=busy / step, peak_memory_gib=mem,
                               usable_memory_gib=usable[i], fits=bool(fits[0]), at_risk=bool(risk[0]),
-                              oom_probability=float(prob[0]), time=dict(rank["terms"][top]),
-                              memory=dict(rank["memory"][full]),
-                              memory_per_stage=[rank["memory_gib"][j] for j in stages]))
+                              oom_probability=float(prob[0]), time=dict(fact("terms", top)),
+                              memory=dict(fact("memory", full)),
+                              memory_per_stage=[per_stage[j] for j in stages]))
     slowest = max(p.step_s for p in parts)
     for p in parts:
         p.idle_s = slowest - p.step_s
     time = pipeline_time(res, rank["crit_cross_s"], 0.0, rank["crit_cross_dp_s"])
-    est = _finish(plan, work, pools, parts, step, float(res["model_flops"][0]), time["cross_pool"],
-                  float(rank["cross_gb"]))
+    flops = float(res["model_flops"][0]) * work.global_batch / crit_work.global_batch  # the whole batch's
+    est = _finish(plan, work, pools, parts, step, flops, time["cross_pool"],
+                  max(float(r["cross_gb"]) for *_, r in dev.priced))
     est.time = time | {"pool_idle": est.imbalance_s}
-    est.extra = row_extras(res, est) | {"memory_per_stage": list(rank["memory_gib"])}
+    est.extra = row_extras(res, est) | {"memory_per_stage": per_stage}
     est.runtime = runtime_issues(model, cluster, plan, work)
-    timed = ", ".join(f"{j}: {pools[rank['owner'][j]].name}" for j, t in enumerate(layout.touched) if len(t) > 1)
+    timed = ", ".join(f"{j}: {_timed_on(pools, rank['keys'][rank['owner'][j]])}" for j, t in enumerate(layout.touched)
+                      if len(t) > 1)
     est.notes.append("device order over pools: ranks laid over the pools' GPUs in order; a stage spanning GPU types "
                      f"runs at its slowest member's pace, its memory checked against the smallest GPU"
                      + (f" (stages timed on: {timed})" if timed else "")
                      + "; a data-parallel group over several pools syncs within each pool, then across them over "
                        "inter_pool (its exposed time in cross_pool, not dp_comm)")
+    if any(layout.spanning(j) for j in range(plan.pp)):
+        est.notes.append("a tensor- or context-parallel group spans pools: it computes at its slowest member's pace, "
+                         "fits on its smallest GPU, and its collectives (and its stage's data-parallel sync) run on "
+                         "the slowest link it crosses (inter_pool)")
+    if crit_cls.replicas is not None:
+        cls_text = "; ".join(f"replicas {_ranges_text(c.replicas or ())}: {c.micro} micro-batches, "
+                             f"{float(r['step_time_s'][0]):.3f} s" for c, _, r, _ in dev.priced)
+        est.notes.append("uneven dp_shares in device order: each class of replicas runs its own pipeline "
+                         f"({cls_text}); the longest sets the step")
+    est.notes += dev.notes
     return est
 
 
+def _timed_on(pools: list[ClusterSpec], key: tuple[int, tuple[int, ...] | None]) -> str:
+    i, span = key
+    return pools[i].name if span is None else f"{pools[i].name} across {'+'.join(pools[m].name for m in span)}"
+
+
+def _ranges_text(xs: tuple[int, ...]) -> str:
+    parts, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        parts.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
 def device_splice(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
-                  params: CostParams = DEFAULT_PARAMS) -> dict[str, list[Any]]:
-    """How the cost model splices a plan in device order (for the simulator, sim.pools): per stage
-    ``owner`` (the pool it is timed on: the slowest it touches) and ``cross_dp_s`` (its data-parallel
-    exchange across pools, added to its end-of-step sync); per boundary ``crossing`` (a send over
-    inter_pool)."""
-    pools = plan_pools(cluster, plan)
-    layout = device_layout(pools, plan)
-    sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
-    big = [pool_cluster(pool, plan.num_gpus) for pool in pools]
-    _, _, rank = _pool_pipeline(model, big, [], cluster.inter_pool, work, sub, params, layout=layout)
-    return {"owner": list(rank["owner"]), "crossing": list(layout.crossing), "cross_dp_s": list(rank["cross_dp_s"])}
+                  params: CostParams = DEFAULT_PARAMS) -> list[dict[str, Any]]:
+    """How the cost model splices a plan in device order (for the simulator, sim.pools), per class of
+    replicas (`device_pipelines`; one without uneven shares): its ``work``; ``clusters`` (the pools'
+    hardware, then any `spanning_cluster`); per stage ``owner`` (the index into ``clusters`` it is timed
+    on: the slowest it touches) and ``cross_dp_s`` (its data-parallel exchange across pools, added to its
+    end-of-step sync); per boundary ``crossing`` (a send over inter_pool); ``keys`` (per cluster, the pool
+    whose GPU it is and the pools a spanning group crosses, or None); ``plan`` (the pipeline's plan on one
+    GPU type, as the runtime runs it)."""
+    dev = device_pipelines(model, cluster, plan, work, params)
+    return [{"replicas": cls.replicas, "micro": cls.micro, "work": w, "clusters": list(rank["clusters"]),
+             "keys": list(rank["keys"]), "plan": dev.plan,
+             "owner": list(rank["owner"]), "crossing": list(rank["crossing"]), "cross_dp_s": list(rank["cross_dp_s"])}
+            for cls, w, _, rank in dev.priced]

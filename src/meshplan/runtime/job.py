@@ -38,6 +38,9 @@ class Job:
     site_ranks: bool = False
     """The node rank was derived from --site (the plan's site_order): the ranks take their global rank
     from it (node rank x processes per node + local rank), not from torchrun's rendezvous order."""
+    site_flags: str = ""
+    """With site_ranks: this node's flags as given (``--site 1 --site-node 0``), for the messages that name
+    two nodes given the same node rank (preflight.node_lock, train.claim_rank)."""
     rdzv_endpoint: str | None = None
     max_restarts: int = 0
     checkpoint_dir: str | None = None

@@ -80,6 +80,11 @@ in its own order (it ignores --node-rank), so each rank takes global rank node r
 LOCAL_RANK instead (train.init_distributed)."""
 
 
+NODE_FLAGS_ENV = "MESHPLAN_NODE_FLAGS"
+"""With NODE_RANK_ENV: the flags that gave the node rank (``--site 1 --site-node 0``), named by train.claim_rank
+when two nodes took one node rank."""
+
+
 def torchrun_argv(job: Job, worker_argv: list[str]) -> list[str]:
     """torchrun's command line for the job, through ``torchrun_main`` (this module as a script)."""
     cmd = [sys.executable, "-m", "meshplan.runtime.launch", f"--nproc-per-node={job.nproc_per_node}",
@@ -108,6 +113,13 @@ def launch(job: Job, worker_argv: list[str]) -> int:
 def _launch_once(job: Job, worker_argv: list[str]) -> dict[str, Any] | None:
     """One launch of the job (checks, then the ranks); the switch the ranks asked for, or None."""
     est, graph = checked_job(job)
+    if getattr(job, "site_ranks", False) and job.nnodes > 1 and job.rdzv_endpoint:
+        with preflight.node_lock(job.rdzv_endpoint, job.node_rank, job.site_flags or "--site"):
+            return _launch_checked(job, worker_argv, est, graph)
+    return _launch_checked(job, worker_argv, est, graph)
+
+
+def _launch_checked(job: Job, worker_argv: list[str], est: Any, graph: Any) -> dict[str, Any] | None:
     dev = this_device_type()
     start = check_checkpoint_dir(job)
     check_steps(job, start)
@@ -128,6 +140,7 @@ def _launch_once(job: Job, worker_argv: list[str]) -> dict[str, Any] | None:
             env = {SWITCH_ENV: str(path)}
             if getattr(job, "site_ranks", False):  # train.init_distributed numbers the ranks by it
                 env[NODE_RANK_ENV] = str(job.node_rank)
+                env[NODE_FLAGS_ENV] = job.site_flags
             run_torchrun(torchrun_argv(job, worker_argv), job.pg_timeout_s, memory=memory_context(job, est), env=env)
         return json.loads(path.read_text()) if path.is_file() else None
 

@@ -37,7 +37,8 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,38 @@ def check_rendezvous(*, nnodes: int, node_rank: int, rdzv_endpoint: str | None, 
                             f"the plan runs on {plan_gpus} GPUs",
                             hint=f"give --nproc-per-node {plan_gpus // nnodes}" if plan_gpus % nnodes == 0 else
                             "give --nnodes and --nproc-per-node whose product is the plan's GPU count")
+
+
+@contextmanager
+def node_lock(endpoint: str, node_rank: int, flags: str) -> Iterator[None]:
+    """What the pre-flight can see on this host of two nodes given the same node rank (``meshplan train
+    --site S --site-node I`` twice, or flags that map two nodes to one rank): one launcher at a time holds
+    node rank ``node_rank`` of the rendezvous at ``endpoint`` here (an flock on a file in the temporary
+    folder, released when the launcher ends, however it ends). A second is refused in one line at once,
+    instead of both waiting for the process group to time out. Nodes on other hosts are checked when the
+    ranks meet (train.claim_rank)."""
+    import fcntl
+    import tempfile
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", endpoint)
+    path = Path(tempfile.gettempdir()) / f"meshplan-node-{name}-{node_rank}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        other = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise MeshplanError(f"{flags}: node rank {node_rank} of the rendezvous at {endpoint} is already held by "
+                            f"another meshplan train on this host ({other}): two nodes with one node rank would hold "
+                            "the same ranks and wait for the missing ones until the process group times out",
+                            hint="give each node its own --site / --site-node; each launcher prints the node rank "
+                                 "its flags map to") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}, {flags}".encode())
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def check_weak_links(plan: Plan, *, nnodes: int, nodes_per_dc: int | None, outer_lr: float | None,

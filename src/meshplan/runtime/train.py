@@ -728,6 +728,65 @@ def site_rank(env: Any) -> int | None:
     return rank
 
 
+def claim_rank(store: Any, rank: int, world: int, per_node: int, who: str, timeout_s: float, prefix: str) -> None:
+    """Before the process group is made on several nodes: every process claims its global rank in the
+    rendezvous store, so that two nodes given one node rank (the same ``--site``/``--site-node``, or flags that
+    map two nodes to one rank) fail at once in one line, instead of waiting for the ranks nobody holds until
+    the process group times out. Every process adds 1 to its rank's count and says who it is; once all
+    ``world`` have claimed, each checks its own rank's count and records a duplicate before it counts itself
+    checked; once all are checked, every process raises the same MeshplanError if any rank was claimed twice.
+    O(1) store operations per process (the error path reads every node's first rank). A process that never
+    claims (a node started without these checks) leaves the others waiting ``timeout_s``, then a one-line error."""
+    import datetime
+
+    from meshplan.errors import MeshplanError
+    wait = datetime.timedelta(seconds=timeout_s)
+    n = store.add(f"{prefix}/rank/{rank}", 1)
+    store.set(f"{prefix}/who/{rank}/{n}", who)
+    if store.add(f"{prefix}/claimed", 1) == world:
+        store.set(f"{prefix}/all", "1")
+    try:
+        store.wait([f"{prefix}/all"], wait)
+    except Exception as e:  # noqa: BLE001 - torch raises its own store timeout types
+        got = store.add(f"{prefix}/claimed", 0)
+        raise MeshplanError(f"rank {rank}: only {got} of the {world} processes reached the ranks' check within "
+                            f"{timeout_s:g} s: some node did not start, or runs another meshplan train (every node "
+                            "needs the same plan, --nnodes and, with site_order, --site)",
+                            hint="start every node with the same command but its own --site / --site-node") from e
+    if store.add(f"{prefix}/rank/{rank}", 0) > 1:
+        store.set(f"{prefix}/dup", str(rank))
+    if store.add(f"{prefix}/checked", 1) == world:
+        store.set(f"{prefix}/done", "1")
+    store.wait([f"{prefix}/done"], wait)
+    if not store.check([f"{prefix}/dup"]):
+        return
+    dup = int(store.get(f"{prefix}/dup"))
+    node = dup // per_node
+    holders = [store.get(f"{prefix}/who/{dup}/{k}").decode() for k in (1, 2)]
+    empty = [k for k in range(world // per_node) if not store.check([f"{prefix}/rank/{k * per_node}"])
+             or store.add(f"{prefix}/rank/{k * per_node}", 0) == 0]
+    raise MeshplanError(f"two nodes took node rank {node} ({holders[0]}; {holders[1]}), so they hold the same ranks"
+                        + (f" and node rank{'s' * (len(empty) > 1)} {', '.join(map(str, empty))} none" if empty else "")
+                        + ": the run would wait for the missing ranks until the process group times out",
+                        hint="give each node its own --site / --site-node; each launcher prints the node rank its "
+                             "flags map to")
+
+
+def _claim(env: Any, timeout_s: float) -> None:
+    """train.claim_rank for a run of several nodes under torchrun's agent store (no-op otherwise)."""
+    if int(env.get("GROUP_WORLD_SIZE", "1")) < 2 or str(env.get("TORCHELASTIC_USE_AGENT_STORE", "")).lower() != "true":
+        return
+    import datetime
+    import socket
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    flags = env.get("MESHPLAN_NODE_FLAGS") or f"node rank {env.get('GROUP_RANK', '?')}"
+    who = f"{socket.gethostname()} pid {os.getpid()}, {flags}"
+    claim_rank(store, rank, world, int(env.get("LOCAL_WORLD_SIZE", "1")), who, timeout_s,
+               f"meshplan-ranks-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+
+
 def init_distributed(timeout_s: float) -> torch.device:
     """Join the torchrun job: NCCL on GPUs, gloo on CPU, with a process-group timeout."""
     import datetime
@@ -742,6 +801,7 @@ def init_distributed(timeout_s: float) -> torch.device:
     if dist.is_initialized():
         return device
     site_rank(os.environ)
+    _claim(os.environ, timeout_s)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if attempt == "0":
         dist.init_process_group(backend=backend, timeout=timeout)

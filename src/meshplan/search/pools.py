@@ -356,24 +356,35 @@ def _replicas(graph: LayerGraph, cluster: PooledCluster, pools: list[Any], shape
     group = math.gcd(*n) * shape.cp
     base = shape.replace(dp=sum(n), pools=tuple(p.name for p in pools), pool_dp=tuple(n), dp_shares=None,
                          shard_group=group if shape.zero >= 1 and group < sum(n) * shape.cp else 0)
-    # each pool's step as a + b m (m micro-batches per replica), from two evaluations
-    lines = []
-    for i, pool in enumerate(pools):
-        lo, hi = 1, max(2, M // sum(n))
-        ts = []
-        for m in (lo, hi):
-            one = base.replace(pools=(pool.name,), pool_dp=None, dp=n[i],
-                               shard_group=base.shard_group if base.shard_group < n[i] * shape.cp else 0)
-            w = work.shaped(n[i] * m * mb, work.seq_len, work.lengths)
-            ts.append(estimate(graph, cluster, one, w, params).step_time_s)
-        b = (ts[1] - ts[0]) / (hi - lo)
-        lines.append((ts[0] - b * lo, b))
-    split = _best_split(n, M, lines)
+    # each pool's step as a + b m (m micro-batches per replica)
+    def pool_step(i: int, m: int) -> float:
+        one = base.replace(pools=(pools[i].name,), pool_dp=None, dp=n[i],
+                           shard_group=base.shard_group if base.shard_group < n[i] * shape.cp else 0)
+        return estimate(graph, cluster, one, work.shaped(n[i] * m * mb, work.seq_len, work.lengths),
+                        params).step_time_s
+    split = _split_by_speed(n, M, lambda i, m: pool_step(i, m))
     if split is None:
         return None
     g = math.gcd(*split)
     plan = base.replace(dp_shares=tuple(m // g for m in split))  # one share per pool (Plan.replica_shares)
     return estimate(graph, cluster, plan, work, params)
+
+
+def _split_by_speed(n: list[int], M: int, step: Any) -> list[int] | None:
+    """The rule that deals a step's ``M`` micro-batches to groups of replicas by speed (replicas on pools;
+    classes of replicas in device order): group i (n[i] replicas) takes ``step(i, m)`` seconds at m
+    micro-batches per replica, fitted as a + b m from two evaluations (m = 1 and the even share); the
+    integer split minimising the slowest group's step (`_best_split`). None: no split (more than three
+    groups, or too few micro-batches)."""
+    if len(n) > 3 or sum(n) > M:
+        return None
+    lines = []
+    lo, hi = 1, max(2, M // sum(n))
+    for i in range(len(n)):
+        t0, t1 = step(i, lo), step(i, hi)
+        b = (t1 - t0) / (hi - lo)
+        lines.append((t0 - b * lo, b))
+    return _best_split(n, M, lines)
 
 
 def _best_split(n: list[int], M: int, lines: list[tuple[float, float]]) -> list[int] | None:
@@ -499,7 +510,50 @@ def _mixed_on_pools(graph: LayerGraph, cluster: PooledCluster, shape: Plan, work
             continue
         plan = base.replace(pp=pp, dp=dp, micro_batch=mb, stage_layers=_even(layers, pp) if pp > 1 else None)
         best = _kept(graph, cluster, plan, work, params, best)
+        shared = _shares_by_speed(graph, cluster, plan, work, params)
+        if shared is not None:
+            best = _kept(graph, cluster, shared, work, params, best)
     return best
+
+
+def _shares_by_speed(graph: LayerGraph, cluster: PooledCluster, plan: Plan, work: Workload,
+                     params: CostParams) -> Plan | None:
+    """``plan`` (in device order) with dp_shares by speed: its replicas grouped into classes that run on the
+    same GPUs (cost.pools.replica_classes), the step's micro-batches dealt to the classes by the rule of
+    replicas on pools (`_split_by_speed`, on each class's own pipeline: cost.pools.class_step), so that a
+    replica whose GPUs include a slower type gets a smaller share. ZeRO 2/3 as 1 (uneven shares keep the
+    parameters gathered). None where every replica runs alike, or no split helps."""
+    from meshplan.cost.pools import class_step, device_layout, plan_pools, replica_classes
+    try:
+        layout = device_layout(plan_pools(cluster, plan), plan)
+    except MeshplanError:
+        return None
+    classes = replica_classes(layout, [0] * plan.dp)
+    if len(classes) < 2 or work.global_batch % plan.micro_batch:
+        return None
+    plan = plan.replace(zero=min(plan.zero, 1))
+    M = work.global_batch // plan.micro_batch
+    n = [len(c.replicas or ()) for c in classes]
+    split = _split_by_speed(n, M, lambda i, m: class_step(graph, cluster, plan, work, params,
+                                                          classes[i].replicas or (), m))
+    if split is None or len(set(split)) == 1:
+        return None
+    per = [0] * plan.dp
+    for c, m in zip(classes, split):
+        for d in c.replicas or ():
+            per[d] = m
+    return plan.replace(dp_shares=block_shares(per))
+
+
+def block_shares(per: list[int]) -> tuple[int, ...]:
+    """Per-replica shares written as dp_shares: the fewest equal blocks of consecutive replicas (Plan.replica_shares
+    expands them back), divided by their greatest common divisor."""
+    dp = len(per)
+    k = next(k for k in range(1, dp + 1) if dp % k == 0
+             and all(per[i] == per[(i // (dp // k)) * (dp // k)] for i in range(dp)))
+    blocks = [per[i * (dp // k)] for i in range(k)]
+    g = math.gcd(*blocks)
+    return tuple(b // g for b in blocks)
 
 
 def _even(layers: int, pp: int) -> tuple[int, ...]:
@@ -552,6 +606,10 @@ def explain(r: SearchResult) -> list[str]:
             shares = ":".join(map(str, best.plan.dp_shares))
             lines.append(f"  the micro-batches are dealt by speed (dp_shares={shares}), so that the pools finish "
                          "together; the rest of the gap is whole micro-batches")
+        if device_order(best.plan) and best.plan.dp_shares is not None:
+            shares = ":".join(map(str, best.plan.dp_shares))
+            lines.append(f"  the micro-batches are dealt by speed (dp_shares={shares}): a replica whose GPUs include a "
+                         "slower type takes fewer, so that every class of replicas finishes about together")
         if best.plan.pool_pp is not None:
             lines.append(f"  stage_layers={':'.join(map(str, best.plan.stage_layers or ()))}: more layers on the "
                          "faster pool's stages, so that every stage takes about as long")

@@ -10,7 +10,10 @@
 - device order (neither pool_dp nor pool_pp, cost.pools.device_order): the same one pipeline,
   each stage taking the durations of the slowest pool its GPUs touch, the sends where a replica's
   two stages lie in different pools slower by inter_pool, and a stage whose data-parallel group
-  spans pools ending its step with the exchange across them (cost.pools.device_splice).
+  spans pools ending its step with the exchange across them (cost.pools.device_splice). A stage
+  whose tensor- or context-parallel group spans pools takes the durations of its slowest member's
+  GPU on the slowest link it crosses (cost.pools.spanning_cluster). With uneven dp_shares, one
+  pipeline per class of replicas (its micro-batches, its own GPUs), the longest setting the step.
 
 On CPU (meshplan train) the pools are only emulated: the GPU types differ in this simulator and
 the cost model, never in the local processes.
@@ -150,18 +153,18 @@ def simulate_pooled(model: LayerGraph | ModelSpec, cluster: ClusterSpec | Pooled
                                if work.varied else []))
 
 
-def _spliced(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
-             work: Workload, params: CostParams, analytic_s: float) -> StageDurations:
+def _spliced(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
+             params: CostParams, analytic_s: float, f: dict[str, Any] | None = None) -> StageDurations:
     """The durations of a pipeline over pools: rank r's from its own pool's hardware, the sends
     between two pools' boundary stages slower by the inter_pool link (in device order: as
-    cost.pools.device_splice says)."""
-    owner, crossing, cross_dp = _owners(model, cluster, plan, work, params)
-    sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
-    ds = [stage_durations(model, pool_cluster(pool, plan.num_gpus), sub, work, params) for pool in pools]
+    cost.pools.device_splice says, ``f`` one class of replicas of it; None: the first)."""
+    f = _splices(model, cluster, plan, work, params)[0] if f is None else f
+    owner, crossing, cross_dp = f["owner"], f["crossing"], f["cross_dp_s"]
+    ds = [stage_durations(model, c, f["plan"], f["work"], params) for c in f["clusters"]]
     base = ds[0]
     lists = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if isinstance(getattr(base, f.name), list)}
     spliced = {k: [getattr(ds[owner[r]], k)[r] for r in range(len(v))] for k, v in lists.items()}
-    extra = pool_pipeline_cross(model, cluster, plan, work, params, ds[0].p2p_send_s)
+    extra = pool_pipeline_cross(model, cluster, plan, f["work"], params, ds[0].p2p_send_s)
     for b in range(len(owner) - 1):
         if crossing[b]:
             spliced["tp_fwd_exposed_s"][b] += extra
@@ -172,42 +175,53 @@ def _spliced(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[
                                straggler_s=max(x.straggler_s for x in ds))
 
 
-def _owners(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
-            params: CostParams) -> tuple[list[int], list[bool], list[float]]:
-    """(the pool each pipeline rank is timed on, whether each boundary's send crosses inter_pool,
-    each rank's data-parallel exchange across pools): pool_pp's, or device order's (cost.pools)."""
+def _splices(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,
+             params: CostParams) -> list[dict[str, Any]]:
+    """How the pipeline is spliced over the pools, per class of replicas (cost.pools.device_splice's
+    fields): device order's (one class per share with uneven dp_shares), or pool_pp's one."""
     if device_order(plan):
-        f = device_splice(model, cluster, plan, work, params)
-        return f["owner"], f["crossing"], f["cross_dp_s"]
+        return device_splice(model, cluster, plan, work, params)
     assert plan.pool_pp is not None
+    pools = plan_pools(cluster, plan)
     owner = [i for i, k in enumerate(plan.pool_pp) for _ in range(k)]
-    return owner, [owner[b] != owner[b + 1] for b in range(len(owner) - 1)], [0.0] * len(owner)
+    return [{"replicas": None, "work": work, "clusters": [pool_cluster(p, plan.num_gpus) for p in pools],
+             "keys": [(i, None) for i in range(len(pools))], "owner": owner,
+             "plan": plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None),
+             "crossing": [owner[b] != owner[b + 1] for b in range(len(owner) - 1)], "cross_dp_s": [0.0] * len(owner)}]
 
 
 def _pipeline(model: LayerGraph | ModelSpec, cluster: PooledCluster, pools: list[ClusterSpec], plan: Plan,
               work: Workload, params: CostParams, est: PooledEstimate, batches: int, seed: int) -> PooledSimulation:
-    owner = _owners(model, cluster, plan, work, params)[0]
     notes: list[str] = []
     if work.varied:  # sampled batches, every length's pipeline spliced over the pools the same way
         sub = plan.replace(dp_shares=None, pools=None, pool_dp=None, pool_pp=None)
+        f = _splices(model, cluster, plan, work, params)[0]
 
         def durations(length: int) -> StageDurations:
             g = graph_at(model, length)
-            return _spliced(g, cluster, pools, plan, work.shaped(work.global_batch, length),
-                            params, est.step_time_s)
+            return _spliced(g, cluster, plan, work.shaped(work.global_batch, length), params, est.step_time_s)
         vr = simulate_lengths(model, pools[0], sub, work, params, batches=batches, seed=seed, durations=durations)
         res = run(vr.example)
         step = vr.mean_s
         notes.append(f"under the length distribution the step is the mean of {batches} sampled batches (sim.varlen), "
                      "and the timeline is the first of them")
-    else:
-        d = _spliced(model, cluster, pools, plan, work, params, est.step_time_s)
-        res = run(spec_from_durations(d, d.output_static_bytes))
+    else:  # one pipeline per class of replicas (uneven dp_shares in device order), the longest sets the step
+        runs = []
+        for f in _splices(model, cluster, plan, work, params):
+            d = _spliced(model, cluster, plan, f["work"], params, est.step_time_s, f)
+            runs.append((f, run(spec_from_durations(d, d.output_static_bytes))))
+        f, res = max(runs, key=lambda x: x[1].step_time_s)
         step = res.step_time_s
-    res.events = [dataclasses.replace(e, args={**e.args, "pool": pools[owner[e.rank]].name}) for e in res.events]
+        if len(runs) > 1:
+            notes.append("uneven dp_shares in device order: each class of replicas is simulated as a pipeline of its "
+                         "own (its micro-batches, its stages' GPUs); the longest, drawn here, sets the step ("
+                         + ", ".join(f"{g['micro']} micro-batches: {r.step_time_s:.3f} s" for g, r in runs) + ")")
+    pool_of = [f["keys"][o][0] for o in f["owner"]]
+    res.events = [dataclasses.replace(e, args={**e.args, "pool": pools[pool_of[e.rank]].name}) for e in res.events]
     out = []
     for i, pool in enumerate(pools):
-        ranks = [r for r, o in enumerate(owner) if o == i] or [r for r, t in enumerate(_touched(plan, pools)) if i in t]
+        ranks = ([r for r, o in enumerate(pool_of) if o == i]
+                 or [r for r, t in enumerate(_touched(plan, pools)) if i in t])
         busy = max(res.busy(r, "compute") for r in ranks)
         out.append(PoolSim(pool.name, pool.gpu.name, res, ranks, busy_s=busy,
                            idle_s=res.step_time_s - busy))
