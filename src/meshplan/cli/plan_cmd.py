@@ -1060,6 +1060,10 @@ def run(args: argparse.Namespace) -> int:
     result.notes += [n for n in getattr(args, "plan_notes", None) or () if n not in result.notes]
     if result.pooled:  # a cluster of several pools: the plans of every kind over them (search.pools)
         return _pooled_output(args, result, cost, tokens, price)
+    if args.out is not None and result.plans:  # written before the output: a reader that closes the pipe
+        _write_out(args.out, result, {"profile": getattr(args, "profile", None),  # (| head) must not lose it
+                                      "calibration": getattr(args, "calibration", None),
+                                      "token_efficiency": getattr(args, "token_efficiency", None)})
     if args.json:
         from meshplan.cli.format import json_doc, json_text
         from meshplan.search.explain import explain
@@ -1083,9 +1087,6 @@ def run(args: argparse.Namespace) -> int:
         raise Infeasible(f"no plan fits {model.name} on {c.num_gpus} x {c.gpu.name} with global batch "
                          f"{work.global_batch} x {work.seq_len}: " + "; ".join(result.nearest))
     if args.out is not None:
-        _write_out(args.out, result, {"profile": getattr(args, "profile", None),
-                                      "calibration": getattr(args, "calibration", None),
-                                      "token_efficiency": getattr(args, "token_efficiency", None)})
         _said(f"wrote {args.out}: the winner's plan file (estimate, simulate, report, export and train take it "
               f"by --plan {args.out})")
     _plot(args, result)
@@ -1131,6 +1132,8 @@ def _pooled_output(args: argparse.Namespace, result: Any, cost: Any, tokens: flo
                   "rejected": dict(result.rejected), "reject_examples": dict(result.reject_examples)}
     if price["source"] == "--price-per-gpu-hour":
         extra["price"] = price
+    if args.out is not None and result.best_pooled is not None:  # before the output (see run_plan)
+        _write_pooled_out(args.out, result, str(args.cluster))
     if args.json:
         from meshplan.cli.format import json_doc
         print(json_doc("plan", result.to_json() | extra | cost.to_json()))
@@ -1147,7 +1150,6 @@ def _pooled_output(args: argparse.Namespace, result: Any, cost: Any, tokens: flo
                             f"{work.global_batch} x {work.seq_len}",
                             hint="more GPUs, a smaller global batch or sequence, or a GPU with more memory")
     if args.out is not None:
-        _write_pooled_out(args.out, result, str(args.cluster))
         _said(f"wrote {args.out}: the winner's plan file (--plan {args.out})")
     _plot(args, result)
     return 0

@@ -48,6 +48,11 @@ def estimate(model: LayerGraph | ModelSpec, cluster: ClusterSpec | PooledCluster
     if len(cluster.pools) > 1:
         return estimate_pooled(model, cluster, plan, work, params)
     pool = cluster.pools[0]
+    other = [n for n in plan.pools or () if n != pool.name]
+    if other:  # a cluster of one GPU type has one pool, its own name
+        raise MeshplanError(f"plan: pools={':'.join(plan.pools or ())}: cluster {pool.name} has one GPU type, "
+                            f"{pool.gpu.name}: one pool, named {pool.name!r}, and no pool named {other[0]!r}",
+                            hint="drop pools= from the plan, or give a cluster file with [[pools]]")
     if plan.pools is not None or plan.dp_shares is not None:  # placement on the pool, uneven shares
         return shares_report(model, pool, plan, work, params)
     report = plan_report(model, pool, plan, work, params)

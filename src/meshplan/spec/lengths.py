@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+import re
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,9 @@ def parse_lengths(text: str, packing: str = "padded") -> LengthDist:
     if not t:
         raise MeshplanError("--seq-len is empty",
                             hint=f"give one length (--seq-len 4096) or a distribution ({EXAMPLE})")
+    if re.fullmatch(r"[+-]?\d+", t.replace("_", "")) and int(t.replace("_", "")) <= 0:
+        raise MeshplanError(f"--seq-len {t}: a sequence length must be a positive whole number",
+                            hint=f"e.g. --seq-len 4096, or a distribution ({EXAMPLE})")
     path = Path(t)
     if ":" not in t or path.suffix.lower() in (".csv", ".json", ".tsv", ".txt"):
         if path.is_file():
