@@ -2,6 +2,8 @@
 (`human_count`: the terminal and the HTML report print them the same way)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
@@ -53,3 +55,15 @@ def human_seconds(t: float) -> str:
     if abs(t) >= 1e-3:
         return f"{t * 1e3:.2f} ms"
     return f"{t * 1e6:.1f} us"
+
+
+def ranges_text(xs: Sequence[int]) -> str:
+    """Sorted whole numbers as runs people read: (0, 1, 2, 5, 7, 8) -> '0-2,5,7-8'."""
+    parts, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        parts.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(parts)

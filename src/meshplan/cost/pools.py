@@ -44,6 +44,7 @@ from meshplan.spec.model import ModelSpec
 from meshplan.spec.constraints import violations
 from meshplan.spec.plan import Plan, Workload, microbatches, share_split, share_unit, split_fault
 from meshplan.spec.support import runtime_violations
+from meshplan.units import ranges_text
 
 
 @dataclass
@@ -1055,7 +1056,7 @@ def _estimate_device_order(model: LayerGraph | ModelSpec, cluster: PooledCluster
                          "fits on its smallest GPU, and its collectives (and its stage's data-parallel sync) run on "
                          "the slowest link it crosses (inter_pool)")
     if crit_cls.replicas is not None:
-        cls_text = "; ".join(f"replicas {_ranges_text(c.replicas or ())}: {c.micro} micro-batches, "
+        cls_text = "; ".join(f"replicas {ranges_text(c.replicas or ())}: {c.micro} micro-batches, "
                              f"{float(r['step_time_s'][0]):.3f} s" for c, _, r, _ in dev.priced)
         est.notes.append("uneven dp_shares in device order: each class of replicas runs its own pipeline "
                          f"({cls_text}); the longest sets the step")
@@ -1066,17 +1067,6 @@ def _estimate_device_order(model: LayerGraph | ModelSpec, cluster: PooledCluster
 def _timed_on(pools: list[ClusterSpec], key: tuple[int, tuple[int, ...] | None]) -> str:
     i, span = key
     return pools[i].name if span is None else f"{pools[i].name} across {'+'.join(pools[m].name for m in span)}"
-
-
-def _ranges_text(xs: tuple[int, ...]) -> str:
-    parts, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        parts.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ",".join(parts)
 
 
 def device_splice(model: LayerGraph | ModelSpec, cluster: PooledCluster, plan: Plan, work: Workload,

@@ -29,6 +29,7 @@ from meshplan.errors import MeshplanError
 from meshplan.spec.axes import AX
 from meshplan.spec.lengths import LengthDist
 from meshplan.spec.plan import Plan, share_split, share_unit, split_fault
+from meshplan.units import ranges_text
 
 IGNORE = -100
 """Target id of padding: cross-entropy's default ignore_index (its loss and gradient are 0)."""
@@ -157,24 +158,13 @@ def pool_ranks(plan: Plan) -> list[tuple[str, str, list[int]]]:
     return out
 
 
-def _ranges(ranks: list[int]) -> str:
-    parts, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(parts)
-
-
 def pools_note(plan: Plan, device_type: str = "cpu") -> str | None:
     """What rank 0 says about pools: which ranks emulate which pool, and that the pools' GPU types
     are emulated only by the cost model and the simulator."""
     placed = pool_ranks(plan)
     if not placed:
         return None
-    where = "; ".join(f"{name}: rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)} ({what})"
+    where = "; ".join(f"{name}: rank{'s' if len(ranks) > 1 else ''} {ranges_text(ranks)} ({what})"
                       for name, what, ranks in placed)
     hw = "CPU ranks" if device_type == "cpu" else f"{device_type} devices"
     return (f"pools (placement only): {where}. All {hw} here run on the same hardware at the same speed: the pools' "
