@@ -33,9 +33,8 @@ SOURCES = {"MEG_SC21_T1": 10, "KOR22_T5": 8, "TT_2024_A100": 8, "TT_2412_H100": 
            # issue 27 item 5 (row_ids from 4000): the A100 golden values of the small Megatron-Core test cases,
            # and DeepSpeed issue #477's out-of-memory run
            "MCORE_FT_A100_SMALL": 30, "DS_ISSUE_477": 1, "MEGATRON_JZ_V100_16GB": 2,
-           # issue 28: Megatron-Bridge performance summaries, one source per NeMo release (row_ids from 3000)
-           "MBRIDGE_2509": 6, "MBRIDGE_2511": 8, "MBRIDGE_2602": 5, "MBRIDGE_260201": 4, "MBRIDGE_2604": 3,
-           "MBRIDGE_260401": 4, "MBRIDGE_2606": 2, "MBRIDGE_260601": 1, "MBRIDGE_2608": 1}
+           # issue 28: Megatron-Bridge performance summaries, all releases one source (row_ids from 3000)
+           "MBRIDGE_PERF": 34}
 #: Sources whose trained rows may carry no step time: measured memory only (Megatron-LM's functional-test
 #: goldens of small test models, whose iteration times are overhead) or the outcome only (DeepSpeed's tutorial).
 MEMORY_ONLY_SOURCES = {"MCORE_FT_H100", "MCORE_FT_H100_SMALL", "MCORE_FT_A100", "MCORE_FT_A100_SMALL", "DS_TUT_ZERO"}
