@@ -6,6 +6,7 @@ blind few-shot band at K. The coverage of each is judged out of sample: a source
 the other sources' errors."""
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -95,3 +96,26 @@ def test_a_band_always_holds_the_point_estimate_and_its_quantiles(xs: list[float
     assert b is not None and b[0] <= 0 <= b[1]
     inside = np.mean([(b[0] - 1e-9) <= x <= (b[1] + 1e-9) for x in xs])
     assert inside >= 0.9 - 2 / len(xs)  # 5th to 95th percentile (interpolated: one error each side may fall out)
+
+
+def test_the_builtin_calibration_carries_the_knowledge_bands_and_estimate_says_which_it_uses(tmp_path, capsys) -> None:
+    """Review 2026-12-08: the bands existed in code only; the built-in calibration had none, so a profile file
+    got the named codebases' band. Now it carries them (benchmarks/blind_bands.py --write) and the output says so."""
+    from meshplan.cli.main import main
+    from meshplan.cost.uncertainty import KNOWLEDGE, builtin_bands
+    b = builtin_bands()
+    assert set(b.knowledge) == set(KNOWLEDGE)
+    f = tmp_path / "mine.toml"
+    f.write_text('name = "mine"\nbase = "megatron"\n[settings]\ndp_overlap = true\n')
+    args = ["estimate", "--model", "gpt3-2.7b", "--cluster", "h100-sxm-80gb:16", "--global-batch", "64",
+            "--seq-len", "2048", "--plan", "tp=2,dp=8", "--json"]
+    assert main(args + ["--profile", str(f)]) == 0
+    mine = json.loads(capsys.readouterr().out)
+    assert main(args + ["--profile", "megatron"]) == 0
+    named = json.loads(capsys.readouterr().out)
+    assert mine["band_basis"] == "unknown" and named["band_basis"] == "profile"
+    lo, hi = b.knowledge["unknown"]
+    assert math.isclose(mine["step_time_s_low"], mine["step_time_s"] * math.exp(lo), rel_tol=1e-6)
+    assert math.isclose(mine["step_time_s_high"], mine["step_time_s"] * math.exp(hi), rel_tol=1e-6)
+    assert main(args[:-1] + ["--profile", str(f)]) == 0
+    assert "step band" in capsys.readouterr().out
