@@ -274,7 +274,8 @@ def model_state_arrays(params: Num, layer_params: Num, zero: Num, shard: Num, of
     stage: docs/profiles.md). ``level_shard`` (default ``shard``): the group whose size decides
     whether anything shards (the plan's), where ``shard`` divides a part held by fewer ranks (the
     experts over their own replicas)."""
-    zero = effective_zero(zero, shard if level_shard is None else level_shard, offload_params)
+    # a part held by one rank of its group (experts whose replicas are 1) shards nothing either: ZeRO-0's bytes
+    zero = effective_zero(zero, shard if level_shard is None else np.minimum(shard, level_shard), offload_params)
     z3 = zero == 3
     wb = 2.0 if precision is None else np.where(np.asarray(precision) == "fp32", 4.0, 2.0)  # unsharded weights
     w = np.where(z3, np.where(offload_params, 0, 4 * params / shard), wb * params)
