@@ -107,7 +107,7 @@ def few_shot(runs: Any, folds: Sequence[Any], shots: Sequence[int], blind: bool 
                             "runs": len(pooled[k]),
                             "mean_source_mape_pct": round(float(np.mean(big)), 2) if big else None,
                             "worst_source_mape_pct": round(float(np.max(big)), 2) if big else None}
-        judged = [x for src, v in hits[k].items() if cover[k][src] is not None for x in v]
+        judged = [x for v in hits[k].values() for x in v]  # (a source without a band has no hits)
         sized = {e["source_id"]: e["coverage"][f"k{k}"] for e in per
                  if e["coverage"][f"k{k}"] is not None and len(resid[k].get(e["source_id"], [])) >= 8}
         summary[f"k{k}"] |= {
@@ -122,7 +122,9 @@ def few_shot(runs: Any, folds: Sequence[Any], shots: Sequence[int], blind: bool 
 
 def _knowledge_key(k: int) -> str | None:
     """cost.uncertainty.KNOWLEDGE's key of a blind K (None for a K it stores no band for)."""
-    return {0: "unknown", 1: "k1", 3: "k3", 5: "k5"}.get(int(k))
+    from meshplan.cost.uncertainty import KNOWLEDGE
+    key = "unknown" if int(k) == 0 else f"k{int(k)}"
+    return key if key in KNOWLEDGE else None
 
 
 def band_of(residuals: Sequence[float]) -> tuple[float, float] | None:

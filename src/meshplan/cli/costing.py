@@ -81,6 +81,7 @@ class Costing:
 
     def lines(self) -> list[str]:
         out = []
+        band = self.knowledge_band()
         if self.profile.name != DEFAULT_PROFILE:
             out.append(f"profile      {self.profile.name}: {self.profile.label}")
             out += [f"             {line}" for line in self.profile.describe()]
@@ -88,9 +89,8 @@ class Costing:
             vals = self.calibration.describe()
             out.append(f"calibration  {self.calibration.source}: {len(vals)} fitted values replace the built-in ones")
             out += [f"             {v}" for v in vals]
-            if self.params.band_scale != 1.0 and self.knowledge_band() is None:
+            if self.params.band_scale != 1.0 and band is None:
                 out.append(f"             bands x {self.params.band_scale:.2f}: the step error it earned on its runs")
-        band = self.knowledge_band()
         if band is not None:
             from meshplan.cost.uncertainty import KNOWLEDGE_WORDS
             out.append(f"step band    {100 * (math.exp(band[0]) - 1):+.0f}% to {100 * (math.exp(band[1]) - 1):+.0f}%: "

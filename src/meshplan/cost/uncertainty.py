@@ -110,11 +110,12 @@ class Bands:
         return POOLED
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"step": {k: {"log_q05": round(a, 5), "log_q95": round(b, 5)} for k, (a, b) in self.step.items()},
+        def quantiles(d: dict[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
+            return {k: {"log_q05": round(a, 5), "log_q95": round(b, 5)} for k, (a, b) in d.items()}
+        out = {"step": quantiles(self.step),
                "memory": {k: {"mu": round(a, 5), "sigma": round(b, 5)} for k, (a, b) in self.memory.items()}}
         if self.knowledge:
-            out["knowledge"] = {k: {"log_q05": round(a, 5), "log_q95": round(b, 5)}
-                                for k, (a, b) in self.knowledge.items()}
+            out["knowledge"] = quantiles(self.knowledge)
         return out
 
 

@@ -362,7 +362,7 @@ def _replicas(graph: LayerGraph, cluster: PooledCluster, pools: list[Any], shape
                            shard_group=base.shard_group if base.shard_group < n[i] * shape.cp else 0)
         return estimate(graph, cluster, one, work.shaped(n[i] * m * mb, work.seq_len, work.lengths),
                         params).step_time_s
-    split = _split_by_speed(n, M, lambda i, m: pool_step(i, m))
+    split = _split_by_speed(n, M, pool_step)
     if split is None:
         return None
     g = math.gcd(*split)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
